@@ -1,0 +1,101 @@
+"""Attribution: who is making a request.
+
+The kernel gives each FUSE request the caller's thread id.  An *actor* is the process behind it,
+identified by (tgid, start time) so that a reused pid can never be mistaken for an earlier
+process.  Actors are read from /proc once and cached; the cache entry is trusted only while the
+process's start time still matches.
+
+Tool calls, turns and sessions (the units a later layer maps actors to) build on this; for now
+an actor is its own attribution unit.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+UNKNOWN = {"key": "0:0", "pid": 0, "start": 0, "ppid": 0, "uid": -1, "exe": None,
+           "argv": [], "cwd": None}
+
+
+def _read(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def proc_start_and_ppid(pid: int) -> tuple[int, int] | None:
+    """(start time in clock ticks since boot, ppid) from /proc/<pid>/stat."""
+    raw = _read(f"/proc/{pid}/stat")
+    if raw is None:
+        return None
+    # comm may hold spaces and parens: fields resume after the last ')'
+    rest = raw[raw.rfind(b")") + 2:].split()
+    return int(rest[19]), int(rest[1])
+
+
+def tgid_of(tid: int) -> int:
+    raw = _read(f"/proc/{tid}/status")
+    if raw:
+        for line in raw.splitlines():
+            if line.startswith(b"Tgid:"):
+                return int(line.split()[1])
+    return tid
+
+
+def read_actor(pid: int) -> dict:
+    """Everything we record once about a process; missing fields when it has already gone."""
+    st = proc_start_and_ppid(pid)
+    if st is None:
+        return dict(UNKNOWN, key=f"{pid}:0", pid=pid)
+    start, ppid = st
+    uid = -1
+    raw = _read(f"/proc/{pid}/status")
+    if raw:
+        for line in raw.splitlines():
+            if line.startswith(b"Uid:"):
+                uid = int(line.split()[1])
+                break
+    argv_raw = _read(f"/proc/{pid}/cmdline") or b""
+    argv = [a.decode("utf-8", "surrogateescape") for a in argv_raw.split(b"\0") if a]
+
+    def link(name):
+        try:
+            return os.readlink(f"/proc/{pid}/{name}")
+        except OSError:
+            return None
+
+    return {"key": f"{pid}:{start}", "pid": pid, "start": start, "ppid": ppid, "uid": uid,
+            "exe": link("exe"), "argv": argv, "cwd": link("cwd"), "first_seen": time.time_ns()}
+
+
+class Attribution:
+    """Caches tid -> actor; validated against the process start time on every use."""
+
+    def __init__(self, own_pid: int | None = None):
+        self._by_tid: dict[int, tuple[int, dict]] = {}
+        self.own_pid = own_pid or os.getpid()
+
+    def actor(self, tid: int) -> dict:
+        if tid <= 0:
+            return UNKNOWN
+        st = proc_start_and_ppid(tid)
+        if st is None:
+            # gone already: the best we know is a pid without a start time
+            cached = self._by_tid.get(tid)
+            return cached[1] if cached else dict(UNKNOWN, key=f"{tid}:0", pid=tid)
+        cached = self._by_tid.get(tid)
+        if cached and cached[0] == st[0]:
+            return cached[1]
+        pid = tgid_of(tid)
+        actor = read_actor(pid)
+        if len(self._by_tid) > 65536:
+            self._by_tid.clear()
+        self._by_tid[tid] = (st[0], actor)
+        return actor
+
+    @staticmethod
+    def unit_of(actor: dict) -> str:
+        """The attribution unit an epoch is keyed by.  Until tool calls exist: the actor."""
+        return "actor:" + actor["key"]

@@ -1,0 +1,151 @@
+"""The daemon: one mount's lifecycle.
+
+Opens the underlay root fd *before* mounting (afterwards the path is the mount), opens the
+journal, mounts with pyfuse3, serves until unmounted or signalled (SIGINT/SIGTERM unmount
+cleanly), then closes.  Run as ``python -m overlayrec.daemon``; ``overlayrec mount`` starts it in
+its own process (pyfuse3 serves one mount per process) and waits on a pipe for "ready" or the
+reason it failed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import resource
+import signal
+import sys
+import time
+
+import pyfuse3
+import trio
+
+from .attribution import Attribution
+from .fs import Operations
+from .journal import Journal, JournalError
+from .recorder import Recorder
+from . import state
+
+log = logging.getLogger("overlayrec")
+
+
+class MountError(Exception):
+    pass
+
+
+def _raise_fd_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _setup_logging(state_dir: str, foreground: bool) -> None:
+    handlers: list[logging.Handler] = [logging.FileHandler(os.path.join(state_dir, "daemon.log"))]
+    if foreground:
+        handlers.append(logging.StreamHandler(sys.stderr))
+    logging.basicConfig(level=logging.INFO, handlers=handlers,
+                        format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s")
+
+
+async def _serve() -> None:
+    async with trio.open_nursery() as nursery:
+        async def on_signal():
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as sigs:
+                async for signum in sigs:
+                    log.info("signal %d: unmounting", signum)
+                    pyfuse3.terminate()
+                    return
+        nursery.start_soon(on_signal)
+        await pyfuse3.main()
+        nursery.cancel_scope.cancel()
+
+
+def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool):
+    """Everything up to and including the mount; raises MountError with a one-line reason."""
+    if state.fuse_mount_at(ws) is not None or state.is_dead_mount(ws):
+        if state.is_dead_mount(ws):
+            raise MountError(f"{ws} holds a dead mount; clear it with: overlayrec umount {ws}")
+        raise MountError(f"{ws} is already mounted")
+    try:
+        journal = Journal(state_dir, durable=durable, workspace=ws)
+    except JournalError as e:
+        raise MountError(str(e)) from None
+    recorded = journal.meta("workspace")
+    if recorded and recorded != ws:
+        raise MountError(f"state dir {state_dir} records workspace {recorded}, not {ws}")
+    root_fd = os.open(ws, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    recorder = Recorder(journal, root_fd, Attribution())
+    ops = Operations(recorder, root_fd, fault_name=os.environ.get("OVERLAYREC_INJECT_FAULT"))
+    options = set(pyfuse3.default_options) | {f"fsname={state.FSNAME}", f"subtype={state.FSNAME}"}
+    if allow_other:
+        options.add("allow_other")
+    try:
+        pyfuse3.init(ops, ws, options)
+    except RuntimeError as e:
+        raise MountError(f"cannot mount {ws}: {e}") from None
+    return journal
+
+
+def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other: bool,
+        ready_fd: int | None) -> int:
+    os.umask(0)  # the kernel applied the caller's umask already
+    _raise_fd_limit()
+    os.makedirs(state_dir, mode=0o700, exist_ok=True)
+    _setup_logging(state_dir, foreground)
+
+    def tell(msg: str) -> None:
+        if ready_fd is not None:
+            os.write(ready_fd, msg.encode() + b"\n")
+            os.close(ready_fd)
+
+    try:
+        journal = prepare(ws, state_dir, durable, allow_other)
+    except MountError as e:
+        log.error("%s", e)
+        tell(f"error: {e}")
+        return 1
+    except Exception as e:  # an unexpected failure still gets a one-line reason
+        log.exception("mount failed")
+        tell(f"error: mount failed: {e}")
+        return 1
+    os.chdir("/")
+    info = {"pid": os.getpid(), "workspace": ws, "state_dir": state_dir,
+            "started": time.time_ns(), "durable": durable}
+    with open(os.path.join(state_dir, "daemon.json"), "w") as f:
+        json.dump(info, f)
+    state.write_registry(ws, state_dir)
+    log.info("mounted %s (state dir %s)", ws, state_dir)
+    tell("ready")
+    try:
+        trio.run(_serve)
+    except BaseException:
+        log.exception("serve loop failed")
+        raise
+    finally:
+        try:
+            pyfuse3.close(unmount=True)
+        finally:
+            journal.close()
+            try:
+                os.unlink(os.path.join(state_dir, "daemon.json"))
+            except OSError:
+                pass
+            log.info("unmounted %s", ws)
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="overlayrec-daemon")
+    p.add_argument("--workspace", required=True)
+    p.add_argument("--state-dir", required=True)
+    p.add_argument("--foreground", action="store_true")
+    p.add_argument("--durable", action="store_true")
+    p.add_argument("--allow-other", action="store_true")
+    p.add_argument("--ready-fd", type=int)
+    a = p.parse_args(argv)
+    return run(a.workspace, a.state_dir, foreground=a.foreground, durable=a.durable,
+               allow_other=a.allow_other, ready_fd=a.ready_fd)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""The canonical description of the journal's on-disk format.  Every key and value layout of the
+LMDB environment is defined here and nowhere else; ``FORMAT_VERSION`` is checked at open.
+
+State dir layout::
+
+    <state>/journal/        LMDB environment (data.mdb, lock.mdb)
+    <state>/content/aa/bb...  content store: blobs named by xxh3-128 hex, deduplicated
+    <state>/daemon.log      the daemon's log
+    <state>/daemon.json     the running daemon: pid, workspace, mountpoint, started
+
+Sub-databases of the LMDB environment:
+
+``meta``      ascii key -> utf-8 value.  ``format`` (FORMAT_VERSION as decimal), ``workspace``
+              (absolute path), ``created`` (ns since epoch), ``next_seq`` (decimal; the next
+              event sequence number).
+``events``    seq (8-byte big-endian) -> event JSON (compact, utf-8).  An event is::
+
+                {"seq": int, "t": ns, "op": str, "path": str, ["path2": str,]
+                 "actor": actor-key, ["unit": unit-key,] ["epoch": true,]
+                 ["pre": pre-image,] ["pre2": pre-image,] [op-specific fields]}
+
+              ``op`` is one of OPS.  ``epoch`` marks the first change of ``path`` by ``unit`` in a
+              run: its ``pre`` is the pre-image of that epoch.  ``pre2`` is the pre-image of
+              ``path2`` (a rename's target).  A later event may only add facets to an epoch's
+              pre-image (``pre`` with ``"facet"``).  ``failed`` events name a seq whose operation
+              the underlay refused after the event was written (the write-ahead order).
+``actors``    actor-key (``"<pid>:<start-ticks>"``) -> actor JSON
+              ``{"pid","start","ppid","uid","exe","argv","cwd","first_seen"}``.
+``paths``     path utf-8 + b"\\0" + seq (8-byte big-endian) -> b"" : every event by path, for
+              ``log --path`` and blame without a scan.
+``extents``   seq -> JSON ``{"writes": n, "bytes": n, "lo": off, "hi": end}``: what the writes after
+              an epoch's first write did, summarised at release (not write-ahead: no pre-image in it).
+
+Pre-image JSON (``pre``)::
+
+    {"kind": "absent"}
+    {"kind": "file", "mode", "uid", "gid", "mtime_ns", "size", "nlink",
+        ["blob": hex]             whole content, in the content store
+        ["ranges": [[off, len, hex], ...]]  only the ranges about to be overwritten or cut
+        ["attic": name]           the old inode itself, hard-linked in the attic
+        ["xattrs": {name: hex}]}
+    {"kind": "dir", "mode", "uid", "gid", "mtime_ns"}
+    {"kind": "symlink", "target", "uid", "gid", "mtime_ns"}
+    {"kind": "fifo" | "socket" | "device", "mode", "uid", "gid", "rdev"}
+    A ``"facet": "meta" | "content"`` key marks a partial pre-image that completes an earlier one.
+"""
+from __future__ import annotations
+
+import struct
+
+FORMAT_VERSION = 1
+
+DBS = ("meta", "events", "actors", "paths", "extents")
+
+OPS = (
+    "create", "mkdir", "mknod", "symlink", "link", "unlink", "rmdir", "rename",
+    "write", "truncate", "chmod", "chown", "utimens", "setxattr", "removexattr", "failed",
+    "unrecorded",
+)
+
+MAP_SIZE = 1 << 36  # 64 GiB of address space; the file grows only as used
+
+
+class JournalError(Exception):
+    """The journal cannot be opened or read: says why in one line."""
+
+
+def seq_key(seq: int) -> bytes:
+    return struct.pack(">Q", seq)
+
+
+def key_seq(key: bytes) -> int:
+    return struct.unpack(">Q", key)[0]
+
+
+def path_key(path: str, seq: int) -> bytes:
+    return path.encode("utf-8", "surrogateescape") + b"\0" + seq_key(seq)
+
+
+def path_key_split(key: bytes) -> tuple[str, int]:
+    return key[:-9].decode("utf-8", "surrogateescape"), key_seq(key[-8:])

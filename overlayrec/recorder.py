@@ -1,0 +1,469 @@
+"""The recorder: what a mutation means, and the write-ahead order that makes it undoable.
+
+Every mutating operation the filesystem layer receives is carried out here, in three steps:
+
+1. find the path's *epoch* (a run of changes to one path by one attribution unit) and, at the
+   epoch's first change of each kind, capture the *pre-image* the change is about to destroy;
+2. commit the event (with that pre-image) to the journal;
+3. only then change the underlay, and journal a ``failed`` note if the underlay refused.
+
+Pre-images cost what the change costs: an unlinked or renamed-over file moves to the *attic* by
+rename or hard link (no copy); content is copied into the content store only before it is
+overwritten or cut, whole for small files and range by range for large ones, so an append to a
+huge log copies nothing.
+
+The attic is a directory in the underlay's root (same filesystem, so hard links work) that the
+filesystem layer hides; its extra links are subtracted from ``st_nlink`` so link counts read as
+native.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import stat
+from contextlib import contextmanager
+
+from . import underlay
+from .attribution import Attribution
+from .journal import Journal
+
+log = logging.getLogger(__name__)
+
+ATTIC_NAME = ".overlayrec-attic"
+WHOLE_FILE_LIMIT = 4 << 20  # files up to this size are saved whole at an epoch's first change
+
+
+def _fd_flags(fd: int) -> int:
+    return fcntl.fcntl(fd, fcntl.F_GETFL)
+
+
+class RangeSet:
+    """Sorted, disjoint [lo, hi) intervals; small and simple, writes are mostly sequential."""
+    __slots__ = ("iv",)
+
+    def __init__(self):
+        self.iv: list[list[int]] = []
+
+    def missing(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        out, cur = [], lo
+        for a, b in self.iv:
+            if b <= cur:
+                continue
+            if a >= hi:
+                break
+            if a > cur:
+                out.append((cur, min(a, hi)))
+            cur = max(cur, b)
+            if cur >= hi:
+                break
+        if cur < hi:
+            out.append((cur, hi))
+        return out
+
+    def add(self, lo: int, hi: int) -> None:
+        iv = self.iv + [[lo, hi]]
+        iv.sort()
+        merged: list[list[int]] = []
+        for a, b in iv:
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        self.iv = merged
+
+
+class Epoch:
+    __slots__ = ("unit", "content_saved", "meta_saved", "size0", "ranges", "seq")
+
+    def __init__(self, unit: str, seq: int):
+        self.unit = unit
+        self.seq = seq
+        self.content_saved = False   # the whole pre-image content is in the journal (or not needed)
+        self.meta_saved = False
+        self.size0: int | None = None  # range mode: size at the epoch's start
+        self.ranges: RangeSet | None = None
+
+
+class Recorder:
+    def __init__(self, journal: Journal, root_fd: int, attribution: Attribution,
+                 whole_file_limit: int = WHOLE_FILE_LIMIT):
+        self.journal = journal
+        self.content = journal.content
+        self.root_fd = root_fd
+        self.attribution = attribution
+        self.whole_file_limit = whole_file_limit
+        self.root_path = underlay.fd_path(root_fd)
+        self.epochs: dict[str, Epoch] = {}
+        self.attic_fd = self._open_attic()
+        self.attic_links: dict[tuple[int, int], int] = {}
+        self._count_attic()
+
+    # -- attic ----------------------------------------------------------------------------------
+    def _open_attic(self) -> int:
+        try:
+            os.mkdir(ATTIC_NAME, 0o700, dir_fd=self.root_fd)
+        except FileExistsError:
+            pass
+        fd = underlay.open_path(self.root_fd, ATTIC_NAME)
+        if not stat.S_ISDIR(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OSError(errno.ENOTDIR, f"{ATTIC_NAME} in the workspace is not a directory")
+        return fd
+
+    def _count_attic(self) -> None:
+        dfd = underlay.open_dir(self.attic_fd)
+        try:
+            for name in os.listdir(dfd):
+                try:
+                    st = underlay.lstat_at(self.attic_fd, name)
+                except OSError:
+                    continue
+                if not stat.S_ISDIR(st.st_mode):
+                    k = (st.st_dev, st.st_ino)
+                    self.attic_links[k] = self.attic_links.get(k, 0) + 1
+        finally:
+            os.close(dfd)
+
+    def nlink(self, st: os.stat_result) -> int:
+        return st.st_nlink - self.attic_links.get((st.st_dev, st.st_ino), 0)
+
+    # -- paths ----------------------------------------------------------------------------------
+    def rel(self, fd: int) -> str:
+        """The workspace-relative path of an fd's object, as the kernel names it now."""
+        p = underlay.fd_path(fd)
+        if p.endswith(" (deleted)"):
+            p = p[:-10]
+        if p == self.root_path:
+            return ""
+        if p.startswith(self.root_path + "/"):
+            return p[len(self.root_path) + 1:]
+        return p  # outside the root (cannot happen through the mount): keep it visible
+
+    def child(self, parent_fd: int, name: str) -> str:
+        base = self.rel(parent_fd)
+        return f"{base}/{name}" if base else name
+
+    # -- pre-images -----------------------------------------------------------------------------
+    def _meta(self, st: os.stat_result) -> dict:
+        kind = underlay.kind_of(st.st_mode)
+        pre = {"kind": kind, "mode": stat.S_IMODE(st.st_mode), "uid": st.st_uid, "gid": st.st_gid,
+               "mtime_ns": st.st_mtime_ns}
+        if kind == "file":
+            pre["size"] = st.st_size
+            pre["nlink"] = self.nlink(st)
+        elif kind in ("fifo", "socket", "device"):
+            pre["rdev"] = st.st_rdev
+        return pre
+
+    def _pre_at(self, dirfd: int, name: str) -> tuple[dict, os.stat_result | None]:
+        try:
+            st = underlay.lstat_at(dirfd, name)
+        except FileNotFoundError:
+            return {"kind": "absent"}, None
+        pre = self._meta(st)
+        if pre["kind"] == "symlink":
+            pre["target"] = os.readlink(name, dir_fd=dirfd)
+        return pre, st
+
+    def _save_whole(self, fd: int, size: int) -> str:
+        return self.content.put_range(fd, 0, size)
+
+    def _epoch(self, path: str, unit: str) -> tuple[Epoch, bool]:
+        ep = self.epochs.get(path)
+        if ep is not None and ep.unit == unit:
+            return ep, False
+        ep = Epoch(unit, 0)
+        self.epochs[path] = ep
+        return ep, True
+
+    # -- the write-ahead step -------------------------------------------------------------------
+    @contextmanager
+    def _mutation(self, ev: dict, actor: dict):
+        ev["actor"] = actor["key"]
+        seq = self.journal.append(ev, actor)
+        try:
+            yield seq
+        except OSError as e:
+            self.journal.append({"op": "failed", "ref": seq, "path": ev.get("path"),
+                                 "errno": e.errno, "actor": actor["key"]})
+            raise
+
+    def _event(self, op: str, path: str, actor: dict, unit: str, **kw) -> tuple[dict, Epoch, bool]:
+        ep, new = self._epoch(path, unit)
+        ev = {"op": op, "path": path, "unit": unit}
+        if new:
+            ev["epoch"] = True
+        ev.update(kw)
+        return ev, ep, new
+
+    # -- creations ------------------------------------------------------------------------------
+    def _owner(self, parent_fd: int, uid: int, gid: int) -> tuple[int, int]:
+        """The owner a new object gets: the caller's, but the parent's group when it is setgid."""
+        if stat.S_ISGID & os.fstat(parent_fd).st_mode:
+            gid = -1
+        return uid, gid
+
+    def _fix_owner(self, parent_fd: int, name: str, uid: int, gid: int, mode: int | None) -> None:
+        if uid == os.geteuid() and gid == os.getegid():
+            return
+        uid, gid = self._owner(parent_fd, uid, gid)
+        os.chown(name, uid, gid, dir_fd=parent_fd, follow_symlinks=False)
+        if mode is not None and mode & (stat.S_ISUID | stat.S_ISGID):
+            os.chmod(name, mode | (stat.S_IMODE(underlay.lstat_at(parent_fd, name).st_mode)
+                                   & stat.S_ISGID), dir_fd=parent_fd)
+
+    def _creation(self, op: str, parent_fd: int, name: str, actor: dict, **kw):
+        path = self.child(parent_fd, name)
+        unit = self.attribution.unit_of(actor)
+        ev, ep, new = self._event(op, path, actor, unit, **kw)
+        if new:
+            pre, _ = self._pre_at(parent_fd, name)
+            ev["pre"] = pre
+            ep.content_saved = ep.meta_saved = True
+        return ev
+
+    def create(self, parent_fd: int, name: str, flags: int, mode: int, uid: int, gid: int,
+               actor: dict) -> int:
+        ev = self._creation("create", parent_fd, name, actor, mode=mode)
+        if ev.get("pre", {}).get("kind", "absent") != "absent" and flags & os.O_TRUNC:
+            # O_CREAT|O_TRUNC on an existing file destroys its content: save it first
+            ev["pre"] = self._content_pre(parent_fd, name, ev["path"], ev["pre"])
+        with self._mutation(ev, actor):
+            fd = os.open(name, flags | os.O_CREAT | os.O_CLOEXEC, mode, dir_fd=parent_fd)
+            try:
+                if ev.get("pre", {"kind": "absent"})["kind"] == "absent":
+                    self._fix_owner(parent_fd, name, uid, gid, mode)
+            except OSError:
+                os.close(fd)
+                raise
+        return fd
+
+    def _content_pre(self, parent_fd: int, name: str, path: str, pre: dict) -> dict:
+        if pre["kind"] != "file" or pre["size"] == 0:
+            return pre
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd)
+        try:
+            if pre["size"] <= self.whole_file_limit:
+                pre["blob"] = self._save_whole(fd, pre["size"])
+            else:
+                pre["ranges"] = [[0, pre["size"], self.content.put_range(fd, 0, pre["size"])]]
+        finally:
+            os.close(fd)
+        return pre
+
+    def mkdir(self, parent_fd: int, name: str, mode: int, uid: int, gid: int, actor: dict) -> None:
+        ev = self._creation("mkdir", parent_fd, name, actor, mode=mode)
+        with self._mutation(ev, actor):
+            os.mkdir(name, mode, dir_fd=parent_fd)
+            self._fix_owner(parent_fd, name, uid, gid, None)
+
+    def mknod(self, parent_fd: int, name: str, mode: int, rdev: int, uid: int, gid: int,
+              actor: dict) -> None:
+        ev = self._creation("mknod", parent_fd, name, actor, mode=mode, rdev=rdev)
+        with self._mutation(ev, actor):
+            os.mknod(name, mode, rdev, dir_fd=parent_fd)
+            self._fix_owner(parent_fd, name, uid, gid, None)
+
+    def symlink(self, parent_fd: int, name: str, target: str, uid: int, gid: int,
+                actor: dict) -> None:
+        ev = self._creation("symlink", parent_fd, name, actor, target=target)
+        with self._mutation(ev, actor):
+            os.symlink(target, name, dir_fd=parent_fd)
+            self._fix_owner(parent_fd, name, uid, gid, None)
+
+    def link(self, src_fd: int, parent_fd: int, name: str, actor: dict) -> None:
+        ev = self._creation("link", parent_fd, name, actor, source=self.rel(src_fd))
+        with self._mutation(ev, actor):
+            os.link(underlay.proc_path(src_fd), name, dst_dir_fd=parent_fd, follow_symlinks=True) \
+                if not stat.S_ISLNK(os.fstat(src_fd).st_mode) else \
+                underlay._check(underlay._libc.linkat(src_fd, b"", parent_fd, os.fsencode(name),
+                                                      underlay.AT_EMPTY_PATH), "linkat")
+
+    # -- removals -------------------------------------------------------------------------------
+    def unlink(self, parent_fd: int, name: str, actor: dict) -> None:
+        path = self.child(parent_fd, name)
+        unit = self.attribution.unit_of(actor)
+        ev, ep, new = self._event("unlink", path, actor, unit)
+        pre, st = self._pre_at(parent_fd, name)
+        if st is None:
+            raise FileNotFoundError(errno.ENOENT, "unlink", name)
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(errno.EISDIR, "unlink", name)
+        seq = self.journal.reserve_seq()
+        ev["seq"] = seq
+        pre["attic"] = str(seq)
+        ev["pre"] = pre
+        with self._mutation(ev, actor):
+            # one rename is both the pre-image and the change: the inode lives on in the attic
+            os.rename(name, str(seq), src_dir_fd=parent_fd, dst_dir_fd=self.attic_fd)
+        k = (st.st_dev, st.st_ino)
+        self.attic_links[k] = self.attic_links.get(k, 0) + 1
+        ep.content_saved = ep.meta_saved = True
+
+    def rmdir(self, parent_fd: int, name: str, actor: dict) -> None:
+        path = self.child(parent_fd, name)
+        unit = self.attribution.unit_of(actor)
+        ev, ep, new = self._event("rmdir", path, actor, unit)
+        pre, _ = self._pre_at(parent_fd, name)
+        ev["pre"] = pre
+        with self._mutation(ev, actor):
+            os.rmdir(name, dir_fd=parent_fd)
+        ep.content_saved = ep.meta_saved = True
+
+    def rename(self, pfd: int, name: str, npfd: int, nname: str, flags: int, actor: dict) -> None:
+        path, path2 = self.child(pfd, name), self.child(npfd, nname)
+        unit = self.attribution.unit_of(actor)
+        ev, ep, new = self._event("rename", path, actor, unit, path2=path2)
+        if flags:
+            ev["flags"] = flags
+        pre, st = self._pre_at(pfd, name)
+        if st is None:
+            raise FileNotFoundError(errno.ENOENT, "rename", name)
+        ev["pre"] = pre
+        pre2, st2 = self._pre_at(npfd, nname)
+        seq = self.journal.reserve_seq()
+        ev["seq"] = seq
+        attic_key = None
+        if st2 is not None and not flags & underlay.RENAME_EXCHANGE and not stat.S_ISDIR(st2.st_mode) \
+                and not (st.st_dev == st2.st_dev and st.st_ino == st2.st_ino):
+            # the renamed-over inode survives by a hard link in the attic, taken before the rename
+            pre2["attic"] = str(seq)
+            attic_key = (st2.st_dev, st2.st_ino)
+        ev["pre2"] = pre2
+        ep2, new2 = self._epoch(path2, unit)
+        if new2:
+            ev["epoch2"] = True
+        with self._mutation(ev, actor):
+            if attic_key:
+                os.link(nname, str(seq), src_dir_fd=npfd, dst_dir_fd=self.attic_fd,
+                        follow_symlinks=False)
+                self.attic_links[attic_key] = self.attic_links.get(attic_key, 0) + 1
+            underlay.renameat2(pfd, name, npfd, nname, flags)
+        for e in (ep, ep2):
+            e.content_saved = e.meta_saved = True
+        if stat.S_ISDIR(st.st_mode):
+            # paths below a renamed directory change: their epochs start afresh under new names
+            prefix = path + "/"
+            for p in [p for p in self.epochs if p.startswith(prefix)]:
+                del self.epochs[p]
+
+    # -- content --------------------------------------------------------------------------------
+    def _capture(self, path: str, fd: int, unit: str, lo: int, hi: int | None) -> dict | None:
+        """Save what [lo, hi) of the file at ``fd`` is about to lose (hi None: to its end).
+
+        Returns the event to commit ahead of the change, or None when nothing new needs saving.
+        """
+        ep, new = self._epoch(path, unit)
+        if ep.content_saved and not new:
+            return None
+        st = os.fstat(fd)
+        ev = {"path": path, "unit": unit}
+        pre = None
+        if new:
+            ev["epoch"] = True
+            pre = self._meta(st)
+            ep.meta_saved = True
+        if ep.size0 is None and not ep.content_saved:
+            ep.size0 = st.st_size
+            if st.st_size <= self.whole_file_limit:
+                (pre := pre or {"facet": "content"})["blob"] = self._save_whole(fd, st.st_size) \
+                    if st.st_size else None
+                if pre.get("blob") is None:
+                    pre.pop("blob")
+                ep.content_saved = True
+            else:
+                ep.ranges = RangeSet()
+        if not ep.content_saved:
+            end = ep.size0 if hi is None else min(hi, ep.size0)
+            saved = []
+            for a, b in (ep.ranges.missing(lo, end) if lo < end else []):
+                saved.append([a, b - a, self.content.put_range(fd, a, b - a)])
+                ep.ranges.add(a, b)
+            if saved:
+                (pre := pre or {"facet": "content"})["ranges"] = saved
+        if pre is None and not new:
+            return None
+        if pre is not None:
+            ev["pre"] = pre
+        return ev
+
+    def before_write(self, handle, off: int, length: int) -> None:
+        """Called before each write through a handle; commits ahead whatever must be saved."""
+        ev = self._capture(handle.path, handle.fd, handle.unit, off, off + length)
+        if ev is None:
+            if handle.write_seq is None or handle.epoch is not self.epochs.get(handle.path):
+                ev = {"path": handle.path, "unit": handle.unit}
+            else:
+                handle.note_write(off, length)
+                return
+        ev["op"] = "write"
+        ev["offset"], ev["length"] = off, length
+        ev["actor"] = handle.actor["key"]
+        handle.write_seq = self.journal.append(ev, handle.actor)
+        handle.epoch = self.epochs.get(handle.path)
+        handle.reset_extent(off, length)
+
+    def truncate(self, fd: int, size: int, actor: dict, *, handle=None,
+                 open_fd: int | None = None) -> None:
+        """Truncate the file behind the O_PATH ``fd``: by setattr (through ``handle`` when the
+        caller named one, whose opener it is attributed to) or by an O_TRUNC open (``open_fd``,
+        the opener's fd, already open without O_TRUNC so the content can be saved first)."""
+        if handle is not None:
+            path, unit, actor, rfd = handle.path, handle.unit, handle.actor, handle.fd
+        else:
+            path, unit, rfd = self.rel(fd), self.attribution.unit_of(actor), open_fd
+        tmp = None
+        if rfd is None or (os.O_ACCMODE & _fd_flags(rfd)) == os.O_WRONLY:
+            rfd = tmp = underlay.reopen(fd, os.O_RDONLY)
+        try:
+            ev = self._capture(path, rfd, unit, size, None) or {"path": path, "unit": unit}
+        finally:
+            if tmp is not None:
+                os.close(tmp)
+        ev["op"] = "truncate"
+        ev["size"] = size
+        with self._mutation(ev, actor):
+            underlay.truncate_fd(fd, size)
+
+    # -- metadata -------------------------------------------------------------------------------
+    def _meta_event(self, op: str, fd: int, actor: dict, **kw) -> dict:
+        path = self.rel(fd)
+        unit = self.attribution.unit_of(actor)
+        ev, ep, new = self._event(op, path, actor, unit, **kw)
+        if not ep.meta_saved:
+            st = os.fstat(fd)
+            pre = self._meta(st)
+            if pre["kind"] == "symlink":
+                pre["target"] = os.readlink("", dir_fd=fd)
+            xattrs = underlay.list_xattrs(fd, pre["kind"] == "symlink")
+            if xattrs:
+                pre["xattrs"] = {k: v.hex() for k, v in xattrs.items()}
+            if not new:
+                pre["facet"] = "meta"
+            ev["pre"] = pre
+            ep.meta_saved = True
+        return ev
+
+    def chmod(self, fd: int, mode: int, actor: dict) -> None:
+        with self._mutation(self._meta_event("chmod", fd, actor, mode=mode), actor):
+            underlay.chmod_fd(fd, mode)
+
+    def chown(self, fd: int, uid: int, gid: int, actor: dict) -> None:
+        with self._mutation(self._meta_event("chown", fd, actor, uid=uid, gid=gid), actor):
+            underlay.chown_fd(fd, uid, gid)
+
+    def utimens(self, fd: int, atime_ns, mtime_ns, is_symlink: bool, actor: dict) -> None:
+        with self._mutation(self._meta_event("utimens", fd, actor, atime_ns=atime_ns,
+                                             mtime_ns=mtime_ns), actor):
+            underlay.utimens_fd(fd, atime_ns, mtime_ns, is_symlink)
+
+    def setxattr(self, fd: int, name: str, value: bytes, actor: dict) -> None:
+        with self._mutation(self._meta_event("setxattr", fd, actor, name=name, size=len(value)),
+                            actor):
+            os.setxattr(underlay.proc_path(fd), name, value)
+
+    def removexattr(self, fd: int, name: str, actor: dict) -> None:
+        with self._mutation(self._meta_event("removexattr", fd, actor, name=name), actor):
+            os.removexattr(underlay.proc_path(fd), name)

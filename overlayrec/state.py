@@ -1,0 +1,128 @@
+"""Where things live: a workspace's state dir, the record of its running daemon, and what the
+kernel's mount table says about it.  Plain files and /proc only; no journal, no FUSE.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+FSNAME = "overlayrec"
+
+
+class StateError(Exception):
+    """A user-facing problem with a workspace or state dir; the message is one line."""
+
+
+def resolve_workspace(path: str, must_exist: bool = True) -> str:
+    ws = os.path.realpath(os.path.abspath(path))
+    if must_exist:
+        try:
+            st = os.stat(ws)
+        except OSError as e:
+            if e.errno == 107:  # ENOTCONN: a dead mount is still a workspace
+                return ws
+            raise StateError(f"workspace {path}: {e.strerror}") from None
+        import stat as _s
+        if not _s.S_ISDIR(st.st_mode):
+            raise StateError(f"workspace {path}: not a directory")
+    return ws
+
+
+def state_home() -> str:
+    return os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+
+
+def workspace_id(ws: str) -> str:
+    h = hashlib.sha256(ws.encode("utf-8", "surrogateescape")).hexdigest()[:12]
+    return f"{os.path.basename(ws) or 'root'}-{h}"
+
+
+def default_state_dir(ws: str) -> str:
+    return os.path.join(state_home(), "overlayrec", workspace_id(ws))
+
+
+def registry_path(ws: str) -> str:
+    """Points at a workspace's state dir, wherever --state-dir put it."""
+    return os.path.join(state_home(), "overlayrec", "mounts", workspace_id(ws) + ".json")
+
+
+def check_state_dir(ws: str, state_dir: str) -> str:
+    sd = os.path.realpath(os.path.abspath(state_dir))
+    if sd == ws or sd.startswith(ws.rstrip("/") + "/"):
+        raise StateError(f"state dir {state_dir} is inside the workspace; put it outside")
+    return sd
+
+
+def write_registry(ws: str, state_dir: str) -> None:
+    p = registry_path(ws)
+    os.makedirs(os.path.dirname(p), exist_ok=True)
+    tmp = p + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"workspace": ws, "state_dir": state_dir}, f)
+    os.replace(tmp, p)
+
+
+def find_state_dir(ws: str) -> str:
+    try:
+        with open(registry_path(ws)) as f:
+            return json.load(f)["state_dir"]
+    except (OSError, ValueError, KeyError):
+        return default_state_dir(ws)
+
+
+def daemon_info(state_dir: str) -> dict | None:
+    try:
+        with open(os.path.join(state_dir, "daemon.json")) as f:
+            info = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return info
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def _unescape(field: str) -> str:
+    # /proc/self/mountinfo escapes space, tab, newline and backslash as octal
+    out, i = [], 0
+    while i < len(field):
+        if field[i] == "\\" and i + 3 < len(field) and field[i + 1:i + 4].isdigit():
+            out.append(chr(int(field[i + 1:i + 4], 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
+def fuse_mount_at(path: str) -> dict | None:
+    """The FUSE mount whose mountpoint is exactly ``path`` (the topmost one), or None."""
+    found = None
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                lf, rf = left.split(), right.split()
+                if len(lf) < 5 or len(rf) < 2:
+                    continue
+                if _unescape(lf[4]) == path and rf[0].startswith("fuse"):
+                    found = {"fstype": rf[0], "source": _unescape(rf[1])}
+    except OSError:
+        return None
+    return found
+
+
+def is_dead_mount(path: str) -> bool:
+    try:
+        os.stat(path)
+        return False
+    except OSError as e:
+        return e.errno == 107  # ENOTCONN
