@@ -136,7 +136,7 @@ class Operations(pyfuse3.Operations):
         a.entry_timeout = TIMEOUT
         a.attr_timeout = TIMEOUT
         a.st_mode = st.st_mode
-        a.st_nlink = self.recorder.nlink(st)
+        a.st_nlink = self.recorder.nlink(st) - (inode is self.root)  # the hidden attic dir
         a.st_uid = st.st_uid
         a.st_gid = st.st_gid
         a.st_rdev = st.st_rdev
@@ -175,6 +175,16 @@ class Operations(pyfuse3.Operations):
             raise
         return self._remember(fd, st), st
 
+    def _parent_of(self, inode: Inode) -> Inode:
+        """The parent directory's inode, never by walking ".." onto the mountpoint (the
+        underlay root's dentry is where our own mount sits: stepping on it would call us)."""
+        path = self.recorder.rel(inode.fd)
+        if inode is self.root or "/" not in path:
+            self.root.nlookup += 1
+            return self.root
+        fd = underlay.open_beneath(self.root.fd, path.rsplit("/", 1)[0])
+        return self._remember(fd, os.fstat(fd))
+
     def _hidden(self, parent_ino: int, name: str) -> bool:
         return parent_ino == pyfuse3.ROOT_INODE and name == ATTIC_NAME
 
@@ -199,8 +209,7 @@ class Operations(pyfuse3.Operations):
             inode.nlookup += 1
             return self._attr(inode, st)
         if name == "..":
-            fd = underlay.open_path(parent.fd, "..")
-            inode = self._remember(fd, os.fstat(fd))
+            inode = self._parent_of(parent)
             return self._attr(inode, os.fstat(inode.fd))
         try:
             inode, st = self._lookup_name(parent, name)
@@ -426,8 +435,18 @@ class Operations(pyfuse3.Operations):
     async def readdir(self, fh, start_id, token):
         d = self.handles[fh]
         names = d.names
-        for idx in range(start_id, len(names)):
-            name = names[idx]
+        # ids 0 and 1 are "." and "..": listed as natively, with no lookup count (the kernel
+        # takes no reference on them from readdirplus)
+        # (".." carries the directory's own number: nothing reads d_ino of "..", and walking
+        # ".." on the underlay could step onto the mountpoint and into our own mount)
+        for idx in range(start_id, 2):
+            a = pyfuse3.EntryAttributes()
+            a.st_ino = d.inode.fuse_ino
+            a.st_mode = stat.S_IFDIR
+            if not pyfuse3.readdir_reply(token, b"." if idx == 0 else b"..", a, idx + 1):
+                return
+        for idx in range(max(start_id, 2), len(names) + 2):
+            name = names[idx - 2]
             try:
                 fd = underlay.open_path(d.inode.fd, name)
             except FileNotFoundError:

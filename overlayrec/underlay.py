@@ -88,6 +88,24 @@ def open_path(dirfd: int, name: str) -> int:
     return os.open(name, O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
 
 
+def open_beneath(dirfd: int, relpath: str) -> int:
+    """An O_PATH fd for a relative path, component by component, following no symlink."""
+    fd = os.dup(dirfd)
+    try:
+        for part in relpath.split("/"):
+            if part in ("", "."):
+                continue
+            if part == "..":
+                raise OSError(errno.EXDEV, "path escapes the workspace", relpath)
+            nfd = open_path(fd, part)
+            os.close(fd)
+            fd = nfd
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def reopen(fd: int, flags: int) -> int:
     """Open the object behind an O_PATH fd for I/O (the passthrough_hp idiom)."""
     return os.open(proc_path(fd), flags | os.O_CLOEXEC)

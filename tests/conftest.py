@@ -1,0 +1,146 @@
+"""Shared fixtures: a real FUSE mount of a temporary workspace, served by a daemon in its own
+process (pyfuse3 serves one mount per process; the test process never holds the underlay)."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from overlayrec.journal import Journal
+
+HAVE_FUSE = os.path.exists("/dev/fuse") and shutil.which("fusermount3") is not None
+needs_fuse = pytest.mark.skipif(not HAVE_FUSE, reason="needs /dev/fuse and fusermount3")
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+
+
+def overlayrec(*args, check=True, env=None, timeout=60, **kw):
+    r = subprocess.run([sys.executable, "-m", "overlayrec", *args], capture_output=True,
+                       text=True, env=env, timeout=timeout, **kw)
+    if check and r.returncode != 0:
+        raise AssertionError(f"overlayrec {' '.join(args)} failed ({r.returncode}):\n"
+                             f"{r.stdout}\n{r.stderr}")
+    return r
+
+
+def is_mounted(path: str) -> bool:
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == path for line in f)
+
+
+def force_unmount(path: str) -> None:
+    for _ in range(3):
+        if not is_mounted(path):
+            return
+        subprocess.run(["fusermount3", "-u", "-z", path], capture_output=True)
+        time.sleep(0.1)
+
+
+class Mount:
+    """A workspace with overlayrec mounted over it, and its state dir."""
+
+    def __init__(self, base: str, extra_args=(), env=None):
+        self.base = base
+        self.ws = os.path.join(base, "ws")
+        self.state = os.path.join(base, "state")
+        self.extra_args = list(extra_args)
+        self.env = env
+        os.makedirs(self.ws, exist_ok=True)
+
+    def mount(self):
+        overlayrec("mount", self.ws, "--state-dir", self.state, *self.extra_args, env=self.env)
+        assert is_mounted(self.ws)
+        return self
+
+    def umount(self):
+        if is_mounted(self.ws):
+            overlayrec("umount", self.ws, check=False)
+        force_unmount(self.ws)
+
+    def sh(self, script: str, check=True, user=None, **kw) -> subprocess.CompletedProcess:
+        """Run a shell script with its cwd in the mount (entered by path, after mounting)."""
+        cmd = ["bash", "-ec", script]
+        if user is not None:
+            cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups"] + cmd
+        r = subprocess.run(cmd, cwd=self.ws, capture_output=True, text=True, timeout=60, **kw)
+        if check and r.returncode != 0:
+            raise AssertionError(f"script failed ({r.returncode}): {script}\n{r.stdout}\n{r.stderr}")
+        return r
+
+    def py(self, code: str, **kw) -> subprocess.CompletedProcess:
+        r = subprocess.run([sys.executable, "-c", code], cwd=self.ws, capture_output=True,
+                           text=True, timeout=60, **kw)
+        if r.returncode != 0:
+            raise AssertionError(f"python failed: {code}\n{r.stdout}\n{r.stderr}")
+        return r
+
+    def journal(self) -> Journal:
+        return Journal(self.state, readonly=True)
+
+    def events(self, *, failed=False) -> list[dict]:
+        j = self.journal()
+        try:
+            evs = list(j.events())
+        finally:
+            j.close()
+        if failed:
+            return evs
+        bad = {e["ref"] for e in evs if e["op"] == "failed"}
+        return [e for e in evs if e["op"] != "failed" and e["seq"] not in bad]
+
+    def actor(self, key: str) -> dict:
+        j = self.journal()
+        try:
+            return j.actor(key)
+        finally:
+            j.close()
+
+    def blob(self, digest: str) -> bytes:
+        with open(os.path.join(self.state, "content", digest[:2], digest[2:]), "rb") as f:
+            return f.read()
+
+    def attic(self, name: str) -> str:
+        return os.path.join(self.ws, ".overlayrec-attic", name)  # valid once unmounted
+
+
+@pytest.fixture
+def tmpbase():
+    # world-traversable, so tests can also act as an unprivileged user
+    d = tempfile.mkdtemp(prefix="overlayrec-test-", dir="/var/tmp")
+    os.chmod(d, 0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def mounted(tmpbase):
+    if not HAVE_FUSE:
+        pytest.skip("needs /dev/fuse")
+    m = Mount(tmpbase)
+    m.mount()
+    try:
+        yield m
+    finally:
+        m.umount()
+
+
+@pytest.fixture
+def make_mount(tmpbase):
+    """Build a Mount with options and a seeded workspace before mounting."""
+    if not HAVE_FUSE:
+        pytest.skip("needs /dev/fuse")
+    made = []
+
+    def make(extra_args=(), env=None, sub="m"):
+        m = Mount(os.path.join(tmpbase, sub), extra_args, env)
+        made.append(m)
+        return m
+    try:
+        yield make
+    finally:
+        for m in made:
+            m.umount()

@@ -1,0 +1,303 @@
+"""Every mutating operation, made by a real process through a real mount, lands in the journal
+with the right path, the right actor, and a pre-image equal to what the path held before."""
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from conftest import needs_fuse
+
+pytestmark = needs_fuse
+
+
+def seeded(make_mount, files: dict[str, bytes], **kw):
+    m = make_mount(**kw)
+    for rel, data in files.items():
+        p = os.path.join(m.ws, rel)
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        with open(p, "wb") as f:
+            f.write(data)
+    return m.mount()
+
+
+def only(events, op, path=None):
+    got = [e for e in events if e["op"] == op and (path is None or e["path"] == path)]
+    assert got, f"no {op} event for {path} in {[(e['op'], e['path']) for e in events]}"
+    return got
+
+
+def pre_content(m, pre: dict) -> bytes:
+    if "blob" in pre:
+        return m.blob(pre["blob"])
+    if "ranges" in pre:
+        buf = bytearray(pre["size"]) if "size" in pre else bytearray()
+        for off, length, digest in pre["ranges"]:
+            buf[off:off + length] = m.blob(digest)
+        return bytes(buf)
+    assert pre.get("size", 0) == 0, pre
+    return b""
+
+
+def test_shell_append_records_pre_image_and_actor(make_mount):
+    m = seeded(make_mount, {"a.txt": b"hello\n"})
+    r = m.sh('echo world >> a.txt; echo $$')
+    pid = int(r.stdout.strip())
+    ev = only(m.events(), "write", "a.txt")[0]
+    assert ev["epoch"] is True
+    assert pre_content(m, ev["pre"]) == b"hello\n"
+    actor = m.actor(ev["actor"])
+    assert actor["pid"] == pid
+    assert os.path.basename(actor["argv"][0]) == "bash"
+    assert actor["cwd"] == m.ws and actor["uid"] == 0 and actor["ppid"] > 0
+    assert actor["start"] > 0 and actor["exe"].endswith("bash")
+
+
+def test_sed_in_place_is_create_write_rename_over(make_mount):
+    m = seeded(make_mount, {"src/mod.py": b"x = 1\ny = 2\n"})
+    m.sh("sed -i s/1/42/ src/mod.py")
+    assert open(os.path.join(m.ws, "src/mod.py"), "rb").read() == b"x = 42\ny = 2\n"
+    evs = m.events()
+    ren = only(evs, "rename")[-1]
+    assert ren["path2"] == "src/mod.py" and ren["path"].startswith("src/sed")
+    assert ren["pre2"]["kind"] == "file" and ren["pre2"]["size"] == 12
+    attic = ren["pre2"]["attic"]
+    assert all(os.path.basename(m.actor(e["actor"])["argv"][0]) == "sed"
+               for e in evs if e["path"].startswith("src/sed"))
+    m.umount()
+    assert open(m.attic(attic), "rb").read() == b"x = 1\ny = 2\n"
+
+
+def test_in_place_overwrite_and_truncate(make_mount):
+    m = seeded(make_mount, {"f": b"0123456789", "g": b"abcdefgh", "h": b"old content"})
+    m.py("f = open('f', 'r+b'); f.seek(2); f.write(b'XY'); f.close()")
+    m.sh("truncate -s 3 g; : > h")
+    evs = m.events()
+    w = only(evs, "write", "f")[0]
+    assert pre_content(m, w["pre"]) == b"0123456789" and w["offset"] == 2 and w["length"] == 2
+    t = only(evs, "truncate", "g")[0]
+    assert t["size"] == 3 and pre_content(m, t["pre"]) == b"abcdefgh"
+    t = only(evs, "truncate", "h")[0]
+    assert t["size"] == 0 and pre_content(m, t["pre"]) == b"old content"
+    assert open(os.path.join(m.ws, "f"), "rb").read() == b"01XY456789"
+    assert open(os.path.join(m.ws, "g"), "rb").read() == b"abc"
+    assert os.path.getsize(os.path.join(m.ws, "h")) == 0
+
+
+def test_one_pre_image_per_epoch_then_again_for_another_actor(make_mount):
+    m = seeded(make_mount, {"f": b"v0"})
+    m.sh("echo v1 > f; echo v2 > f")       # one process: one epoch
+    m.sh("echo v3 > f")                    # another process: a new epoch
+    evs = [e for e in m.events() if e["path"] == "f"]
+    epochs = [e for e in evs if e.get("epoch")]
+    assert len(epochs) == 2
+    assert pre_content(m, epochs[0]["pre"]) == b"v0"
+    assert pre_content(m, epochs[1]["pre"]) == b"v2\n"
+
+
+def test_create_unlink_and_attic(make_mount):
+    m = seeded(make_mount, {"gone.txt": b"precious"})
+    m.sh("echo new > fresh.txt; rm gone.txt")
+    evs = m.events()
+    c = only(evs, "create", "fresh.txt")[0]
+    assert c["pre"] == {"kind": "absent"}
+    u = only(evs, "unlink", "gone.txt")[0]
+    assert u["pre"]["kind"] == "file" and u["pre"]["size"] == 8
+    assert not os.path.exists(os.path.join(m.ws, "gone.txt"))
+    assert ".overlayrec-attic" not in os.listdir(m.ws)
+    assert not os.path.exists(os.path.join(m.ws, ".overlayrec-attic"))
+    m.umount()
+    assert open(m.attic(u["pre"]["attic"]), "rb").read() == b"precious"
+
+
+def test_dirs_symlinks_fifos_links(make_mount):
+    m = seeded(make_mount, {"d/keep": b"k", "t": b"target"})
+    m.sh("mkdir -p e/f; rmdir e/f; ln -s t sl; readlink sl; mkfifo pipe; ln t hard; "
+         "rm sl; mv d dd; rm pipe")
+    evs = m.events()
+    assert only(evs, "mkdir", "e")[0]["pre"] == {"kind": "absent"}
+    rd = only(evs, "rmdir", "e/f")[0]
+    assert rd["pre"]["kind"] == "dir" and rd["pre"]["mode"] == 0o755
+    assert only(evs, "symlink", "sl")[0]["target"] == "t"
+    un = only(evs, "unlink", "sl")[0]
+    assert un["pre"]["kind"] == "symlink" and un["pre"]["target"] == "t"
+    mk = only(evs, "mknod", "pipe")[0]
+    assert stat.S_ISFIFO(mk["mode"])
+    assert only(evs, "unlink", "pipe")[0]["pre"]["kind"] == "fifo"
+    assert only(evs, "link", "hard")[0]["source"] == "t"
+    mv = only(evs, "rename", "d")[0]
+    assert mv["path2"] == "dd" and mv["pre"]["kind"] == "dir" and mv["pre2"] == {"kind": "absent"}
+    # hard links share content and count as natively (the attic's links do not show)
+    m.sh("echo more >> hard")
+    assert open(os.path.join(m.ws, "t"), "rb").read() == b"targetmore\n"
+    assert os.stat(os.path.join(m.ws, "t")).st_nlink == 2
+    assert os.stat(os.path.join(m.ws, "t")).st_ino == os.stat(os.path.join(m.ws, "hard")).st_ino
+    m.sh("rm hard")
+    assert os.stat(os.path.join(m.ws, "t")).st_nlink == 1
+
+
+def test_metadata_changes_record_old_values(make_mount):
+    m = seeded(make_mount, {"f": b"x"})
+    old = os.stat(os.path.join(m.ws, "f"))
+    m.sh("chmod 600 f; chown 65534:65534 f; touch -d '2001-02-03 04:05:06' f")
+    m.py("import os; os.setxattr('f', 'user.k', b'v1'); os.setxattr('f', 'user.k', b'v2');"
+         "os.removexattr('f', 'user.k')")
+    evs = m.events()
+    ch = only(evs, "chmod", "f")[0]
+    assert ch["mode"] == 0o600 and ch["pre"]["mode"] == stat.S_IMODE(old.st_mode)
+    assert ch["pre"]["mtime_ns"] == old.st_mtime_ns
+    co = only(evs, "chown", "f")[0]
+    assert (co["uid"], co["gid"]) == (65534, 65534)
+    ut = only(evs, "utimens", "f")[0]
+    assert ut["mtime_ns"] == 981173106 * 10**9 or ut["mtime_ns"] is not None
+    assert [e["op"] for e in evs if e["path"] == "f"] == \
+        ["chmod", "chown", "utimens", "setxattr", "setxattr", "removexattr"]
+    st = os.stat(os.path.join(m.ws, "f"))
+    assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == 65534
+    assert st.st_mtime_ns == ut["mtime_ns"]
+
+
+def test_utime_omit_and_now(make_mount):
+    m = seeded(make_mount, {"f": b"x"})
+    p = os.path.join(m.ws, "f")
+    os.utime(p, ns=(10**9, 2 * 10**9))
+    before = os.stat(p)
+    m.py("import os; os.utime('f', ns=(5 * 10**9, 6 * 10**9))")
+    # UTIME_OMIT on atime, UTIME_NOW on mtime, through utimensat(2)
+    m.py("import ctypes, os\n"
+         "class T(ctypes.Structure): _fields_=[('s', ctypes.c_long), ('n', ctypes.c_long)]\n"
+         "ts = (T*2)(); ts[0].s, ts[0].n = 0, (1<<30)-2; ts[1].s, ts[1].n = 0, (1<<30)-1\n"
+         "libc = ctypes.CDLL(None, use_errno=True)\n"
+         "assert libc.utimensat(-100, b'f', ts, 0) == 0, os.strerror(ctypes.get_errno())")
+    st = os.stat(p)
+    assert before.st_mtime_ns == 2 * 10**9
+    assert st.st_atime_ns == 5 * 10**9            # omitted: kept
+    assert st.st_mtime_ns > 6 * 10**9             # now
+
+
+def test_renameat2_noreplace_and_exchange(make_mount):
+    m = seeded(make_mount, {"a": b"AAA", "b": b"BBB"})
+    r = m.py(
+        "import ctypes, os\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "def rn(a, b, fl):\n"
+        "    r = libc.renameat2(-100, a, -100, b, fl)\n"
+        "    return 0 if r == 0 else ctypes.get_errno()\n"
+        "print(rn(b'a', b'b', 1), rn(b'a', b'b', 2), rn(b'a', b'c', 1))")
+    import errno
+    assert r.stdout.split() == [str(errno.EEXIST), "0", "0"]
+    assert open(os.path.join(m.ws, "b"), "rb").read() == b"AAA"
+    assert open(os.path.join(m.ws, "c"), "rb").read() == b"BBB"
+    evs = only(m.events(), "rename")
+    assert [(e["path"], e["path2"], e.get("flags")) for e in evs] == [("a", "b", 2), ("a", "c", 1)]
+
+
+def test_git_works_through_the_mount(make_mount):
+    m = seeded(make_mount, {"README": b"hi\n"})
+    m.sh("git init -q . && git add -A && git -c user.email=a@b -c user.name=n commit -qm one && "
+         "echo more >> README && git -c user.email=a@b -c user.name=n commit -qam two && "
+         "git status --porcelain && git log --oneline | wc -l > /dev/null && git fsck --strict 2>&1")
+    assert m.sh("git log --format=%s").stdout.split() == ["two", "one"]
+    evs = m.events()
+    gits = [e for e in evs if e["path"].startswith(".git/")]
+    assert gits and all(os.path.basename(m.actor(e["actor"])["argv"][0]) == "git" for e in gits)
+    w = only(evs, "write", "README")[0]
+    assert pre_content(m, w["pre"]) == b"hi\n"
+
+
+def test_large_file_saves_only_the_ranges_it_loses(make_mount):
+    big = bytes(range(256)) * (6 << 12)  # 6 MiB, over the whole-file limit
+    m = seeded(make_mount, {"big": big})
+    m.py("f = open('big', 'r+b'); f.seek(1 << 20); f.write(b'Z' * 4096); f.close()")
+    m.py("f = open('big', 'ab'); f.write(b'tail' * 1000); f.close()")
+    m.sh("truncate -s 5000000 big")
+    evs = [e for e in m.events() if e["path"] == "big"]
+    # three processes, three epochs: the overwrite saved its 4 KiB, the append saved nothing,
+    # the cut saved what it cut (the appended tail included)
+    by_epoch = [[r for r in e["pre"].get("ranges", [])] for e in evs if "pre" in e]
+    assert [sum(r[1] for r in rs) for rs in by_epoch] == [4096, 0, len(big) + 4000 - 5000000]
+    before_cut = big[:1 << 20] + b"Z" * 4096 + big[(1 << 20) + 4096:] + b"tail" * 1000
+    for (off, length, digest), content in zip(by_epoch[0] + by_epoch[2],
+                                              [big] * len(by_epoch[0]) + [before_cut] * 9):
+        assert m.blob(digest) == content[off:off + length]
+    assert not any("blob" in e.get("pre", {}) for e in evs)
+
+
+def test_sparse_and_past_4gib(make_mount):
+    m = seeded(make_mount, {})
+    m.py("f = open('sparse', 'wb'); f.seek(5 << 30); f.write(b'end'); f.close()\n"
+         "f = open('sparse', 'rb'); f.seek(5 << 30); assert f.read() == b'end'\n"
+         "f.seek(1 << 30); assert f.read(4) == bytes(4)")
+    st = os.stat(os.path.join(m.ws, "sparse"))
+    assert st.st_size == (5 << 30) + 3 and st.st_blocks * 512 < (1 << 20)
+    assert only(m.events(), "write", "sparse")[0]["offset"] == 5 << 30
+
+
+def test_unlinked_while_open_keeps_working(make_mount):
+    m = seeded(make_mount, {"f": b"start"})
+    m.py("import os\nf = open('f', 'r+b')\nos.unlink('f')\nf.seek(0, 2); f.write(b'+more'); f.flush()\n"
+         "f.seek(0); assert f.read() == b'start+more'\nassert not os.path.exists('f')\nf.close()")
+    evs = m.events()
+    assert only(evs, "unlink", "f")
+
+
+def test_shared_mmap_writes_reach_the_file(make_mount):
+    m = seeded(make_mount, {"f": b"a" * 8192})
+    m.py("import mmap\nf = open('f', 'r+b')\nmm = mmap.mmap(f.fileno(), 0)\nmm[100:105] = b'HELLO'\n"
+         "mm.flush(); mm.close(); f.close()")
+    data = open(os.path.join(m.ws, "f"), "rb").read()
+    assert data[100:105] == b"HELLO"
+    w = only(m.events(), "write", "f")[0]
+    assert pre_content(m, w["pre"]) == b"a" * 8192
+    m.umount()
+    assert open(os.path.join(m.ws, "f"), "rb").read()[100:105] == b"HELLO"
+
+
+def test_listing_and_stat_match_the_underlay(make_mount):
+    m = seeded(make_mount, {"a/b/c": b"1", "a/d": b"22", "e": b"333"})
+    seen = m.py("import os, json\nout = {}\n"
+                "for root, dirs, files in os.walk('.'):\n"
+                "    for n in dirs + files:\n"
+                "        p = os.path.join(root, n); s = os.lstat(p)\n"
+                "        out[p] = [s.st_mode, s.st_size, s.st_nlink, s.st_ino, s.st_mtime_ns]\n"
+                "print(json.dumps(out, sort_keys=True))").stdout
+    m.umount()
+    import json
+    native = {}
+    for root, dirs, files in os.walk(m.ws):
+        for n in dirs + files:
+            if n == ".overlayrec-attic":
+                continue
+            p = os.path.join(root, n)
+            s = os.lstat(p)
+            native["." + p[len(m.ws):]] = [s.st_mode, s.st_size, s.st_nlink, s.st_ino, s.st_mtime_ns]
+    dirs_kept = {k: v for k, v in native.items() if not k.startswith("./.overlayrec-attic")}
+    assert json.loads(seen) == dirs_kept
+
+
+def test_statfs_and_fsync(make_mount):
+    m = seeded(make_mount, {"f": b"x"})
+    r = m.py("import os\nfd = os.open('f', os.O_RDWR); os.write(fd, b'y'); os.fsync(fd);"
+             " os.fdatasync(fd); os.close(fd)\n"
+             "d = os.open('.', os.O_RDONLY); os.fsync(d); os.close(d)\n"
+             "s = os.statvfs('.'); print(s.f_bsize, s.f_blocks, s.f_namemax)")
+    native = os.statvfs(m.base)
+    bsize, blocks, namemax = map(int, r.stdout.split())
+    assert (bsize, blocks, namemax) == (native.f_bsize, native.f_blocks, native.f_namemax)
+
+
+def test_log_command_shows_events(make_mount):
+    m = seeded(make_mount, {"a.txt": b"a"})
+    m.sh("echo b >> a.txt; mkdir sub; touch sub/x; mv a.txt sub/a.txt")
+    from conftest import overlayrec
+    out = overlayrec("log", m.ws).stdout.splitlines()
+    assert [l.split()[5] for l in out] == ["write", "mkdir", "create", "utimens", "rename"]
+    assert out[-1].split()[-3:] == ["a.txt", "->", "sub/a.txt"]
+    assert out[0].split()[4] == "bash"
+    out = overlayrec("log", m.ws, "--path", "sub/*", "--limit", "2").stdout.splitlines()
+    assert [l.split()[5] for l in out] == ["utimens", "rename"]
+    import json
+    rows = [json.loads(l) for l in overlayrec("log", m.ws, "--json").stdout.splitlines()]
+    assert rows[0]["op"] == "write" and rows[0]["actor"]["argv"][0] == "bash"
+    assert [r["seq"] for r in rows] == sorted(r["seq"] for r in rows)
