@@ -3,11 +3,15 @@ kernel's mount table says about it.  Plain files and /proc only; no journal, no 
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 
 FSNAME = "overlayrec"
+# what a FUSE mount whose daemon died answers: "Transport endpoint is not connected", or
+# "Software caused connection abort" when the connection was aborted under a request
+DEAD_ERRNOS = (errno.ENOTCONN, errno.ECONNABORTED)
 
 
 class StateError(Exception):
@@ -20,7 +24,7 @@ def resolve_workspace(path: str, must_exist: bool = True) -> str:
         try:
             st = os.stat(ws)
         except OSError as e:
-            if e.errno == 107:  # ENOTCONN: a dead mount is still a workspace
+            if e.errno in DEAD_ERRNOS:  # a dead mount is still a workspace
                 return ws
             raise StateError(f"workspace {path}: {e.strerror}") from None
         import stat as _s
@@ -81,13 +85,13 @@ def daemon_info(state_dir: str) -> dict | None:
 
 
 def pid_alive(pid: int) -> bool:
+    """True while the process runs (a zombie waiting to be reaped does not count)."""
     try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
         return False
-    except PermissionError:
-        return True
+    return raw[raw.rfind(b")") + 2:][:1] not in (b"Z", b"X")
 
 
 def _unescape(field: str) -> str:
@@ -121,8 +125,9 @@ def fuse_mount_at(path: str) -> dict | None:
 
 
 def is_dead_mount(path: str) -> bool:
+    # statfs always reaches the daemon; stat may be answered from the kernel's attribute cache
     try:
-        os.stat(path)
+        os.statvfs(path)
         return False
     except OSError as e:
-        return e.errno == 107  # ENOTCONN
+        return e.errno in DEAD_ERRNOS
