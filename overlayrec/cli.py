@@ -51,12 +51,13 @@ def main():
 
 
 def _state_dir_for(ws: str, state_dir: str | None) -> str:
-    return state.check_state_dir(ws, state_dir) if state_dir else state.find_state_dir(ws)
+    """The state dir a reading command looks at: the one named, or the workspace's."""
+    return os.path.realpath(state_dir) if state_dir else state.find_state_dir(ws)
 
 
 @main.command()
-@click.argument("workspace", type=click.Path(file_okay=False))
-@click.option("--state-dir", type=click.Path(file_okay=False),
+@click.argument("workspace", type=click.Path())
+@click.option("--state-dir", type=click.Path(),
               help="Where the journal lives (default: $XDG_STATE_HOME/overlayrec/<id>).")
 @click.option("--foreground", is_flag=True, help="Serve in this process until unmounted.")
 @click.option("--allow-other", is_flag=True,
@@ -130,7 +131,7 @@ def _unmount_now(ws: str) -> None:
 
 
 @main.command()
-@click.argument("workspace", type=click.Path(file_okay=False))
+@click.argument("workspace", type=click.Path())
 @click.option("--timeout", default=20.0, show_default=True,
               help="Seconds to wait for the daemon to finish before detaching the mount.")
 @_guard
@@ -159,7 +160,7 @@ def umount(workspace, timeout):
 
 
 @main.command()
-@click.argument("workspace", type=click.Path(file_okay=False), default=".")
+@click.argument("workspace", type=click.Path(), default=".")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object.")
 @_guard
 def status(workspace, as_json):
@@ -209,11 +210,11 @@ def _fmt_time(ns: int) -> str:
 
 
 @main.command(name="log")
-@click.argument("workspace", type=click.Path(file_okay=False), default=".")
+@click.argument("workspace", type=click.Path(), default=".")
 @click.option("--path", "glob", help="Only events on paths matching this glob (either side of a rename).")
 @click.option("--limit", type=click.IntRange(min=1), help="Only the last N events.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
-@click.option("--state-dir", type=click.Path(file_okay=False), help="Read this state dir.")
+@click.option("--state-dir", type=click.Path(), help="Read this state dir.")
 @_guard
 def log_cmd(workspace, glob, limit, as_json, state_dir):
     """The recorded events, newest last: time, actor (pid and command), operation and path."""

@@ -1,0 +1,121 @@
+"""Bad input gets a clear one-line error and a non-zero exit, never a traceback, and loses
+nothing: a missing workspace, a state dir inside the workspace, a corrupt or foreign journal,
+a workspace that is not mounted."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from conftest import needs_fuse, overlayrec, is_mounted
+from overlayrec.journal import Journal, JournalError, schema
+
+
+def one_line_error(r, *needles):
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("overlayrec: error: ")
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def test_help_explains_every_command():
+    out = overlayrec("--help").stdout
+    for cmd in ("mount", "umount", "status", "log"):
+        assert cmd in out
+        sub = overlayrec(cmd, "--help").stdout
+        assert "Usage:" in sub and len(sub.splitlines()) > 4
+
+
+def test_missing_workspace(tmp_path):
+    one_line_error(overlayrec("mount", str(tmp_path / "nope"), check=False), "No such file")
+
+
+def test_workspace_is_a_file(tmp_path):
+    (tmp_path / "f").write_text("x")
+    one_line_error(overlayrec("mount", str(tmp_path / "f"), check=False), "not a directory")
+
+
+def test_state_dir_inside_workspace_is_refused(tmp_path):
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    one_line_error(overlayrec("mount", str(ws), "--state-dir", str(ws / "st"), check=False),
+                   "inside the workspace")
+    assert not is_mounted(str(ws))
+
+
+def test_umount_of_unmounted_workspace(tmp_path):
+    one_line_error(overlayrec("umount", str(tmp_path), check=False), "not mounted")
+
+
+def test_log_without_a_journal(tmp_path):
+    one_line_error(overlayrec("log", str(tmp_path), "--state-dir", str(tmp_path / "st"),
+                              check=False), "no journal")
+
+
+def test_status_of_a_plain_directory(tmp_path):
+    st = json.loads(overlayrec("status", str(tmp_path), "--json").stdout)
+    assert st["mounted"] is False and st["events"] is None and st["daemon_pid"] is None
+
+
+def test_corrupt_journal_is_reported_not_raised(tmp_path):
+    sd = tmp_path / "st"
+    (sd / "journal").mkdir(parents=True)
+    (sd / "journal" / "data.mdb").write_bytes(b"\xde\xad\xbe\xef" * 4096)
+    before = (sd / "journal" / "data.mdb").read_bytes()
+    one_line_error(overlayrec("log", str(tmp_path), "--state-dir", str(sd), check=False),
+                   "journal")
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    r = overlayrec("mount", str(ws), "--state-dir", str(sd), check=False)
+    one_line_error(r, "journal")
+    assert not is_mounted(str(ws))
+    assert (sd / "journal" / "data.mdb").read_bytes() == before  # nothing overwritten
+
+
+def test_format_version_is_checked(tmp_path):
+    j = Journal(str(tmp_path))
+    with j.env.begin(write=True, db=j.dbs["meta"]) as txn:
+        txn.put(b"format", str(schema.FORMAT_VERSION + 1).encode())
+    j.close()
+    with pytest.raises(JournalError, match="format 2; this overlayrec reads format 1"):
+        Journal(str(tmp_path), readonly=True)
+    one_line_error(overlayrec("log", str(tmp_path), "--state-dir", str(tmp_path), check=False),
+                   "has format")
+
+
+@needs_fuse
+def test_double_mount_and_foreign_state_dir(make_mount, tmp_path):
+    m = make_mount().mount()
+    one_line_error(overlayrec("mount", m.ws, check=False), "already mounted")
+    other = tmp_path / "other"
+    other.mkdir()
+    one_line_error(overlayrec("mount", str(other), "--state-dir", m.state, check=False),
+                   "records workspace")
+    assert not is_mounted(str(other))
+    st = json.loads(overlayrec("status", m.ws, "--json").stdout)
+    assert st["mounted"] and st["daemon_pid"] and st["state_dir"] == m.state
+    assert st["events"] == 0
+    m.sh("touch a b c")
+    assert json.loads(overlayrec("status", m.ws, "--json").stdout)["events"] == 6
+    text = overlayrec("status", m.ws).stdout
+    assert "mounted by daemon pid" in text and m.state in text
+
+
+@needs_fuse
+def test_sigterm_and_sigint_unmount_cleanly(make_mount):
+    import signal
+    import time
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        m = make_mount(sub=f"s{sig}").mount()
+        pid = json.load(open(os.path.join(m.state, "daemon.json")))["pid"]
+        os.kill(pid, sig)
+        deadline = time.monotonic() + 10
+        while is_mounted(m.ws) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not is_mounted(m.ws)
+        assert not os.path.exists(os.path.join(m.state, "daemon.json"))
+        assert "unmounted" in open(os.path.join(m.state, "daemon.log")).read()

@@ -1,0 +1,59 @@
+"""Unit tests of the layers below the mount, called directly."""
+from __future__ import annotations
+
+import os
+
+from overlayrec.attribution import Attribution, proc_start_and_ppid
+from overlayrec.journal import ContentStore, Journal
+from overlayrec.recorder import RangeSet
+
+
+def test_rangeset_missing_and_add():
+    r = RangeSet()
+    assert r.missing(0, 10) == [(0, 10)]
+    r.add(2, 4)
+    r.add(6, 8)
+    assert r.missing(0, 10) == [(0, 2), (4, 6), (8, 10)]
+    r.add(3, 7)
+    assert r.iv == [[2, 8]]
+    assert r.missing(2, 8) == []
+    assert r.missing(5, 9) == [(8, 9)]
+
+
+def test_content_store_dedups(tmp_path):
+    cs = ContentStore(str(tmp_path))
+    a = cs.put_bytes(b"hello")
+    b = cs.put_bytes(b"hello")
+    assert a == b and len(a) == 32 and cs.get(a) == b"hello"
+    p = tmp_path / "src"
+    p.write_bytes(b"0123456789")
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        assert cs.get(cs.put_range(fd, 3, 4)) == b"3456"
+    finally:
+        os.close(fd)
+
+
+def test_journal_append_read_and_path_index(tmp_path):
+    j = Journal(str(tmp_path), workspace="/w")
+    actor = {"key": "1:2", "pid": 1}
+    s1 = j.append({"op": "create", "path": "a", "actor": "1:2"}, actor)
+    s2 = j.append({"op": "rename", "path": "a", "path2": "b", "actor": "1:2"}, actor)
+    assert (s1, s2) == (1, 2)
+    assert [e["op"] for e in j.events()] == ["create", "rename"]
+    assert j.seqs_for_path("a") == [1, 2] and j.seqs_for_path("b") == [2]
+    assert j.actor("1:2")["pid"] == 1 and j.meta("workspace") == "/w"
+    j.close()
+    j = Journal(str(tmp_path))
+    assert j.append({"op": "unlink", "path": "b", "actor": "1:2"}) == 3  # seq continues
+    j.close()
+
+
+def test_actor_identity_is_pid_and_start_time():
+    a = Attribution()
+    me = a.actor(os.getpid())
+    start, ppid = proc_start_and_ppid(os.getpid())
+    assert me["key"] == f"{os.getpid()}:{start}" and me["ppid"] == ppid == os.getppid()
+    assert a.actor(os.getpid()) is me  # cached while the start time matches
+    a._by_tid[os.getpid()] = (start - 1, dict(me, key="stale"))  # as if the pid were reused
+    assert a.actor(os.getpid())["key"] == me["key"]
