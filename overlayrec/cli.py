@@ -48,6 +48,8 @@ def main():
     A FUSE passthrough mounted over the workspace itself sees every write from every process,
     journals the pre-image of each change before it lands, and names the process that made it.
     """
+    # a closed pipe (`overlayrec log | head`) ends output quietly, as for any Unix tool
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
 
 
 def _state_dir_for(ws: str, state_dir: str | None) -> str:
