@@ -11,6 +11,7 @@ an actor is its own attribution unit.
 from __future__ import annotations
 
 import os
+import select
 import time
 
 UNKNOWN = {"key": "0:0", "pid": 0, "start": 0, "ppid": 0, "uid": -1, "exe": None,
@@ -19,10 +20,15 @@ UNKNOWN = {"key": "0:0", "pid": 0, "start": 0, "ppid": 0, "uid": -1, "exe": None
 
 def _read(path: str) -> bytes | None:
     try:
-        with open(path, "rb") as f:
-            return f.read()
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
+    try:
+        return os.read(fd, 65536)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def proc_start_and_ppid(pid: int) -> tuple[int, int] | None:
@@ -70,16 +76,62 @@ def read_actor(pid: int) -> dict:
             "exe": link("exe"), "argv": argv, "cwd": link("cwd"), "first_seen": time.time_ns()}
 
 
+def _pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except (OSError, AttributeError):
+        return None
+
+
+def _exited(pidfd: int) -> bool:
+    """A pidfd polls readable once its process has exited."""
+    return bool(select.select([pidfd], [], [], 0)[0])
+
+
 class Attribution:
-    """Caches tid -> actor; validated against the process start time on every use."""
+    """Caches tid -> actor.
+
+    A cached actor is trusted only while its process is provably the same one: for a process's
+    main thread (tid == pid, nearly every writer) a pidfd held since first sight says whether it
+    has exited, at the cost of one poll instead of reading /proc; other threads are checked
+    against their start time in /proc on every use.
+    """
 
     def __init__(self, own_pid: int | None = None):
         self._by_tid: dict[int, tuple[int, dict]] = {}
+        self._live: dict[int, tuple[int, dict]] = {}  # pid -> (pidfd, actor), main threads only
         self.own_pid = own_pid or os.getpid()
 
     def actor(self, tid: int) -> dict:
         if tid <= 0:
             return UNKNOWN
+        live = self._live.get(tid)
+        if live is not None:
+            if not _exited(live[0]):
+                return live[1]
+            os.close(live[0])
+            del self._live[tid]
+        actor = self._actor_from_proc(tid)
+        if actor["pid"] == tid and actor["start"]:
+            fd = _pidfd(tid)
+            if fd is not None:
+                # the pidfd is taken after the start time was read: check it is the same process
+                st = proc_start_and_ppid(tid)
+                if st is not None and st[0] == actor["start"]:
+                    if len(self._live) > 4096:
+                        self._evict()
+                    self._live[tid] = (fd, actor)
+                else:
+                    os.close(fd)
+        return actor
+
+    def _evict(self) -> None:
+        for pid, (fd, _) in list(self._live.items()):
+            if _exited(fd):
+                os.close(fd)
+                del self._live[pid]
+
+    def _actor_from_proc(self, tid: int) -> dict:
         st = proc_start_and_ppid(tid)
         if st is None:
             # gone already: the best we know is a pid without a start time

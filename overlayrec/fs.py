@@ -36,7 +36,7 @@ _COLLISION_BASE = 1 << 62
 
 
 class Inode:
-    __slots__ = ("fuse_ino", "fd", "key", "nlookup", "is_symlink", "is_dir")
+    __slots__ = ("fuse_ino", "fd", "key", "nlookup", "is_symlink", "is_dir", "no_caps")
 
     def __init__(self, fuse_ino: int, fd: int, key: tuple[int, int], mode: int):
         self.fuse_ino = fuse_ino
@@ -45,6 +45,9 @@ class Inode:
         self.nlookup = 0
         self.is_symlink = stat.S_ISLNK(mode)
         self.is_dir = stat.S_ISDIR(mode)
+        # the kernel asks for security.capability before every write; the answer can only
+        # change through us, so a known absence is remembered until an xattr changes
+        self.no_caps = False
 
 
 class Handle:
@@ -481,7 +484,16 @@ class Operations(pyfuse3.Operations):
 
     @_errno_boundary
     async def getxattr(self, inode, name, ctx):
-        _, p = self._xattr_path(inode)
+        i, p = self._xattr_path(inode)
+        if name == b"security.capability":
+            if i.no_caps:
+                raise pyfuse3.FUSEError(errno.ENODATA)
+            try:
+                return os.getxattr(p, "security.capability")
+            except OSError as e:
+                if e.errno == errno.ENODATA:
+                    i.no_caps = True
+                raise
         return os.getxattr(p, os.fsdecode(name))
 
     @_errno_boundary
@@ -496,6 +508,7 @@ class Operations(pyfuse3.Operations):
         i = self._inode(inode)
         if i.is_symlink:
             raise pyfuse3.FUSEError(errno.EPERM)
+        i.no_caps = False
         self.recorder.setxattr(i.fd, os.fsdecode(name), value, self._actor(ctx))
 
     @_errno_boundary
@@ -503,4 +516,5 @@ class Operations(pyfuse3.Operations):
         i = self._inode(inode)
         if i.is_symlink:
             raise pyfuse3.FUSEError(errno.ENODATA)
+        i.no_caps = False
         self.recorder.removexattr(i.fd, os.fsdecode(name), self._actor(ctx))

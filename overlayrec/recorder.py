@@ -95,6 +95,7 @@ class Recorder:
         self.attribution = attribution
         self.whole_file_limit = whole_file_limit
         self.root_path = underlay.fd_path(root_fd)
+        self._euid, self._egid = os.geteuid(), os.getegid()
         self.epochs: dict[str, Epoch] = {}
         self.attic_fd = self._open_attic()
         self.attic_links: dict[tuple[int, int], int] = {}
@@ -206,7 +207,7 @@ class Recorder:
         return uid, gid
 
     def _fix_owner(self, parent_fd: int, name: str, uid: int, gid: int, mode: int | None) -> None:
-        if uid == os.geteuid() and gid == os.getegid():
+        if uid == self._euid and gid == self._egid:
             return
         uid, gid = self._owner(parent_fd, uid, gid)
         os.chown(name, uid, gid, dir_fd=parent_fd, follow_symlinks=False)

@@ -54,6 +54,34 @@ def test_actor_identity_is_pid_and_start_time():
     me = a.actor(os.getpid())
     start, ppid = proc_start_and_ppid(os.getpid())
     assert me["key"] == f"{os.getpid()}:{start}" and me["ppid"] == ppid == os.getppid()
-    assert a.actor(os.getpid()) is me  # cached while the start time matches
-    a._by_tid[os.getpid()] = (start - 1, dict(me, key="stale"))  # as if the pid were reused
-    assert a.actor(os.getpid())["key"] == me["key"]
+    assert a.actor(os.getpid()) is me  # cached while the process lives
+
+
+def test_an_exited_process_is_never_served_from_the_cache():
+    import subprocess
+    import sys
+    a = Attribution()
+    p = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                         stdin=subprocess.PIPE)
+    first = a.actor(p.pid)
+    assert first["argv"][-1] == "import sys; sys.stdin.read()" and first["start"] > 0
+    p.stdin.close()
+    p.wait()
+    assert p.pid in a._live
+    gone = a.actor(p.pid)
+    assert p.pid not in a._live  # its pidfd said it exited: the cache entry is dropped
+    # a request from a process gone before it could be read is the last process known there
+    assert gone["key"] == first["key"]
+
+
+def test_threads_are_their_process():
+    import threading
+    a = Attribution()
+    out = {}
+
+    def run():
+        out["actor"] = a.actor(threading.get_native_id())
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert out["actor"]["pid"] == os.getpid()
