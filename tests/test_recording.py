@@ -301,3 +301,29 @@ def test_log_command_shows_events(make_mount):
     rows = [json.loads(l) for l in overlayrec("log", m.ws, "--json").stdout.splitlines()]
     assert rows[0]["op"] == "write" and rows[0]["actor"]["argv"][0] == "bash"
     assert [r["seq"] for r in rows] == sorted(r["seq"] for r in rows)
+
+
+def test_xattr_and_owner_pre_images(make_mount):
+    m = make_mount()
+    p = os.path.join(m.ws, "f")
+    with open(p, "wb") as f:
+        f.write(b"x")
+    os.setxattr(p, "user.k", b"v0")
+    os.chown(p, 1234, 5678)
+    m.mount()
+    m.py("import os; os.setxattr('f', 'user.k', b'v1'); os.setxattr('f', 'user.new', b'n')")
+    m.sh("chown 0:0 f; chmod 640 f")
+    evs = [e for e in m.events() if e["path"] == "f"]
+    sx = evs[0]
+    assert sx["op"] == "setxattr" and sx["name"] == "user.k"
+    assert sx["pre"]["xattrs"] == {"user.k": b"v0".hex()}
+    assert (sx["pre"]["uid"], sx["pre"]["gid"]) == (1234, 5678)
+    # a later event of the same process's epoch carries no second pre-image; chown and chmod
+    # are processes of their own, so each opens an epoch
+    assert [(e["op"], "pre" in e) for e in evs] == \
+        [("setxattr", True), ("setxattr", False), ("chown", True), ("chmod", True)]
+    # the new epoch's pre-image is what the first one left
+    ch = evs[2]
+    assert ch["epoch"] and ch["pre"]["xattrs"] == {"user.k": b"v1".hex(), "user.new": b"n".hex()}
+    assert (ch["pre"]["uid"], ch["pre"]["gid"]) == (1234, 5678)
+    assert os.getxattr(p, "user.k") == b"v1" and os.stat(p).st_uid == 0
