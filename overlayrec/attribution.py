@@ -85,7 +85,9 @@ def _pidfd(pid: int) -> int | None:
 
 def _exited(pidfd: int) -> bool:
     """A pidfd polls readable once its process has exited."""
-    return bool(select.select([pidfd], [], [], 0)[0])
+    p = select.poll()  # not select(): the daemon holds fds far above FD_SETSIZE
+    p.register(pidfd, select.POLLIN)
+    return bool(p.poll(0))
 
 
 class Attribution:

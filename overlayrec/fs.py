@@ -108,6 +108,8 @@ def _errno_boundary(fn):
 
 class Operations(pyfuse3.Operations):
     enable_writeback_cache = False
+    # no NFS export: the kernel then never asks us to look up ".." (see _parent_of)
+    supports_dot_lookup = False
 
     def __init__(self, recorder: Recorder, root_fd: int, fault_name: str | None = None):
         super().__init__()

@@ -327,3 +327,16 @@ def test_xattr_and_owner_pre_images(make_mount):
     assert ch["epoch"] and ch["pre"]["xattrs"] == {"user.k": b"v1".hex(), "user.new": b"n".hex()}
     assert (ch["pre"]["uid"], ch["pre"]["gid"]) == (1234, 5678)
     assert os.getxattr(p, "user.k") == b"v1" and os.stat(p).st_uid == 0
+
+
+def test_thousands_of_files_created_and_removed(make_mount):
+    """Enough inodes that the daemon's fds pass 1024 (FD_SETSIZE), by two processes."""
+    m = seeded(make_mount, {})
+    m.py("import os\nfor d in range(3):\n    os.mkdir(f'd{d}')\n    for i in range(600):\n"
+         "        open(f'd{d}/f{i}', 'w').write('x' * 10)")
+    r = m.sh("ls -R | wc -l; rm -rf d0 d1 d2; ls")
+    assert r.stderr == "" and r.stdout.split() == ["1810"]
+    evs = m.events()
+    assert sum(e["op"] == "create" for e in evs) == 1800
+    assert sum(e["op"] == "unlink" for e in evs) == 1800
+    assert sum(e["op"] == "rmdir" for e in evs) == 3
