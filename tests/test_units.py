@@ -61,10 +61,12 @@ def test_an_exited_process_is_never_served_from_the_cache():
     import subprocess
     import sys
     a = Attribution()
-    p = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
-                         stdin=subprocess.PIPE)
+    code = "import sys; print('up', flush=True); sys.stdin.read()"
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE)
+    assert p.stdout.readline() == b"up\n"
     first = a.actor(p.pid)
-    assert first["argv"][-1] == "import sys; sys.stdin.read()" and first["start"] > 0
+    assert first["argv"][-1] == code and first["start"] > 0
     p.stdin.close()
     p.wait()
     assert p.pid in a._live
