@@ -226,6 +226,12 @@ class Operations(pyfuse3.Operations):
         return self._attr(inode, st)
 
     async def forget(self, inode_list):
+        try:
+            self._forget(inode_list)
+        except Exception:  # forget cannot answer an error; the mount must not die of one
+            log.exception("unexpected error in forget")
+
+    def _forget(self, inode_list):
         for ino, n in inode_list:
             inode = self.inodes.get(ino)
             if inode is None or inode is self.root:
@@ -461,7 +467,7 @@ class Operations(pyfuse3.Operations):
             if not pyfuse3.readdir_reply(token, os.fsencode(name), self._attr(inode, st), idx + 1):
                 inode.nlookup -= 1  # not sent: the kernel holds no reference to it
                 if inode.nlookup <= 0:
-                    await self.forget([(inode.fuse_ino, 0)])
+                    self._forget([(inode.fuse_ino, 0)])
                 return
 
     @_errno_boundary

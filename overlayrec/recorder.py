@@ -277,10 +277,7 @@ class Recorder:
     def link(self, src_fd: int, parent_fd: int, name: str, actor: dict) -> None:
         ev = self._creation("link", parent_fd, name, actor, source=self.rel(src_fd))
         with self._mutation(ev, actor):
-            os.link(underlay.proc_path(src_fd), name, dst_dir_fd=parent_fd, follow_symlinks=True) \
-                if not stat.S_ISLNK(os.fstat(src_fd).st_mode) else \
-                underlay._check(underlay._libc.linkat(src_fd, b"", parent_fd, os.fsencode(name),
-                                                      underlay.AT_EMPTY_PATH), "linkat")
+            underlay.link_fd(src_fd, parent_fd, name)
 
     # -- removals -------------------------------------------------------------------------------
     def unlink(self, parent_fd: int, name: str, actor: dict) -> None:

@@ -75,6 +75,15 @@ def chown_fd(fd: int, uid: int, gid: int) -> None:
                           AT_EMPTY_PATH | AT_SYMLINK_NOFOLLOW), "fchownat")
 
 
+def link_fd(src_fd: int, dirfd: int, name: str) -> None:
+    """Hard-link the object behind an O_PATH fd (a symlink included) as ``name`` in ``dirfd``."""
+    if stat.S_ISLNK(os.fstat(src_fd).st_mode):
+        # linkat(AT_EMPTY_PATH) links the symlink itself; /proc would follow it
+        _check(_libc.linkat(src_fd, b"", dirfd, os.fsencode(name), AT_EMPTY_PATH), "linkat")
+    else:
+        os.link(proc_path(src_fd), name, dst_dir_fd=dirfd, follow_symlinks=True)
+
+
 def chmod_fd(fd: int, mode: int) -> None:
     os.chmod(proc_path(fd), mode)
 

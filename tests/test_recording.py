@@ -135,6 +135,10 @@ def test_dirs_symlinks_fifos_links(make_mount):
     assert os.stat(os.path.join(m.ws, "t")).st_ino == os.stat(os.path.join(m.ws, "hard")).st_ino
     m.sh("rm hard")
     assert os.stat(os.path.join(m.ws, "t")).st_nlink == 1
+    # a hard link to a symlink is a second name of the symlink itself
+    m.sh("ln -s t sl2 && ln -P sl2 slh")
+    assert os.readlink(os.path.join(m.ws, "slh")) == "t"
+    assert os.lstat(os.path.join(m.ws, "slh")).st_nlink == 2
 
 
 def test_metadata_changes_record_old_values(make_mount):
