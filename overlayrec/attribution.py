@@ -148,8 +148,3 @@ class Attribution:
             self._by_tid.clear()
         self._by_tid[tid] = (st[0], actor)
         return actor
-
-    @staticmethod
-    def unit_of(actor: dict) -> str:
-        """The attribution unit an epoch is keyed by.  Until tool calls exist: the actor."""
-        return "actor:" + actor["key"]

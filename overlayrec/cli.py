@@ -16,6 +16,7 @@ import click
 
 from . import state
 from .journal import Journal, JournalError
+from .journal.schema import CONTROL_OPS
 from .state import StateError
 
 
@@ -85,6 +86,12 @@ def mount(workspace, state_dir, foreground, allow_other, durable, timeout):
         from . import daemon
         sys.exit(daemon.run(ws, sd, foreground=True, durable=durable, allow_other=allow_other,
                             ready_fd=None))
+    pid = _spawn_daemon(ws, sd, durable=durable, allow_other=allow_other, timeout=timeout)
+    click.echo(f"mounted {ws} (daemon pid {pid}, journal {os.path.join(sd, 'journal')})")
+
+
+def _spawn_daemon(ws: str, sd: str, *, durable=False, allow_other=False, timeout=30.0) -> int:
+    """Start the daemon in its own process and wait until the mount is ready; its pid."""
     r, w = os.pipe()
     cmd = [sys.executable, "-m", "overlayrec.daemon", "--workspace", ws, "--state-dir", sd,
            "--ready-fd", str(w)]
@@ -100,7 +107,7 @@ def mount(workspace, state_dir, foreground, allow_other, durable, timeout):
     if msg != "ready":
         raise Fail(msg.removeprefix("error: ") if msg else
                    f"daemon exited without mounting (see {os.path.join(sd, 'daemon.log')})")
-    click.echo(f"mounted {ws} (daemon pid {proc.pid}, journal {os.path.join(sd, 'journal')})")
+    return proc.pid
 
 
 def _read_ready(fd: int, proc: subprocess.Popen, timeout: float) -> str:
@@ -215,18 +222,55 @@ def _fmt_time(ns: int) -> str:
 @click.argument("workspace", type=click.Path(), default=".")
 @click.option("--path", "glob", help="Only events on paths matching this glob (either side of a rename).")
 @click.option("--limit", type=click.IntRange(min=1), help="Only the last N events.")
+@click.option("--call", "call_id", help="Only events of this call.")
+@click.option("--turn", "turn_index", type=int, help="Only events recorded during this turn.")
+@click.option("--session", "sid", help="Only events of this session's calls, turns and agent.")
+@click.option("--actor", help="Only events by this process: a pid or a command name.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 @click.option("--state-dir", type=click.Path(), help="Read this state dir.")
 @_guard
-def log_cmd(workspace, glob, limit, as_json, state_dir):
+def log_cmd(workspace, glob, limit, call_id, turn_index, sid, actor, as_json, state_dir):
     """The recorded events, newest last: time, actor (pid and command), operation and path."""
+    from .views import unit_session, command_name
     ws = state.resolve_workspace(workspace, must_exist=False)
     sd = _state_dir_for(ws, state_dir)
     j = Journal(sd, readonly=True)
     try:
+        lo, hi = 1, None
+        if turn_index is not None:
+            ts = [t for t in j.records("turns") if t["index"] == turn_index
+                  and (sid is None or t["session"] == sid)]
+            if not ts:
+                raise Fail(f"no turn {turn_index}" + (f" in session {sid}" if sid else ""))
+            if len({t["session"] for t in ts}) > 1:
+                raise Fail(f"turn {turn_index} exists in several sessions: say --session")
+            lo, hi = ts[0]["begin_seq"], ts[0]["end_seq"]
+        if call_id is not None:
+            cs = [c for c in j.records("calls") if c["id"] == call_id
+                  and (sid is None or c["session"] == sid)]
+            if not cs:
+                raise Fail(f"no call {call_id}")
+        actor_cache: dict = {}
+
+        def actor_matches(key):
+            if key not in actor_cache:
+                a = j.actor(key) if key else None
+                actor_cache[key] = (str(a["pid"]) if a else "", command_name(a))
+            return actor in actor_cache[key]
+
         failed = {}
         rows = []
-        for ev in j.events():
+        for ev in j.events(lo, hi):
+            unit = ev.get("unit") or ""
+            if call_id is not None and not (unit.startswith("call:") and unit.split(":", 2)[2]
+                                            == call_id and (sid is None or unit_session(unit) == sid)):
+                if ev["op"] != "failed":
+                    continue
+            if sid is not None and call_id is None and unit_session(unit) != sid \
+                    and ev.get("session") != sid and ev["op"] != "failed":
+                continue
+            if actor is not None and ev["op"] != "failed" and not actor_matches(ev.get("actor")):
+                continue
             if ev["op"] == "failed":
                 failed[ev["ref"]] = ev.get("errno")
                 continue
@@ -248,7 +292,10 @@ def log_cmd(workspace, glob, limit, as_json, state_dir):
                 ev = dict(ev, actor=a or {"key": key})
                 click.echo(json.dumps(ev, ensure_ascii=False))
                 continue
-            where = ev.get("path") or "."
+            where = ev.get("path") or ""
+            if ev["op"] in CONTROL_OPS:
+                where = " ".join(f"{k}={ev[k]}" for k in ("session", "turn", "call", "tool", "status")
+                                 if ev.get(k) is not None)
             if ev.get("path2") is not None:
                 where += f" -> {ev['path2']}"
             note = f"  (failed: {os.strerror(ev['failed_errno'])})" if "failed_errno" in ev else ""
@@ -256,6 +303,321 @@ def log_cmd(workspace, glob, limit, as_json, state_dir):
                        f"{_command_name(a):<12.12} {ev['op']:<11} {where}{note}")
     finally:
         j.close()
+
+
+# -- announcing sessions, turns and calls ---------------------------------------------------------
+
+def _client(session=None):
+    from . import client
+    try:
+        return client.connect(session=session)
+    except client.ClientError as e:
+        raise Fail(str(e)) from None
+
+
+def _request(fn, as_json=False):
+    from . import client
+    try:
+        out = fn()
+    except client.ClientError as e:
+        raise Fail(str(e)) from None
+    if as_json:
+        click.echo(json.dumps(out))
+    return out
+
+
+@main.group()
+def call():
+    """Announce a tool call's begin and end (the mount is found from OVERLAYREC_SOCKET or the
+    current directory; the caller's identity is taken from the kernel)."""
+
+
+@call.command(name="begin")
+@click.option("--id", "call_id", required=True, help="The call's id (e.g. the agent's tool_use_id).")
+@click.option("--tool", required=True, help="The tool's name (Bash, Edit, ...).")
+@click.option("--summary", help="One line saying what the call does.")
+@click.option("--session", help="The session (default: OVERLAYREC_SESSION or the caller's own).")
+@click.option("--json", "as_json", is_flag=True)
+def call_begin(call_id, tool, summary, session, as_json):
+    """Begin a call: from now on the processes the agent starts belong to it."""
+    with _client(session) as c:
+        _request(lambda: c.call_begin(call_id, tool, summary), as_json)
+
+
+@call.command(name="end")
+@click.option("--id", "call_id", required=True)
+@click.option("--status", type=click.Choice(["ok", "error"]), default="ok", show_default=True)
+@click.option("--session")
+@click.option("--json", "as_json", is_flag=True)
+def call_end(call_id, status, session, as_json):
+    """End a call."""
+    with _client(session) as c:
+        _request(lambda: c.call_end(call_id, status), as_json)
+
+
+@main.group()
+def turn():
+    """Announce a turn's begin (a user prompt) and end (the agent's answer)."""
+
+
+@turn.command(name="begin")
+@click.option("--session")
+@click.option("--prompt", help="The user's prompt (its first line is shown in listings).")
+@click.option("--json", "as_json", is_flag=True)
+def turn_begin(session, prompt, as_json):
+    """Begin a turn (ending the open one, if any)."""
+    with _client(session) as c:
+        _request(lambda: c.turn_begin(prompt), as_json)
+
+
+@turn.command(name="end")
+@click.option("--session")
+@click.option("--json", "as_json", is_flag=True)
+def turn_end(session, as_json):
+    """End the open turn."""
+    with _client(session) as c:
+        _request(lambda: c.turn_end(), as_json)
+
+
+@main.group()
+def session():
+    """Begin or end a session by hand (overlayrec run does this for you)."""
+
+
+@session.command(name="begin")
+@click.option("--session", "name", help="The session's name (default: a new id).")
+@click.option("--json", "as_json", is_flag=True)
+def session_begin(name, as_json):
+    """Begin a session whose agent is the caller's first ancestor that is not a shell."""
+    with _client() as c:
+        out = _request(lambda: c.session_begin(session=name), as_json)
+    if not as_json:
+        click.echo(out["session"])
+
+
+@session.command(name="end")
+@click.option("--session", "name")
+@click.option("--json", "as_json", is_flag=True)
+def session_end(name, as_json):
+    """End a session (its open turn and calls with it)."""
+    with _client(name) as c:
+        _request(lambda: c.session_end(), as_json)
+
+
+# -- hooks ----------------------------------------------------------------------------------------
+
+@main.group()
+def hook():
+    """Agent hook adapters (run by the agent on each hook event, JSON on stdin)."""
+
+
+@hook.command(name="claude-code")
+def hook_claude_code():
+    """Claude Code: SessionStart, UserPromptSubmit, Pre/PostToolUse, Stop, SessionEnd.
+
+    Silent on success; exits 0 even when nothing is mounted, so it never breaks the agent."""
+    from .hooks import run_claude_code_hook
+    sys.exit(run_claude_code_hook())
+
+
+@main.command(name="install-hooks")
+@click.argument("agent", type=click.Choice(["claude-code"]))
+@click.option("--project", type=click.Path(file_okay=False), help="A project's .claude/settings.json.")
+@click.option("--user", is_flag=True, help="The user's ~/.claude/settings.json.")
+@click.option("--remove", is_flag=True, help="Take our entries out again.")
+@_guard
+def install_hooks(agent, project, user, remove):
+    """Merge overlayrec's hook entries into an agent's settings, keeping what is there."""
+    import shlex
+    from .hooks import merge_hooks
+    if bool(project) == bool(user):
+        raise Fail("say where: --project DIR or --user")
+    path = os.path.join(os.path.expanduser("~") if user else project, ".claude", "settings.json")
+    settings = {}
+    if os.path.exists(path):
+        try:
+            with open(path) as f:
+                settings = json.load(f)
+        except ValueError as e:
+            raise Fail(f"{path} is not valid JSON ({e}); not touching it") from None
+        if not isinstance(settings, dict):
+            raise Fail(f"{path} does not hold a JSON object; not touching it")
+    command = f"{shlex.quote(sys.executable)} -m overlayrec hook claude-code"
+    merge_hooks(settings, command, remove=remove)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".overlayrec.tmp"
+    with open(tmp, "w") as f:
+        json.dump(settings, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+    click.echo(f"{'removed hooks from' if remove else 'installed hooks in'} {path}")
+
+
+# -- run ------------------------------------------------------------------------------------------
+
+def _set_subreaper() -> None:
+    import ctypes
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
+
+
+@main.command(context_settings={"ignore_unknown_options": True,
+                                "allow_interspersed_args": False})
+@click.option("-w", "--workspace", default=".", show_default=True, type=click.Path(),
+              help="The workspace to record (mounted unless it already is).")
+@click.option("--session", "name", help="The session's name (default: a new id).")
+@click.option("--state-dir", type=click.Path(), help="Where the journal lives, when mounting.")
+@click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
+@_guard
+def run(workspace, name, state_dir, cmd):
+    """Run CMD (an agent) in the recorded workspace: mount it (or join the daemon already
+    there), run CMD with the terminal passed through and OVERLAYREC_SOCKET/OVERLAYREC_SESSION
+    set, then unmount if this run mounted, print a summary and exit with CMD's status.
+
+    Example: overlayrec run -- claude"""
+    from . import client
+    ws = state.resolve_workspace(workspace)
+    mounted_here = False
+    if state.is_dead_mount(ws):
+        raise Fail(f"{ws} holds a dead mount; clear it with: overlayrec umount {ws}")
+    if not state.fuse_mount_at(ws):
+        sd = state.check_state_dir(ws, state_dir or state.default_state_dir(ws))
+        os.makedirs(sd, mode=0o700, exist_ok=True)
+        _spawn_daemon(ws, sd)
+        mounted_here = True
+    sd = state.find_state_dir(ws)
+    sock = os.path.join(sd, "control.sock")
+    _set_subreaper()
+    try:
+        c = client.Client(sock)
+        sid = c.session_begin(session=name, runner=True, command=list(cmd))["session"]
+    except client.ClientError as e:
+        if mounted_here:
+            _stop_daemon(ws)
+        raise Fail(str(e)) from None
+    here = os.path.realpath(os.getcwd()) if os.path.exists(os.getcwd()) else ws
+    cwd = here if here == ws or here.startswith(ws + "/") else ws  # re-entered by path
+    env = dict(os.environ, OVERLAYREC_SOCKET=sock, OVERLAYREC_SESSION=sid, OVERLAYREC_WORKSPACE=ws)
+    try:
+        child = subprocess.Popen(list(cmd), cwd=cwd, env=env)
+    except OSError as e:
+        c.session_end(session=sid)
+        if mounted_here:
+            _stop_daemon(ws)
+        raise Fail(f"{cmd[0]}: {e.strerror}") from None
+    try:
+        c.session_agent(child.pid, session=sid)
+    except client.ClientError as e:
+        click.echo(f"overlayrec: warning: {e}", err=True)
+    forwarded = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+    for sig in forwarded:
+        signal.signal(sig, lambda s, f: child.send_signal(s))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal sends it to CMD itself
+    rc = child.wait()
+    for sig in forwarded + (signal.SIGINT,):
+        signal.signal(sig, signal.SIG_DFL)
+    others = []
+    try:
+        c.session_end(session=sid)
+        others = [x["id"] for x in c.status()["sessions"] if x["ended"] is None]
+        c.close()
+    except client.ClientError as e:
+        click.echo(f"overlayrec: warning: {e}", err=True)
+    if mounted_here:
+        if others:
+            click.echo(f"overlayrec: leaving {ws} mounted: session(s) {', '.join(others)} "
+                       "still running", err=True)
+        else:
+            _stop_daemon(ws)
+    try:
+        _print_summary(sd, sid)
+    except Exception as e:  # the summary must not hide CMD's status
+        click.echo(f"overlayrec: no summary: {e}", err=True)
+    sys.exit(rc if rc >= 0 else 128 - rc)
+
+
+def _stop_daemon(ws: str) -> None:
+    info = state.daemon_info(state.find_state_dir(ws))
+    pid = info["pid"] if info and state.pid_alive(info["pid"]) else None
+    if pid:
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and state.pid_alive(pid):
+            time.sleep(0.05)
+    if state.fuse_mount_at(ws) or state.is_dead_mount(ws):
+        _unmount_now(ws)
+
+
+def _print_summary(sd: str, sid: str) -> None:
+    from .views import session_summary
+    from .journal import Journal
+    j = Journal(sd, readonly=True)
+    try:
+        for line in session_summary(j, sid):
+            click.echo(line, err=True)
+    finally:
+        j.close()
+
+
+# -- listings -------------------------------------------------------------------------------------
+
+def _open_journal(workspace, state_dir):
+    from .journal import Journal
+    ws = state.resolve_workspace(workspace, must_exist=False)
+    return Journal(_state_dir_for(ws, state_dir), readonly=True)
+
+
+@main.command()
+@click.argument("workspace", type=click.Path(), default=".")
+@click.option("--session", "sid", help="Only this session.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.option("--state-dir", type=click.Path())
+@_guard
+def turns(workspace, sid, as_json, state_dir):
+    """One row per turn: index, time, files changed, the first paths, the prompt's first line,
+    and who else wrote in the workspace during it."""
+    from .views import turn_rows
+    j = _open_journal(workspace, state_dir)
+    try:
+        rows = turn_rows(j, sid)
+    finally:
+        j.close()
+    for r in rows:
+        if as_json:
+            click.echo(json.dumps(r))
+            continue
+        paths = ", ".join(r["paths"][:3]) + (" ..." if len(r["paths"]) > 3 else "")
+        prompt = (r["prompt"] or "").splitlines()[0][:50] if r["prompt"] else ""
+        shared = f"  [shared with {', '.join(r['others'])}]" if r["others"] else ""
+        click.echo(f"{r['session']:<14.14} {r['index']:>3} {_fmt_time(r['begin_t'])} "
+                   f"{r['files']:>4} files  {paths:<40.40}  {prompt}{shared}")
+
+
+@main.command()
+@click.argument("workspace", type=click.Path(), default=".")
+@click.option("--session", "sid", help="Only this session.")
+@click.option("--turn", "turn_index", type=int, help="Only calls of this turn.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.option("--state-dir", type=click.Path())
+@_guard
+def calls(workspace, sid, turn_index, as_json, state_dir):
+    """One row per call: tool, summary, files changed, the processes it ran."""
+    from .views import call_rows
+    j = _open_journal(workspace, state_dir)
+    try:
+        rows = call_rows(j, sid, turn_index)
+    finally:
+        j.close()
+    for r in rows:
+        if as_json:
+            click.echo(json.dumps(r))
+            continue
+        procs = ", ".join(r["processes"][:4])
+        click.echo(f"{r['session']:<14.14} {str(r['turn'] or '-'):>3} {r['id']:<24.24} "
+                   f"{r['tool']:<10.10} {r['files']:>4} files  {(r['summary'] or ''):<40.40}  "
+                   f"{procs}")
 
 
 if __name__ == "__main__":

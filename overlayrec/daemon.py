@@ -21,6 +21,8 @@ import pyfuse3
 import trio
 
 from .attribution import Attribution
+from .calls import Calls
+from .control import ControlServer
 from .fs import Operations
 from .journal import Journal, JournalError
 from .recorder import Recorder
@@ -47,8 +49,9 @@ def _setup_logging(state_dir: str, foreground: bool) -> None:
                         format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s")
 
 
-async def _serve() -> None:
+async def _serve(control: ControlServer) -> None:
     async with trio.open_nursery() as nursery:
+        nursery.start_soon(control.serve)
         async def on_signal():
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as sigs:
                 async for signum in sigs:
@@ -74,7 +77,12 @@ def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool):
     if recorded and recorded != ws:
         raise MountError(f"state dir {state_dir} records workspace {recorded}, not {ws}")
     root_fd = os.open(ws, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    recorder = Recorder(journal, root_fd, Attribution())
+    attribution = Attribution()
+    calls = Calls(journal, attribution)
+    recorder = Recorder(journal, root_fd, attribution, units=calls)
+    control = ControlServer(os.path.join(state_dir, "control.sock"), calls, attribution,
+                            os.fstat(root_fd).st_uid)
+    control.bind()
     ops = Operations(recorder, root_fd, fault_name=os.environ.get("OVERLAYREC_INJECT_FAULT"))
     options = set(pyfuse3.default_options) | {f"fsname={state.FSNAME}", f"subtype={state.FSNAME}"}
     if allow_other:
@@ -83,7 +91,7 @@ def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool):
         pyfuse3.init(ops, ws, options)
     except RuntimeError as e:
         raise MountError(f"cannot mount {ws}: {e}") from None
-    return journal
+    return journal, control
 
 
 def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other: bool,
@@ -99,7 +107,7 @@ def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other
             os.close(ready_fd)
 
     try:
-        journal = prepare(ws, state_dir, durable, allow_other)
+        journal, control = prepare(ws, state_dir, durable, allow_other)
     except MountError as e:
         log.error("%s", e)
         tell(f"error: {e}")
@@ -117,7 +125,7 @@ def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other
     log.info("mounted %s (state dir %s)", ws, state_dir)
     tell("ready")
     try:
-        trio.run(_serve)
+        trio.run(_serve, control)
     except BaseException:
         log.exception("serve loop failed")
         raise
@@ -126,10 +134,11 @@ def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other
             pyfuse3.close(unmount=True)
         finally:
             journal.close()
-            try:
-                os.unlink(os.path.join(state_dir, "daemon.json"))
-            except OSError:
-                pass
+            for name in ("daemon.json", "control.sock"):
+                try:
+                    os.unlink(os.path.join(state_dir, name))
+                except OSError:
+                    pass
             log.info("unmounted %s", ws)
     return 0
 

@@ -27,12 +27,18 @@ from contextlib import contextmanager
 
 from . import underlay
 from .attribution import Attribution
+from .calls import Calls
 from .journal import Journal
 
 log = logging.getLogger(__name__)
 
 ATTIC_NAME = ".overlayrec-attic"
 WHOLE_FILE_LIMIT = 4 << 20  # files up to this size are saved whole at an epoch's first change
+
+
+def unit_fields(unit: str) -> dict:
+    """The event fields that name a unit (and its candidates or lateness, when it has them)."""
+    return {"unit": str(unit), **getattr(unit, "extra", {})}
 
 
 def _fd_flags(fd: int) -> int:
@@ -88,8 +94,9 @@ class Epoch:
 
 class Recorder:
     def __init__(self, journal: Journal, root_fd: int, attribution: Attribution,
-                 whole_file_limit: int = WHOLE_FILE_LIMIT):
+                 whole_file_limit: int = WHOLE_FILE_LIMIT, units: Calls | None = None):
         self.journal = journal
+        self.units = units or Calls(journal, attribution)
         self.content = journal.content
         self.root_fd = root_fd
         self.attribution = attribution
@@ -193,7 +200,7 @@ class Recorder:
 
     def _event(self, op: str, path: str, actor: dict, unit: str, **kw) -> tuple[dict, Epoch, bool]:
         ep, new = self._epoch(path, unit)
-        ev = {"op": op, "path": path, "unit": unit}
+        ev = {"op": op, "path": path, **unit_fields(unit)}
         if new:
             ev["epoch"] = True
         ev.update(kw)
@@ -217,7 +224,7 @@ class Recorder:
 
     def _creation(self, op: str, parent_fd: int, name: str, actor: dict, **kw):
         path = self.child(parent_fd, name)
-        unit = self.attribution.unit_of(actor)
+        unit = self.units.unit_of(actor)
         ev, ep, new = self._event(op, path, actor, unit, **kw)
         if new:
             pre, _ = self._pre_at(parent_fd, name)
@@ -282,7 +289,7 @@ class Recorder:
     # -- removals -------------------------------------------------------------------------------
     def unlink(self, parent_fd: int, name: str, actor: dict) -> None:
         path = self.child(parent_fd, name)
-        unit = self.attribution.unit_of(actor)
+        unit = self.units.unit_of(actor)
         ev, ep, new = self._event("unlink", path, actor, unit)
         pre, st = self._pre_at(parent_fd, name)
         if st is None:
@@ -302,7 +309,7 @@ class Recorder:
 
     def rmdir(self, parent_fd: int, name: str, actor: dict) -> None:
         path = self.child(parent_fd, name)
-        unit = self.attribution.unit_of(actor)
+        unit = self.units.unit_of(actor)
         ev, ep, new = self._event("rmdir", path, actor, unit)
         pre, _ = self._pre_at(parent_fd, name)
         ev["pre"] = pre
@@ -312,7 +319,7 @@ class Recorder:
 
     def rename(self, pfd: int, name: str, npfd: int, nname: str, flags: int, actor: dict) -> None:
         path, path2 = self.child(pfd, name), self.child(npfd, nname)
-        unit = self.attribution.unit_of(actor)
+        unit = self.units.unit_of(actor)
         ev, ep, new = self._event("rename", path, actor, unit, path2=path2)
         if flags:
             ev["flags"] = flags
@@ -357,7 +364,7 @@ class Recorder:
         if ep.content_saved and not new:
             return None
         st = os.fstat(fd)
-        ev = {"path": path, "unit": unit}
+        ev = {"path": path, **unit_fields(unit)}
         pre = None
         if new:
             ev["epoch"] = True
@@ -392,7 +399,7 @@ class Recorder:
         ev = self._capture(handle.path, handle.fd, handle.unit, off, off + length)
         if ev is None:
             if handle.write_seq is None or handle.epoch is not self.epochs.get(handle.path):
-                ev = {"path": handle.path, "unit": handle.unit}
+                ev = {"path": handle.path, **unit_fields(handle.unit)}
             else:
                 handle.note_write(off, length)
                 return
@@ -411,12 +418,12 @@ class Recorder:
         if handle is not None:
             path, unit, actor, rfd = handle.path, handle.unit, handle.actor, handle.fd
         else:
-            path, unit, rfd = self.rel(fd), self.attribution.unit_of(actor), open_fd
+            path, unit, rfd = self.rel(fd), self.units.unit_of(actor), open_fd
         tmp = None
         if rfd is None or (os.O_ACCMODE & _fd_flags(rfd)) == os.O_WRONLY:
             rfd = tmp = underlay.reopen(fd, os.O_RDONLY)
         try:
-            ev = self._capture(path, rfd, unit, size, None) or {"path": path, "unit": unit}
+            ev = self._capture(path, rfd, unit, size, None) or {"path": path, **unit_fields(unit)}
         finally:
             if tmp is not None:
                 os.close(tmp)
@@ -428,7 +435,7 @@ class Recorder:
     # -- metadata -------------------------------------------------------------------------------
     def _meta_event(self, op: str, fd: int, actor: dict, **kw) -> dict:
         path = self.rel(fd)
-        unit = self.attribution.unit_of(actor)
+        unit = self.units.unit_of(actor)
         ev, ep, new = self._event(op, path, actor, unit, **kw)
         if not ep.meta_saved:
             st = os.fstat(fd)

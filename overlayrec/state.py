@@ -124,6 +124,30 @@ def fuse_mount_at(path: str) -> dict | None:
     return found
 
 
+def overlayrec_mounts() -> list[str]:
+    """Mountpoints of every overlayrec mount, from the mount table."""
+    out = []
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                lf, rf = left.split(), right.split()
+                if len(lf) >= 5 and rf and rf[0] == "fuse." + FSNAME:
+                    out.append(_unescape(lf[4]))
+    except OSError:
+        pass
+    return out
+
+
+def overlayrec_mount_containing(path: str) -> str | None:
+    best = None
+    for mp in overlayrec_mounts():
+        if path == mp or path.startswith(mp.rstrip("/") + "/"):
+            if best is None or len(mp) > len(best):
+                best = mp
+    return best
+
+
 def is_dead_mount(path: str) -> bool:
     # statfs always reaches the daemon; stat may be answered from the kernel's attribute cache
     try:

@@ -17,9 +17,15 @@ Sub-databases of the LMDB environment:
 
                 {"seq": int, "t": ns, "op": str, "path": str, ["path2": str,]
                  "actor": actor-key, ["unit": unit-key,] ["epoch": true,]
+                 ["candidates": [unit-key, ...],] ["after_end": true,]
                  ["pre": pre-image,] ["pre2": pre-image,] [op-specific fields]}
 
-              ``op`` is one of OPS.  ``epoch`` marks the first change of ``path`` by ``unit`` in a
+              ``op`` is one of OPS.  A unit key is ``call:<session>:<id>``, ``turn:<session>:<n>``
+              (the agent's own writes outside any call), ``session:<session>``, or
+              ``outside:<actor-key>`` (a process that does not descend from any agent).
+              ``candidates`` lists every call that was active when the agent opened the file, when
+              there were several; ``after_end`` marks a write by a call's process after the call
+              ended.  Control events (``session_begin`` ...) carry ``session`` and the record.  ``epoch`` marks the first change of ``path`` by ``unit`` in a
               run: its ``pre`` is the pre-image of that epoch.  ``pre2`` is the pre-image of
               ``path2`` (a rename's target).  A later event may only add facets to an epoch's
               pre-image (``pre`` with ``"facet"``).  ``failed`` events name a seq whose operation
@@ -28,6 +34,12 @@ Sub-databases of the LMDB environment:
               ``{"pid","start","ppid","uid","exe","argv","cwd","first_seen"}``.
 ``paths``     path utf-8 + b"\\0" + seq (8-byte big-endian) -> b"" : every event by path, for
               ``log --path`` and blame without a scan.
+``sessions``  session id utf-8 -> JSON ``{"id","agent","agent_pid","runner","started","ended",
+              "aliases": [...]}`` (``agent``: the actor key of the agent process).
+``turns``     session id + b"\0" + index (4-byte big-endian) -> JSON ``{"session","index",
+              "prompt","begin_t","end_t","begin_seq","end_seq"}``.
+``calls``     session id + b"\0" + call id -> JSON ``{"session","id","tool","summary","turn",
+              "begin_t","end_t","status","begin_seq","end_seq","implicit"}``.
 ``extents``   seq -> JSON ``{"writes": n, "bytes": n, "lo": off, "hi": end}``: what the writes after
               an epoch's first write did, summarised at release (not write-ahead: no pre-image in it).
 
@@ -48,15 +60,17 @@ from __future__ import annotations
 
 import struct
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
-DBS = ("meta", "events", "actors", "paths", "extents")
+DBS = ("meta", "events", "actors", "paths", "extents", "sessions", "turns", "calls")
 
 OPS = (
     "create", "mkdir", "mknod", "symlink", "link", "unlink", "rmdir", "rename",
     "write", "truncate", "chmod", "chown", "utimens", "setxattr", "removexattr", "failed",
     "unrecorded",
+    "session_begin", "session_end", "turn_begin", "turn_end", "call_begin", "call_end",
 )
+CONTROL_OPS = OPS[-6:]
 
 MAP_SIZE = 1 << 36  # 64 GiB of address space; the file grows only as used
 
@@ -75,6 +89,14 @@ def key_seq(key: bytes) -> int:
 
 def path_key(path: str, seq: int) -> bytes:
     return path.encode("utf-8", "surrogateescape") + b"\0" + seq_key(seq)
+
+
+def turn_key(session: str, index: int) -> bytes:
+    return session.encode() + b"\0" + struct.pack(">I", index)
+
+
+def call_key(session: str, call_id: str) -> bytes:
+    return session.encode() + b"\0" + call_id.encode("utf-8", "surrogateescape")
 
 
 def path_key_split(key: bytes) -> tuple[str, int]:

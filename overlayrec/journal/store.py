@@ -126,6 +126,30 @@ class Journal:
             raise JournalError(f"journal write failed: {e}") from None
         return seqs
 
+    def put_record(self, db: str, key: bytes, record: dict) -> None:
+        """Write a session, turn or call record (they change as they begin and end)."""
+        try:
+            with self.env.begin(write=True, db=self.dbs[db]) as txn:
+                txn.put(key, _dumps(record))
+        except lmdb.Error as e:
+            raise JournalError(f"journal write failed: {e}") from None
+
+    def records(self, db: str, prefix: bytes = b"") -> list[dict]:
+        out = []
+        with self.env.begin(db=self.dbs[db]) as txn:
+            cur = txn.cursor()
+            if cur.set_range(prefix):
+                for k, v in cur:
+                    if not k.startswith(prefix):
+                        break
+                    out.append(_loads(v))
+        return out
+
+    def record(self, db: str, key: bytes) -> dict | None:
+        with self.env.begin(db=self.dbs[db]) as txn:
+            v = txn.get(key)
+        return _loads(v) if v is not None else None
+
     def put_extents(self, seq: int, summary: dict) -> None:
         with self.env.begin(write=True, db=self.dbs["extents"]) as txn:
             txn.put(seq_key(seq), _dumps(summary))

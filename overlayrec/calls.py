@@ -1,0 +1,399 @@
+"""Sessions, turns and tool calls, and the rules that tie every actor to one of them.
+
+This is the second half of attribution (``attribution`` names the process; this names its
+*unit*).  A unit is what an epoch is keyed by and what a diff or a revert selects:
+
+* ``call:<session>:<id>``: a tool call, announced by the agent's hooks or implicit (each direct
+  child process of an agent that announces nothing is a call of its own, named by its argv);
+* ``turn:<session>:<n>`` / ``session:<session>``: the agent process's own writes outside any call;
+* ``outside:<actor>``: a process that does not descend from any agent (the user's editor, cron).
+
+Rules (each has a test):
+* a process descending from an agent belongs to the call during which the agent's direct child
+  at the top of its line was started: a shell command, its children, and a background process
+  that outlives the call (whose later writes are marked ``after_end``).  Start times come from
+  /proc (clock ticks since boot); a tick shared by two calls is settled by the snapshots of the
+  agent's children taken at each call's begin and end;
+* the agent's own writes belong to the call active when the file was opened; with several active
+  the event names every candidate;
+* processes are (pid, start time), so pid reuse cannot move a write to another call.
+
+State lives in memory for the live daemon and is journaled (records in ``sessions``, ``turns``,
+``calls``; control events in ``events``) for everything that reads it later.
+"""
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+from .attribution import Attribution, proc_start_and_ppid, read_actor
+from .journal import Journal
+from .journal.schema import call_key, turn_key
+
+HZ = os.sysconf("SC_CLK_TCK")
+SHELLS = {"sh", "bash", "dash", "zsh", "fish", "ksh", "busybox", "env", "timeout", "nice"}
+
+
+class ControlError(Exception):
+    """A control request that cannot be honoured; the message goes back to the caller."""
+
+
+def boot_ticks() -> int:
+    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * HZ)
+
+
+def children_of(pid: int) -> set[str]:
+    """Actor keys (pid:start) of a process's direct children, from /proc."""
+    out = set()
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                pids = f.read().split()
+        except OSError:
+            continue
+        for c in pids:
+            st = proc_start_and_ppid(int(c))
+            if st is not None:
+                out.add(f"{c}:{st[0]}")
+    return out
+
+
+class Call:
+    __slots__ = ("session", "id", "tool", "summary", "turn", "begin_t", "end_t", "begin_tick",
+                 "end_tick", "status", "before", "at_end", "implicit", "begin_seq", "end_seq")
+
+    def __init__(self, session: "Session", call_id: str, tool: str, summary: str | None,
+                 implicit: bool = False):
+        self.session = session
+        self.id = call_id
+        self.tool = tool
+        self.summary = summary
+        self.turn = session.turn_index()
+        self.begin_t = time.time_ns()
+        self.begin_tick = boot_ticks()
+        self.end_t = self.end_tick = None
+        self.status = None
+        self.before: set[str] = set()
+        self.at_end: set[str] = set()
+        self.implicit = implicit
+        self.begin_seq = self.end_seq = None
+
+    @property
+    def unit(self) -> str:
+        return f"call:{self.session.id}:{self.id}"
+
+    def covers(self, key: str, start_tick: int) -> bool:
+        """Was the agent's child ``key`` (started at ``start_tick``) started during this call?"""
+        if key in self.before or start_tick < self.begin_tick:
+            return False
+        if self.end_tick is None or start_tick < self.end_tick:
+            return True
+        return start_tick == self.end_tick and key in self.at_end
+
+    def record(self) -> dict:
+        return {"session": self.session.id, "id": self.id, "tool": self.tool,
+                "summary": self.summary, "turn": self.turn, "begin_t": self.begin_t,
+                "end_t": self.end_t, "status": self.status, "begin_seq": self.begin_seq,
+                "end_seq": self.end_seq, "implicit": self.implicit}
+
+
+class Session:
+    def __init__(self, sid: str, agent: dict | None, runner: dict | None):
+        self.id = sid
+        self.agent = agent              # {"key", "pid"} of the agent process (None: not yet)
+        self.command: list[str] | None = None
+        self.runner = runner            # `overlayrec run`, when it started the session
+        self.started = time.time_ns()
+        self.ended = None
+        self.aliases: list[str] = []
+        self.calls: dict[str, Call] = {}
+        self.order: list[Call] = []
+        self.active: list[Call] = []
+        self.turns: list[dict] = []
+        self.announced = False          # has any call been announced by hooks?
+        self.child_units: dict[str, tuple[str, Call | None]] = {}
+
+    def turn_index(self) -> int | None:
+        return self.turns[-1]["index"] if self.turns else None
+
+    def own_unit(self) -> str:
+        t = self.turn_index()
+        return f"turn:{self.id}:{t}" if t is not None else f"session:{self.id}"
+
+    def record(self) -> dict:
+        return {"id": self.id, "agent": self.agent["key"] if self.agent else None,
+                "agent_pid": self.agent["pid"] if self.agent else None, "command": self.command,
+                "runner": self.runner["key"] if self.runner else None,
+                "started": self.started, "ended": self.ended, "aliases": self.aliases}
+
+
+class Unit(str):
+    """A unit key, carrying the extra facts an event should record about it."""
+    extra: dict
+
+    def __new__(cls, key: str, **extra):
+        u = super().__new__(cls, key)
+        u.extra = extra
+        return u
+
+
+class Calls:
+    """The live sessions of one mount and the unit of every actor."""
+
+    def __init__(self, journal: Journal, attribution: Attribution):
+        self.journal = journal
+        self.attribution = attribution
+        self.sessions: dict[str, Session] = {}
+        self._names: dict[str, str] = {}       # alias -> session id
+        self._by_agent: dict[str, Session] = {}  # agent actor key -> session
+        self._by_runner: dict[str, Session] = {}
+        self._lineage: dict[str, tuple[Session, dict | None] | None] = {}
+
+    # -- lineage --------------------------------------------------------------------------------
+    def lineage(self, actor: dict) -> tuple[Session, dict | None] | None:
+        """(session, the agent's direct child above ``actor``) for a descendant of an agent,
+        (session, None) for the agent itself, None for an outside process.
+
+        The line is walked up through /proc.  A session started by ``overlayrec run`` knows its
+        runner: the runner's child is the agent, and a process that the runner adopted (it is
+        a child subreaper) after its parent exited is placed by its own start time."""
+        key = actor["key"]
+        if key in self._lineage:
+            return self._lineage[key]
+        result = None
+        if key in self._by_agent:
+            result = (self._by_agent[key], None)
+        elif self.sessions:
+            chain = [{"key": key, "pid": actor["pid"]}]
+            pid = actor.get("ppid") or 0
+            while pid > 1 and len(chain) < 64:
+                st = proc_start_and_ppid(pid)
+                if st is None:
+                    break
+                pkey = f"{pid}:{st[0]}"
+                if pkey in self._by_agent:
+                    result = (self._by_agent[pkey], chain[-1])
+                    break
+                if pkey in self._by_runner:
+                    s = self._by_runner[pkey]
+                    top = chain[-1]
+                    if s.agent is None or s.agent["key"] == top["key"]:
+                        result = (s, chain[-2] if len(chain) > 1 else None)
+                    else:
+                        result = (s, top)  # adopted by the runner: an orphan of some call
+                    break
+                chain.append({"key": pkey, "pid": pid})
+                pid = st[1]
+        if len(self._lineage) > 100_000:
+            self._lineage.clear()
+        self._lineage[key] = result
+        return result
+
+    # -- units ----------------------------------------------------------------------------------
+    def unit_of(self, actor: dict) -> str:
+        if not self.sessions:
+            return "outside:" + actor["key"]
+        lin = self.lineage(actor)
+        if lin is None:
+            return "outside:" + actor["key"]
+        session, child = lin
+        if child is None:  # the agent itself: the call active now (at open, for a handle)
+            if len(session.active) == 1:
+                return Unit(session.active[0].unit)
+            if len(session.active) > 1:
+                return Unit(session.active[0].unit,
+                            candidates=[c.unit for c in session.active])
+            return Unit(session.own_unit())
+        return self._child_unit(session, child)
+
+    def _child_unit(self, session: Session, child: dict) -> str:
+        known = session.child_units.get(child["key"])
+        if known is None:
+            start = int(child["key"].split(":")[1])
+            found = [c for c in session.order if not c.implicit and c.covers(child["key"], start)]
+            if found:
+                call = found[0]
+                extra = {"candidates": [c.unit for c in found]} if len(found) > 1 else {}
+                known = (Unit(call.unit, **extra), call)
+            elif not session.announced:
+                call = self._implicit_call(session, child)
+                known = (Unit(call.unit), call)
+            else:
+                known = (Unit(session.own_unit()), None)
+            session.child_units[child["key"]] = known
+        unit, call = known
+        if call is not None and call.end_t is not None:
+            return Unit(unit, **dict(unit.extra, after_end=True))
+        return unit
+
+    def _implicit_call(self, session: Session, child: dict) -> Call:
+        info = read_actor(child["pid"])
+        argv = info.get("argv") or [os.path.basename(info.get("exe") or "?")]
+        call = Call(session, f"implicit-{child['key'].replace(':', '-')}",
+                    os.path.basename(argv[0]), " ".join(argv)[:200], implicit=True)
+        session.calls[call.id] = call
+        session.order.append(call)
+        call.begin_seq = self.journal.last_seq() + 1
+        self.journal.put_record("calls", call_key(session.id, call.id), call.record())
+        return call
+
+    # -- control requests -----------------------------------------------------------------------
+    def _control_event(self, op: str, session: Session, actor: dict, **kw) -> int:
+        ev = {"op": op, "path": None, "session": session.id, "actor": actor["key"]}
+        ev.update(kw)
+        return self.journal.append(ev, actor)
+
+    def resolve(self, name: str | None, caller: dict) -> Session:
+        """The session a request names, or the one the caller runs under."""
+        if name:
+            sid = self._names.get(name)
+            if sid is not None:
+                return self.sessions[sid]
+        lin = self.lineage(caller)
+        if lin is not None:
+            self._alias(lin[0], name)
+            return lin[0]
+        if not name and len(self.sessions) == 1:
+            return next(iter(self.sessions.values()))
+        raise ControlError(f"no session {name!r}" if name else
+                           "no session: start one (overlayrec run, or session begin)")
+
+    def agent_for_hook(self, caller: dict) -> dict:
+        """The agent behind a hook process: its first ancestor that is not a shell or us."""
+        pid = caller["ppid"]
+        for _ in range(16):
+            a = read_actor(pid)
+            name = os.path.basename((a.get("argv") or [""])[0])
+            if pid <= 1 or a["start"] == 0:
+                break
+            if name not in SHELLS and "overlayrec" not in " ".join(a.get("argv") or [])[:200]:
+                return a
+            pid = a["ppid"]
+        return read_actor(caller["ppid"])
+
+    def session_begin(self, caller: dict, name: str | None, runner: bool = False,
+                      command: list[str] | None = None) -> Session:
+        """Begin a session.  ``runner``: the caller (``overlayrec run``) will start the agent as
+        its child and name it with ``session_agent``.  Otherwise the caller is a hook: the agent
+        is its first ancestor that is not a shell, or the session it already runs under."""
+        if not runner:
+            lin = self.lineage(caller)
+            if lin is not None:  # a hook inside a session `run` started: the same session
+                return self.resolve(name, caller)
+            agent = self.agent_for_hook(caller)
+            if agent["key"] in self._by_agent:
+                s = self._by_agent[agent["key"]]
+                self._alias(s, name)
+                return s
+        sid = name or uuid.uuid4().hex[:12]
+        if sid in self._names:
+            raise ControlError(f"session {sid} already exists")
+        s = Session(sid, None if runner else agent, caller if runner else None)
+        s.command = command
+        self.sessions[sid] = s
+        self._names[sid] = sid
+        if runner:
+            self._by_runner[caller["key"]] = s
+        else:
+            self._by_agent[agent["key"]] = s
+            self.journal.append_many([], [agent])
+        self._lineage.clear()  # processes seen before may descend from this session now
+        self.journal.put_record("sessions", sid.encode(), s.record())
+        self._control_event("session_begin", s, caller)
+        return s
+
+    def session_agent(self, caller: dict, name: str | None, pid: int) -> Session:
+        """The runner names the agent it started: its own child, checked in /proc."""
+        s = self.resolve(name, caller)
+        if s.runner is None or s.runner["key"] != caller["key"]:
+            raise ControlError("only the runner of a session can name its agent")
+        st = proc_start_and_ppid(pid)
+        if st is None or st[1] != caller["pid"]:
+            raise ControlError(f"pid {pid} is not a child of the caller")
+        s.agent = {"key": f"{pid}:{st[0]}", "pid": pid}
+        self._by_agent[s.agent["key"]] = s
+        self._lineage.clear()
+        self.journal.put_record("sessions", s.id.encode(), s.record())
+        return s
+
+    def _alias(self, s: Session, name: str | None) -> None:
+        if name and name not in self._names:
+            s.aliases.append(name)
+            self._names[name] = s.id
+            self.journal.put_record("sessions", s.id.encode(), s.record())
+
+    def session_end(self, caller: dict, name: str | None) -> Session:
+        s = self.resolve(name, caller)
+        if s.ended is not None:
+            return s  # a hook's SessionEnd and the runner's both end it: once is enough
+        if s.turns and s.turns[-1]["end_t"] is None:
+            self.turn_end(caller, s.id)
+        for c in list(s.active):
+            self.call_end(caller, s.id, c.id, "abandoned")
+        s.ended = time.time_ns()
+        self._control_event("session_end", s, caller)
+        self.journal.put_record("sessions", s.id.encode(), s.record())
+        return s
+
+    def turn_begin(self, caller: dict, name: str | None, prompt: str | None) -> dict:
+        s = self.resolve(name, caller)
+        if s.turns and s.turns[-1]["end_t"] is None:
+            self.turn_end(caller, s.id)
+        index = len(s.turns) + 1
+        seq = self._control_event("turn_begin", s, caller, turn=index)
+        t = {"session": s.id, "index": index, "prompt": prompt, "begin_t": time.time_ns(),
+             "end_t": None, "begin_seq": seq, "end_seq": None}
+        s.turns.append(t)
+        self.journal.put_record("turns", turn_key(s.id, index), t)
+        return t
+
+    def turn_end(self, caller: dict, name: str | None) -> dict:
+        s = self.resolve(name, caller)
+        if not s.turns or s.turns[-1]["end_t"] is not None:
+            raise ControlError(f"session {s.id} has no open turn")
+        t = s.turns[-1]
+        t["end_seq"] = self._control_event("turn_end", s, caller, turn=t["index"])
+        t["end_t"] = time.time_ns()
+        self.journal.put_record("turns", turn_key(s.id, t["index"]), t)
+        return t
+
+    def call_begin(self, caller: dict, name: str | None, call_id: str, tool: str,
+                   summary: str | None) -> Call:
+        s = self.resolve(name, caller)
+        if call_id in s.calls:
+            raise ControlError(f"call {call_id} already begun in session {s.id}")
+        s.announced = True
+        c = Call(s, call_id, tool, summary)
+        c.before = children_of(s.agent["pid"]) if s.agent else set()
+        c.begin_seq = self._control_event("call_begin", s, caller, call=call_id, tool=tool)
+        s.calls[call_id] = c
+        s.order.append(c)
+        s.active.append(c)
+        self.journal.put_record("calls", call_key(s.id, call_id), c.record())
+        return c
+
+    def call_end(self, caller: dict, name: str | None, call_id: str, status: str) -> Call:
+        s = self.resolve(name, caller)
+        c = s.calls.get(call_id)
+        if c is None:
+            raise ControlError(f"no call {call_id} in session {s.id}")
+        if c.end_t is not None:
+            raise ControlError(f"call {call_id} already ended")
+        c.at_end = children_of(s.agent["pid"]) if s.agent else set()
+        c.end_tick = boot_ticks()
+        c.end_t = time.time_ns()
+        c.status = status
+        c.end_seq = self._control_event("call_end", s, caller, call=call_id, status=status)
+        if c in s.active:
+            s.active.remove(c)
+        self.journal.put_record("calls", call_key(s.id, call_id), c.record())
+        return c
+
+    def status(self) -> dict:
+        return {"sessions": [dict(s.record(), active_calls=[c.id for c in s.active],
+                                  turn=s.turn_index()) for s in self.sessions.values()]}

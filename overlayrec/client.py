@@ -1,0 +1,111 @@
+"""The Python API of the control endpoint: announce sessions, turns and calls to the daemon
+recording a workspace.
+
+    from overlayrec import client
+    c = client.connect()                 # OVERLAYREC_SOCKET, or the mount around the cwd
+    c.call_begin("toolu_1", "Bash", summary="sed -i ...")
+    ...
+    c.call_end("toolu_1", status="ok")
+
+Stdlib only and import-light: hooks run it on every tool call.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+from . import state
+
+
+class ClientError(Exception):
+    """The daemon refused a request, or could not be reached; the message says which."""
+
+
+class NoMount(ClientError):
+    """No overlayrec mount was found for this process."""
+
+
+def find_socket(cwd: str | None = None) -> str:
+    env = os.environ.get("OVERLAYREC_SOCKET")
+    if env:
+        return env
+    try:
+        here = os.path.realpath(cwd or os.getcwd())
+    except OSError as e:
+        raise NoMount(f"no overlayrec mount here ({e.strerror})") from None
+    ws = state.overlayrec_mount_containing(here)
+    if ws is None:
+        raise NoMount(f"no overlayrec mount at or above {here}")
+    return os.path.join(state.find_state_dir(ws), "control.sock")
+
+
+class Client:
+    def __init__(self, path: str, session: str | None = None, timeout: float = 10.0):
+        self.path = path
+        self.session = session if session is not None else os.environ.get("OVERLAYREC_SESSION")
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        try:
+            self.sock.connect(path)
+        except OSError as e:
+            self.sock.close()
+            raise NoMount(f"cannot reach the daemon at {path}: {e.strerror or e}") from None
+        self._buf = b""
+
+    def request(self, op: str, **fields) -> dict:
+        req = {"op": op, **{k: v for k, v in fields.items() if v is not None}}
+        if "session" not in req and self.session and op not in ("ping", "status"):
+            req["session"] = self.session
+        try:
+            self.sock.sendall(json.dumps(req).encode() + b"\n")
+            while b"\n" not in self._buf:
+                chunk = self.sock.recv(65536)
+                if not chunk:
+                    raise ClientError("the daemon closed the connection")
+                self._buf += chunk
+        except OSError as e:
+            raise ClientError(f"control request failed: {e.strerror or e}") from None
+        line, self._buf = self._buf.split(b"\n", 1)
+        out = json.loads(line)
+        if not out.get("ok"):
+            raise ClientError(out.get("error") or "request refused")
+        return out
+
+    def session_begin(self, session=None, runner=False, command=None):
+        return self.request("session_begin", session=session, runner=runner or None,
+                            command=command)
+
+    def session_agent(self, pid: int, session=None):
+        return self.request("session_agent", pid=pid, session=session)
+
+    def session_end(self, session=None):
+        return self.request("session_end", session=session)
+
+    def turn_begin(self, prompt=None, session=None):
+        return self.request("turn_begin", prompt=prompt, session=session)
+
+    def turn_end(self, session=None):
+        return self.request("turn_end", session=session)
+
+    def call_begin(self, call_id, tool, summary=None, session=None):
+        return self.request("call_begin", id=call_id, tool=tool, summary=summary, session=session)
+
+    def call_end(self, call_id, status="ok", session=None):
+        return self.request("call_end", id=call_id, status=status, session=session)
+
+    def status(self):
+        return self.request("status")
+
+    def close(self):
+        self.sock.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def connect(session: str | None = None, cwd: str | None = None) -> Client:
+    return Client(find_socket(cwd), session=session)

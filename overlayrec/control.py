@@ -1,0 +1,132 @@
+"""The control endpoint: a Unix socket in the state dir (mode 0600) on which agents, hooks and
+`overlayrec run` announce sessions, turns and calls.
+
+Protocol (docs/control.md): one JSON object per line in each direction; a request is
+``{"op": ..., ...}`` and its answer ``{"ok": true, ...}`` or ``{"ok": false, "error": "..."}``.
+Who is asking is never taken from the request: the caller's pid comes from the kernel
+(SO_PEERCRED) and its identity and ancestry from /proc.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import struct
+
+import trio
+
+from .calls import Calls, ControlError
+from .attribution import Attribution
+
+log = logging.getLogger(__name__)
+
+MAX_REQUEST = 1 << 20
+
+
+def peer_pid(sock) -> int:
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", raw)[0]
+
+
+class ControlServer:
+    def __init__(self, path: str, calls: Calls, attribution: Attribution, owner_uid: int):
+        self.path = path
+        self.calls = calls
+        self.attribution = attribution
+        self.owner_uid = owner_uid
+
+    def handle(self, req: dict, caller: dict) -> dict:
+        op = req.get("op")
+        c = self.calls
+        name = req.get("session") or None
+        if op == "ping":
+            return {"pid": os.getpid()}
+        if op == "status":
+            return c.status()
+        if op == "session_begin":
+            s = c.session_begin(caller, name, runner=bool(req.get("runner")),
+                                command=req.get("command"))
+            return {"session": s.id}
+        if op == "session_agent":
+            return {"session": c.session_agent(caller, name, int(req["pid"])).id}
+        if op == "session_end":
+            return {"session": c.session_end(caller, name).id}
+        if op == "turn_begin":
+            t = c.turn_begin(caller, name, req.get("prompt"))
+            return {"session": t["session"], "turn": t["index"]}
+        if op == "turn_end":
+            t = c.turn_end(caller, name)
+            return {"session": t["session"], "turn": t["index"]}
+        if op == "call_begin":
+            if not req.get("id") or not req.get("tool"):
+                raise ControlError("call_begin needs id and tool")
+            call = c.call_begin(caller, name, str(req["id"]), str(req["tool"]), req.get("summary"))
+            return {"session": call.session.id, "call": call.id, "turn": call.turn}
+        if op == "call_end":
+            status = req.get("status") or "ok"
+            call = c.call_end(caller, name, str(req.get("id")), status)
+            return {"session": call.session.id, "call": call.id}
+        raise ControlError(f"unknown op {op!r}")
+
+    def bind(self) -> None:
+        """Bind before the mount is announced ready, so a client can connect at once."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            sock.bind(self.path)
+        finally:
+            os.umask(old)
+        if self.owner_uid != os.geteuid():
+            os.chown(self.path, self.owner_uid, -1)  # the workspace owner's agent may connect
+        sock.listen(64)
+        self._sock = sock
+
+    async def serve(self) -> None:
+        listener = trio.socket.from_stdlib_socket(self._sock)
+        async with trio.open_nursery() as nursery:
+            with listener:
+                while True:
+                    conn, _ = await listener.accept()
+                    nursery.start_soon(self._connection, conn)
+
+    async def _connection(self, conn) -> None:
+        with conn:
+            try:
+                caller = self.attribution.actor(peer_pid(conn))
+                buf = b""
+                while True:
+                    chunk = await conn.recv(65536)
+                    if not chunk:
+                        return
+                    buf += chunk
+                    if len(buf) > MAX_REQUEST:
+                        return
+                    while b"\n" in buf:
+                        line, buf = buf.split(b"\n", 1)
+                        out = memoryview(self._answer(line, caller) + b"\n")
+                        while out:
+                            out = out[await conn.send(out):]
+            except OSError:
+                return
+            except Exception:  # one bad connection must never take the mount down
+                log.exception("control connection failed")
+
+    def _answer(self, line: bytes, caller: dict) -> bytes:
+        try:
+            req = json.loads(line)
+            if not isinstance(req, dict):
+                raise ValueError("a request is a JSON object")
+            out = {"ok": True, **self.handle(req, caller)}
+        except ControlError as e:
+            out = {"ok": False, "error": str(e)}
+        except (ValueError, KeyError, TypeError) as e:
+            out = {"ok": False, "error": f"bad request: {e}"}
+        except Exception as e:  # the endpoint must never take the mount down
+            log.exception("control request failed")
+            out = {"ok": False, "error": f"internal error: {e}"}
+        return json.dumps(out).encode()

@@ -1,0 +1,219 @@
+"""Attribution end to end: a scripted agent announces calls through Claude Code hook JSON and
+runs real commands while an unrelated process edits other files; every event lands on the
+right call, turn, session or outside actor."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from conftest import needs_fuse, overlayrec, is_mounted
+
+pytestmark = needs_fuse
+
+FAKE_AGENT = textwrap.dedent(r'''
+    import json, os, subprocess, sys, time
+    PY = sys.executable
+    def hook(event, **kw):
+        payload = dict(hook_event_name=event, session_id="cc-session", cwd=os.getcwd(), **kw)
+        r = subprocess.run([PY, "-m", "overlayrec", "hook", "claude-code"],
+                           input=json.dumps(payload), capture_output=True, text=True)
+        assert r.returncode == 0 and r.stdout == "" and r.stderr == "", (event, r.stderr)
+    def bash(call_id, command):
+        hook("PreToolUse", tool_use_id=call_id, tool_name="Bash", tool_input={"command": command})
+        subprocess.run(["bash", "-c", command], check=True)
+        hook("PostToolUse", tool_use_id=call_id, tool_name="Bash")
+    hook("SessionStart")
+    hook("UserPromptSubmit", prompt="rename greet and tidy up\nsecond line")
+    bash("toolu_sed", "sed -i s/hello/goodbye/ src/app.py")
+    # a formatter-like rewrite: write a temp file, rename it over the original
+    bash("toolu_fmt", "python3 -c \"import os\nfor p in ['src/a.py', 'src/b.py']:\n"
+                      "    s = open(p).read().upper()\n    open(p + '.tmp', 'w').write(s)\n"
+                      "    os.replace(p + '.tmp', p)\"")
+    bash("toolu_mv", "mv notes.txt docs-notes.txt && rm old.txt")
+    # a background process that keeps writing after its call ended
+    hook("PreToolUse", tool_use_id="toolu_bg", tool_name="Bash", tool_input={"command": "server &"})
+    subprocess.run(["bash", "-c", "(for i in 1 2 3; do sleep 0.3; echo tick $i >> server.log; done) "
+                    "> /dev/null 2>&1 &"], check=True)
+    hook("PostToolUse", tool_use_id="toolu_bg", tool_name="Bash")
+    # the agent's own edit tool, inside a call
+    hook("PreToolUse", tool_use_id="toolu_edit", tool_name="Edit", tool_input={"file_path": "README"})
+    with open("README", "a") as f:
+        f.write("edited by the agent\n")
+    hook("PostToolUse", tool_use_id="toolu_edit", tool_name="Edit")
+    time.sleep(1.5)   # let the background writer finish its late writes
+    hook("Stop")
+    hook("UserPromptSubmit", prompt="second turn")
+    with open("own.txt", "w") as f:     # the agent's own write, outside any call
+        f.write("x")
+    hook("Stop")
+    hook("SessionEnd")
+''')
+
+
+def seed(ws):
+    os.makedirs(os.path.join(ws, "src"))
+    files = {"src/app.py": "print('hello')\n", "src/a.py": "a = 1\n", "src/b.py": "b = 2\n",
+             "notes.txt": "n\n", "old.txt": "o\n", "README": "r\n", "user.txt": "u\n"}
+    for p, t in files.items():
+        with open(os.path.join(ws, p), "w") as f:
+            f.write(t)
+
+
+def events_by_path(m):
+    out = {}
+    for e in m.events():
+        for p in (e.get("path"), e.get("path2")):
+            if p:
+                out.setdefault(p, []).append(e)
+    return out
+
+
+def test_scripted_agent_with_hooks_and_an_outside_editor(make_mount, tmp_path):
+    m = make_mount()
+    seed(m.ws)
+    m.mount()
+    agent = tmp_path / "agent.py"
+    agent.write_text(FAKE_AGENT)
+    # an unrelated process (the user's editor) writing while the agent works
+    editor = subprocess.Popen(
+        [sys.executable, "-c", "import time, sys\nfor i in range(8):\n"
+         "    open('user.txt', 'a').write(f'edit {i}\\n'); time.sleep(0.25)"], cwd=m.ws)
+    r = overlayrec("run", "-w", m.ws, "--session", "s1", "--", sys.executable, str(agent),
+                   cwd=m.ws, timeout=120)
+    editor.wait(timeout=30)
+    assert "session s1: 2 turn(s), 5 call(s)" in r.stderr
+    assert is_mounted(m.ws)  # run joined the mount; it did not mount, so it does not unmount
+
+    by = events_by_path(m)
+    unit = "call:s1:{}".format
+    assert {e["unit"] for e in by["src/app.py"]} == {unit("toolu_sed")}
+    sed_tmp = [p for p in by if p.startswith("src/sed")]
+    assert sed_tmp and all(e["unit"] == unit("toolu_sed") for p in sed_tmp for e in by[p])
+    for p in ("src/a.py", "src/b.py", "src/a.py.tmp", "src/b.py.tmp"):
+        assert {e["unit"] for e in by[p]} == {unit("toolu_fmt")}, p
+    assert {e["unit"] for e in by["notes.txt"]} == {unit("toolu_mv")}
+    assert {e["unit"] for e in by["old.txt"]} == {unit("toolu_mv")}
+    late = by["server.log"]
+    assert {e["unit"] for e in late} == {unit("toolu_bg")}
+    assert all(e.get("after_end") for e in late)
+    assert {e["unit"] for e in by["README"]} == {unit("toolu_edit")}
+    assert {e["unit"] for e in by["own.txt"]} == {"turn:s1:2"}
+    outside = {e["unit"] for e in by["user.txt"]}
+    assert len(outside) == 1 and outside.pop() == f"outside:{by['user.txt'][0]['actor']}"
+    assert m.actor(by["user.txt"][0]["actor"])["pid"] == editor.pid
+    # no event of the session is attributed outside it, and control events are all there
+    ops = [e["op"] for e in m.events()]
+    assert ops.count("call_begin") == 5 and ops.count("call_end") == 5
+    assert ops.count("turn_begin") == 2 and ops.count("session_end") == 1
+
+    rows = [json.loads(l) for l in overlayrec("calls", m.ws, "--json").stdout.splitlines()]
+    assert [r["id"] for r in rows] == ["toolu_sed", "toolu_fmt", "toolu_mv", "toolu_bg",
+                                      "toolu_edit"]
+    bg = rows[3]
+    assert bg["late_events"] == bg["events"] > 0 and bg["paths"] == ["server.log"]
+    assert rows[0]["summary"] == "sed -i s/hello/goodbye/ src/app.py"
+    assert any(p.startswith("sed[") for p in rows[0]["processes"])
+    turns = [json.loads(l) for l in overlayrec("turns", m.ws, "--json").stdout.splitlines()]
+    assert [t["index"] for t in turns] == [1, 2]
+    assert turns[0]["prompt"].startswith("rename greet")
+    assert "src/app.py" in turns[0]["paths"] and turns[1]["paths"] == ["own.txt"]
+    assert any(o.startswith("python") for o in turns[0]["others"])  # the editor, named
+    text = overlayrec("turns", m.ws).stdout
+    assert "shared with" in text
+    log = overlayrec("log", m.ws, "--call", "toolu_mv").stdout.splitlines()
+    assert {l.split()[5] for l in log} == {"rename", "unlink"}
+
+
+def test_implicit_calls_without_hooks(make_mount, tmp_path):
+    m = make_mount()
+    seed(m.ws)
+    m.mount()
+    script = "sed -i s/hello/hi/ src/app.py; touch new.txt; echo own >> README"
+    r = overlayrec("run", "-w", m.ws, "--session", "plain", "--", "bash", "-c", script,
+                   cwd=m.ws)
+    assert "session plain" in r.stderr
+    by = events_by_path(m)
+    sed_unit = {e["unit"] for e in by["src/app.py"]}
+    touch_unit = {e["unit"] for e in by["new.txt"]}
+    assert len(sed_unit) == 1 and len(touch_unit) == 1 and sed_unit != touch_unit
+    assert sed_unit.pop().startswith("call:plain:implicit-")
+    assert {e["unit"] for e in by["README"]} == {"session:plain"}  # bash's own write
+    rows = [json.loads(l) for l in overlayrec("calls", m.ws, "--json").stdout.splitlines()]
+    assert sorted(r["tool"] for r in rows) == ["sed", "touch"]
+    assert all(r["implicit"] for r in rows)
+
+
+def test_run_mounts_and_unmounts_and_passes_the_exit_status(tmpbase):
+    ws = os.path.join(tmpbase, "w")
+    os.makedirs(ws)
+    sd = os.path.join(tmpbase, "st")
+    r = overlayrec("run", "-w", ws, "--state-dir", sd, "--", "bash", "-c",
+                   'echo "$OVERLAYREC_SESSION" > s.txt; test -S "$OVERLAYREC_SOCKET"; exit 7',
+                   check=False)
+    assert r.returncode == 7, r.stderr
+    assert not is_mounted(ws)
+    sid = open(os.path.join(ws, "s.txt")).read().strip()
+    assert f"session {sid}" in r.stderr and "1 file(s) changed" in r.stderr
+    r = overlayrec("run", "-w", os.path.join(tmpbase, "missing"), "--", "true", check=False)
+    assert r.returncode == 1 and r.stderr.startswith("overlayrec: error:")
+
+
+def test_two_sessions_share_one_mount(make_mount, tmp_path):
+    m = make_mount()
+    seed(m.ws)
+    m.mount()
+    gate = tmp_path / "gate"
+    a = subprocess.Popen([sys.executable, "-m", "overlayrec", "run", "-w", m.ws, "--session",
+                          "A", "--", "bash", "-c",
+                          f"echo a > a.txt; while [ ! -e {gate} ]; do sleep 0.05; done"],
+                         stderr=subprocess.PIPE, text=True)
+    time.sleep(1.0)
+    b = overlayrec("run", "-w", m.ws, "--session", "B", "--", "bash", "-c", "echo b > b.txt")
+    gate.write_text("")
+    a.wait(timeout=30)
+    assert a.returncode == 0
+    by = events_by_path(m)
+    assert {e["unit"].split(":")[1] for e in by["a.txt"]} == {"A"}
+    assert {e["unit"].split(":")[1] for e in by["b.txt"]} == {"B"}
+    assert "session B" in b.stderr
+    assert is_mounted(m.ws)
+
+
+def test_hook_without_a_mount_does_nothing(tmp_path):
+    env = dict(os.environ)
+    env.pop("OVERLAYREC_SOCKET", None)
+    r = subprocess.run([sys.executable, "-m", "overlayrec", "hook", "claude-code"],
+                       input=json.dumps({"hook_event_name": "PreToolUse", "session_id": "x",
+                                         "tool_use_id": "t", "tool_name": "Bash"}),
+                       capture_output=True, text=True, cwd=tmp_path, env=env, timeout=30)
+    assert r.returncode == 0 and r.stdout == "" and r.stderr == ""
+    r = subprocess.run([sys.executable, "-m", "overlayrec", "hook", "claude-code"],
+                       input="not json", capture_output=True, text=True, cwd=tmp_path, timeout=30)
+    assert r.returncode == 0 and r.stdout == ""
+
+
+def test_install_hooks_merges_and_removes(tmp_path):
+    settings = tmp_path / ".claude" / "settings.json"
+    settings.parent.mkdir()
+    mine = {"type": "command", "command": "my-linter"}
+    settings.write_text(json.dumps({"model": "x", "hooks": {"PreToolUse": [
+        {"matcher": "Edit", "hooks": [mine]}]}}))
+    overlayrec("install-hooks", "claude-code", "--project", str(tmp_path))
+    overlayrec("install-hooks", "claude-code", "--project", str(tmp_path))  # idempotent
+    s = json.loads(settings.read_text())
+    assert s["model"] == "x"
+    pre = s["hooks"]["PreToolUse"]
+    assert pre[0] == {"matcher": "Edit", "hooks": [mine]}
+    ours = [h for e in pre for h in e["hooks"] if "hook claude-code" in h["command"]]
+    assert len(ours) == 1
+    assert set(s["hooks"]) == {"SessionStart", "UserPromptSubmit", "PreToolUse", "PostToolUse",
+                               "PostToolUseFailure", "Stop", "SessionEnd"}
+    overlayrec("install-hooks", "claude-code", "--project", str(tmp_path), "--remove")
+    assert json.loads(settings.read_text()) == {"model": "x", "hooks": {"PreToolUse": [
+        {"matcher": "Edit", "hooks": [mine]}]}}
