@@ -188,9 +188,11 @@ def status(workspace, as_json):
             events = j.count()
         finally:
             j.close()
+    holders = state.underlay_holders(ws, {os.getpid()} | ({pid} if pid else set())) \
+        if mounted else []
     out = {"workspace": ws, "mounted": mounted, "dead_mount": dead, "daemon_pid": pid,
            "state_dir": sd, "journal": journal_path if events is not None else None,
-           "events": events}
+           "events": events, "underlay_holders": holders}
     if as_json:
         click.echo(json.dumps(out))
         return
@@ -203,6 +205,11 @@ def status(workspace, as_json):
     click.echo(f"  journal: {journal_path if events is not None else '(none yet)'}")
     if events is not None:
         click.echo(f"  events:  {events}")
+    if holders:
+        click.echo("  processes still using the directory beneath the mount (their changes are "
+                   "not recorded; `cd .` re-enters through the mount):")
+        for h in holders:
+            click.echo(f"    {h['pid']:>7} {h['command']:<16} {'; '.join(h['holds'][:3])}")
 
 
 def _command_name(actor: dict | None) -> str:

@@ -148,6 +148,65 @@ def overlayrec_mount_containing(path: str) -> str | None:
     return best
 
 
+def mount_id_at(path: str) -> int | None:
+    found = None
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                lf = line.split(" - ")[0].split()
+                if len(lf) >= 5 and _unescape(lf[4]) == path:
+                    found = int(lf[0])
+    except OSError:
+        return None
+    return found
+
+
+def underlay_holders(ws: str, exclude: set[int]) -> list[dict]:
+    """Processes whose working directory or open files inside ``ws`` were taken before the
+    mount: they see the underlay and bypass recording."""
+    mnt = mount_id_at(ws)
+    try:
+        mount_dev = os.stat(ws).st_dev
+    except OSError:
+        return []
+    inside = lambda p: p == ws or p.startswith(ws.rstrip("/") + "/")
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) in exclude:
+            continue
+        pid = int(name)
+        what = []
+        try:
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+            if inside(cwd) and os.stat(f"/proc/{pid}/cwd").st_dev != mount_dev:
+                what.append(f"cwd {cwd}")
+        except OSError:
+            pass
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            fds = []
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if not inside(target):
+                    continue
+                with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                    info = dict(l.split(":", 1) for l in f.read().splitlines() if ":" in l)
+                if mnt is not None and int(info.get("mnt_id", "-1")) != mnt:
+                    what.append(f"fd {fd} {target}")
+            except (OSError, ValueError):
+                continue
+        if what:
+            try:
+                with open(f"/proc/{pid}/comm") as f:
+                    comm = f.read().strip()
+            except OSError:
+                comm = "?"
+            out.append({"pid": pid, "command": comm, "holds": what})
+    return out
+
+
 def is_dead_mount(path: str) -> bool:
     # statfs always reaches the daemon; stat may be answered from the kernel's attribute cache
     try:

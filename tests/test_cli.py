@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
@@ -121,3 +122,31 @@ def test_sigterm_and_sigint_unmount_cleanly(make_mount):
         assert not is_mounted(m.ws) and not os.path.exists(f"/proc/{pid}")
         assert not os.path.exists(os.path.join(m.state, "daemon.json"))
         assert "unmounted" in open(os.path.join(m.state, "daemon.log")).read()
+
+
+@needs_fuse
+def test_status_names_processes_that_hold_the_underlay(make_mount):
+    import subprocess
+    import sys
+    m = make_mount()
+    open(os.path.join(m.ws, "f"), "w").close()
+    # a shell whose cwd, and a process with an open file, were taken before the mount
+    early = subprocess.Popen([sys.executable, "-c", "import sys; f = open('f'); sys.stdin.read()"],
+                             cwd=m.ws, stdin=subprocess.PIPE)
+    try:
+        time.sleep(0.3)
+        m.mount()
+        late = subprocess.Popen(["sleep", "30"], cwd=m.ws)
+        try:
+            st = json.loads(overlayrec("status", m.ws, "--json").stdout)
+            holders = {h["pid"]: h for h in st["underlay_holders"]}
+            assert early.pid in holders and late.pid not in holders
+            assert any(w.startswith("cwd ") for w in holders[early.pid]["holds"])
+            assert any(w.startswith("fd ") and w.endswith("/f") for w in holders[early.pid]["holds"])
+            assert "cd ." in overlayrec("status", m.ws).stdout
+        finally:
+            late.kill()
+            late.wait()
+    finally:
+        early.kill()
+        early.wait()
