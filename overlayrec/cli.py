@@ -449,7 +449,7 @@ def install_hooks(agent, project, user, remove):
             raise Fail(f"{path} is not valid JSON ({e}); not touching it") from None
         if not isinstance(settings, dict):
             raise Fail(f"{path} does not hold a JSON object; not touching it")
-    command = f"{shlex.quote(sys.executable)} -m overlayrec hook claude-code"
+    command = hook_command()
     merge_hooks(settings, command, remove=remove)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".overlayrec.tmp"
@@ -461,6 +461,17 @@ def install_hooks(agent, project, user, remove):
 
 
 # -- run ------------------------------------------------------------------------------------------
+
+def hook_command() -> str:
+    """The hook's command line: this interpreter without site (-S: no site-packages scan, half
+    the start-up) and the package's own directory on the path; stdlib is all a hook needs."""
+    import shlex
+    import overlayrec
+    where = os.path.dirname(os.path.dirname(os.path.abspath(overlayrec.__file__)))
+    code = (f"import sys; sys.path.insert(0, {where!r}); "
+            "from overlayrec.entry import main; main()")
+    return f"{shlex.quote(sys.executable)} -S -c {shlex.quote(code)} hook claude-code"
+
 
 def _set_subreaper() -> None:
     import ctypes

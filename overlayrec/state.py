@@ -4,7 +4,6 @@ kernel's mount table says about it.  Plain files and /proc only; no journal, no 
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 
@@ -38,6 +37,7 @@ def state_home() -> str:
 
 
 def workspace_id(ws: str) -> str:
+    import hashlib  # not at module level: hooks import this module on every tool call
     h = hashlib.sha256(ws.encode("utf-8", "surrogateescape")).hexdigest()[:12]
     return f"{os.path.basename(ws) or 'root'}-{h}"
 
