@@ -217,3 +217,55 @@ def test_install_hooks_merges_and_removes(tmp_path):
     overlayrec("install-hooks", "claude-code", "--project", str(tmp_path), "--remove")
     assert json.loads(settings.read_text()) == {"model": "x", "hooks": {"PreToolUse": [
         {"matcher": "Edit", "hooks": [mine]}]}}
+
+
+def test_agent_write_with_several_active_calls_names_every_candidate(make_mount, tmp_path):
+    m = make_mount().mount()
+    agent = tmp_path / "agent.py"
+    agent.write_text(textwrap.dedent('''
+        from overlayrec import client
+        with client.connect() as c:
+            c.call_begin("a", "Read")
+            c.call_begin("b", "Edit")
+            open("both.txt", "w").write("x")      # opened while a and b are active
+            c.call_end("b")
+            open("only_a.txt", "w").write("y")
+            c.call_end("a")
+    '''))
+    overlayrec("run", "-w", m.ws, "--session", "par", "--", sys.executable, str(agent), cwd=m.ws)
+    by = events_by_path(m)
+    assert {e["unit"] for e in by["both.txt"]} == {"call:par:a"}
+    assert all(e["candidates"] == ["call:par:a", "call:par:b"] for e in by["both.txt"])
+    assert all("candidates" not in e and e["unit"] == "call:par:a" for e in by["only_a.txt"])
+
+
+def test_pid_reuse_cannot_move_a_write(tmp_path):
+    """An agent is (pid, start time): a process with the agent's pid but another start time
+    (what a reused pid looks like) and its children are outside the session."""
+    from overlayrec.attribution import Attribution
+    from overlayrec.calls import Calls, Session
+    from overlayrec.journal import Journal
+    j = Journal(str(tmp_path))
+    calls = Calls(j, Attribution())
+    me = Attribution().actor(os.getpid())
+    s = Session("s", {"key": f"{os.getpid()}:{me['start'] + 1}", "pid": os.getpid()}, None)
+    calls.sessions["s"] = s
+    calls._by_agent[s.agent["key"]] = s
+    child = subprocess.Popen([sys.executable, "-c", "import sys; print(1, flush=True); "
+                              "sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        child.stdout.readline()
+        assert calls.unit_of(me) == f"outside:{me['key']}"
+        kid = Attribution().actor(child.pid)
+        assert calls.unit_of(kid) == f"outside:{kid['key']}"
+        # the same pid with its real start time is the agent, and its child a call's
+        real = Session("r", {"key": me["key"], "pid": os.getpid()}, None)
+        calls.sessions["r"] = real
+        calls._by_agent[me["key"]] = real
+        calls._lineage.clear()
+        assert calls.unit_of(me) == "session:r"
+        assert calls.unit_of(kid).startswith("call:r:implicit-")
+    finally:
+        child.stdin.close()
+        child.wait()
+        j.close()
