@@ -269,3 +269,22 @@ def test_pid_reuse_cannot_move_a_write(tmp_path):
         child.stdin.close()
         child.wait()
         j.close()
+
+
+def test_run_forwards_signals_to_the_agent(make_mount):
+    import signal
+    m = make_mount().mount()
+    p = subprocess.Popen([sys.executable, "-m", "overlayrec", "run", "-w", m.ws, "--", "bash",
+                          "-c", "trap 'echo got-term > term.txt; exit 42' TERM; "
+                                "touch ready; while :; do sleep 0.05; done"],
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while not os.path.exists(os.path.join(m.ws, "ready")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=20) == 42
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert open(os.path.join(m.ws, "term.txt")).read() == "got-term\n"
