@@ -131,41 +131,55 @@ def _read_ready(fd: int, proc: subprocess.Popen, timeout: float) -> str:
     return buf.decode(errors="replace").strip()
 
 
-def _unmount_now(ws: str) -> None:
-    r = subprocess.run(["fusermount3", "-u", "-z", ws], capture_output=True, text=True)
-    if r.returncode != 0 and (state.fuse_mount_at(ws) or state.is_dead_mount(ws)):
-        r2 = subprocess.run(["umount", "-l", ws], capture_output=True, text=True)
-        if r2.returncode != 0:
-            raise Fail(f"cannot unmount {ws}: {(r.stderr or r2.stderr).strip()}")
-
-
 @main.command()
-@click.argument("workspace", type=click.Path())
+@click.argument("workspace")  # a plain string: click.Path would stat a possibly hung mount
 @click.option("--timeout", default=20.0, show_default=True,
               help="Seconds to wait for the daemon to finish before detaching the mount.")
 @_guard
 def umount(workspace, timeout):
-    """Unmount WORKSPACE: stop its daemon cleanly, or clear a dead mount."""
-    ws = state.resolve_workspace(workspace, must_exist=False)
-    dead = state.is_dead_mount(ws)
-    mounted = state.fuse_mount_at(ws)
+    """Unmount WORKSPACE: stop its daemon cleanly, or clear a dead mount.
+
+    A daemon that does not stop within --timeout is killed and its mount detached; nothing here
+    touches the mounted path itself, so a hung mount cannot hang this command."""
+    ws = os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(workspace))),
+                      os.path.basename(os.path.abspath(workspace)))
+    mounted = state.fuse_mount_at(ws) is not None
     sd = state.find_state_dir(ws)
     info = state.daemon_info(sd)
     pid = info["pid"] if info and state.pid_alive(info["pid"]) else None
-    if not mounted and not dead:
+    if not mounted:
         if pid:
             os.kill(pid, signal.SIGTERM)
         raise Fail(f"{ws} is not mounted")
-    if pid and not dead:
+    killed = False
+    if pid:
         os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and state.pid_alive(pid):
-            time.sleep(0.05)
-    if state.fuse_mount_at(ws) or state.is_dead_mount(ws):
+        if not _wait_gone(pid, timeout):
+            os.kill(pid, signal.SIGKILL)  # hung: what it journaled is safe (write-ahead)
+            _wait_gone(pid, 5)
+            killed = True
+    if state.fuse_mount_at(ws):
         _unmount_now(ws)
-        if pid and state.pid_alive(pid):
-            os.kill(pid, signal.SIGTERM)
-    click.echo(f"unmounted {ws}" + (" (cleared a dead mount)" if dead else ""))
+    note = " (daemon did not stop: killed it)" if killed else \
+        (" (cleared a dead mount)" if not pid else "")
+    click.echo(f"unmounted {ws}{note}")
+
+
+def _wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not state.pid_alive(pid):
+            return True
+        time.sleep(0.05)
+    return not state.pid_alive(pid)
+
+
+def _unmount_now(ws: str) -> None:
+    r = subprocess.run(["fusermount3", "-u", "-z", ws], capture_output=True, text=True)
+    if r.returncode != 0 and state.fuse_mount_at(ws):
+        r2 = subprocess.run(["umount", "-l", ws], capture_output=True, text=True)
+        if r2.returncode != 0:
+            raise Fail(f"cannot unmount {ws}: {(r.stderr or r2.stderr).strip()}")
 
 
 @main.command()
@@ -636,6 +650,94 @@ def calls(workspace, sid, turn_index, as_json, state_dir):
         click.echo(f"{r['session']:<14.14} {str(r['turn'] or '-'):>3} {r['id']:<24.24} "
                    f"{r['tool']:<10.10} {r['files']:>4} files  {(r['summary'] or ''):<40.40}  "
                    f"{procs}")
+
+
+# -- diffs ----------------------------------------------------------------------------------------
+
+def _tree_for(ws: str, sd: str):
+    """The live tree: beneath the mount via the daemon's fd, or the workspace itself."""
+    from .engines.states import Tree
+    if state.fuse_mount_at(ws) and not state.is_dead_mount(ws):
+        from . import client
+        try:
+            return Tree(client.underlay_fd(os.path.join(sd, "control.sock")))
+        except client.ClientError as e:
+            raise Fail(str(e)) from None
+    return Tree.at(ws)
+
+
+@main.command()
+@click.argument("workspace", type=click.Path(), default=".")
+@click.option("--call", "call_id", help="What this call changed.")
+@click.option("--turn", "turn_sel", help="What this turn changed: N, last, or -1, -2 ...")
+@click.option("--session", "sid", help="What this session changed (or: narrows --call/--turn).")
+@click.option("--since", type=int, help="Everything recorded after this sequence number.")
+@click.option("--until", type=int, help="... up to and including this one.")
+@click.option("--stat", "fmt", flag_value="stat", help="git diff --stat.")
+@click.option("--numstat", "fmt", flag_value="numstat", help="git diff --numstat.")
+@click.option("--name-status", "fmt", flag_value="name-status", help="git diff --name-status.")
+@click.option("--patch", "fmt", flag_value="patch", default=True, help="A unified diff (default).")
+@click.option("--binary", is_flag=True, help="Binary patches (for git apply).")
+@click.option("--path", "glob", help="Only paths matching this glob.")
+@click.option("--by-writer", is_flag=True, help="Split the changes by call and outside actor.")
+@click.option("--json", "as_json", is_flag=True, help="Files, their status and writers, as JSON.")
+@click.option("--state-dir", type=click.Path())
+@_guard
+def diff(workspace, call_id, turn_sel, sid, since, until, fmt, binary, glob, by_writer, as_json,
+         state_dir):
+    """What a call, a turn, a session or a range changed, in git's own format.
+
+    The diff is made by git (diff-tree of two trees in a private object store), so renames,
+    binary files, modes and symlinks read as git shows them, and git apply takes it."""
+    from .engines.diff import select, SelectionError
+    from .engines.gitdiff import ObjectStore, GitError
+    from .engines.states import States
+    if sum(x is not None for x in (call_id, turn_sel)) + (since is not None) > 1:
+        raise Fail("choose one of --call, --turn, --since")
+    if call_id is None and turn_sel is None and since is None and sid is None:
+        raise Fail("say what to diff: --call ID, --turn N, --session S or --since SEQ")
+    ws = state.resolve_workspace(workspace, must_exist=False)
+    sd = _state_dir_for(ws, state_dir)
+    j = Journal(sd, readonly=True)
+    tree = _tree_for(ws, sd)
+    try:
+        side = select(j, States(j, tree), call=call_id, turn=turn_sel, session=sid,
+                      since=since, until=until, glob=glob)
+        store = ObjectStore(sd)
+        groups = [(None, sorted(side.before))]
+        if by_writer:
+            units = sorted({u for us in side.writers.values() for u in us})
+            groups = [(u, sorted(p for p, us in side.writers.items() if u in us)) for u in units]
+        a = store.tree(side.before)
+        b = store.tree(side.after)
+        if as_json:
+            status = {}
+            for line in store.diff(a, b, "name-status").splitlines():
+                parts = line.split("\t")
+                status[parts[-1]] = {"status": parts[0], "from": parts[1] if len(parts) > 2 else None}
+            nums = {}
+            for line in store.diff(a, b, "numstat").splitlines():
+                add, dele, p = line.split("\t", 2)
+                p = p.split(" => ")[-1].rstrip("}") if " => " in p else p
+                nums[p] = (None if add == "-" else int(add), None if dele == "-" else int(dele))
+            files = [{"path": p, **st, "added": nums.get(p, (None, None))[0],
+                      "deleted": nums.get(p, (None, None))[1],
+                      "writers": sorted(side.writers.get(p, []) | side.writers.get(st.get("from") or "", set()))}
+                     for p, st in sorted(status.items())]
+            click.echo(json.dumps({"from_tree": a, "to_tree": b, "files": files,
+                                   "inexact": sorted(p for p, s in {**side.before, **side.after}.items()
+                                                     if not s.exact)}))
+            return
+        for unit, paths in groups:
+            out = store.diff(a, b, fmt, paths=paths if unit else None, binary=binary)
+            if unit and out:
+                click.echo(f"# {unit}")
+            click.echo(out, nl=False)
+    except (SelectionError, GitError) as e:
+        raise Fail(str(e)) from None
+    finally:
+        os.close(tree.root_fd)
+        j.close()
 
 
 if __name__ == "__main__":

@@ -109,5 +109,22 @@ class Client:
         self.close()
 
 
+def underlay_fd(sock_path: str) -> int:
+    """The daemon's fd of the directory beneath the mount (for engines that read the tree)."""
+    import socket as stdsocket
+    with stdsocket.socket(stdsocket.AF_UNIX, stdsocket.SOCK_STREAM) as s:
+        s.settimeout(10)
+        try:
+            s.connect(sock_path)
+            s.sendall(b'{"op": "underlay"}\n')
+            msg, fds, _, _ = stdsocket.recv_fds(s, 4096, 1)
+        except OSError as e:
+            raise ClientError(f"cannot get the underlay from the daemon: {e.strerror or e}") \
+                from None
+    if not fds:
+        raise ClientError("the daemon did not hand over the underlay")
+    return fds[0]
+
+
 def connect(session: str | None = None, cwd: str | None = None) -> Client:
     return Client(find_socket(cwd), session=session)

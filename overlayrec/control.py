@@ -8,6 +8,7 @@ Who is asking is never taken from the request: the caller's pid comes from the k
 """
 from __future__ import annotations
 
+import array
 import json
 import logging
 import os
@@ -30,8 +31,10 @@ def peer_pid(sock) -> int:
 
 
 class ControlServer:
-    def __init__(self, path: str, calls: Calls, attribution: Attribution, owner_uid: int):
+    def __init__(self, path: str, calls: Calls, attribution: Attribution, owner_uid: int,
+                 root_fd: int | None = None):
         self.path = path
+        self.root_fd = root_fd
         self.calls = calls
         self.attribution = attribution
         self.owner_uid = owner_uid
@@ -108,6 +111,13 @@ class ControlServer:
                         return
                     while b"\n" in buf:
                         line, buf = buf.split(b"\n", 1)
+                        if line.strip() == b'{"op": "underlay"}' and self.root_fd is not None:
+                            # the engines read the tree beneath the mount through this fd;
+                            # only the socket's owner (0600) can ask for it
+                            await conn.sendmsg([b'{"ok": true}\n'], [(
+                                socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                array.array("i", [self.root_fd]))])
+                            continue
                         out = memoryview(self._answer(line, caller) + b"\n")
                         while out:
                             out = out[await conn.send(out):]

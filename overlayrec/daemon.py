@@ -81,7 +81,7 @@ def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool):
     calls = Calls(journal, attribution)
     recorder = Recorder(journal, root_fd, attribution, units=calls)
     control = ControlServer(os.path.join(state_dir, "control.sock"), calls, attribution,
-                            os.fstat(root_fd).st_uid)
+                            os.fstat(root_fd).st_uid, root_fd)
     control.bind()
     ops = Operations(recorder, root_fd, fault_name=os.environ.get("OVERLAYREC_INJECT_FAULT"))
     options = set(pyfuse3.default_options) | {f"fsname={state.FSNAME}", f"subtype={state.FSNAME}"}

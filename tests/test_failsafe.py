@@ -166,3 +166,23 @@ def test_sigkill_mid_workload_loses_no_pre_image(make_mount):
     m.umount()
     after = m.events()
     assert after[-1]["seq"] > last and after[-1]["path"] == "again"
+
+
+def test_umount_of_a_hung_daemon_does_not_hang(make_mount):
+    m = make_mount().mount()
+    m.sh("echo before > f")
+    pid = json.load(open(os.path.join(m.state, "daemon.json")))["pid"]
+    os.kill(pid, signal.SIGSTOP)  # a daemon that answers nothing
+    try:
+        t = time.monotonic()
+        r = overlayrec("umount", m.ws, "--timeout", "2", timeout=30)
+        assert time.monotonic() - t < 20
+        assert "killed it" in r.stdout
+        assert not is_mounted(m.ws)
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert open(os.path.join(m.ws, "f")).read() == "before\n"
+    assert [e["op"] for e in m.events()][:1] == ["create"]

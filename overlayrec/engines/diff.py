@@ -1,0 +1,127 @@
+"""What a call, a turn, a session or a range of the journal changed: the two sides of the diff.
+
+A selection is a set of (path, before-point, after-point): for a call, each path it touched, from
+just before its first change to just after its last; for a turn, the paths its session's units
+touched between the turn's begin and end; for a range, every path changed in it.
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+from ..journal import Journal
+from ..journal.schema import CONTROL_OPS
+from .states import States, State
+
+
+class SelectionError(Exception):
+    pass
+
+
+@dataclass
+class Side:
+    before: dict[str, State]
+    after: dict[str, State]
+    writers: dict[str, set[str]]   # path -> units that changed it in the selection
+
+
+def _unit_session(unit: str | None) -> str | None:
+    if not unit:
+        return None
+    kind, _, rest = unit.partition(":")
+    if kind == "call":
+        return rest.split(":", 1)[0]
+    if kind == "turn":
+        return rest.rsplit(":", 1)[0]
+    if kind == "session":
+        return rest
+    return None
+
+
+def file_events(j: Journal, lo: int = 1, hi: int | None = None) -> list[dict]:
+    failed, out = set(), []
+    for e in j.events(lo, hi):
+        if e["op"] == "failed":
+            failed.add(e["ref"])
+        elif e["op"] not in CONTROL_OPS and e.get("path") is not None:
+            out.append(e)
+    return [e for e in out if e["seq"] not in failed]
+
+
+def _paths(e: dict) -> list[str]:
+    return [p for p in (e.get("path"), e.get("path2")) if p is not None]
+
+
+def _visible(p: str) -> bool:
+    return not (p == ".overlayrec-attic" or p.startswith(".overlayrec-attic/"))
+
+
+def select(j: Journal, states: States, *, call: str | None = None, turn: int | str | None = None,
+           session: str | None = None, since: int | None = None, until: int | None = None,
+           glob: str | None = None) -> Side:
+    last = j.last_seq()
+    spans: dict[str, list[int]] = {}   # path -> [first seq - 1, last seq]
+    writers: dict[str, set[str]] = {}
+
+    def take(e, bounds=None):
+        for p in _paths(e):
+            if not _visible(p) or (glob and not fnmatch.fnmatchcase(p, glob)):
+                continue
+            lo, hi = bounds if bounds else (e["seq"] - 1, e["seq"])
+            cur = spans.get(p)
+            spans[p] = [min(cur[0], lo), max(cur[1], hi)] if cur else [lo, hi]
+            writers.setdefault(p, set()).add(e.get("unit") or "outside:" + e.get("actor", "?"))
+
+    if call is not None:
+        calls = [c for c in j.records("calls") if c["id"] == call
+                 and (session is None or c["session"] == session)]
+        if not calls:
+            raise SelectionError(f"no call {call}" + (f" in session {session}" if session else ""))
+        if len({c["session"] for c in calls}) > 1:
+            raise SelectionError(f"call {call} exists in several sessions: say --session")
+        unit = f"call:{calls[0]['session']}:{call}"
+        for e in file_events(j, calls[0].get("begin_seq") or 1):
+            if e.get("unit") == unit:
+                take(e)
+    elif turn is not None:
+        t = _find_turn(j, turn, session)
+        sid = t["session"]
+        lo, hi = t["begin_seq"], t["end_seq"] or last
+        for e in file_events(j, lo, hi):
+            if _unit_session(e.get("unit")) == sid:
+                take(e, (lo, hi))
+    elif session is not None:
+        rec = j.record("sessions", session.encode())
+        if rec is None:
+            raise SelectionError(f"no session {session}")
+        for e in file_events(j):
+            if _unit_session(e.get("unit")) == session:
+                take(e)
+    else:
+        lo = since if since is not None else 1
+        hi = until if until is not None else last
+        for e in file_events(j, lo, hi):
+            take(e, (lo - 1, hi))
+    before = {p: states.state(p, lo) for p, (lo, _) in spans.items()}
+    after = {p: states.state(p, hi) for p, (_, hi) in spans.items()}
+    return Side(before, after, writers)
+
+
+def _find_turn(j: Journal, turn, session: str | None) -> dict:
+    turns = [t for t in j.records("turns") if session is None or t["session"] == session]
+    if not turns:
+        raise SelectionError("no turns recorded" + (f" in session {session}" if session else ""))
+    if len({t["session"] for t in turns}) > 1:
+        raise SelectionError("turns of several sessions are recorded: say --session")
+    turns.sort(key=lambda t: t["index"])
+    if turn == "last":
+        return turns[-1]
+    n = int(turn)
+    if n < 0:
+        if -n > len(turns):
+            raise SelectionError(f"no turn {n}: {len(turns)} recorded")
+        return turns[n]
+    for t in turns:
+        if t["index"] == n:
+            return t
+    raise SelectionError(f"no turn {n}")
