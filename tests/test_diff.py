@@ -1,0 +1,137 @@
+"""overlayrec diff: what a call or a turn changed, from the journal, in git's own format; the
+patch applies with the real git onto the tree before and gives the tree after."""
+from __future__ import annotations
+
+import filecmp
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+from conftest import needs_fuse, overlayrec
+
+pytestmark = needs_fuse
+
+AGENT = textwrap.dedent(r'''
+    import os, subprocess
+    from overlayrec import client
+    def sh(cmd):
+        subprocess.run(["bash", "-c", cmd], check=True)
+    with client.connect() as c:
+        c.turn_begin(prompt="refactor")
+        c.call_begin("c1", "Bash", summary="edits")
+        sh("sed -i s/alpha/ALPHA/ text.txt && printf 'new\\n' > created.txt && rm gone.txt")
+        sh("mv moved.txt renamed.txt && chmod +x tool.sh && ln -sfn text.txt link")
+        sh("printf '\\x00\\x01\\x02changed' > blob.bin && mkdir -p sub/deep && echo d > sub/deep/f")
+        c.call_end("c1")
+        c.call_begin("c2", "Edit", summary="second edit of text.txt")
+        with open("text.txt", "a") as f:
+            f.write("appended by c2\n")
+        c.call_end("c2")
+        c.turn_end()
+        c.turn_begin(prompt="later")
+        c.call_begin("c3", "Bash")
+        sh("echo later >> text.txt")
+        c.call_end("c3")
+        c.turn_end()
+''')
+
+
+def seed(root):
+    os.makedirs(root, exist_ok=True)
+    files = {"text.txt": b"alpha\nbeta\n", "gone.txt": b"bye\n", "tool.sh": b"#!/bin/sh\necho\n",
+             "blob.bin": b"\x00\x01\x02\x03binary", "moved.txt": b"".join(
+                 b"line %d of a file that moves\n" % i for i in range(20))}
+    for p, data in files.items():
+        with open(os.path.join(root, p), "wb") as f:
+            f.write(data)
+    os.chmod(os.path.join(root, "tool.sh"), 0o644)
+    os.symlink("tool.sh", os.path.join(root, "link"))
+
+
+def snapshot(src, dst):
+    shutil.copytree(src, dst, symlinks=True,
+                    ignore=shutil.ignore_patterns(".overlayrec-attic", ".git"))
+
+
+def same_tree(a, b):
+    def walk(root):
+        out = {}
+        for d, dirs, files in os.walk(root):
+            dirs[:] = [x for x in dirs if x not in (".overlayrec-attic", ".git")]
+            for n in files + [x for x in dirs if os.path.islink(os.path.join(d, x))]:
+                p = os.path.join(d, n)
+                rel = os.path.relpath(p, root)
+                if os.path.islink(p):
+                    out[rel] = ("link", os.readlink(p))
+                else:
+                    out[rel] = ("file", open(p, "rb").read(), os.stat(p).st_mode & 0o111 != 0)
+        return out
+    return walk(a) == walk(b), walk(a), walk(b)
+
+
+def test_turn_and_call_diffs_apply_with_git(make_mount, tmp_path):
+    m = make_mount()
+    seed(m.ws)
+    before = tmp_path / "before"
+    snapshot(m.ws, before)
+    m.mount()
+    agent = tmp_path / "agent.py"
+    agent.write_text(AGENT)
+    overlayrec("run", "-w", m.ws, "--session", "d", "--", sys.executable, str(agent), cwd=m.ws)
+
+    stat = overlayrec("diff", m.ws, "--turn", "1", "--stat").stdout
+    for name in ("text.txt", "created.txt", "gone.txt", "blob.bin", "tool.sh", "link",
+                 "sub/deep/f", "renamed.txt"):
+        assert name in stat, stat
+    patch = overlayrec("diff", m.ws, "--turn", "1", "--binary").stdout
+    assert "rename from moved.txt\nrename to renamed.txt" in patch
+    assert "old mode 100644\nnew mode 100755" in patch
+    assert "deleted file mode 100644" in patch and "GIT binary patch" in patch
+
+    # git apply of the turn's diff onto the tree before the turn gives the tree after it
+    work = tmp_path / "apply"
+    snapshot(before, work)
+    subprocess.run(["git", "init", "-q", str(work)], check=True)
+    r = subprocess.run(["git", "apply", "--whitespace=nowarn", "-"], input=patch, text=True,
+                       cwd=work, capture_output=True)
+    assert r.returncode == 0, r.stderr
+    after_turn1 = tmp_path / "after1"
+    snapshot(m.ws, after_turn1)
+    # the live tree also holds turn 2's line: take it off to get the tree at turn 1's end
+    t = (after_turn1 / "text.txt").read_text()
+    (after_turn1 / "text.txt").write_text(t.replace("later\n", ""))
+    ok, got, want = same_tree(work, after_turn1)
+    assert ok, (got, want)
+
+    # a call's diff is only its own change, though c2 and c3 wrote the same file afterwards
+    c1 = overlayrec("diff", m.ws, "--call", "c1", "--path", "text.txt").stdout
+    assert "-alpha\n+ALPHA\n" in c1 and "appended by c2" not in c1
+    c2 = overlayrec("diff", m.ws, "--call", "c2").stdout
+    assert "+appended by c2\n" in c2 and "-alpha" not in c2 and "later" not in c2
+    last = overlayrec("diff", m.ws, "--turn", "last").stdout
+    assert "+later\n" in last and "ALPHA" not in last.replace(" ALPHA", "")
+    assert overlayrec("diff", m.ws, "--turn", "-1").stdout == last
+    names = overlayrec("diff", m.ws, "--call", "c1", "--name-status").stdout.splitlines()
+    assert "D\tgone.txt" in names and "A\tcreated.txt" in names
+    assert any(l.startswith("R") and l.endswith("moved.txt\trenamed.txt") for l in names)
+    js = json.loads(overlayrec("diff", m.ws, "--call", "c2", "--json").stdout)
+    assert [(f["path"], f["status"], f["added"], f["writers"]) for f in js["files"]] == \
+        [("text.txt", "M", 1, ["call:d:c2"])]
+    by = overlayrec("diff", m.ws, "--turn", "1", "--by-writer", "--name-status").stdout
+    assert "# call:d:c1" in by and "# call:d:c2" in by
+
+    # the same diff unmounted, straight from the underlay and the attic
+    m.umount()
+    assert overlayrec("diff", m.ws, "--state-dir", m.state, "--turn", "1", "--binary").stdout \
+        == patch
+
+
+def test_diff_errors_are_one_line(make_mount):
+    m = make_mount().mount()
+    for args, needle in ((["--call", "nope"], "no call nope"), (["--turn", "3"], "no turns"),
+                         ([], "say what to diff")):
+        r = overlayrec("diff", m.ws, *args, check=False)
+        assert r.returncode == 1 and needle in r.stderr and "Traceback" not in r.stderr
