@@ -740,5 +740,66 @@ def diff(workspace, call_id, turn_sel, sid, since, until, fmt, binary, glob, by_
         j.close()
 
 
+@main.group()
+def export():
+    """Write the journal out in another format."""
+
+
+@export.command(name="git")
+@click.argument("workspace", default=".")
+@click.option("--repo", type=click.Path(), help="Write into this repository (default: a private "
+              "object store in the state dir, the workspace's objects as an alternate).")
+@click.option("--ref-prefix", default="refs/overlayrec", show_default=True)
+@click.option("--state-dir", type=click.Path())
+@click.option("--json", "as_json", is_flag=True)
+@_guard
+def export_git(workspace, repo, ref_prefix, state_dir, as_json):
+    """One commit per call (its parent: the state before it), one per turn end, refs under
+    <prefix>/<session>/{calls,turns}/ and <session>/head.  Incremental: a second run writes
+    only what is new.  The workspace's own repository is never written."""
+    import hashlib
+    from .engines.export import Exporter
+    from .engines.gitdiff import ObjectStore, GitError
+    from .engines.states import States
+    if not ref_prefix.startswith("refs/"):
+        raise Fail("--ref-prefix must start with refs/")
+    ws = state.resolve_workspace(workspace, must_exist=False)
+    sd = _state_dir_for(ws, state_dir)
+    j = Journal(sd, readonly=True)
+    tree = _tree_for(ws, sd)
+    try:
+        if repo:
+            r = subprocess.run(["git", "-C", repo, "rev-parse", "--absolute-git-dir"],
+                               capture_output=True, text=True)
+            if r.returncode != 0:
+                raise Fail(f"{repo} is not a git repository")
+            git_dir = r.stdout.strip()
+            if os.path.realpath(git_dir) == os.path.realpath(os.path.join(ws, ".git")):
+                raise Fail("refusing to write into the workspace's own repository; "
+                           "name another one, or leave --repo out")
+            store = ObjectStore(sd, git_dir=git_dir)
+        else:
+            store = ObjectStore(sd, workspace=ws)
+        tag = hashlib.sha256(f"{store.git_dir}\0{ref_prefix}".encode()).hexdigest()[:12]
+        ex = Exporter(j, States(j, tree), store, os.path.join(sd, f"export-{tag}.json"),
+                      ref_prefix)
+        tty = sys.stderr.isatty() and not as_json
+        out = ex.run(progress=(lambda sid, n, total: click.echo(
+            f"\r{sid}: {n}/{total}", nl=False, err=True)) if tty else None)
+        if tty:
+            click.echo("", err=True)
+        out["git_dir"] = store.git_dir
+        if as_json:
+            click.echo(json.dumps(out))
+        else:
+            click.echo(f"wrote {out['commits']} commit(s) for {out['sessions']} session(s) "
+                       f"into {store.git_dir} (refs under {ref_prefix}/)")
+    except GitError as e:
+        raise Fail(str(e)) from None
+    finally:
+        os.close(tree.root_fd)
+        j.close()
+
+
 if __name__ == "__main__":
     main()

@@ -21,10 +21,20 @@ class GitError(Exception):
 
 
 class ObjectStore:
-    def __init__(self, state_dir: str):
-        self.git_dir = os.path.join(state_dir, "git")
+    """A git object store: the private one in the state dir (default), or a repository the
+    user names.  The private one borrows the workspace repository's objects as an alternate
+    (read only: nothing is ever written there)."""
+
+    def __init__(self, state_dir: str, git_dir: str | None = None, workspace: str | None = None):
+        self.git_dir = git_dir or os.path.join(state_dir, "git")
         if not os.path.exists(os.path.join(self.git_dir, "HEAD")):
+            if git_dir is not None:
+                raise GitError(f"{git_dir} is not a git repository")
             self._git("init", "-q", "--bare", self.git_dir, git_dir=False)
+            theirs = os.path.join(workspace, ".git", "objects") if workspace else None
+            if theirs and os.path.isdir(theirs):
+                with open(os.path.join(self.git_dir, "objects", "info", "alternates"), "w") as f:
+                    f.write(theirs + "\n")
         self.env = dict(os.environ, GIT_DIR=self.git_dir, GIT_CONFIG_NOSYSTEM="1",
                         GIT_CONFIG_GLOBAL=os.devnull)
 
