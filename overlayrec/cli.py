@@ -740,6 +740,135 @@ def diff(workspace, call_id, turn_sel, sid, since, until, fmt, binary, glob, by_
         j.close()
 
 
+@main.command()
+@click.argument("workspace", default=".")
+@click.option("--at", "at", required=True, help="SEQ, a time (ISO 8601 or @epoch), turn:N, "
+              "call:ID, or before:/after: either.")
+@click.option("--to", "dest", required=True, type=click.Path(), help="A new directory.")
+@click.option("--full", is_flag=True, help="The whole workspace as it stood, not just the "
+              "recorded paths (the live tree rolled back through the journal).")
+@click.option("--state-dir", type=click.Path())
+@click.option("--json", "as_json", is_flag=True)
+@_guard
+def replay(workspace, at, dest, full, state_dir, as_json):
+    """Write the workspace's recorded paths as they stood at a point into a new directory.
+
+    Exact at every epoch boundary (every call, turn and outside actor boundary); see
+    docs/export.md for the precision inside one."""
+    from .engines.diff import SelectionError
+    from .engines.replay import replay as do_replay, resolve_point
+    from .engines.states import States
+    if os.path.exists(dest) and os.listdir(dest):
+        raise Fail(f"{dest} exists and is not empty")
+    ws = state.resolve_workspace(workspace, must_exist=False)
+    sd = _state_dir_for(ws, state_dir)
+    j = Journal(sd, readonly=True)
+    tree = _tree_for(ws, sd)
+    try:
+        point = resolve_point(j, at)
+        os.makedirs(dest, exist_ok=True)
+        full_from = f"/proc/self/fd/{tree.root_fd}" if full else None
+        out = do_replay(j, States(j, tree), point, dest, full_from)
+    except SelectionError as e:
+        raise Fail(str(e)) from None
+    finally:
+        os.close(tree.root_fd)
+        j.close()
+    if as_json:
+        click.echo(json.dumps(out))
+    else:
+        click.echo(f"replayed seq {point} into {dest}: {out['written']} written, "
+                   f"{out['removed']} removed" + (f", {len(out['inexact'])} inexact"
+                                                  if out["inexact"] else ""))
+
+
+@main.command()
+@click.argument("path")
+@click.option("-w", "--workspace", default=".")
+@click.option("--at", "at", help="Only history up to this point.")
+@click.option("--state-dir", type=click.Path())
+@click.option("--json", "as_json", is_flag=True)
+@_guard
+def blame(path, workspace, at, state_dir, as_json):
+    """The history of one path, newest first: each run of changes with its call, turn,
+    session or outside actor, the processes, the time and the size.  Deleted paths work."""
+    from .engines.diff import SelectionError
+    from .engines.replay import blame as do_blame, resolve_point
+    from .engines.states import States
+    ws = state.resolve_workspace(workspace, must_exist=False)
+    rel = os.path.relpath(os.path.abspath(path), ws) if os.path.isabs(path) else \
+        os.path.normpath(path)
+    if rel.startswith(".."):
+        raise Fail(f"{path} is outside the workspace {ws}")
+    sd = _state_dir_for(ws, state_dir)
+    j = Journal(sd, readonly=True)
+    tree = _tree_for(ws, sd)
+    try:
+        rows = do_blame(j, States(j, tree), rel, resolve_point(j, at) if at else None)
+    except SelectionError as e:
+        raise Fail(str(e)) from None
+    finally:
+        os.close(tree.root_fd)
+        j.close()
+    if not rows:
+        raise Fail(f"nothing recorded for {rel}")
+    for r in rows:
+        if as_json:
+            click.echo(json.dumps(r))
+            continue
+        procs = "; ".join(f"{p['pid']} {' '.join(p['argv'] or [])[:60]}" for p in r["processes"])
+        click.echo(f"{_fmt_time(r['t_first'])} seq {r['first_seq']}-{r['last_seq']} "
+                   f"{r['unit']}: {', '.join(r['ops'])}  "
+                   f"{r['before']['kind']} {r['before']['size']}B -> "
+                   f"{r['after']['kind']} {r['after']['size']}B  [{procs}]")
+
+
+@main.command()
+@click.argument("seq", type=int)
+@click.option("-w", "--workspace", default=".")
+@click.option("--state-dir", type=click.Path())
+@click.option("--json", "as_json", is_flag=True)
+@_guard
+def show(seq, workspace, state_dir, as_json):
+    """One event in full: what, who (process and unit), its pre-image, and its diff."""
+    from .engines.gitdiff import ObjectStore
+    from .engines.states import States
+    ws = state.resolve_workspace(workspace, must_exist=False)
+    sd = _state_dir_for(ws, state_dir)
+    j = Journal(sd, readonly=True)
+    tree = _tree_for(ws, sd)
+    try:
+        ev = j.event(seq)
+        if ev is None:
+            raise Fail(f"no event {seq} (the journal holds 1..{j.last_seq()})")
+        actor = j.actor(ev.get("actor") or "") or {}
+        diff_text = ""
+        paths = [p for p in (ev.get("path"), ev.get("path2")) if p]
+        if paths:
+            st = States(j, tree)
+            store = ObjectStore(sd)
+            a = store.tree({p: st.state(p, seq - 1) for p in paths})
+            b = store.tree({p: st.state(p, seq) for p in paths})
+            diff_text = store.diff(a, b, "patch")
+    finally:
+        os.close(tree.root_fd)
+        j.close()
+    if as_json:
+        click.echo(json.dumps({"event": ev, "actor": actor, "diff": diff_text}))
+        return
+    click.echo(f"event {seq}: {ev['op']} {' -> '.join(paths)}")
+    click.echo(f"  time:    {_fmt_time(ev['t'])}")
+    click.echo(f"  unit:    {ev.get('unit') or '-'}" + (" (after its call ended)"
+                                                        if ev.get("after_end") else ""))
+    click.echo(f"  process: {actor.get('pid')} {' '.join(actor.get('argv') or [])}")
+    click.echo(f"  cwd:     {actor.get('cwd')}")
+    for k in ("pre", "pre2"):
+        if ev.get(k):
+            click.echo(f"  {k}:{' ' * (7 - len(k))}{json.dumps(ev[k])}")
+    if diff_text:
+        click.echo(diff_text, nl=False)
+
+
 @main.group()
 def export():
     """Write the journal out in another format."""

@@ -135,3 +135,46 @@ def test_diff_errors_are_one_line(make_mount):
                          ([], "say what to diff")):
         r = overlayrec("diff", m.ws, *args, check=False)
         assert r.returncode == 1 and needle in r.stderr and "Traceback" not in r.stderr
+
+
+def test_replay_blame_and_show(make_mount, tmp_path):
+    m = make_mount()
+    seed(m.ws)
+    before = tmp_path / "before"
+    snapshot(m.ws, before)
+    m.mount()
+    agent = tmp_path / "agent.py"
+    agent.write_text(AGENT)
+    overlayrec("run", "-w", m.ws, "--session", "d", "--", sys.executable, str(agent), cwd=m.ws)
+    # the whole workspace as it stood before the first turn is the seeded tree
+    full = tmp_path / "full"
+    overlayrec("replay", m.ws, "--at", "before:turn:1", "--to", str(full), "--full")
+    ok, got, want = same_tree(full, before)
+    assert ok, (got, want)
+    # just the recorded paths, at the end of call c1
+    part = tmp_path / "part"
+    out = json.loads(overlayrec("replay", m.ws, "--at", "call:c1", "--to", str(part),
+                                "--json").stdout)
+    assert out["inexact"] == []
+    assert (part / "text.txt").read_text() == "ALPHA\nbeta\n"
+    assert not (part / "gone.txt").exists() and (part / "renamed.txt").exists()
+    assert os.readlink(part / "link") == "text.txt"
+    r = overlayrec("replay", m.ws, "--at", "call:c1", "--to", str(part), check=False)
+    assert r.returncode == 1 and "not empty" in r.stderr
+    # blame: newest first, one run per unit, with the process that wrote
+    rows = [json.loads(l) for l in
+            overlayrec("blame", "text.txt", "-w", m.ws, "--json").stdout.splitlines()]
+    assert [r["unit"] for r in rows] == ["call:d:c3", "call:d:c2", "call:d:c1"]
+    assert rows[1]["before"]["size"] == len("ALPHA\nbeta\n")
+    assert any("sed" in " ".join(p["argv"]) for p in rows[2]["processes"])
+    gone = overlayrec("blame", "gone.txt", "-w", m.ws).stdout
+    assert "unlink" in gone and "file 4B -> absent 0B" in gone
+    old = [json.loads(l) for l in overlayrec("blame", "text.txt", "-w", m.ws, "--at", "call:c1",
+                                             "--json").stdout.splitlines()]
+    assert [r["unit"] for r in old] == ["call:d:c1"]
+    # show: one event in full, with its diff
+    seq = rows[0]["first_seq"]
+    shown = overlayrec("show", str(seq), "-w", m.ws).stdout
+    assert f"event {seq}:" in shown and "call:d:c3" in shown and "+later" in shown
+    r = overlayrec("show", "99999", "-w", m.ws, check=False)
+    assert r.returncode == 1 and "no event 99999" in r.stderr
