@@ -247,17 +247,32 @@ def _fmt_time(ns: int) -> str:
 @click.option("--turn", "turn_index", type=int, help="Only events recorded during this turn.")
 @click.option("--session", "sid", help="Only events of this session's calls, turns and agent.")
 @click.option("--actor", help="Only events by this process: a pid or a command name.")
+@click.option("--since", help="Only events after this point: SEQ or a time (ISO 8601, @epoch).")
+@click.option("--until", help="Only events up to this point: SEQ or a time.")
+@click.option("--op", "ops", multiple=True, help="Only this operation (repeatable).")
+@click.option("--outside", is_flag=True, help="Only writes by processes outside every session.")
+@click.option("--follow", "-f", is_flag=True, help="Keep printing new events as they come.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 @click.option("--state-dir", type=click.Path(), help="Read this state dir.")
 @_guard
-def log_cmd(workspace, glob, limit, call_id, turn_index, sid, actor, as_json, state_dir):
+def log_cmd(workspace, glob, limit, call_id, turn_index, sid, actor, since, until, ops, outside,
+            follow, as_json, state_dir):
     """The recorded events, newest last: time, actor (pid and command), operation and path."""
     from .views import unit_session, command_name
+    from .engines.replay import resolve_point
+    from .engines.diff import SelectionError
     ws = state.resolve_workspace(workspace, must_exist=False)
     sd = _state_dir_for(ws, state_dir)
     j = Journal(sd, readonly=True)
     try:
         lo, hi = 1, None
+        try:
+            if since is not None:
+                lo = resolve_point(j, since) + 1
+            if until is not None:
+                hi = resolve_point(j, until)
+        except SelectionError as e:
+            raise Fail(str(e)) from None
         if turn_index is not None:
             ts = [t for t in j.records("turns") if t["index"] == turn_index
                   and (sid is None or t["session"] == sid)]
@@ -280,29 +295,28 @@ def log_cmd(workspace, glob, limit, call_id, turn_index, sid, actor, as_json, st
             return actor in actor_cache[key]
 
         failed = {}
-        rows = []
-        for ev in j.events(lo, hi):
+        actors: dict[str, dict | None] = {}
+
+        def keep(ev) -> bool:
             unit = ev.get("unit") or ""
             if call_id is not None and not (unit.startswith("call:") and unit.split(":", 2)[2]
                                             == call_id and (sid is None or unit_session(unit) == sid)):
-                if ev["op"] != "failed":
-                    continue
+                return False
             if sid is not None and call_id is None and unit_session(unit) != sid \
-                    and ev.get("session") != sid and ev["op"] != "failed":
-                continue
-            if actor is not None and ev["op"] != "failed" and not actor_matches(ev.get("actor")):
-                continue
-            if ev["op"] == "failed":
-                failed[ev["ref"]] = ev.get("errno")
-                continue
+                    and ev.get("session") != sid:
+                return False
+            if actor is not None and not actor_matches(ev.get("actor")):
+                return False
+            if ops and ev["op"] not in ops:
+                return False
+            if outside and not unit.startswith("outside:"):
+                return False
             if glob and not any(p is not None and fnmatch.fnmatchcase(p, glob)
                                 for p in (ev.get("path"), ev.get("path2"))):
-                continue
-            rows.append(ev)
-        if limit:
-            rows = rows[-limit:]
-        actors: dict[str, dict | None] = {}
-        for ev in rows:
+                return False
+            return True
+
+        def emit(ev) -> None:
             key = ev.get("actor")
             if key not in actors:
                 actors[key] = j.actor(key) if key else None
@@ -310,18 +324,38 @@ def log_cmd(workspace, glob, limit, call_id, turn_index, sid, actor, as_json, st
             if ev["seq"] in failed:
                 ev["failed_errno"] = failed[ev["seq"]]
             if as_json:
-                ev = dict(ev, actor=a or {"key": key})
-                click.echo(json.dumps(ev, ensure_ascii=False))
-                continue
+                click.echo(json.dumps(dict(ev, actor=a or {"key": key}), ensure_ascii=False))
+                return
             where = ev.get("path") or ""
             if ev["op"] in CONTROL_OPS:
-                where = " ".join(f"{k}={ev[k]}" for k in ("session", "turn", "call", "tool", "status")
-                                 if ev.get(k) is not None)
+                where = " ".join(f"{k}={ev[k]}" for k in ("session", "turn", "call", "tool",
+                                                          "status") if ev.get(k) is not None)
             if ev.get("path2") is not None:
                 where += f" -> {ev['path2']}"
             note = f"  (failed: {os.strerror(ev['failed_errno'])})" if "failed_errno" in ev else ""
             click.echo(f"{ev['seq']:>6} {_fmt_time(ev['t'])} {a['pid'] if a else '?':>7} "
                        f"{_command_name(a):<12.12} {ev['op']:<11} {where}{note}")
+
+        rows, last = [], lo - 1
+        for ev in j.events(lo, hi):
+            last = ev["seq"]
+            if ev["op"] == "failed":
+                failed[ev["ref"]] = ev.get("errno")
+            elif keep(ev):
+                rows.append(ev)
+        for ev in rows[-limit:] if limit else rows:
+            emit(ev)
+        while follow and (hi is None or last < hi):
+            time.sleep(0.3)
+            fresh = list(j.events(last + 1, hi))
+            for ev in fresh:
+                last = ev["seq"]
+                if ev["op"] == "failed":
+                    failed[ev["ref"]] = ev.get("errno")
+                elif keep(ev):
+                    emit(ev)
+    except KeyboardInterrupt:
+        pass
     finally:
         j.close()
 

@@ -344,3 +344,31 @@ def test_thousands_of_files_created_and_removed(make_mount):
     assert sum(e["op"] == "create" for e in evs) == 1800
     assert sum(e["op"] == "unlink" for e in evs) == 1800
     assert sum(e["op"] == "rmdir" for e in evs) == 3
+
+
+def test_log_filters_and_follow(make_mount):
+    import subprocess as sp
+    import sys
+    from conftest import overlayrec
+    m = seeded(make_mount, {"a": b"a"})
+    m.sh("echo 1 >> a; mkdir d; touch d/x; rm a")
+    seqs = [e["seq"] for e in m.events()]
+    ops = lambda *args: [l.split()[5] for l in overlayrec("log", m.ws, *args).stdout.splitlines()]
+    assert ops("--op", "mkdir", "--op", "unlink") == ["mkdir", "unlink"]
+    assert ops("--since", str(seqs[1]), "--until", str(seqs[2])) == ["create"]
+    assert ops("--outside", "--op", "write") == ["write"]  # no session: every writer is outside
+    assert ops("--since", "2000-01-01T00:00:00") == ops()
+    assert ops("--until", "@1") == []
+    r = overlayrec("log", m.ws, "--since", "yesterday-ish", check=False)
+    assert r.returncode == 1 and "not a point" in r.stderr
+    f = sp.Popen([sys.executable, "-m", "overlayrec", "log", m.ws, "--follow", "--op", "create"],
+                 stdout=sp.PIPE, text=True)
+    try:
+        m.sh("touch late-arrival")
+        line = f.stdout.readline()
+        while "late-arrival" not in line:
+            line = f.stdout.readline()
+        assert line.split()[5] == "create"
+    finally:
+        f.terminate()
+        f.wait(timeout=10)
