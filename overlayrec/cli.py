@@ -903,6 +903,43 @@ def show(seq, workspace, state_dir, as_json):
         click.echo(diff_text, nl=False)
 
 
+@main.command()
+@click.argument("workspace", default=".")
+@click.option("--html", "out", default="overlayrec-report.html", show_default=True,
+              type=click.Path(), help="Where to write the page.")
+@click.option("--state-dir", type=click.Path())
+@_guard
+def report(workspace, out, state_dir):
+    """A single self-contained HTML page (no network) with the sessions as a timeline: turns,
+    their calls, the processes and files of each, outside writers in their own lane, and each
+    call's diff a click away."""
+    from .engines.diff import select, SelectionError
+    from .engines.gitdiff import ObjectStore
+    from .engines.report import report_data, render
+    from .engines.states import States
+    ws = state.resolve_workspace(workspace, must_exist=False)
+    sd = _state_dir_for(ws, state_dir)
+    j = Journal(sd, readonly=True)
+    tree = _tree_for(ws, sd)
+    try:
+        states = States(j, tree)
+        store = ObjectStore(sd)
+
+        def diff_of(c):
+            try:
+                side = select(j, states, call=c["id"], session=c["session"])
+            except SelectionError:
+                return ""
+            return store.diff(store.tree(side.before), store.tree(side.after), "patch")
+        page = render(report_data(j, diff_of), ws)
+    finally:
+        os.close(tree.root_fd)
+        j.close()
+    with open(out, "w") as f:
+        f.write(page)
+    click.echo(f"wrote {out}")
+
+
 @main.group()
 def export():
     """Write the journal out in another format."""
