@@ -67,9 +67,11 @@ def _state_dir_for(ws: str, state_dir: str | None) -> str:
               help="Let other users in (FUSE allow_other; permissions checked by the kernel).")
 @click.option("--durable", is_flag=True,
               help="fsync every journal commit, so it also survives power loss.")
+@click.option("--record-data", is_flag=True,
+              help="Full fidelity: journal every write's data, so replay is exact at every event.")
 @click.option("--timeout", default=30.0, show_default=True, help="Seconds to wait for the mount.")
 @_guard
-def mount(workspace, state_dir, foreground, allow_other, durable, timeout):
+def mount(workspace, state_dir, foreground, allow_other, durable, record_data, timeout):
     """Mount the recorder over WORKSPACE itself.
 
     Every path into the workspace keeps working; from now on each change made through it is
@@ -85,12 +87,14 @@ def mount(workspace, state_dir, foreground, allow_other, durable, timeout):
     if foreground:
         from . import daemon
         sys.exit(daemon.run(ws, sd, foreground=True, durable=durable, allow_other=allow_other,
-                            ready_fd=None))
-    pid = _spawn_daemon(ws, sd, durable=durable, allow_other=allow_other, timeout=timeout)
+                            ready_fd=None, record_data=record_data))
+    pid = _spawn_daemon(ws, sd, durable=durable, allow_other=allow_other, timeout=timeout,
+                        record_data=record_data)
     click.echo(f"mounted {ws} (daemon pid {pid}, journal {os.path.join(sd, 'journal')})")
 
 
-def _spawn_daemon(ws: str, sd: str, *, durable=False, allow_other=False, timeout=30.0) -> int:
+def _spawn_daemon(ws: str, sd: str, *, durable=False, allow_other=False, timeout=30.0,
+                  record_data=False) -> int:
     """Start the daemon in its own process and wait until the mount is ready; its pid."""
     r, w = os.pipe()
     cmd = [sys.executable, "-m", "overlayrec.daemon", "--workspace", ws, "--state-dir", sd,
@@ -99,6 +103,8 @@ def _spawn_daemon(ws: str, sd: str, *, durable=False, allow_other=False, timeout
         cmd.append("--durable")
     if allow_other:
         cmd.append("--allow-other")
+    if record_data:
+        cmd.append("--record-data")
     with open(os.devnull, "rb") as devnull, open(os.path.join(sd, "daemon.log"), "ab") as logf:
         proc = subprocess.Popen(cmd, stdin=devnull, stdout=logf, stderr=logf, pass_fds=(w,),
                                 start_new_session=True, cwd="/")
@@ -535,9 +541,10 @@ def _set_subreaper() -> None:
               help="The workspace to record (mounted unless it already is).")
 @click.option("--session", "name", help="The session's name (default: a new id).")
 @click.option("--state-dir", type=click.Path(), help="Where the journal lives, when mounting.")
+@click.option("--record-data", is_flag=True, help="When mounting: journal every write's data.")
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 @_guard
-def run(workspace, name, state_dir, cmd):
+def run(workspace, name, state_dir, record_data, cmd):
     """Run CMD (an agent) in the recorded workspace: mount it (or join the daemon already
     there), run CMD with the terminal passed through and OVERLAYREC_SOCKET/OVERLAYREC_SESSION
     set, then unmount if this run mounted, print a summary and exit with CMD's status.
@@ -551,7 +558,7 @@ def run(workspace, name, state_dir, cmd):
     if not state.fuse_mount_at(ws):
         sd = state.check_state_dir(ws, state_dir or state.default_state_dir(ws))
         os.makedirs(sd, mode=0o700, exist_ok=True)
-        _spawn_daemon(ws, sd)
+        _spawn_daemon(ws, sd, record_data=record_data)
         mounted_here = True
     sd = state.find_state_dir(ws)
     sock = os.path.join(sd, "control.sock")

@@ -63,7 +63,7 @@ async def _serve(control: ControlServer) -> None:
         nursery.cancel_scope.cancel()
 
 
-def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool):
+def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool, record_data: bool = False):
     """Everything up to and including the mount; raises MountError with a one-line reason."""
     if state.fuse_mount_at(ws) is not None or state.is_dead_mount(ws):
         if state.is_dead_mount(ws):
@@ -79,7 +79,7 @@ def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool):
     root_fd = os.open(ws, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     attribution = Attribution()
     calls = Calls(journal, attribution)
-    recorder = Recorder(journal, root_fd, attribution, units=calls)
+    recorder = Recorder(journal, root_fd, attribution, units=calls, record_data=record_data)
     control = ControlServer(os.path.join(state_dir, "control.sock"), calls, attribution,
                             os.fstat(root_fd).st_uid, root_fd)
     control.bind()
@@ -95,7 +95,7 @@ def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool):
 
 
 def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other: bool,
-        ready_fd: int | None) -> int:
+        ready_fd: int | None, record_data: bool = False) -> int:
     os.umask(0)  # the kernel applied the caller's umask already
     _raise_fd_limit()
     os.makedirs(state_dir, mode=0o700, exist_ok=True)
@@ -107,7 +107,7 @@ def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other
             os.close(ready_fd)
 
     try:
-        journal, control = prepare(ws, state_dir, durable, allow_other)
+        journal, control = prepare(ws, state_dir, durable, allow_other, record_data)
     except MountError as e:
         log.error("%s", e)
         tell(f"error: {e}")
@@ -118,7 +118,7 @@ def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other
         return 1
     os.chdir("/")
     info = {"pid": os.getpid(), "workspace": ws, "state_dir": state_dir,
-            "started": time.time_ns(), "durable": durable}
+            "started": time.time_ns(), "durable": durable, "record_data": record_data}
     with open(os.path.join(state_dir, "daemon.json"), "w") as f:
         json.dump(info, f)
     state.write_registry(ws, state_dir)
@@ -150,10 +150,11 @@ def main(argv=None) -> int:
     p.add_argument("--foreground", action="store_true")
     p.add_argument("--durable", action="store_true")
     p.add_argument("--allow-other", action="store_true")
+    p.add_argument("--record-data", action="store_true")
     p.add_argument("--ready-fd", type=int)
     a = p.parse_args(argv)
     return run(a.workspace, a.state_dir, foreground=a.foreground, durable=a.durable,
-               allow_other=a.allow_other, ready_fd=a.ready_fd)
+               allow_other=a.allow_other, ready_fd=a.ready_fd, record_data=a.record_data)
 
 
 if __name__ == "__main__":

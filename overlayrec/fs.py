@@ -406,7 +406,7 @@ class Operations(pyfuse3.Operations):
         h = self.handles[fh]
         if h.unit is None:  # opened read-only: the kernel would not send this
             raise pyfuse3.FUSEError(errno.EBADF)
-        self.recorder.before_write(h, off, len(buf))
+        self.recorder.before_write(h, off, len(buf), buf)
         return os.pwrite(h.fd, buf, off)
 
     async def flush(self, fh):

@@ -94,8 +94,10 @@ class Epoch:
 
 class Recorder:
     def __init__(self, journal: Journal, root_fd: int, attribution: Attribution,
-                 whole_file_limit: int = WHOLE_FILE_LIMIT, units: Calls | None = None):
+                 whole_file_limit: int = WHOLE_FILE_LIMIT, units: Calls | None = None,
+                 record_data: bool = False):
         self.journal = journal
+        self.record_data = record_data
         self.units = units or Calls(journal, attribution)
         self.content = journal.content
         self.root_fd = root_fd
@@ -346,8 +348,12 @@ class Recorder:
                         follow_symlinks=False)
                 self.attic_links[attic_key] = self.attic_links.get(attic_key, 0) + 1
             underlay.renameat2(pfd, name, npfd, nname, flags)
-        for e in (ep, ep2):
-            e.content_saved = e.meta_saved = True
+        ep.content_saved = ep.meta_saved = True
+        # the moved inode's content is in no pre-image (a rename copies nothing): the next
+        # content change under the new name, even in this epoch, must save it first
+        ep2.meta_saved = True
+        ep2.content_saved = False
+        ep2.size0 = ep2.ranges = None
         if stat.S_ISDIR(st.st_mode):
             # paths below a renamed directory change: their epochs start afresh under new names
             prefix = path + "/"
@@ -394,9 +400,15 @@ class Recorder:
             ev["pre"] = pre
         return ev
 
-    def before_write(self, handle, off: int, length: int) -> None:
-        """Called before each write through a handle; commits ahead whatever must be saved."""
+    def before_write(self, handle, off: int, length: int, data: bytes | None = None) -> None:
+        """Called before each write through a handle; commits ahead whatever must be saved.
+
+        In full-fidelity mode (``record_data``) every write is an event carrying its data, so
+        the tree can be replayed exactly at every event, not only at epoch boundaries."""
         ev = self._capture(handle.path, handle.fd, handle.unit, off, off + length)
+        if self.record_data and data is not None:
+            ev = ev or {"path": handle.path, **unit_fields(handle.unit)}
+            ev["data"] = self.content.put_bytes(data)
         if ev is None:
             if handle.write_seq is None or handle.epoch is not self.epochs.get(handle.path):
                 ev = {"path": handle.path, **unit_fields(handle.unit)}

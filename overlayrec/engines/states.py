@@ -86,7 +86,8 @@ class States:
         self.j = journal
         self.tree = tree
         self._events: dict[str, list[dict]] = {}
-        self._cache: dict[tuple[str, int], State] = {}
+        self._cache: dict[tuple, State] = {}
+        self._ends: dict[str, int] | None = None
 
     def events_on(self, path: str) -> list[dict]:
         evs = self._events.get(path)
@@ -118,15 +119,57 @@ class States:
         return (ev.get("path") == path and ev.get("epoch")) or \
             (ev.get("path2") == path and ev.get("epoch2"))
 
-    def state(self, path: str, after: int) -> State:
+    def state(self, path: str, after: int, forward: bool = True) -> State:
         """The state of ``path`` after event ``after`` (and before any later one)."""
-        key = (path, after)
+        key = (path, after, forward)
         if key not in self._cache:
-            self._cache[key] = self._state(path, after)
+            st = self._state(path, after, forward)
+            if st.exact and self._may_change_unseen(path, after):
+                st = State(st.kind, st.mode, st.data, exact=False)
+            self._cache[key] = st
         return self._cache[key]
 
-    def _state(self, path: str, after: int) -> State:
-        evs = [e for e in self.events_on(path) if e["seq"] > after]
+    def _may_change_unseen(self, path: str, after: int) -> bool:
+        """Writes after a handle's first one are not events (unless the journal records data):
+        a point inside a run that wrote this way, before its unit ended, is not exact."""
+        evs = [e for e in self.events_on(path) if e["seq"] <= after]
+        if not evs:
+            return False
+        for e in reversed(evs):
+            if e["op"] == "write" and "data" not in e:
+                break
+            if self.starts_epoch(e, path):
+                return False
+        else:
+            return False
+        end = self._unit_ends().get(evs[-1].get("unit") or "")
+        return end is None or end > after
+
+    def _unit_ends(self) -> dict[str, int]:
+        if self._ends is None:
+            ends = {}
+            for c in self.j.records("calls"):
+                if c.get("end_seq"):
+                    ends[f"call:{c['session']}:{c['id']}"] = c["end_seq"]
+            for t in self.j.records("turns"):
+                if t.get("end_seq"):
+                    ends[f"turn:{t['session']}:{t['index']}"] = t["end_seq"]
+            for e in self.j.events():
+                if e["op"] == "session_end":
+                    ends[f"session:{e['session']}"] = e["seq"]
+            self._ends = ends
+        return self._ends
+
+    def _state(self, path: str, after: int, forward: bool = True) -> State:
+        allevs = self.events_on(path)
+        evs = [e for e in allevs if e["seq"] > after]
+        if evs and forward:
+            pre = self.pre_for(evs[0], path)
+            if pre is None or "kind" not in pre:
+                # inside an epoch: exact only if the journal holds the data of every write
+                fwd = self._forward(path, after, allevs)
+                if fwd is not None:
+                    return fwd
         exact = True
         for i, e in enumerate(evs):
             pre = self.pre_for(e, path)
@@ -178,7 +221,86 @@ class States:
             data[off:off + length] = self.j.content.get(digest)
         return State("file", mode, bytes(data), end.exact)
 
+    def _forward(self, path: str, after: int, evs: list[dict]) -> State | None:
+        """Replay forward from the last full pre-image at or before ``after`` (full-fidelity
+        journals: every write carries its data); None when an event cannot be replayed."""
+        start = None
+        for i, e in enumerate(evs):
+            if e["seq"] > after:
+                break
+            pre = self.pre_for(e, path)
+            if pre is not None and "kind" in pre:
+                start = i
+        if start is None:
+            return None
+        e0 = evs[start]
+        st = self._state(path, e0["seq"] - 1)
+        kind, mode, data = st.kind, st.mode, bytearray(st.data)
+        for e in evs[start:]:
+            if e["seq"] > after:
+                break
+            op = e["op"]
+            if op == "write":
+                if "data" not in e:
+                    return None
+                chunk = self.j.content.get(e["data"])
+                off = e["offset"]
+                if len(data) < off:
+                    data.extend(b"\0" * (off - len(data)))
+                data[off:off + len(chunk)] = chunk
+            elif op == "truncate":
+                size = e["size"]
+                del data[size:]
+                data.extend(b"\0" * (size - len(data)))
+            elif op == "create":
+                kind, mode, data = "file", e.get("mode", 0o644) & 0o7777, bytearray()
+            elif op == "chmod":
+                mode = e["mode"]
+            elif op in ("chown", "utimens", "setxattr", "removexattr"):
+                pass
+            elif op in ("unlink", "rmdir"):
+                kind, mode, data = "absent", 0, bytearray()
+            elif op == "mkdir":
+                kind, mode, data = "dir", e.get("mode", 0o755), bytearray()
+            elif op == "symlink":
+                kind, mode, data = "symlink", 0o120000, bytearray(os.fsencode(e["target"]))
+            elif op == "rename" and e.get("path") == path and e.get("path2") != path:
+                kind, mode, data = "absent", 0, bytearray()
+            elif op in ("rename", "link"):
+                src = e["path"] if op == "rename" else e.get("source")
+                if not src:
+                    return None
+                s2 = self.state(src, e["seq"] - 1)
+                if not s2.exact:
+                    return None
+                kind, mode, data = s2.kind, s2.mode, bytearray(s2.data)
+            else:
+                return None
+        return State(kind, mode, bytes(data)) if kind != "absent" else ABSENT
+
     def _moved(self, path: str, e: dict, mode: int) -> State:
-        """A renamed-away file: the inode, unchanged by the rename, at its new name."""
-        s = self.state(e["path2"], e["seq"])
-        return State("file", mode, s.data, s.exact) if s.kind == "file" else s
+        """A renamed-away file: the inode, unchanged by the rename, now at its new name.  Its
+        content is the first one the journal saved under the new name (the recorder saves it
+        before the first change there, in the same epoch too), or the live file."""
+        new = e["path2"]
+        for f in self.events_on(new):
+            if f["seq"] <= e["seq"]:
+                continue
+            pre = self.pre_for(f, new)
+            if pre is None:
+                if f["op"] in ("write", "truncate"):
+                    break  # changed unsaved (a journal from before the rename rule): inexact
+                continue
+            if "blob" in pre:
+                return State("file", mode, self.j.content.get(pre["blob"]))
+            if "kind" in pre:
+                s = self.state(new, f["seq"] - 1, forward=False)
+                return State("file", mode, s.data, s.exact) if s.kind == "file" else s
+            if "ranges" in pre:
+                s = self.state(new, f["seq"] - 1, forward=False)
+                return State("file", mode, s.data, s.exact) if s.kind == "file" else s
+        else:
+            live = self.tree.state(new)
+            return State("file", mode, live.data) if live.kind == "file" else live
+        s = self.state(new, e["seq"], forward=False)
+        return State("file", mode, s.data, False) if s.kind == "file" else s

@@ -1,0 +1,147 @@
+"""Replay equals the tree as it stood: at every turn boundary by default, and at every step
+when the mount records the data of every write (--record-data)."""
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+import textwrap
+
+import pytest
+
+from conftest import needs_fuse, overlayrec
+from overlayrec import client
+from overlayrec.engines.replay import replay
+from overlayrec.engines.states import States, Tree
+from overlayrec.journal import Journal
+
+pytestmark = needs_fuse
+
+AGENT = textwrap.dedent(r'''
+    import json, os, shutil, subprocess, sys, time
+    from overlayrec import client
+    snaps, marks = sys.argv[1], []
+    def snap(kind):
+        t = time.time_ns()
+        d = os.path.join(snaps, str(len(marks)))
+        shutil.copytree(".", d, symlinks=True)
+        marks.append({"t": t, "dir": d, "kind": kind})
+    def sh(cmd):
+        subprocess.run(["bash", "-c", cmd], check=True)
+        snap("step")
+    with client.connect() as c:
+        for turn in range(3):
+            c.turn_begin(prompt=f"turn {turn}")
+            c.call_begin(f"b{turn}", "Bash")
+            sh(f"echo t{turn} >> log.txt")
+            if turn == 0:
+                sh("sed -i s/one/ONE/ a.txt; mkdir -p sub/inner; printf '\\x00\\xff' > sub/bin")
+                sh("ln -s a.txt link; chmod 750 tool; mv b.txt sub/b-moved.txt")
+            if turn == 1:
+                sh("rm sub/bin; ln -sfn log.txt link; chmod 640 a.txt; rmdir sub/inner")
+                sh("printf 'x%.0s' $(seq 1 5000) > big.txt; truncate -s 100 big.txt")
+            if turn == 2:
+                sh("mv sub/b-moved.txt b.txt && echo back >> b.txt && rm -f tool")
+            c.call_end(f"b{turn}")
+            # the agent's own edit tool: one process, several writes, a point between each
+            c.call_begin(f"e{turn}", "Edit")
+            with open("notes.txt", "a") as f:
+                for k in range(3):
+                    f.write(f"turn {turn} note {k}\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+                    snap("step")
+            c.call_end(f"e{turn}")
+            c.turn_end()
+            snap("turn")
+    json.dump(marks, open(os.path.join(snaps, "marks.json"), "w"))
+''')
+
+
+def seed(ws):
+    for p, data in {"a.txt": b"one\ntwo\n", "b.txt": b"bee\n", "tool": b"#!/bin/sh\n"}.items():
+        with open(os.path.join(ws, p), "wb") as f:
+            f.write(data)
+    os.chmod(os.path.join(ws, "tool"), 0o755)
+
+
+def tree_of(root):
+    out = {}
+    for d, dirs, files in os.walk(root):
+        dirs[:] = [x for x in dirs if x != ".overlayrec-attic"]
+        for n in dirs + files:
+            p = os.path.join(d, n)
+            rel = os.path.relpath(p, root)
+            st = os.lstat(p)
+            if stat.S_ISLNK(st.st_mode):
+                out[rel] = ("link", os.readlink(p))
+            elif stat.S_ISDIR(st.st_mode):
+                out[rel] = ("dir", stat.S_IMODE(st.st_mode))
+            else:
+                out[rel] = ("file", stat.S_IMODE(st.st_mode), open(p, "rb").read())
+    return out
+
+
+def record(make_mount, tmp_path, extra):
+    m = make_mount(extra_args=extra)
+    seed(m.ws)
+    m.mount()
+    snaps = tmp_path / "snaps"
+    snaps.mkdir()
+    agent = tmp_path / "agent.py"
+    agent.write_text(AGENT)
+    overlayrec("run", "-w", m.ws, "--session", "r", "--", sys.executable, str(agent), str(snaps),
+               cwd=m.ws, timeout=180)
+    return m, json.load(open(snaps / "marks.json"))
+
+
+def check(m, marks, kinds, tmp_path):
+    j = Journal(m.state, readonly=True)
+    fd = client.underlay_fd(os.path.join(m.state, "control.sock"))
+    try:
+        states = States(j, Tree(fd))
+        times = [(e["t"], e["seq"]) for e in j.events()]
+        checked = 0
+        for i, mark in enumerate(marks):
+            if mark["kind"] not in kinds:
+                continue
+            point = max(seq for t, seq in times if t <= mark["t"])
+            dest = tmp_path / f"replay-{i}"
+            out = replay(j, states, point, str(dest), full_from=f"/proc/self/fd/{fd}")
+            assert out["inexact"] == [], (i, out["inexact"])
+            assert tree_of(dest) == tree_of(mark["dir"]), f"snapshot {i} ({mark['kind']})"
+            checked += 1
+        return checked
+    finally:
+        os.close(fd)
+        j.close()
+
+
+def test_replay_at_every_turn_boundary(make_mount, tmp_path):
+    m, marks = record(make_mount, tmp_path, [])
+    assert check(m, marks, {"turn"}, tmp_path) == 3
+
+
+def test_replay_at_every_step_with_record_data(make_mount, tmp_path):
+    m, marks = record(make_mount, tmp_path, ["--record-data"])
+    assert check(m, marks, {"step", "turn"}, tmp_path) == len(marks) >= 20
+
+
+def test_without_record_data_points_inside_a_run_are_marked_inexact(make_mount, tmp_path):
+    m, marks = record(make_mount, tmp_path, [])
+    j = Journal(m.state, readonly=True)
+    fd = client.underlay_fd(os.path.join(m.state, "control.sock"))
+    try:
+        states = States(j, Tree(fd))
+        times = [(e["t"], e["seq"]) for e in j.events()]
+        def lines(mk):
+            p = os.path.join(mk["dir"], "notes.txt")
+            return open(p).read().count("\n") if os.path.exists(p) else 0
+        # between the agent's first and second write to notes.txt: inside one epoch
+        mid = [mk for mk in marks if mk["kind"] == "step" and lines(mk) == 1][0]
+        point = max(seq for t, seq in times if t <= mid["t"])
+        assert not states.state("notes.txt", point).exact
+    finally:
+        os.close(fd)
+        j.close()
