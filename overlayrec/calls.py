@@ -153,6 +153,7 @@ class Calls:
         self._by_agent: dict[str, Session] = {}  # agent actor key -> session
         self._by_runner: dict[str, Session] = {}
         self._lineage: dict[str, tuple[Session, dict | None] | None] = {}
+        self.reverts: dict[str, str] = {}  # actor key -> revert id, while it reverts
 
     # -- lineage --------------------------------------------------------------------------------
     def lineage(self, actor: dict) -> tuple[Session, dict | None] | None:
@@ -196,6 +197,8 @@ class Calls:
 
     # -- units ----------------------------------------------------------------------------------
     def unit_of(self, actor: dict) -> str:
+        if actor["key"] in self.reverts:
+            return "revert:" + self.reverts[actor["key"]]
         if not self.sessions:
             return "outside:" + actor["key"]
         lin = self.lineage(actor)
@@ -393,6 +396,17 @@ class Calls:
             s.active.remove(c)
         self.journal.put_record("calls", call_key(s.id, call_id), c.record())
         return c
+
+    def revert_begin(self, caller: dict, revert_id: str) -> None:
+        """The caller's writes are the revert's own unit until revert_end."""
+        self.reverts[caller["key"]] = revert_id
+        self.journal.append({"op": "revert_begin", "path": None, "revert": revert_id,
+                             "actor": caller["key"]}, caller)
+
+    def revert_end(self, caller: dict, revert_id: str) -> None:
+        self.reverts.pop(caller["key"], None)
+        self.journal.append({"op": "revert_end", "path": None, "revert": revert_id,
+                             "actor": caller["key"]}, caller)
 
     def status(self) -> dict:
         return {"sessions": [dict(s.record(), active_calls=[c.id for c in s.active],

@@ -210,9 +210,10 @@ def status(workspace, as_json):
             j.close()
     holders = state.underlay_holders(ws, {os.getpid()} | ({pid} if pid else set())) \
         if mounted else []
+    pending = [r["id"] for r in _load_reverts(sd) if r.get("status") == "running"]
     out = {"workspace": ws, "mounted": mounted, "dead_mount": dead, "daemon_pid": pid,
            "state_dir": sd, "journal": journal_path if events is not None else None,
-           "events": events, "underlay_holders": holders}
+           "events": events, "underlay_holders": holders, "pending_revert": pending}
     if as_json:
         click.echo(json.dumps(out))
         return
@@ -225,6 +226,9 @@ def status(workspace, as_json):
     click.echo(f"  journal: {journal_path if events is not None else '(none yet)'}")
     if events is not None:
         click.echo(f"  events:  {events}")
+    if pending:
+        click.echo(f"  pending revert {pending[-1]}: finish it with `overlayrec revert "
+                   "--continue` or roll it back with `overlayrec unrevert`")
     if holders:
         click.echo("  processes still using the directory beneath the mount (their changes are "
                    "not recorded; `cd .` re-enters through the mount):")
@@ -335,7 +339,8 @@ def log_cmd(workspace, glob, limit, call_id, turn_index, sid, actor, since, unti
             where = ev.get("path") or ""
             if ev["op"] in CONTROL_OPS:
                 where = " ".join(f"{k}={ev[k]}" for k in ("session", "turn", "call", "tool",
-                                                          "status") if ev.get(k) is not None)
+                                                          "status", "revert")
+                                 if ev.get(k) is not None)
             if ev.get("path2") is not None:
                 where += f" -> {ev['path2']}"
             note = f"  (failed: {os.strerror(ev['failed_errno'])})" if "failed_errno" in ev else ""
@@ -945,6 +950,214 @@ def report(workspace, out, state_dir):
     with open(out, "w") as f:
         f.write(page)
     click.echo(f"wrote {out}")
+
+
+# -- revert ---------------------------------------------------------------------------------------
+
+def _reverts_dir(sd: str) -> str:
+    return os.path.join(sd, "reverts")
+
+
+def _load_reverts(sd: str) -> list[dict]:
+    out = []
+    d = _reverts_dir(sd)
+    for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+        if name.endswith(".json"):
+            try:
+                with open(os.path.join(d, name)) as f:
+                    out.append(json.load(f))
+            except (OSError, ValueError):
+                continue
+    out.sort(key=lambda r: r.get("created", 0))
+    return out
+
+
+def _save_revert(sd: str, rec: dict) -> None:
+    os.makedirs(_reverts_dir(sd), exist_ok=True)
+    path = os.path.join(_reverts_dir(sd), rec["id"] + ".json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(rec, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def _describe(step) -> str:
+    t, e = step.target, step.expected
+    if not t.present:
+        return "delete"
+    if not e.present:
+        return "create"
+    return "replace"
+
+
+def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, unreverts=None,
+                resume=None):
+    """Plan, check, confirm and carry out a revert through the mount (mounting it for the
+    occasion when it is not): the daemon journals the changes as the revert's own unit."""
+    from . import client
+    from .engines.diff import SelectionError
+    from .engines.revert import (make_plan, apply_step, order, plan_to_json, plan_from_json,
+                                 Plan)
+    from .engines.states import States, Tree
+    from .journal import ContentStore
+    mounted_here = False
+    if state.is_dead_mount(ws):
+        raise Fail(f"{ws} holds a dead mount; clear it with: overlayrec umount {ws}")
+    if not state.fuse_mount_at(ws):
+        _spawn_daemon(ws, sd)
+        mounted_here = True
+    content = ContentStore(os.path.join(sd, "content"))
+    try:
+        j = Journal(sd, readonly=True)
+        under = _tree_for(ws, sd)
+        live = Tree.at(ws)  # through the mount: what every process sees
+        try:
+            if resume is not None:
+                plan = plan_from_json(resume, content.get)
+            else:
+                try:
+                    plan = make_plan(j, States(j, under), live, selection, glob, revert_id)
+                except SelectionError as e:
+                    raise Fail(str(e)) from None
+            steps = plan.steps
+            conflicts = plan.conflicts
+            preview = {"id": plan.id, "steps": [{"path": s.path, "action": _describe(s),
+                                                 "conflict": s.conflict} for s in steps]}
+            if as_json and not (yes and (not conflicts or force)):
+                click.echo(json.dumps(preview))
+            elif not as_json:
+                for s in steps:
+                    mark = f"  CONFLICT ({s.conflict})" if s.conflict else ""
+                    click.echo(f"  {_describe(s):<8} {s.path}{mark}")
+            if not steps:
+                click.echo("nothing to revert")
+                return
+            if conflicts and not force:
+                kinds = {}
+                for s in conflicts:
+                    kinds.setdefault(s.conflict, []).append(s.path)
+                raise Fail("conflicts, nothing reverted: " + "; ".join(
+                    f"{k}: {', '.join(v)}" for k, v in sorted(kinds.items())))
+            if not yes:
+                if sys.stdin.isatty() and click.confirm(f"revert {len(steps) - len(conflicts)} "
+                                                        "path(s)?"):
+                    pass
+                else:
+                    if not as_json:
+                        click.echo("preview only: run again with --yes to revert")
+                    return
+            rec = resume or dict(plan_to_json(plan, content.put_bytes), created=time.time_ns(),
+                                 status="running", unreverts=unreverts, ws=ws)
+            rec["status"] = "running"
+            _save_revert(sd, rec)  # the plan is on disk before the first change
+            root_fd = os.open(ws, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            done = []
+            try:
+                with client.Client(os.path.join(sd, "control.sock")) as c:
+                    c.request("revert_begin", id=plan.id)
+                    try:
+                        delay = float(os.environ.get("OVERLAYREC_TEST_REVERT_DELAY", "0"))
+                        for s in order([s for s in steps if not s.conflict]):
+                            done.append((s.path, apply_step(root_fd, s)))
+                            if delay:  # tests interrupt a revert half way
+                                time.sleep(delay)
+                    finally:
+                        c.request("revert_end", id=plan.id)
+            except client.ClientError as e:
+                raise Fail(str(e)) from None
+            finally:
+                os.close(root_fd)
+            rec["status"] = "done"
+            rec["skipped_conflicts"] = [s.path for s in conflicts]
+            _save_revert(sd, rec)
+            if unreverts:
+                for r in _load_reverts(sd):
+                    if r["id"] == unreverts:
+                        r["unreverted_by"] = plan.id
+                        _save_revert(sd, r)
+            if as_json:
+                click.echo(json.dumps(dict(preview, done=done, status="done")))
+            else:
+                click.echo(f"reverted {len(done)} path(s) as revert {plan.id}"
+                           + (f"; {len(conflicts)} conflicting path(s) left alone"
+                              if conflicts else ""))
+        finally:
+            os.close(under.root_fd)
+            os.close(live.root_fd)
+            j.close()
+    finally:
+        if mounted_here:
+            _stop_daemon(ws)
+
+
+@main.command()
+@click.argument("workspace", default=".")
+@click.option("--call", "call_id", help="Revert this call.")
+@click.option("--turn", "turn_sel", help="Revert this turn's own calls: N, last, -1 ...")
+@click.option("--session", "sid", help="Revert this session (or: narrows --call/--turn).")
+@click.option("--since", type=int, help="Revert everything recorded after this sequence number.")
+@click.option("--path", "glob", help="Only paths matching this glob.")
+@click.option("--yes", is_flag=True, help="Carry it out (default: preview only).")
+@click.option("--force", is_flag=True, help="Revert the paths without conflicts, report the rest.")
+@click.option("--continue", "cont", is_flag=True, help="Finish an interrupted revert.")
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--state-dir", type=click.Path())
+@_guard
+def revert(workspace, call_id, turn_sel, sid, since, glob, yes, force, cont, as_json, state_dir):
+    """Put back what a call, a turn, a session or everything since a point changed.
+
+    Previews by default; every path is checked first (changed since, interleaved with another
+    writer, unrecorded) and one conflict refuses the whole revert unless --force."""
+    ws = state.resolve_workspace(workspace)
+    sd = _state_dir_for(ws, state_dir)
+    if cont:
+        pending = [r for r in _load_reverts(sd) if r.get("status") == "running"]
+        if not pending:
+            raise Fail("no interrupted revert to continue")
+        _run_revert(ws, sd, pending[-1]["selection"], None, True, True, as_json,
+                    resume=pending[-1])
+        return
+    selection = {"call": call_id, "turn": turn_sel, "session": sid, "since": since}
+    if sum(v is not None for k, v in selection.items() if k != "session") > 1:
+        raise Fail("choose one of --call, --turn, --since")
+    if not any(v is not None for v in selection.values()):
+        raise Fail("say what to revert: --call ID, --turn N, --session S or --since SEQ")
+    _run_revert(ws, sd, selection, glob, yes, force, as_json)
+
+
+@main.command()
+@click.argument("revert_id", required=False)
+@click.option("-w", "--workspace", default=".")
+@click.option("--yes", is_flag=True, help="Carry it out (default: preview only).")
+@click.option("--force", is_flag=True)
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--state-dir", type=click.Path())
+@_guard
+def unrevert(revert_id, workspace, yes, force, as_json, state_dir):
+    """Undo a revert (the newest one not yet undone by default), with the same checks; an
+    interrupted revert is rolled back the same way.  Reverts stack; unrevert peels them."""
+    ws = state.resolve_workspace(workspace)
+    sd = _state_dir_for(ws, state_dir)
+    reverts = [r for r in _load_reverts(sd) if not r.get("unreverted_by")
+               and not r.get("unreverts_done")]
+    if revert_id is None:
+        candidates = [r for r in reverts if r.get("status") in ("done", "running")
+                      and not any(o.get("unreverts") == r["id"] and o.get("status") == "done"
+                                  for o in _load_reverts(sd))]
+        if not candidates:
+            raise Fail("no revert to undo")
+        target = candidates[-1]
+    else:
+        found = [r for r in _load_reverts(sd) if r["id"] == revert_id]
+        if not found:
+            raise Fail(f"no revert {revert_id}")
+        target = found[0]
+    _run_revert(ws, sd, {"revert_id": target["id"]}, None, yes, force, as_json,
+                unreverts=target["id"])
+    if yes and target.get("status") == "running":
+        target["status"] = "rolled back"
+        _save_revert(sd, target)
 
 
 @main.group()

@@ -70,6 +70,12 @@ class ControlServer:
             status = req.get("status") or "ok"
             call = c.call_end(caller, name, str(req.get("id")), status)
             return {"session": call.session.id, "call": call.id}
+        if op == "revert_begin":
+            c.revert_begin(caller, str(req["id"]))
+            return {}
+        if op == "revert_end":
+            c.revert_end(caller, str(req["id"]))
+            return {}
         raise ControlError(f"unknown op {op!r}")
 
     def bind(self) -> None:

@@ -132,9 +132,15 @@ class States:
     def _may_change_unseen(self, path: str, after: int) -> bool:
         """Writes after a handle's first one are not events (unless the journal records data):
         a point inside a run that wrote this way, before its unit ended, is not exact."""
-        evs = [e for e in self.events_on(path) if e["seq"] <= after]
+        allevs = self.events_on(path)
+        evs = [e for e in allevs if e["seq"] <= after]
         if not evs:
             return False
+        nxt = next((e for e in allevs if e["seq"] > after), None)
+        if nxt is not None and nxt["seq"] == after + 1:
+            pre = self.pre_for(nxt, path)
+            if pre is not None and "kind" in pre:
+                return False  # "just before that event": its pre-image, taken then, is exact
         for e in reversed(evs):
             if e["op"] == "write" and "data" not in e:
                 break

@@ -22,7 +22,8 @@ Sub-databases of the LMDB environment:
 
               ``op`` is one of OPS.  A unit key is ``call:<session>:<id>``, ``turn:<session>:<n>``
               (the agent's own writes outside any call), ``session:<session>``, or
-              ``outside:<actor-key>`` (a process that does not descend from any agent).
+              ``outside:<actor-key>`` (a process that does not descend from any agent), or
+              ``revert:<id>`` (the changes a revert made).
               ``candidates`` lists every call that was active when the agent opened the file, when
               there were several; ``after_end`` marks a write by a call's process after the call
               ended.  Control events (``session_begin`` ...) carry ``session`` and the record.  ``epoch`` marks the first change of ``path`` by ``unit`` in a
@@ -69,8 +70,9 @@ OPS = (
     "write", "truncate", "chmod", "chown", "utimens", "setxattr", "removexattr", "failed",
     "unrecorded",
     "session_begin", "session_end", "turn_begin", "turn_end", "call_begin", "call_end",
+    "revert_begin", "revert_end",
 )
-CONTROL_OPS = OPS[-6:]
+CONTROL_OPS = OPS[-8:]
 
 MAP_SIZE = 1 << 36  # 64 GiB of address space; the file grows only as used
 

@@ -1,0 +1,172 @@
+"""Revert and unrevert: exact, conflict-checked, safe, and crash-safe."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+from conftest import needs_fuse, overlayrec, is_mounted
+from test_replay import tree_of
+
+pytestmark = needs_fuse
+
+CALL = textwrap.dedent(r'''
+    import subprocess, sys
+    from overlayrec import client
+    with client.connect() as c:
+        c.call_begin("c1", "Bash")
+        subprocess.run(["bash", "-c", sys.argv[1]], check=True)
+        c.call_end("c1")
+''')
+
+
+def setup_ws(make_mount, tmp_path, files=None):
+    m = make_mount()
+    for p, data in (files or {"a.txt": b"one\n", "k.txt": b"keep\n", "mode.sh": b"x\n",
+                              "mv.txt": b"moving\n", "olddir/inner": b"i\n"}).items():
+        full = os.path.join(m.ws, p)
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        with open(full, "wb") as f:
+            f.write(data)
+    (tmp_path / "call.py").write_text(CALL)
+    return m
+
+
+def run_call(m, tmp_path, script):
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", sys.executable,
+               str(tmp_path / "call.py"), script, cwd=m.ws)
+
+
+EVERYTHING = ("sed -i s/one/ONE/ a.txt && echo new > n.txt && rm k.txt && mkdir -p d/e && "
+              "echo x > d/e/f && ln -s a.txt l && chmod 755 mode.sh && mv mv.txt moved.txt && "
+              "rm -r olddir && printf '\\x00\\x01' > bin")
+
+
+def test_revert_and_unrevert_every_kind_of_change(make_mount, tmp_path):
+    m = setup_ws(make_mount, tmp_path)
+    m.mount()
+    before = tree_of(m.ws)
+    run_call(m, tmp_path, EVERYTHING)
+    after = tree_of(m.ws)
+    assert after != before
+    preview = overlayrec("revert", m.ws, "--call", "c1").stdout
+    assert "preview only" in preview and tree_of(m.ws) == after  # a preview writes nothing
+    js = json.loads(overlayrec("revert", m.ws, "--call", "c1", "--json").stdout)
+    assert {s["action"] for s in js["steps"]} == {"replace", "create", "delete"}
+    out = overlayrec("revert", m.ws, "--call", "c1", "--yes").stdout
+    assert "reverted" in out
+    assert tree_of(m.ws) == before
+    rid = out.split()[-1]
+    # the revert's own changes are journaled as its unit
+    evs = m.events()
+    assert any(e.get("unit") == f"revert:{rid}" for e in evs)
+    overlayrec("unrevert", "-w", m.ws, "--yes")
+    assert tree_of(m.ws) == after
+    # reverts stack: revert again, unrevert again
+    overlayrec("revert", m.ws, "--call", "c1", "--yes", "--force")
+    assert tree_of(m.ws) == before
+
+
+def test_a_conflict_refuses_the_whole_revert(make_mount, tmp_path):
+    m = setup_ws(make_mount, tmp_path)
+    m.mount()
+    run_call(m, tmp_path, "echo c1 >> a.txt && echo c1 >> k.txt")
+    m.sh("echo user >> a.txt")  # the user edits after the call: outside actor
+    mid = tree_of(m.ws)
+    r = overlayrec("revert", m.ws, "--call", "c1", "--yes", check=False)
+    assert r.returncode == 1 and "changed: a.txt" in r.stderr
+    assert tree_of(m.ws) == mid  # nothing written
+    out = overlayrec("revert", m.ws, "--call", "c1", "--yes", "--force").stdout
+    assert "1 conflicting path(s) left alone" in out
+    assert open(os.path.join(m.ws, "k.txt")).read() == "keep\n"
+    assert open(os.path.join(m.ws, "a.txt")).read() == "one\nc1\nuser\n"
+
+
+def test_interleaved_writer_is_a_conflict(make_mount, tmp_path):
+    m = setup_ws(make_mount, tmp_path)
+    m.mount()
+    gate = tmp_path / "gate"
+    script = (f"echo first >> a.txt; while [ ! -e {gate} ]; do sleep 0.05; done; "
+              "echo second >> a.txt")
+    p = subprocess.Popen([sys.executable, "-m", "overlayrec", "run", "-w", m.ws, "--session", "s",
+                          "--", sys.executable, str(tmp_path / "call.py"), script], cwd=m.ws)
+    deadline = time.monotonic() + 20
+    while "first" not in open(os.path.join(m.ws, "a.txt")).read() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    m.sh("echo outsider >> a.txt")
+    gate.write_text("")
+    assert p.wait(timeout=30) == 0
+    r = overlayrec("revert", m.ws, "--call", "c1", "--yes", check=False)
+    assert r.returncode == 1 and "interleaved: a.txt" in r.stderr
+
+
+def test_symlink_escape_is_refused(make_mount, tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "f").write_text("precious")
+    m = setup_ws(make_mount, tmp_path)
+    m.mount()
+    run_call(m, tmp_path, "mkdir x && echo made > x/f")
+    # the user swaps the directory for a symlink that leads out of the workspace
+    m.sh(f"rm -r x && ln -s {outside} x")
+    r = overlayrec("revert", m.ws, "--call", "c1", "--yes", "--force", check=False)
+    assert (outside / "f").read_text() == "precious"  # never followed out
+    assert os.path.islink(os.path.join(m.ws, "x"))
+    from overlayrec.engines.revert import Step, apply_step
+    from overlayrec.engines.states import ABSENT, State
+    fd = os.open(m.ws, os.O_PATH | os.O_DIRECTORY)
+    try:
+        try:
+            apply_step(fd, Step("x/f", State("file", 0o644, b"evil"), ABSENT))
+            raise AssertionError("wrote through a symlink")
+        except OSError:
+            pass
+    finally:
+        os.close(fd)
+    assert (outside / "f").read_text() == "precious"
+    r = overlayrec("revert", m.ws, "--since", "0", "--path", "../*", check=False)
+    assert "Traceback" not in r.stderr
+
+
+def _kill_daemon_mid_revert(m, tmp_path):
+    env = dict(os.environ, OVERLAYREC_TEST_REVERT_DELAY="0.01")
+    p = subprocess.Popen([sys.executable, "-m", "overlayrec", "revert", m.ws, "--call", "c1",
+                          "--yes"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if sum(1 for n in os.listdir(m.ws) if n.startswith("f")) < 250:
+            break
+        time.sleep(0.02)
+    pid = json.load(open(os.path.join(m.state, "daemon.json")))["pid"]
+    os.kill(pid, signal.SIGKILL)
+    p.wait(timeout=60)
+    assert p.returncode != 0
+    overlayrec("umount", m.ws)
+    st = json.loads(overlayrec("status", m.ws, "--json").stdout)
+    assert st["pending_revert"], st
+    assert "pending revert" in overlayrec("status", m.ws).stdout
+
+
+def test_sigkill_mid_revert_then_continue_or_roll_back(make_mount, tmp_path):
+    for mode in ("continue", "rollback"):
+        m = make_mount(sub=mode)
+        os.makedirs(m.ws, exist_ok=True)
+        (tmp_path / "call.py").write_text(CALL)
+        m.mount()
+        before = tree_of(m.ws)
+        run_call(m, tmp_path, "for i in $(seq 1 300); do echo $i > f$i; done")
+        after = tree_of(m.ws)
+        _kill_daemon_mid_revert(m, tmp_path)
+        if mode == "continue":
+            overlayrec("revert", m.ws, "--continue")
+            assert tree_of(m.ws) == before
+        else:
+            overlayrec("unrevert", "-w", m.ws, "--yes")
+            assert tree_of(m.ws) == after
+        assert not json.loads(overlayrec("status", m.ws, "--json").stdout)["pending_revert"]
+        assert not is_mounted(m.ws)
