@@ -1,0 +1,243 @@
+"""A model test of revert on a real mount: random sequences of writes, appends, deletes,
+renames, chmods and symlinks by two calls and an outside process; reverting a call gives the
+tree a simple model predicts without that call's changes, or the conflicts the model predicts,
+and unrevert gives back the tree before the revert.
+
+The calls' writers are long-lived workers started during each call (so every write of theirs
+is that call's), driven through FIFOs outside the workspace; the outside writer is this test
+process itself, which descends from no agent.  Each generated case works in a directory of
+its own and reverts with --path, so one mount serves all cases."""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings, strategies as st
+
+from conftest import HAVE_FUSE, Mount, force_unmount, overlayrec
+
+pytestmark = pytest.mark.skipif(not HAVE_FUSE, reason="needs /dev/fuse")
+
+CASES = int(os.environ.get("OVERLAYREC_MODEL_CASES", "200"))
+NAMES = ["a", "b", "c"]
+
+WORKER = textwrap.dedent(r'''
+    import json, os, sys
+    fin, fout = sys.argv[1], sys.argv[2]
+    with open(fin) as cmds, open(fout, "w") as acks:
+        for line in cmds:
+            op = json.loads(line)
+            apply = __import__("op_apply").apply
+            apply(op)
+            acks.write("ok\n"); acks.flush()
+''')
+
+APPLY = textwrap.dedent(r'''
+    import os
+    def apply(op):
+        kind, p = op["op"], op["path"]
+        if kind == "write":
+            with open(p, "w") as f: f.write(op["data"])
+        elif kind == "append":
+            with open(p, "a") as f: f.write(op["data"])
+        elif kind == "delete":
+            os.unlink(p)
+        elif kind == "rename":
+            os.rename(p, op["to"])
+        elif kind == "chmod":
+            os.chmod(p, 0o755 if op["exec"] else 0o644)
+        elif kind == "symlink":
+            os.symlink(op["target"], p)
+''')
+
+AGENT = textwrap.dedent(r'''
+    import os, subprocess, sys, time
+    from overlayrec import client
+    tmp = sys.argv[1]
+    workers = []
+    with client.connect() as c:
+        for name in ("A", "B"):
+            c.call_begin(name, "Worker")
+            env = dict(os.environ, PYTHONPATH=tmp)
+            workers.append(subprocess.Popen([sys.executable, os.path.join(tmp, "worker.py"),
+                                             os.path.join(tmp, name + ".in"),
+                                             os.path.join(tmp, name + ".out")], env=env))
+            c.call_end(name)
+    open(os.path.join(tmp, "ready"), "w").close()
+    for w in workers:
+        w.wait()
+''')
+
+
+class Env:
+    def __init__(self):
+        self.base = tempfile.mkdtemp(prefix="overlayrec-model-", dir="/var/tmp")
+        os.chmod(self.base, 0o755)
+        self.m = Mount(self.base)
+        self.tmp = os.path.join(self.base, "ctl")
+        os.makedirs(self.tmp)
+        for name, text in (("worker.py", WORKER), ("op_apply.py", APPLY), ("agent.py", AGENT)):
+            with open(os.path.join(self.tmp, name), "w") as f:
+                f.write(text)
+        for n in ("A", "B"):
+            for suffix in (".in", ".out"):
+                os.mkfifo(os.path.join(self.tmp, n + suffix))
+        self.m.mount()
+        self.run = subprocess.Popen([sys.executable, "-m", "overlayrec", "run", "-w", self.m.ws,
+                                     "--session", "model", "--", sys.executable,
+                                     os.path.join(self.tmp, "agent.py"), self.tmp], cwd=self.m.ws)
+        self.pipes = {}
+        for n in ("A", "B"):
+            # opening order matches the worker's: its input first, then its output
+            self.pipes[n] = (open(os.path.join(self.tmp, n + ".in"), "w"),
+                             open(os.path.join(self.tmp, n + ".out")))
+        sys.path.insert(0, self.tmp)
+        from op_apply import apply
+        self.apply_outside = apply
+        self.counter = itertools.count()
+
+    def do(self, unit: str, op: dict) -> None:
+        if unit == "O":
+            self.apply_outside(op)
+            return
+        cin, cout = self.pipes[unit]
+        cin.write(json.dumps(op) + "\n")
+        cin.flush()
+        assert cout.readline() == "ok\n"
+
+    def close(self):
+        for cin, cout in self.pipes.values():
+            cin.close()
+            cout.close()
+        try:
+            self.run.wait(timeout=30)
+        finally:
+            self.m.umount()
+            force_unmount(self.m.ws)
+            shutil.rmtree(self.base, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def env():
+    e = Env()
+    try:
+        yield e
+    finally:
+        e.close()
+
+
+def snapshot(d: str) -> dict:
+    out = {}
+    for n in sorted(os.listdir(d)):
+        p = os.path.join(d, n)
+        if os.path.islink(p):
+            out[n] = ("link", os.readlink(p))
+        else:
+            out[n] = ("file", open(p).read(), os.stat(p).st_mode & 0o111 != 0)
+    return out
+
+
+ops = st.lists(st.tuples(
+    st.sampled_from(["A", "A", "B", "O"]),
+    st.sampled_from(["write", "append", "delete", "rename", "chmod", "symlink"]),
+    st.sampled_from(NAMES), st.sampled_from(NAMES), st.text("xyz", min_size=1, max_size=3),
+    st.booleans()), min_size=1, max_size=8)
+
+
+def plan_ops(raw):
+    """Keep only operations valid in the model's state; returns (ops, touched) in order."""
+    state: dict = {}
+    out = []
+    for unit, kind, name, other, text, flag in raw:
+        cur = state.get(name)
+        if kind in ("write", "append") and (cur is None or cur[0] == "file"):
+            if kind == "append" and cur is None:
+                continue
+            content = text if kind == "write" else cur[1] + text
+            state[name] = ("file", content, cur[2] if cur else False)
+            out.append((unit, {"op": kind, "path": name, "data": text}, [name]))
+        elif kind == "delete" and cur is not None:
+            del state[name]
+            out.append((unit, {"op": "delete", "path": name}, [name]))
+        elif kind == "rename" and cur is not None and other != name:
+            state[other] = state.pop(name)
+            out.append((unit, {"op": "rename", "path": name, "to": other}, [name, other]))
+        elif kind == "chmod" and cur is not None and cur[0] == "file":
+            state[name] = (cur[0], cur[1], flag)
+            out.append((unit, {"op": "chmod", "path": name, "exec": flag}, [name]))
+        elif kind == "symlink" and cur is None:
+            state[name] = ("link", other)
+            out.append((unit, {"op": "symlink", "path": name, "target": other}, [name]))
+    return out
+
+
+def predict(history: list, states: list, unit: str):
+    """(conflict?, predicted tree) for reverting ``unit``; states[i] is the tree after op i
+    (states[-1]: before any)."""
+    final = states[len(history) - 1]
+    mine = {}
+    for i, (u, _, touched) in enumerate(history):
+        if u == unit:
+            for p in touched:
+                lo, hi = mine.get(p, (i, i))
+                mine[p] = (min(lo, i), max(hi, i))
+    if not mine:
+        return None, final
+    tree = dict(final)
+    conflict = False
+    for p, (first, last) in mine.items():
+        target = states[first - 1].get(p)
+        expected = states[last].get(p)
+        if target == expected:
+            continue
+        if any(u != unit and p in touched for u, _, touched in history[first + 1:last]):
+            conflict = True
+        elif final.get(p) != expected:
+            conflict = True
+        if target is None:
+            tree.pop(p, None)
+        else:
+            tree[p] = target
+    return conflict, tree
+
+
+@settings(max_examples=CASES, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(raw=ops, which=st.sampled_from(["A", "A", "B"]))
+def test_revert_matches_the_model(env, raw, which):
+    history = plan_ops(raw)
+    case = f"case{next(env.counter)}"
+    d = os.path.join(env.m.ws, case)
+    os.mkdir(d)
+    model_states = {-1: {}}
+    for i, (unit, op, touched) in enumerate(history):
+        op = dict(op, path=os.path.join(d, op["path"]))
+        if "to" in op:
+            op["to"] = os.path.join(d, op["to"])
+        env.do(unit, op)
+        model_states[i] = snapshot(d)
+    conflict, predicted = predict(history, model_states, which)
+    before = snapshot(d)
+    r = overlayrec("revert", env.m.ws, "--call", which, "--path", f"{case}/*", "--yes",
+                   check=False)
+    event("nothing to revert" if conflict is None else "conflict" if conflict else "reverted")
+    if conflict is None:
+        assert "nothing to revert" in r.stdout, (history, r.stdout, r.stderr)
+        return
+    if conflict:
+        assert r.returncode == 1 and "conflicts" in r.stderr, (history, r.stdout, r.stderr)
+        assert snapshot(d) == before
+        return
+    assert r.returncode == 0, (history, r.stdout, r.stderr)
+    assert snapshot(d) == predicted, (history, r.stdout)
+    if "reverted" in r.stdout:
+        u = overlayrec("unrevert", "-w", env.m.ws, "--yes", check=False)
+        assert u.returncode == 0, (history, u.stdout, u.stderr)
+        assert snapshot(d) == before, history
