@@ -1,5 +1,5 @@
-"""A model test of revert on a real mount: random sequences of writes, appends, deletes,
-renames, chmods and symlinks by two calls and an outside process; reverting a call gives the
+"""A model test of revert on a real mount: random sequences of writes, appends, truncates,
+deletes, renames, mkdir/rmdir, chmods and symlinks by two calls and an outside process; reverting a call gives the
 tree a simple model predicts without that call's changes, or the conflicts the model predicts,
 and unrevert gives back the tree before the revert.
 
@@ -55,6 +55,12 @@ APPLY = textwrap.dedent(r'''
             os.chmod(p, 0o755 if op["exec"] else 0o644)
         elif kind == "symlink":
             os.symlink(op["target"], p)
+        elif kind == "truncate":
+            os.truncate(p, op["size"])
+        elif kind == "mkdir":
+            os.mkdir(p)
+        elif kind == "rmdir":
+            os.rmdir(p)
 ''')
 
 AGENT = textwrap.dedent(r'''
@@ -139,6 +145,8 @@ def snapshot(d: str) -> dict:
         p = os.path.join(d, n)
         if os.path.islink(p):
             out[n] = ("link", os.readlink(p))
+        elif os.path.isdir(p):
+            out[n] = ("dir",)
         else:
             out[n] = ("file", open(p).read(), os.stat(p).st_mode & 0o111 != 0)
     return out
@@ -146,7 +154,8 @@ def snapshot(d: str) -> dict:
 
 ops = st.lists(st.tuples(
     st.sampled_from(["A", "A", "B", "O"]),
-    st.sampled_from(["write", "append", "delete", "rename", "chmod", "symlink"]),
+    st.sampled_from(["write", "append", "delete", "rename", "chmod", "symlink", "truncate",
+                     "mkdir", "rmdir"]),
     st.sampled_from(NAMES), st.sampled_from(NAMES), st.text("xyz", min_size=1, max_size=3),
     st.booleans()), min_size=1, max_size=8)
 
@@ -163,10 +172,21 @@ def plan_ops(raw):
             content = text if kind == "write" else cur[1] + text
             state[name] = ("file", content, cur[2] if cur else False)
             out.append((unit, {"op": kind, "path": name, "data": text}, [name]))
-        elif kind == "delete" and cur is not None:
+        elif kind == "truncate" and cur is not None and cur[0] == "file":
+            size = len(cur[1]) // 2 if flag else len(cur[1]) + 2
+            state[name] = ("file", cur[1][:size].ljust(size, "\0"), cur[2])
+            out.append((unit, {"op": "truncate", "path": name, "size": size}, [name]))
+        elif kind == "mkdir" and cur is None:
+            state[name] = ("dir",)
+            out.append((unit, {"op": "mkdir", "path": name}, [name]))
+        elif kind == "rmdir" and cur is not None and cur[0] == "dir":
+            del state[name]
+            out.append((unit, {"op": "rmdir", "path": name}, [name]))
+        elif kind == "delete" and cur is not None and cur[0] != "dir":
             del state[name]
             out.append((unit, {"op": "delete", "path": name}, [name]))
-        elif kind == "rename" and cur is not None and other != name:
+        elif kind == "rename" and cur is not None and other != name and \
+                (state.get(other) is None or (cur[0] == "dir") == (state[other][0] == "dir")):
             state[other] = state.pop(name)
             out.append((unit, {"op": "rename", "path": name, "to": other}, [name, other]))
         elif kind == "chmod" and cur is not None and cur[0] == "file":
