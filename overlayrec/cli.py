@@ -236,14 +236,6 @@ def status(workspace, as_json):
             click.echo(f"    {h['pid']:>7} {h['command']:<16} {'; '.join(h['holds'][:3])}")
 
 
-def _command_name(actor: dict | None) -> str:
-    if not actor:
-        return "?"
-    if actor.get("argv"):
-        return os.path.basename(actor["argv"][0])
-    return os.path.basename(actor.get("exe") or "?")
-
-
 def _fmt_time(ns: int) -> str:
     t = ns / 1e9
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) + f".{int(ns % 10**9 / 1e6):03d}"
@@ -345,7 +337,7 @@ def log_cmd(workspace, glob, limit, call_id, turn_index, sid, actor, since, unti
                 where += f" -> {ev['path2']}"
             note = f"  (failed: {os.strerror(ev['failed_errno'])})" if "failed_errno" in ev else ""
             click.echo(f"{ev['seq']:>6} {_fmt_time(ev['t'])} {a['pid'] if a else '?':>7} "
-                       f"{_command_name(a):<12.12} {ev['op']:<11} {where}{note}")
+                       f"{command_name(a):<12.12} {ev['op']:<11} {where}{note}")
 
         rows, last = [], lo - 1
         for ev in j.events(lo, hi):
@@ -494,7 +486,6 @@ def hook_claude_code():
 @_guard
 def install_hooks(agent, project, user, remove):
     """Merge overlayrec's hook entries into an agent's settings, keeping what is there."""
-    import shlex
     from .hooks import merge_hooks
     if bool(project) == bool(user):
         raise Fail("say where: --project DIR or --user")
@@ -997,8 +988,8 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
     occasion when it is not): the daemon journals the changes as the revert's own unit."""
     from . import client
     from .engines.diff import SelectionError
-    from .engines.revert import (make_plan, apply_step, order, plan_to_json, plan_from_json,
-                                 Plan)
+    from .engines.revert import (make_plan, apply_step, order, plan_to_json,
+                                 plan_from_json)
     from .engines.states import States, Tree
     from .journal import ContentStore
     mounted_here = False

@@ -10,8 +10,6 @@ import sys
 import textwrap
 import time
 
-import pytest
-
 from conftest import needs_fuse, overlayrec, is_mounted
 
 pytestmark = needs_fuse

@@ -2,7 +2,6 @@
 patch applies with the real git onto the tree before and gives the tree after."""
 from __future__ import annotations
 
-import filecmp
 import json
 import os
 import shutil

@@ -8,8 +8,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from conftest import needs_fuse, needs_root
 
 pytestmark = [needs_fuse, needs_root]

@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 import stat
 
-import pytest
-
 from conftest import needs_fuse
 
 pytestmark = needs_fuse

@@ -8,8 +8,6 @@ import stat
 import sys
 import textwrap
 
-import pytest
-
 from conftest import needs_fuse, overlayrec
 from overlayrec import client
 from overlayrec.engines.replay import replay

@@ -2,11 +2,9 @@
 loads, shows the turns and the outside lane, and a click on a call opens its diff."""
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 

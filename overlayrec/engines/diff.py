@@ -10,7 +10,7 @@ import fnmatch
 from dataclasses import dataclass
 
 from ..journal import Journal
-from ..journal.schema import CONTROL_OPS
+from ..views import file_events as _tree_events, unit_session as _unit_session
 from .states import States, State
 
 
@@ -25,27 +25,9 @@ class Side:
     writers: dict[str, set[str]]   # path -> units that changed it in the selection
 
 
-def _unit_session(unit: str | None) -> str | None:
-    if not unit:
-        return None
-    kind, _, rest = unit.partition(":")
-    if kind == "call":
-        return rest.split(":", 1)[0]
-    if kind == "turn":
-        return rest.rsplit(":", 1)[0]
-    if kind == "session":
-        return rest
-    return None
-
-
 def file_events(j: Journal, lo: int = 1, hi: int | None = None) -> list[dict]:
-    failed, out = set(), []
-    for e in j.events(lo, hi):
-        if e["op"] == "failed":
-            failed.add(e["ref"])
-        elif e["op"] not in CONTROL_OPS and e.get("path") is not None:
-            out.append(e)
-    return [e for e in out if e["seq"] not in failed]
+    """Events that change a path (not control events, not failed ones)."""
+    return [e for e in _tree_events(j, lo, hi) if e.get("path") is not None]
 
 
 def _paths(e: dict) -> list[str]:

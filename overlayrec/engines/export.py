@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import tempfile
 
 from ..journal import Journal
 from .diff import file_events, _visible
-from .gitdiff import ObjectStore, GitError
+from .gitdiff import ObjectStore
 from .states import States
 
 
@@ -147,30 +146,9 @@ class Exporter:
         self._update([p for p in self._touched(lo, hi) if p in known], hi, env)
 
     def _update(self, paths: list[str], point: int, env) -> None:
-        if not paths:
-            return
-        states = {p: self.states.state(p, point) for p in paths}
-        present = {p: s for p, s in states.items() if s.kind in ("file", "symlink")}
-        lines = []
-        if present:
-            with tempfile.TemporaryDirectory(prefix="overlayrec-blobs-") as tmp:
-                names = []
-                for i, (p, s) in enumerate(sorted(present.items())):
-                    f = os.path.join(tmp, str(i))
-                    with open(f, "wb") as fh:
-                        fh.write(s.data)
-                    names.append(f)
-                shas = self._git("hash-object", "-w", "--no-filters", "--stdin-paths",
-                                 input="\n".join(names).encode()).split()
-            for (p, s), sha in zip(sorted(present.items()), shas):
-                mode = "120000" if s.kind == "symlink" else \
-                    ("100755" if s.mode & 0o111 else "100644")
-                lines.append(f"{mode} {sha}\t{p}")
-        for p, s in states.items():
-            if p not in present:
-                lines.append(f"0 {'0' * 40}\t{p}")  # remove from the index
-        self._git("update-index", "-z", "--index-info",
-                  input=("\0".join(lines) + "\0").encode("utf-8", "surrogateescape"), env=env)
+        if paths:
+            states = {p: self.states.state(p, point) for p in paths}
+            self.store.update_index(self.store.index_lines(states), env)
 
     # -- commits --------------------------------------------------------------------------------
     def _commit(self, sid, st, env, author: dict, message: str, t_ns: int) -> str:

@@ -46,28 +46,42 @@ class ObjectStore:
             raise GitError(f"git {args[0]} failed: {r.stderr.decode(errors='replace').strip()}")
         return r.stdout.decode("utf-8", "surrogateescape")
 
+    def index_lines(self, states: dict[str, State]) -> list[str]:
+        """``git update-index --index-info`` lines for these states: each present file or
+        symlink written as a blob, each other path removed (mode 0)."""
+        present = {p: s for p, s in states.items() if s.kind in ("file", "symlink")}
+        lines = []
+        if present:
+            with tempfile.TemporaryDirectory(prefix="overlayrec-blobs-") as tmp:
+                names = []
+                for i, (p, s) in enumerate(sorted(present.items())):
+                    f = os.path.join(tmp, str(i))
+                    with open(f, "wb") as fh:
+                        fh.write(s.data)
+                    names.append(f)
+                shas = self._git("hash-object", "-w", "--no-filters", "--stdin-paths",
+                                 input="\n".join(names).encode()).split()
+            for (p, s), sha in zip(sorted(present.items()), shas):
+                mode = "120000" if s.kind == "symlink" else \
+                    ("100755" if s.mode & 0o111 else "100644")
+                lines.append(f"{mode} {sha}\t{p}")
+        lines += [f"0 {'0' * 40}\t{p}" for p in states if p not in present]
+        return lines
+
+    def update_index(self, lines: list[str], env: dict) -> None:
+        if lines:
+            self._git("update-index", "-z", "--index-info",
+                      input=("\0".join(lines) + "\0").encode("utf-8", "surrogateescape"),
+                      env=env)
+
     def tree(self, states: dict[str, State]) -> str:
-        """A tree holding each present path as a blob (files, symlinks); None for none."""
-        entries = {p: s for p, s in states.items() if s.kind in ("file", "symlink")}
-        if not entries:
+        """A tree holding each present path (files and symlinks) as a blob."""
+        if not any(s.kind in ("file", "symlink") for s in states.values()):
             return EMPTY_TREE
         with tempfile.TemporaryDirectory(prefix="overlayrec-tree-") as tmp:
-            names = []
-            for i, (p, s) in enumerate(sorted(entries.items())):
-                f = os.path.join(tmp, str(i))
-                with open(f, "wb") as fh:
-                    fh.write(s.data)
-                names.append(f)
-            shas = self._git("hash-object", "-w", "--no-filters", "--stdin-paths",
-                             input="\n".join(names).encode()).split()
-            lines = []
-            for (p, s), sha in zip(sorted(entries.items()), shas):
-                mode = "120000" if s.kind == "symlink" else ("100755" if s.mode & 0o111 else "100644")
-                lines.append(f"{mode} {sha}\t{p}")
-            index = os.path.join(tmp, "index")
-            env = dict(self.env, GIT_INDEX_FILE=index)
-            self._git("update-index", "-z", "--index-info",
-                      input=("\0".join(lines) + "\0").encode("utf-8", "surrogateescape"), env=env)
+            env = dict(self.env, GIT_INDEX_FILE=os.path.join(tmp, "index"))
+            self.update_index([l for l in self.index_lines(states) if not l.startswith("0 ")],
+                              env)
             return self._git("write-tree", env=env).strip()
 
     def diff(self, a: str, b: str, fmt: str, paths: list[str] | None = None,

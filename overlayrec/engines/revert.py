@@ -17,7 +17,6 @@ unit (``revert:<id>``): an unrevert is a revert of that unit.
 """
 from __future__ import annotations
 
-import json
 import os
 import stat
 import time
