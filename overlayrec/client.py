@@ -11,13 +11,12 @@ Stdlib only and import-light: hooks run it on every tool call.
 """
 from __future__ import annotations
 
-import json
 import os
 
 # the C module: `socket` pulls in enum and selectors, a third of a hook's start-up
 import _socket as socket
 
-from . import state
+from . import state, wire
 
 
 class ClientError(Exception):
@@ -60,7 +59,7 @@ class Client:
         if "session" not in req and self.session and op not in ("ping", "status"):
             req["session"] = self.session
         try:
-            self.sock.sendall(json.dumps(req).encode() + b"\n")
+            self.sock.sendall(wire.dumps(req).encode() + b"\n")
             while b"\n" not in self._buf:
                 chunk = self.sock.recv(65536)
                 if not chunk:
@@ -69,7 +68,7 @@ class Client:
         except OSError as e:
             raise ClientError(f"control request failed: {e.strerror or e}") from None
         line, self._buf = self._buf.split(b"\n", 1)
-        out = json.loads(line)
+        out = wire.loads(line.decode())
         if not out.get("ok"):
             raise ClientError(out.get("error") or "request refused")
         return out

@@ -7,11 +7,10 @@ nothing, and whatever goes wrong it exits 0 (a one-line warning on stderr).
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 
-from . import client
+from . import client, wire
 
 CLAUDE_EVENTS = ("SessionStart", "UserPromptSubmit", "PreToolUse", "PostToolUse",
                  "PostToolUseFailure", "Stop", "SessionEnd")
@@ -64,7 +63,7 @@ def claude_code(payload: dict, c: client.Client) -> None:
 def run_claude_code_hook(stdin=None) -> int:
     """Entry point of ``overlayrec hook claude-code``: always exits 0."""
     try:
-        payload = json.load(stdin or sys.stdin)
+        payload = wire.loads((stdin or sys.stdin).read())
         cwd = payload.get("cwd") if isinstance(payload, dict) else None
         try:
             c = client.connect(cwd=cwd if cwd and os.path.isdir(cwd) else None)

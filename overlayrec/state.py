@@ -4,7 +4,6 @@ kernel's mount table says about it.  Plain files and /proc only; no journal, no 
 from __future__ import annotations
 
 import errno
-import json
 import os
 
 FSNAME = "overlayrec"
@@ -62,23 +61,26 @@ def write_registry(ws: str, state_dir: str) -> None:
     p = registry_path(ws)
     os.makedirs(os.path.dirname(p), exist_ok=True)
     tmp = p + ".tmp"
+    import json
     with open(tmp, "w") as f:
         json.dump({"workspace": ws, "state_dir": state_dir}, f)
     os.replace(tmp, p)
 
 
 def find_state_dir(ws: str) -> str:
+    from . import wire  # not json: hooks come through here on every tool call
     try:
         with open(registry_path(ws)) as f:
-            return json.load(f)["state_dir"]
+            return wire.loads(f.read())["state_dir"]
     except (OSError, ValueError, KeyError):
         return default_state_dir(ws)
 
 
 def daemon_info(state_dir: str) -> dict | None:
+    from . import wire
     try:
         with open(os.path.join(state_dir, "daemon.json")) as f:
-            info = json.load(f)
+            info = wire.loads(f.read())
     except (OSError, ValueError):
         return None
     return info

@@ -87,3 +87,19 @@ def test_threads_are_their_process():
     t.start()
     t.join()
     assert out["actor"]["pid"] == os.getpid()
+
+
+def test_wire_json_round_trips_with_the_json_package():
+    import json
+
+    import pytest
+
+    from overlayrec import wire
+    samples = [{"a": 1, "b": [True, None, 'q"\\\u00e9\n'], "c": {"d": 1.5, "e": -2}}, [], "",
+               {"hook_event_name": "PreToolUse", "tool_input": {"command": "sed -i 's/a/b/' x"}}]
+    for o in samples:
+        assert json.loads(wire.dumps(o)) == o
+        assert wire.loads(json.dumps(o, indent=2)) == o
+    for bad in ("", "{", "[1,]", "{} x"):
+        with pytest.raises(ValueError):
+            wire.loads(bad)
