@@ -44,6 +44,8 @@ def _paths(ev: dict) -> list[str]:
 
 
 def writer_name(j: Journal, unit: str, actors: dict) -> str:
+    if unit.startswith("revert:"):
+        return unit.replace(":", " ", 1)
     if unit.startswith("outside:"):
         key = unit.split(":", 1)[1]
         if key not in actors:
@@ -115,6 +117,8 @@ def session_summary(j: Journal, sid: str) -> list[str]:
         if unit_session(unit) == sid:
             who = unit.split(":")[0] if not unit.startswith("call:") else "calls"
             who = "agent tool calls" if who == "calls" else "the agent itself"
+        elif unit.startswith("revert:"):
+            who = "reverts"
         elif unit_session(unit) is None:
             who = "outside: " + writer_name(j, unit, actors)
         else:

@@ -228,6 +228,7 @@ def predict(history: list, states: list, unit: str):
     return conflict, tree
 
 
+@pytest.mark.timeout(2400)  # the whole run of generated cases, not one of them
 @settings(max_examples=CASES, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(raw=ops, which=st.sampled_from(["A", "A", "B"]))
