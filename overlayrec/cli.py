@@ -189,17 +189,21 @@ def _unmount_now(ws: str) -> None:
 
 
 @main.command()
-@click.argument("workspace", type=click.Path(), default=".")
+@click.argument("workspace", default=".")  # not click.Path: it would stat a hung mount
 @click.option("--json", "as_json", is_flag=True, help="One JSON object.")
 @_guard
 def status(workspace, as_json):
     """Say whether WORKSPACE is mounted, by which daemon, where its journal is and how much it holds."""
-    ws = state.resolve_workspace(workspace, must_exist=False)
+    ws = os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(workspace))),
+                      os.path.basename(os.path.abspath(workspace)))
     sd = state.find_state_dir(ws)
     info = state.daemon_info(sd)
     pid = info["pid"] if info and state.pid_alive(info["pid"]) else None
-    dead = state.is_dead_mount(ws)
-    mounted = bool(state.fuse_mount_at(ws)) and not dead
+    in_table = bool(state.fuse_mount_at(ws))
+    answers = state.mount_answers(ws) if in_table else True
+    hung = in_table and answers is False
+    dead = in_table and answers is None
+    mounted = in_table and not dead
     events = None
     journal_path = os.path.join(sd, "journal")
     if os.path.exists(os.path.join(journal_path, "data.mdb")):
@@ -209,16 +213,20 @@ def status(workspace, as_json):
         finally:
             j.close()
     holders = state.underlay_holders(ws, {os.getpid()} | ({pid} if pid else set())) \
-        if mounted else []
+        if mounted and not hung else []
     pending = [r["id"] for r in _load_reverts(sd) if r.get("status") == "running"]
     out = {"workspace": ws, "mounted": mounted, "dead_mount": dead, "daemon_pid": pid,
            "state_dir": sd, "journal": journal_path if events is not None else None,
-           "events": events, "underlay_holders": holders, "pending_revert": pending}
+           "events": events, "underlay_holders": holders, "pending_revert": pending,
+           "responding": not hung}
     if as_json:
         click.echo(json.dumps(out))
         return
     if dead:
         click.echo(f"{ws}: dead mount (clear it with: overlayrec umount {ws})")
+    elif hung:
+        click.echo(f"{ws}: mounted, but daemon pid {pid} does not answer "
+                   f"(overlayrec umount {ws} stops it)")
     elif mounted:
         click.echo(f"{ws}: mounted by daemon pid {pid}" if pid else f"{ws}: mounted")
     else:

@@ -209,6 +209,23 @@ def underlay_holders(ws: str, exclude: set[int]) -> list[dict]:
     return out
 
 
+def mount_answers(path: str, timeout: float = 3.0) -> bool | None:
+    """Does the daemon answer a statfs within ``timeout``?  None: it answers with an error."""
+    import threading
+    out: list = []
+
+    def probe():
+        try:
+            os.statvfs(path)
+            out.append(True)
+        except OSError:
+            out.append(None)
+    t = threading.Thread(target=probe, daemon=True)  # a hung request stays behind, harmlessly
+    t.start()
+    t.join(timeout)
+    return out[0] if out else False
+
+
 def is_dead_mount(path: str) -> bool:
     # statfs always reaches the daemon; stat may be answered from the kernel's attribute cache
     try:

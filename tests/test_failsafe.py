@@ -175,6 +175,11 @@ def test_umount_of_a_hung_daemon_does_not_hang(make_mount):
     os.kill(pid, signal.SIGSTOP)  # a daemon that answers nothing
     try:
         t = time.monotonic()
+        st = json.loads(overlayrec("status", m.ws, "--json", timeout=30).stdout)
+        assert st["responding"] is False and st["mounted"] is True
+        assert "does not answer" in overlayrec("status", m.ws, timeout=30).stdout
+        assert time.monotonic() - t < 20
+        t = time.monotonic()
         r = overlayrec("umount", m.ws, "--timeout", "2", timeout=30)
         assert time.monotonic() - t < 20
         assert "killed it" in r.stdout
