@@ -113,6 +113,8 @@ def test_symlink_escape_is_refused(make_mount, tmp_path):
     run_call(m, tmp_path, "mkdir x && echo made > x/f")
     # the user swaps the directory for a symlink that leads out of the workspace
     m.sh(f"rm -r x && ln -s {outside} x")
+    r = overlayrec("revert", m.ws, "--call", "c1", "--yes", check=False)
+    assert r.returncode == 1 and "escape: x/f" in r.stderr
     r = overlayrec("revert", m.ws, "--call", "c1", "--yes", "--force", check=False)
     assert (outside / "f").read_text() == "precious"  # never followed out
     assert os.path.islink(os.path.join(m.ws, "x"))

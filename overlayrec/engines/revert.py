@@ -6,7 +6,8 @@ written; one conflict refuses the whole revert (``--force`` reverts the paths wi
 * *changed*: the path no longer holds what the reverted changes left;
 * *interleaved*: another unit changed the path between two of the reverted changes;
 * *unrecorded*: the journal cannot say exactly what the path held (a change it could not
-  record, or a point inside a run of writes it did not see one by one).
+  record, or a point inside a run of writes it did not see one by one);
+* *escape*: a directory on the path's way is now a symlink, which a revert never follows.
 
 The plan is written to the state dir before the first change, so an interrupted revert can be
 finished (``--continue``) or rolled back (``unrevert``).  Every step is idempotent: it makes a
@@ -124,7 +125,9 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
         if _same(target, expected) and target.mode == expected.mode:
             continue  # made and unmade inside the selection (a temp file): nothing to do
         step = Step(p, target, expected)
-        if p in unrecorded or not target.exact or not expected.exact:
+        if live.symlink_on_the_way(p):
+            step.conflict = "escape"  # a directory on its way is now a symlink: never followed
+        elif p in unrecorded or not target.exact or not expected.exact:
             step.conflict = "unrecorded"
         elif any(first < s < last for s in others.get(p, [])):
             step.conflict = "interleaved"

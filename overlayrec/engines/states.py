@@ -74,6 +74,24 @@ class Tree:
         finally:
             os.close(dfd)
 
+    def symlink_on_the_way(self, rel: str) -> bool:
+        """Is a parent directory of ``rel`` a symlink (or not a directory) now?"""
+        fd = os.dup(self.root_fd)
+        try:
+            for part in rel.split("/")[:-1]:
+                try:
+                    st = os.stat(part, dir_fd=fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    return False
+                if not stat.S_ISDIR(st.st_mode):
+                    return True
+                nfd = os.open(part, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY, dir_fd=fd)
+                os.close(fd)
+                fd = nfd
+            return False
+        finally:
+            os.close(fd)
+
     def attic(self, name: str) -> bytes | None:
         s = self.state(f"{ATTIC}/{name}")
         return s.data if s.kind in ("file", "symlink") else None
