@@ -17,6 +17,7 @@ import struct
 
 import trio
 
+from . import claude
 from .calls import Calls, ControlError
 from .attribution import Attribution
 
@@ -30,6 +31,33 @@ def peer_pid(sock) -> int:
     return struct.unpack("3i", raw)[0]
 
 
+class _Local:
+    """The client's methods, served in the daemon for a raw hook payload."""
+
+    def __init__(self, calls: Calls, caller: dict):
+        self.c, self.caller = calls, caller
+
+    def session_begin(self, session=None):
+        return self.c.session_begin(self.caller, session)
+
+    def session_end(self, session=None):
+        return self.c.session_end(self.caller, session)
+
+    def turn_begin(self, prompt=None, session=None):
+        return self.c.turn_begin(self.caller, session, prompt)
+
+    def turn_end(self, session=None):
+        return self.c.turn_end(self.caller, session)
+
+    def call_begin(self, call_id, tool, summary=None, session=None):
+        if not call_id or not tool:
+            raise ControlError("call_begin needs id and tool")
+        return self.c.call_begin(self.caller, session, str(call_id), str(tool), summary)
+
+    def call_end(self, call_id, status="ok", session=None):
+        return self.c.call_end(self.caller, session, str(call_id), status)
+
+
 class ControlServer:
     def __init__(self, path: str, calls: Calls, attribution: Attribution, owner_uid: int,
                  root_fd: int | None = None):
@@ -40,6 +68,10 @@ class ControlServer:
         self.owner_uid = owner_uid
 
     def handle(self, req: dict, caller: dict) -> dict:
+        if "hook_event_name" in req and "op" not in req:
+            # a Claude Code hook payload piped straight in (the fast hook: nc, no interpreter)
+            claude.apply(req, _Local(self.calls, caller), (ControlError,))
+            return {}
         op = req.get("op")
         c = self.calls
         name = req.get("session") or None
@@ -111,6 +143,8 @@ class ControlServer:
                 while True:
                     chunk = await conn.recv(65536)
                     if not chunk:
+                        if buf.strip():  # a payload that ends with the connection (nc -N)
+                            await conn.send(self._answer(buf, caller) + b"\n")
                         return
                     buf += chunk
                     if len(buf) > MAX_REQUEST:

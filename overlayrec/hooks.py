@@ -12,52 +12,11 @@ import sys
 
 from . import client, wire
 
-CLAUDE_EVENTS = ("SessionStart", "UserPromptSubmit", "PreToolUse", "PostToolUse",
-                 "PostToolUseFailure", "Stop", "SessionEnd")
-
-
-def summarize(tool_input) -> str | None:
-    """One line saying what a tool call was asked to do."""
-    if not isinstance(tool_input, dict):
-        return None
-    for key in ("command", "file_path", "path", "pattern", "url", "description", "prompt"):
-        v = tool_input.get(key)
-        if isinstance(v, str) and v:
-            return v.splitlines()[0][:200]
-    return None
+from .claude import EVENTS as CLAUDE_EVENTS, apply as _apply, summarize  # noqa: F401
 
 
 def claude_code(payload: dict, c: client.Client) -> None:
-    ev = payload.get("hook_event_name")
-    sid = payload.get("session_id") or None
-
-    def with_session(fn):
-        try:
-            return fn()
-        except client.ClientError as e:
-            if not str(e).startswith("no session"):
-                raise
-            c.session_begin(session=sid)  # hooks installed mid-session: start one now
-            return fn()
-
-    if ev == "SessionStart":
-        c.session_begin(session=sid)
-    elif ev == "UserPromptSubmit":
-        with_session(lambda: c.turn_begin(prompt=payload.get("prompt"), session=sid))
-    elif ev == "PreToolUse":
-        with_session(lambda: c.call_begin(payload.get("tool_use_id"), payload.get("tool_name"),
-                                          summarize(payload.get("tool_input")), session=sid))
-    elif ev in ("PostToolUse", "PostToolUseFailure"):
-        with_session(lambda: c.call_end(payload.get("tool_use_id"),
-                                        "ok" if ev == "PostToolUse" else "error", session=sid))
-    elif ev == "Stop":
-        try:
-            c.turn_end(session=sid)
-        except client.ClientError as e:
-            if "no open turn" not in str(e) and not str(e).startswith("no session"):
-                raise
-    elif ev == "SessionEnd":
-        c.session_end(session=sid)
+    _apply(payload, c, (client.ClientError,))
 
 
 def run_claude_code_hook(stdin=None) -> int:

@@ -286,3 +286,34 @@ def test_run_forwards_signals_to_the_agent(make_mount):
         if p.poll() is None:
             p.kill()
     assert open(os.path.join(m.ws, "term.txt")).read() == "got-term\n"
+
+
+def test_installed_hook_command_fast_and_fallback_paths(make_mount, tmp_path):
+    """The command install-hooks writes: nc straight to the socket under `run`, the Python
+    adapter when no socket is in the environment; both record the call."""
+    from overlayrec.cli import hook_command
+    m = make_mount().mount()
+    agent = tmp_path / "agent.py"
+    agent.write_text(textwrap.dedent(r'''
+        import json, os, subprocess, sys
+        hook = sys.argv[1]
+        def send(env, **payload):
+            r = subprocess.run(hook, shell=True, input=json.dumps(payload), text=True,
+                               capture_output=True, env=env)
+            assert r.returncode == 0 and r.stdout == "", r
+        fast = dict(os.environ)
+        slow = {k: v for k, v in os.environ.items() if k != "OVERLAYREC_SOCKET"}
+        for env, cid in ((fast, "fast"), (slow, "slow")):
+            send(env, hook_event_name="PreToolUse", session_id="h", tool_use_id=cid,
+                 tool_name="Bash", tool_input={"command": "touch " + cid})
+            subprocess.run(["touch", cid + ".txt"], check=True)
+            send(env, hook_event_name="PostToolUse", session_id="h", tool_use_id=cid)
+    '''))
+    overlayrec("run", "-w", m.ws, "--session", "hk", "--", sys.executable, str(agent),
+               hook_command(), cwd=m.ws)
+    rows = {json.loads(l)["id"]: json.loads(l) for l in
+            overlayrec("calls", m.ws, "--json").stdout.splitlines()}
+    assert set(rows) == {"fast", "slow"}
+    assert rows["fast"]["status"] == rows["slow"]["status"] == "ok"
+    assert rows["fast"]["paths"] == ["fast.txt"] and rows["slow"]["paths"] == ["slow.txt"]
+    assert rows["fast"]["summary"] == "touch fast"

@@ -8,6 +8,14 @@ export DEBIAN_FRONTEND=noninteractive
 cd /vagrant
 echo "provision: $(. /etc/os-release && echo "$PRETTY_NAME"), kernel $(uname -r)"
 modprobe fuse 2>/dev/null || true          # /dev/fuse, for the mounts
+# Trust what the host trusts: its local CAs (copied to /tmp/overlayrec-ca by the Vagrantfile), e.g.
+# a TLS-inspecting proxy's; and make pip use the system store rather than its own bundle.
+if compgen -G '/tmp/overlayrec-ca/*.crt' >/dev/null; then
+  echo "provision: trusting the host's local CAs: $(cd /tmp/overlayrec-ca && echo *.crt)"
+  install -m 644 /tmp/overlayrec-ca/*.crt /usr/local/share/ca-certificates/
+  update-ca-certificates >/dev/null
+fi
+printf '[global]\ncert = /etc/ssl/certs/ca-certificates.crt\n' > /etc/pip.conf
 tools/setup
 [ -e /dev/fuse ] && echo "provision: /dev/fuse present" || echo "provision: warning: no /dev/fuse" >&2
 echo "provision: done; run the suite with: vagrant ssh -c 'cd /vagrant && sudo tools/test'"
