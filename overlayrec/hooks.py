@@ -12,7 +12,7 @@ import sys
 
 from . import client, wire
 
-from .claude import EVENTS as CLAUDE_EVENTS, apply as _apply, summarize  # noqa: F401
+from .claude import EVENTS as CLAUDE_EVENTS, apply as _apply
 
 
 def claude_code(payload: dict, c: client.Client) -> None:

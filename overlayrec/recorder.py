@@ -81,11 +81,10 @@ class RangeSet:
 
 
 class Epoch:
-    __slots__ = ("unit", "content_saved", "meta_saved", "size0", "ranges", "seq")
+    __slots__ = ("unit", "content_saved", "meta_saved", "size0", "ranges")
 
-    def __init__(self, unit: str, seq: int):
+    def __init__(self, unit: str):
         self.unit = unit
-        self.seq = seq
         self.content_saved = False   # the whole pre-image content is in the journal (or not needed)
         self.meta_saved = False
         self.size0: int | None = None  # range mode: size at the epoch's start
@@ -184,7 +183,7 @@ class Recorder:
         ep = self.epochs.get(path)
         if ep is not None and ep.unit == unit:
             return ep, False
-        ep = Epoch(unit, 0)
+        ep = Epoch(unit)
         self.epochs[path] = ep
         return ep, True
 
