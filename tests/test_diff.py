@@ -71,7 +71,8 @@ def same_tree(a, b):
     return walk(a) == walk(b), walk(a), walk(b)
 
 
-def test_turn_and_call_diffs_apply_with_git(make_mount, tmp_path):
+def recorded_session(make_mount, tmp_path):
+    """A mount over the seeded workspace after AGENT ran in session d; and the tree before."""
     m = make_mount()
     seed(m.ws)
     before = tmp_path / "before"
@@ -80,6 +81,11 @@ def test_turn_and_call_diffs_apply_with_git(make_mount, tmp_path):
     agent = tmp_path / "agent.py"
     agent.write_text(AGENT)
     overlayrec("run", "-w", m.ws, "--session", "d", "--", sys.executable, str(agent), cwd=m.ws)
+    return m, before
+
+
+def test_turn_and_call_diffs_apply_with_git(make_mount, tmp_path):
+    m, before = recorded_session(make_mount, tmp_path)
 
     stat = overlayrec("diff", m.ws, "--turn", "1", "--stat").stdout
     for name in ("text.txt", "created.txt", "gone.txt", "blob.bin", "tool.sh", "link",
@@ -137,14 +143,7 @@ def test_diff_errors_are_one_line(make_mount):
 
 
 def test_replay_blame_and_show(make_mount, tmp_path):
-    m = make_mount()
-    seed(m.ws)
-    before = tmp_path / "before"
-    snapshot(m.ws, before)
-    m.mount()
-    agent = tmp_path / "agent.py"
-    agent.write_text(AGENT)
-    overlayrec("run", "-w", m.ws, "--session", "d", "--", sys.executable, str(agent), cwd=m.ws)
+    m, before = recorded_session(make_mount, tmp_path)
     # the whole workspace as it stood before the first turn is the seeded tree
     full = tmp_path / "full"
     overlayrec("replay", m.ws, "--at", "before:turn:1", "--to", str(full), "--full")
