@@ -13,6 +13,9 @@ import pytest
 
 from overlayrec.journal import Journal
 
+# a VM under software emulation (tools/vm-test --driver qemu) runs about ten times slower
+SLOW = float(os.environ.get("OVERLAYREC_TEST_SLOWDOWN", "1"))
+
 HAVE_FUSE = os.path.exists("/dev/fuse") and shutil.which("fusermount3") is not None
 needs_fuse = pytest.mark.skipif(not HAVE_FUSE, reason="needs /dev/fuse and fusermount3")
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
@@ -20,7 +23,7 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 
 def overlayrec(*args, check=True, env=None, timeout=60, **kw):
     r = subprocess.run([sys.executable, "-m", "overlayrec", *args], capture_output=True,
-                       text=True, env=env, timeout=timeout, **kw)
+                       text=True, env=env, timeout=timeout * SLOW, **kw)
     if check and r.returncode != 0:
         raise AssertionError(f"overlayrec {' '.join(args)} failed ({r.returncode}):\n"
                              f"{r.stdout}\n{r.stderr}")
@@ -66,14 +69,15 @@ class Mount:
         cmd = ["bash", "-ec", script]
         if user is not None:
             cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups"] + cmd
-        r = subprocess.run(cmd, cwd=self.ws, capture_output=True, text=True, timeout=60, **kw)
+        r = subprocess.run(cmd, cwd=self.ws, capture_output=True, text=True, timeout=60 * SLOW,
+                           **kw)
         if check and r.returncode != 0:
             raise AssertionError(f"script failed ({r.returncode}): {script}\n{r.stdout}\n{r.stderr}")
         return r
 
     def py(self, code: str, **kw) -> subprocess.CompletedProcess:
         r = subprocess.run([sys.executable, "-c", code], cwd=self.ws, capture_output=True,
-                           text=True, timeout=60, **kw)
+                           text=True, timeout=60 * SLOW, **kw)
         if r.returncode != 0:
             raise AssertionError(f"python failed: {code}\n{r.stdout}\n{r.stderr}")
         return r

@@ -36,9 +36,12 @@ FAKE_AGENT = textwrap.dedent(r'''
     bash("toolu_mv", "mv notes.txt docs-notes.txt && rm old.txt")
     # a background process that keeps writing after its call ended
     hook("PreToolUse", tool_use_id="toolu_bg", tool_name="Bash", tool_input={"command": "server &"})
-    subprocess.run(["bash", "-c", "(for i in 1 2 3; do sleep 0.3; echo tick $i >> server.log; done) "
-                    "> /dev/null 2>&1 &"], check=True)
+    go = sys.argv[1]  # outside the workspace: the writer starts once the call has ended
+    subprocess.run(["bash", "-c", f"(while [ ! -e {go} ]; do sleep 0.05; done; for i in 1 2 3; "
+                    "do sleep 0.3; echo tick $i >> server.log; done) > /dev/null 2>&1 &"],
+                   check=True)
     hook("PostToolUse", tool_use_id="toolu_bg", tool_name="Bash")
+    open(go, "w").close()
     # the agent's own edit tool, inside a call
     hook("PreToolUse", tool_use_id="toolu_edit", tool_name="Edit", tool_input={"file_path": "README"})
     with open("README", "a") as f:
@@ -83,7 +86,7 @@ def test_scripted_agent_with_hooks_and_an_outside_editor(make_mount, tmp_path):
         [sys.executable, "-c", "import time, sys\nfor i in range(8):\n"
          "    open('user.txt', 'a').write(f'edit {i}\\n'); time.sleep(0.25)"], cwd=m.ws)
     r = overlayrec("run", "-w", m.ws, "--session", "s1", "--", sys.executable, str(agent),
-                   cwd=m.ws, timeout=120)
+                   str(tmp_path / "go"), cwd=m.ws, timeout=120)
     editor.wait(timeout=30)
     assert "session s1: 2 turn(s), 5 call(s)" in r.stderr
     assert is_mounted(m.ws)  # run joined the mount; it did not mount, so it does not unmount
