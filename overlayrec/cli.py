@@ -381,6 +381,12 @@ def _client(session=None):
         raise Fail(str(e)) from None
 
 
+def _announce(session, send, as_json):
+    """Send one announcement through a client found for ``session``; the daemon's answer."""
+    with _client(session) as c:
+        return _request(lambda: send(c), as_json)
+
+
 def _request(fn, as_json=False):
     from . import client
     try:
@@ -406,8 +412,7 @@ def call():
 @click.option("--json", "as_json", is_flag=True)
 def call_begin(call_id, tool, summary, session, as_json):
     """Begin a call: from now on the processes the agent starts belong to it."""
-    with _client(session) as c:
-        _request(lambda: c.call_begin(call_id, tool, summary), as_json)
+    _announce(session, lambda c: c.call_begin(call_id, tool, summary), as_json)
 
 
 @call.command(name="end")
@@ -417,8 +422,7 @@ def call_begin(call_id, tool, summary, session, as_json):
 @click.option("--json", "as_json", is_flag=True)
 def call_end(call_id, status, session, as_json):
     """End a call."""
-    with _client(session) as c:
-        _request(lambda: c.call_end(call_id, status), as_json)
+    _announce(session, lambda c: c.call_end(call_id, status), as_json)
 
 
 @main.group()
@@ -432,8 +436,7 @@ def turn():
 @click.option("--json", "as_json", is_flag=True)
 def turn_begin(session, prompt, as_json):
     """Begin a turn (ending the open one, if any)."""
-    with _client(session) as c:
-        _request(lambda: c.turn_begin(prompt), as_json)
+    _announce(session, lambda c: c.turn_begin(prompt), as_json)
 
 
 @turn.command(name="end")
@@ -441,8 +444,7 @@ def turn_begin(session, prompt, as_json):
 @click.option("--json", "as_json", is_flag=True)
 def turn_end(session, as_json):
     """End the open turn."""
-    with _client(session) as c:
-        _request(lambda: c.turn_end(), as_json)
+    _announce(session, lambda c: c.turn_end(), as_json)
 
 
 @main.group()
@@ -455,8 +457,7 @@ def session():
 @click.option("--json", "as_json", is_flag=True)
 def session_begin(name, as_json):
     """Begin a session whose agent is the caller's first ancestor that is not a shell."""
-    with _client() as c:
-        out = _request(lambda: c.session_begin(session=name), as_json)
+    out = _announce(None, lambda c: c.session_begin(session=name), as_json)
     if not as_json:
         click.echo(out["session"])
 
@@ -466,8 +467,7 @@ def session_begin(name, as_json):
 @click.option("--json", "as_json", is_flag=True)
 def session_end(name, as_json):
     """End a session (its open turn and calls with it)."""
-    with _client(name) as c:
-        _request(lambda: c.session_end(), as_json)
+    _announce(name, lambda c: c.session_end(), as_json)
 
 
 # -- hooks ----------------------------------------------------------------------------------------
