@@ -1,5 +1,8 @@
 """The test VM's Vagrantfile is valid (`vagrant validate`), where the `vagrant` binary is present.
 
+CI (`.ci/run`) installs vagrant and sets OVERLAYREC_REQUIRE_VAGRANT, which turns the skip into a
+failure: there, the check must run.
+
 The VM itself (tools/vm-test) is far too slow for every CI run; this only checks that
 vagrant/Vagrantfile parses and its settings are accepted, for each driver setting.
 """
@@ -13,6 +16,8 @@ import pytest
 VAGRANT_DIR = Path(__file__).resolve().parent.parent / "vagrant"
 vagrant = shutil.which("vagrant")
 
+if vagrant is None and os.environ.get("OVERLAYREC_REQUIRE_VAGRANT"):
+    raise RuntimeError("OVERLAYREC_REQUIRE_VAGRANT is set but vagrant is not installed")
 pytestmark = pytest.mark.skipif(vagrant is None, reason="vagrant is not installed")
 
 

@@ -16,6 +16,12 @@ if compgen -G '/tmp/overlayrec-ca/*.crt' >/dev/null; then
   update-ca-certificates >/dev/null
 fi
 printf '[global]\ncert = /etc/ssl/certs/ca-certificates.crt\n' > /etc/pip.conf
-tools/setup
+tools/setup --deps-only                    # the apt packages, as root
+# .venv belongs to the user who runs the suite: tools/test runs as vagrant (its root tests by sudo)
+if id -u vagrant >/dev/null 2>&1; then
+  runuser -u vagrant -- env HOME=/home/vagrant tools/setup
+else
+  tools/setup
+fi
 [ -e /dev/fuse ] && echo "provision: /dev/fuse present" || echo "provision: warning: no /dev/fuse" >&2
-echo "provision: done; run the suite with: vagrant ssh -c 'cd /vagrant && sudo tools/test'"
+echo "provision: done; run the suite with: vagrant ssh -c 'cd /vagrant && tools/test'"
