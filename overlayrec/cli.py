@@ -181,11 +181,26 @@ def _wait_gone(pid: int, timeout: float) -> bool:
 
 
 def _unmount_now(ws: str) -> None:
-    r = subprocess.run(["fusermount3", "-u", "-z", ws], capture_output=True, text=True)
-    if r.returncode != 0 and state.fuse_mount_at(ws):
-        r2 = subprocess.run(["umount", "-l", ws], capture_output=True, text=True)
-        if r2.returncode != 0:
-            raise Fail(f"cannot unmount {ws}: {(r.stderr or r2.stderr).strip()}")
+    err = _detach(["fusermount3", "-u", "-z", ws])
+    if err is not None and state.fuse_mount_at(ws):
+        err2 = _detach(["umount", "-l", ws])
+        if err2 is not None:
+            raise Fail(f"cannot unmount {ws}: {err or err2}")
+
+
+def _detach(cmd: list[str], timeout: float = 15.0) -> str | None:
+    """Run a lazy-unmount command; None on success, else why not.  A helper stuck in the
+    kernel is left behind rather than waited for: umount must come back."""
+    try:
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    except OSError as e:
+        return f"{cmd[0]}: {e.strerror}"
+    try:
+        _, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        return f"{cmd[0]} did not finish in {timeout:.0f} s"
+    return None if p.returncode == 0 else (err.strip() or f"{cmd[0]} exited with {p.returncode}")
 
 
 @main.command()
