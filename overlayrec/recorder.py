@@ -283,9 +283,10 @@ class Recorder:
             self._fix_owner(parent_fd, name, uid, gid, None)
 
     def link(self, src_fd: int, parent_fd: int, name: str, actor: dict) -> None:
-        ev = self._creation("link", parent_fd, name, actor, source=self.rel(src_fd))
+        source = self.rel(src_fd)
+        ev = self._creation("link", parent_fd, name, actor, source=source)
         with self._mutation(ev, actor):
-            underlay.link_fd(src_fd, parent_fd, name)
+            underlay.link_fd(src_fd, parent_fd, name, root_fd=self.root_fd, rel=source)
 
     # -- removals -------------------------------------------------------------------------------
     def unlink(self, parent_fd: int, name: str, actor: dict) -> None:

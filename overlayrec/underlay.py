@@ -75,13 +75,29 @@ def chown_fd(fd: int, uid: int, gid: int) -> None:
                           AT_EMPTY_PATH | AT_SYMLINK_NOFOLLOW), "fchownat")
 
 
-def link_fd(src_fd: int, dirfd: int, name: str) -> None:
-    """Hard-link the object behind an O_PATH fd (a symlink included) as ``name`` in ``dirfd``."""
-    if stat.S_ISLNK(os.fstat(src_fd).st_mode):
-        # linkat(AT_EMPTY_PATH) links the symlink itself; /proc would follow it
-        _check(_libc.linkat(src_fd, b"", dirfd, os.fsencode(name), AT_EMPTY_PATH), "linkat")
-    else:
+def link_fd(src_fd: int, dirfd: int, name: str, *, root_fd: int | None = None,
+            rel: str | None = None) -> None:
+    """Hard-link the object behind an O_PATH fd (a symlink included) as ``name`` in ``dirfd``.
+
+    ``rel``, the object's current path under ``root_fd``, is the fallback for a symlink on
+    kernels that refuse the fd-based way (see below)."""
+    st = os.fstat(src_fd)
+    if not stat.S_ISLNK(st.st_mode):
         os.link(proc_path(src_fd), name, dst_dir_fd=dirfd, follow_symlinks=True)
+        return
+    # linkat(AT_EMPTY_PATH) links the symlink itself (/proc's magic link cannot: EXDEV). Before
+    # Linux 6.10 it needs CAP_DAC_READ_SEARCH and fails with ENOENT without it, as it does for
+    # a daemon run by a user: then link by path, and make sure that path named the same object.
+    if _libc.linkat(src_fd, b"", dirfd, os.fsencode(name), AT_EMPTY_PATH) == 0:
+        return
+    err = ctypes.get_errno()
+    if err != errno.ENOENT or root_fd is None or not rel:
+        raise OSError(err, f"linkat: {os.strerror(err)}")
+    os.link(rel, name, src_dir_fd=root_fd, dst_dir_fd=dirfd, follow_symlinks=False)
+    made = os.lstat(name, dir_fd=dirfd)
+    if (made.st_dev, made.st_ino) != (st.st_dev, st.st_ino):  # renamed meanwhile: undo
+        os.unlink(name, dir_fd=dirfd)
+        raise OSError(errno.ESTALE, f"linkat: {rel} changed while linking")
 
 
 def chmod_fd(fd: int, mode: int) -> None:

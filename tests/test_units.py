@@ -1,8 +1,13 @@
 """Unit tests of the layers below the mount, called directly."""
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 
+import pytest
+
+from overlayrec import underlay
 from overlayrec.attribution import Attribution, proc_start_and_ppid
 from overlayrec.journal import ContentStore, Journal
 from overlayrec.recorder import RangeSet
@@ -103,3 +108,40 @@ def test_wire_json_round_trips_with_the_json_package():
     for bad in ("", "{", "[1,]", "{} x"):
         with pytest.raises(ValueError):
             wire.loads(bad)
+
+
+class _OldKernelLinkat:
+    """libc as Linux before 6.10 answers a user without CAP_DAC_READ_SEARCH: linkat with
+    AT_EMPTY_PATH fails with ENOENT."""
+
+    def __getattr__(self, name):
+        return getattr(underlay._libc_real, name)
+
+    @staticmethod
+    def linkat(*args):
+        ctypes.set_errno(errno.ENOENT)
+        return -1
+
+
+def test_a_symlink_is_hard_linked_by_path_where_the_kernel_refuses_the_fd(tmp_path, monkeypatch):
+    os.symlink("target", tmp_path / "sl")
+    os.symlink("other", tmp_path / "decoy")
+    root = os.open(tmp_path, os.O_PATH | os.O_DIRECTORY)
+    src = underlay.open_path(root, "sl")
+    monkeypatch.setattr(underlay, "_libc_real", underlay._libc, raising=False)
+    monkeypatch.setattr(underlay, "_libc", _OldKernelLinkat())
+    try:
+        with pytest.raises(FileNotFoundError):  # no path to fall back on: the kernel's answer
+            underlay.link_fd(src, root, "nolink")
+        underlay.link_fd(src, root, "second", root_fd=root, rel="sl")
+        assert os.readlink(tmp_path / "second") == "target"
+        assert os.lstat(tmp_path / "sl").st_nlink == 2
+        # a path that no longer names the fd's object: nothing is left behind
+        with pytest.raises(OSError) as e:
+            underlay.link_fd(src, root, "wrong", root_fd=root, rel="decoy")
+        assert e.value.errno == errno.ESTALE
+        assert not os.path.lexists(tmp_path / "wrong")
+        assert os.lstat(tmp_path / "decoy").st_nlink == 1
+    finally:
+        os.close(src)
+        os.close(root)
