@@ -10,7 +10,7 @@ import sys
 import textwrap
 import time
 
-from conftest import needs_fuse, overlayrec, is_mounted
+from conftest import SLOW, needs_fuse, overlayrec, is_mounted
 
 pytestmark = needs_fuse
 
@@ -26,8 +26,17 @@ FAKE_AGENT = textwrap.dedent(r'''
         hook("PreToolUse", tool_use_id=call_id, tool_name="Bash", tool_input={"command": command})
         subprocess.run(["bash", "-c", command], check=True)
         hook("PostToolUse", tool_use_id=call_id, tool_name="Bash")
+    marks = sys.argv[1]  # outside the workspace: markers shared with the test's other processes
+    def mark(name):
+        open(os.path.join(marks, name), "w").close()
+    def wait_for(name):  # no sleeps sized for a fast machine: each step waits for the other
+        deadline = time.monotonic() + 600
+        while not os.path.exists(os.path.join(marks, name)):
+            assert time.monotonic() < deadline, f"no {name} marker"
+            time.sleep(0.05)
     hook("SessionStart")
     hook("UserPromptSubmit", prompt="rename greet and tidy up\nsecond line")
+    mark("turn1")  # the user's editor writes now, during the turn
     bash("toolu_sed", "sed -i s/hello/goodbye/ src/app.py")
     # a formatter-like rewrite: write a temp file, rename it over the original
     bash("toolu_fmt", "python3 -c \"import os\nfor p in ['src/a.py', 'src/b.py']:\n"
@@ -36,18 +45,19 @@ FAKE_AGENT = textwrap.dedent(r'''
     bash("toolu_mv", "mv notes.txt docs-notes.txt && rm old.txt")
     # a background process that keeps writing after its call ended
     hook("PreToolUse", tool_use_id="toolu_bg", tool_name="Bash", tool_input={"command": "server &"})
-    go = sys.argv[1]  # outside the workspace: the writer starts once the call has ended
+    go, ticked = os.path.join(marks, "go"), os.path.join(marks, "ticked")
     subprocess.run(["bash", "-c", f"(while [ ! -e {go} ]; do sleep 0.05; done; for i in 1 2 3; "
-                    "do sleep 0.3; echo tick $i >> server.log; done) > /dev/null 2>&1 &"],
-                   check=True)
+                    f"do sleep 0.3; echo tick $i >> server.log; done; touch {ticked}) "
+                    "> /dev/null 2>&1 &"], check=True)
     hook("PostToolUse", tool_use_id="toolu_bg", tool_name="Bash")
-    open(go, "w").close()
+    mark("go")  # the writer starts once its call has ended
     # the agent's own edit tool, inside a call
     hook("PreToolUse", tool_use_id="toolu_edit", tool_name="Edit", tool_input={"file_path": "README"})
     with open("README", "a") as f:
         f.write("edited by the agent\n")
     hook("PostToolUse", tool_use_id="toolu_edit", tool_name="Edit")
-    time.sleep(1.5)   # let the background writer finish its late writes
+    wait_for("ticked")  # the background writer's late writes, all inside the turn
+    wait_for("edited")  # and the editor's
     hook("Stop")
     hook("UserPromptSubmit", prompt="second turn")
     with open("own.txt", "w") as f:     # the agent's own write, outside any call
@@ -81,13 +91,17 @@ def test_scripted_agent_with_hooks_and_an_outside_editor(make_mount, tmp_path):
     m.mount()
     agent = tmp_path / "agent.py"
     agent.write_text(FAKE_AGENT)
-    # an unrelated process (the user's editor) writing while the agent works
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    # an unrelated process (the user's editor) writing while the agent works in its first turn
     editor = subprocess.Popen(
-        [sys.executable, "-c", "import time, sys\nfor i in range(8):\n"
-         "    open('user.txt', 'a').write(f'edit {i}\\n'); time.sleep(0.25)"], cwd=m.ws)
+        [sys.executable, "-c", "import os, sys, time\nturn1, edited = sys.argv[1:]\n"
+         "while not os.path.exists(turn1): time.sleep(0.05)\nfor i in range(3):\n"
+         "    open('user.txt', 'a').write(f'edit {i}\\n'); time.sleep(0.1)\n"
+         "open(edited, 'w').close()", str(marks / "turn1"), str(marks / "edited")], cwd=m.ws)
     r = overlayrec("run", "-w", m.ws, "--session", "s1", "--", sys.executable, str(agent),
-                   str(tmp_path / "go"), cwd=m.ws, timeout=120)
-    editor.wait(timeout=30)
+                   str(marks), cwd=m.ws, timeout=120)
+    editor.wait(timeout=30 * SLOW)
     assert "session s1: 2 turn(s), 5 call(s)" in r.stderr
     assert is_mounted(m.ws)  # run joined the mount; it did not mount, so it does not unmount
 
