@@ -719,6 +719,13 @@ def calls(workspace, sid, turn_index, as_json, state_dir):
 
 # -- diffs ----------------------------------------------------------------------------------------
 
+def _open_journal_and_tree(workspace: str, state_dir: str | None):
+    """What the engines read: (workspace, state dir, journal read-only, live tree)."""
+    ws = state.resolve_workspace(workspace, must_exist=False)
+    sd = _state_dir_for(ws, state_dir)
+    return ws, sd, Journal(sd, readonly=True), _tree_for(ws, sd)
+
+
 def _tree_for(ws: str, sd: str):
     """The live tree: beneath the mount via the daemon's fd, or the workspace itself."""
     from .engines.states import Tree
@@ -761,10 +768,7 @@ def diff(workspace, call_id, turn_sel, sid, since, until, fmt, binary, glob, by_
         raise Fail("choose one of --call, --turn, --since")
     if call_id is None and turn_sel is None and since is None and sid is None:
         raise Fail("say what to diff: --call ID, --turn N, --session S or --since SEQ")
-    ws = state.resolve_workspace(workspace, must_exist=False)
-    sd = _state_dir_for(ws, state_dir)
-    j = Journal(sd, readonly=True)
-    tree = _tree_for(ws, sd)
+    ws, sd, j, tree = _open_journal_and_tree(workspace, state_dir)
     try:
         side = select(j, States(j, tree), call=call_id, turn=turn_sel, session=sid,
                       since=since, until=until, glob=glob)
@@ -825,10 +829,7 @@ def replay(workspace, at, dest, full, state_dir, as_json):
     from .engines.states import States
     if os.path.exists(dest) and os.listdir(dest):
         raise Fail(f"{dest} exists and is not empty")
-    ws = state.resolve_workspace(workspace, must_exist=False)
-    sd = _state_dir_for(ws, state_dir)
-    j = Journal(sd, readonly=True)
-    tree = _tree_for(ws, sd)
+    ws, sd, j, tree = _open_journal_and_tree(workspace, state_dir)
     try:
         point = resolve_point(j, at)
         os.makedirs(dest, exist_ok=True)
@@ -865,9 +866,7 @@ def blame(path, workspace, at, state_dir, as_json):
         os.path.normpath(path)
     if rel.startswith(".."):
         raise Fail(f"{path} is outside the workspace {ws}")
-    sd = _state_dir_for(ws, state_dir)
-    j = Journal(sd, readonly=True)
-    tree = _tree_for(ws, sd)
+    _, sd, j, tree = _open_journal_and_tree(ws, state_dir)
     try:
         rows = do_blame(j, States(j, tree), rel, resolve_point(j, at) if at else None)
     except SelectionError as e:
@@ -898,10 +897,7 @@ def show(seq, workspace, state_dir, as_json):
     """One event in full: what, who (process and unit), its pre-image, and its diff."""
     from .engines.gitdiff import ObjectStore
     from .engines.states import States
-    ws = state.resolve_workspace(workspace, must_exist=False)
-    sd = _state_dir_for(ws, state_dir)
-    j = Journal(sd, readonly=True)
-    tree = _tree_for(ws, sd)
+    ws, sd, j, tree = _open_journal_and_tree(workspace, state_dir)
     try:
         ev = j.event(seq)
         if ev is None:
@@ -948,10 +944,7 @@ def report(workspace, out, state_dir):
     from .engines.gitdiff import ObjectStore
     from .engines.report import report_data, render
     from .engines.states import States
-    ws = state.resolve_workspace(workspace, must_exist=False)
-    sd = _state_dir_for(ws, state_dir)
-    j = Journal(sd, readonly=True)
-    tree = _tree_for(ws, sd)
+    ws, sd, j, tree = _open_journal_and_tree(workspace, state_dir)
     try:
         states = States(j, tree)
         store = ObjectStore(sd)
@@ -1202,10 +1195,7 @@ def export_git(workspace, repo, ref_prefix, state_dir, as_json):
     from .engines.states import States
     if not ref_prefix.startswith("refs/"):
         raise Fail("--ref-prefix must start with refs/")
-    ws = state.resolve_workspace(workspace, must_exist=False)
-    sd = _state_dir_for(ws, state_dir)
-    j = Journal(sd, readonly=True)
-    tree = _tree_for(ws, sd)
+    ws, sd, j, tree = _open_journal_and_tree(workspace, state_dir)
     try:
         if repo:
             r = subprocess.run(["git", "-C", repo, "rev-parse", "--absolute-git-dir"],
