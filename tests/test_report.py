@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -34,9 +35,16 @@ def test_report_in_a_real_browser(make_mount, tmp_path):
     m.mount()
     agent = tmp_path / "agent.py"
     agent.write_text(AGENT)
-    editor = subprocess.Popen([sys.executable, "-c", "import time\nfor i in range(4):\n"
-                               "    open('notes-by-user.txt', 'a').write('x'); time.sleep(0.2)"],
-                              cwd=m.ws)
+    first = tmp_path / "first-edit-done"   # the first edit lands before the session begins
+    editor = subprocess.Popen([sys.executable, "-c", "import sys, time\nfor i in range(4):\n"
+                               "    open('notes-by-user.txt', 'a').write('x')\n"
+                               "    if i == 0: open(sys.argv[1], 'w').close()\n"
+                               "    time.sleep(0.2)", str(first)], cwd=m.ws)
+    for _ in range(1200):
+        if first.exists() or editor.poll() is not None:
+            break
+        time.sleep(0.05)
+    assert first.exists(), "the editor never made its first edit"
     overlayrec("run", "-w", m.ws, "--session", "rep", "--", sys.executable, str(agent), cwd=m.ws)
     editor.wait(timeout=30)
     page = str(tmp_path / "report.html")
