@@ -59,7 +59,10 @@ async def _serve(control: ControlServer) -> None:
                     pyfuse3.terminate()
                     return
         nursery.start_soon(on_signal)
-        await pyfuse3.main()
+        # every handler runs to completion without awaiting, so more worker tasks cannot overlap
+        # anything: one reader saves the task spawning and read-lock traffic per request
+        # (tools/bench: grep and cat-all about 15% faster)
+        await pyfuse3.main(min_tasks=1, max_tasks=1)
         nursery.cancel_scope.cancel()
 
 

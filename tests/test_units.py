@@ -145,3 +145,21 @@ def test_a_symlink_is_hard_linked_by_path_where_the_kernel_refuses_the_fd(tmp_pa
     finally:
         os.close(src)
         os.close(root)
+
+
+def test_no_request_handler_awaits():
+    """The daemon serves FUSE with one worker task (daemon.py), which is only right while every
+    handler runs to completion without yielding to trio: an await in a handler would stall
+    every other request behind it."""
+    import ast
+    import inspect
+
+    from overlayrec import fs
+
+    tree = ast.parse(inspect.getsource(fs))
+    handlers = [n for n in ast.walk(tree) if isinstance(n, ast.AsyncFunctionDef)]
+    assert len(handlers) > 20  # the whole Operations class was found
+    awaiting = sorted({h.name for h in handlers
+                       for n in ast.walk(h) if isinstance(n, (ast.Await, ast.AsyncFor,
+                                                               ast.AsyncWith))})
+    assert awaiting == ["wrapper"]  # only _errno_boundary's wrapper, which awaits the handler
