@@ -16,20 +16,30 @@ Rules (each has a test):
   agent's children taken at each call's begin and end;
 * the agent's own writes belong to the call active when the file was opened; with several active
   the event names every candidate;
-* processes are (pid, start time), so pid reuse cannot move a write to another call.
+* processes are (pid, start time), so pid reuse cannot move a write to another call;
+* an implicit call ends when its processes have all exited (the agent's child at the top of its
+  line and every descendant seen: attributed writers, children found in /proc, and orphans the
+  runner adopted, placed by start time), or at its session's end at the latest.  The daemon
+  checks every few tenths of a second (``end_exited_calls``); later writes are ``after_end``.
+
+Every unit's end, once journaled, is passed to ``Calls.on_unit_end`` (when set) as its key.
 
 State lives in memory for the live daemon and is journaled (records in ``sessions``, ``turns``,
 ``calls``; control events in ``events``) for everything that reads it later.
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 import uuid
+from typing import Callable
 
 from .attribution import Attribution, proc_start_and_ppid, read_actor
 from .journal import Journal
 from .journal.schema import call_key, turn_key
+
+log = logging.getLogger(__name__)
 
 HZ = os.sysconf("SC_CLK_TCK")
 SHELLS = {"sh", "bash", "dash", "zsh", "fish", "ksh", "busybox", "env", "timeout", "nice"}
@@ -63,9 +73,48 @@ def children_of(pid: int) -> set[str]:
     return out
 
 
+def _live_stat(pid: int) -> tuple[int, int] | None:
+    """(start tick, ppid) of a process that has not exited: None when it is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    rest = raw[raw.rfind(b")") + 2:].split()
+    if len(rest) < 20 or rest[0] in (b"Z", b"X", b"x"):
+        return None
+    return int(rest[19]), int(rest[1])
+
+
+def live_children_of(pid: int) -> dict[str, int]:
+    """{actor key: pid} of a process's direct children that have not exited, from /proc."""
+    out = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                pids = f.read().split()
+        except OSError:
+            continue
+        for c in pids:
+            st = _live_stat(int(c))
+            if st is not None:
+                out[f"{c}:{st[0]}"] = int(c)
+    return out
+
+
+def _alive(key: str, pid: int) -> bool:
+    st = _live_stat(pid)
+    return st is not None and f"{pid}:{st[0]}" == key
+
+
 class Call:
     __slots__ = ("session", "id", "tool", "summary", "turn", "begin_t", "end_t", "begin_tick",
-                 "end_tick", "status", "before", "at_end", "implicit", "begin_seq", "end_seq")
+                 "end_tick", "status", "before", "at_end", "implicit", "begin_seq", "end_seq",
+                 "procs")
 
     def __init__(self, session: "Session", call_id: str, tool: str, summary: str | None,
                  implicit: bool = False):
@@ -82,6 +131,7 @@ class Call:
         self.at_end: set[str] = set()
         self.implicit = implicit
         self.begin_seq = self.end_seq = None
+        self.procs: dict[str, int] = {}  # implicit: its processes not seen to exit, key -> pid
 
     @property
     def unit(self) -> str:
@@ -117,6 +167,7 @@ class Session:
         self.turns: list[dict] = []
         self.announced = False          # has any call been announced by hooks?
         self.child_units: dict[str, tuple[str, Call | None]] = {}
+        self.members: dict[str, Call] = {}  # live process key -> the implicit call it is of
 
     def turn_index(self) -> int | None:
         return self.turns[-1]["index"] if self.turns else None
@@ -154,6 +205,10 @@ class Calls:
         self._by_runner: dict[str, Session] = {}
         self._lineage: dict[str, tuple[Session, dict | None] | None] = {}
         self.reverts: dict[str, str] = {}  # actor key -> revert id, while it reverts
+        self.live_implicit: list[Call] = []  # implicit calls not ended, oldest first
+        # called with a unit's key once its end is journaled (the daemon seals the unit's paths)
+        self.on_unit_end: Callable[[str], None] | None = None
+        self._own_actor: dict | None = None
 
     # -- lineage --------------------------------------------------------------------------------
     def lineage(self, actor: dict) -> tuple[Session, dict | None] | None:
@@ -185,8 +240,8 @@ class Calls:
                     top = chain[-1]
                     if s.agent is None or s.agent["key"] == top["key"]:
                         result = (s, chain[-2] if len(chain) > 1 else None)
-                    else:
-                        result = (s, top)  # adopted by the runner: an orphan of some call
+                    else:  # adopted by the runner: an orphan of some call
+                        result = (s, dict(top, orphan=True))
                     break
                 chain.append({"key": pkey, "pid": pid})
                 pid = st[1]
@@ -212,9 +267,9 @@ class Calls:
                 return Unit(session.active[0].unit,
                             candidates=[c.unit for c in session.active])
             return Unit(session.own_unit())
-        return self._child_unit(session, child)
+        return self._child_unit(session, child, actor)
 
-    def _child_unit(self, session: Session, child: dict) -> str:
+    def _child_unit(self, session: Session, child: dict, actor: dict | None = None) -> str:
         known = session.child_units.get(child["key"])
         if known is None:
             start = int(child["key"].split(":")[1])
@@ -224,26 +279,111 @@ class Calls:
                 extra = {"candidates": [c.unit for c in found]} if len(found) > 1 else {}
                 known = (Unit(call.unit, **extra), call)
             elif not session.announced:
-                call = self._implicit_call(session, child)
-                known = (Unit(call.unit), call)
+                known = self._implicit_unit(session, child, start)
             else:
                 known = (Unit(session.own_unit()), None)
             session.child_units[child["key"]] = known
         unit, call = known
         if call is not None and call.end_t is not None:
             return Unit(unit, **dict(unit.extra, after_end=True))
+        if call is not None and call.implicit and actor is not None:
+            self._join(session, call, actor["key"], actor["pid"])  # it keeps the call open
         return unit
+
+    def _implicit_unit(self, session: Session, child: dict, start: int) -> tuple[str, Call]:
+        """The implicit call of an agent's child: one of its own, unless it is a process of a
+        call already (found in /proc by ``end_exited_calls``) or an orphan the runner adopted,
+        placed by its start time among the implicit calls whose processes were alive then."""
+        found = [c for c in self.live_implicit if c.session is session and child["key"] in c.procs]
+        if found:
+            extra = {"candidates": [c.unit for c in found]} if len(found) > 1 else {}
+            return Unit(found[0].unit, **extra), found[0]
+        if child.get("orphan"):
+            found = [c for c in session.order if c.implicit and c.begin_tick <= start and
+                     (c.end_tick is None or start <= c.end_tick)]
+            if found:
+                extra = {"candidates": [c.unit for c in found]} if len(found) > 1 else {}
+                return Unit(found[0].unit, **extra), found[0]
+        call = self._implicit_call(session, child)
+        return Unit(call.unit), call
 
     def _implicit_call(self, session: Session, child: dict) -> Call:
         info = read_actor(child["pid"])
         argv = info.get("argv") or [os.path.basename(info.get("exe") or "?")]
         call = Call(session, f"implicit-{child['key'].replace(':', '-')}",
                     os.path.basename(argv[0]), " ".join(argv)[:200], implicit=True)
+        call.begin_tick = int(child["key"].split(":")[1])  # it began when its process started
         session.calls[call.id] = call
         session.order.append(call)
         call.begin_seq = self.journal.last_seq() + 1
         self.journal.put_record("calls", call_key(session.id, call.id), call.record())
+        self.live_implicit.append(call)
+        self._join(session, call, child["key"], child["pid"])
         return call
+
+    @staticmethod
+    def _join(session: Session, call: Call, key: str, pid: int) -> None:
+        if key not in call.procs:
+            call.procs[key] = pid
+            session.members.setdefault(key, call)
+
+    def end_exited_calls(self, session: Session | None = None, caller: dict | None = None
+                         ) -> list[Call]:
+        """End every live implicit call (of ``session``, or of all) whose processes have all
+        exited; returns them.  Reads /proc only for those calls' processes (and the children
+        of their runner): nothing at all while there is no live implicit call.
+
+        Per session, in this order: the exited processes are dropped and the children of the
+        living taken in (so the parent of a process missed here had not exited when it was
+        looked at, and the process is still its child or has been adopted by then); then the
+        orphans the runner adopted are placed by start time; then a call with no process left
+        ends, with status "exited"."""
+        if not self.live_implicit:
+            return []
+        live = [c for c in self.live_implicit if session is None or c.session is session]
+        ended = []
+        for s in dict.fromkeys(c.session for c in live):
+            mine = [c for c in live if c.session is s]
+            for c in mine:
+                todo = list(c.procs.items())
+                while todo:
+                    key, pid = todo.pop()
+                    if not _alive(key, pid):
+                        del c.procs[key]
+                        if s.members.get(key) is c:
+                            del s.members[key]
+                        continue
+                    for kkey, kpid in live_children_of(pid).items():
+                        if kkey not in c.procs:
+                            self._join(s, c, kkey, kpid)
+                            todo.append((kkey, kpid))
+            runner = s.runner
+            if runner is not None and _alive(runner["key"], runner["pid"]):
+                agent = s.agent["key"] if s.agent else None
+                for key, pid in live_children_of(runner["pid"]).items():
+                    if key == agent or key in s.members or key in s.child_units:
+                        continue
+                    start = int(key.split(":")[1])
+                    for c in mine:
+                        if c.begin_tick <= start:
+                            self._join(s, c, key, pid)
+            for c in mine:
+                if not c.procs:
+                    self._end_call(s, c, caller or self._daemon_actor(), "exited")
+                    ended.append(c)
+        return ended
+
+    def _daemon_actor(self) -> dict:
+        if self._own_actor is None:
+            self._own_actor = read_actor(os.getpid())
+        return self._own_actor
+
+    def _unit_ended(self, unit: str) -> None:
+        if self.on_unit_end is not None:
+            try:
+                self.on_unit_end(unit)
+            except Exception:  # the end is journaled already: the hook cannot undo it
+                log.exception("unit end hook failed for %s", unit)
 
     # -- control requests -----------------------------------------------------------------------
     def _control_event(self, op: str, session: Session, actor: dict, **kw) -> int:
@@ -338,9 +478,13 @@ class Calls:
             self.turn_end(caller, s.id)
         for c in list(s.active):
             self.call_end(caller, s.id, c.id, "abandoned")
+        self.end_exited_calls(s, caller)
+        for c in [c for c in self.live_implicit if c.session is s]:
+            self._end_call(s, c, caller, "abandoned")  # its processes outlive the session
         s.ended = time.time_ns()
         self._control_event("session_end", s, caller)
         self.journal.put_record("sessions", s.id.encode(), s.record())
+        self._unit_ended(f"session:{s.id}")
         return s
 
     def turn_begin(self, caller: dict, name: str | None, prompt: str | None) -> dict:
@@ -363,6 +507,7 @@ class Calls:
         t["end_seq"] = self._control_event("turn_end", s, caller, turn=t["index"])
         t["end_t"] = time.time_ns()
         self.journal.put_record("turns", turn_key(s.id, t["index"]), t)
+        self._unit_ended(f"turn:{s.id}:{t['index']}")
         return t
 
     def call_begin(self, caller: dict, name: str | None, call_id: str, tool: str,
@@ -387,14 +532,25 @@ class Calls:
             raise ControlError(f"no call {call_id} in session {s.id}")
         if c.end_t is not None:
             raise ControlError(f"call {call_id} already ended")
-        c.at_end = children_of(s.agent["pid"]) if s.agent else set()
+        return self._end_call(s, c, caller, status)
+
+    def _end_call(self, s: Session, c: Call, caller: dict, status: str) -> Call:
+        c.at_end = children_of(s.agent["pid"]) if s.agent and not c.implicit else set()
         c.end_tick = boot_ticks()
         c.end_t = time.time_ns()
         c.status = status
-        c.end_seq = self._control_event("call_end", s, caller, call=call_id, status=status)
+        c.end_seq = self._control_event("call_end", s, caller, call=c.id, status=status)
         if c in s.active:
             s.active.remove(c)
-        self.journal.put_record("calls", call_key(s.id, call_id), c.record())
+        if c.implicit:
+            if c in self.live_implicit:
+                self.live_implicit.remove(c)
+            for key in c.procs:
+                if s.members.get(key) is c:
+                    del s.members[key]
+            c.procs.clear()
+        self.journal.put_record("calls", call_key(s.id, c.id), c.record())
+        self._unit_ended(c.unit)
         return c
 
     def revert_begin(self, caller: dict, revert_id: str) -> None:

@@ -16,7 +16,7 @@ import click
 
 from . import state
 from .journal import Journal, JournalError
-from .journal.schema import CONTROL_OPS
+from .journal.schema import CONTROL_OPS, MARK_OPS
 from .state import StateError
 
 
@@ -230,10 +230,11 @@ def status(workspace, as_json):
     holders = state.underlay_holders(ws, {os.getpid()} | ({pid} if pid else set())) \
         if mounted and not hung else []
     pending = [r["id"] for r in _load_reverts(sd) if r.get("status") == "running"]
+    drifted = _drifted(ws, sd) if events is not None and not hung and not dead else None
     out = {"workspace": ws, "mounted": mounted, "dead_mount": dead, "daemon_pid": pid,
            "state_dir": sd, "journal": journal_path if events is not None else None,
            "events": events, "underlay_holders": holders, "pending_revert": pending,
-           "responding": not hung}
+           "responding": not hung, "drifted": drifted}
     if as_json:
         click.echo(json.dumps(out))
         return
@@ -249,6 +250,10 @@ def status(workspace, as_json):
     click.echo(f"  journal: {journal_path if events is not None else '(none yet)'}")
     if events is not None:
         click.echo(f"  events:  {events}")
+    if drifted:
+        click.echo(f"  drifted: {len(drifted)} path(s) differ from the record's end (changed "
+                   f"while unmounted or around the mount): {', '.join(drifted[:5])}"
+                   + (" ..." if len(drifted) > 5 else ""))
     if pending:
         click.echo(f"  pending revert {pending[-1]}: finish it with `overlayrec revert "
                    "--continue` or roll it back with `overlayrec unrevert`")
@@ -257,6 +262,27 @@ def status(workspace, as_json):
                    "not recorded; `cd .` re-enters through the mount):")
         for h in holders:
             click.echo(f"    {h['pid']:>7} {h['command']:<16} {'; '.join(h['holds'][:3])}")
+
+
+def _drifted(ws: str, sd: str) -> list[str] | None:
+    """The recorded paths whose live state departs from their seal (None: cannot tell)."""
+    from .engines.states import States
+    try:
+        j = Journal(sd, readonly=True)
+    except JournalError:
+        return None
+    try:
+        tree = _tree_for(ws, sd)
+    except (Fail, OSError):
+        j.close()
+        return None
+    try:
+        return States(j, tree).drift()
+    except (OSError, JournalError):
+        return None
+    finally:
+        os.close(tree.root_fd)
+        j.close()
 
 
 def _fmt_time(ns: int) -> str:
@@ -334,6 +360,8 @@ def log_cmd(workspace, glob, limit, call_id, turn_index, sid, actor, since, unti
                 return False
             if ops and ev["op"] not in ops:
                 return False
+            if not ops and ev["op"] in MARK_OPS:
+                return False  # seals change nothing: shown with --op seal
             if outside and not unit.startswith("outside:"):
                 return False
             if glob and not any(p is not None and fnmatch.fnmatchcase(p, glob)
@@ -651,10 +679,12 @@ def _print_summary(sd: str, sid: str) -> None:
     from .views import session_summary
     from .journal import Journal
     j = Journal(sd, readonly=True)
+    net, close = _listing_net(j, j.meta("workspace"), sd, quiet=True)
     try:
-        for line in session_summary(j, sid):
+        for line in session_summary(j, sid, net):
             click.echo(line, err=True)
     finally:
+        close()
         j.close()
 
 
@@ -666,55 +696,93 @@ def _open_journal(workspace, state_dir):
     return Journal(_state_dir_for(ws, state_dir), readonly=True)
 
 
+def _listing_net(j, ws: str | None, sd: str, quiet: bool = False):
+    """(net, close) for the listings (views' ``net``: which paths a unit left changed), read
+    from the live tree; (None, close) when the tree cannot be read: they then list every path
+    written."""
+    from .engines.diff import net_of
+    from .engines.states import States
+    try:
+        if not ws:
+            raise Fail("the journal names no workspace")
+        tree = _tree_for(ws, sd)
+    except (Fail, OSError):
+        if not quiet:
+            click.echo("overlayrec: warning: the workspace cannot be read: listing every path "
+                       "written, not the net changes", err=True)
+        return None, lambda: None
+    return net_of(States(j, tree)), lambda: os.close(tree.root_fd)
+
+
 @main.command()
 @click.argument("workspace", type=click.Path(), default=".")
 @click.option("--session", "sid", help="Only this session.")
+@click.option("--all", "churn", is_flag=True, help="Count every path written, also those left "
+              "as they were (temp files, same-content rewrites); --json carries both.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 @click.option("--state-dir", type=click.Path())
 @_guard
-def turns(workspace, sid, as_json, state_dir):
-    """One row per turn: index, time, files changed, the first paths, the prompt's first line,
+def turns(workspace, sid, churn, as_json, state_dir):
+    """One row per turn: index, time, files changed (net: the state differs between the turn's
+    begin and end), the first paths and a count of those under .git/, the prompt's first line,
     and who else wrote in the workspace during it."""
-    from .views import turn_rows
-    j = _open_journal(workspace, state_dir)
+    from .views import turn_rows, fold
+    ws = state.resolve_workspace(workspace, must_exist=False)
+    sd = _state_dir_for(ws, state_dir)
+    j = Journal(sd, readonly=True)
+    net, close = _listing_net(j, ws, sd)
     try:
-        rows = turn_rows(j, sid)
+        rows = turn_rows(j, sid, net)
     finally:
+        close()
         j.close()
     for r in rows:
         if as_json:
             click.echo(json.dumps(r))
             continue
-        paths = ", ".join(r["paths"][:3]) + (" ..." if len(r["paths"]) > 3 else "")
+        paths = fold(r, touched=churn)
         prompt = (r["prompt"] or "").splitlines()[0][:50] if r["prompt"] else ""
         shared = f"  [shared with {', '.join(r['others'])}]" if r["others"] else ""
         click.echo(f"{r['session']:<14.14} {r['index']:>3} {_fmt_time(r['begin_t'])} "
-                   f"{r['files']:>4} files  {paths:<40.40}  {prompt}{shared}")
+                   f"{r['touched_files' if churn else 'files']:>4} files  {paths:<40}  "
+                   f"{prompt}{shared}")
 
 
 @main.command()
 @click.argument("workspace", type=click.Path(), default=".")
 @click.option("--session", "sid", help="Only this session.")
 @click.option("--turn", "turn_index", type=int, help="Only calls of this turn.")
+@click.option("--all", "churn", is_flag=True, help="Count every path written, also those left "
+              "as they were (temp files, same-content rewrites); --json carries both.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 @click.option("--state-dir", type=click.Path())
 @_guard
-def calls(workspace, sid, turn_index, as_json, state_dir):
-    """One row per call: tool, summary, files changed, the processes it ran."""
-    from .views import call_rows
-    j = _open_journal(workspace, state_dir)
+def calls(workspace, sid, turn_index, churn, as_json, state_dir):
+    """One row per call: tool, files changed (net: the state differs between just before the
+    call's first change and just after its last), summary, the processes it ran; under it the
+    paths, the workspace's own first and those under .git/ as a count."""
+    from .views import call_rows, fold
+    ws = state.resolve_workspace(workspace, must_exist=False)
+    sd = _state_dir_for(ws, state_dir)
+    j = Journal(sd, readonly=True)
+    net, close = _listing_net(j, ws, sd)
     try:
-        rows = call_rows(j, sid, turn_index)
+        rows = call_rows(j, sid, turn_index, net)
     finally:
+        close()
         j.close()
     for r in rows:
         if as_json:
             click.echo(json.dumps(r))
             continue
         procs = ", ".join(r["processes"][:4])
+        n = r["touched_files"] if churn else r["files"]
         click.echo(f"{r['session']:<14.14} {str(r['turn'] or '-'):>3} {r['id']:<24.24} "
-                   f"{r['tool']:<10.10} {r['files']:>4} files  {(r['summary'] or ''):<40.40}  "
+                   f"{r['tool']:<10.10} {n:>4} files  {(r['summary'] or ''):<40.40}  "
                    f"{procs}")
+        paths = fold(r, touched=churn, first=6)
+        if paths:
+            click.echo(f"{'':<19} {paths}")
 
 
 # -- diffs ----------------------------------------------------------------------------------------
@@ -761,8 +829,8 @@ def diff(workspace, call_id, turn_sel, sid, since, until, fmt, binary, glob, by_
 
     The diff is made by git (diff-tree of two trees in a private object store), so renames,
     binary files, modes and symlinks read as git shows them, and git apply takes it."""
-    from .engines.diff import select, SelectionError
-    from .engines.gitdiff import ObjectStore, GitError
+    from .engines.diff import select, changed, SelectionError
+    from .engines.gitdiff import ObjectStore, GitError, git_refuses
     from .engines.states import States
     if sum(x is not None for x in (call_id, turn_sel)) + (since is not None) > 1:
         raise Fail("choose one of --call, --turn, --since")
@@ -773,10 +841,14 @@ def diff(workspace, call_id, turn_sel, sid, since, until, fmt, binary, glob, by_
         side = select(j, States(j, tree), call=call_id, turn=turn_sel, session=sid,
                       since=since, until=until, glob=glob)
         store = ObjectStore(sd)
+        # git holds no .git/ path: they are left out, and said so (_say_left_out)
+        left_out = [p for p in changed(side) if git_refuses(p)]
         groups = [(None, sorted(side.before))]
         if by_writer:
             units = sorted({u for us in side.writers.values() for u in us})
-            groups = [(u, sorted(p for p, us in side.writers.items() if u in us)) for u in units]
+            groups = [(u, sorted(p for p, us in side.writers.items()
+                                 if u in us and not git_refuses(p))) for u in units]
+            groups = [(u, ps) for u, ps in groups if ps]
         a = store.tree(side.before)
         b = store.tree(side.after)
         if as_json:
@@ -795,18 +867,32 @@ def diff(workspace, call_id, turn_sel, sid, since, until, fmt, binary, glob, by_
                      for p, st in sorted(status.items())]
             click.echo(json.dumps({"from_tree": a, "to_tree": b, "files": files,
                                    "inexact": sorted(p for p, s in {**side.before, **side.after}.items()
-                                                     if not s.exact)}))
+                                                     if not s.exact),
+                                   "git_left_out": len(left_out), "git_left_out_paths": left_out,
+                                   "git_warnings": store.warnings}))
+            _say_left_out(len(left_out), store)
             return
         for unit, paths in groups:
             out = store.diff(a, b, fmt, paths=paths if unit else None, binary=binary)
             if unit and out:
                 click.echo(f"# {unit}")
             click.echo(out, nl=False)
+        _say_left_out(len(left_out), store)
     except (SelectionError, GitError) as e:
         raise Fail(str(e)) from None
     finally:
         os.close(tree.root_fd)
         j.close()
+
+
+def _say_left_out(n: int, store, what: str = "shown") -> None:
+    """On stderr: how many changes under .git/ a diff or an export left out (git holds no .git/
+    path; replay restores them), and whatever else git warned about."""
+    from .engines.gitdiff import left_out_note
+    if n:
+        click.echo(left_out_note(n, what), err=True)
+    for w in store.warnings:
+        click.echo(f"overlayrec: git: {w}", err=True)
 
 
 @main.command()
@@ -827,12 +913,15 @@ def replay(workspace, at, dest, full, state_dir, as_json):
     from .engines.diff import SelectionError
     from .engines.replay import replay as do_replay, resolve_point
     from .engines.states import States
-    if os.path.exists(dest) and os.listdir(dest):
-        raise Fail(f"{dest} exists and is not empty")
+    if os.path.lexists(dest):
+        if os.path.islink(dest) or not os.path.isdir(dest):
+            raise Fail(f"{dest} exists and is not a directory")
+        if os.listdir(dest):
+            raise Fail(f"{dest} exists and is not empty")
     ws, sd, j, tree = _open_journal_and_tree(workspace, state_dir)
     try:
         point = resolve_point(j, at)
-        os.makedirs(dest, exist_ok=True)
+        # built beside dest and renamed into place when complete: a failure leaves no dest
         full_from = f"/proc/self/fd/{tree.root_fd}" if full else None
         out = do_replay(j, States(j, tree), point, dest, full_from)
     except SelectionError as e:
@@ -846,6 +935,12 @@ def replay(workspace, at, dest, full, state_dir, as_json):
         click.echo(f"replayed seq {point} into {dest}: {out['written']} written, "
                    f"{out['removed']} removed" + (f", {len(out['inexact'])} inexact"
                                                   if out["inexact"] else ""))
+        if out["not_made"]:  # kinds this caller cannot make here (a device node, say)
+            click.echo(f"not made ({len(out['not_made'])}): " + "; ".join(
+                f"{n['kind']} {n['path']} ({n['why']})" for n in out["not_made"]))
+        if out["owners_not_set"]:
+            click.echo(f"owner not set ({len(out['owners_not_set'])}): "
+                       + ", ".join(out["owners_not_set"]))
 
 
 @main.command()
@@ -881,8 +976,9 @@ def blame(path, workspace, at, state_dir, as_json):
             click.echo(json.dumps(r))
             continue
         procs = "; ".join(f"{p['pid']} {' '.join(p['argv'] or [])[:60]}" for p in r["processes"])
+        named = f" (as {r['name']})" if r.get("name") else ""
         click.echo(f"{_fmt_time(r['t_first'])} seq {r['first_seq']}-{r['last_seq']} "
-                   f"{r['unit']}: {', '.join(r['ops'])}  "
+                   f"{r['unit']}{named}: {', '.join(r['ops'])}  "
                    f"{r['before']['kind']} {r['before']['size']}B -> "
                    f"{r['after']['kind']} {r['after']['size']}B  [{procs}]")
 
@@ -940,8 +1036,7 @@ def report(workspace, out, state_dir):
     """A single self-contained HTML page (no network) with the sessions as a timeline: turns,
     their calls, the processes and files of each, outside writers in their own lane, and each
     call's diff a click away."""
-    from .engines.diff import select, SelectionError
-    from .engines.gitdiff import ObjectStore
+    from .engines.gitdiff import ObjectStore, left_out_note
     from .engines.report import report_data, render
     from .engines.states import States
     ws, sd, j, tree = _open_journal_and_tree(workspace, state_dir)
@@ -949,19 +1044,23 @@ def report(workspace, out, state_dir):
         states = States(j, tree)
         store = ObjectStore(sd)
 
-        def diff_of(c):
-            try:
-                side = select(j, states, call=c["id"], session=c["session"])
-            except SelectionError:
+        def diff_of(c, side):
+            # the call's Side from the listing's one pass (not a select() per call)
+            if side is None:
                 return ""
-            return store.diff(store.tree(side.before), store.tree(side.after), "patch")
-        page = render(report_data(j, diff_of), ws)
+            patch = store.diff(store.tree(side.before), store.tree(side.after), "patch")
+            if c["git_changes"]:
+                patch += f"# {left_out_note(c['git_changes'])}\n"
+            return patch
+        page = render(report_data(j, diff_of, states), ws)
     finally:
         os.close(tree.root_fd)
         j.close()
     with open(out, "w") as f:
         f.write(page)
     click.echo(f"wrote {out}")
+    for w in store.warnings:
+        click.echo(f"overlayrec: git: {w}", err=True)
 
 
 # -- revert ---------------------------------------------------------------------------------------
@@ -1010,7 +1109,7 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
     from . import client
     from .engines.diff import SelectionError
     from .engines.revert import (make_plan, apply_step, order, plan_to_json,
-                                 plan_from_json)
+                                 plan_from_json, failed)
     from .engines.states import States, Tree
     from .journal import ContentStore
     mounted_here = False
@@ -1065,13 +1164,14 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
             _save_revert(sd, rec)  # the plan is on disk before the first change
             root_fd = os.open(ws, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
             done = []
+            made = {}  # hard-link groups: the first path of each made holds the inode
             try:
                 with client.Client(os.path.join(sd, "control.sock")) as c:
                     c.request("revert_begin", id=plan.id)
                     try:
                         delay = float(os.environ.get("OVERLAYREC_TEST_REVERT_DELAY", "0"))
                         for s in order([s for s in steps if not s.conflict]):
-                            done.append((s.path, apply_step(root_fd, s)))
+                            done.append((s.path, apply_step(root_fd, s, made)))
                             if delay:  # tests interrupt a revert half way
                                 time.sleep(delay)
                     finally:
@@ -1082,6 +1182,8 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
                 os.close(root_fd)
             rec["status"] = "done"
             rec["skipped_conflicts"] = [s.path for s in conflicts]
+            bad = [(p, r) for p, r in done if failed(r)]
+            rec["failed"] = [{"path": p, "result": r} for p, r in bad]
             _save_revert(sd, rec)
             if unreverts:
                 for r in _load_reverts(sd):
@@ -1089,11 +1191,15 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
                         r["unreverted_by"] = plan.id
                         _save_revert(sd, r)
             if as_json:
-                click.echo(json.dumps(dict(preview, done=done, status="done")))
+                click.echo(json.dumps(dict(preview, done=done, status="done",
+                                           failed=rec["failed"])))
             else:
-                click.echo(f"reverted {len(done)} path(s) as revert {plan.id}"
+                click.echo(f"reverted {len({p for p, _ in done})} path(s) as revert {plan.id}"
                            + (f"; {len(conflicts)} conflicting path(s) left alone"
                               if conflicts else ""))
+            if bad:  # a path the revert could not make whole is never a silent success
+                raise Fail(f"{len(bad)} path(s) not restored: " + "; ".join(
+                    f"{p}: {r[len('failed: '):]}" for p, r in bad))
         finally:
             os.close(under.root_fd)
             os.close(live.root_fd)
@@ -1218,11 +1324,13 @@ def export_git(workspace, repo, ref_prefix, state_dir, as_json):
         if tty:
             click.echo("", err=True)
         out["git_dir"] = store.git_dir
+        out["git_warnings"] = store.warnings
         if as_json:
             click.echo(json.dumps(out))
         else:
             click.echo(f"wrote {out['commits']} commit(s) for {out['sessions']} session(s) "
                        f"into {store.git_dir} (refs under {ref_prefix}/)")
+        _say_left_out(out["git_left_out"], store, "exported")
     except GitError as e:
         raise Fail(str(e)) from None
     finally:

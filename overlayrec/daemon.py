@@ -59,6 +59,19 @@ async def _serve(control: ControlServer) -> None:
                     pyfuse3.terminate()
                     return
         nursery.start_soon(on_signal)
+        async def end_exited_calls(calls=control.calls):
+            # an implicit call ends once its processes have exited: looked at every 0.25 s, in
+            # the trio thread between requests (no handler awaits, so nothing else touches the
+            # calls meanwhile), reading /proc only while some implicit call is live
+            while True:
+                await trio.sleep(0.25)
+                if not calls.live_implicit:
+                    continue
+                try:
+                    calls.end_exited_calls()
+                except Exception:  # a failed check must not take the mount down: retried
+                    log.exception("checking implicit calls for exited processes failed")
+        nursery.start_soon(end_exited_calls)
         # every handler runs to completion without awaiting, so more worker tasks cannot overlap
         # anything: one reader saves the task spawning and read-lock traffic per request
         # (tools/bench: grep and cat-all about 15% faster)
@@ -83,6 +96,13 @@ def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool, record_da
     attribution = Attribution()
     calls = Calls(journal, attribution)
     recorder = Recorder(journal, root_fd, attribution, units=calls, record_data=record_data)
+    try:
+        found = recorder.open_record()  # before the mount: nothing can change the tree meanwhile
+    except (OSError, JournalError) as e:
+        raise MountError(f"cannot check the workspace against the record: {e}") from None
+    if found["drifted"] or found["recovered"]:
+        log.info("record opened: %s", found)
+    calls.on_unit_end = recorder.seal  # a unit's end ends its epochs: seal what they left
     control = ControlServer(os.path.join(state_dir, "control.sock"), calls, attribution,
                             os.fstat(root_fd).st_uid, root_fd)
     control.bind()
@@ -94,7 +114,7 @@ def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool, record_da
         pyfuse3.init(ops, ws, options)
     except RuntimeError as e:
         raise MountError(f"cannot mount {ws}: {e}") from None
-    return journal, control
+    return journal, control, recorder
 
 
 def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other: bool,
@@ -110,7 +130,7 @@ def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other
             os.close(ready_fd)
 
     try:
-        journal, control = prepare(ws, state_dir, durable, allow_other, record_data)
+        journal, control, recorder = prepare(ws, state_dir, durable, allow_other, record_data)
     except MountError as e:
         log.error("%s", e)
         tell(f"error: {e}")
@@ -135,6 +155,10 @@ def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other
     finally:
         try:
             pyfuse3.close(unmount=True)
+            try:
+                recorder.close_record()
+            except Exception:
+                log.exception("sealing at unmount failed (the next mount recovers)")
         finally:
             journal.close()
             for name in ("daemon.json", "control.sock"):

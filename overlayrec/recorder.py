@@ -28,7 +28,8 @@ from contextlib import contextmanager
 from . import underlay
 from .attribution import Attribution
 from .calls import Calls
-from .journal import Journal
+from .journal import Journal, preimage
+from .journal.schema import UNMOUNTED
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,8 @@ class Recorder:
         self.root_path = underlay.fd_path(root_fd)
         self._euid, self._egid = os.geteuid(), os.getegid()
         self.epochs: dict[str, Epoch] = {}
+        # paths whose epoch a directory rename carried to a new name: sealed with their unit
+        self.moved: dict[str, str] = {}
         self.attic_fd = self._open_attic()
         self.attic_links: dict[tuple[int, int], int] = {}
         self._count_attic()
@@ -156,15 +159,7 @@ class Recorder:
 
     # -- pre-images -----------------------------------------------------------------------------
     def _meta(self, st: os.stat_result) -> dict:
-        kind = underlay.kind_of(st.st_mode)
-        pre = {"kind": kind, "mode": stat.S_IMODE(st.st_mode), "uid": st.st_uid, "gid": st.st_gid,
-               "mtime_ns": st.st_mtime_ns}
-        if kind == "file":
-            pre["size"] = st.st_size
-            pre["nlink"] = self.nlink(st)
-        elif kind in ("fifo", "socket", "device"):
-            pre["rdev"] = st.st_rdev
-        return pre
+        return preimage.from_stat(st, self.nlink(st))
 
     def _pre_at(self, dirfd: int, name: str) -> tuple[dict, os.stat_result | None]:
         try:
@@ -358,7 +353,9 @@ class Recorder:
             # paths below a renamed directory change: their epochs start afresh under new names
             prefix = path + "/"
             for p in [p for p in self.epochs if p.startswith(prefix)]:
-                del self.epochs[p]
+                self.moved[path2 + p[len(path):]] = self.epochs.pop(p).unit
+            for p in [p for p in self.moved if p.startswith(prefix)]:
+                self.moved[path2 + p[len(path):]] = self.moved.pop(p)
 
     # -- content --------------------------------------------------------------------------------
     def _capture(self, path: str, fd: int, unit: str, lo: int, hi: int | None) -> dict | None:
@@ -484,3 +481,146 @@ class Recorder:
     def removexattr(self, fd: int, name: str, actor: dict) -> None:
         with self._mutation(self._meta_event("removexattr", fd, actor, name=name), actor):
             os.removexattr(underlay.proc_path(fd), name)
+
+    # -- seals ----------------------------------------------------------------------------------
+    def _seal_pre(self, path: str, keep: bool = True) -> dict:
+        """What ``path`` holds now, as a seal: metadata, a symlink's target, and a file's
+        content hash (the content itself kept in the store when ``keep`` and it is small)."""
+        parent, _, name = path.rpartition("/")
+        try:
+            dfd = underlay.open_beneath(self.root_fd, parent) if parent else os.dup(self.root_fd)
+        except OSError:
+            return dict(preimage.ABSENT)
+        try:
+            pre, st = self._pre_at(dfd, name)
+            if pre["kind"] == "file" and pre["size"] <= self.whole_file_limit:
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                             dir_fd=dfd)
+                try:
+                    if keep:
+                        pre["blob"] = pre["hash"] = self.content.put_range(fd, 0, pre["size"])
+                    else:
+                        pre["hash"] = preimage.hash_fd(fd)
+                finally:
+                    os.close(fd)
+            return pre
+        except (FileNotFoundError, NotADirectoryError):
+            return dict(preimage.ABSENT)
+        finally:
+            os.close(dfd)
+
+    def seal(self, unit: str | None = None) -> int:
+        """End the epochs of ``unit`` (of every unit: None) by journaling what each of their
+        paths holds now.  A reader ends each path's chain at its last seal, so a change made
+        later around the mount is told apart from the unit's own.  Returns how many were sealed."""
+        paths = {p for p, ep in self.epochs.items() if unit is None or ep.unit == unit}
+        paths |= {p for p, u in self.moved.items() if unit is None or u == unit}
+        if not paths:
+            return 0
+        events = []
+        for p in sorted(paths):
+            try:
+                events.append({"op": "seal", "path": p, "pre": self._seal_pre(p),
+                               "actor": "overlayrec"})
+            except OSError as e:  # an unreadable path stays unsealed: its chain ends live
+                log.warning("cannot seal %s: %s", p, e)
+        self.journal.append_many(events, [])
+        for p in paths:
+            self.epochs.pop(p, None)
+            self.moved.pop(p, None)
+        return len(events)
+
+    def open_record(self) -> dict:
+        """At mount: seal what a daemon that did not unmount cleanly left open, then compare
+        every sealed path with what the live tree holds and journal each difference as a
+        ``drift`` event of the outside unit "while unmounted" (its pre-image: the seal).
+        Returns {"recovered": n, "drifted": n, "checked": n}."""
+        j = self.journal
+        j.append_many([], [UNMOUNTED_ACTOR, RECORDER_ACTOR])
+        recovered = 0
+        if j.meta("sealed") == "0":
+            open_paths = []
+            for p in j.paths():
+                last = j.last_seq_for_path(p)
+                ev = j.event(last) if last is not None else None
+                if ev is not None and ev["op"] != "seal":
+                    open_paths.append(p)
+            for p in open_paths:
+                self.epochs[p] = Epoch("recovered")
+            recovered = self.seal()
+        renames = j.dir_renames()
+        checked = drifted = 0
+        events = []
+        for path, seq in list(j.seals()):
+            if j.last_seq_for_path(path) != seq:
+                continue  # changed again after this seal: not the end of its chain
+            name = path
+            for r in renames:
+                if r["seq"] <= seq or name is None:
+                    continue
+                name = _moved_name(name, r)
+            if name is None or (name != path and (j.last_seq_for_path(name) or 0) > seq):
+                continue
+            checked += 1
+            seal = j.event(seq)["pre"]
+            if self._holds(name, seal):
+                continue
+            drifted += 1
+            events.append({"op": "drift", "path": name, "pre": seal, "epoch": True,
+                           "unit": "outside:" + UNMOUNTED, "actor": UNMOUNTED})
+            events.append({"op": "seal", "path": name, "pre": self._seal_pre(name),
+                           "actor": "overlayrec"})
+            if len(events) >= 512:
+                j.append_many(events, [])
+                events = []
+        if events:
+            j.append_many(events, [])
+        if drifted:
+            log.info("%d path(s) changed while unmounted (drift events journaled)", drifted)
+        j.put_meta("sealed", "0")
+        return {"recovered": recovered, "drifted": drifted, "checked": checked}
+
+    def close_record(self) -> None:
+        """At unmount: seal every open epoch and mark the record cleanly closed."""
+        self.seal()
+        self.journal.put_meta("sealed", "1")
+
+    def _holds(self, path: str, seal: dict) -> bool:
+        parent, _, name = path.rpartition("/")
+        try:
+            dfd = underlay.open_beneath(self.root_fd, parent) if parent else os.dup(self.root_fd)
+        except OSError:
+            return seal["kind"] == "absent"
+        try:
+            try:
+                st = underlay.lstat_at(dfd, name)
+            except (FileNotFoundError, NotADirectoryError):
+                st = None
+
+            def digest():
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                             dir_fd=dfd)
+                try:
+                    return preimage.hash_fd(fd)
+                finally:
+                    os.close(fd)
+            return preimage.matches(seal, st, lambda: os.readlink(name, dir_fd=dfd), digest)
+        finally:
+            os.close(dfd)
+
+
+UNMOUNTED_ACTOR = {"key": UNMOUNTED, "pid": 0, "start": 0, "ppid": 0, "uid": -1, "exe": "",
+                   "argv": ["(while unmounted)"], "cwd": "", "first_seen": 0}
+RECORDER_ACTOR = {"key": "overlayrec", "pid": 0, "start": 0, "ppid": 0, "uid": -1, "exe": "",
+                  "argv": ["(overlayrec)"], "cwd": "", "first_seen": 0}
+
+
+def _moved_name(name: str, r: dict) -> str | None:
+    """The name after directory rename ``r`` of what was called ``name`` just before it (None:
+    it cannot have existed, being beneath the replaced target)."""
+    src, dst = r["src"], r["dst"]
+    if name == src or name.startswith(src + "/"):
+        return dst + name[len(src):]
+    if name.startswith(dst + "/"):
+        return src + name[len(dst):] if r.get("flags", 0) & underlay.RENAME_EXCHANGE else None
+    return name

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 
 from .journal import Journal
-from .journal.schema import CONTROL_OPS
+from .journal.schema import CONTROL_OPS, MARK_OPS
 
 
 def unit_session(unit: str | None) -> str | None:
@@ -34,7 +34,7 @@ def file_events(j: Journal, since: int = 1, until: int | None = None):
     for ev in j.events(since, until):
         if ev["op"] == "failed":
             failed.add(ev["ref"])
-        elif ev["op"] not in CONTROL_OPS:
+        elif ev["op"] not in CONTROL_OPS and ev["op"] not in MARK_OPS:
             evs.append(ev)
     return [e for e in evs if e["seq"] not in failed]
 
@@ -55,27 +55,85 @@ def writer_name(j: Journal, unit: str, actors: dict) -> str:
     return "session " + (unit_session(unit) or "?")
 
 
-def turn_rows(j: Journal, sid: str | None = None) -> list[dict]:
+def git_refuses(path: str) -> bool:
+    """Is ``path`` one git will not hold in a tree: a ``.git`` directory or what is beneath it
+    (any component named ``.git``, in any case)?  Listings fold these into a count, diffs and
+    exports leave them out and say how many; ``overlayrec replay`` restores them.  (git refuses
+    a few more names, e.g. NTFS aliases of ``.git``: those surface as git's own warning.)"""
+    return any(part.lower() == ".git" for part in path.split("/"))
+
+
+def unit_listing(net, evs: list[dict], bounds: tuple[int, int] | None = None):
+    """(row fields, side) of one unit from its events.  ``net(evs, bounds)`` (from the engines:
+    engines.diff.net_of) gives (the paths whose state differs between the unit's two points,
+    every path the unit touched, its Side): then ``paths`` are only the changes (churn, such as
+    a temp file made and removed, a rewrite with the same content or a chmod to the same mode,
+    is not one) and ``touched`` all it wrote.  Without ``net``: the touched, and no side."""
+    touched = {p for e in evs for p in _paths(e)}
+    if net is None:
+        return listing(touched, None), None
+    changed, more, side = net(evs, bounds)
+    return listing(touched | set(more), changed), side
+
+
+def listing(touched, net: list[str] | None) -> dict:
+    """A listing row's path fields, the workspace's own files first, then those under .git/:
+    ``paths`` the net changes (``files`` of the workspace's own, ``git_changes`` under .git/),
+    ``touched`` every path written, churn included (``touched_files``, ``touched_git``).
+    Without ``net`` (no tree to read) the net is the touched, and ``net`` is false.  The
+    workspace's root itself ("", e.g. a ``chmod -R .``) is not named."""
+    def split(ps):
+        ps = {p for p in ps if p and p != ".overlayrec-attic"
+              and not p.startswith(".overlayrec-attic/")}
+        own = sorted(p for p in ps if not git_refuses(p))
+        return own, sorted(p for p in ps if git_refuses(p))
+    t_own, t_git = split(touched)
+    n_own, n_git = split(net) if net is not None else (t_own, t_git)
+    return {"files": len(n_own), "git_changes": len(n_git), "paths": n_own + n_git,
+            "touched_files": len(t_own), "touched_git": len(t_git), "touched": t_own + t_git,
+            "net": net is not None}
+
+
+def fold(row: dict, touched: bool = False, first: int = 3) -> str:
+    """A row's paths for a terminal: the first of the workspace's own, then the ones under .git/
+    as a count ("a.py, b.py ... + 45 under .git/"); ``touched``: churn included."""
+    key, own_n, git_n = ("touched", "touched_files", "touched_git") if touched else \
+        ("paths", "files", "git_changes")
+    own = row[key][:row[own_n]]
+    text = ", ".join(own[:first]) + (" ..." if len(own) > first else "")
+    if row[git_n]:
+        text += (" " if text else "") + f"+ {row[git_n]} under .git/"
+    return text
+
+
+def turn_rows(j: Journal, sid: str | None = None, net=None) -> list[dict]:
+    """One row per turn; with ``net`` (see unit_listing), ``paths`` are the net changes of the
+    session's units from the turn's begin to its end (``touched``: all they wrote)."""
     rows = []
     last = j.last_seq()
     actors: dict = {}
     for t in j.records("turns", (sid.encode() + b"\0") if sid else b""):
         s = t["session"]
         evs = file_events(j, t["begin_seq"], t["end_seq"] or last)
-        mine, others = set(), set()
+        mine, others = [], set()
         for e in evs:
             if unit_session(e.get("unit")) == s:
-                mine.update(_paths(e))
+                mine.append(e)
             else:
                 others.add(writer_name(j, e.get("unit") or "outside:" + e["actor"], actors))
+        fields, _ = unit_listing(net, mine, (t["begin_seq"], t["end_seq"] or last))
         rows.append({"session": s, "index": t["index"], "begin_t": t["begin_t"],
-                     "end_t": t["end_t"], "prompt": t.get("prompt"), "files": len(mine),
-                     "paths": sorted(mine), "others": sorted(others),
-                     "seq": [t["begin_seq"], t["end_seq"]]})
+                     "end_t": t["end_t"], "prompt": t.get("prompt"), **fields,
+                     "others": sorted(others), "seq": [t["begin_seq"], t["end_seq"]]})
     return rows
 
 
-def call_rows(j: Journal, sid: str | None = None, turn: int | None = None) -> list[dict]:
+def call_rows(j: Journal, sid: str | None = None, turn: int | None = None, net=None,
+              sides: dict | None = None) -> list[dict]:
+    """One row per call; with ``net`` (see unit_listing), ``paths`` are the net changes of the
+    call (each path from just before the call's first change to it to just after its last),
+    ``touched`` all it wrote.  One pass over the journal; ``sides`` (a dict) collects each
+    call's Side by (session, id)."""
     by_unit: dict[str, list[dict]] = {}
     for e in file_events(j):
         by_unit.setdefault(e.get("unit") or "", []).append(e)
@@ -94,13 +152,17 @@ def call_rows(j: Journal, sid: str | None = None, turn: int | None = None) -> li
             name = f"{command_name(actors[e['actor']])}[{e['actor'].split(':')[0]}]"
             if name not in procs:
                 procs.append(name)
-        paths = sorted({p for e in evs for p in _paths(e)})
-        rows.append({**c, "files": len(paths), "paths": paths, "processes": procs,
-                     "events": len(evs), "late_events": sum(1 for e in evs if e.get("after_end"))})
+        fields, side = unit_listing(net, evs)
+        if sides is not None and side is not None:
+            sides[(c["session"], c["id"])] = side
+        rows.append({**c, **fields, "processes": procs, "events": len(evs),
+                     "late_events": sum(1 for e in evs if e.get("after_end"))})
     return rows
 
 
-def session_summary(j: Journal, sid: str) -> list[str]:
+def session_summary(j: Journal, sid: str, net=None) -> list[str]:
+    """The lines ``run`` prints at the end: per writer, the files left changed (with ``net``,
+    see unit_listing; without, every file written)."""
     rec = j.record("sessions", sid.encode()) or {}
     start = None
     for ev in j.events():
@@ -110,7 +172,7 @@ def session_summary(j: Journal, sid: str) -> list[str]:
     evs = file_events(j, start or 1)
     turns = [t for t in j.records("turns", sid.encode() + b"\0")]
     ncalls = len(j.records("calls", sid.encode() + b"\0"))
-    by_writer: dict[str, set] = {}
+    by_writer: dict[str, list] = {}
     actors: dict = {}
     for e in evs:
         unit = e.get("unit") or "outside:" + e["actor"]
@@ -123,12 +185,16 @@ def session_summary(j: Journal, sid: str) -> list[str]:
             who = "outside: " + writer_name(j, unit, actors)
         else:
             who = "session " + unit_session(unit)
-        by_writer.setdefault(who, set()).update(_paths(e))
-    files = set().union(*by_writer.values()) if by_writer else set()
+        by_writer.setdefault(who, []).append(e)
+
+    def count(row):
+        return f"{row['files']} file(s)" + \
+            (f" + {row['git_changes']} under .git/" if row["git_changes"] else "")
+    total = unit_listing(net, evs)[0]
     lines = [f"overlayrec: session {sid}: {len(turns)} turn(s), {ncalls} call(s), "
-             f"{len(files)} file(s) changed"]
-    for who, paths in sorted(by_writer.items()):
-        lines.append(f"  {who}: {len(paths)} file(s)")
+             f"{count(total).replace('file(s)', 'file(s) changed', 1)}"]
+    for who, wevs in sorted(by_writer.items()):
+        lines.append(f"  {who}: " + count(unit_listing(net, wevs)[0]))
     if rec.get("ended") is None:
         lines.append("  (session still open)")
     return lines

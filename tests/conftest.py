@@ -95,12 +95,14 @@ class Mount:
     def journal(self) -> Journal:
         return Journal(self.state, readonly=True)
 
-    def events(self, *, failed=False) -> list[dict]:
+    def events(self, *, failed=False, seals=False) -> list[dict]:
         j = self.journal()
         try:
             evs = list(j.events())
         finally:
             j.close()
+        if not seals:  # seals record a state and change nothing
+            evs = [e for e in evs if e["op"] != "seal"]
         if failed:
             return evs
         bad = {e["ref"] for e in evs if e["op"] == "failed"}

@@ -34,6 +34,15 @@ def _paths(e: dict) -> list[str]:
     return [p for p in (e.get("path"), e.get("path2")) if p is not None]
 
 
+def touched(states: States, e: dict) -> list[str]:
+    """The paths an event changed: the ones it names and, for a directory rename, both names of
+    everything beneath the directory (path history)."""
+    out = _paths(e)
+    for old, new in states.moved_with(e):
+        out += (old, new)
+    return out
+
+
 def _visible(p: str) -> bool:
     return not (p == ".overlayrec-attic" or p.startswith(".overlayrec-attic/"))
 
@@ -42,18 +51,7 @@ def select(j: Journal, states: States, *, call: str | None = None, turn: int | s
            session: str | None = None, since: int | None = None, until: int | None = None,
            glob: str | None = None) -> Side:
     last = j.last_seq()
-    spans: dict[str, list[int]] = {}   # path -> [first seq - 1, last seq]
-    writers: dict[str, set[str]] = {}
-
-    def take(e, bounds=None):
-        for p in _paths(e):
-            if not _visible(p) or (glob and not fnmatch.fnmatchcase(p, glob)):
-                continue
-            lo, hi = bounds if bounds else (e["seq"] - 1, e["seq"])
-            cur = spans.get(p)
-            spans[p] = [min(cur[0], lo), max(cur[1], hi)] if cur else [lo, hi]
-            writers.setdefault(p, set()).add(e.get("unit") or "outside:" + e.get("actor", "?"))
-
+    keep = (lambda p: fnmatch.fnmatchcase(p, glob)) if glob else None
     if call is not None:
         calls = [c for c in j.records("calls") if c["id"] == call
                  and (session is None or c["session"] == session)]
@@ -62,31 +60,23 @@ def select(j: Journal, states: States, *, call: str | None = None, turn: int | s
         if len({c["session"] for c in calls}) > 1:
             raise SelectionError(f"call {call} exists in several sessions: say --session")
         unit = f"call:{calls[0]['session']}:{call}"
-        for e in file_events(j, calls[0].get("begin_seq") or 1):
-            if e.get("unit") == unit:
-                take(e)
-    elif turn is not None:
+        return side_of(states, [e for e in file_events(j, calls[0].get("begin_seq") or 1)
+                                if e.get("unit") == unit], keep=keep)
+    if turn is not None:
         t = _find_turn(j, turn, session)
         sid = t["session"]
         lo, hi = t["begin_seq"], t["end_seq"] or last
-        for e in file_events(j, lo, hi):
-            if _unit_session(e.get("unit")) == sid:
-                take(e, (lo, hi))
-    elif session is not None:
+        return side_of(states, [e for e in file_events(j, lo, hi)
+                                if _unit_session(e.get("unit")) == sid], (lo, hi), keep=keep)
+    if session is not None:
         rec = j.record("sessions", session.encode())
         if rec is None:
             raise SelectionError(f"no session {session}")
-        for e in file_events(j):
-            if _unit_session(e.get("unit")) == session:
-                take(e)
-    else:
-        lo = since if since is not None else 1
-        hi = until if until is not None else last
-        for e in file_events(j, lo, hi):
-            take(e, (lo - 1, hi))
-    before = {p: states.state(p, lo) for p, (lo, _) in spans.items()}
-    after = {p: states.state(p, hi) for p, (_, hi) in spans.items()}
-    return Side(before, after, writers)
+        return side_of(states, [e for e in file_events(j)
+                                if _unit_session(e.get("unit")) == session], keep=keep)
+    lo = since if since is not None else 1
+    hi = until if until is not None else last
+    return side_of(states, file_events(j, lo, hi), (lo - 1, hi), keep=keep)
 
 
 def _find_turn(j: Journal, turn, session: str | None) -> dict:
@@ -107,3 +97,43 @@ def _find_turn(j: Journal, turn, session: str | None) -> dict:
         if t["index"] == n:
             return t
     raise SelectionError(f"no turn {n}")
+
+
+def side_of(states: States, events: list[dict], bounds: tuple[int, int] | None = None, *,
+            keep=None) -> Side:
+    """The Side of one unit whose events are already at hand (grouped per unit in one pass
+    over the journal, as the listings do), as select() makes it: without ``bounds``, each path
+    from just before its first event to just after its last (a call, a session, an actor);
+    with ``bounds`` (lo, hi), every path from lo to hi (a turn, a range).  ``keep(path)``: only
+    the paths it accepts."""
+    spans: dict[str, list[int]] = {}
+    writers: dict[str, set[str]] = {}
+    for e in events:
+        for p in touched(states, e):
+            if not _visible(p) or (keep is not None and not keep(p)):
+                continue
+            lo, hi = bounds if bounds else (e["seq"] - 1, e["seq"])
+            cur = spans.get(p)
+            spans[p] = [min(cur[0], lo), max(cur[1], hi)] if cur else [lo, hi]
+            writers.setdefault(p, set()).add(e.get("unit") or "outside:" + e.get("actor", "?"))
+    before = {p: states.state(p, lo) for p, (lo, _) in spans.items()}
+    after = {p: states.state(p, hi) for p, (_, hi) in spans.items()}
+    return Side(before, after, writers)
+
+
+def net_of(states: States):
+    """What the listings (views) take as ``net``: a function of one unit's events (and bounds,
+    as side_of) giving (its changed paths, every path it touched, its Side)."""
+    def net(events: list[dict], bounds: tuple[int, int] | None = None):
+        side = side_of(states, events, bounds)
+        return changed(side), side.before.keys() | side.after.keys(), side
+    return net
+
+
+def changed(side: Side) -> list[str]:
+    """The paths of a Side whose state differs between its two points (State.same): a file made
+    and removed again, rewritten with the same content, or chmod-ed to the mode it had is not
+    a change."""
+    gone = State("absent")
+    return sorted(p for p in side.before.keys() | side.after.keys()
+                  if not side.before.get(p, gone).same(side.after.get(p, gone)))

@@ -22,8 +22,8 @@ import os
 import tempfile
 
 from ..journal import Journal
-from .diff import file_events, _visible
-from .gitdiff import ObjectStore
+from .diff import file_events, touched, _visible
+from .gitdiff import ObjectStore, git_refuses
 from .states import States
 
 
@@ -51,12 +51,16 @@ class Exporter:
 
     def run(self, progress=None) -> dict:
         horizon = self.j.last_seq()
-        paths = set(self.done["paths"])
-        for e in file_events(self.j, 1, horizon):
-            for p in (e.get("path"), e.get("path2")):
-                if p is not None and _visible(p):
-                    paths.add(p)
+        paths = {p for p in self.done["paths"] if not git_refuses(p)}
+        refused = set()   # .git/ paths: git holds none, they are counted and left out
+        for p in self.states.all_names():  # path history: names beneath renamed dirs too
+            if _visible(p):
+                (refused if git_refuses(p) else paths).add(p)
         paths = sorted(paths)
+        new = {p for e in file_events(self.j, self.done["horizon"] + 1, horizon)
+               for p in (e.get("path"), e.get("path2")) if p in refused}
+        left_out = sum(1 for p in new if not self.states.state(p, self.done["horizon"]).same(
+            self.states.state(p, horizon)))
         calls = self.j.records("calls")
         turns = self.j.records("turns")
         sessions = sorted({c["session"] for c in calls} | {t["session"] for t in turns})
@@ -70,7 +74,8 @@ class Exporter:
         with open(tmp, "w") as f:
             json.dump(self.done, f)
         os.replace(tmp, self.state_file)
-        return {"commits": self.written, "sessions": len(sessions), "paths": len(paths)}
+        return {"commits": self.written, "sessions": len(sessions), "paths": len(paths),
+                "git_left_out": left_out}
 
     def _session(self, sid: str, calls: list[dict], turns: list[dict], paths: list[str],
                  progress) -> None:
@@ -131,13 +136,14 @@ class Exporter:
 
     # -- trees ----------------------------------------------------------------------------------
     def _changed(self, lo: int, hi: int) -> bool:
-        return any(_visible(e.get("path") or "") for e in file_events(self.j, lo + 1, hi))
+        return any(_visible(p) and not git_refuses(p) for e in file_events(self.j, lo + 1, hi)
+                   for p in (e.get("path"), e.get("path2")) if p is not None)
 
     def _touched(self, lo: int, hi: int) -> list[str]:
         out = set()
         for e in file_events(self.j, lo + 1, hi):
-            for p in (e.get("path"), e.get("path2")):
-                if p is not None and _visible(p):
+            for p in touched(self.states, e):
+                if _visible(p):
                     out.add(p)
         return sorted(out)
 

@@ -11,9 +11,16 @@ import os
 import subprocess
 import tempfile
 
+from ..views import git_refuses
 from .states import State
 
 EMPTY_TREE = "4b825dc642cb6eb9a060e54bf8d69288fbee4904"
+
+
+def left_out_note(n: int, what: str = "shown") -> str:
+    """The line that says what a diff (or, ``what="exported"``, an export) could not hold."""
+    return (f"overlayrec: {n} change(s) under .git/ not {what} (git cannot hold them); "
+            "`overlayrec replay` restores them")
 
 
 class GitError(Exception):
@@ -37,6 +44,8 @@ class ObjectStore:
                     f.write(theirs + "\n")
         self.env = dict(os.environ, GIT_DIR=self.git_dir, GIT_CONFIG_NOSYSTEM="1",
                         GIT_CONFIG_GLOBAL=os.devnull)
+        self.left_out: set[str] = set()   # paths git refuses, filtered out before git saw them
+        self.warnings: list[str] = []     # what git said on stderr when it succeeded
 
     def _git(self, *args, input=None, env=None, git_dir=True) -> str:
         cmd = ["git", *args]
@@ -44,11 +53,19 @@ class ObjectStore:
                            env=env or (self.env if git_dir else None))
         if r.returncode != 0:
             raise GitError(f"git {args[0]} failed: {r.stderr.decode(errors='replace').strip()}")
+        for line in r.stderr.decode(errors="replace").splitlines():
+            if line.strip() and line not in self.warnings:
+                self.warnings.append(line)
         return r.stdout.decode("utf-8", "surrogateescape")
 
     def index_lines(self, states: dict[str, State]) -> list[str]:
         """``git update-index --index-info`` lines for these states: each present file or
-        symlink written as a blob, each other path removed (mode 0)."""
+        symlink written as a blob, each other path removed (mode 0).  Paths git refuses
+        (``.git/``) are left out and remembered in ``left_out``; so is the workspace's root
+        ("", a directory: never a tree entry)."""
+        refused = {p for p in states if git_refuses(p)}
+        self.left_out |= refused
+        states = {p: s for p, s in states.items() if p and p not in refused}
         present = {p: s for p, s in states.items() if s.kind in ("file", "symlink")}
         lines = []
         if present:
@@ -75,8 +92,12 @@ class ObjectStore:
                       env=env)
 
     def tree(self, states: dict[str, State]) -> str:
-        """A tree holding each present path (files and symlinks) as a blob."""
-        if not any(s.kind in ("file", "symlink") for s in states.values()):
+        """A tree holding each present path (files and symlinks) as a blob; not the paths git
+        refuses (see index_lines)."""
+        refused = {p for p in states if git_refuses(p)}
+        self.left_out |= refused
+        if not any(s.kind in ("file", "symlink") and p not in refused
+                   for p, s in states.items()):
             return EMPTY_TREE
         with tempfile.TemporaryDirectory(prefix="overlayrec-tree-") as tmp:
             env = dict(self.env, GIT_INDEX_FILE=os.path.join(tmp, "index"))

@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import datetime as dt
+import errno
 import os
-import shutil
 import stat
+import tempfile
 
 from ..journal import Journal
+from ..underlay import kind_of
 from .diff import SelectionError, file_events, _find_turn, _visible
-from .states import States, State
+from .revert import link_key, linked, make_node, set_meta, temp_name
+from .states import ATTIC, States, State, Tree, state_of_stat
 
 
 def resolve_point(j: Journal, spec: str) -> int:
@@ -54,78 +57,419 @@ def recorded_paths(j: Journal, until: int | None = None) -> list[str]:
     return sorted(out)
 
 
-def _write(root: str, rel: str, s: State) -> None:
-    p = os.path.join(root, rel)
-    if s.kind == "dir":
-        os.makedirs(p, exist_ok=True)
-        os.chmod(p, s.mode or 0o755)
-        return
-    os.makedirs(os.path.dirname(p), exist_ok=True)
-    if os.path.lexists(p) and not os.path.isdir(p):
-        os.unlink(p)
-    if s.kind == "symlink":
-        os.symlink(os.fsdecode(s.data), p)
-    elif s.kind == "file":
-        with open(p, "wb") as f:
-            f.write(s.data)
-        os.chmod(p, stat.S_IMODE(s.mode) or 0o644)
-    elif s.kind == "fifo":
-        os.mkfifo(p, stat.S_IMODE(s.mode) or 0o644)
+class _Build:
+    """A replay being built below ``root_fd`` (a fresh temporary directory): every path is
+    reached one component at a time without following a symlink, so nothing is ever written
+    outside it; directory modes and owners are set last, deepest first."""
+
+    def __init__(self, root_fd: int):
+        self.root_fd = root_fd
+        self.dirs: dict[str, tuple[State, tuple | None]] = {}  # rel -> (its state, times)
+        self.groups: dict[int, tuple[str, State]] = {}  # inode at the point -> (path, state)
+        self.live: dict[int, str] = {}         # live inode (nlink > 1) -> its copy's path
+        self.copied: dict[int, int] = {}       # a copy's inode here -> the live inode
+        self.not_made: dict[str, dict] = {}
+        self.owners: list[str] = []
+        self.inexact: list[str] = []
+        self.default_mode = 0o777 & ~_umask()  # a directory the record does not describe
+
+    # -- reaching paths
+    def parent(self, rel: str, make: bool) -> tuple[int, str]:
+        """An O_PATH fd of ``rel``'s directory and its name there; with ``make``, a missing
+        directory on the way is made and anything else in its place (a symlink, a file the
+        live tree holds there now) is replaced by one: the record says the path's parent was
+        a directory at the point."""
+        *parts, name = rel.split("/")
+        if name in ("", ".", "..") or rel.startswith("/"):
+            raise OSError(errno.EXDEV, "path leaves the replay", rel)
+        fd = os.dup(self.root_fd)
+        try:
+            done = []
+            for part in parts:
+                if part in ("", ".", ".."):
+                    raise OSError(errno.EXDEV, "path leaves the replay", rel)
+                done.append(part)
+                try:
+                    st = os.stat(part, dir_fd=fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    st = None
+                if st is not None and not stat.S_ISDIR(st.st_mode):
+                    if not make:
+                        raise NotADirectoryError(errno.ENOTDIR, "not a directory", rel)
+                    _discard(fd, part)
+                    self.forget("/".join(done))
+                    self.inexact.append("/".join(done))
+                    st = None
+                if st is None:
+                    if not make:
+                        raise FileNotFoundError(errno.ENOENT, "no such directory", rel)
+                    os.mkdir(part, 0o700, dir_fd=fd)
+                    self.dirs.setdefault("/".join(done), (State("dir", self.default_mode), None))
+                nfd = os.open(part, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC,
+                              dir_fd=fd)
+                os.close(fd)
+                fd = nfd
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, name
+
+    def forget(self, rel: str) -> None:
+        """``rel`` and everything below it are gone (or are about to be replaced)."""
+        under = rel + "/"
+        for d in [d for d in self.dirs if d == rel or d.startswith(under)]:
+            del self.dirs[d]
+        for m, at in ((self.groups, lambda v: v[0]), (self.live, lambda v: v)):
+            for k in [k for k, v in m.items() if at(v) == rel or at(v).startswith(under)]:
+                del m[k]
+        self.not_made.pop(rel, None)
+
+    def meta(self, dfd: int, name: str, rel: str, s: State, mode: int | None = None) -> None:
+        problem = set_meta(dfd, name, s, mode)
+        if problem:
+            self.owners.append(rel)
+
+    # -- the live tree (--full)
+    def copy_live(self, src_fd: int, dst_fd: int, base: str) -> None:
+        """Copy the directory open as ``src_fd`` into ``dst_fd``: every kind of file, symlinks
+        as symlinks, hard links as hard links; not the attic."""
+        for name in sorted(os.listdir(src_fd)):
+            if not base and name == ATTIC:
+                continue
+            rel = f"{base}/{name}" if base else name
+            try:
+                st = os.stat(name, dir_fd=src_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue  # gone meanwhile
+            kind = kind_of(st.st_mode)
+            s = state_of_stat(st, lambda: b"").but(nlink=st.st_nlink)
+            try:
+                if kind == "dir":
+                    os.mkdir(name, 0o700, dir_fd=dst_fd)
+                    self.dirs[rel] = (s, (st.st_atime_ns, st.st_mtime_ns))
+                    sfd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW |
+                                  os.O_CLOEXEC, dir_fd=src_fd)
+                    try:
+                        dfd = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW |
+                                      os.O_CLOEXEC, dir_fd=dst_fd)
+                        try:
+                            self.copy_live(sfd, dfd, rel)
+                        finally:
+                            os.close(dfd)
+                    finally:
+                        os.close(sfd)
+                    continue
+                if st.st_nlink > 1 and st.st_ino in self.live and \
+                        self.link(self.live[st.st_ino], dst_fd, name):
+                    continue
+                if kind == "symlink":
+                    os.symlink(os.readlink(name, dir_fd=src_fd), name, dir_fd=dst_fd)
+                elif kind == "file":
+                    _copy_file(src_fd, dst_fd, name)
+                else:
+                    make_node(dst_fd, name, s)
+                self.meta(dst_fd, name, rel, s)
+                os.utime(name, ns=(st.st_atime_ns, st.st_mtime_ns), dir_fd=dst_fd,
+                         follow_symlinks=False)
+                if st.st_nlink > 1:
+                    self.live[st.st_ino] = rel
+                    self.copied[os.stat(name, dir_fd=dst_fd, follow_symlinks=False).st_ino] = \
+                        st.st_ino
+            except OSError as e:
+                self.not_made[rel] = {"path": rel, "kind": kind, "why": os.strerror(e.errno)
+                                      if e.errno else str(e)}
+
+    def link(self, first: str, dfd: int, name: str) -> bool:
+        try:
+            sfd, sname = self.parent(first, make=False)
+        except OSError:
+            return False
+        try:
+            os.link(sname, name, src_dir_fd=sfd, dst_dir_fd=dfd, follow_symlinks=False)
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(sfd)
+
+    # -- the recorded paths
+    def remove(self, rel: str) -> bool:
+        try:
+            dfd, name = self.parent(rel, make=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        try:
+            self.forget(rel)
+            return _discard(dfd, name)
+        finally:
+            os.close(dfd)
+
+    def write(self, rel: str, s: State) -> None:
+        """Make ``rel`` hold ``s``: its kind, content or target, owner and mode (a directory's
+        last), and its hard-link group."""
+        dfd, name = self.parent(rel, make=True)
+        try:
+            try:
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            except FileNotFoundError:
+                st = None
+            if s.kind == "dir":
+                if st is not None and not stat.S_ISDIR(st.st_mode):
+                    _discard(dfd, name)
+                    self.forget(rel)
+                    st = None
+                if st is None:
+                    os.mkdir(name, 0o700, dir_fd=dfd)
+                self.dirs[rel] = (s, None)
+                self.not_made.pop(rel, None)
+                return
+            if st is not None and s.kind == "file" and link_key(s) and st.st_nlink > 1 and \
+                    stat.S_ISREG(st.st_mode) and self.copied.get(st.st_ino) == s.ino and \
+                    link_key(s) not in self.groups:
+                # the copy of the very inode the path held at the point, linked here as it is
+                # live to paths the record did not touch (a hard-link group changed through
+                # this name): its content goes back into it, for every name of the group (the
+                # group's first path written; the others are linked to it below)
+                fd = os.open(name, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                             dir_fd=dfd)
+                try:
+                    view = memoryview(s.data)
+                    while view:
+                        view = view[os.write(fd, view):]
+                finally:
+                    os.close(fd)
+                self.meta(dfd, name, rel, s)
+                self.not_made.pop(rel, None)
+                self.groups.setdefault(link_key(s), (rel, s))
+                return
+            if st is not None:
+                self.forget(rel)
+                _discard(dfd, name)  # never written through: a live copy may share its inode
+            self.not_made.pop(rel, None)
+            if link_key(s) and self._join(s, rel, dfd, name):
+                return
+            if s.kind == "symlink":
+                os.symlink(os.fsdecode(s.data), name, dir_fd=dfd)
+            elif s.kind == "file":
+                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW |
+                             os.O_CLOEXEC, 0o600, dir_fd=dfd)
+                try:
+                    view = memoryview(s.data)
+                    while view:
+                        view = view[os.write(fd, view):]
+                finally:
+                    os.close(fd)
+            else:
+                try:
+                    make_node(dfd, name, s)
+                except (OSError, ValueError) as e:
+                    why = os.strerror(e.errno) if getattr(e, "errno", None) else str(e)
+                    self.not_made[rel] = {"path": rel, "kind": s.kind, "why": why}
+                    return
+            self.meta(dfd, name, rel, s)
+            if link_key(s):
+                self.groups.setdefault(link_key(s), (rel, s))
+        finally:
+            os.close(dfd)
+
+    def _join(self, s: State, rel: str, dfd: int, name: str) -> bool:
+        """Link ``name`` to its hard-link group if a path of it is already here: one written
+        from the record, or a live copy untouched by the record that holds the same inode (and
+        so held it at the point too)."""
+        made = self.groups.get(link_key(s))
+        if made is not None:
+            first = made[0]
+            if not linked(s, made[1]):
+                return False
+        else:
+            first = self.live.get(link_key(s))
+            if first is None or _content_at(self.root_fd, first) != (s.kind, s.data):
+                return False
+        if not self.link(first, dfd, name):
+            return False
+        # written from the record: the group's holder from now on
+        self.groups[link_key(s)] = (rel, s if made is None else made[1].but(
+            nlink=max(s.nlink, made[1].nlink)))
+        return True
+
+    def finish(self, root_state: State | None) -> None:
+        """Directory owners and modes, deepest first (a 0555 directory was filled as 0700)."""
+        for rel in sorted(self.dirs, key=lambda d: -d.count("/")):
+            s, times = self.dirs[rel]
+            dfd, name = self.parent(rel, make=False)
+            try:
+                self.meta(dfd, name, rel, s)
+                if times:
+                    os.utime(name, ns=times, dir_fd=dfd, follow_symlinks=False)
+            finally:
+                os.close(dfd)
+        root = root_state or State("dir", self.default_mode)
+        self.meta(self.root_fd, ".", "", root)
+
+
+def _umask() -> int:
+    old = os.umask(0o22)
+    os.umask(old)
+    return old
+
+
+def _discard(dfd: int, name: str) -> bool:
+    """Remove ``name`` from ``dfd``, a directory with all it holds (made writable on the way:
+    it is the replay's own); never follows a symlink.  False when there was nothing."""
+    try:
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISDIR(st.st_mode):
+        os.unlink(name, dir_fd=dfd)
+        return True
+    pfd = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+    try:
+        os.chmod(f"/proc/self/fd/{pfd}", 0o700)
+        fd = os.open(f"/proc/self/fd/{pfd}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for n in os.listdir(fd):
+                _discard(fd, n)
+        finally:
+            os.close(fd)
+    finally:
+        os.close(pfd)
+    os.rmdir(name, dir_fd=dfd)
+    return True
+
+
+def _copy_file(src_dfd: int, dst_dfd: int, name: str) -> None:
+    src = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=src_dfd)
+    try:
+        dst = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                      0o600, dir_fd=dst_dfd)
+        try:
+            while True:
+                chunk = os.read(src, 1 << 20)
+                if not chunk:
+                    break
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(dst, view):]
+        finally:
+            os.close(dst)
+    finally:
+        os.close(src)
+
+
+def _content_at(root_fd: int, rel: str) -> tuple[str, bytes] | None:
+    try:
+        st = Tree(root_fd).state(rel)
+    except OSError:
+        return None
+    return st.kind, st.data
 
 
 def replay(j: Journal, states: States, point: int, dest: str, full_from: str | None = None) -> dict:
     """Write the recorded paths as they stood at ``point`` into ``dest`` (with ``full_from``:
-    first the whole live tree, then the recorded paths rolled back)."""
-    if full_from is not None:
-        shutil.copytree(full_from, dest, symlinks=True, dirs_exist_ok=True,
-                        ignore=shutil.ignore_patterns(".overlayrec-attic"))
-    written = removed = 0
-    inexact = []
-    for rel in recorded_paths(j):
-        s = states.state(rel, point)
-        if not s.exact:
-            inexact.append(rel)
-        p = os.path.join(dest, rel)
-        if not s.present:
-            if os.path.lexists(p):
-                if os.path.isdir(p) and not os.path.islink(p):
-                    shutil.rmtree(p)
-                else:
-                    os.unlink(p)
-                removed += 1
-            continue
-        if s.kind == "dir" and os.path.isdir(p):
-            continue
-        _write(dest, rel, s)
-        written += 1
-    return {"point": point, "written": written, "removed": removed, "inexact": inexact}
+    first the whole live tree, then the recorded paths rolled back).
+
+    Built in a temporary directory beside ``dest`` and renamed into place when complete: a
+    replay that fails leaves nothing.  ``dest`` must not exist or be an empty directory."""
+    dest = os.path.abspath(dest)
+    parent, base = os.path.split(dest.rstrip("/") or "/")
+    made_parents = []
+    p = parent
+    while not os.path.lexists(p):
+        made_parents.append(p)
+        p = os.path.dirname(p)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=temp_name(base, "overlayrec-replay-XXXXXXXX")[:-8], dir=parent)
+    pfd = os.open(parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    root_fd = os.open(tmp, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        b = _Build(root_fd)
+        root_state = None
+        if full_from is not None:
+            src = os.open(full_from, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                root_state = state_of_stat(os.fstat(src), lambda: b"")
+                b.copy_live(src, root_fd, "")
+            finally:
+                os.close(src)
+        written = removed = 0
+        for rel in [p for p in states.all_names() if _visible(p)]:
+            s = states.state(rel, point)
+            if not s.exact:
+                b.inexact.append(rel)
+            if not s.present:
+                removed += b.remove(rel)
+                continue
+            b.write(rel, s)
+            written += 1
+        b.finish(root_state)
+        os.rename(os.path.basename(tmp), base, src_dir_fd=pfd, dst_dir_fd=pfd)
+    except BaseException:
+        try:
+            _discard(pfd, os.path.basename(tmp))
+            for d in made_parents:
+                os.rmdir(d)
+        except OSError:
+            pass
+        raise
+    finally:
+        os.close(root_fd)
+        os.close(pfd)
+    return {"point": point, "written": written, "removed": removed,
+            "inexact": sorted(set(b.inexact)), "not_made": list(b.not_made.values()),
+            "owners_not_set": b.owners}
 
 
 def blame(j: Journal, states: States, path: str, at: int | None = None) -> list[dict]:
-    """A path's history, newest first: one entry per run of changes by one unit."""
+    """A path's history, newest first: one entry per run of changes by one unit.  The path is
+    followed back through the renames of its directories (an entry for each such rename, and
+    the runs under its earlier names), and a live path that departs from its seal says so."""
+    steps: list[tuple[dict, str, str]] = []   # (event, name then, how)
+    point = at if at is not None else float("inf")
+    hist = states.history(path, point)
+    for name, lo, hi in hist:
+        for e in states.events_on(name):
+            if lo < e["seq"] <= hi:
+                op = e["op"] if e.get("path2") is None else \
+                    f"{e['op']} {'to ' + e['path2'] if e['path'] == name else 'from ' + e['path']}"
+                steps.append((e, name, op))
+        if lo > 0:
+            r = j.event(int(lo))
+            if r is not None:
+                steps.append((r, name, f"moved with {r['path']}/ -> {r['path2']}/"))
+    steps.sort(key=lambda x: x[0]["seq"])
     runs: list[dict] = []
-    for e in states.events_on(path):
-        if at is not None and e["seq"] > at:
-            break
+    for e, name, op in steps:
         unit = e.get("unit") or "outside:" + e["actor"]
-        if runs and runs[-1]["unit"] == unit:
+        if runs and runs[-1]["unit"] == unit and runs[-1]["name"] == name:
             r = runs[-1]
         else:
-            r = {"unit": unit, "first_seq": e["seq"], "ops": [], "actors": [], "t_first": e["t"]}
+            r = {"unit": unit, "name": name, "first_seq": e["seq"], "ops": [], "actors": [],
+                 "t_first": e["t"], "first_name": name}
+            if e["op"] == "rename" and e.get("path") != name and e.get("path2") != name:
+                r["first_name"] = name[:0] + e["path"] + name[len(e["path2"]):]
             runs.append(r)
         r["last_seq"], r["t_last"] = e["seq"], e["t"]
-        op = e["op"] if e.get("path2") is None else \
-            f"{e['op']} {'to ' + e['path2'] if e['path'] == path else 'from ' + e['path']}"
         if op not in r["ops"]:
             r["ops"].append(op)
         if e["actor"] not in r["actors"]:
             r["actors"].append(e["actor"])
     for r in runs:
-        before = states.state(path, r["first_seq"] - 1)
-        after = states.state(path, r["last_seq"])
+        before = states.state(r.pop("first_name"), r["first_seq"] - 1)
+        after = states.state(r["name"], r["last_seq"])
         r["before"] = {"kind": before.kind, "size": len(before.data)}
-        r["after"] = {"kind": after.kind, "size": len(after.data)}
+        r["after"] = {"kind": after.kind, "size": len(after.data), "exact": after.exact}
         r["processes"] = [dict(key=k, **{f: (j.actor(k) or {}).get(f) for f in
                                           ("pid", "argv", "cwd", "uid")}) for k in r["actors"]]
         del r["actors"]
+        if r["name"] == path:
+            del r["name"]
+    if at is None and runs and states.drifted(path):
+        live = states.tree.state(path)
+        runs.append({"unit": "drift", "first_seq": j.last_seq(), "last_seq": j.last_seq(),
+                     "t_first": runs[-1]["t_last"], "t_last": runs[-1]["t_last"],
+                     "ops": ["drifted: the live path departs from the record's end "
+                             "(changed while unmounted or around the mount)"],
+                     "before": runs[-1]["after"],
+                     "after": {"kind": live.kind, "size": len(live.data)}, "processes": []})
     return list(reversed(runs))

@@ -7,14 +7,18 @@ import html
 import json
 
 from ..journal import Journal
-from ..views import call_rows, turn_rows, command_name
-from .diff import file_events
+from ..views import call_rows, turn_rows, command_name, unit_listing
+from .diff import file_events, net_of
 
 
-def report_data(j: Journal, diff_of) -> dict:
-    """``diff_of(call_row)`` gives a call's patch text."""
-    calls = call_rows(j)
-    turns = turn_rows(j)
+def report_data(j: Journal, diff_of, states=None) -> dict:
+    """``diff_of(call_row, side)`` gives a call's patch text (``side``: the call's Side, None
+    without ``states``).  With ``states``, every unit names only the paths it left changed
+    (net; ``touched``: all it wrote), the workspace's own first, those under .git/ counted."""
+    sides: dict = {}
+    net = net_of(states) if states is not None else None
+    calls = call_rows(j, net=net, sides=sides)
+    turns = turn_rows(j, net=net)
     sessions = {}
     for t in turns:
         sessions.setdefault(t["session"], {"id": t["session"], "turns": [], "calls": []})
@@ -22,21 +26,24 @@ def report_data(j: Journal, diff_of) -> dict:
     for c in calls:
         s = sessions.setdefault(c["session"], {"id": c["session"], "turns": [], "calls": []})
         s["calls"].append({k: c[k] for k in ("id", "tool", "summary", "turn", "begin_t", "end_t",
-                                              "status", "paths", "processes", "late_events",
-                                              "implicit")} | {"diff": diff_of(c)})
+                                              "status", "paths", "files", "git_changes",
+                                              "touched", "processes", "late_events",
+                                              "implicit")}
+                          | {"diff": diff_of(c, sides.get((c["session"], c["id"])))})
     outside: dict[str, dict] = {}
+    by_actor: dict[str, list[dict]] = {}
     for e in file_events(j):
         unit = e.get("unit") or "outside:" + e["actor"]
         if not unit.startswith("outside:"):
             continue
-        o = outside.setdefault(e["actor"], {"actor": e["actor"], "paths": [], "first_t": e["t"]})
+        by_actor.setdefault(e["actor"], []).append(e)
+        o = outside.setdefault(e["actor"], {"actor": e["actor"], "first_t": e["t"]})
         if o.get("name") is None:
             a = j.actor(e["actor"])
             o["name"] = f"{command_name(a)}[{a['pid'] if a else '?'}]"
-        for p in (e.get("path"), e.get("path2")):
-            if p and p not in o["paths"]:
-                o["paths"].append(p)
         o["last_t"] = e["t"]
+    for key, o in outside.items():
+        o.update(unit_listing(net, by_actor[key])[0])
     return {"sessions": list(sessions.values()), "outside": list(outside.values())}
 
 
@@ -66,6 +73,9 @@ const data = JSON.parse(document.getElementById('data').textContent);
 const el = (tag, cls, text) => { const e = document.createElement(tag);
   if (cls) e.className = cls; if (text !== undefined) e.textContent = text; return e; };
 const when = ns => new Date(ns / 1e6).toLocaleTimeString();
+// a unit's net changes: the workspace's own files, then those under .git/ as a count
+const files = u => u.files + ' file(s)' + (u.git_changes ? ' + ' + u.git_changes + ' under .git/' : '');
+const own = u => u.paths.slice(0, u.files);
 function showDiff(call) {
   document.getElementById('diff-title').textContent = 'Diff of ' + call.tool + ' ' + call.id;
   const box = document.getElementById('diff'); box.textContent = '';
@@ -80,10 +90,11 @@ function callBox(call) {
   b.id = 'call-' + call.id;
   b.appendChild(el('div', 'tool', call.tool + (call.implicit ? ' (implicit)' : '')));
   if (call.summary) b.appendChild(el('div', 'summary', call.summary));
-  b.appendChild(el('div', 'meta', when(call.begin_t) + ' · ' + call.paths.length + ' file(s)' +
+  b.appendChild(el('div', 'meta', when(call.begin_t) + ' · ' + files(call) +
     (call.late_events ? ' · ' + call.late_events + ' late write(s)' : '')));
   b.appendChild(el('div', 'meta', call.processes.join(', ')));
-  b.title = call.paths.join('\\n');
+  b.title = own(call).concat(call.git_changes ? ['+ ' + call.git_changes + ' under .git/'] : [])
+    .join('\\n');
   b.addEventListener('click', () => showDiff(call));
   return b;
 }
@@ -92,12 +103,13 @@ for (const s of data.sessions) {
   tl.appendChild(el('h2', '', 'Session ' + s.id));
   const byTurn = {};
   for (const c of s.calls) (byTurn[c.turn] = byTurn[c.turn] || []).push(c);
-  const turns = s.turns.length ? s.turns : [{index: null, prompt: null, begin_t: 0, files: 0}];
+  const turns = s.turns.length ? s.turns
+    : [{index: null, prompt: null, begin_t: 0, files: 0, git_changes: 0, paths: []}];
   for (const t of turns) {
     const d = el('div', 'turn');
     d.id = 'turn-' + s.id + '-' + t.index;
     d.appendChild(el('div', '', (t.index === null ? 'Calls' : 'Turn ' + t.index + ' · ' +
-      when(t.begin_t) + ' · ' + t.files + ' file(s)') + (t.others && t.others.length ?
+      when(t.begin_t) + ' · ' + files(t)) + (t.others && t.others.length ?
       ' · shared with ' + t.others.join(', ') : '')));
     if (t.prompt) d.appendChild(el('div', 'prompt', t.prompt.split('\\n')[0]));
     const lane = el('div', 'lane');
@@ -109,7 +121,8 @@ if (data.outside.length) {
   tl.appendChild(el('h2', '', 'Outside the sessions'));
   const lane = el('div', 'lane'); lane.id = 'outside';
   for (const o of data.outside) lane.appendChild(el('div', 'outside',
-    o.name + ': ' + o.paths.slice(0, 5).join(', ') + (o.paths.length > 5 ? ' …' : '')));
+    o.name + ': ' + own(o).slice(0, 5).join(', ') + (o.files > 5 ? ' …' : '') +
+    (o.git_changes ? ' + ' + o.git_changes + ' under .git/' : '')));
   tl.appendChild(lane);
 }
 const m = location.hash.match(/^#open=(.+)$/);

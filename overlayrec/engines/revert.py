@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from ..journal import Journal
 from ..underlay import open_beneath
-from .diff import SelectionError, file_events, _find_turn, _visible
+from .diff import SelectionError, file_events, touched, _find_turn, _visible
 from .states import States, State, Tree
 
 
@@ -80,13 +80,8 @@ def selected_units(j: Journal, *, call=None, turn=None, session=None, since=None
 
 
 def _same(a: State, b: State) -> bool:
-    if a.kind != b.kind:
-        return False
-    if a.kind == "file":
-        return a.data == b.data and (a.mode & 0o111 != 0) == (b.mode & 0o111 != 0)
-    if a.kind == "symlink":
-        return a.data == b.data
-    return True
+    """Kept for older callers: everything the record keeps (see State.same)."""
+    return a.same(b)
 
 
 def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str | None = None,
@@ -97,8 +92,8 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
     others: dict[str, list[int]] = {}
     last_unit: dict[str, str] = {}
     for e in file_events(j, 1, hi):
-        for p in (e.get("path"), e.get("path2")):
-            if p is None or not _visible(p):
+        for p in touched(states, e):
+            if not _visible(p):
                 continue
             mine = e["seq"] >= lo and (units is None or (e.get("unit") or "") in units)
             if mine:
@@ -122,7 +117,7 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
         if end and end > last and not any(last < s <= end for s in others.get(p, [])):
             last = end
         expected = states.state(p, last)
-        if _same(target, expected) and target.mode == expected.mode:
+        if target.same(expected):
             continue  # made and unmade inside the selection (a temp file): nothing to do
         step = Step(p, target, expected)
         if live.symlink_on_the_way(p):
@@ -131,13 +126,26 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
             step.conflict = "unrecorded"
         elif any(first < s < last for s in others.get(p, [])):
             step.conflict = "interleaved"
-        elif not _same(live.state(p), expected):
+        elif not expected.same(live.state(p)):
             step.conflict = "changed"
         plan.steps.append(step)
     return plan
 
 
 # -- carrying a plan out ----------------------------------------------------------------------
+
+NAME_MAX = 255
+
+
+def temp_name(name: str, tag: str) -> str:
+    """``.{name}.{tag}``, with ``name`` cut (on a character boundary) so that the whole fits in
+    NAME_MAX *bytes*: a long UTF-8 name still gets a temporary name beside it."""
+    tail = f".{tag}"
+    room = NAME_MAX - 1 - len(os.fsencode(tail))
+    while len(os.fsencode(name)) > room:
+        name = name[:-1]
+    return f".{name}{tail}"
+
 
 def _parent(root_fd: int, rel: str, create: bool) -> tuple[int, str]:
     parent, _, name = rel.rpartition("/")
@@ -172,14 +180,105 @@ def _remove(dfd: int, name: str) -> None:
         os.unlink(name, dir_fd=dfd)
 
 
-def apply_step(root_fd: int, step: Step) -> str:
-    """Make ``step.path`` hold ``step.target``; returns what was done."""
+def make_node(dfd: int, name: str, t: State) -> None:
+    """Make a fifo, socket or device node ``name`` in ``dfd`` (mode 0600 until set_meta).
+    Raises OSError when it cannot be made (a device node without the privilege, say)."""
+    if t.kind == "fifo":
+        os.mkfifo(name, 0o600, dir_fd=dfd)
+    elif t.kind == "socket":
+        try:
+            os.mknod(name, stat.S_IFSOCK | 0o600, dir_fd=dfd)
+        except OSError as e:
+            # a socket node is also what binding a unix socket leaves behind
+            path = f"/proc/self/fd/{dfd}/{name}"
+            if len(os.fsencode(path)) > 107:
+                raise
+            import socket
+            with socket.socket(socket.AF_UNIX) as s:
+                try:
+                    s.bind(path)
+                except OSError:
+                    raise e from None
+            os.chmod(path, 0o600)
+    elif t.kind == "device":
+        os.mknod(name, (stat.S_IFBLK if t.block else stat.S_IFCHR) | 0o600, t.rdev, dir_fd=dfd)
+    else:
+        raise ValueError(f"not a node kind: {t.kind}")
+
+
+def set_meta(dfd: int, name: str, t: State, mode: int | None = None) -> str | None:
+    """Give ``name`` (never followed) the owner the record knows (where it differs from what
+    it has) and then its mode (``mode`` or ``t.mode``; not for a symlink): chown first, since
+    it clears set-id bits.  Returns what could not be done (an owner the caller may not give),
+    or None."""
+    from ..underlay import chmod_fd, chown_fd
+    fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+    try:
+        st = os.fstat(fd)
+        problem = None
+        uid = -1 if t.uid is None or t.uid == st.st_uid else t.uid
+        gid = -1 if t.gid is None or t.gid == st.st_gid else t.gid
+        if uid != -1 or gid != -1:
+            try:
+                chown_fd(fd, uid, gid)
+            except PermissionError as e:
+                problem = f"owner {t.uid}:{t.gid} not set ({os.strerror(e.errno)})"
+        if not stat.S_ISLNK(st.st_mode):
+            chmod_fd(fd, stat.S_IMODE(t.mode if mode is None else mode))
+        return problem
+    finally:
+        os.close(fd)
+
+
+def _blocks(mode: int) -> bool:
+    """Would a directory of this mode stop its owner from filling it?"""
+    return stat.S_IMODE(mode) & 0o700 != 0o700
+
+
+def link_key(s: State) -> int:
+    """The inode that may join ``s`` to a hard-link group (0: none known)."""
+    return s.ino if s.present and s.kind != "dir" else 0
+
+
+def linked(a: State, b: State) -> bool:
+    """Were ``a`` and ``b`` (each at its own point) one hard-link group?  The same inode, and
+    one of them saw it linked: a group's paths are each taken at their own point (in a plan,
+    just before the first change to each), and a path taken after another of its group was
+    unlinked counts one link less."""
+    return link_key(a) != 0 and link_key(a) == link_key(b) and max(a.nlink, b.nlink) > 1
+
+
+FAILED = "failed: "
+
+
+def failed(result: str) -> bool:
+    """Did apply_step fail to make its path hold its target (in whole or in part)?"""
+    return result.startswith(FAILED)
+
+
+@dataclass
+class DirMode(Step):
+    """A late step: a directory's own mode and owner, set after its contents were written
+    (a 0555 directory cannot be filled once it has its mode)."""
+
+
+def apply_step(root_fd: int, step: Step, made: dict | None = None) -> str:
+    """Make ``step.path`` hold ``step.target``; returns what was done (``failed(...)`` tells
+    a path it could not make whole).  ``made``, shared by the steps of one plan, maps the
+    inode of a target to the path made for it (and that target): the other paths of a
+    hard-link group (see ``linked``) are linked to it, not copied."""
     t = step.target
     try:
         dfd, name = _parent(root_fd, step.path, create=t.present)
     except FileNotFoundError:
         return "nothing (parent gone)"
     try:
+        if isinstance(step, DirMode):
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            if not stat.S_ISDIR(st.st_mode):
+                return FAILED + "not a directory any more: mode not set"
+            problem = set_meta(dfd, name, t)
+            return FAILED + problem if problem else "dir mode"
         if not t.present:
             try:
                 _remove(dfd, name)
@@ -190,48 +289,131 @@ def apply_step(root_fd: int, step: Step) -> str:
             return "removed"
         if t.kind == "dir":
             try:
-                os.mkdir(name, t.mode or 0o755, dir_fd=dfd)
-            except FileExistsError:
                 st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
                 if not stat.S_ISDIR(st.st_mode):
                     _remove(dfd, name)
-                    os.mkdir(name, t.mode or 0o755, dir_fd=dfd)
-            os.chmod(name, t.mode or 0o755, dir_fd=dfd)
-            return "dir"
-        tmp = f".{name}.overlayrec-revert-{os.getpid()}"[:255]
+                    raise FileNotFoundError
+            except FileNotFoundError:
+                os.mkdir(name, 0o700, dir_fd=dfd)
+            # a mode that would stop the directory being filled comes last (a DirMode step)
+            problem = set_meta(dfd, name, t, t.mode | 0o700 if _blocks(t.mode) else t.mode)
+            return FAILED + problem if problem else "dir"
+        if t.kind == "file" and link_key(t):
+            done = _write_in_place(dfd, name, t)
+            if done is not None:
+                if made is not None:
+                    made.setdefault(link_key(t), (step.path, t.ino, t))
+                return done
+        tmp = temp_name(name, f"overlayrec-revert-{os.getpid()}")
         _remove(dfd, tmp)
+        first = made.get(link_key(t)) if made is not None else None
+        if first is not None and linked(t, first[2]) and _link_to(root_fd, first, dfd, tmp):
+            _replace(dfd, tmp, name)
+            return f"restored (hard link to {first[0]})"
+        problem = None
         if t.kind == "symlink":
             os.symlink(os.fsdecode(t.data), tmp, dir_fd=dfd)
         elif t.kind == "file":
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
-                         stat.S_IMODE(t.mode) or 0o644, dir_fd=dfd)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o600, dir_fd=dfd)
             try:
                 view = memoryview(t.data)
                 while view:
                     view = view[os.write(fd, view):]
-                os.fchmod(fd, stat.S_IMODE(t.mode) or 0o644)
             finally:
                 os.close(fd)
+        elif t.kind in ("fifo", "socket", "device"):
+            try:
+                make_node(dfd, tmp, t)
+            except OSError as e:
+                return FAILED + f"cannot make a {t.kind} here ({os.strerror(e.errno)})"
         else:
-            return f"skipped ({t.kind} cannot be restored)"
+            return FAILED + f"cannot make a {t.kind}"
         try:
+            problem = set_meta(dfd, tmp, t)
+        except BaseException:
+            _remove(dfd, tmp)
+            raise
+        _replace(dfd, tmp, name)
+        if made is not None and link_key(t) and link_key(t) not in made:
             st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-            if stat.S_ISDIR(st.st_mode):
-                os.rmdir(name, dir_fd=dfd)
-        except FileNotFoundError:
-            pass
-        os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)  # atomic in its directory
-        return "restored"
+            made[link_key(t)] = (step.path, st.st_ino, t)
+        return FAILED + "restored, but " + problem if problem else "restored"
     finally:
         os.close(dfd)
 
 
+def _write_in_place(dfd: int, name: str, t: State) -> str | None:
+    """When the path still holds the target's own inode and that inode has other links (a
+    hard-link group whose content was changed through one of its names), the content goes
+    back into that inode, so every name of the group gets it back (a rename would leave the
+    others behind).  Not atomic, unlike the rename.  None: not this case."""
+    try:
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(st.st_mode) or st.st_ino != t.ino or st.st_nlink < 2:
+        return None
+    try:
+        fd = os.open(name, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     dir_fd=dfd)
+    except PermissionError:
+        return None  # a read-only file: replaced whole (the group is not kept)
+    try:
+        now = os.fstat(fd)
+        if not stat.S_ISREG(now.st_mode) or now.st_ino != t.ino:
+            return None  # swapped meanwhile: write it the usual way
+        os.ftruncate(fd, 0)
+        view = memoryview(t.data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
+    problem = set_meta(dfd, name, t)
+    return FAILED + "restored in place, but " + problem if problem else \
+        "restored in place (hard-link group)"
+
+
+def _replace(dfd: int, tmp: str, name: str) -> None:
+    try:
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        if stat.S_ISDIR(st.st_mode):
+            os.rmdir(name, dir_fd=dfd)
+    except FileNotFoundError:
+        pass
+    os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)  # atomic in its directory
+
+
+def _link_to(root_fd: int, first: tuple, dfd: int, tmp: str) -> bool:
+    """Hard-link the path ``first`` names (if it still holds the inode this plan made there)
+    as ``tmp``; False when it cannot (then the path is written on its own)."""
+    path, ino = first[0], first[1]
+    try:
+        sfd, sname = _parent(root_fd, path, create=False)
+    except OSError:
+        return False
+    try:
+        if os.stat(sname, dir_fd=sfd, follow_symlinks=False).st_ino != ino:
+            return False
+        os.link(sname, tmp, src_dir_fd=sfd, dst_dir_fd=dfd, follow_symlinks=False)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(sfd)
+
+
 def order(steps: list[Step]) -> list[Step]:
-    """Directories to create first (shallow first), then files, then removals deepest first."""
+    """Directories to create first (shallow first), then files, then removals deepest first,
+    then the modes of directories that would not let their owner fill them (deepest first)."""
     mk = sorted([s for s in steps if s.target.kind == "dir"], key=lambda s: s.path.count("/"))
     files = [s for s in steps if s.target.present and s.target.kind != "dir"]
     rm = sorted([s for s in steps if not s.target.present], key=lambda s: -s.path.count("/"))
-    return mk + files + rm
+    late = [DirMode(s.path, s.target, s.expected) for s in reversed(mk) if _blocks(s.target.mode)]
+    return mk + files + rm + late
+
+
+_FIELDS = ("uid", "gid", "rdev", "block", "ino", "nlink", "drifted")
 
 
 def plan_to_json(plan: Plan, content_put) -> dict:
@@ -239,6 +421,8 @@ def plan_to_json(plan: Plan, content_put) -> dict:
         d = {"kind": s.kind, "mode": s.mode, "exact": s.exact}
         if s.kind in ("file", "symlink"):
             d["blob"] = content_put(s.data)
+        for f in _FIELDS:
+            d[f] = getattr(s, f)
         return d
     return {"id": plan.id, "selection": plan.selection,
             "steps": [{"path": s.path, "target": st(s.target), "expected": st(s.expected),
@@ -248,6 +432,6 @@ def plan_to_json(plan: Plan, content_put) -> dict:
 def plan_from_json(d: dict, content_get) -> Plan:
     def st(x: dict) -> State:
         return State(x["kind"], x["mode"], content_get(x["blob"]) if "blob" in x else b"",
-                     x.get("exact", True))
+                     x.get("exact", True), **{f: x[f] for f in _FIELDS if f in x})
     return Plan(d["id"], d["selection"], [Step(s["path"], st(s["target"]), st(s["expected"]),
                                                 s["conflict"]) for s in d["steps"]])

@@ -1,39 +1,105 @@
-"""The state of a recorded path at any sequence point, rebuilt from the journal.
+"""What a path held at any point of the record: the one place every reader asks.
 
-The journal is a reverse-delta chain ending at the live tree: an event's pre-image is the state
-of its path just before it.  So the state of path P *after* sequence number S is the pre-image
-of the first later event on P, or the live tree when there is none.  Pre-images are kept by
-facet (content may be saved by a later event of the same epoch, and for large files only the
-ranges a change was about to lose), so a content is completed from what the epoch saved and
-from the state at the epoch's end.
+The journal is a reverse-delta chain: an event's pre-image is the state of its path just before
+it.  So the state of path P *after* sequence number S is the pre-image of the first later event
+on P, with two rules that make it the truth about real sessions:
 
-Exact at every epoch boundary (every unit boundary); a point inside an epoch is answered with
-the epoch's next known state and marked inexact.
+* **Path history.**  ``mv tests testsuite`` is one event, yet every path beneath moved.  If the
+  first later thing to happen to P is a rename of one of its ancestors, P's state is the state
+  of its new name just after that rename (or absent, when the rename replaced the ancestor).
+  Backwards, the names a path had are found the same way, and ``all_names`` / ``descendants``
+  list the paths beneath a directory at any point, so a directory rename shows (and reverts)
+  as every file that moved.
+* **Seals.**  A chain ends at the path's last seal (what the daemon saw when the epoch ended),
+  not at whatever the live tree holds now.  When the live path no longer matches its seal it
+  has *drifted* (an edit while unmounted, or by a process around the mount): the record's end is
+  the seal, marked ``drifted``; a path whose last epoch is still open (mounted) ends live.
+
+Pre-images are kept by facet (content may be saved by a later event of the same epoch, and for
+large files only the ranges a change was about to lose), so a content is completed from what
+the epoch saved and from the state at the epoch's end.  Exact at every epoch boundary (every
+unit boundary); a point inside an epoch is answered with the epoch's next known state and marked
+inexact.
 """
 from __future__ import annotations
 
+import bisect
 import os
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from ..journal import Journal
+from ..journal import Journal, preimage
+from ..journal.schema import MARK_OPS, is_dir_rename
+from ..underlay import kind_of
 
 ATTIC = ".overlayrec-attic"
 
 
 @dataclass(frozen=True)
 class State:
+    """What a path held at one point: the one type every reader compares, writes and prints."""
     kind: str                 # absent | file | dir | symlink | fifo | socket | device
-    mode: int = 0
+    mode: int = 0             # permission bits (S_IMODE); 0o120000 for a symlink
     data: bytes = b""         # file content, or a symlink's target
-    exact: bool = True
+    exact: bool = True        # False: the record cannot say exactly (see module doc)
+    uid: int | None = None    # owner, where the record knows it
+    gid: int | None = None
+    rdev: int = 0             # device number (kind "device"); ``block``: a block device
+    block: bool = False
+    ino: int = 0              # the inode at that point (0: unknown); with nlink > 1 it groups
+    nlink: int = 1            # the paths of one hard-link group
+    drifted: bool = False     # the live path no longer holds what the record sealed
 
     @property
     def present(self) -> bool:
         return self.kind != "absent"
 
+    def but(self, **kw) -> "State":
+        """A copy with some fields changed."""
+        return replace(self, **kw)
+
+    def same(self, other: "State", *, owner: bool = True) -> bool:
+        """Does ``other`` hold the same thing: kind, content or target, mode and (where both
+        know it) owner?  Inexactness, inode numbers and drift marks are not compared."""
+        if self.kind != other.kind:
+            return False
+        if self.kind == "absent":
+            return True
+        if self.kind in ("file", "symlink") and self.data != other.data:
+            return False
+        if self.kind != "symlink" and self.mode != other.mode:
+            return False
+        if self.kind == "device" and (self.rdev, self.block) != (other.rdev, other.block):
+            return False
+        if owner:
+            for a, b in ((self.uid, other.uid), (self.gid, other.gid)):
+                if a is not None and b is not None and a != b:
+                    return False
+        return True
+
 
 ABSENT = State("absent")
+
+
+def state_of_stat(st: os.stat_result, content) -> State:
+    """The State of a live object from its lstat; ``content()`` reads a file's bytes or a
+    symlink's target (called only for those kinds)."""
+    kind = kind_of(st.st_mode)
+    common = dict(uid=st.st_uid, gid=st.st_gid, ino=st.st_ino)
+    if kind == "symlink":
+        return State("symlink", 0o120000, content(), **common)
+    if kind == "file":
+        return State("file", stat.S_IMODE(st.st_mode), content(), nlink=st.st_nlink, **common)
+    return State(kind, stat.S_IMODE(st.st_mode), rdev=st.st_rdev if kind == "device" else 0,
+                 block=stat.S_ISBLK(st.st_mode), **common)
+
+
+def _read_at(dfd: int, name: str, st: os.stat_result) -> bytes:
+    if stat.S_ISLNK(st.st_mode):
+        return os.fsencode(os.readlink(name, dir_fd=dfd))
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
 
 
 class Tree:
@@ -52,6 +118,8 @@ class Tree:
         return (open_beneath(self.root_fd, parent) if parent else os.dup(self.root_fd)), name
 
     def state(self, rel: str) -> State:
+        if rel == "":  # the workspace root itself
+            return state_of_stat(os.fstat(self.root_fd), lambda: b"")
         try:
             dfd, name = self._open_parent(rel)
         except OSError:
@@ -61,18 +129,60 @@ class Tree:
                 st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
             except FileNotFoundError:
                 return ABSENT
-            if stat.S_ISLNK(st.st_mode):
-                return State("symlink", 0o120000, os.fsencode(os.readlink(name, dir_fd=dfd)))
-            if stat.S_ISDIR(st.st_mode):
-                return State("dir", stat.S_IMODE(st.st_mode))
-            if stat.S_ISREG(st.st_mode):
-                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
-                with os.fdopen(fd, "rb") as f:
-                    return State("file", stat.S_IMODE(st.st_mode), f.read())
-            return State("fifo" if stat.S_ISFIFO(st.st_mode) else "device",
-                         stat.S_IMODE(st.st_mode))
+            return state_of_stat(st, lambda: _read_at(dfd, name, st))
         finally:
             os.close(dfd)
+
+    def lstat(self, rel: str) -> os.stat_result | None:
+        if rel == "":
+            return os.fstat(self.root_fd)
+        try:
+            dfd, name = self._open_parent(rel)
+        except OSError:
+            return None
+        try:
+            return os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        finally:
+            os.close(dfd)
+
+    def walk(self, rel: str) -> list[str]:
+        """Every path beneath directory ``rel`` (not itself), following no symlink."""
+        out: list[str] = []
+        try:
+            fd = self._open_dir(rel)
+        except OSError:
+            return out
+        stack = [(fd, rel)]
+        while stack:
+            fd, base = stack.pop()
+            try:
+                with os.scandir(fd) as it:
+                    entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+            except OSError:
+                entries = []
+            for name, is_dir in entries:
+                if not base and name == ATTIC:
+                    continue
+                child = f"{base}/{name}" if base else name
+                out.append(child)
+                if is_dir:
+                    try:
+                        stack.append((os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+                                              | os.O_CLOEXEC, dir_fd=fd), child))
+                    except OSError:
+                        pass
+            os.close(fd)
+        return out
+
+    def _open_dir(self, rel: str) -> int:
+        from ..underlay import open_beneath
+        pfd = open_beneath(self.root_fd, rel) if rel else os.dup(self.root_fd)
+        try:
+            return os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=pfd)
+        finally:
+            os.close(pfd)
 
     def symlink_on_the_way(self, rel: str) -> bool:
         """Is a parent directory of ``rel`` a symlink (or not a directory) now?"""
@@ -97,18 +207,67 @@ class Tree:
         return s.data if s.kind in ("file", "symlink") else None
 
 
+def facts(pre: dict) -> dict:
+    """The State fields a stored pre-image or seal gives besides kind, mode and content."""
+    out = {"uid": pre.get("uid"), "gid": pre.get("gid")}
+    if pre.get("ino"):
+        out["ino"] = pre["ino"]
+    if pre.get("nlink"):
+        out["nlink"] = pre["nlink"]
+    if pre.get("kind") == "device":
+        out["rdev"] = pre.get("rdev", 0)
+        out["block"] = bool(pre.get("block"))
+    return out
+
+
+INF = float("inf")
+
+
+def _fwd(name: str, r: dict) -> str | None:
+    """The name just after directory rename ``r`` of what was ``name`` just before it; None
+    when nothing could be there (beneath a target the rename replaced)."""
+    src, dst = r["src"], r["dst"]
+    if name.startswith(src + "/"):
+        return dst + name[len(src):]
+    if name.startswith(dst + "/"):
+        return src + name[len(dst):] if r.get("flags", 0) & 2 else None
+    return name
+
+
+def _back(name: str, r: dict) -> str | None:
+    """The name just before ``r`` of what is ``name`` just after it; None when it is new there
+    (beneath the source, which moved away)."""
+    src, dst = r["src"], r["dst"]
+    if name.startswith(dst + "/"):
+        return src + name[len(dst):]
+    if name.startswith(src + "/"):
+        return dst + name[len(src):] if r.get("flags", 0) & 2 else None
+    return name
+
+
+def _under(name: str, d: str) -> bool:
+    return name.startswith(d + "/")
+
+
 class States:
     """Answers state(path, after_seq) for one journal and one tree."""
 
     def __init__(self, journal: Journal, tree: Tree):
         self.j = journal
         self.tree = tree
-        self._events: dict[str, list[dict]] = {}
+        self._chain: dict[str, list[dict]] = {}
         self._cache: dict[tuple, State] = {}
         self._ends: dict[str, int] | None = None
+        self._renames: list[dict] | None = None
+        self._rseqs: list[int] = []
+        self._universe: list[tuple[str, float]] | None = None
+        self._candidates: dict[float, set[str]] = {}
+        self._names: list[str] | None = None
 
-    def events_on(self, path: str) -> list[dict]:
-        evs = self._events.get(path)
+    # -- the chain of one name ------------------------------------------------------------------
+    def chain_on(self, path: str) -> list[dict]:
+        """Every event naming ``path`` that holds (not failed), seals included."""
+        evs = self._chain.get(path)
         if evs is None:
             evs = []
             failed = set()
@@ -121,8 +280,12 @@ class States:
                 else:
                     evs.append(e)
             evs = [e for e in evs if e["seq"] not in failed]
-            self._events[path] = evs
+            self._chain[path] = evs
         return evs
+
+    def events_on(self, path: str) -> list[dict]:
+        """The changes of ``path`` (no seals)."""
+        return [e for e in self.chain_on(path) if e["op"] not in MARK_OPS]
 
     @staticmethod
     def pre_for(ev: dict, path: str) -> dict | None:
@@ -134,16 +297,215 @@ class States:
 
     @staticmethod
     def starts_epoch(ev: dict, path: str) -> bool:
-        return (ev.get("path") == path and ev.get("epoch")) or \
+        return (ev.get("path") == path and (ev.get("epoch") or ev["op"] in MARK_OPS)) or \
             (ev.get("path2") == path and ev.get("epoch2"))
 
+    # -- path history ---------------------------------------------------------------------------
+    def renames(self) -> list[dict]:
+        """Every directory rename, in order (``{"seq","src","dst","flags"}``)."""
+        if self._renames is None:
+            self._renames = self.j.dir_renames()
+            self._rseqs = [r["seq"] for r in self._renames]
+        return self._renames
+
+    def _next_move(self, path: str, after: int) -> dict | None:
+        """The first directory rename after ``after`` that moves or replaces an ancestor."""
+        rs = self.renames()
+        for r in rs[bisect.bisect_right(self._rseqs, after):]:
+            if _under(path, r["src"]) or _under(path, r["dst"]):
+                return r
+        return None
+
+    def _beyond(self, path: str, r: dict | None) -> State:
+        """The state of ``path`` after all of its own events up to ``r`` (a rename of an
+        ancestor, None: the end of the record): its new name's, just after the rename."""
+        if r is None:
+            return self._tail(path)
+        new = _fwd(path, r)
+        return ABSENT if new is None else self.state(new, r["seq"])
+
+    def map_name(self, name: str, at: float, to: float) -> str | None:
+        """What ``name`` (valid at point ``at``) is called at point ``to``, through the
+        directory renames between; None when it cannot exist there."""
+        rs = self.renames()
+        if to >= at:
+            lo = bisect.bisect_right(self._rseqs, at)
+            for r in rs[lo:]:
+                if r["seq"] > to:
+                    break
+                name = _fwd(name, r)
+                if name is None:
+                    return None
+        else:
+            hi = bisect.bisect_right(self._rseqs, at)
+            for r in reversed(rs[:hi]):
+                if r["seq"] <= to:
+                    break
+                name = _back(name, r)
+                if name is None:
+                    return None
+        return name
+
+    def _universe_names(self) -> list[tuple[str, float]]:
+        """(name, a point where it is valid): every path the journal names, once per interval
+        between directory renames, and the live paths beneath each renamed directory."""
+        if self._universe is None:
+            seen: set[tuple[str, int]] = set()
+            out: list[tuple[str, float]] = []
+            rseqs = self._rseqs if self.renames() else []
+            for path in self.j.paths():
+                if not rseqs:
+                    out.append((path, INF))
+                    continue
+                for seq in self.j.seqs_for_path(path):
+                    k = (path, bisect.bisect_left(rseqs, seq))
+                    if k not in seen:
+                        seen.add(k)
+                        out.append((path, seq))
+            roots = set()
+            for r in self.renames():
+                for d in ((r["dst"], r["src"]) if r.get("flags", 0) & 2 else (r["dst"],)):
+                    now = self.map_name(d, r["seq"], INF)
+                    if now is not None:
+                        roots.add(now)
+            for root in sorted(roots):
+                out.extend((n, INF) for n in self.tree.walk(root))
+            self._universe = out
+        return self._universe
+
+    def candidates(self, at: float) -> set[str]:
+        """Names that may hold something at point ``at`` (a superset; ask state())."""
+        got = self._candidates.get(at)
+        if got is None:
+            got = set()
+            for name, valid in self._universe_names():
+                for m in (self.map_name(name, valid, at), name):
+                    if m is not None and m not in got:
+                        got.add(m)
+                        parent = m.rpartition("/")[0]
+                        while parent and parent not in got:
+                            got.add(parent)
+                            parent = parent.rpartition("/")[0]
+            self._candidates[at] = got
+        return got
+
+    def descendants(self, d: str, at: int) -> list[str]:
+        """The paths beneath directory ``d`` that held something at point ``at``."""
+        return sorted(c for c in self.candidates(at)
+                      if _under(c, d) and self.state(c, at).present)
+
+    def all_names(self) -> list[str]:
+        """Every name a path had at some point of the record: the paths the events name, and
+        both names of everything beneath a directory when a rename moved it."""
+        if self._names is None:
+            names = set(self.j.paths())
+            for r in self.renames():
+                sides = [(r["src"], r["dst"])]
+                if r.get("flags", 0) & 2:
+                    sides.append((r["dst"], r["src"]))
+                for a, b in sides:
+                    for c in self.descendants(a, r["seq"] - 1):
+                        names.add(c)
+                        names.add(b + c[len(a):])
+            self._names = sorted(names)
+        return self._names
+
+    def moved_with(self, ev: dict) -> list[tuple[str, str]]:
+        """For a directory rename event: (old name, new name) of every path that moved."""
+        if not is_dir_rename(ev):
+            return []
+        sides = [(ev["path"], ev["path2"])]
+        if ev.get("flags", 0) & 2:
+            sides.append((ev["path2"], ev["path"]))
+        return [(c, b + c[len(a):]) for a, b in sides
+                for c in self.descendants(a, ev["seq"] - 1)]
+
+    def history(self, path: str, at: float = INF) -> list[tuple[str, float, float]]:
+        """The names ``path`` (as named at ``at``) had, newest first: (name, from, to) points,
+        following its ancestors' renames back."""
+        out = []
+        name, t = path, at
+        rs = self.renames()
+        hi = len(rs) if t == INF else bisect.bisect_right(self._rseqs, t)
+        for r in reversed(rs[:hi]):
+            if _under(name, r["dst"]) or (r.get("flags", 0) & 2 and _under(name, r["src"])):
+                out.append((name, r["seq"], t))
+                name, t = _back(name, r), r["seq"] - 1
+                if name is None:
+                    return out
+            elif _under(name, r["src"]):
+                out.append((name, r["seq"], t))  # new here: earlier holders moved away
+                return out
+        out.append((name, 0, t))
+        return out
+
+    # -- the end of a chain: seals and drift ----------------------------------------------------
+    def _governing_seal(self, path: str) -> dict | None:
+        """The seal that ends ``path``'s chain now, following its names back; None when its
+        last epoch is open (or it was never sealed): then the live tree is the end."""
+        for name, lo, hi in self.history(path):
+            own = [e for e in self.chain_on(name) if lo < e["seq"] <= hi]
+            if own:
+                return own[-1] if own[-1]["op"] == "seal" else None
+        return None
+
+    def _tail(self, path: str) -> State:
+        seal = self._governing_seal(path)
+        live = self.tree.state(path)
+        if seal is None:
+            return live
+        pre = seal["pre"]
+        if preimage.matches(pre, self.tree.lstat(path) if live.present else None,
+                            lambda: os.fsdecode(live.data),
+                            lambda: preimage.content_hash(live.data)):
+            return live
+        return self.sealed_state(pre).but(drifted=True)
+
+    def sealed_state(self, pre: dict) -> State:
+        """The state a seal (a full pre-image) records; inexact when its content was not kept."""
+        kind = pre["kind"]
+        if kind == "absent":
+            return ABSENT
+        if kind == "file":
+            if "blob" in pre:
+                return State("file", pre.get("mode", 0o644), self.j.content.get(pre["blob"]),
+                             **facts(pre))
+            return State("file", pre.get("mode", 0o644), b"", exact=False, **facts(pre))
+        if kind == "symlink":
+            return State("symlink", 0o120000, os.fsencode(pre.get("target") or ""), **facts(pre))
+        return State(kind, pre.get("mode", 0o755 if kind == "dir" else 0), **facts(pre))
+
+    def drifted(self, path: str) -> bool:
+        """Does the live ``path`` differ from what the record ends with?  (Stat first; the
+        content is read only when size or mtime changed.)"""
+        seal = self._governing_seal(path)
+        if seal is None:
+            return False
+        return not preimage.matches(seal["pre"], self.tree.lstat(path),
+                                    lambda: os.fsdecode(self.tree.state(path).data),
+                                    lambda: preimage.content_hash(self.tree.state(path).data))
+
+    def drift(self, paths=None) -> list[str]:
+        """The sealed paths (or those of ``paths``) whose live state departs from their seal."""
+        if paths is None:
+            paths = {self.map_name(p, seq, INF) for p, seq in self.j.seals()} - {None}
+        out = []
+        last = self.j.last_seq()
+        for p in sorted(paths):
+            if p.split("/", 1)[0] == ATTIC:
+                continue
+            if self._next_move(p, last) is None and self.drifted(p):
+                out.append(p)
+        return out
+
+    # -- state ----------------------------------------------------------------------------------
     def state(self, path: str, after: int, forward: bool = True) -> State:
         """The state of ``path`` after event ``after`` (and before any later one)."""
         key = (path, after, forward)
         if key not in self._cache:
             st = self._state(path, after, forward)
             if st.exact and self._may_change_unseen(path, after):
-                st = State(st.kind, st.mode, st.data, exact=False)
+                st = st.but(exact=False)
             self._cache[key] = st
         return self._cache[key]
 
@@ -154,7 +516,7 @@ class States:
         evs = [e for e in allevs if e["seq"] <= after]
         if not evs:
             return False
-        nxt = next((e for e in allevs if e["seq"] > after), None)
+        nxt = next((e for e in self.chain_on(path) if e["seq"] > after), None)
         if nxt is not None and nxt["seq"] == after + 1:
             pre = self.pre_for(nxt, path)
             if pre is not None and "kind" in pre:
@@ -185,13 +547,14 @@ class States:
         return self._ends
 
     def _state(self, path: str, after: int, forward: bool = True) -> State:
-        allevs = self.events_on(path)
+        move = self._next_move(path, after)
+        allevs = [e for e in self.chain_on(path) if move is None or e["seq"] < move["seq"]]
         evs = [e for e in allevs if e["seq"] > after]
         if evs and forward:
             pre = self.pre_for(evs[0], path)
             if pre is None or "kind" not in pre:
                 # inside an epoch: exact only if the journal holds the data of every write
-                fwd = self._forward(path, after, allevs)
+                fwd = self._forward(path, after, [e for e in allevs if e["op"] not in MARK_OPS])
                 if fwd is not None:
                     return fwd
         exact = True
@@ -200,31 +563,27 @@ class States:
             if pre is None or "kind" not in pre:
                 exact = False  # inside an epoch: the next full pre-image is later than asked
                 continue
-            s = self._from_pre(path, e, pre, evs[i:])
-            return s if exact else State(s.kind, s.mode, s.data, exact=False)
-        live = self.tree.state(path)
-        return live if exact else State(live.kind, live.mode, live.data, exact=False)
+            s = self._from_pre(path, e, pre, evs[i:], move)
+            return s if exact else s.but(exact=False)
+        end = self._beyond(path, move)
+        return end if exact else end.but(exact=False)
 
-    def _from_pre(self, path: str, e: dict, pre: dict, later: list[dict]) -> State:
+    def _from_pre(self, path: str, e: dict, pre: dict, later: list[dict],
+                  move: dict | None) -> State:
         kind = pre["kind"]
         if kind == "absent":
             return ABSENT
-        if kind == "dir":
-            return State("dir", pre.get("mode", 0o755))
-        if kind == "symlink":
-            return State("symlink", 0o120000, os.fsencode(pre.get("target") or ""))
-        if kind != "file":
-            return State(kind, pre.get("mode", 0))
+        if kind != "file" or "blob" in pre:
+            return self.sealed_state(pre)
         mode = pre.get("mode", 0o644)
-        if "blob" in pre:
-            return State("file", mode, self.j.content.get(pre["blob"]))
         if "attic" in pre and e["op"] in ("unlink", "rename") and not \
                 (e["op"] == "rename" and e.get("path") == path):
             data = self.tree.attic(pre["attic"])
             if data is not None:
-                return State("file", mode, data)
+                return State("file", mode, data, **facts(pre))
         if e["op"] == "rename" and e.get("path") == path:
-            return self._moved(path, e, mode)
+            s = self._moved(path, e)
+            return s.but(mode=mode, **facts(pre)) if s.kind == "file" else s
         # content saved later in the epoch, or unchanged until the epoch's end
         ranges = list(pre.get("ranges", []))
         end_after = None
@@ -236,14 +595,14 @@ class States:
             fp = self.pre_for(f, path)
             if fp and fp.get("facet") == "content":
                 if "blob" in fp:
-                    return State("file", mode, self.j.content.get(fp["blob"]))
+                    return State("file", mode, self.j.content.get(fp["blob"]), **facts(pre))
                 ranges.extend(fp.get("ranges", []))
-        end = self.state(path, end_after) if end_after is not None else self.tree.state(path)
+        end = self.state(path, end_after) if end_after is not None else self._beyond(path, move)
         size = pre.get("size", len(end.data))
         data = bytearray(end.data[:size].ljust(size, b"\0"))
         for off, length, digest in ranges:
             data[off:off + length] = self.j.content.get(digest)
-        return State("file", mode, bytes(data), end.exact)
+        return State("file", mode, bytes(data), end.exact, **facts(pre))
 
     def _forward(self, path: str, after: int, evs: list[dict]) -> State | None:
         """Replay forward from the last full pre-image at or before ``after`` (full-fidelity
@@ -302,29 +661,32 @@ class States:
                 return None
         return State(kind, mode, bytes(data)) if kind != "absent" else ABSENT
 
-    def _moved(self, path: str, e: dict, mode: int) -> State:
+    def _moved(self, path: str, e: dict) -> State:
         """A renamed-away file: the inode, unchanged by the rename, now at its new name.  Its
         content is the first one the journal saved under the new name (the recorder saves it
-        before the first change there, in the same epoch too), or the live file."""
+        before the first change there, in the same epoch too), or what the new name holds at
+        the end of its history."""
         new = e["path2"]
-        for f in self.events_on(new):
+        move = self._next_move(new, e["seq"])
+        for f in self.chain_on(new):
             if f["seq"] <= e["seq"]:
                 continue
+            if move is not None and f["seq"] > move["seq"]:
+                break
             pre = self.pre_for(f, new)
             if pre is None:
                 if f["op"] in ("write", "truncate"):
                     break  # changed unsaved (a journal from before the rename rule): inexact
                 continue
             if "blob" in pre:
-                return State("file", mode, self.j.content.get(pre["blob"]))
-            if "kind" in pre:
+                return State("file", 0, self.j.content.get(pre["blob"]))
+            if "kind" in pre or "ranges" in pre:
                 s = self.state(new, f["seq"] - 1, forward=False)
-                return State("file", mode, s.data, s.exact) if s.kind == "file" else s
-            if "ranges" in pre:
-                s = self.state(new, f["seq"] - 1, forward=False)
-                return State("file", mode, s.data, s.exact) if s.kind == "file" else s
+                return State("file", 0, s.data, s.exact, drifted=s.drifted) \
+                    if s.kind == "file" else s
         else:
-            live = self.tree.state(new)
-            return State("file", mode, live.data) if live.kind == "file" else live
+            s = self._beyond(new, move)
+            return State("file", 0, s.data, s.exact, drifted=s.drifted) \
+                if s.kind == "file" else s
         s = self.state(new, e["seq"], forward=False)
-        return State("file", mode, s.data, False) if s.kind == "file" else s
+        return State("file", 0, s.data, False) if s.kind == "file" else s

@@ -31,6 +31,12 @@ Sub-databases of the LMDB environment:
               ``path2`` (a rename's target).  A later event may only add facets to an epoch's
               pre-image (``pre`` with ``"facet"``).  ``failed`` events name a seq whose operation
               the underlay refused after the event was written (the write-ahead order).
+              ``seal`` events change nothing: their ``pre`` is what the path held when an epoch
+              ended (a unit's end, unmount), with ``hash`` (and ``blob`` where the content was
+              kept).  The chain of a path ends at its last seal, not at the live tree.
+              ``drift`` events are changes found at mount by comparing the live tree with the
+              seals (made while unmounted, or around the mount): unit ``outside:unmounted``,
+              ``pre`` the seal they depart from.
 ``actors``    actor-key (``"<pid>:<start-ticks>"``) -> actor JSON
               ``{"pid","start","ppid","uid","exe","argv","cwd","first_seen"}``.
 ``paths``     path utf-8 + b"\\0" + seq (8-byte big-endian) -> b"" : every event by path, for
@@ -41,6 +47,12 @@ Sub-databases of the LMDB environment:
               "prompt","begin_t","end_t","begin_seq","end_seq"}``.
 ``calls``     session id + b"\0" + call id -> JSON ``{"session","id","tool","summary","turn",
               "begin_t","end_t","status","begin_seq","end_seq","implicit"}``.
+``renames``   seq (8-byte big-endian) -> JSON ``{"src","dst","flags"}``: every rename whose source
+              (or, for an exchange, either side) was a directory.  Path history: every path
+              beneath moved with it, though the event names only the directory.  Indexed as
+              the event is appended; a journal written before this index is indexed at its next
+              writable open (meta ``renames_indexed``), and read-only readers scan.
+``seals``     path utf-8 -> seq (8-byte big-endian) of the latest ``seal`` event of that path.
 ``extents``   seq -> JSON ``{"writes": n, "bytes": n, "lo": off, "hi": end}``: what the writes after
               an epoch's first write did, summarised at release (not write-ahead: no pre-image in it).
 
@@ -51,7 +63,9 @@ Pre-image JSON (``pre``)::
         ["blob": hex]             whole content, in the content store
         ["ranges": [[off, len, hex], ...]]  only the ranges about to be overwritten or cut
         ["attic": name]           the old inode itself, hard-linked in the attic
-        ["xattrs": {name: hex}]}
+        ["xattrs": {name: hex}]
+        ["ino": n]                the inode number then (hard-link groups at one point)
+        ["hash": hex]}            seals: xxh3-128 of the content (whenever it was read)
     {"kind": "dir", "mode", "uid", "gid", "mtime_ns"}
     {"kind": "symlink", "target", "uid", "gid", "mtime_ns"}
     {"kind": "fifo" | "socket" | "device", "mode", "uid", "gid", "rdev"}
@@ -63,16 +77,27 @@ import struct
 
 FORMAT_VERSION = 2
 
-DBS = ("meta", "events", "actors", "paths", "extents", "sessions", "turns", "calls")
+DBS = ("meta", "events", "actors", "paths", "extents", "sessions", "turns", "calls", "renames",
+       "seals")
 
 OPS = (
     "create", "mkdir", "mknod", "symlink", "link", "unlink", "rmdir", "rename",
     "write", "truncate", "chmod", "chown", "utimens", "setxattr", "removexattr", "failed",
     "unrecorded",
     "session_begin", "session_end", "turn_begin", "turn_end", "call_begin", "call_end",
-    "revert_begin", "revert_end",
+    "revert_begin", "revert_end", "seal", "drift",
 )
-CONTROL_OPS = OPS[-8:]
+CONTROL_OPS = ("session_begin", "session_end", "turn_begin", "turn_end", "call_begin", "call_end",
+               "revert_begin", "revert_end")
+MARK_OPS = ("seal",)       # events that record a state and change nothing
+UNMOUNTED = "unmounted"    # the actor key (and ``outside:`` unit) of changes made while unmounted
+
+
+def is_dir_rename(ev: dict) -> bool:
+    """Does this rename move a directory (so every path beneath it moves too)?"""
+    return ev.get("op") == "rename" and (
+        (ev.get("pre") or {}).get("kind") == "dir" or
+        (bool(ev.get("flags", 0) & 2) and (ev.get("pre2") or {}).get("kind") == "dir"))
 
 MAP_SIZE = 1 << 36  # 64 GiB of address space; the file grows only as used
 

@@ -44,8 +44,12 @@ class Journal:
                 subdir=True, readonly=readonly, lock=True,
                 sync=durable, metasync=durable, writemap=not durable and not readonly,
                 map_async=False, max_readers=256)
-            self.dbs = {name: self.env.open_db(name.encode(), create=not readonly)
-                        for name in schema.DBS}
+            self.dbs = {}
+            for name in schema.DBS:
+                try:
+                    self.dbs[name] = self.env.open_db(name.encode(), create=not readonly)
+                except lmdb.NotFoundError:
+                    self.dbs[name] = None  # a journal older than this table (read only)
         except lmdb.Error as e:
             raise JournalError(f"cannot open journal {path}: {e}") from None
         self.content = ContentStore(os.path.join(state_dir, "content")) if not readonly else \
@@ -53,6 +57,8 @@ class Journal:
         self._check_format(workspace)
         self._next_seq = self._load_next_seq()
         self._known_actors: set[str] = set()
+        if not readonly and self.meta("renames_indexed") is None:
+            self._index_renames()
 
     # -- format ---------------------------------------------------------------------------------
     def _check_format(self, workspace: str | None) -> None:
@@ -79,6 +85,13 @@ class Journal:
                         f"reads format {schema.FORMAT_VERSION}")
         except lmdb.Error as e:
             raise JournalError(f"journal in {self.state_dir} is corrupt: {e}") from None
+
+    def put_meta(self, key: str, value: str) -> None:
+        try:
+            with self.env.begin(write=True, db=self.dbs["meta"]) as txn:
+                txn.put(key.encode(), value.encode("utf-8", "surrogateescape"))
+        except lmdb.Error as e:
+            raise JournalError(f"journal write failed: {e}") from None
 
     def meta(self, key: str) -> str | None:
         with self.env.begin(db=self.dbs["meta"]) as txn:
@@ -121,10 +134,23 @@ class Journal:
                     for p in (ev.get("path"), ev.get("path2")):
                         if p is not None:
                             txn.put(path_key(p, ev["seq"]), b"", db=self.dbs["paths"])
+                    if schema.is_dir_rename(ev):
+                        txn.put(k, _dumps(_rename_record(ev)), db=self.dbs["renames"])
+                    elif ev["op"] == "seal":
+                        txn.put(ev["path"].encode("utf-8", "surrogateescape"), k,
+                                db=self.dbs["seals"])
                     seqs.append(ev["seq"])
         except lmdb.Error as e:
             raise JournalError(f"journal write failed: {e}") from None
         return seqs
+
+    def _index_renames(self) -> None:
+        """Index the directory renames of a journal written before that index existed."""
+        found = [ev for ev in self.events() if schema.is_dir_rename(ev)]
+        with self.env.begin(write=True) as txn:
+            for ev in found:
+                txn.put(seq_key(ev["seq"]), _dumps(_rename_record(ev)), db=self.dbs["renames"])
+            txn.put(b"renames_indexed", b"1", db=self.dbs["meta"])
 
     def put_record(self, db: str, key: bytes, record: dict) -> None:
         """Write a session, turn or call record (they change as they begin and end)."""
@@ -201,6 +227,39 @@ class Journal:
                     last = p
                     yield p
 
+    def dir_renames(self) -> list[dict]:
+        """Every directory rename, in order: ``{"seq","src","dst","flags"}``."""
+        if self.dbs["renames"] is None or self.meta("renames_indexed") is None:
+            return [dict(_rename_record(ev), seq=ev["seq"]) for ev in self.events()
+                    if schema.is_dir_rename(ev)]
+        out = []
+        with self.env.begin(db=self.dbs["renames"]) as txn:
+            for k, v in txn.cursor():
+                out.append(dict(_loads(v), seq=key_seq(k)))
+        return out
+
+    def seals(self) -> Iterator[tuple[str, int]]:
+        """(path, seq of its latest seal), every sealed path."""
+        if self.dbs["seals"] is None:
+            return
+        with self.env.begin(db=self.dbs["seals"]) as txn:
+            for k, v in txn.cursor():
+                yield k.decode("utf-8", "surrogateescape"), key_seq(v)
+
+    def last_seq_for_path(self, path: str) -> int | None:
+        """The seq of the last event naming ``path``, or None."""
+        prefix = path.encode("utf-8", "surrogateescape") + b"\0"
+        with self.env.begin(db=self.dbs["paths"]) as txn:
+            cur = txn.cursor()
+            nxt = path.encode("utf-8", "surrogateescape") + b"\1"
+            if cur.set_range(nxt):
+                if not cur.prev():
+                    return None
+            elif not cur.last():
+                return None
+            k = cur.key()
+            return key_seq(k[-8:]) if k.startswith(prefix) and len(k) == len(prefix) + 8 else None
+
     def actor(self, key: str) -> dict | None:
         with self.env.begin(db=self.dbs["actors"]) as txn:
             v = txn.get(key.encode())
@@ -213,6 +272,10 @@ class Journal:
 
     def close(self) -> None:
         self.env.close()
+
+
+def _rename_record(ev: dict) -> dict:
+    return {"src": ev["path"], "dst": ev["path2"], "flags": ev.get("flags", 0)}
 
 
 class _ReadOnlyContent(ContentStore):

@@ -1,0 +1,93 @@
+"""Pre-images and seals: the one stored form of "what a path held", written by the recorder and
+read by every engine.
+
+A pre-image (``pre`` of an event) and a seal (``pre`` of a ``seal`` event) share one JSON
+layout, documented in ``schema``: ``kind`` plus ``mode``/``uid``/``gid``/``mtime_ns`` and the
+kind's own facts (a file's ``size``, ``nlink``, ``ino`` and content by ``blob``, ``ranges`` or
+``attic``; a symlink's ``target``; a device's ``rdev``).  ``from_stat`` builds the metadata part
+from an lstat, and ``matches`` answers whether a live object still holds what a seal recorded:
+stat first, the content hash only when size or mtime differ (git's own rule for its index).
+"""
+from __future__ import annotations
+
+import os
+import stat
+
+import xxhash
+
+KINDS = ("absent", "file", "dir", "symlink", "fifo", "socket", "device")
+ABSENT = {"kind": "absent"}
+
+
+def kind_of(mode: int) -> str:
+    if stat.S_ISREG(mode):
+        return "file"
+    if stat.S_ISDIR(mode):
+        return "dir"
+    if stat.S_ISLNK(mode):
+        return "symlink"
+    if stat.S_ISFIFO(mode):
+        return "fifo"
+    if stat.S_ISSOCK(mode):
+        return "socket"
+    return "device"
+
+
+def from_stat(st: os.stat_result, nlink: int | None = None) -> dict:
+    """The metadata of a pre-image or seal (no content, no symlink target)."""
+    kind = kind_of(st.st_mode)
+    pre = {"kind": kind, "mode": stat.S_IMODE(st.st_mode), "uid": st.st_uid, "gid": st.st_gid,
+           "mtime_ns": st.st_mtime_ns}
+    if kind == "file":
+        pre["size"] = st.st_size
+        pre["nlink"] = st.st_nlink if nlink is None else nlink
+        pre["ino"] = st.st_ino
+    elif kind == "device":
+        pre["rdev"] = st.st_rdev
+        if stat.S_ISBLK(st.st_mode):
+            pre["block"] = True
+    return pre
+
+
+def content_hash(data: bytes) -> str:
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+def hash_fd(fd: int) -> str:
+    h = xxhash.xxh3_128()
+    pos = 0
+    while True:
+        buf = os.pread(fd, 1 << 20, pos)
+        if not buf:
+            return h.hexdigest()
+        h.update(buf)
+        pos += len(buf)
+
+
+def matches(seal: dict, st: os.stat_result | None, target=None, digest=None) -> bool:
+    """Does the live object (its lstat ``st``, None when absent) still hold what ``seal`` says?
+
+    ``target()`` reads a symlink's target and ``digest()`` a file's content hash; each is called
+    only when the stat cannot settle it.  Times, link counts and inode numbers do not count: a
+    path that holds the same kind, mode, owner and content is the same."""
+    if st is None:
+        return seal["kind"] == "absent"
+    kind = kind_of(st.st_mode)
+    if kind != seal["kind"]:
+        return False
+    if kind != "symlink" and seal.get("mode") is not None and \
+            stat.S_IMODE(st.st_mode) != seal["mode"]:
+        return False
+    if seal.get("uid") is not None and (st.st_uid, st.st_gid) != (seal["uid"], seal.get("gid")):
+        return False
+    if kind == "symlink":
+        return target is None or seal.get("target") is None or target() == seal["target"]
+    if kind == "device":
+        return st.st_rdev == seal.get("rdev")
+    if kind != "file":
+        return True
+    if st.st_size == seal.get("size") and st.st_mtime_ns == seal.get("mtime_ns"):
+        return True
+    if seal.get("hash") is None or digest is None or st.st_size != seal.get("size"):
+        return False
+    return digest() == seal["hash"]

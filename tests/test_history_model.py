@@ -1,0 +1,1390 @@
+"""The history model test (issue 12): generated sessions on a real mount, and every reader checked
+against a model of the tree.
+
+A generated case works in a directory of its own: an optional seed tree, then segments, each a
+tool call (begun, its operations, ended), a run of outside writes, or late writes by an earlier
+call's process after its call ended.  A call's operations may have intruders: an outside write,
+or a write by an earlier call's process, in the middle of the call.  The operations are writes,
+appends, truncates and deletes of files; mkdir and rmdir; renames of files and of directories
+with their contents (into each other's places, twice in one call, back and forth, nested); fifos;
+hard links; symlinks, to directories too, and writes through them; chmod of files and
+directories.  A model of the tree (kind, full mode, content or target, hard-link identity) is
+kept after every operation, and checked against the real directory (through the mount) after
+every operation, so that a modelling bug is not blamed on the product.
+
+A case passes only when every reader agrees with the model:
+
+* ``diff``: the patch of each call that ran alone, applied with ``git apply`` to the tree before
+  the call, gives the tree after it (files and symlinks, with the executable bit: what git holds);
+* ``replay --full`` at every unit boundary (each switch of writer, each call's begin and end)
+  gives the model's tree at that point: kinds, full modes, contents, targets, fifos, hard-link
+  groups;
+* ``export git``: each call's commit holds the model's tree at the call's end, and its parent
+  the tree at the call's begin;
+* ``revert --call``: the model's tree, or exactly the model's conflicts (nothing written); and
+  ``unrevert`` gives back the tree before the revert.
+
+The readers run in-process, as ``cli.py`` calls them (one CLI process costs ~0.3 s); revert and
+unrevert go through the CLI, since they write through the mount.  The calls' writers are
+processes the agent forks at each call's begin (so every write of theirs is that call's, after its
+end too), driven through FIFOs outside the workspace; the outside writer is this test process.
+The mount is replaced every OVERLAYREC_MODEL_CASES_PER_MOUNT cases, so the journal the readers
+scan stays small.
+
+A second, smaller test records a case, unmounts, edits a path the last call changed (append,
+chmod, delete, replace by a directory), and checks that ``diff`` of the call does not show the
+edit, that revert of the call reports a ``changed`` conflict there and writes nothing, and that
+after remounting the journal holds a ``drift`` event for the path, of an outside unit, never of
+the call.
+
+Knobs (environment): OVERLAYREC_MODEL_CASES (default 400) and
+OVERLAYREC_MODEL_UNMOUNTED_CASES (default max(24, CASES/16)) set the numbers of cases;
+OVERLAYREC_MODEL_CHECKS (default ``diff,replay,export,revert``) the readers checked, to look at
+one at a time; OVERLAYREC_MODEL_OPS a comma list of the operation kinds generated (default all);
+OVERLAYREC_MODEL_SHRINK=0 skips shrinking (a quicker first look at a failure).
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import itertools
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, Phase, event, given, note, settings, strategies as st
+
+from conftest import HAVE_FUSE, SLOW, Mount, force_unmount, is_mounted, overlayrec
+from overlayrec import client
+from overlayrec.engines.diff import select
+from overlayrec.engines.export import Exporter
+from overlayrec.engines.gitdiff import ObjectStore
+from overlayrec.engines.replay import replay
+from overlayrec.engines.states import States, Tree
+from overlayrec.journal import Journal
+
+pytestmark = pytest.mark.skipif(not HAVE_FUSE, reason="needs /dev/fuse")
+
+CASES = int(os.environ.get("OVERLAYREC_MODEL_CASES", "400"))
+UNMOUNTED_CASES = int(os.environ.get("OVERLAYREC_MODEL_UNMOUNTED_CASES", str(max(24, CASES // 16))))
+PER_MOUNT = int(os.environ.get("OVERLAYREC_MODEL_CASES_PER_MOUNT", "50"))
+CHECKS = set((os.environ.get("OVERLAYREC_MODEL_CHECKS") or "diff,replay,export,revert").split(","))
+PHASES = tuple(Phase) if os.environ.get("OVERLAYREC_MODEL_SHRINK", "1") != "0" else \
+    tuple(p for p in Phase if p is not Phase.shrink)
+
+NAMES = ("a", "b", "d", "e")      # the names generated operations make, at every level
+MAX_DEPTH = 3                     # new paths are made at most this many components deep
+FRESH = "f"                       # made only by the unmounted test's last call
+FILE_MODES = (0o644, 0o755, 0o600, 0o640)
+DIR_MODES = (0o755, 0o700, 0o775, 0o750)
+SESSION = "model"
+
+KINDS = ("write", "write", "write", "append", "append", "truncate", "delete", "rename", "rename",
+         "mkdir", "mkdir", "rmdir", "mkfifo", "link", "symlink", "chmod", "chmod", "swap",
+         "move2", "backforth", "through")
+_only = os.environ.get("OVERLAYREC_MODEL_OPS")
+if _only:
+    KINDS = tuple(k for k in KINDS if k in _only.split(","))
+
+
+# -- the processes that write -----------------------------------------------------------------
+
+APPLY = textwrap.dedent(r'''
+    import os
+
+    def apply(root, op):
+        kind, p = op["op"], os.path.join(root, op["path"])
+        to = os.path.join(root, op["to"]) if "to" in op else None
+        if kind == "write":
+            with open(p, "w") as f:
+                f.write(op["data"])
+        elif kind == "append":
+            with open(p, "a") as f:
+                f.write(op["data"])
+        elif kind == "truncate":
+            os.truncate(p, op["size"])
+        elif kind == "delete":
+            os.unlink(p)
+        elif kind == "rename":
+            os.rename(p, to)
+        elif kind == "mkdir":
+            os.mkdir(p)
+        elif kind == "rmdir":
+            os.rmdir(p)
+        elif kind == "mkfifo":
+            os.mkfifo(p)
+        elif kind == "link":
+            os.link(p, to, follow_symlinks=False)
+        elif kind == "symlink":
+            os.symlink(op["target"], p)
+        elif kind == "chmod":
+            os.chmod(p, op["mode"])
+        else:
+            raise ValueError(kind)
+''')
+
+# The agent, run by `overlayrec run`: it begins and ends calls on the control socket, and at each
+# call's begin forks the call's worker (a child started during the call: every write of its is
+# the call's, after the call's end too).  It forwards operations to the workers and acks.
+AGENT = textwrap.dedent(r'''
+    import json, os, sys
+    ctl = sys.argv[1]
+    sys.path.insert(0, ctl)
+    from op_apply import apply
+    from overlayrec import client
+    os.umask(0o022)
+    c = client.connect()
+    cin = open(os.path.join(ctl, "ctl.in"))
+    cout = open(os.path.join(ctl, "ctl.out"), "w")
+    workers = {}
+
+    def err(e):
+        return json.dumps(f"{type(e).__name__}: {e}")
+
+    def serve(rfd, wfd):
+        with os.fdopen(rfd) as r, os.fdopen(wfd, "w") as w:
+            for line in r:
+                m = json.loads(line)
+                try:
+                    apply(m["root"], m["op"])
+                    w.write("ok\n")
+                except Exception as e:
+                    w.write(err(e) + "\n")
+                w.flush()
+
+    def reply(x):
+        cout.write(x + "\n")
+        cout.flush()
+
+    for line in cin:
+        m = json.loads(line)
+        cmd = m["cmd"]
+        try:
+            if cmd == "begin":
+                c.call_begin(m["id"], "Worker", summary=m["id"])
+                r1, w1 = os.pipe()
+                r2, w2 = os.pipe()
+                pid = os.fork()
+                if pid == 0:
+                    try:
+                        os.close(w1)
+                        os.close(r2)
+                        for _, wf, rf in workers.values():
+                            wf.close()
+                            rf.close()
+                        serve(r1, w2)
+                    finally:
+                        os._exit(0)
+                os.close(r1)
+                os.close(w2)
+                workers[m["id"]] = (pid, os.fdopen(w1, "w"), os.fdopen(r2))
+                reply("ok")
+            elif cmd == "end":
+                c.call_end(m["id"])
+                reply("ok")
+            elif cmd == "op":
+                _, wf, rf = workers[m["id"]]
+                wf.write(json.dumps({"root": m["root"], "op": m["op"]}) + "\n")
+                wf.flush()
+                reply(rf.readline().rstrip("\n") or json.dumps("worker gone"))
+            elif cmd == "reap":
+                for pid, wf, rf in workers.values():
+                    wf.close()
+                    rf.close()
+                    os.waitpid(pid, 0)
+                workers.clear()
+                reply("ok")
+            elif cmd == "quit":
+                reply("ok")
+                break
+        except Exception as e:
+            reply(err(e))
+''')
+
+_ns: dict = {}
+exec(APPLY, _ns)
+apply_outside = _ns["apply"]
+
+
+# -- the model --------------------------------------------------------------------------------
+
+def parent(p: str) -> str:
+    return p.rpartition("/")[0]
+
+
+def join(d: str, n: str) -> str:
+    return f"{d}/{n}" if d else n
+
+
+def under(p: str, d: str) -> bool:
+    return p == d or p.startswith(d + "/")
+
+
+def depth(p: str) -> int:
+    return p.count("/") + 1 if p else 0
+
+
+def ancestors(p: str) -> list[str]:
+    parts = p.split("/")
+    return ["/".join(parts[:i]) for i in range(1, len(parts))]
+
+
+@dataclass
+class Snap:
+    """A tree: {path: state} and its hard-link groups; ``nodes`` (path -> model inode) only
+    helps predict groups and is not compared.  A state is ("file", mode, bytes),
+    ("dir", mode), ("symlink", target) or ("fifo", mode)."""
+    entries: dict
+    groups: frozenset
+    nodes: dict = field(default_factory=dict, compare=False)
+
+
+def show_state(s) -> str:
+    if s is None:
+        return "absent"
+    if s[0] == "file":
+        return f"file {s[1]:o} {s[2]!r}"
+    if s[0] == "symlink":
+        return f"symlink -> {s[1]}"
+    return f"{s[0]} {s[1]:o}"
+
+
+def snap_diff(want: Snap | None, got: Snap | None) -> str:
+    """What differs, one line a path; '' when equal."""
+    if want is None or got is None:
+        return "" if want == got else f"tree missing: want {want}, got {got}"
+    lines = []
+    for p in sorted(set(want.entries) | set(got.entries)):
+        a, b = want.entries.get(p), got.entries.get(p)
+        if a != b:
+            lines.append(f"  {p}: model {show_state(a)} | got {show_state(b)}")
+    if want.groups != got.groups:
+        lines.append(f"  hard-link groups: model {sorted(map(sorted, want.groups))} | "
+                     f"got {sorted(map(sorted, got.groups))}")
+    return "\n".join(lines)
+
+
+class Model:
+    """Paths to inodes (so hard links share one) and inodes to [kind, mode, data]."""
+
+    def __init__(self):
+        self.paths: dict[str, int] = {}
+        self.nodes: dict[int, list] = {}
+        self.ids = itertools.count(1)
+
+    def node(self, p):
+        i = self.paths.get(p)
+        return None if i is None else self.nodes[i]
+
+    def kind(self, p):
+        if p == "":
+            return "dir"
+        n = self.node(p)
+        return n[0] if n else None
+
+    def new(self, p, kind, mode, data):
+        i = next(self.ids)
+        self.nodes[i] = [kind, mode, data]
+        self.paths[p] = i
+
+    def entries(self, kind=None) -> list[str]:
+        return sorted(p for p in self.paths if kind is None or self.kind(p) == kind)
+
+    def empty_dirs(self) -> list[str]:
+        return [d for d in self.entries("dir") if not any(parent(q) == d for q in self.paths)]
+
+    def resolve(self, p: str, follow_last=True) -> str | None:
+        """``p`` with its symlinks followed (targets are names in the link's own directory);
+        None when it dangles, loops, or crosses a non-directory."""
+        cur = ""
+        parts = p.split("/")
+        for i, name in enumerate(parts):
+            last = i == len(parts) - 1
+            cand = join(cur, name)
+            for _ in range(8):
+                if self.kind(cand) != "symlink" or (last and not follow_last):
+                    break
+                cand = join(parent(cand), self.node(cand)[2])
+            else:
+                return None
+            if not last and self.kind(cand) != "dir":
+                return None
+            cur = cand
+        return cur
+
+    def dir_links(self) -> list[tuple[str, str]]:
+        """(symlink, the directory it resolves to)."""
+        out = []
+        for link in self.entries("symlink"):
+            r = self.resolve(link)
+            if r is not None and r != "" and self.kind(r) == "dir":
+                out.append((link, r))
+        return out
+
+    def snapshot(self) -> Snap:
+        entries, nodes, groups = {}, {}, {}
+        for p, i in self.paths.items():
+            kind, mode, data = self.nodes[i]
+            if kind == "file":
+                entries[p] = ("file", mode, data)
+                nodes[p] = i
+                groups.setdefault(i, []).append(p)
+            elif kind == "symlink":
+                entries[p] = ("symlink", data)
+            else:
+                entries[p] = (kind, mode)
+        return Snap(entries, frozenset(frozenset(g) for g in groups.values() if len(g) > 1), nodes)
+
+    def apply(self, op: dict) -> set[str]:
+        """Apply an operation (by its resolved paths); the paths it names."""
+        kind, p = op["op"], op["rpath"]
+        to = op.get("rto")
+        named = {p} | ({to} if to else set())
+        if kind == "write":
+            n = self.node(p)
+            if n is not None:
+                n[2] = op["data"].encode()
+            else:
+                self.new(p, "file", 0o644, op["data"].encode())
+        elif kind == "append":
+            self.node(p)[2] += op["data"].encode()
+        elif kind == "truncate":
+            n = self.node(p)
+            n[2] = n[2][:op["size"]].ljust(op["size"], b"\0")
+        elif kind in ("delete", "rmdir"):
+            del self.paths[p]
+        elif kind == "rename":
+            moved = {q: i for q, i in self.paths.items() if under(q, p)}
+            named |= set(moved)
+            for q in moved:
+                del self.paths[q]
+            for q in [q for q in self.paths if under(q, to)]:
+                del self.paths[q]  # what the rename replaced: a non-dir or an empty dir
+            for q, i in moved.items():
+                self.paths[to + q[len(p):]] = i
+                named.add(to + q[len(p):])
+        elif kind == "mkdir":
+            self.new(p, "dir", 0o755, None)
+        elif kind == "mkfifo":
+            self.new(p, "fifo", 0o644, None)
+        elif kind == "symlink":
+            self.new(p, "symlink", 0o777, op["target"])
+        elif kind == "link":
+            self.paths[to] = self.paths[p]
+        elif kind == "chmod":
+            self.node(p)[1] = op["mode"]
+        else:
+            raise ValueError(kind)
+        return named
+
+
+# -- generating operations --------------------------------------------------------------------
+
+def pick(seq, i):
+    return seq[i % len(seq)] if seq else None
+
+
+def spots(m: Model, through=False) -> list[tuple[str, str]]:
+    """(path as written, resolved path) of absent names where something can be made."""
+    out = []
+    for d in [""] + m.entries("dir"):
+        if depth(d) < MAX_DEPTH:
+            out += [(join(d, n), join(d, n)) for n in NAMES if join(d, n) not in m.paths]
+    if through:
+        for link, r in m.dir_links():
+            out += [(join(link, n), join(r, n)) for n in NAMES if join(r, n) not in m.paths]
+    return out
+
+
+def through_entries(m: Model, kinds) -> list[tuple[str, str]]:
+    """Existing entries of these kinds named through a symlink to a directory."""
+    out = []
+    for link, r in m.dir_links():
+        out += [(join(link, n), join(r, n)) for n in NAMES if m.kind(join(r, n)) in kinds]
+    return out
+
+
+def gen_ops(m: Model, kind: str, i: int, j: int, text: str, tok):
+    """Yield the primitive operations of one generated step, each valid in the model as it is
+    when yielded (the caller applies it before asking for the next); nothing when the step
+    cannot be made here.  Every operation changes the state of each path it names: written
+    contents carry a token no other content holds, a chmod picks another mode, no rename is of a
+    hard link onto itself."""
+    files = [(p, p) for p in m.entries("file")]
+    if kind == "write":
+        links_to_files = [(link, m.resolve(link)) for link in m.entries("symlink")
+                          if m.resolve(link) and m.kind(m.resolve(link)) == "file"]
+        c = pick(files + spots(m, True) + through_entries(m, ("file",)) + links_to_files, i)
+        if c:
+            yield {"op": "write", "path": c[0], "rpath": c[1], "data": f"{text}.{tok()}\n"}
+    elif kind == "append":
+        c = pick(files + through_entries(m, ("file",)), i)
+        if c:
+            yield {"op": "append", "path": c[0], "rpath": c[1], "data": f"+{text}.{tok()}\n"}
+    elif kind == "truncate":
+        c = pick(files, i)
+        if c:
+            data = m.node(c[1])[2]
+            first = data.find(b"\n") + 1
+            # cut to the first line (whose token is this content's own) or extend with NULs
+            size = first if 0 < first < len(data) else len(data) + 1 + j % 3
+            yield {"op": "truncate", "path": c[0], "rpath": c[1], "size": size}
+    elif kind == "delete":
+        c = pick([(p, p) for p in m.entries() if m.kind(p) != "dir"] +
+                 through_entries(m, ("file", "fifo", "symlink")), i)
+        if c:
+            yield {"op": "delete", "path": c[0], "rpath": c[1]}
+    elif kind == "mkdir":
+        c = pick(spots(m, True), i)
+        if c:
+            yield {"op": "mkdir", "path": c[0], "rpath": c[1]}
+    elif kind == "mkfifo":
+        c = pick(spots(m), i)
+        if c:
+            yield {"op": "mkfifo", "path": c[0], "rpath": c[1]}
+    elif kind == "rmdir":
+        p = pick(m.empty_dirs(), i)
+        if p:
+            yield {"op": "rmdir", "path": p, "rpath": p}
+    elif kind == "symlink":
+        c = pick(spots(m), i)
+        if c:
+            yield {"op": "symlink", "path": c[0], "rpath": c[1], "target": NAMES[j % len(NAMES)]}
+    elif kind == "link":
+        src, dst = pick(m.entries("file"), i), pick(spots(m), j)
+        if src and dst:
+            yield {"op": "link", "path": src, "rpath": src, "to": dst[0], "rto": dst[1]}
+    elif kind == "chmod":
+        c = pick([(p, p) for p in m.entries() if m.kind(p) in ("file", "dir")] +
+                 through_entries(m, ("file",)), i)
+        if c:
+            modes = DIR_MODES if m.kind(c[1]) == "dir" else FILE_MODES
+            mode = pick([x for x in modes if x != m.node(c[1])[1]], j)
+            yield {"op": "chmod", "path": c[0], "rpath": c[1], "mode": mode}
+    elif kind == "rename":
+        src = pick(m.entries(), i)
+        if src:
+            dst = pick(rename_targets(m, src), j)
+            if dst:
+                yield rename(src, dst)
+    elif kind == "swap":  # two entries trade places through a third name
+        x = pick(m.entries(), i)
+        ys = [y for y in m.entries() if x and not under(y, x) and not under(x, y)]
+        y = pick(ys, j)
+        t = pick([s for s, _ in spots(m) if y and not under(s, x) and not under(s, y)], i + j)
+        if t:
+            yield rename(x, t)
+            yield rename(y, x)
+            yield rename(t, y)
+    elif kind == "move2":  # renamed twice in one step
+        x = pick(m.entries(), i)
+        s1 = pick([s for s, _ in spots(m) if x and not under(s, x)], j)
+        if s1:
+            yield rename(x, s1)
+            s2 = pick([s for s, _ in spots(m) if not under(s, s1)], i + j)
+            if s2:
+                yield rename(s1, s2)
+    elif kind == "backforth":  # away and back again
+        x = pick(m.entries(), i)
+        s = pick([s for s, _ in spots(m) if x and not under(s, x)], j)
+        if s:
+            yield rename(x, s)
+            yield rename(s, x)
+    elif kind == "through":  # a symlink to a directory, and a write through it
+        links = m.dir_links()
+        if links:
+            link, r = pick(links, j)
+            name = NAMES[i % len(NAMES)]
+            if m.kind(join(r, name)) in (None, "file"):
+                yield {"op": "write", "path": join(link, name), "rpath": join(r, name),
+                       "data": f"{text}.{tok()}\n"}
+        else:
+            d = pick([d for d in m.entries("dir") if d], i)
+            if d:
+                s = pick([n for n in NAMES if join(parent(d), n) not in m.paths], j)
+                if s:
+                    p = join(parent(d), s)
+                    yield {"op": "symlink", "path": p, "rpath": p,
+                           "target": d.rpartition("/")[2]}
+
+
+def rename(src, dst):
+    return {"op": "rename", "path": src, "rpath": src, "to": dst, "rto": dst}
+
+
+def rename_targets(m: Model, src: str) -> list[str]:
+    """Where ``src`` may be renamed to: an absent name (not inside itself), a non-directory
+    (for a non-directory that is not the same inode), an empty directory (for a directory)."""
+    out = [s for s, _ in spots(m) if not under(s, src)]
+    if m.kind(src) == "dir":
+        out += [d for d in m.empty_dirs() if not under(d, src) and not under(src, d)]
+    else:
+        out += [p for p in m.entries() if p != src and m.kind(p) != "dir"
+                and m.paths[p] != m.paths[src]]
+    return out
+
+
+SEEDS = {
+    0: [],
+    1: [("mkdir", "d"), ("write", "a"), ("write", "d/x")],
+    2: [("mkdir", "d"), ("mkdir", "d/e"), ("mkdir", "e"), ("write", "a"), ("write", "d/x"),
+        ("write", "d/e/y"), ("link", "a", "b"), ("symlink", "l", "d"), ("mkfifo", "e/p")],
+}
+
+
+@dataclass
+class Op:
+    unit: str                 # "c<k>": call k's process (also after the call ended); "O": outside
+    op: dict
+    touched: frozenset        # paths whose state it changes or that it names
+
+
+@dataclass
+class Segment:
+    kind: str                 # "call" | "outside" | "late"
+    call: int | None
+    ops: list[Op] = field(default_factory=list)
+    start: int = 0            # index into Plan.states: before the segment's first operation
+    end: int = 0              # ... after its last
+
+
+@dataclass
+class Plan:
+    segments: list[Segment]
+    history: list[Op]
+    states: list[Snap]        # states[0]: the empty case dir; states[i + 1]: after history[i]
+    ncalls: int
+    model: Model              # the tree after the last operation
+
+    def describe(self) -> str:
+        out = []
+        for s in self.segments:
+            head = {"call": f"call c{s.call}", "outside": "outside", "late": "late"}[s.kind]
+            out.append(f"{head}:")
+            for o in s.ops:
+                op = o.op
+                args = {k: v for k, v in op.items() if k not in ("op", "path", "rpath", "rto")}
+                via = f" (= {op['rpath']})" if op["rpath"] != op["path"] else ""
+                out.append(f"  {o.unit}: {op['op']} {op['path']}{via} "
+                           + " ".join(f"{k}={v!r}" if k != "mode" else f"mode={v:o}"
+                                      for k, v in args.items()))
+        return "\n".join(out)
+
+    def pure(self, k: int) -> bool:
+        """Did call k's process write only inside its call, with nobody else writing then?"""
+        return all((o.unit == f"c{k}") == (s.kind == "call" and s.call == k)
+                   for s in self.segments for o in s.ops
+                   if o.unit == f"c{k}" or (s.kind == "call" and s.call == k))
+
+
+def make_plan(seed: int, raw_segments, final_call_steps=None) -> Plan:
+    m = Model()
+    states = [m.snapshot()]
+    history: list[Op] = []
+    counter = itertools.count(1)
+    tok = lambda: next(counter)  # noqa: E731
+    segments: list[Segment] = []
+    ncalls = 0
+
+    def add(seg: Segment, unit: str, op: dict):
+        before = states[-1]
+        named = m.apply(op)
+        after = m.snapshot()
+        changed = {p for p in set(before.entries) | set(after.entries)
+                   if before.entries.get(p) != after.entries.get(p)}
+        o = Op(unit, op, frozenset(changed | named))
+        seg.ops.append(o)
+        history.append(o)
+        states.append(after)
+
+    if SEEDS[seed]:
+        seg = Segment("outside", None, start=0)
+        for kind, p, *rest in SEEDS[seed]:
+            op = {"op": kind, "path": p, "rpath": p}
+            if kind == "write":
+                op["data"] = f"{p}.{tok()}\n"
+            elif kind == "link":
+                op.update(to=rest[0], rto=rest[0])
+            elif kind == "symlink":
+                op["target"] = rest[0]
+            add(seg, "O", op)
+        seg.end = len(history)
+        segments.append(seg)
+
+    def steps_into(seg, steps, unit_of):
+        for who, kind, i, j, text in steps:
+            if kind not in KINDS:
+                continue
+            unit = unit_of(who, i)
+            for op in gen_ops(m, kind, i, j, text, tok):
+                add(seg, unit, op)
+
+    for skind, which, steps in raw_segments:
+        if skind == "call":
+            k = ncalls
+            ncalls += 1
+            seg = Segment("call", k)
+
+            def unit_of(who, i, k=k):
+                if who == "late" and k > 0:
+                    return f"c{i % k}"
+                return "O" if who in ("O", "late") else f"c{k}"
+        elif skind == "late" and ncalls:
+            seg = Segment("late", None)
+            unit_of = lambda who, i, u=f"c{which % ncalls}": u  # noqa: E731
+        else:
+            seg = Segment("outside", None)
+            unit_of = lambda who, i: "O"  # noqa: E731
+        seg.start = len(history)
+        steps_into(seg, steps, unit_of)
+        seg.end = len(history)
+        if seg.ops or seg.kind == "call":
+            segments.append(seg)
+    if final_call_steps is not None:
+        k = ncalls
+        ncalls += 1
+        seg = Segment("call", k, start=len(history))
+        steps_into(seg, final_call_steps, lambda who, i, k=k: f"c{k}")
+        p = FRESH
+        add(seg, f"c{k}", {"op": "write", "path": p, "rpath": p, "data": f"fresh.{tok()}\n"})
+        seg.end = len(history)
+        segments.append(seg)
+    return Plan(segments, history, states, ncalls, m)
+
+
+# -- what a revert should do (docs/revert.md, and predict() of test_revert_model.py) -----------
+
+@dataclass
+class Prediction:
+    steps: dict = field(default_factory=dict)       # path -> (target, expected, first, last)
+    conflicts: dict = field(default_factory=dict)   # path -> kind
+    tree: Snap | None = None
+
+    @property
+    def nothing(self) -> bool:
+        return not self.steps
+
+
+def predict(history: list[Op], states: list[Snap], unit: str) -> Prediction:
+    """Reverting ``unit``.  A path the unit changed (it names every path whose state changed:
+    the contents of a renamed directory, the other names of a hard link it wrote) goes back to
+    what it held before the unit's first change to it; a path the unit made and unmade needs
+    nothing.  Conflicts, checked in the order make_plan checks them: ``escape`` (a directory on
+    the path's way is now a symlink or a file), ``interleaved`` (another unit changed the path
+    between two of the unit's changes), ``changed`` (the path no longer holds what the unit
+    left).  The journal sees every operation here one by one, so ``unrecorded`` is never right.
+    Which paths are listed in an odd interleaving is a rule the issue does not fix: this mirrors
+    docs/revert.md, per path."""
+    final = states[-1]
+    mine: dict[str, list[int]] = {}
+    for i, o in enumerate(history):
+        if o.unit == unit:
+            for p in o.touched:
+                mine.setdefault(p, [i, i])[1] = i
+    steps = {}
+    for p, (first, last) in mine.items():
+        target, expected = states[first].entries.get(p), states[last + 1].entries.get(p)
+        if target != expected:
+            steps[p] = (target, expected, first, last)
+    if not steps:
+        return Prediction()
+    conflicts = {}
+    for p, (target, expected, first, last) in steps.items():
+        way = []
+        for q in ancestors(p):
+            s = final.entries.get(q)
+            if s is None:
+                break
+            way.append(s[0])
+        if any(k != "dir" for k in way):
+            conflicts[p] = "escape"
+        elif any(o.unit != unit and p in o.touched for o in history[first + 1:last]):
+            conflicts[p] = "interleaved"
+        elif final.entries.get(p) != expected:
+            conflicts[p] = "changed"
+    if conflicts:
+        return Prediction(steps, conflicts)
+    tree = dict(final.entries)
+    node = dict(final.nodes)
+    for p, (target, _, first, _) in steps.items():
+        if target is None:
+            tree.pop(p, None)
+            node.pop(p, None)
+        else:
+            tree[p] = target
+            node[p] = states[first].nodes.get(p)
+    # a directory to remove that still holds something is kept (docs/revert.md)
+    for p in sorted((p for p, s in steps.items() if s[0] is None and s[1][0] == "dir"),
+                    key=depth, reverse=True):
+        if any(q.startswith(p + "/") for q in tree):
+            tree[p] = final.entries[p]
+    # a path put back in a directory that is gone gets the directory back (0755, as apply_step)
+    for p in list(tree):
+        for q in ancestors(p):
+            tree.setdefault(q, ("dir", 0o755))
+    # hard links: paths that held one inode before keep sharing it where they hold one state
+    groups: dict = {}
+    for p, s in tree.items():
+        if s[0] == "file" and node.get(p) is not None:
+            groups.setdefault((node[p], s), []).append(p)
+    return Prediction(steps, tree=Snap(tree, frozenset(frozenset(g) for g in groups.values()
+                                                       if len(g) > 1)))
+
+
+# -- reading real trees -----------------------------------------------------------------------
+
+def snapshot(root: str) -> Snap | None:
+    """The tree below ``root`` (without following symlinks); None when root is not there."""
+    if not os.path.isdir(root) or os.path.islink(root):
+        return None
+    entries, inos = {}, {}
+
+    def walk(d, rel):
+        for name in sorted(os.listdir(d)):
+            full, p = os.path.join(d, name), rel + name
+            s = os.lstat(full)
+            if stat.S_ISLNK(s.st_mode):
+                entries[p] = ("symlink", os.readlink(full))
+            elif stat.S_ISDIR(s.st_mode):
+                entries[p] = ("dir", stat.S_IMODE(s.st_mode))
+                walk(full, p + "/")
+            elif stat.S_ISREG(s.st_mode):
+                with open(full, "rb") as f:
+                    entries[p] = ("file", stat.S_IMODE(s.st_mode), f.read())
+                inos.setdefault((s.st_dev, s.st_ino), []).append(p)
+            elif stat.S_ISFIFO(s.st_mode):
+                entries[p] = ("fifo", stat.S_IMODE(s.st_mode))
+            else:
+                entries[p] = ("other", s.st_mode)
+    walk(root, "")
+    return Snap(entries, frozenset(frozenset(g) for g in inos.values() if len(g) > 1))
+
+
+def git_view(s: Snap, prefix: str) -> dict:
+    """What git holds of a tree: files (executable bit) and symlinks."""
+    out = {}
+    for p, v in s.entries.items():
+        if v[0] == "file":
+            out[join(prefix, p)] = ("100755" if v[1] & 0o111 else "100644", v[2])
+        elif v[0] == "symlink":
+            out[join(prefix, p)] = ("120000", os.fsencode(v[1]))
+    return out
+
+
+def blob_sha(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def view_diff(want: dict, got: dict) -> str:
+    lines = []
+    for p in sorted(set(want) | set(got)):
+        if want.get(p) != got.get(p):
+            lines.append(f"  {p}: model {want.get(p)} | got {got.get(p)}")
+    return "\n".join(lines)
+
+
+GIT_ENV = dict(os.environ, GIT_CONFIG_NOSYSTEM="1", GIT_CONFIG_GLOBAL=os.devnull)
+
+
+def git(*args, cwd=None, input=None, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=cwd, input=input, capture_output=True,
+                          env=env or GIT_ENV)
+
+
+def git_apply(work: str, view: dict, patch: bytes) -> dict:
+    """Write ``view`` into a new directory, apply ``patch`` there with git apply, and read back
+    what git would hold of the result."""
+    os.makedirs(work)
+    for p, (mode, data) in view.items():
+        full = os.path.join(work, p)
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        if mode == "120000":
+            os.symlink(os.fsdecode(data), full)
+        else:
+            with open(full, "wb") as f:
+                f.write(data)
+            os.chmod(full, 0o755 if mode == "100755" else 0o644)
+    if patch.strip():
+        r = git("apply", "--whitespace=nowarn", "-", cwd=work, input=patch,
+                env=dict(GIT_ENV, GIT_CEILING_DIRECTORIES=os.path.dirname(work)))
+        assert r.returncode == 0, f"git apply refused the diff: {r.stderr.decode()}\n" \
+                                  f"{patch.decode(errors='replace')}"
+    got = snapshot(work)
+    shutil.rmtree(work)
+    return git_view(got, "") if got else {}
+
+
+# -- the recorded workspace -------------------------------------------------------------------
+
+class Recorder:
+    """A mount, an `overlayrec run` session with the agent, and the FIFOs that drive it."""
+
+    def __init__(self, base: str, session: str):
+        self.base = base
+        self.session = session
+        self.ctl = os.path.join(base, "ctl")
+        os.makedirs(self.ctl, exist_ok=True)
+        for name, text in (("op_apply.py", APPLY), ("agent.py", AGENT)):
+            with open(os.path.join(self.ctl, name), "w") as f:
+                f.write(text)
+        for n in ("ctl.in", "ctl.out"):
+            if not os.path.exists(os.path.join(self.ctl, n)):
+                os.mkfifo(os.path.join(self.ctl, n))
+        self.m = Mount(os.path.join(base, "m"))
+        self.run = None
+        self.j: Journal | None = None
+
+    @property
+    def sock(self) -> str:
+        return os.path.join(self.m.state, "control.sock")
+
+    def open_journal(self) -> Journal:
+        if self.j is None:
+            self.j = Journal(self.m.state, readonly=True)
+        return self.j
+
+    def close_journal(self):
+        if self.j is not None:
+            self.j.close()
+            self.j = None
+
+    def start_session(self, session: str):
+        self.run = subprocess.Popen(
+            [sys.executable, "-m", "overlayrec", "run", "-w", self.m.ws, "--session", session,
+             "--", sys.executable, os.path.join(self.ctl, "agent.py"), self.ctl],
+            cwd=self.m.ws, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # the agent opens its input first, then its output
+        self.cin = open(os.path.join(self.ctl, "ctl.in"), "w")
+        self.cout = open(os.path.join(self.ctl, "ctl.out"))
+
+    def end_session(self):
+        if self.run is None:
+            return
+        try:
+            self.cmd(cmd="quit")
+        except (AssertionError, OSError, ValueError):
+            pass
+        for f in (self.cin, self.cout):
+            try:
+                f.close()
+            except OSError:
+                pass
+        try:
+            self.run.wait(timeout=60 * SLOW)
+        except subprocess.TimeoutExpired:
+            self.run.kill()
+            self.run.wait()
+        self.run = None
+
+    def cmd(self, **msg) -> None:
+        self.cin.write(json.dumps(msg) + "\n")
+        self.cin.flush()
+        answer = self.cout.readline().rstrip("\n")
+        if answer != "ok":
+            raise AssertionError(f"the agent could not {msg}: {answer or 'agent gone'}")
+
+    def do(self, unit: str, root: str, op: dict) -> None:
+        wire_op = {k: v for k, v in op.items() if k not in ("rpath", "rto")}
+        if unit == "O":
+            try:
+                apply_outside(root, wire_op)
+            except OSError as e:
+                raise AssertionError(f"outside {op}: {e} (the model thought it valid)") from None
+        else:
+            try:
+                self.cmd(cmd="op", id=unit, root=root, op=wire_op)
+            except AssertionError as e:
+                raise AssertionError(f"{e} (the model thought it valid)") from None
+
+    def tree(self) -> Tree:
+        """The live tree as the readers see it (cli._tree_for): beneath the mount through the
+        daemon's fd, or the workspace itself when unmounted."""
+        if is_mounted(self.m.ws):
+            return Tree(client.underlay_fd(self.sock))
+        return Tree.at(self.m.ws)
+
+    def close(self):
+        self.end_session()
+        self.close_journal()
+        self.m.umount()
+        force_unmount(self.m.ws)
+
+
+def call_id(case: str, k: int) -> str:
+    return f"{case}-c{k}"
+
+
+def execute(rec: Recorder, case: str, plan: Plan, ids: dict) -> list[tuple[int, int]]:
+    """Carry the plan out in ws/<case>, checking the real tree against the model after every
+    operation; returns the unit boundaries: (seq, index into plan.states)."""
+    j = rec.open_journal()
+    root = os.path.join(rec.m.ws, case)
+    os.mkdir(root)
+    bounds = [(j.last_seq(), 0)]
+    idx = 0
+    open_call = None
+    try:
+        for seg in plan.segments:
+            if seg.kind == "call":
+                rec.cmd(cmd="begin", id=ids[f"c{seg.call}"])
+                open_call = ids[f"c{seg.call}"]
+            prev = None
+            for o in seg.ops:
+                if prev is not None and o.unit != prev:
+                    bounds.append((j.last_seq(), idx))
+                unit = "O" if o.unit == "O" else ids[o.unit]
+                rec.do(unit, root, o.op)
+                idx += 1
+                got = snapshot(root)
+                d = snap_diff(plan.states[idx], got)
+                assert not d, (f"model self-check after operation {idx} ({o.unit}: {o.op}): the "
+                               f"real tree (through the mount) is not the model's; a model bug "
+                               f"or a passthrough bug:\n{d}")
+                prev = o.unit
+            if seg.ops:
+                bounds.append((j.last_seq(), idx))
+            if seg.kind == "call":
+                rec.cmd(cmd="end", id=open_call)
+                open_call = None
+    finally:
+        if open_call is not None:
+            rec.cmd(cmd="end", id=open_call)
+        rec.cmd(cmd="reap")
+    return bounds
+
+
+def call_records(j: Journal, session: str, ids: dict) -> dict:
+    recs = {c["id"]: c for c in j.records("calls", session.encode() + b"\0")}
+    return {k: recs[v] for k, v in ids.items() if v in recs}
+
+
+# -- the readers --------------------------------------------------------------------------------
+
+def check_diff(rec, j, states, case, plan, ids, work) -> None:
+    """Each call that ran alone: its patch, applied with git apply to the tree before it, gives
+    the tree after it."""
+    store = ObjectStore(rec.m.state)
+    for seg in plan.segments:
+        if seg.kind != "call" or not plan.pure(seg.call):
+            continue
+        side = select(j, states, call=ids[f"c{seg.call}"], glob=f"{case}/*")
+        a, b = store.tree(side.before), store.tree(side.after)
+        patch = store.diff(a, b, "patch", binary=True)
+        got = git_apply(os.path.join(work, f"apply-c{seg.call}"),
+                        git_view(plan.states[seg.start], case), patch.encode("utf-8",
+                                                                            "surrogateescape"))
+        want = git_view(plan.states[seg.end], case)
+        d = view_diff(want, got)
+        assert not d, f"diff --call c{seg.call} applied to the tree before the call does not " \
+                      f"give the tree after it:\n{d}\npatch:\n{patch}"
+
+
+def check_replay(rec, j, states, tree, case, plan, points, work) -> None:
+    """replay --full at every unit boundary gives the model's tree."""
+    for n, (seq, idx) in enumerate(sorted(points)):
+        dest = os.path.join(work, f"replay-{n}")
+        os.makedirs(dest)
+        try:
+            replay(j, states, seq, dest, f"/proc/self/fd/{tree.root_fd}")
+            got = snapshot(os.path.join(dest, case))
+        except Exception as e:
+            raise AssertionError(f"replay --full at seq {seq} (after operation {idx}) failed: "
+                                 f"{type(e).__name__}: {e}") from e
+        finally:
+            shutil.rmtree(dest, ignore_errors=True)
+        d = snap_diff(plan.states[idx], got)
+        assert not d, f"replay --full at seq {seq} (after operation {idx}) is not the " \
+                      f"model's tree:\n{d}"
+
+
+def ls_tree(store: ObjectStore, rev: str, case: str) -> dict:
+    r = git("ls-tree", "-r", "-z", rev, "--", f"{case}/", env=store.env)
+    assert r.returncode == 0, f"git ls-tree {rev}: {r.stderr.decode()}"
+    out = {}
+    for entry in r.stdout.decode("utf-8", "surrogateescape").split("\0"):
+        if entry:
+            meta, p = entry.split("\t", 1)
+            mode, _, sha = meta.split()
+            out[p] = (mode, sha)
+    return out
+
+
+def check_export(rec, j, states, case, plan, ids) -> None:
+    """Each call's commit holds the model's tree at the call's end; its parent, the tree at
+    the call's begin (an interim commit when something happened between calls)."""
+    store = ObjectStore(rec.m.state, workspace=rec.m.ws)
+    ex = Exporter(j, states, store, os.path.join(rec.m.state, "export-model-test.json"),
+                  "refs/overlayrec")
+    try:
+        ex.run()
+    except Exception as e:
+        raise AssertionError(f"export failed: {type(e).__name__}: {e}") from e
+    for seg in plan.segments:
+        if seg.kind != "call":
+            continue
+        ref = f"refs/overlayrec/{rec.session}/calls/{ids[f'c{seg.call}']}"
+        for rev, idx, what in ((ref, seg.end, "end"), (ref + "^", seg.start, "begin")):
+            want = {p: (mode, blob_sha(data))
+                    for p, (mode, data) in git_view(plan.states[idx], case).items()}
+            got = ls_tree(store, rev, case)
+            d = view_diff(want, got)
+            assert not d, f"export: the commit {rev} is not the model's tree at the call's " \
+                          f"{what}:\n{d}"
+
+
+def revert_cli(ws: str, cid: str, case: str):
+    r = overlayrec("revert", ws, "--call", cid, "--path", f"{case}/*", "--yes", "--json",
+                   check=False, timeout=120)
+    out = None
+    for line in r.stdout.splitlines():
+        if line.startswith("{"):
+            out = json.loads(line)
+    conflicts = {}
+    if out is not None:
+        conflicts = {s["path"]: s["conflict"] for s in out.get("steps", []) if s.get("conflict")}
+    elif "conflicts" in r.stderr:  # the text form: "conflicts, nothing reverted: kind: p, q; ..."
+        text = r.stderr.split("nothing reverted:", 1)[-1].strip()
+        for part in text.split("; "):
+            kind, _, paths = part.partition(": ")
+            conflicts.update({p: kind for p in paths.split(", ") if p})
+    return r, out, conflicts
+
+
+def check_revert(rec, case, plan, ids, unit) -> None:
+    """revert --call gives the model's tree or exactly its conflicts (writing nothing), and
+    unrevert gives back the tree before the revert."""
+    root = os.path.join(rec.m.ws, case)
+    before = snapshot(root)
+    want = predict(plan.history, plan.states, unit)
+    r, out, conflicts = revert_cli(rec.m.ws, ids[unit], case)
+    said = f"revert --call {unit}: exit {r.returncode}\n{r.stdout}\n{r.stderr}"
+    if want.nothing:
+        event("revert: nothing to revert")
+        assert r.returncode == 0 and "nothing to revert" in r.stdout, \
+            f"the model has nothing to revert; {said}"
+        d = snap_diff(before, snapshot(root))
+        assert not d, f"revert with nothing to revert changed the tree:\n{d}"
+        return
+    if want.conflicts:
+        event("revert: conflicts")
+        want_c = {f"{case}/{p}": k for p, k in want.conflicts.items()}
+        assert r.returncode == 1 and conflicts == want_c, \
+            f"revert --call {unit}: the model's conflicts are {want_c}; {said}"
+        d = snap_diff(before, snapshot(root))
+        assert not d, f"a refused revert changed the tree:\n{d}"
+        return
+    event("revert: reverted")
+    assert r.returncode == 0 and out is not None and not conflicts, \
+        f"the model reverts without conflict; {said}"
+    d = snap_diff(want.tree, snapshot(root))
+    assert not d, f"revert --call {unit} is not the model's tree:\n{d}\n{said}"
+    u = overlayrec("unrevert", out["id"], "-w", rec.m.ws, "--yes", check=False, timeout=120)
+    assert u.returncode == 0, f"unrevert {out['id']}: exit {u.returncode}\n{u.stdout}\n{u.stderr}"
+    d = snap_diff(before, snapshot(root))
+    assert not d, f"unrevert does not give back the tree before the revert:\n{d}"
+
+
+# -- the generated cases ----------------------------------------------------------------------
+
+STEP = st.tuples(st.sampled_from(["own"] * 6 + ["O", "late"]), st.sampled_from(KINDS),
+                 st.integers(0, 1 << 12), st.integers(0, 1 << 12), st.sampled_from("xyz"))
+SEGMENT = st.tuples(st.sampled_from(["call", "call", "call", "outside", "late"]),
+                    st.integers(0, 7), st.lists(STEP, min_size=1, max_size=5))
+
+
+class ModelEnv:
+    """One mount at a time, replaced every PER_MOUNT cases; a directory per case."""
+
+    def __init__(self):
+        self.base = tempfile.mkdtemp(prefix="overlayrec-history-", dir="/var/tmp")
+        os.chmod(self.base, 0o755)
+        self.counter = itertools.count()
+        self.rec: Recorder | None = None
+        self.mounts = itertools.count()
+        self.cases_here = 0
+        self.work = os.path.join(self.base, "work")
+        os.makedirs(self.work)
+
+    def recorder(self) -> Recorder:
+        if self.rec is not None and (self.cases_here >= PER_MOUNT or not is_mounted(self.rec.m.ws)
+                                     or self.rec.run.poll() is not None):
+            self.rec.close()
+            shutil.rmtree(self.rec.base, ignore_errors=True)
+            self.rec = None
+        if self.rec is None:
+            self.rec = Recorder(os.path.join(self.base, f"mount{next(self.mounts)}"), SESSION)
+            self.rec.m.mount()
+            self.rec.start_session(SESSION)
+            self.cases_here = 0
+        self.cases_here += 1
+        return self.rec
+
+    def close(self):
+        if self.rec is not None:
+            self.rec.close()
+        shutil.rmtree(self.base, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def umask():
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+@pytest.fixture(scope="module")
+def model_env(umask):
+    e = ModelEnv()
+    try:
+        yield e
+    finally:
+        e.close()
+
+
+def _label(plan: Plan) -> None:
+    kinds = {o.op["op"] for o in plan.history}
+    for k in sorted(kinds):
+        event(f"op: {k}")
+    if any(o.op["op"] == "rename" and plan.states[n].entries.get(o.op["rpath"], ("",))[0] == "dir"
+           for n, o in enumerate(plan.history)):
+        event("a directory renamed")
+    if any(o.op["path"] != o.op["rpath"] for o in plan.history):
+        event("a write through a symlink")
+    if any(not plan.pure(s.call) for s in plan.segments if s.kind == "call"):
+        event("a call interleaved with another writer")
+
+
+@pytest.mark.timeout(int((900 + 6 * CASES) * SLOW))  # the whole run, not one case
+@settings(max_examples=CASES, deadline=None, derandomize=True, database=None, phases=PHASES,
+          suppress_health_check=list(HealthCheck))
+@given(seed=st.sampled_from([1, 2, 0]), raw=st.lists(SEGMENT, min_size=1, max_size=4),
+       which=st.integers(0, 7))
+def test_every_reader_agrees_with_the_model(model_env, seed, raw, which):
+    plan = make_plan(seed, raw)
+    note(plan.describe())
+    _label(plan)
+    rec = model_env.recorder()
+    case = f"case{next(model_env.counter)}"
+    ids = {f"c{k}": call_id(case, k) for k in range(plan.ncalls)}
+    work = os.path.join(model_env.work, case)
+    root = os.path.join(rec.m.ws, case)
+    failures = []
+    try:
+        bounds = execute(rec, case, plan, ids)
+        j = rec.open_journal()
+        recs = call_records(j, rec.session, ids)
+        points = dict((seq, idx) for seq, idx in bounds)
+        for seg in plan.segments:  # a call's begin and end, as its record says
+            c = recs.get(f"c{seg.call}") if seg.kind == "call" else None
+            if c is not None:
+                assert c.get("begin_seq") and c.get("end_seq"), f"call record {c}"
+                points.setdefault(c["begin_seq"] - 1, seg.start)
+                points.setdefault(c["end_seq"], seg.end)
+        tree = rec.tree()
+        try:
+            states = States(j, tree)
+            for name, check in (
+                    ("diff", lambda: check_diff(rec, j, states, case, plan, ids, work)),
+                    ("replay", lambda: check_replay(rec, j, states, tree, case, plan,
+                                                    points.items(), work)),
+                    ("export", lambda: check_export(rec, j, states, case, plan, ids))):
+                if name in CHECKS:
+                    try:
+                        check()
+                    except AssertionError as e:
+                        failures.append(e)
+        finally:
+            os.close(tree.root_fd)
+        if "revert" in CHECKS and plan.ncalls:
+            try:
+                check_revert(rec, case, plan, ids, f"c{which % plan.ncalls}")
+            except AssertionError as e:
+                failures.append(e)
+        if failures:
+            for other in failures[1:]:
+                failures[0].add_note(f"also: {str(other).splitlines()[0]}")
+            raise failures[0]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        if os.path.isdir(root):
+            shutil.rmtree(root, ignore_errors=True)
+
+
+# -- outside edits while unmounted ------------------------------------------------------------
+
+EDITS = ("append", "chmod", "delete", "replace-by-dir")
+
+
+def edit_op(plan: Plan, unit: str, kind: str, i: int, tok: int) -> dict:
+    """An outside edit of a path ``unit`` changed and left as it is now (so that, before the
+    edit, reverting the unit would not conflict there)."""
+    before = predict(plan.history, plan.states, unit)
+    final = plan.states[-1].entries
+    fits = {"append": lambda p, s: s[0] == "file",
+            "chmod": lambda p, s: s[0] in ("file", "dir"),
+            "delete": lambda p, s: s[0] != "dir" or not any(q.startswith(p + "/") for q in final),
+            "replace-by-dir": lambda p, s: s[0] != "dir"}
+    cands = sorted(p for p in before.steps if p not in before.conflicts and p in final
+                   and fits[kind](p, final[p]))
+    if not cands:
+        kind, cands = "append", [FRESH]
+    p = cands[i % len(cands)]
+    s = final[p]
+    if kind == "append":
+        return {"op": "append", "path": p, "rpath": p, "data": f"+user.{tok}\n"}
+    if kind == "chmod":
+        modes = DIR_MODES if s[0] == "dir" else FILE_MODES
+        return {"op": "chmod", "path": p, "rpath": p,
+                "mode": pick([m for m in modes if m != s[1]], i)}
+    if kind == "delete":
+        return {"op": "rmdir" if s[0] == "dir" else "delete", "path": p, "rpath": p}
+    return {"op": "replace-by-dir", "path": p, "rpath": p}
+
+
+def apply_edit(root: str, op: dict) -> None:
+    if op["op"] == "replace-by-dir":
+        os.unlink(os.path.join(root, op["path"]))
+        os.mkdir(os.path.join(root, op["path"]))
+    else:
+        apply_outside(root, op)
+
+
+def model_edit(plan: Plan, op: dict) -> Plan:
+    """The plan with the edit appended, as the unit "U" (outside, while unmounted)."""
+    m = copy.deepcopy(plan.model)
+    before = plan.states[-1]
+    if op["op"] == "replace-by-dir":
+        m.apply({"op": "delete", "rpath": op["rpath"]})
+        m.apply({"op": "mkdir", "rpath": op["rpath"]})
+        named = {op["rpath"]}
+    else:
+        named = m.apply(op)
+    after = m.snapshot()
+    changed = {p for p in set(before.entries) | set(after.entries)
+               if before.entries.get(p) != after.entries.get(p)}
+    o = Op("U", op, frozenset(changed | named))
+    seg = Segment("outside", None, [o], len(plan.history), len(plan.history) + 1)
+    return Plan(plan.segments + [seg], plan.history + [o], plan.states + [after], plan.ncalls, m)
+
+
+class UnmountedEnv:
+    def __init__(self):
+        self.base = tempfile.mkdtemp(prefix="overlayrec-history-u-", dir="/var/tmp")
+        os.chmod(self.base, 0o755)
+        self.rec = Recorder(self.base, "")
+        self.counter = itertools.count()
+
+    def close(self):
+        self.rec.close()
+        shutil.rmtree(self.base, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def unmounted_env(umask):
+    e = UnmountedEnv()
+    try:
+        yield e
+    finally:
+        e.close()
+
+
+@pytest.mark.timeout(int((300 + 15 * UNMOUNTED_CASES) * SLOW))
+@settings(max_examples=UNMOUNTED_CASES, deadline=None, derandomize=True, database=None,
+          phases=PHASES, suppress_health_check=list(HealthCheck))
+@given(seed=st.sampled_from([1, 2]), raw=st.lists(SEGMENT, max_size=2),
+       last=st.lists(STEP, max_size=4), edit=st.sampled_from(EDITS), i=st.integers(0, 1 << 12))
+def test_an_edit_while_unmounted_is_drift_not_the_call(unmounted_env, seed, raw, last, edit, i):
+    env = unmounted_env
+    rec = env.rec
+    plan = make_plan(seed, raw, final_call_steps=last)
+    n = next(env.counter)
+    case, session = f"u{n}", f"s{n}"
+    rec.session = session
+    ids = {f"c{k}": call_id(case, k) for k in range(plan.ncalls)}
+    unit = f"c{plan.ncalls - 1}"
+    op = edit_op(plan, unit, edit, i, 10_000 + n)
+    note(plan.describe() + f"\nwhile unmounted: {op['op']} {op['path']} "
+         + " ".join(f"{k}={v!r}" for k, v in op.items() if k not in ("op", "path", "rpath")))
+    event(f"edit: {op['op']}")
+    root = os.path.join(rec.m.ws, case)
+    if not is_mounted(rec.m.ws):
+        rec.m.mount()
+    rec.start_session(session)
+    try:
+        execute(rec, case, plan, ids)
+    finally:
+        rec.end_session()
+    j = rec.open_journal()
+    last_seq = j.last_seq()
+    rec.close_journal()
+    rec.m.umount()
+    try:
+        apply_edit(root, op)
+        edited = model_edit(plan, op)
+        p = op["path"]
+        d = snap_diff(edited.states[-1], snapshot(root))
+        assert not d, f"model self-check after the edit while unmounted:\n{d}"
+
+        # diff of the call, unmounted: what the call left, not the edit
+        j = rec.open_journal()
+        tree = rec.tree()
+        try:
+            states = States(j, tree)
+            side = select(j, states, call=ids[unit], glob=f"{case}/*")
+            left = plan.states[-1].entries.get(p)
+            got = side.after.get(f"{case}/{p}")
+            got_t = None if got is None or not got.present else \
+                ("file", got.mode & 0o7777, got.data) if got.kind == "file" else \
+                ("symlink", os.fsdecode(got.data)) if got.kind == "symlink" else \
+                (got.kind, got.mode & 0o7777)
+            assert got_t == left, f"diff --call {unit} after an edit while unmounted: {p} is " \
+                                  f"{show_state(got_t)}, the call left {show_state(left)}"
+            store = ObjectStore(rec.m.state)
+            patch = store.diff(store.tree(side.before), store.tree(side.after), "patch",
+                               binary=True)
+            seg = plan.segments[-1]
+            got_v = git_apply(os.path.join(env.base, f"apply-{case}"),
+                              git_view(plan.states[seg.start], case),
+                              patch.encode("utf-8", "surrogateescape"))
+            dv = view_diff(git_view(plan.states[seg.end], case), got_v)
+            assert not dv, f"diff --call {unit} after an edit while unmounted does not give " \
+                           f"the tree the call left:\n{dv}\npatch:\n{patch}"
+        finally:
+            os.close(tree.root_fd)
+            rec.close_journal()
+
+        # revert of the call: a `changed` conflict there, nothing written
+        want = predict(edited.history, edited.states, unit)
+        assert want.conflicts.get(p) == "changed", f"model: {want}"
+        r, out, conflicts = revert_cli(rec.m.ws, ids[unit], case)
+        want_c = {f"{case}/{q}": k for q, k in want.conflicts.items()}
+        assert r.returncode == 1 and conflicts == want_c, \
+            f"revert --call {unit} after {op['op']} {p} while unmounted: the model's " \
+            f"conflicts are {want_c}; exit {r.returncode}\n{r.stdout}\n{r.stderr}"
+        if is_mounted(rec.m.ws):  # the revert mounted for the occasion; it should be gone
+            rec.m.umount()
+        d = snap_diff(edited.states[-1], snapshot(root))
+        assert not d, f"a refused revert changed the tree:\n{d}"
+
+        # remounted: the edit is a drift event of an outside unit, never the call's
+        rec.m.mount()
+        j = rec.open_journal()
+        evs = [e for e in j.events(last_seq + 1)
+               if f"{case}/{p}" in (e.get("path"), e.get("path2"))]
+        rec.close_journal()
+        call_unit = f"call:{session}:{ids[unit]}"
+        assert not [e for e in evs if e.get("unit") == call_unit], \
+            f"events after the unmount on {p} are the call's: {evs}"
+        assert any(e["op"] == "drift" and (e.get("unit") or "").startswith("outside:")
+                   for e in evs), f"no drift event of an outside unit for {p}: {evs}"
+    finally:
+        if not is_mounted(rec.m.ws):
+            rec.m.mount()
+        shutil.rmtree(root, ignore_errors=True)

@@ -1,0 +1,167 @@
+"""Implicit calls end: an agent that announces no calls gets one call per direct child process,
+and each ends once its processes (the child, its descendants, the orphans they leave) have all
+exited, or at its session's end at the latest.  Every unit's end reaches ``on_unit_end``."""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from conftest import SLOW, overlayrec
+from overlayrec.attribution import Attribution, read_actor
+from overlayrec.calls import Calls
+from overlayrec.journal import Journal
+
+pytestmark = pytest.mark.timeout(int(120 * SLOW))
+
+
+def wait_until(cond, what: str, limit: float = 30):
+    deadline = time.monotonic() + limit * SLOW
+    while True:
+        got = cond()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_unit_ends_reach_the_hook_in_order(tmp_path):
+    j = Journal(str(tmp_path / "state"))
+    calls = Calls(j, Attribution())
+    seen: list[str] = []
+    calls.on_unit_end = seen.append
+    me = read_actor(os.getpid())
+    # a session whose agent announces its calls: calls, turns, an abandoned call, the session
+    calls.session_begin(me, "s", runner=True)
+    calls.turn_begin(me, "s", "first")
+    calls.call_begin(me, "s", "a", "Bash", None)
+    assert seen == []
+    calls.call_end(me, "s", "a", "ok")
+    assert seen == ["call:s:a"]
+    calls.call_begin(me, "s", "b", "Bash", None)
+    calls.turn_begin(me, "s", "second")  # ends turn 1
+    calls.session_end(me, "s")            # ends turn 2, abandons b, ends the session
+    calls.session_end(me, "s")            # a second end is a no-op
+    assert seen == ["call:s:a", "turn:s:1", "turn:s:2", "call:s:b", "session:s"]
+    ends = [e for e in j.events() if e["op"] in ("call_end", "turn_end", "session_end")]
+    assert [(e["op"], e.get("call") or e.get("turn")) for e in ends] == \
+        [("call_end", "a"), ("turn_end", 1), ("turn_end", 2), ("call_end", "b"),
+         ("session_end", None)]
+    j.close()
+
+
+def test_implicit_calls_end_when_their_processes_exit(tmp_path):
+    """Unit level, real processes: an agent (our child) with two children; each child is an
+    implicit call once it is attributed; one exits and its call ends ("exited", hook called),
+    the other outlives the session and is ended by it ("abandoned")."""
+    j = Journal(str(tmp_path / "state"))
+    calls = Calls(j, Attribution())
+    seen: list[str] = []
+    calls.on_unit_end = seen.append
+    me = read_actor(os.getpid())
+    agent = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent("""
+            import subprocess, sys
+            kids = [subprocess.Popen(["sleep", "600"]) for _ in range(2)]
+            print(*[k.pid for k in kids], flush=True)
+            sys.stdin.readline()
+            for k in kids:
+                k.kill()
+                k.wait()
+        """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        first, second = (int(p) for p in agent.stdout.readline().split())
+        calls.session_begin(me, "q", runner=True)
+        calls.session_agent(me, "q", agent.pid)
+        a1, a2 = read_actor(first), read_actor(second)
+        u1, u2 = calls.unit_of(a1), calls.unit_of(a2)
+        assert u1 == f"call:q:implicit-{first}-{a1['start']}" and u2.startswith("call:q:impl")
+        assert calls.end_exited_calls() == []  # both alive
+        assert seen == [] and len(calls.live_implicit) == 2
+        os.kill(first, signal.SIGKILL)  # a zombie until the agent reaps it: exited all the same
+        ended = wait_until(calls.end_exited_calls, "the first call to end", 10)
+        assert [c.unit for c in ended] == [u1] and seen == [u1]
+        rec = j.record("calls", b"q\0" + u1.split(":")[2].encode())
+        assert rec["status"] == "exited" and rec["end_seq"] is not None and rec["implicit"]
+        ev = j.event(rec["end_seq"])
+        assert ev["op"] == "call_end" and ev["call"] == rec["id"] and ev["status"] == "exited"
+        assert calls.unit_of(a1).extra.get("after_end") is True  # a late write stays its call's
+        calls.session_end(me, "q")
+        assert seen == [u1, u2, "session:q"]
+        rec2 = j.record("calls", b"q\0" + u2.split(":")[2].encode())
+        assert rec2["status"] == "abandoned" and rec2["end_seq"] is not None
+        assert calls.live_implicit == [] and calls.end_exited_calls() == []
+    finally:
+        agent.stdin.close()
+        agent.wait(timeout=30)
+        j.close()
+
+
+def _calls_of(m, sid: str) -> list[dict]:
+    j = m.journal()
+    try:
+        return j.records("calls", sid.encode() + b"\0")
+    finally:
+        j.close()
+
+
+def test_run_without_hooks_ends_the_implicit_call_and_reverts_it(make_mount):
+    m = make_mount().mount()
+    write = f"{shlex.quote(sys.executable)} -c 'open(\"f\", \"w\").write(\"x\")'"
+    overlayrec("run", "-w", m.ws, "--session", "S", "--", "sh", "-c", write, cwd=m.ws)
+    assert open(os.path.join(m.ws, "f")).read() == "x"
+    [rec] = _calls_of(m, "S")
+    assert rec["implicit"] and rec["end_seq"] is not None and rec["status"] == "exited"
+    assert any(e["op"] == "call_end" and e.get("call") == rec["id"] and e["seq"] == rec["end_seq"]
+               for e in m.events())
+    rows = [json.loads(line) for line in overlayrec("calls", m.ws, "--json").stdout.splitlines()]
+    assert [(r["id"], r["status"], r["paths"]) for r in rows] == [(rec["id"], "exited", ["f"])]
+    assert rows[0]["end_t"] is not None and rows[0]["end_seq"] == rec["end_seq"]
+    r = overlayrec("revert", m.ws, "--session", "S", "--yes")
+    assert r.returncode == 0
+    assert not os.path.lexists(os.path.join(m.ws, "f"))
+
+
+def test_a_background_process_keeps_its_implicit_call_open(make_mount, tmp_path):
+    """The call's shell starts a background writer and exits; the writer, adopted by the
+    runner, keeps the call open until it exits, and its write is the call's own."""
+    m = make_mount().mount()
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    go, wrote, finish, started = (shlex.quote(str(marks / n)) for n in
+                                  ("go", "wrote", "finish", "started"))
+    command = (f"echo a > f0; (while [ ! -e {go} ]; do sleep 0.05; done; echo y > g; "
+               f"touch {wrote}) > /dev/null 2>&1 &")
+    agent = (f"sh -c {shlex.quote(command)}; touch {started}; "
+             f"while [ ! -e {finish} ]; do sleep 0.05; done")
+    run = subprocess.Popen([sys.executable, "-m", "overlayrec", "run", "-w", m.ws, "--session",
+                            "B", "--", "bash", "-c", agent], cwd=m.ws, stderr=subprocess.PIPE,
+                           text=True)
+    try:
+        wait_until(lambda: (marks / "started").exists(), "the call's shell to exit")
+        time.sleep(1.0 * SLOW)  # several exit checks: none may end the call while g's writer waits
+        [rec] = _calls_of(m, "B")
+        assert rec["end_seq"] is None, rec
+        (marks / "go").touch()
+        wait_until(lambda: (marks / "wrote").exists(), "the background write")
+        # the writer has exited (or is about to): the daemon ends the call on its own
+        rec = wait_until(lambda: [c for c in _calls_of(m, "B") if c["end_seq"]], "the end")[0]
+        assert rec["status"] == "exited"
+    finally:
+        (marks / "finish").touch()
+        run.wait(timeout=60 * SLOW)
+    assert run.returncode == 0, run.stderr
+    recs = _calls_of(m, "B")
+    assert [c["id"] for c in recs] == [rec["id"]]  # the writer is no call of its own
+    evs = [e for e in m.events() if e.get("unit") and e.get("path") in ("f0", "g")]
+    assert {e["path"] for e in evs} == {"f0", "g"}
+    assert {e["unit"] for e in evs} == {f"call:B:{rec['id']}"}
+    assert not any(e.get("after_end") for e in evs)
+    assert max(e["seq"] for e in evs) < rec["end_seq"]

@@ -1,0 +1,160 @@
+"""Listings show net changes, and .git/ is said, not hidden.
+
+One call runs git init/add/commit in the workspace, another makes and removes a temp file,
+rewrites a file with the content it had, runs a chmod -R that changes no mode, and makes one
+real change.  `calls` and `turns` name only what changed (`--all`: everything written), fold
+.git/ into a count; `diff` and `export git` say how many .git/ changes git could not hold."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+from conftest import needs_fuse, overlayrec
+from test_diff import snapshot
+
+from overlayrec.engines.gitdiff import ObjectStore, git_refuses
+from overlayrec.engines.states import State
+
+AGENT = textwrap.dedent(r'''
+    import os, subprocess
+    from overlayrec import client
+    env = dict(os.environ, GIT_CONFIG_NOSYSTEM="1", GIT_CONFIG_GLOBAL=os.devnull,
+               GIT_AUTHOR_NAME="agent", GIT_AUTHOR_EMAIL="agent@example.invalid",
+               GIT_COMMITTER_NAME="agent", GIT_COMMITTER_EMAIL="agent@example.invalid")
+    def sh(cmd):
+        subprocess.run(["bash", "-c", cmd], check=True, env=env)
+    with client.connect() as c:
+        c.turn_begin(prompt="commit it")
+        c.call_begin("gitcall", "Bash", summary="write app.txt, git init, add, commit")
+        sh("printf 'v1\\n' > app.txt && git init -q -b main . && git add -A && "
+           "git commit -q -m first")
+        c.call_end("gitcall")
+        c.call_begin("churn", "Bash", summary="churn and one real edit")
+        sh("printf 'scratch\\n' > scratch.tmp && rm scratch.tmp")
+        sh("printf 'same\\n' > same.txt")      # the content it already held
+        sh("chmod -R u+r .")                   # every mode stays as it was (.git/ too)
+        sh("printf 'more\\n' >> real.txt")
+        c.call_end("churn")
+        c.turn_end()
+''')
+
+
+def rows(m, *args):
+    return {r["id"]: r for r in map(json.loads, overlayrec("calls", m.ws, "--json", *args)
+                                    .stdout.splitlines())}
+
+
+def test_git_paths_are_filtered_before_git_and_its_warnings_kept(tmp_path):
+    assert git_refuses(".git/HEAD") and git_refuses("vendor/lib/.GIT/config")
+    assert git_refuses(".git") and not git_refuses(".github/x") and not git_refuses("a.git/b")
+    store = ObjectStore(str(tmp_path))
+    f = State("file", 0o644, b"x\n")
+    lines = store.index_lines({".git/HEAD": f, "ok.txt": f, "": State("dir", 0o755),
+                               "sub/.git": State("absent")})
+    assert [l.split("\t")[1] for l in lines] == ["ok.txt"]
+    assert store.left_out == {".git/HEAD", "sub/.git"}
+    assert store.tree({".git/HEAD": f}) == store.tree({})
+    # a name git refuses that is not .git/ itself: git's own warning is kept, not swallowed
+    tree = store.tree({"git~1/x": f, "ok.txt": f})
+    assert store.diff(store.tree({}), tree, "name-status") == "A\tok.txt\n"
+    assert any("git~1/x" in w for w in store.warnings), store.warnings
+
+
+@needs_fuse
+def test_listings_net_and_git_said_not_hidden(make_mount, tmp_path):
+    m = make_mount()
+    for name, data in (("same.txt", "same\n"), ("real.txt", "real\n")):
+        with open(os.path.join(m.ws, name), "w") as f:
+            f.write(data)
+    before = tmp_path / "before"
+    snapshot(m.ws, before)
+    m.mount()
+    agent = tmp_path / "agent.py"
+    agent.write_text(AGENT)
+    r = overlayrec("run", "-w", m.ws, "--session", "l", "--", sys.executable, str(agent),
+                   cwd=m.ws, timeout=120)
+    # the summary counts net changes too: app.txt and real.txt, and .git/ as a count
+    assert "session l: 1 turn(s), 2 call(s), 2 file(s) changed + " in r.stderr, r.stderr
+    assert " under .git/" in r.stderr
+
+    # calls: net by default, churn in `touched`
+    c = rows(m)
+    churn, gitcall = c["churn"], c["gitcall"]
+    assert churn["paths"] == ["real.txt"] and churn["files"] == 1, churn
+    assert churn["git_changes"] == 0  # chmod -R went over .git/ and changed nothing there
+    assert {"scratch.tmp", "same.txt", "real.txt"} <= set(churn["touched"])
+    assert churn["touched_git"] > 0
+    assert gitcall["files"] == 1 and gitcall["paths"][0] == "app.txt"
+    assert gitcall["git_changes"] > 5
+    assert all(p.split("/")[0] == ".git" for p in gitcall["paths"][1:])  # the workspace's first
+    assert ".git/HEAD" in gitcall["paths"] and ".git/refs/heads/main" in gitcall["paths"]
+
+    text = overlayrec("calls", m.ws).stdout
+    assert "scratch.tmp" not in text and "same.txt" not in text and "real.txt" in text
+    assert f"app.txt + {gitcall['git_changes']} under .git/" in text
+    assert ".git/HEAD" not in text  # folded into the count
+    every = overlayrec("calls", m.ws, "--all").stdout
+    assert "scratch.tmp" in every and "same.txt" in every
+
+    turns = [json.loads(l) for l in overlayrec("turns", m.ws, "--json").stdout.splitlines()]
+    assert len(turns) == 1 and turns[0]["paths"][:2] == ["app.txt", "real.txt"]
+    assert turns[0]["files"] == 2 and "scratch.tmp" in turns[0]["touched"]
+    text = overlayrec("turns", m.ws).stdout
+    assert "   2 files  app.txt, real.txt + " in text and "under .git/" in text
+    assert "   4 files  " in overlayrec("turns", m.ws, "--all").stdout  # same.txt, scratch.tmp
+
+    # the agent's own commit is in log and blame
+    log = overlayrec("log", m.ws, "--call", "gitcall", "--path", ".git/*").stdout
+    assert ".git/HEAD" in log and "git" in log
+    for p in (".git/HEAD", ".git/refs/heads/main"):
+        b = overlayrec("blame", p, "-w", m.ws).stdout
+        assert "call:l:gitcall" in b, (p, b)
+
+    # diff: says how many .git/ changes it leaves out, and the patch applies with git
+    d = overlayrec("diff", m.ws, "--call", "gitcall", "--binary")
+    assert "app.txt" in d.stdout and ".git/" not in d.stdout
+    note = f"overlayrec: {gitcall['git_changes']} change(s) under .git/ not shown"
+    assert note in d.stderr and "overlayrec replay" in d.stderr, d.stderr
+    assert "Ignoring path" not in d.stderr
+    work = tmp_path / "apply"
+    snapshot(before, work)
+    subprocess.run(["git", "init", "-q", str(work)], check=True)
+    a = subprocess.run(["git", "apply", "-"], input=d.stdout, text=True, cwd=work,
+                       capture_output=True)
+    assert a.returncode == 0, a.stderr
+    assert (work / "app.txt").read_text() == "v1\n"
+    for fmt in ("--stat", "--name-status", "--numstat"):
+        assert note in overlayrec("diff", m.ws, "--call", "gitcall", fmt).stderr
+    js = overlayrec("diff", m.ws, "--turn", "1", "--json")
+    out = json.loads(js.stdout)
+    assert out["git_left_out"] == len(out["git_left_out_paths"]) > 5
+    assert sorted(f["path"] for f in out["files"]) == ["app.txt", "real.txt"]
+    assert "under .git/ not shown" in js.stderr
+    d = overlayrec("diff", m.ws, "--call", "churn")
+    assert "real.txt" in d.stdout and "same.txt" not in d.stdout and "under .git/" not in d.stderr
+
+    # export: the same count, and no .git/ path in any tree
+    e = overlayrec("export", "git", m.ws)
+    assert " change(s) under .git/ not exported" in e.stderr, e.stderr
+    assert "overlayrec: git:" not in e.stderr  # no other warning (the root "" is no entry)
+    gd = os.path.join(m.state, "git")
+    tree = subprocess.run(["git", "--git-dir", gd, "ls-tree", "-r", "--name-only",
+                           "refs/overlayrec/l/head"], capture_output=True, text=True,
+                          check=True).stdout.split()
+    assert tree == ["app.txt", "real.txt", "same.txt"]
+    again = json.loads(overlayrec("export", "git", m.ws, "--json").stdout)
+    assert again["commits"] == 0 and again["git_left_out"] == 0
+
+    # the report: net paths, .git/ counted, and the call's diff says what it leaves out
+    page = tmp_path / "r.html"
+    overlayrec("report", m.ws, "--html", str(page))
+    data = json.loads(page.read_text().split('<script id="data" type="application/json">')[1]
+                      .split("</script>")[0].replace("<\\/", "</"))
+    calls = {c["id"]: c for s in data["sessions"] for c in s["calls"]}
+    assert calls["churn"]["paths"] == ["real.txt"] and "scratch.tmp" in calls["churn"]["touched"]
+    assert calls["gitcall"]["git_changes"] == gitcall["git_changes"]
+    assert "app.txt" in calls["gitcall"]["diff"] and ".git/HEAD" not in calls["gitcall"]["diff"]
+    assert "under .git/ not shown" in calls["gitcall"]["diff"]
