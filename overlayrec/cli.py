@@ -813,6 +813,9 @@ def _tree_for(ws: str, sd: str):
 @click.option("--session", "sid", help="What this session changed (or: narrows --call/--turn).")
 @click.option("--since", type=int, help="Everything recorded after this sequence number.")
 @click.option("--until", type=int, help="... up to and including this one.")
+@click.option("--drift", is_flag=True, help="What changed around the record: each recorded path "
+              "whose live state departs from the record's end (edits made while unmounted, or by "
+              "a process that bypassed the mount), from the record to the live tree.")
 @click.option("--stat", "fmt", flag_value="stat", help="git diff --stat.")
 @click.option("--numstat", "fmt", flag_value="numstat", help="git diff --numstat.")
 @click.option("--name-status", "fmt", flag_value="name-status", help="git diff --name-status.")
@@ -823,23 +826,30 @@ def _tree_for(ws: str, sd: str):
 @click.option("--json", "as_json", is_flag=True, help="Files, their status and writers, as JSON.")
 @click.option("--state-dir", type=click.Path())
 @_guard
-def diff(workspace, call_id, turn_sel, sid, since, until, fmt, binary, glob, by_writer, as_json,
-         state_dir):
+def diff(workspace, call_id, turn_sel, sid, since, until, drift, fmt, binary, glob, by_writer,
+         as_json, state_dir):
     """What a call, a turn, a session or a range changed, in git's own format.
 
     The diff is made by git (diff-tree of two trees in a private object store), so renames,
     binary files, modes and symlinks read as git shows them, and git apply takes it."""
-    from .engines.diff import select, changed, SelectionError
+    from .engines.diff import select, changed, drift_side, SelectionError
     from .engines.gitdiff import ObjectStore, GitError, git_refuses
     from .engines.states import States
-    if sum(x is not None for x in (call_id, turn_sel)) + (since is not None) > 1:
-        raise Fail("choose one of --call, --turn, --since")
-    if call_id is None and turn_sel is None and since is None and sid is None:
-        raise Fail("say what to diff: --call ID, --turn N, --session S or --since SEQ")
+    if sum(x is not None for x in (call_id, turn_sel)) + (since is not None) + drift > 1:
+        raise Fail("choose one of --call, --turn, --since, --drift")
+    if call_id is None and turn_sel is None and since is None and sid is None and not drift:
+        raise Fail("say what to diff: --call ID, --turn N, --session S, --since SEQ or --drift")
     ws, sd, j, tree = _open_journal_and_tree(workspace, state_dir)
     try:
-        side = select(j, States(j, tree), call=call_id, turn=turn_sel, session=sid,
-                      since=since, until=until, glob=glob)
+        states = States(j, tree)
+        side = drift_side(states, glob) if drift else \
+            select(j, states, call=call_id, turn=turn_sel, session=sid, since=since,
+                   until=until, glob=glob)
+        moved_on = sorted(p for p, s in side.after.items() if s.drifted)
+        if moved_on:
+            click.echo(f"overlayrec: {len(moved_on)} path(s) here changed later outside the record "
+                       f"(drift: {', '.join(moved_on[:3])}{' ...' if len(moved_on) > 3 else ''}); "
+                       "`overlayrec diff --drift` shows how", err=True)
         store = ObjectStore(sd)
         # git holds no .git/ path: they are left out, and said so (_say_left_out)
         left_out = [p for p in changed(side) if git_refuses(p)]

@@ -116,6 +116,9 @@ def test_edit_while_unmounted_is_drift(make_mount, tmp_path):
     st = json.loads(overlayrec("status", m.ws, "--json").stdout)
     assert st["drifted"] == ["CHANGELOG"], st
     assert "drifted" in overlayrec("blame", "CHANGELOG", "-w", m.ws).stdout
+    d = overlayrec("diff", m.ws, "--drift")
+    assert "+user line" in d.stdout and "agent" not in d.stdout.replace(" agent", ""), d.stdout
+    assert "drift" in overlayrec("diff", m.ws, "--turn", "2").stderr
     # revert mounts for the occasion: that mount journals the drift, and the revert refuses
     r = overlayrec("revert", m.ws, "--turn", "2", "--yes", check=False)
     assert r.returncode == 1 and "changed" in r.stderr and "CHANGELOG" in r.stderr, r

@@ -1,8 +1,10 @@
 """Issue 12's acceptance test, on a real source tree.
 
-click's released sdist (a pinned version from PyPI, cached outside the repository; without a
-network, the click installed beside overlayrec with a tests/ made of its own modules) is made a
-git repository and committed by the user.  Then, recorded:
+click's released sdist (a pinned version from PyPI by pip, checked against PyPI's sha256 and
+cached outside the repository, in $OVERLAYREC_TEST_CACHE or ~/.cache/overlayrec-tests; without a
+network, or with OVERLAYREC_TEST_OFFLINE=1, the click installed beside overlayrec with a tests/
+made of its own modules: never a skip) is made a git repository and committed by the user.
+Then, recorded:
 
 * turn 1: an Edit-style call changes ``src/click/__init__.py``; the user's editor saves
   ``tests/test_formatting.py`` vim-style (a process outside the session, between two calls); a
@@ -315,8 +317,9 @@ AGENT = textwrap.dedent(r'''
         mark("editor-go")        # the user's editor saves now, between two calls
         wait_for("editor-saved")
         snap("after-editor")
-        bash(c, "t1-bash", f"{PY} -m compileall -q tests && sed -i '1i # reviewed by the agent'"
-                           " tests/test_basic.py tests/test_chain.py tests/typing/typing_options.py")
+        bash(c, "t1-bash", f"{PY} -m compileall -q tests && "
+                           "sed -i '1i # reviewed by the agent' tests/test_basic.py "
+                           "tests/test_chain.py tests/typing/typing_options.py")
         c.turn_end()
         snap("turn-1")
         c.turn_begin(prompt="rename tests to testsuite and commit")
@@ -413,12 +416,13 @@ def _record_and_read(m: Mount, base: str) -> SimpleNamespace:
     try:
         R.run = overlayrec("run", "-w", ws, "--session", SESSION, "--", sys.executable, agent,
                            marks, snaps, cwd=ws, env=env, timeout=150, check=False)
-        editor.wait(timeout=30 * SLOW)
+        assert R.run.returncode == 0, f"the recorded session failed: {ran(R.run)}"
+        assert editor.wait(timeout=30 * SLOW) == 0, "the editor failed"
     finally:
         if editor.poll() is None:
             editor.kill()
+            editor.wait()
     R.editor_pid = editor.pid
-    assert R.run.returncode == 0, f"the recorded session failed: {ran(R.run)}"
     for name in os.listdir(snaps):
         with open(os.path.join(snaps, name), "rb") as f:
             R.snaps[name[:-len(".pickle")]] = pickle.load(f)
@@ -448,7 +452,8 @@ def _record_and_read(m: Mount, base: str) -> SimpleNamespace:
     R.seq = {}
     if c["log"].returncode == 0:
         evs = json_lines(c["log"].stdout)
-        R.seq["last"] = max(e["seq"] for e in evs)
+        ends = [e["seq"] for e in evs if e["op"] == "session_end" and e.get("session") == SESSION]
+        R.seq["end"] = max(ends) if ends else max(e["seq"] for e in evs)
         ed = [e["seq"] for e in evs if (e.get("actor") or {}).get("pid") == R.editor_pid]
         if ed:
             R.seq["editor"] = max(ed)
@@ -461,8 +466,8 @@ def _record_and_read(m: Mount, base: str) -> SimpleNamespace:
                 ("call:t2-commit", "after-t2-commit"), ("turn:2", "turn-2")]
     if "editor" in R.seq:
         R.points.append((str(R.seq["editor"]), "after-editor"))
-    if "last" in R.seq:
-        R.points.append((str(R.seq["last"]), "session-end"))
+    if "end" in R.seq:
+        R.points.append((str(R.seq["end"]), "session-end"))
     R.replays = {}
     for i, (at, _) in enumerate(R.points):
         dest = os.path.join(base, f"replay-{i}")

@@ -79,6 +79,19 @@ def select(j: Journal, states: States, *, call: str | None = None, turn: int | s
     return side_of(states, file_events(j, lo, hi), (lo - 1, hi), keep=keep)
 
 
+def drift_side(states: States, glob: str | None = None) -> Side:
+    """The drift: each recorded path whose live state departs from the record's end (its seal),
+    from what the record holds to what the live tree holds, under no unit of the record."""
+    before, after, writers = {}, {}, {}
+    for p in states.drift():
+        if not _visible(p) or (glob and not fnmatch.fnmatchcase(p, glob)):
+            continue
+        before[p] = states.state(p, states.j.last_seq())
+        after[p] = states.tree.state(p)
+        writers[p] = {"drift"}
+    return Side(before, after, writers)
+
+
 def _find_turn(j: Journal, turn, session: str | None) -> dict:
     turns = [t for t in j.records("turns") if session is None or t["session"] == session]
     if not turns:

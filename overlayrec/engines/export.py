@@ -104,8 +104,10 @@ class Exporter:
             fill = [p for p in paths if p not in have]
             self._update(fill, point, env)
             if not st["head"]:
-                # the session's base: the recorded paths as they stood before its first call
-                msg = (f"session {sid}: the recorded paths before it\n\n"
+                # the session's base: the workspace as it stood before its first call (the
+                # recorded paths rolled back, every other file as it is: nothing changed it)
+                self._fill_unrecorded(paths, env)
+                msg = (f"session {sid}: the workspace before it\n\n"
                        f"Overlayrec-Session: {sid}\nOverlayrec-Seq: ..{point}\n")
                 t0 = points[0][3].get("begin_t") or 0
                 st["head"] = self._commit(sid, st, env, _ident(f"agent (session {sid})",
@@ -135,6 +137,21 @@ class Exporter:
             self._ref(f"{sid}/head", st["head"])
 
     # -- trees ----------------------------------------------------------------------------------
+    def _fill_unrecorded(self, paths: list[str], env, batch: int = 2000) -> None:
+        """Add every file and symlink of the live tree the record never touched (so a commit
+        holds the whole workspace, not only what changed), in batches."""
+        known = set(paths)
+        tree = self.states.tree
+        rest = [p for p in tree.walk("", skip={".git"})
+                if p not in known and _visible(p) and not git_refuses(p)]
+        for i in range(0, len(rest), batch):
+            states = {}
+            for p in rest[i:i + batch]:
+                s = tree.state(p)
+                if s.kind in ("file", "symlink"):
+                    states[p] = s
+            self.store.update_index(self.store.index_lines(states), env)
+
     def _changed(self, lo: int, hi: int) -> bool:
         return any(_visible(p) and not git_refuses(p) for e in file_events(self.j, lo + 1, hi)
                    for p in (e.get("path"), e.get("path2")) if p is not None)

@@ -67,7 +67,7 @@ class _Build:
         self.dirs: dict[str, tuple[State, tuple | None]] = {}  # rel -> (its state, times)
         self.groups: dict[int, tuple[str, State]] = {}  # inode at the point -> (path, state)
         self.live: dict[int, str] = {}         # live inode (nlink > 1) -> its copy's path
-        self.copied: dict[int, int] = {}       # a copy's inode here -> the live inode
+        self.copied: dict[str, int] = {}       # a live copy (nlink > 1) -> the live inode
         self.not_made: dict[str, dict] = {}
         self.owners: list[str] = []
         self.inexact: list[str] = []
@@ -122,6 +122,8 @@ class _Build:
         for m, at in ((self.groups, lambda v: v[0]), (self.live, lambda v: v)):
             for k in [k for k, v in m.items() if at(v) == rel or at(v).startswith(under)]:
                 del m[k]
+        for p in [p for p in self.copied if p == rel or p.startswith(under)]:
+            del self.copied[p]
         self.not_made.pop(rel, None)
 
     def meta(self, dfd: int, name: str, rel: str, s: State, mode: int | None = None) -> None:
@@ -161,6 +163,7 @@ class _Build:
                     continue
                 if st.st_nlink > 1 and st.st_ino in self.live and \
                         self.link(self.live[st.st_ino], dst_fd, name):
+                    self.copied[rel] = st.st_ino
                     continue
                 if kind == "symlink":
                     os.symlink(os.readlink(name, dir_fd=src_fd), name, dir_fd=dst_fd)
@@ -173,8 +176,7 @@ class _Build:
                          follow_symlinks=False)
                 if st.st_nlink > 1:
                     self.live[st.st_ino] = rel
-                    self.copied[os.stat(name, dir_fd=dst_fd, follow_symlinks=False).st_ino] = \
-                        st.st_ino
+                    self.copied[rel] = st.st_ino
             except OSError as e:
                 self.not_made[rel] = {"path": rel, "kind": kind, "why": os.strerror(e.errno)
                                       if e.errno else str(e)}
@@ -224,14 +226,18 @@ class _Build:
                 self.not_made.pop(rel, None)
                 return
             if st is not None and s.kind == "file" and link_key(s) and st.st_nlink > 1 and \
-                    stat.S_ISREG(st.st_mode) and self.copied.get(st.st_ino) == s.ino and \
+                    stat.S_ISREG(st.st_mode) and self.copied.get(rel) == s.ino and \
                     link_key(s) not in self.groups:
                 # the copy of the very inode the path held at the point, linked here as it is
                 # live to paths the record did not touch (a hard-link group changed through
                 # this name): its content goes back into it, for every name of the group (the
                 # group's first path written; the others are linked to it below)
-                fd = os.open(name, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                             dir_fd=dfd)
+                flags = os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+                try:
+                    fd = os.open(name, flags, dir_fd=dfd)
+                except PermissionError:  # a read-only copy (it is ours): its mode comes after
+                    os.chmod(name, 0o600, dir_fd=dfd)
+                    fd = os.open(name, flags, dir_fd=dfd)
                 try:
                     view = memoryview(s.data)
                     while view:
@@ -424,30 +430,44 @@ def blame(j: Journal, states: States, path: str, at: int | None = None) -> list[
     """A path's history, newest first: one entry per run of changes by one unit.  The path is
     followed back through the renames of its directories (an entry for each such rename, and
     the runs under its earlier names), and a live path that departs from its seal says so."""
-    steps: list[tuple[dict, str, str]] = []   # (event, name then, how)
-    point = at if at is not None else float("inf")
-    hist = states.history(path, point)
-    for name, lo, hi in hist:
+    steps: dict[int, tuple[dict, str, str]] = {}   # seq -> (event, name then, how)
+    seen: set[tuple[str, float]] = set()
+
+    def gather(name: str, hi: float) -> None:
+        if (name, hi) in seen or len(seen) > 64:
+            return
+        seen.add((name, hi))
         for e in states.events_on(name):
-            if lo < e["seq"] <= hi:
+            if e["seq"] <= hi and e["seq"] not in steps:
                 op = e["op"] if e.get("path2") is None else \
                     f"{e['op']} {'to ' + e['path2'] if e['path'] == name else 'from ' + e['path']}"
-                steps.append((e, name, op))
-        if lo > 0:
-            r = j.event(int(lo))
-            if r is not None:
-                steps.append((r, name, f"moved with {r['path']}/ -> {r['path2']}/"))
+                steps[e["seq"]] = (e, name, op)
+        for r in states.renames():
+            if r["seq"] > hi:
+                break
+            src, dst = r["src"], r["dst"]
+            if name.startswith(src + "/"):
+                steps.setdefault(r["seq"], (j.event(r["seq"]), name,
+                                            f"moved away with {src}/ -> {dst}/"))
+            elif name.startswith(dst + "/"):
+                ev = j.event(r["seq"])
+                steps[r["seq"]] = (ev, name, f"moved with {src}/ -> {dst}/")
+                gather(src + name[len(dst):], r["seq"] - 1)
+
+    gather(path, at if at is not None else float("inf"))
+    steps = list(steps.values())
     steps.sort(key=lambda x: x[0]["seq"])
     runs: list[dict] = []
-    for e, name, op in steps:
+    for e, name, how in steps:
+        op = how
         unit = e.get("unit") or "outside:" + e["actor"]
         if runs and runs[-1]["unit"] == unit and runs[-1]["name"] == name:
             r = runs[-1]
         else:
             r = {"unit": unit, "name": name, "first_seq": e["seq"], "ops": [], "actors": [],
                  "t_first": e["t"], "first_name": name}
-            if e["op"] == "rename" and e.get("path") != name and e.get("path2") != name:
-                r["first_name"] = name[:0] + e["path"] + name[len(e["path2"]):]
+            if how.startswith("moved with"):
+                r["first_name"] = e["path"] + name[len(e["path2"]):]
             runs.append(r)
         r["last_seq"], r["t_last"] = e["seq"], e["t"]
         if op not in r["ops"]:

@@ -147,8 +147,9 @@ class Tree:
         finally:
             os.close(dfd)
 
-    def walk(self, rel: str) -> list[str]:
-        """Every path beneath directory ``rel`` (not itself), following no symlink."""
+    def walk(self, rel: str, skip=()) -> list[str]:
+        """Every path beneath directory ``rel`` (not itself), following no symlink; the
+        directories named in ``skip`` (paths) are listed but not entered."""
         out: list[str] = []
         try:
             fd = self._open_dir(rel)
@@ -167,7 +168,7 @@ class Tree:
                     continue
                 child = f"{base}/{name}" if base else name
                 out.append(child)
-                if is_dir:
+                if is_dir and child not in skip:
                     try:
                         stack.append((os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
                                               | os.O_CLOEXEC, dir_fd=fd), child))
