@@ -563,6 +563,7 @@ class Calls:
         self.reverts.pop(caller["key"], None)
         self.journal.append({"op": "revert_end", "path": None, "revert": revert_id,
                              "actor": caller["key"]}, caller)
+        self._unit_ended("revert:" + revert_id)
 
     def status(self) -> dict:
         return {"sessions": [dict(s.record(), active_calls=[c.id for c in s.active],

@@ -680,7 +680,8 @@ def predict(history: list[Op], states: list[Snap], unit: str) -> Prediction:
     the contents of a renamed directory, the other names of a hard link it wrote) goes back to
     what it held before the unit's first change to it; a path the unit made and unmade needs
     nothing.  Conflicts, checked in the order make_plan checks them: ``escape`` (a directory on
-    the path's way is now a symlink or a file), ``interleaved`` (another unit changed the path
+    the path's way is now a symlink or a file, and the revert does not make it a directory
+    again), ``interleaved`` (another unit changed the path
     between two of the unit's changes), ``changed`` (the path no longer holds what the unit
     left).  The journal sees every operation here one by one, so ``unrecorded`` is never right.
     Which paths are listed in an odd interleaving is a rule the issue does not fix: this mirrors
@@ -705,8 +706,10 @@ def predict(history: list[Op], states: list[Snap], unit: str) -> Prediction:
             s = final.entries.get(q)
             if s is None:
                 break
-            way.append(s[0])
-        if any(k != "dir" for k in way):
+            # a non-directory on the way that the revert itself makes a directory again (the
+            # unit swapped a directory and a file) is no escape: the revert restores the way
+            way.append(s[0] == "dir" or (q in steps and (steps[q][0] or ("",))[0] == "dir"))
+        if not all(way):
             conflicts[p] = "escape"
         elif any(o.unit != unit and p in o.touched for o in history[first + 1:last]):
             conflicts[p] = "interleaved"
@@ -926,19 +929,21 @@ def call_id(case: str, k: int) -> str:
 
 def execute(rec: Recorder, case: str, plan: Plan, ids: dict) -> list[tuple[int, int]]:
     """Carry the plan out in ws/<case>, checking the real tree against the model after every
-    operation; returns the unit boundaries: (seq, index into plan.states)."""
+    operation.  Returns the unit boundaries, (seq, index into plan.states): the start, each
+    point where the writing unit changes, and the end (a call's begin and end come from its
+    record).  Two runs of one unit with nothing between are one run: no boundary there."""
     j = rec.open_journal()
     root = os.path.join(rec.m.ws, case)
     os.mkdir(root)
     bounds = [(j.last_seq(), 0)]
     idx = 0
+    prev = None
     open_call = None
     try:
         for seg in plan.segments:
             if seg.kind == "call":
                 rec.cmd(cmd="begin", id=ids[f"c{seg.call}"])
                 open_call = ids[f"c{seg.call}"]
-            prev = None
             for o in seg.ops:
                 if prev is not None and o.unit != prev:
                     bounds.append((j.last_seq(), idx))
@@ -951,11 +956,10 @@ def execute(rec: Recorder, case: str, plan: Plan, ids: dict) -> list[tuple[int, 
                                f"real tree (through the mount) is not the model's; a model bug "
                                f"or a passthrough bug:\n{d}")
                 prev = o.unit
-            if seg.ops:
-                bounds.append((j.last_seq(), idx))
             if seg.kind == "call":
                 rec.cmd(cmd="end", id=open_call)
                 open_call = None
+        bounds.append((j.last_seq(), idx))
     finally:
         if open_call is not None:
             rec.cmd(cmd="end", id=open_call)

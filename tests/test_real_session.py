@@ -704,8 +704,8 @@ def test_export_git_commits_agree_with_the_snapshots(rec):
 
 def test_export_git_commits_hold_the_whole_tree(rec):
     """Each call's (and turn's) commit tree equals the snapshot after it: files and symlinks,
-    .git/ and empty directories aside.  (docs/export.md says a tree holds the *recorded* paths
-    only; issue 12 asks for the tree.)"""
+    .git/ and empty directories aside (the whole workspace, files never touched included, as
+    docs/export.md says)."""
     S, problems = rec.snaps, []
     for ref, tree in _exported(rec).items():
         name = EXPORTED[ref]

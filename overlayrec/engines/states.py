@@ -544,6 +544,8 @@ class States:
             for e in self.j.events():
                 if e["op"] == "session_end":
                     ends[f"session:{e['session']}"] = e["seq"]
+                elif e["op"] == "revert_end":
+                    ends[f"revert:{e['revert']}"] = e["seq"]
             self._ends = ends
         return self._ends
 
