@@ -52,7 +52,9 @@ Sub-databases of the LMDB environment:
               beneath moved with it, though the event names only the directory.  Indexed as
               the event is appended; a journal written before this index is indexed at its next
               writable open (meta ``renames_indexed``), and read-only readers scan.
-``seals``     path utf-8 -> seq (8-byte big-endian) of the latest ``seal`` event of that path.
+``seals``     seal_key(path) -> seq (8-byte big-endian) of the latest ``seal`` event of that path,
+              followed by the path (utf-8).  The key is the path itself when it fits an LMDB
+              key, else ``b"\xff"`` + its xxh3-128 digest.
 ``extents``   seq -> JSON ``{"writes": n, "bytes": n, "lo": off, "hi": end}``: what the writes after
               an epoch's first write did, summarised at release (not write-ahead: no pre-image in it).
 
@@ -74,6 +76,8 @@ Pre-image JSON (``pre``)::
 from __future__ import annotations
 
 import struct
+
+import xxhash
 
 FORMAT_VERSION = 2
 
@@ -124,6 +128,16 @@ def turn_key(session: str, index: int) -> bytes:
 
 def call_key(session: str, call_id: str) -> bytes:
     return session.encode() + b"\0" + call_id.encode("utf-8", "surrogateescape")
+
+
+MAX_KEY = 500  # LMDB's default key limit is 511 bytes
+
+
+def seal_key(path: str) -> bytes:
+    raw = path.encode("utf-8", "surrogateescape")
+    if len(raw) <= MAX_KEY:
+        return raw
+    return b"\xff" + xxhash.xxh3_128_digest(raw)
 
 
 def path_key_split(key: bytes) -> tuple[str, int]:

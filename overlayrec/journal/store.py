@@ -137,7 +137,8 @@ class Journal:
                     if schema.is_dir_rename(ev):
                         txn.put(k, _dumps(_rename_record(ev)), db=self.dbs["renames"])
                     elif ev["op"] == "seal":
-                        txn.put(ev["path"].encode("utf-8", "surrogateescape"), k,
+                        txn.put(schema.seal_key(ev["path"]),
+                                k + ev["path"].encode("utf-8", "surrogateescape"),
                                 db=self.dbs["seals"])
                     seqs.append(ev["seq"])
         except lmdb.Error as e:
@@ -243,8 +244,8 @@ class Journal:
         if self.dbs["seals"] is None:
             return
         with self.env.begin(db=self.dbs["seals"]) as txn:
-            for k, v in txn.cursor():
-                yield k.decode("utf-8", "surrogateescape"), key_seq(v)
+            for _, v in txn.cursor():
+                yield v[8:].decode("utf-8", "surrogateescape"), key_seq(v[:8])
 
     def last_seq_for_path(self, path: str) -> int | None:
         """The seq of the last event naming ``path``, or None."""
