@@ -1,12 +1,18 @@
 """The command line: click commands, human and --json output, errors as one line and an exit code.
 
-Exit codes: 0 success, 1 a failure the message explains, 2 bad usage (click's own).
+Exit codes: 0 success, 1 a failure the message explains, 2 bad usage: the command line cannot be
+parsed, or a value is not of its option's form (a sequence number, a turn, a number of seconds).
+Either way stderr holds one line, ``overlayrec: error: ...`` or ``overlayrec: usage: ...``; an
+unexpected exception is one line too (OVERLAYREC_DEBUG=1 adds its traceback).
 """
 from __future__ import annotations
 
+import errno
 import fnmatch
 import json
+import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,11 +26,51 @@ from .journal.schema import CONTROL_OPS, MARK_OPS
 from .state import StateError
 
 
+def _one_line(msg: str) -> str:
+    """``msg`` on one line: the line breaks in it (a path, an id as given) shown escaped."""
+    return re.sub("[\n\r\v\f\x1c-\x1e\x85\u2028\u2029]", lambda m: repr(m.group())[1:-1], msg)
+
+
+def _shown(value: str, limit: int = 60) -> str:
+    """A value as given, quoted, cut to ``limit`` characters."""
+    return repr(value if len(value) <= limit else value[:limit - 3] + "...")
+
+
 class Fail(click.ClickException):
     """A one-line error and exit 1."""
 
     def show(self, file=None):
-        click.echo(f"overlayrec: error: {self.format_message()}", err=True)
+        click.echo(f"overlayrec: error: {_one_line(self.format_message())}", err=True)
+
+
+class Usage(click.UsageError):
+    """Bad usage: one line (naming the command's --help) and exit 2."""
+
+    def show(self, file=None):
+        where = f" (see {self.ctx.command_path} --help)" if self.ctx else ""
+        click.echo(f"overlayrec: usage: {_one_line(self.format_message())}{where}", err=True)
+
+
+def _os_error_text(e: OSError) -> str:
+    name = os.fsdecode(e.filename) if isinstance(e.filename, (str, bytes)) else None
+    return f"{name + ': ' if name else ''}{e.strerror or e}"
+
+
+def _failure(e: Exception) -> click.ClickException:
+    """The one line an exception a command let through comes out as."""
+    import lmdb
+    if isinstance(e, (StateError, JournalError)):
+        return Fail(str(e))
+    if isinstance(e, lmdb.Error):
+        return Fail(f"the journal cannot be read: {e}")
+    if isinstance(e, OSError):
+        return Fail(_os_error_text(e))
+    if os.environ.get("OVERLAYREC_DEBUG", "") not in ("", "0"):
+        import traceback
+        traceback.print_exception(e)
+    what = type(e).__name__ + (f": {e}" if str(e) else "")
+    return Fail(f"internal error: {what} (a bug: please report it, with the traceback that "
+                "OVERLAYREC_DEBUG=1 prints)")
 
 
 def _guard(fn):
@@ -37,11 +83,90 @@ def _guard(fn):
         except (StateError, JournalError) as e:
             raise Fail(str(e)) from None
         except OSError as e:
-            raise Fail(f"{e.filename + ': ' if e.filename else ''}{e.strerror or e}") from None
+            if e.errno == errno.EPIPE:
+                raise  # click ends a closed pipe's output quietly
+            raise Fail(_os_error_text(e)) from None
     return wrapper
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Main(click.Group):
+    """The group: click's usage errors as one line and exit 2 (--help as click makes it), and
+    whatever a command lets through as one line and exit 1, never a traceback."""
+
+    def main(self, args=None, prog_name=None, *a, **kw):
+        return super().main(args, prog_name or "overlayrec", *a, **kw)
+
+    @staticmethod
+    def _usage(e: click.UsageError) -> click.UsageError:
+        if isinstance(e, (Usage, click.exceptions.NoArgsIsHelpError)):
+            return e  # (a group without its command shows its help)
+        return Usage(e.format_message(), e.ctx)
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except click.UsageError as e:
+            raise self._usage(e) from None
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as e:
+            raise self._usage(e) from None
+        except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort,
+                KeyboardInterrupt, EOFError):
+            raise
+        except OSError as e:
+            if e.errno == errno.EPIPE:
+                raise
+            raise _failure(e) from None
+        except Exception as e:
+            raise _failure(e) from None
+
+
+class _Seq(click.ParamType):
+    """A sequence number: ASCII digits (no sign, no exponent), ``low`` or more."""
+    name = "seq"
+
+    def __init__(self, low: int):
+        self.low = low
+
+    def convert(self, value, param, ctx):
+        s = str(value)
+        if not re.fullmatch(r"[0-9]{1,19}", s) or not self.low <= int(s) < 2**63:
+            self.fail(f"{_shown(s)} is not a sequence number ({self.low} or more)", param, ctx)
+        return int(s)
+
+
+class _Turn(click.ParamType):
+    """A turn: its index N, last, or -1, -2 ... counting back from the last."""
+    name = "turn"
+
+    def convert(self, value, param, ctx):
+        s = str(value)
+        if not re.fullmatch(r"last|-?[0-9]{1,19}", s):
+            self.fail(f"{_shown(s)} is not a turn (N, last, or -1, -2 ...)", param, ctx)
+        return s
+
+
+class _Seconds(click.ParamType):
+    """A number of seconds: finite, not negative."""
+    name = "seconds"
+
+    def convert(self, value, param, ctx):
+        try:
+            t = float(value)
+        except (TypeError, ValueError):
+            t = math.nan
+        if not (math.isfinite(t) and t >= 0):
+            self.fail(f"{_shown(str(value))} is not a number of seconds", param, ctx)
+        return t
+
+
+SEQ0, SEQ1, TURN, SECONDS = _Seq(0), _Seq(1), _Turn(), _Seconds()
+
+
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="overlayrec")
 def main():
     """overlayrec records everything that happens to a workspace.
@@ -53,9 +178,48 @@ def main():
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
 
 
+LOW_SPACE_FRACTION = 0.05  # the state dir's filesystem is low on space below 5% of its size
+LOW_SPACE_BYTES = 100 << 20  # or below 100 MiB, whichever is less
+
+
+def _warn_low_space(sd: str) -> None:
+    """One line on stderr when the state dir's filesystem is nearly full: once it is full, every
+    change through the mount fails with ENOSPC (nothing lands unrecorded) until space is freed."""
+    path = sd
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return
+    free, size = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+    if size <= 0 or free >= min(size * LOW_SPACE_FRACTION, LOW_SPACE_BYTES):
+        return
+    click.echo(f"overlayrec: warning: the state dir's filesystem has {_mib(free)} free of "
+               f"{_mib(size)} ({sd}); when it is full, changes through the mount fail with "
+               "ENOSPC until space is freed", err=True)
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB" if n < 10 << 30 else f"{n / (1 << 30):.0f} GiB"
+
+
 def _state_dir_for(ws: str, state_dir: str | None) -> str:
-    """The state dir a reading command looks at: the one named, or the workspace's."""
-    return os.path.realpath(state_dir) if state_dir else state.find_state_dir(ws)
+    """The state dir a reading command looks at: the one named, or the workspace's; refused
+    (StateError) when another user could have changed it (docs/storage.md)."""
+    if state_dir:
+        return state.check_state_dir_private(os.path.realpath(state_dir))
+    return state.find_state_dir(ws)
+
+
+def _daemon_pid(sd: str) -> tuple[int | None, dict | None, str | None]:
+    """The state dir's daemon pid, verified before anything signals it (state.verify_daemon),
+    daemon.json's record, and why a live pid it names failed (said on stderr too)."""
+    info = state.daemon_info(sd)
+    pid, why = state.verify_daemon(info, sd)
+    if why:
+        click.echo(f"overlayrec: warning: {why}", err=True)
+    return pid, info, why
 
 
 @main.command()
@@ -69,7 +233,8 @@ def _state_dir_for(ws: str, state_dir: str | None) -> str:
               help="fsync every journal commit, so it also survives power loss.")
 @click.option("--record-data", is_flag=True,
               help="Full fidelity: journal every write's data, so replay is exact at every event.")
-@click.option("--timeout", default=30.0, show_default=True, help="Seconds to wait for the mount.")
+@click.option("--timeout", type=SECONDS, default=30.0, show_default=True,
+              help="Seconds to wait for the mount.")
 @_guard
 def mount(workspace, state_dir, foreground, allow_other, durable, record_data, timeout):
     """Mount the recorder over WORKSPACE itself.
@@ -83,7 +248,7 @@ def mount(workspace, state_dir, foreground, allow_other, durable, record_data, t
     if state.fuse_mount_at(ws):
         raise Fail(f"{ws} is already mounted")
     sd = state.check_state_dir(ws, state_dir or state.default_state_dir(ws))
-    os.makedirs(sd, mode=0o700, exist_ok=True)
+    state.make_state_dir(sd)
     if foreground:
         from . import daemon
         sys.exit(daemon.run(ws, sd, foreground=True, durable=durable, allow_other=allow_other,
@@ -105,7 +270,9 @@ def _spawn_daemon(ws: str, sd: str, *, durable=False, allow_other=False, timeout
         cmd.append("--allow-other")
     if record_data:
         cmd.append("--record-data")
-    with open(os.devnull, "rb") as devnull, open(os.path.join(sd, "daemon.log"), "ab") as logf:
+    log_fd = state.open_private(state.StateDir(sd).daemon_log,
+                                os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    with open(os.devnull, "rb") as devnull, os.fdopen(log_fd, "ab") as logf:
         proc = subprocess.Popen(cmd, stdin=devnull, stdout=logf, stderr=logf, pass_fds=(w,),
                                 start_new_session=True, cwd="/")
     os.close(w)
@@ -139,7 +306,7 @@ def _read_ready(fd: int, proc: subprocess.Popen, timeout: float) -> str:
 
 @main.command()
 @click.argument("workspace")  # a plain string: click.Path would stat a possibly hung mount
-@click.option("--timeout", default=20.0, show_default=True,
+@click.option("--timeout", type=SECONDS, default=20.0, show_default=True,
               help="Seconds to wait for the daemon to finish before detaching the mount.")
 @_guard
 def umount(workspace, timeout):
@@ -151,8 +318,7 @@ def umount(workspace, timeout):
                       os.path.basename(os.path.abspath(workspace)))
     mounted = state.fuse_mount_at(ws) is not None
     sd = state.find_state_dir(ws)
-    info = state.daemon_info(sd)
-    pid = info["pid"] if info and state.pid_alive(info["pid"]) else None
+    pid, info, refused = _daemon_pid(sd)  # a pid that fails the check is left alone
     if not mounted:
         if pid:
             os.kill(pid, signal.SIGTERM)
@@ -160,14 +326,17 @@ def umount(workspace, timeout):
     killed = False
     if pid:
         os.kill(pid, signal.SIGTERM)
-        if not _wait_gone(pid, timeout):
+        # the same process still (not a later one given its pid) before it is killed
+        if not _wait_gone(pid, timeout) and \
+                state.proc_start_ticks(pid) == (info or {}).get("start_ticks"):
             os.kill(pid, signal.SIGKILL)  # hung: what it journaled is safe (write-ahead)
             _wait_gone(pid, 5)
             killed = True
     if state.fuse_mount_at(ws):
         _unmount_now(ws)
     note = " (daemon did not stop: killed it)" if killed else \
-        (" (cleared a dead mount)" if not pid else "")
+        " (detached it; no daemon signalled)" if refused else \
+        " (cleared a dead mount)" if not pid else ""
     click.echo(f"unmounted {ws}{note}")
 
 
@@ -212,8 +381,8 @@ def status(workspace, as_json):
     ws = os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(workspace))),
                       os.path.basename(os.path.abspath(workspace)))
     sd = state.find_state_dir(ws)
-    info = state.daemon_info(sd)
-    pid = info["pid"] if info and state.pid_alive(info["pid"]) else None
+    _warn_low_space(sd)
+    pid = state.verify_daemon(state.daemon_info(sd), sd)[0]
     in_table = bool(state.fuse_mount_at(ws))
     answers = state.mount_answers(ws) if in_table else True
     hung = in_table and answers is False
@@ -314,6 +483,7 @@ def log_cmd(workspace, glob, limit, call_id, turn_index, sid, actor, since, unti
     from .engines.diff import SelectionError
     ws = state.resolve_workspace(workspace, must_exist=False)
     sd = _state_dir_for(ws, state_dir)
+    _warn_low_space(sd)
     j = Journal(sd, readonly=True)
     try:
         lo, hi = 1, None
@@ -420,7 +590,7 @@ def _client(session=None):
     from . import client
     try:
         return client.connect(session=session)
-    except client.ClientError as e:
+    except (client.ClientError, StateError) as e:
         raise Fail(str(e)) from None
 
 
@@ -609,7 +779,7 @@ def run(workspace, name, state_dir, record_data, cmd):
         raise Fail(f"{ws} holds a dead mount; clear it with: overlayrec umount {ws}")
     if not state.fuse_mount_at(ws):
         sd = state.check_state_dir(ws, state_dir or state.default_state_dir(ws))
-        os.makedirs(sd, mode=0o700, exist_ok=True)
+        state.make_state_dir(sd)
         _spawn_daemon(ws, sd, record_data=record_data)
         mounted_here = True
     sd = state.find_state_dir(ws)
@@ -664,8 +834,7 @@ def run(workspace, name, state_dir, record_data, cmd):
 
 
 def _stop_daemon(ws: str) -> None:
-    info = state.daemon_info(state.find_state_dir(ws))
-    pid = info["pid"] if info and state.pid_alive(info["pid"]) else None
+    pid, _, _ = _daemon_pid(state.find_state_dir(ws))
     if pid:
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + 20
@@ -809,10 +978,11 @@ def _tree_for(ws: str, sd: str):
 @main.command()
 @click.argument("workspace", type=click.Path(), default=".")
 @click.option("--call", "call_id", help="What this call changed.")
-@click.option("--turn", "turn_sel", help="What this turn changed: N, last, or -1, -2 ...")
+@click.option("--turn", "turn_sel", type=TURN,
+              help="What this turn changed: N, last, or -1, -2 ...")
 @click.option("--session", "sid", help="What this session changed (or: narrows --call/--turn).")
-@click.option("--since", type=int, help="Everything recorded after this sequence number.")
-@click.option("--until", type=int, help="... up to and including this one.")
+@click.option("--since", type=SEQ0, help="Everything recorded after this sequence number.")
+@click.option("--until", type=SEQ0, help="... up to and including this one.")
 @click.option("--drift", is_flag=True, help="What changed around the record: each recorded path "
               "whose live state departs from the record's end (edits made while unmounted, or by "
               "a process that bypassed the mount), from the record to the live tree.")
@@ -873,7 +1043,7 @@ def diff(workspace, call_id, turn_sel, sid, since, until, drift, fmt, binary, gl
                 nums[p] = (None if add == "-" else int(add), None if dele == "-" else int(dele))
             files = [{"path": p, **st, "added": nums.get(p, (None, None))[0],
                       "deleted": nums.get(p, (None, None))[1],
-                      "writers": sorted(side.writers.get(p, []) | side.writers.get(st.get("from") or "", set()))}
+                      "writers": sorted(side.writers.get(p, set()) | side.writers.get(st.get("from") or "", set()))}
                      for p, st in sorted(status.items())]
             click.echo(json.dumps({"from_tree": a, "to_tree": b, "files": files,
                                    "inexact": sorted(p for p, s in {**side.before, **side.after}.items()
@@ -933,7 +1103,9 @@ def replay(workspace, at, dest, full, state_dir, as_json):
         point = resolve_point(j, at)
         # built beside dest and renamed into place when complete: a failure leaves no dest
         full_from = f"/proc/self/fd/{tree.root_fd}" if full else None
-        out = do_replay(j, States(j, tree), point, dest, full_from)
+        states = States(j, tree)
+        out = do_replay(j, states, point, dest, full_from)
+        out["drifted"] = states.drift()
     except SelectionError as e:
         raise Fail(str(e)) from None
     finally:
@@ -951,6 +1123,10 @@ def replay(workspace, at, dest, full, state_dir, as_json):
         if out["owners_not_set"]:
             click.echo(f"owner not set ({len(out['owners_not_set'])}): "
                        + ", ".join(out["owners_not_set"]))
+        if out["drifted"]:  # the replay shows the record; the live tree departs from it here
+            click.echo(f"drifted ({len(out['drifted'])}): {', '.join(out['drifted'][:5])}"
+                       + (" ..." if len(out["drifted"]) > 5 else "")
+                       + " (changed outside the record; `overlayrec diff --drift` shows how)")
 
 
 @main.command()
@@ -994,7 +1170,7 @@ def blame(path, workspace, at, state_dir, as_json):
 
 
 @main.command()
-@click.argument("seq", type=int)
+@click.argument("seq", type=SEQ1)
 @click.option("-w", "--workspace", default=".")
 @click.option("--state-dir", type=click.Path())
 @click.option("--json", "as_json", is_flag=True)
@@ -1076,14 +1252,16 @@ def report(workspace, out, state_dir):
 # -- revert ---------------------------------------------------------------------------------------
 
 def _reverts_dir(sd: str) -> str:
-    return os.path.join(sd, "reverts")
+    return state.StateDir(sd).reverts
 
 
 def _load_reverts(sd: str) -> list[dict]:
     out = []
     d = _reverts_dir(sd)
+    closed = state.check_private(d, "revert plans")  # a plan steers writes: the user's alone
     for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
         if name.endswith(".json"):
+            state.check_entry(os.path.join(d, name), closed, "revert plans")
             try:
                 with open(os.path.join(d, name)) as f:
                     out.append(json.load(f))
@@ -1094,13 +1272,9 @@ def _load_reverts(sd: str) -> list[dict]:
 
 
 def _save_revert(sd: str, rec: dict) -> None:
-    os.makedirs(_reverts_dir(sd), exist_ok=True)
-    path = os.path.join(_reverts_dir(sd), rec["id"] + ".json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(rec, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
+    state.private_dir(_reverts_dir(sd))
+    state.write_private(state.StateDir(sd).revert_plan(rec["id"]), json.dumps(rec).encode(),
+                        durable=True)
 
 
 def _describe(step) -> str:
@@ -1128,7 +1302,7 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
     if not state.fuse_mount_at(ws):
         _spawn_daemon(ws, sd)
         mounted_here = True
-    content = ContentStore(os.path.join(sd, "content"))
+    content = ContentStore(state.StateDir(sd).content)
     try:
         j = Journal(sd, readonly=True)
         under = _tree_for(ws, sd)
@@ -1222,9 +1396,11 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
 @main.command()
 @click.argument("workspace", default=".")
 @click.option("--call", "call_id", help="Revert this call.")
-@click.option("--turn", "turn_sel", help="Revert this turn's own calls: N, last, -1 ...")
+@click.option("--turn", "turn_sel", type=TURN,
+              help="Revert this turn's own calls: N, last, -1 ...")
 @click.option("--session", "sid", help="Revert this session (or: narrows --call/--turn).")
-@click.option("--since", type=int, help="Revert everything recorded after this sequence number.")
+@click.option("--since", type=SEQ0,
+              help="Revert everything recorded after this sequence number.")
 @click.option("--path", "glob", help="Only paths matching this glob.")
 @click.option("--yes", is_flag=True, help="Carry it out (default: preview only).")
 @click.option("--force", is_flag=True, help="Revert the paths without conflicts, report the rest.")
@@ -1305,6 +1481,7 @@ def export_git(workspace, repo, ref_prefix, state_dir, as_json):
     """One commit per call (its parent: the state before it), one per turn end, refs under
     <prefix>/<session>/{calls,turns}/ and <session>/head.  Incremental: a second run writes
     only what is new.  The workspace's own repository is never written."""
+    import contextlib
     import hashlib
     from .engines.export import Exporter
     from .engines.gitdiff import ObjectStore, GitError
@@ -1324,13 +1501,16 @@ def export_git(workspace, repo, ref_prefix, state_dir, as_json):
                            "name another one, or leave --repo out")
             store = ObjectStore(sd, git_dir=git_dir)
         else:
-            store = ObjectStore(sd, workspace=ws)
+            with state.private_umask():  # the private store is the user's alone
+                store = ObjectStore(sd, workspace=ws)
         tag = hashlib.sha256(f"{store.git_dir}\0{ref_prefix}".encode()).hexdigest()[:12]
-        ex = Exporter(j, States(j, tree), store, os.path.join(sd, f"export-{tag}.json"),
-                      ref_prefix)
+        state_file = state.StateDir(sd).export_state(tag)
+        ex = Exporter(j, States(j, tree), store, state_file, ref_prefix)
         tty = sys.stderr.isatty() and not as_json
-        out = ex.run(progress=(lambda sid, n, total: click.echo(
-            f"\r{sid}: {n}/{total}", nl=False, err=True)) if tty else None)
+        with state.private_umask() if not repo else contextlib.nullcontext():
+            out = ex.run(progress=(lambda sid, n, total: click.echo(
+                f"\r{sid}: {n}/{total}", nl=False, err=True)) if tty else None)
+        state.tighten(state_file)  # 0600 also when --repo left the umask to the user's
         if tty:
             click.echo("", err=True)
         out["git_dir"] = store.git_dir

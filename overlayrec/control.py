@@ -117,11 +117,12 @@ class ControlServer:
         except FileNotFoundError:
             pass
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)
+        old = os.umask(0o177)  # born 0600: no moment at which another user may connect
         try:
             sock.bind(self.path)
         finally:
             os.umask(old)
+        os.chmod(self.path, 0o600)  # and 0600 whatever umask bind met (docs/storage.md)
         if self.owner_uid != os.geteuid():
             os.chown(self.path, self.owner_uid, -1)  # the workspace owner's agent may connect
         sock.listen(64)

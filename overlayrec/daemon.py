@@ -36,13 +36,24 @@ class MountError(Exception):
 
 
 def _raise_fd_limit() -> None:
+    """Raise the soft fd limit to the hard one (the inode table keeps O_PATH fds up to half of
+    it, fs.Operations._trim).  OVERLAYREC_FD_LIMIT=N, a test and bench knob, sets the soft limit
+    to N instead (at most the hard limit, at least 128) to see the daemon under a small one."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    want = hard
+    knob = os.environ.get("OVERLAYREC_FD_LIMIT", "").strip()
+    if knob.isdigit():
+        want = max(128, int(knob))
+        if hard != resource.RLIM_INFINITY:
+            want = min(want, hard)
+    if want != soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
 
 
 def _setup_logging(state_dir: str, foreground: bool) -> None:
-    handlers: list[logging.Handler] = [logging.FileHandler(os.path.join(state_dir, "daemon.log"))]
+    path = state.StateDir(state_dir).daemon_log
+    os.close(state.open_private(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND))  # 0600
+    handlers: list[logging.Handler] = [logging.FileHandler(path)]
     if foreground:
         handlers.append(logging.StreamHandler(sys.stderr))
     logging.basicConfig(level=logging.INFO, handlers=handlers,
@@ -63,12 +74,19 @@ async def _serve(control: ControlServer) -> None:
             # an implicit call ends once its processes have exited: looked at every 0.25 s, in
             # the trio thread between requests (no handler awaits, so nothing else touches the
             # calls meanwhile), reading /proc only while some implicit call is live
+            full_logged = float("-inf")
             while True:
                 await trio.sleep(0.25)
                 if not calls.live_implicit:
                     continue
                 try:
                     calls.end_exited_calls()
+                except JournalError as e:
+                    # the state dir full: the call's end (and the seal of its epochs) is retried
+                    # every 0.25 s until there is room again; said once a minute
+                    if time.monotonic() - full_logged > 60:
+                        full_logged = time.monotonic()
+                        log.warning("cannot journal the end of an implicit call now: %s", e)
                 except Exception:  # a failed check must not take the mount down: retried
                     log.exception("checking implicit calls for exited processes failed")
         nursery.start_soon(end_exited_calls)
@@ -103,7 +121,7 @@ def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool, record_da
     if found["drifted"] or found["recovered"]:
         log.info("record opened: %s", found)
     calls.on_unit_end = recorder.seal  # a unit's end ends its epochs: seal what they left
-    control = ControlServer(os.path.join(state_dir, "control.sock"), calls, attribution,
+    control = ControlServer(state.StateDir(state_dir).control_sock, calls, attribution,
                             os.fstat(root_fd).st_uid, root_fd)
     control.bind()
     ops = Operations(recorder, root_fd, fault_name=os.environ.get("OVERLAYREC_INJECT_FAULT"))
@@ -119,15 +137,25 @@ def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool, record_da
 
 def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other: bool,
         ready_fd: int | None, record_data: bool = False) -> int:
-    os.umask(0)  # the kernel applied the caller's umask already
+    # what the daemon makes for itself is the user's alone whatever the caller's umask
+    # (docs/storage.md; LMDB's files take their mode from it); the umask drops to 0 only to
+    # serve, where the kernel has applied the caller's umask to each request already
+    os.umask(0o077)
+    started = time.time_ns()
     _raise_fd_limit()
-    os.makedirs(state_dir, mode=0o700, exist_ok=True)
-    _setup_logging(state_dir, foreground)
+    sd = state.StateDir(state_dir)
 
     def tell(msg: str) -> None:
         if ready_fd is not None:
             os.write(ready_fd, msg.encode() + b"\n")
             os.close(ready_fd)
+
+    try:  # the CLI checked too; the daemon can be started on its own
+        state.make_state_dir(state.check_state_dir(ws, state_dir))
+    except (state.StateError, OSError) as e:
+        tell(f"error: {e}")
+        return 1
+    _setup_logging(state_dir, foreground)
 
     try:
         journal, control, recorder = prepare(ws, state_dir, durable, allow_other, record_data)
@@ -140,13 +168,23 @@ def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other
         tell(f"error: mount failed: {e}")
         return 1
     os.chdir("/")
-    info = {"pid": os.getpid(), "workspace": ws, "state_dir": state_dir,
+    try:  # what an older overlayrec left looser; temp files of writers gone before we started
+        for name in ("data.mdb", "lock.mdb"):
+            state.tighten(os.path.join(sd.journal, name))
+        journal.content.clean(started)
+    except OSError as e:
+        log.warning("tidying the state dir: %s", e)
+    # pid, start ticks and boot id: umount verifies them before it signals this process
+    info = {**state.daemon_identity(), "workspace": ws, "state_dir": state_dir,
             "started": time.time_ns(), "durable": durable, "record_data": record_data}
-    with open(os.path.join(state_dir, "daemon.json"), "w") as f:
-        json.dump(info, f)
-    state.write_registry(ws, state_dir)
+    state.write_private(sd.daemon_json, json.dumps(info).encode())
+    try:
+        state.write_registry(ws, state_dir)
+    except (state.StateError, OSError) as e:  # a convenience: --state-dir still finds it
+        log.warning("registry entry not written: %s", e)
     log.info("mounted %s (state dir %s)", ws, state_dir)
     tell("ready")
+    os.umask(0)
     try:
         trio.run(_serve, control)
     except BaseException:
@@ -157,13 +195,15 @@ def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other
             pyfuse3.close(unmount=True)
             try:
                 recorder.close_record()
+            except JournalError as e:  # the state dir full: the record stays open
+                log.error("sealing at unmount failed (the next mount recovers): %s", e)
             except Exception:
                 log.exception("sealing at unmount failed (the next mount recovers)")
         finally:
             journal.close()
-            for name in ("daemon.json", "control.sock"):
+            for path in (sd.daemon_json, sd.control_sock):
                 try:
-                    os.unlink(os.path.join(state_dir, name))
+                    os.unlink(path)
                 except OSError:
                     pass
             log.info("unmounted %s", ws)

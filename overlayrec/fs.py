@@ -2,8 +2,11 @@
 
 It owns inodes and handles and the mapping of failures to errno, nothing else:
 
-* an inode is keyed by the underlay's (st_dev, st_ino) and holds an O_PATH fd and a real lookup
-  count, released on forget (libfuse passthrough_hp's model, not an inode-to-path map);
+* an inode is keyed by the underlay's (st_dev, st_ino), holds a real lookup count released on
+  forget (libfuse passthrough_hp's model) and remembers the (parent inode, name) it was last
+  reached by; it holds an O_PATH fd only while recently used: past a high-water mark (half the
+  fd limit) the least recently used fds are closed, and ``Operations._fd`` opens one again from
+  the parent's fd and the name, checking that (st_dev, st_ino) still match (else ESTALE);
 * every mutation is handed to the recorder, which journals before it changes the underlay;
 * a handle remembers the actor that opened it, so its writes are that actor's;
 * every handler maps OSError to its errno; any other exception is logged and becomes EIO, so
@@ -18,11 +21,14 @@ import errno
 import functools
 import logging
 import os
+import resource
 import stat
+import time
 
 import pyfuse3
 
 from . import underlay
+from .journal import JournalError
 from .recorder import ATTIC_NAME, Recorder
 
 log = logging.getLogger(__name__)
@@ -33,16 +39,32 @@ _ACCMODE = os.O_ACCMODE
 _STRIP = os.O_CREAT | os.O_EXCL | os.O_NOCTTY | os.O_APPEND | os.O_NOFOLLOW | \
     getattr(os, "O_DIRECT", 0)
 _COLLISION_BASE = 1 << 62
+_MIN_FD_HIGH = 64  # never fewer O_PATH fds kept than this, whatever the fd limit
 
 
 class Inode:
-    __slots__ = ("fuse_ino", "fd", "key", "nlookup", "is_symlink", "is_dir", "no_xattr")
+    """One object of the underlay the kernel knows (or a directory on the way to one).
 
-    def __init__(self, fuse_ino: int, fd: int, key: tuple[int, int], mode: int):
+    ``opath`` is its O_PATH fd, or -1 when it has none: never read it directly, ask
+    ``Operations._fd`` (which opens one again through ``parent`` and ``name``).  An inode stays
+    in the table while the kernel holds a lookup on it (``nlookup``) or while some inode in the
+    table names it as its parent (``nchildren``), so a parent is always the same object as the
+    one renames update; ``nopen`` counts open handles, whose inode keeps its fd (an open file
+    may have lost every name)."""
+    __slots__ = ("fuse_ino", "opath", "key", "nlookup", "is_symlink", "is_dir", "no_xattr",
+                 "parent", "name", "nchildren", "nopen", "used")
+
+    def __init__(self, fuse_ino: int, key: tuple[int, int], mode: int,
+                 parent: "Inode | None", name: str | None):
         self.fuse_ino = fuse_ino
-        self.fd = fd
+        self.opath = -1
         self.key = key
         self.nlookup = 0
+        self.parent = parent
+        self.name = name
+        self.nchildren = 0
+        self.nopen = 0
+        self.used = False  # the clock's reference bit: used since the last sweep
         self.is_symlink = stat.S_ISLNK(mode)
         self.is_dir = stat.S_ISDIR(mode)
         # the kernel asks for security.capability before every write (and ls for ACLs and
@@ -91,19 +113,45 @@ class DirHandle:
         self.names = names
 
 
+_REFUSALS_LOGGED_EVERY = 10.0  # seconds: a full state dir refuses every change, logged sparingly
+_refusals = {"last": float("-inf"), "quiet": 0}
+
+
+def _log_refusal(op: str, e: Exception) -> None:
+    now = time.monotonic()
+    if now - _refusals["last"] < _REFUSALS_LOGGED_EVERY:
+        _refusals["quiet"] += 1
+        return
+    quiet, _refusals["quiet"], _refusals["last"] = _refusals["quiet"], 0, now
+    log.warning("%s refused, not journaled: %s%s", op, e,
+                f" ({quiet} more refused since the last report)" if quiet else "")
+
+
 def _errno_boundary(fn):
-    """OSError -> its errno; anything unexpected is logged and becomes EIO."""
+    """OSError -> its errno; JournalError (a commit that could not be made: nothing changed) ->
+    its errno, ENOSPC for a full state dir; anything unexpected is logged and becomes EIO.
+
+    After the request, O_PATH fds past the high-water mark are closed: only there, so no
+    handler ever holds an fd number that was closed under it."""
     @functools.wraps(fn)
-    async def wrapper(*args, **kwargs):
+    async def wrapper(self, *args, **kwargs):
         try:
-            return await fn(*args, **kwargs)
+            return await fn(self, *args, **kwargs)
         except pyfuse3.FUSEError:
             raise
         except OSError as e:
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+        except JournalError as e:
+            # the change was not journaled, so it was not made (write-ahead): the caller gets
+            # the journal's errno (ENOSPC when the state dir is full) and may try again
+            _log_refusal(fn.__name__, e)
+            raise pyfuse3.FUSEError(e.errno) from None
         except Exception:
             log.exception("unexpected error in %s", fn.__name__)
             raise pyfuse3.FUSEError(errno.EIO) from None
+        finally:
+            if len(self._ring) > self._fd_high:
+                self._trim()
     return wrapper
 
 
@@ -112,7 +160,8 @@ class Operations(pyfuse3.Operations):
     # no NFS export: the kernel then never asks us to look up ".." (see _parent_of)
     supports_dot_lookup = False
 
-    def __init__(self, recorder: Recorder, root_fd: int, fault_name: str | None = None):
+    def __init__(self, recorder: Recorder, root_fd: int, fault_name: str | None = None,
+                 fd_limit: int | None = None):
         super().__init__()
         self.recorder = recorder
         self.attribution = recorder.attribution
@@ -122,8 +171,18 @@ class Operations(pyfuse3.Operations):
         self.handles: dict[int, Handle | DirHandle] = {}
         self._next_fh = 1
         self._next_collision = _COLLISION_BASE
+        # the inodes holding an O_PATH fd, oldest first (the root's is never closed: not here)
+        self._ring: dict[int, Inode] = {}
+        if fd_limit is None:
+            fd_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            if fd_limit == resource.RLIM_INFINITY:
+                fd_limit = 1 << 20
+        # half the fds for O_PATH fds (the rest: open handles, the journal, the control socket)
+        self._fd_high = max(_MIN_FD_HIGH, fd_limit // 2)
+        self._fd_low = self._fd_high * 3 // 4  # a trim closes down to here
         st = os.fstat(root_fd)
-        self.root = Inode(pyfuse3.ROOT_INODE, root_fd, (st.st_dev, st.st_ino), st.st_mode)
+        self.root = Inode(pyfuse3.ROOT_INODE, (st.st_dev, st.st_ino), st.st_mode, None, None)
+        self.root.opath = root_fd
         self.root.nlookup = 1 << 62  # never forgotten
         self.inodes[pyfuse3.ROOT_INODE] = self.root
         self.by_key[self.root.key] = pyfuse3.ROOT_INODE
@@ -154,42 +213,170 @@ class Operations(pyfuse3.Operations):
         a.st_ctime_ns = st.st_ctime_ns
         return a
 
-    def _remember(self, fd: int, st: os.stat_result) -> Inode:
-        """Count one lookup of the object behind ``fd`` (taking ownership of ``fd``)."""
+    def _remember(self, fd: int, st: os.stat_result, parent: Inode, name: str) -> Inode:
+        """Count one lookup of ``name`` in ``parent``, whose stat is ``st``; ``fd`` is its O_PATH
+        fd (ownership taken) or -1 (the inode then gets one when it is next used)."""
         key = (st.st_dev, st.st_ino)
         ino = self.by_key.get(key)
         if ino is not None:
-            os.close(fd)
             inode = self.inodes[ino]
+            if fd >= 0:
+                if inode.opath < 0:
+                    self._hold(inode, fd)
+                else:
+                    os.close(fd)
+            if inode.parent is not parent or inode.name != name:
+                self._relink(inode, parent, name)  # another hard link, or moved outside us
         else:
             ino = st.st_ino
             if ino <= pyfuse3.ROOT_INODE or ino in self.inodes or ino >= _COLLISION_BASE:
                 ino = self._next_collision
                 self._next_collision += 1
-            inode = Inode(ino, fd, key, st.st_mode)
+            inode = Inode(ino, key, st.st_mode, parent, name)
+            parent.nchildren += 1
             self.inodes[ino] = inode
             self.by_key[key] = ino
+            if fd >= 0:
+                self._hold(inode, fd)
         inode.nlookup += 1
         return inode
 
     def _lookup_name(self, parent: Inode, name: str) -> tuple[Inode, os.stat_result]:
-        fd = underlay.open_path(parent.fd, name)
+        fd = underlay.open_path(self._fd(parent), name)
         try:
             st = os.fstat(fd)
         except BaseException:
             os.close(fd)
             raise
-        return self._remember(fd, st), st
+        return self._remember(fd, st, parent, name), st
 
     def _parent_of(self, inode: Inode) -> Inode:
         """The parent directory's inode, never by walking ".." onto the mountpoint (the
-        underlay root's dentry is where our own mount sits: stepping on it would call us)."""
-        path = self.recorder.rel(inode.fd)
-        if inode is self.root or "/" not in path:
-            self.root.nlookup += 1
-            return self.root
-        fd = underlay.open_beneath(self.root.fd, path.rsplit("/", 1)[0])
-        return self._remember(fd, os.fstat(fd))
+        underlay root's dentry is where our own mount sits: stepping on it would call us).
+        A directory has one name, and renames through us keep its remembered parent current."""
+        parent = inode.parent if inode is not self.root else None
+        if parent is None:
+            parent = self.root
+        parent.nlookup += 1
+        return parent
+
+    # -- O_PATH fds: at most about half the fd limit ---------------------------------------------
+    def _fd(self, inode: Inode) -> int:
+        """The inode's O_PATH fd, opened again from its parent and name if it was closed.
+
+        The only way handlers reach an inode's fd.  An fd returned here stays open until the
+        request ends (fds are closed only between requests, by ``_trim``)."""
+        fd = inode.opath
+        if fd >= 0:
+            inode.used = True
+            return fd
+        # walk up to the nearest inode that has an fd, then open names downwards (iteratively:
+        # a deep tree must not hit the recursion limit)
+        chain = []
+        i = inode
+        while i.opath < 0:
+            if i.parent is None:  # dropped from the table: it has no name we could follow
+                raise pyfuse3.FUSEError(errno.ESTALE)
+            chain.append(i)
+            i = i.parent
+        fd = i.opath
+        i.used = True
+        transient = False  # fd is a directory's on the way down, kept by no inode
+        try:
+            for i in reversed(chain):
+                nfd = self._open_again(fd, i)
+                if transient:
+                    os.close(fd)
+                fd, transient = nfd, False
+                # directories on the way keep their fd only below the high-water mark, so a
+                # deep path costs at most two fds more than that in one request
+                if i is inode or len(self._ring) < self._fd_high:
+                    self._hold(i, fd)
+                else:
+                    transient = True
+        except BaseException:
+            if transient:
+                os.close(fd)
+            raise
+        return fd
+
+    def _open_again(self, parent_fd: int, inode: Inode) -> int:
+        try:
+            fd = underlay.open_path(parent_fd, inode.name)
+        except (FileNotFoundError, NotADirectoryError):
+            raise pyfuse3.FUSEError(errno.ESTALE) from None
+        try:
+            st = os.fstat(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        if (st.st_dev, st.st_ino) != inode.key:  # the name now holds another object
+            os.close(fd)
+            raise pyfuse3.FUSEError(errno.ESTALE)
+        return fd
+
+    def _hold(self, inode: Inode, fd: int) -> None:
+        inode.opath = fd
+        inode.used = True
+        self._ring[inode.fuse_ino] = inode
+
+    def _unhold(self, inode: Inode) -> None:
+        if inode.opath >= 0 and inode is not self.root:
+            del self._ring[inode.fuse_ino]
+            fd, inode.opath = inode.opath, -1
+            os.close(fd)
+
+    def _trim(self) -> None:
+        """Close O_PATH fds down to the low-water mark, least recently used first (a clock: an
+        inode used since the last sweep gets a second chance; one with open handles keeps its
+        fd). Called between requests only."""
+        ring = self._ring
+        try:
+            for _ in range(2):  # the second lap takes what the first spared for being used
+                for ino, inode in list(ring.items()):
+                    if len(ring) <= self._fd_low:
+                        return
+                    if inode.nopen or inode.used:
+                        inode.used = False
+                        del ring[ino]
+                        ring[ino] = inode  # to the end: youngest
+                        continue
+                    self._unhold(inode)
+        except Exception:  # the mount must not die of a trim: the next request tries again
+            log.exception("closing idle O_PATH fds failed")
+
+    def _relink(self, inode: Inode, parent: Inode, name: str) -> None:
+        """``inode`` is now reached as ``name`` in ``parent`` (a rename, another hard link)."""
+        if parent is not inode.parent:
+            p = parent
+            while p is not None:  # never a cycle (a bind mount of an ancestor inside the tree)
+                if p is inode:
+                    return
+                p = p.parent
+            old = inode.parent
+            parent.nchildren += 1
+            inode.parent = parent
+            if old is not None:
+                old.nchildren -= 1
+                self._drop_if_unused(old)
+        inode.name = name
+
+    def _drop_if_unused(self, inode: Inode) -> None:
+        """Take inodes nobody holds (no lookup, no child in the table) out of the table, and then
+        their parents that this leaves unused."""
+        while inode is not self.root and inode.nlookup <= 0 and inode.nchildren <= 0 \
+                and inode.nopen <= 0:
+            ino = inode.fuse_ino
+            if self.inodes.get(ino) is inode:
+                del self.inodes[ino]
+            if self.by_key.get(inode.key) == ino:
+                del self.by_key[inode.key]
+            self._unhold(inode)
+            parent, inode.parent = inode.parent, None
+            if parent is None:
+                return
+            parent.nchildren -= 1
+            inode = parent
 
     def _hidden(self, parent_ino: int, name: str) -> bool:
         return parent_ino == pyfuse3.ROOT_INODE and name == ATTIC_NAME
@@ -211,12 +398,12 @@ class Operations(pyfuse3.Operations):
         if self._hidden(parent_inode, name):
             raise pyfuse3.FUSEError(errno.ENOENT)
         if name == ".":
-            inode, st = parent, os.fstat(parent.fd)
+            inode, st = parent, os.fstat(self._fd(parent))
             inode.nlookup += 1
             return self._attr(inode, st)
         if name == "..":
             inode = self._parent_of(parent)
-            return self._attr(inode, os.fstat(inode.fd))
+            return self._attr(inode, os.fstat(self._fd(inode)))
         try:
             inode, st = self._lookup_name(parent, name)
         except FileNotFoundError:
@@ -239,15 +426,14 @@ class Operations(pyfuse3.Operations):
                 continue
             inode.nlookup -= n
             if inode.nlookup <= 0:
-                del self.inodes[ino]
-                if self.by_key.get(inode.key) == ino:
-                    del self.by_key[inode.key]
-                os.close(inode.fd)
+                if inode.nopen <= 0:
+                    self._unhold(inode)  # still a parent of inodes in the table: a name only
+                self._drop_if_unused(inode)
 
     @_errno_boundary
     async def getattr(self, inode, ctx=None):
         i = self._inode(inode)
-        return self._attr(i, os.fstat(i.fd))
+        return self._attr(i, os.fstat(self._fd(i)))
 
     @_errno_boundary
     async def setattr(self, inode, attr, fields, fh, ctx):
@@ -255,26 +441,27 @@ class Operations(pyfuse3.Operations):
         i.no_xattr.clear()  # chmod rewrites an ACL's mask; chown drops capabilities
         actor = self._actor(ctx)
         rec = self.recorder
+        fd = self._fd(i)
         if fields.update_size:
             h = self.handles.get(fh) if fh is not None else None
             if not isinstance(h, Handle) or h.unit is None:
                 h = None
-            rec.truncate(i.fd, attr.st_size, actor, handle=h)
+            rec.truncate(fd, attr.st_size, actor, handle=h)
         if fields.update_mode:
             if i.is_symlink:
                 raise pyfuse3.FUSEError(errno.EOPNOTSUPP)
-            rec.chmod(i.fd, stat.S_IMODE(attr.st_mode), actor)
+            rec.chmod(fd, stat.S_IMODE(attr.st_mode), actor)
         if fields.update_uid or fields.update_gid:
-            rec.chown(i.fd, attr.st_uid if fields.update_uid else -1,
+            rec.chown(fd, attr.st_uid if fields.update_uid else -1,
                       attr.st_gid if fields.update_gid else -1, actor)
         if fields.update_atime or fields.update_mtime:
-            rec.utimens(i.fd, attr.st_atime_ns if fields.update_atime else None,
+            rec.utimens(fd, attr.st_atime_ns if fields.update_atime else None,
                         attr.st_mtime_ns if fields.update_mtime else None, i.is_symlink, actor)
-        return self._attr(i, os.fstat(i.fd))
+        return self._attr(i, os.fstat(fd))
 
     @_errno_boundary
     async def readlink(self, inode, ctx):
-        return os.fsencode(os.readlink("", dir_fd=self._inode(inode).fd))
+        return os.fsencode(os.readlink("", dir_fd=self._fd(self._inode(inode))))
 
     @_errno_boundary
     async def access(self, inode, mode, ctx):
@@ -282,7 +469,7 @@ class Operations(pyfuse3.Operations):
 
     @_errno_boundary
     async def statfs(self, ctx):
-        s = os.statvfs(self.root.fd)
+        s = os.statvfs(self._fd(self.root))
         r = pyfuse3.StatvfsData()
         for f in ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail", "f_files",
                   "f_ffree", "f_favail", "f_namemax"):
@@ -299,7 +486,8 @@ class Operations(pyfuse3.Operations):
         name = os.fsdecode(name)
         self._check_name(parent_inode, name)
         p = self._inode(parent_inode)
-        self.recorder.mkdir(p.fd, name, stat.S_IMODE(mode), ctx.uid, ctx.gid, self._actor(ctx))
+        self.recorder.mkdir(self._fd(p), name, stat.S_IMODE(mode), ctx.uid, ctx.gid,
+                            self._actor(ctx))
         return self._entry(p, name)
 
     @_errno_boundary
@@ -307,7 +495,7 @@ class Operations(pyfuse3.Operations):
         name = os.fsdecode(name)
         self._check_name(parent_inode, name)
         p = self._inode(parent_inode)
-        self.recorder.mknod(p.fd, name, mode, rdev, ctx.uid, ctx.gid, self._actor(ctx))
+        self.recorder.mknod(self._fd(p), name, mode, rdev, ctx.uid, ctx.gid, self._actor(ctx))
         return self._entry(p, name)
 
     @_errno_boundary
@@ -315,7 +503,8 @@ class Operations(pyfuse3.Operations):
         name = os.fsdecode(name)
         self._check_name(parent_inode, name)
         p = self._inode(parent_inode)
-        self.recorder.symlink(p.fd, name, os.fsdecode(target), ctx.uid, ctx.gid, self._actor(ctx))
+        self.recorder.symlink(self._fd(p), name, os.fsdecode(target), ctx.uid, ctx.gid,
+                              self._actor(ctx))
         return self._entry(p, name)
 
     @_errno_boundary
@@ -323,7 +512,7 @@ class Operations(pyfuse3.Operations):
         new_name = os.fsdecode(new_name)
         self._check_name(new_parent_inode, new_name)
         i, p = self._inode(inode), self._inode(new_parent_inode)
-        self.recorder.link(i.fd, p.fd, new_name, self._actor(ctx))
+        self.recorder.link(self._fd(i), self._fd(p), new_name, self._actor(ctx))
         return self._entry(p, new_name)
 
     @_errno_boundary
@@ -332,7 +521,8 @@ class Operations(pyfuse3.Operations):
         self._check_name(parent_inode, name)
         p = self._inode(parent_inode)
         actor = self._actor(ctx)
-        fd = self.recorder.create(p.fd, name, self._io_flags(flags), mode, ctx.uid, ctx.gid, actor)
+        fd = self.recorder.create(self._fd(p), name, self._io_flags(flags), mode, ctx.uid, ctx.gid,
+                                  actor)
         try:
             inode, st = self._lookup_name(p, name)
         except BaseException:
@@ -345,21 +535,39 @@ class Operations(pyfuse3.Operations):
     async def unlink(self, parent_inode, name, ctx):
         name = os.fsdecode(name)
         self._check_name(parent_inode, name)
-        self.recorder.unlink(self._inode(parent_inode).fd, name, self._actor(ctx))
+        self.recorder.unlink(self._fd(self._inode(parent_inode)), name, self._actor(ctx))
 
     @_errno_boundary
     async def rmdir(self, parent_inode, name, ctx):
         name = os.fsdecode(name)
         self._check_name(parent_inode, name)
-        self.recorder.rmdir(self._inode(parent_inode).fd, name, self._actor(ctx))
+        self.recorder.rmdir(self._fd(self._inode(parent_inode)), name, self._actor(ctx))
 
     @_errno_boundary
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
         name_old, name_new = os.fsdecode(name_old), os.fsdecode(name_new)
         self._check_name(parent_inode_old, name_old)
         self._check_name(parent_inode_new, name_new)
-        self.recorder.rename(self._inode(parent_inode_old).fd, name_old,
-                             self._inode(parent_inode_new).fd, name_new, flags, self._actor(ctx))
+        pold, pnew = self._inode(parent_inode_old), self._inode(parent_inode_new)
+        ofd, nfd = self._fd(pold), self._fd(pnew)
+        moved = self._known_at(ofd, name_old)
+        other = self._known_at(nfd, name_new) if flags & underlay.RENAME_EXCHANGE else None
+        self.recorder.rename(ofd, name_old, nfd, name_new, flags, self._actor(ctx))
+        # the remembered names follow (what the rename replaced keeps its stale name: the next
+        # use of it checks (st_dev, st_ino) and answers ESTALE)
+        if moved is not None and moved.parent is pold and moved.name == name_old:
+            self._relink(moved, pnew, name_new)
+        if other is not None and other.parent is pnew and other.name == name_new:
+            self._relink(other, pold, name_old)
+
+    def _known_at(self, dirfd: int, name: str) -> Inode | None:
+        """The table's inode for ``name`` in ``dirfd``, if any."""
+        try:
+            st = underlay.lstat_at(dirfd, name)
+        except OSError:
+            return None
+        ino = self.by_key.get((st.st_dev, st.st_ino))
+        return None if ino is None else self.inodes[ino]
 
     # -- files ----------------------------------------------------------------------------------
     @staticmethod
@@ -375,6 +583,7 @@ class Operations(pyfuse3.Operations):
         fh = self._next_fh
         self._next_fh += 1
         self.handles[fh] = Handle(fd, inode, actor, unit, self.recorder)
+        inode.nopen += 1  # an open inode keeps its O_PATH fd (it may lose every name)
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
     @_errno_boundary
@@ -387,14 +596,15 @@ class Operations(pyfuse3.Operations):
             # the open itself truncates: journal the content first, then open without O_TRUNC
             # and truncate, so the pre-image is read before the data goes
             io_flags &= ~os.O_TRUNC
-            fd = underlay.reopen(i.fd, io_flags)
+            ifd = self._fd(i)
+            fd = underlay.reopen(ifd, io_flags)
             try:
-                self.recorder.truncate(i.fd, 0, actor, open_fd=fd)
+                self.recorder.truncate(ifd, 0, actor, open_fd=fd)
             except BaseException:
                 os.close(fd)
                 raise
         else:
-            fd = underlay.reopen(i.fd, io_flags)
+            fd = underlay.reopen(self._fd(i), io_flags)
         return self._file_info(fd, i, actor if writing else None)
 
     @_errno_boundary
@@ -406,8 +616,7 @@ class Operations(pyfuse3.Operations):
         h = self.handles[fh]
         if h.unit is None:  # opened read-only: the kernel would not send this
             raise pyfuse3.FUSEError(errno.EBADF)
-        self.recorder.before_write(h, off, len(buf), buf)
-        return os.pwrite(h.fd, buf, off)
+        return self.recorder.write(h, off, buf)
 
     async def flush(self, fh):
         # writes reach the underlay as they come, so a close has nothing to flush: ENOSYS
@@ -419,10 +628,20 @@ class Operations(pyfuse3.Operations):
         h = self.handles.pop(fh)
         try:
             if h.write_seq is not None and h.writes > 1:
-                self.recorder.journal.put_extents(h.write_seq, {
-                    "writes": h.writes, "bytes": h.nbytes, "lo": h.lo, "hi": h.hi})
+                try:
+                    self.recorder.journal.put_extents(h.write_seq, {
+                        "writes": h.writes, "bytes": h.nbytes, "lo": h.lo, "hi": h.hi})
+                except JournalError as e:  # a summary, not a pre-image: lost, and said so
+                    log.warning("extents of event %d not journaled: %s", h.write_seq, e)
         finally:
             os.close(h.fd)
+            self._closed(h.inode)
+
+    def _closed(self, inode: Inode) -> None:
+        inode.nopen -= 1
+        if inode.nopen <= 0 and inode.nlookup <= 0:  # forgotten while open (not by the kernel)
+            self._unhold(inode)
+            self._drop_if_unused(inode)
 
     @_errno_boundary
     async def fsync(self, fh, datasync):
@@ -433,7 +652,7 @@ class Operations(pyfuse3.Operations):
     @_errno_boundary
     async def opendir(self, inode, ctx):
         i = self._inode(inode)
-        dfd = underlay.open_dir(i.fd)
+        dfd = underlay.open_dir(self._fd(i))
         try:
             names = os.listdir(dfd)
         finally:
@@ -443,6 +662,7 @@ class Operations(pyfuse3.Operations):
         fh = self._next_fh
         self._next_fh += 1
         self.handles[fh] = DirHandle(i, names)
+        i.nopen += 1
         return fh
 
     @_errno_boundary
@@ -459,14 +679,16 @@ class Operations(pyfuse3.Operations):
             a.st_mode = stat.S_IFDIR
             if not pyfuse3.readdir_reply(token, b"." if idx == 0 else b"..", a, idx + 1):
                 return
+        parent = d.inode
+        pfd = self._fd(parent)
         for idx in range(max(start_id, 2), len(names) + 2):
             name = names[idx - 2]
             try:
-                fd = underlay.open_path(d.inode.fd, name)
+                # a stat, no fd: an entry gets an O_PATH fd when it is used (most never are)
+                st = underlay.lstat_at(pfd, name)
             except FileNotFoundError:
                 continue  # gone since opendir
-            st = os.fstat(fd)
-            inode = self._remember(fd, st)
+            inode = self._remember(-1, st, parent, name)
             if not pyfuse3.readdir_reply(token, os.fsencode(name), self._attr(inode, st), idx + 1):
                 inode.nlookup -= 1  # not sent: the kernel holds no reference to it
                 if inode.nlookup <= 0:
@@ -475,12 +697,14 @@ class Operations(pyfuse3.Operations):
 
     @_errno_boundary
     async def releasedir(self, fh):
-        self.handles.pop(fh, None)
+        d = self.handles.pop(fh, None)
+        if d is not None:
+            self._closed(d.inode)
 
     @_errno_boundary
     async def fsyncdir(self, fh, datasync):
         d = self.handles[fh]
-        dfd = underlay.open_dir(d.inode.fd)
+        dfd = underlay.open_dir(self._fd(d.inode))
         try:
             os.fsync(dfd)
         finally:
@@ -491,7 +715,7 @@ class Operations(pyfuse3.Operations):
         i = self._inode(inode)
         if i.is_symlink:
             raise pyfuse3.FUSEError(errno.ENODATA)
-        return i, underlay.proc_path(i.fd)
+        return i, underlay.proc_path(self._fd(i))
 
     @_errno_boundary
     async def getxattr(self, inode, name, ctx):
@@ -510,7 +734,7 @@ class Operations(pyfuse3.Operations):
         i = self._inode(inode)
         if i.is_symlink:
             return []
-        return [os.fsencode(n) for n in os.listxattr(underlay.proc_path(i.fd))]
+        return [os.fsencode(n) for n in os.listxattr(underlay.proc_path(self._fd(i)))]
 
     @_errno_boundary
     async def setxattr(self, inode, name, value, ctx):
@@ -518,7 +742,7 @@ class Operations(pyfuse3.Operations):
         if i.is_symlink:
             raise pyfuse3.FUSEError(errno.EPERM)
         i.no_xattr.clear()
-        self.recorder.setxattr(i.fd, os.fsdecode(name), value, self._actor(ctx))
+        self.recorder.setxattr(self._fd(i), os.fsdecode(name), value, self._actor(ctx))
 
     @_errno_boundary
     async def removexattr(self, inode, name, ctx):
@@ -526,4 +750,4 @@ class Operations(pyfuse3.Operations):
         if i.is_symlink:
             raise pyfuse3.FUSEError(errno.ENODATA)
         i.no_xattr.clear()
-        self.recorder.removexattr(i.fd, os.fsdecode(name), self._actor(ctx))
+        self.recorder.removexattr(self._fd(i), os.fsdecode(name), self._actor(ctx))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import logging
 import os
 import stat
@@ -28,7 +29,7 @@ from contextlib import contextmanager
 from . import underlay
 from .attribution import Attribution
 from .calls import Calls
-from .journal import Journal, preimage
+from .journal import Journal, JournalError, preimage
 from .journal.schema import UNMOUNTED
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,67 @@ def unit_fields(unit: str) -> dict:
 
 def _fd_flags(fd: int) -> int:
     return fcntl.fcntl(fd, fcntl.F_GETFL)
+
+
+def _undoable(fn):
+    """A mutation that fails (the journal or the content store cannot take its pre-image, the
+    underlay refuses it) leaves the epochs as they were before it: what it noted as saved never
+    reached the journal, or went with an event that the ``failed`` note voids, so the next
+    change must capture it again (and, once there is room again, does)."""
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        if self._undo is not None:  # inside another undoable step: that one restores
+            return fn(self, *args, **kwargs)
+        self._undo = {}
+        try:
+            return fn(self, *args, **kwargs)
+        except BaseException:
+            self._restore(self._undo)
+            raise
+        finally:
+            self._undo = None
+    return wrapper
+
+
+class _CleanBlobs:
+    """The content store as the recorder writes to it: a blob write that fails (a full state
+    filesystem) leaves no partial temp file behind.  (The daemon is one thread: the only temp
+    files of this process are those of the write that just failed.)"""
+
+    def __init__(self, store):
+        self._store = store
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def put_range(self, *args, **kwargs) -> str:
+        try:
+            return self._store.put_range(*args, **kwargs)
+        except OSError:
+            self._sweep()
+            raise
+
+    def put_bytes(self, *args, **kwargs) -> str:
+        try:
+            return self._store.put_bytes(*args, **kwargs)
+        except OSError:
+            self._sweep()
+            raise
+
+    def _sweep(self) -> None:
+        tmp = getattr(self._store, "_tmp", None)
+        if tmp is None:
+            return
+        mine = f"{os.getpid()}."
+        try:
+            names = [n for n in os.listdir(tmp) if n.startswith(mine)]
+        except OSError:
+            return
+        for n in names:
+            try:
+                os.unlink(os.path.join(tmp, n))
+            except OSError:
+                pass
 
 
 class RangeSet:
@@ -99,7 +161,9 @@ class Recorder:
         self.journal = journal
         self.record_data = record_data
         self.units = units or Calls(journal, attribution)
-        self.content = journal.content
+        self.content = _CleanBlobs(journal.content)
+        self._undo: dict[str, tuple | None] | None = None  # see _undoable
+        self._unjournaled: list[dict] = []  # failed notes the journal could not take yet
         self.root_fd = root_fd
         self.attribution = attribution
         self.whole_file_limit = whole_file_limit
@@ -114,6 +178,13 @@ class Recorder:
 
     # -- attic ----------------------------------------------------------------------------------
     def _open_attic(self) -> int:
+        # entries are named "<journal id>.<seq>": a workspace mounted with another state dir
+        # (another journal, whose seqs start again at 1) never meets this journal's names
+        jid = self.journal.meta("journal_id")
+        if jid is None:
+            jid = os.urandom(8).hex()
+            self.journal.put_meta("journal_id", jid)
+        self.attic_prefix = jid + "."
         try:
             os.mkdir(ATTIC_NAME, 0o700, dir_fd=self.root_fd)
         except FileExistsError:
@@ -176,22 +247,66 @@ class Recorder:
 
     def _epoch(self, path: str, unit: str) -> tuple[Epoch, bool]:
         ep = self.epochs.get(path)
+        if self._undo is not None and path not in self._undo:
+            self._undo[path] = None if ep is None else (
+                ep, ep.unit, ep.content_saved, ep.meta_saved, ep.size0,
+                None if ep.ranges is None else [list(iv) for iv in ep.ranges.iv])
         if ep is not None and ep.unit == unit:
             return ep, False
         ep = Epoch(unit)
         self.epochs[path] = ep
         return ep, True
 
+    def _restore(self, undo: dict[str, tuple | None]) -> None:
+        """Put the epochs of these paths back as ``_epoch`` found them (see _undoable)."""
+        for path, snap in undo.items():
+            if snap is None:
+                self.epochs.pop(path, None)
+                continue
+            ep, ep.unit, ep.content_saved, ep.meta_saved, ep.size0, iv = snap
+            if iv is None:
+                ep.ranges = None
+            else:
+                ep.ranges = RangeSet()
+                ep.ranges.iv = iv
+            self.epochs[path] = ep
+
     # -- the write-ahead step -------------------------------------------------------------------
+    def _append(self, ev: dict, actor: dict) -> int:
+        """Commit ``ev`` (after any failed notes still owed, in the same commit); its seq.
+        JournalError (with the errno to answer, ENOSPC for a full state dir) when it cannot be
+        committed: the caller must then leave the underlay alone."""
+        if not self._unjournaled:
+            return self.journal.append(ev, actor)
+        owed = self._unjournaled
+        seqs = self.journal.append_many(owed + [ev], [actor])
+        log.info("journaled %d failed note(s) owed since the journal was full", len(owed))
+        self._unjournaled = []
+        return seqs[-1]
+
+    def _note_failed(self, seq: int, path: str | None, err: int | None, actor_key: str) -> None:
+        """Journal that the underlay refused event ``seq``.  When the journal cannot take the
+        note now (its filesystem is full too), it goes with the next event that commits."""
+        note = {"op": "failed", "ref": seq, "path": path, "errno": err, "actor": actor_key}
+        try:
+            self.journal.append_many(self._unjournaled + [note], [])
+            self._unjournaled = []
+        except JournalError as e:
+            log.warning("cannot journal that event %d failed (%s): kept to journal later", seq, e)
+            self._unjournaled.append(note)
+
     @contextmanager
     def _mutation(self, ev: dict, actor: dict):
+        """Journal ``ev``, then let the caller change the underlay; a refusal is noted.
+
+        JournalError from the commit reaches the caller before the underlay is touched (write-
+        ahead: the body never runs); the filesystem layer answers its errno."""
         ev["actor"] = actor["key"]
-        seq = self.journal.append(ev, actor)
+        seq = self._append(ev, actor)
         try:
             yield seq
         except OSError as e:
-            self.journal.append({"op": "failed", "ref": seq, "path": ev.get("path"),
-                                 "errno": e.errno, "actor": actor["key"]})
+            self._note_failed(seq, ev.get("path"), e.errno, actor["key"])
             raise
 
     def _event(self, op: str, path: str, actor: dict, unit: str, **kw) -> tuple[dict, Epoch, bool]:
@@ -228,6 +343,7 @@ class Recorder:
             ep.content_saved = ep.meta_saved = True
         return ev
 
+    @_undoable
     def create(self, parent_fd: int, name: str, flags: int, mode: int, uid: int, gid: int,
                actor: dict) -> int:
         ev = self._creation("create", parent_fd, name, actor, mode=mode)
@@ -257,12 +373,14 @@ class Recorder:
             os.close(fd)
         return pre
 
+    @_undoable
     def mkdir(self, parent_fd: int, name: str, mode: int, uid: int, gid: int, actor: dict) -> None:
         ev = self._creation("mkdir", parent_fd, name, actor, mode=mode)
         with self._mutation(ev, actor):
             os.mkdir(name, mode, dir_fd=parent_fd)
             self._fix_owner(parent_fd, name, uid, gid, None)
 
+    @_undoable
     def mknod(self, parent_fd: int, name: str, mode: int, rdev: int, uid: int, gid: int,
               actor: dict) -> None:
         ev = self._creation("mknod", parent_fd, name, actor, mode=mode, rdev=rdev)
@@ -270,6 +388,7 @@ class Recorder:
             os.mknod(name, mode, rdev, dir_fd=parent_fd)
             self._fix_owner(parent_fd, name, uid, gid, None)
 
+    @_undoable
     def symlink(self, parent_fd: int, name: str, target: str, uid: int, gid: int,
                 actor: dict) -> None:
         ev = self._creation("symlink", parent_fd, name, actor, target=target)
@@ -277,6 +396,7 @@ class Recorder:
             os.symlink(target, name, dir_fd=parent_fd)
             self._fix_owner(parent_fd, name, uid, gid, None)
 
+    @_undoable
     def link(self, src_fd: int, parent_fd: int, name: str, actor: dict) -> None:
         source = self.rel(src_fd)
         ev = self._creation("link", parent_fd, name, actor, source=source)
@@ -284,6 +404,7 @@ class Recorder:
             underlay.link_fd(src_fd, parent_fd, name, root_fd=self.root_fd, rel=source)
 
     # -- removals -------------------------------------------------------------------------------
+    @_undoable
     def unlink(self, parent_fd: int, name: str, actor: dict) -> None:
         path = self.child(parent_fd, name)
         unit = self.units.unit_of(actor)
@@ -295,15 +416,16 @@ class Recorder:
             raise IsADirectoryError(errno.EISDIR, "unlink", name)
         seq = self.journal.reserve_seq()
         ev["seq"] = seq
-        pre["attic"] = str(seq)
+        pre["attic"] = self.attic_prefix + str(seq)
         ev["pre"] = pre
         with self._mutation(ev, actor):
             # one rename is both the pre-image and the change: the inode lives on in the attic
-            os.rename(name, str(seq), src_dir_fd=parent_fd, dst_dir_fd=self.attic_fd)
+            os.rename(name, pre["attic"], src_dir_fd=parent_fd, dst_dir_fd=self.attic_fd)
         k = (st.st_dev, st.st_ino)
         self.attic_links[k] = self.attic_links.get(k, 0) + 1
         ep.content_saved = ep.meta_saved = True
 
+    @_undoable
     def rmdir(self, parent_fd: int, name: str, actor: dict) -> None:
         path = self.child(parent_fd, name)
         unit = self.units.unit_of(actor)
@@ -314,6 +436,7 @@ class Recorder:
             os.rmdir(name, dir_fd=parent_fd)
         ep.content_saved = ep.meta_saved = True
 
+    @_undoable
     def rename(self, pfd: int, name: str, npfd: int, nname: str, flags: int, actor: dict) -> None:
         path, path2 = self.child(pfd, name), self.child(npfd, nname)
         unit = self.units.unit_of(actor)
@@ -331,7 +454,7 @@ class Recorder:
         if st2 is not None and not flags & underlay.RENAME_EXCHANGE and not stat.S_ISDIR(st2.st_mode) \
                 and not (st.st_dev == st2.st_dev and st.st_ino == st2.st_ino):
             # the renamed-over inode survives by a hard link in the attic, taken before the rename
-            pre2["attic"] = str(seq)
+            pre2["attic"] = self.attic_prefix + str(seq)
             attic_key = (st2.st_dev, st2.st_ino)
         ev["pre2"] = pre2
         ep2, new2 = self._epoch(path2, unit)
@@ -339,7 +462,7 @@ class Recorder:
             ev["epoch2"] = True
         with self._mutation(ev, actor):
             if attic_key:
-                os.link(nname, str(seq), src_dir_fd=npfd, dst_dir_fd=self.attic_fd,
+                os.link(nname, pre2["attic"], src_dir_fd=npfd, dst_dir_fd=self.attic_fd,
                         follow_symlinks=False)
                 self.attic_links[attic_key] = self.attic_links.get(attic_key, 0) + 1
             underlay.renameat2(pfd, name, npfd, nname, flags)
@@ -397,11 +520,14 @@ class Recorder:
             ev["pre"] = pre
         return ev
 
-    def before_write(self, handle, off: int, length: int, data: bytes | None = None) -> None:
+    @_undoable
+    def before_write(self, handle, off: int, length: int, data: bytes | None = None) -> int | None:
         """Called before each write through a handle; commits ahead whatever must be saved.
 
         In full-fidelity mode (``record_data``) every write is an event carrying its data, so
-        the tree can be replayed exactly at every event, not only at epoch boundaries."""
+        the tree can be replayed exactly at every event, not only at epoch boundaries.
+        Returns the seq of the event it journaled, or None when the write joined the handle's
+        last one."""
         ev = self._capture(handle.path, handle.fd, handle.unit, off, off + length)
         if self.record_data and data is not None:
             ev = ev or {"path": handle.path, **unit_fields(handle.unit)}
@@ -411,14 +537,30 @@ class Recorder:
                 ev = {"path": handle.path, **unit_fields(handle.unit)}
             else:
                 handle.note_write(off, length)
-                return
+                return None
         ev["op"] = "write"
         ev["offset"], ev["length"] = off, length
         ev["actor"] = handle.actor["key"]
-        handle.write_seq = self.journal.append(ev, handle.actor)
+        handle.write_seq = self._append(ev, handle.actor)
         handle.epoch = self.epochs.get(handle.path)
         handle.reset_extent(off, length)
+        return handle.write_seq
 
+    @_undoable
+    def write(self, handle, off: int, data: bytes) -> int:
+        """A write through ``handle``: journaled ahead (``before_write``), then made; bytes
+        written.  One the underlay refuses (ENOSPC) after its event was journaled gets a
+        ``failed`` note, and the handle's next write a fresh event."""
+        seq = self.before_write(handle, off, len(data), data)
+        try:
+            return os.pwrite(handle.fd, data, off)
+        except OSError as e:
+            if seq is not None:
+                handle.write_seq = None
+                self._note_failed(seq, handle.path, e.errno, handle.actor["key"])
+            raise
+
+    @_undoable
     def truncate(self, fd: int, size: int, actor: dict, *, handle=None,
                  open_fd: int | None = None) -> None:
         """Truncate the file behind the O_PATH ``fd``: by setattr (through ``handle`` when the
@@ -460,24 +602,29 @@ class Recorder:
             ep.meta_saved = True
         return ev
 
+    @_undoable
     def chmod(self, fd: int, mode: int, actor: dict) -> None:
         with self._mutation(self._meta_event("chmod", fd, actor, mode=mode), actor):
             underlay.chmod_fd(fd, mode)
 
+    @_undoable
     def chown(self, fd: int, uid: int, gid: int, actor: dict) -> None:
         with self._mutation(self._meta_event("chown", fd, actor, uid=uid, gid=gid), actor):
             underlay.chown_fd(fd, uid, gid)
 
+    @_undoable
     def utimens(self, fd: int, atime_ns, mtime_ns, is_symlink: bool, actor: dict) -> None:
         with self._mutation(self._meta_event("utimens", fd, actor, atime_ns=atime_ns,
                                              mtime_ns=mtime_ns), actor):
             underlay.utimens_fd(fd, atime_ns, mtime_ns, is_symlink)
 
+    @_undoable
     def setxattr(self, fd: int, name: str, value: bytes, actor: dict) -> None:
         with self._mutation(self._meta_event("setxattr", fd, actor, name=name, size=len(value)),
                             actor):
             os.setxattr(underlay.proc_path(fd), name, value)
 
+    @_undoable
     def removexattr(self, fd: int, name: str, actor: dict) -> None:
         with self._mutation(self._meta_event("removexattr", fd, actor, name=name), actor):
             os.removexattr(underlay.proc_path(fd), name)
@@ -524,7 +671,16 @@ class Recorder:
                                "actor": "overlayrec"})
             except OSError as e:  # an unreadable path stays unsealed: its chain ends live
                 log.warning("cannot seal %s: %s", p, e)
-        self.journal.append_many(events, [])
+        try:
+            self.journal.append_many(events, [])
+        except JournalError as e:
+            if unit is None:  # the record's end (unmount, recovery): the caller must know
+                raise
+            # a unit's end, the state dir full: its epochs stay open, and the next seal (at the
+            # latest at unmount) journals what their paths hold then: late, never missing
+            log.warning("cannot seal %d path(s) at the end of %s (%s): left open",
+                        len(events), unit, e)
+            return 0
         for p in paths:
             self.epochs.pop(p, None)
             self.moved.pop(p, None)

@@ -1,10 +1,18 @@
 """Where things live: a workspace's state dir, the record of its running daemon, and what the
 kernel's mount table says about it.  Plain files and /proc only; no journal, no FUSE.
+
+Every file and directory overlayrec keeps is named here (``StateDir``, ``registry_path``) and
+made here, with its mode given explicitly whatever the umask (the daemon runs with umask 0):
+directories 0700 (``private_dir``), files 0600 (``open_private``, ``write_private``).  What is
+read back is checked first: a state dir or registry another user could change is refused
+(``check_private``), and a pid read from daemon.json is verified before anything signals it
+(``verify_daemon``).  docs/storage.md lists every name with its role, mode and owner.
 """
 from __future__ import annotations
 
 import errno
 import os
+import stat as _stat
 
 FSNAME = "overlayrec"
 # what a FUSE mount whose daemon died answers: "Transport endpoint is not connected", or
@@ -14,6 +22,220 @@ DEAD_ERRNOS = (errno.ENOTCONN, errno.ECONNABORTED)
 
 class StateError(Exception):
     """A user-facing problem with a workspace or state dir; the message is one line."""
+
+
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+
+
+class StateDir:
+    """A workspace's state dir: the name of everything overlayrec keeps in it.  The layout is
+    docs/storage.md; change a name there and here together."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    @property
+    def journal(self) -> str:
+        """The LMDB environment (data.mdb, lock.mdb)."""
+        return os.path.join(self.path, "journal")
+
+    @property
+    def content(self) -> str:
+        """The content store: blobs at xx/<rest of the xxh3-128 digest>, temp files in tmp/."""
+        return os.path.join(self.path, "content")
+
+    @property
+    def content_tmp(self) -> str:
+        return os.path.join(self.content, "tmp")
+
+    @property
+    def control_sock(self) -> str:
+        return os.path.join(self.path, "control.sock")
+
+    @property
+    def daemon_json(self) -> str:
+        """The running daemon: pid, start time (verify_daemon), workspace; gone at unmount."""
+        return os.path.join(self.path, "daemon.json")
+
+    @property
+    def daemon_log(self) -> str:
+        return os.path.join(self.path, "daemon.log")
+
+    @property
+    def reverts(self) -> str:
+        """Saved revert plans, <revert id>.json: written before a revert's first change."""
+        return os.path.join(self.path, "reverts")
+
+    def revert_plan(self, revert_id: str) -> str:
+        return os.path.join(self.reverts, revert_id + ".json")
+
+    @property
+    def git(self) -> str:
+        """The private git object store of diff, show, report and export."""
+        return os.path.join(self.path, "git")
+
+    def export_state(self, tag: str) -> str:
+        """What an export has written so far, for one (object store, ref prefix)."""
+        return os.path.join(self.path, f"export-{tag}.json")
+
+
+def private_dir(path: str) -> str:
+    """Make ``path`` a directory of mode 0700, whatever the umask (missing parents too, 0700);
+    an existing one of ours is brought to 0700.  One that is not ours is left as it is:
+    ``check_private`` says whether to use it."""
+    try:
+        os.mkdir(path, DIR_MODE)
+    except FileExistsError:
+        pass
+    except FileNotFoundError:
+        parent = os.path.dirname(path)
+        if parent == path:
+            raise
+        private_dir(parent)
+        try:
+            os.mkdir(path, DIR_MODE)
+        except FileExistsError:
+            pass
+    st = os.lstat(path)
+    if not _stat.S_ISDIR(st.st_mode):
+        raise StateError(f"{path} is not a directory")
+    if _stat.S_IMODE(st.st_mode) != DIR_MODE and st.st_uid == os.geteuid():
+        os.chmod(path, DIR_MODE)  # mkdir's mode went through the umask; an old one was looser
+    return path
+
+
+def open_private(path: str, flags: int = os.O_WRONLY | os.O_CREAT | os.O_TRUNC) -> int:
+    """An fd on the regular file ``path``, made 0600 whatever the umask (an existing one of ours
+    is brought to 0600); a symlink is never followed."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+    try:
+        st = os.fstat(fd)
+        if not _stat.S_ISREG(st.st_mode):
+            raise StateError(f"{path} is not a regular file")
+        if _stat.S_IMODE(st.st_mode) != FILE_MODE and st.st_uid == os.geteuid():
+            os.fchmod(fd, FILE_MODE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def tighten(path: str) -> None:
+    """Bring an existing file of ours to 0600, a directory to 0700 (what an older overlayrec,
+    or a tool that takes no mode, left looser); anything else is left alone."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    want = DIR_MODE if _stat.S_ISDIR(st.st_mode) else \
+        FILE_MODE if _stat.S_ISREG(st.st_mode) else None
+    if want is not None and st.st_uid == os.geteuid() and _stat.S_IMODE(st.st_mode) != want:
+        os.chmod(path, want)
+
+
+def write_private(path: str, data: bytes, durable: bool = False) -> None:
+    """Replace ``path`` with ``data`` at once (a 0600 temp file beside it, renamed over it);
+    ``durable``: fsynced before the rename."""
+    tmp = path + ".tmp"
+    fd = open_private(tmp)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        if durable:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+class private_umask:
+    """``with private_umask():`` a block that makes state-dir files through code that takes no
+    mode (git, LMDB) makes them for the user alone.  The umask is per process: not for a block
+    that other threads run beside."""
+
+    def __enter__(self):
+        self._old = os.umask(0o077)
+        return self
+
+    def __exit__(self, *exc):
+        os.umask(self._old)
+
+
+def _owner_name(uid: int) -> str:
+    import pwd
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def check_private(path: str, what: str = "state dir") -> bool:
+    """Refuse (StateError, one line) a ``path`` another user could change, as ssh refuses an
+    authorized_keys file: the path and every directory above it must be owned by the caller
+    or root and not be writable by group or others.  Two exceptions, both places no one else
+    can change an entry of ours: a sticky directory above it (/tmp, /var/tmp), and whatever
+    lies beneath a directory others cannot enter (a 0700 home).  A path that does not exist
+    yet is judged by the directories above it.  Symlinks are resolved first.
+
+    True when others cannot reach inside ``path`` (it or a directory above it is closed to
+    them), so what it holds needs only the owner check (``check_entry``)."""
+    me = os.geteuid()
+    real = os.path.realpath(os.path.abspath(path))
+    chain = [real]
+    while chain[-1] != "/":
+        chain.append(os.path.dirname(chain[-1]))
+    closed = False
+    for p in reversed(chain):
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            break
+        except OSError as e:
+            raise StateError(f"{what} {path}: cannot check {p}: {e.strerror}") from None
+        shown = path if os.path.abspath(path) == real else f"{path} ({real})"
+        which = f"{what} {shown}" if p == real else f"{what} {shown}: {p} above it"
+        if st.st_uid not in (me, 0):
+            raise StateError(f"{which} is owned by {_owner_name(st.st_uid)}, not by you or "
+                             "root: refusing it")
+        is_dir = _stat.S_ISDIR(st.st_mode)
+        sticky_above = is_dir and p != real and st.st_mode & _stat.S_ISVTX
+        if not closed and st.st_mode & 0o022 and not sticky_above:
+            who = "group and others" if st.st_mode & 0o022 == 0o022 else \
+                ("group" if st.st_mode & 0o020 else "others")
+            raise StateError(f"{which} is writable by {who}: refusing it (check what it "
+                             f"holds, then: chmod go-w {p})")
+        if is_dir and not st.st_mode & 0o011:
+            closed = True
+    return closed
+
+
+def check_entry(path: str, closed: bool, what: str = "state dir") -> None:
+    """``path`` inside a directory that passed ``check_private`` (``closed``: its answer):
+    owned by the caller or root, and unless others cannot reach it, not writable by them."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if st.st_uid not in (os.geteuid(), 0):
+        raise StateError(f"{what}: {path} is owned by {_owner_name(st.st_uid)}, not by you or "
+                         "root: refusing it")
+    if not closed and st.st_mode & 0o022 and not _stat.S_ISLNK(st.st_mode):
+        raise StateError(f"{what}: {path} is writable by group or others: refusing it (check "
+                         f"what it holds, then: chmod go-w {path})")
+
+
+def check_state_dir_private(sd: str) -> str:
+    """A state dir that is the user's alone (``check_private``), and so are the records in it
+    that steer writes into the workspace: the journal and the saved revert plans.  (Blobs are
+    checked against their names when read; a daemon's pid before it is signalled.)"""
+    closed = check_private(sd, "state dir")
+    d = StateDir(sd)
+    for p in (d.journal, os.path.join(d.journal, "data.mdb"), os.path.join(d.journal, "lock.mdb"),
+              d.reverts):
+        check_entry(p, closed, f"state dir {sd}")
+    return sd
 
 
 def resolve_workspace(path: str, must_exist: bool = True) -> str:
@@ -51,39 +273,152 @@ def registry_path(ws: str) -> str:
 
 
 def check_state_dir(ws: str, state_dir: str) -> str:
+    """The state dir a mount will use, resolved: outside the workspace, the user's alone, and
+    so is the registry that will point at it (StateError otherwise)."""
     sd = os.path.realpath(os.path.abspath(state_dir))
     if sd == ws or sd.startswith(ws.rstrip("/") + "/"):
         raise StateError(f"state dir {state_dir} is inside the workspace; put it outside")
+    check_state_dir_private(sd)
+    check_private(os.path.dirname(registry_path(ws)), "registry dir")
     return sd
+
+
+def make_state_dir(sd: str) -> str:
+    """Create a state dir ``check_state_dir`` accepted (or bring an existing one to 0700)."""
+    return private_dir(sd)
 
 
 def write_registry(ws: str, state_dir: str) -> None:
     p = registry_path(ws)
-    os.makedirs(os.path.dirname(p), exist_ok=True)
-    tmp = p + ".tmp"
+    d = os.path.dirname(p)
+    check_private(d, "registry dir")
+    private_dir(os.path.dirname(d))  # $XDG_STATE_HOME/overlayrec: ours, 0700
+    private_dir(d)
     import json
-    with open(tmp, "w") as f:
-        json.dump({"workspace": ws, "state_dir": state_dir}, f)
-    os.replace(tmp, p)
+    write_private(p, json.dumps({"workspace": ws, "state_dir": state_dir}).encode())
 
 
 def find_state_dir(ws: str) -> str:
+    """The workspace's state dir, as the registry names it (or the default); StateError when
+    the registry or the state dir could have been changed by another user."""
     from . import wire  # not json: hooks come through here on every tool call
+    p = registry_path(ws)
+    check_private(p, "registry entry")
+    sd = None
     try:
-        with open(registry_path(ws)) as f:
-            return wire.loads(f.read())["state_dir"]
-    except (OSError, ValueError, KeyError):
-        return default_state_dir(ws)
+        fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        pass
+    else:
+        with open(fd, "rb") as f:
+            raw = f.read()
+        try:
+            sd = wire.loads(raw.decode())["state_dir"]
+        except (ValueError, KeyError, TypeError):
+            pass
+    if not isinstance(sd, str) or not sd:
+        sd = default_state_dir(ws)
+    check_state_dir_private(sd)
+    return sd
 
 
 def daemon_info(state_dir: str) -> dict | None:
     from . import wire
     try:
-        with open(os.path.join(state_dir, "daemon.json")) as f:
+        with open(StateDir(state_dir).daemon_json) as f:
             info = wire.loads(f.read())
     except (OSError, ValueError):
         return None
-    return info
+    return info if isinstance(info, dict) else None
+
+
+def proc_start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (/proc/<pid>/stat field 22): with
+    the boot id, it tells this process from a later one given the same pid."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+        return int(raw[raw.rfind(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def boot_id() -> str | None:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def daemon_identity() -> dict:
+    """What daemon.json records of the calling daemon so that ``verify_daemon`` knows it again."""
+    pid = os.getpid()
+    return {"pid": pid, "start_ticks": proc_start_ticks(pid), "boot_id": boot_id()}
+
+
+def _is_overlayrec(argv: list[str]) -> bool:
+    # python -m overlayrec.daemon ... | python -m overlayrec mount --foreground | .../bin/overlayrec
+    return any(a in ("overlayrec", "overlayrec.daemon") or os.path.basename(a) == "overlayrec"
+               for a in argv[:3])
+
+
+def _holds_for_writing(pid: int, path: str) -> bool | None:
+    """Does ``pid`` hold ``path`` open for writing?  None: its fds cannot be read."""
+    try:
+        fds = sorted(int(n) for n in os.listdir(f"/proc/{pid}/fd"))
+    except PermissionError:
+        return None
+    except (OSError, ValueError):
+        return False
+    for fd in fds:  # LMDB opens its files early: low fds, found before the inode table's
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") != path:
+                continue
+            with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                flags = next(int(l.split()[1], 8) for l in f if l.startswith("flags:"))
+        except (OSError, StopIteration, ValueError, IndexError):
+            continue
+        if flags & os.O_ACCMODE in (os.O_WRONLY, os.O_RDWR):
+            return True
+    return False
+
+
+def verify_daemon(info: dict | None, state_dir: str) -> tuple[int | None, str | None]:
+    """Is the pid daemon.json names (``info``) the running daemon of ``state_dir``?  (pid, None)
+    when it is: it started when daemon.json says (start ticks and boot id: not a later process
+    given the same pid), its command line is overlayrec's, and it holds this state dir's
+    journal open for writing (it is the daemon of this workspace).  (None, None) when no daemon
+    is recorded or it is gone; (None, why) when a live process must not be signalled."""
+    if not info:
+        return None, None
+    pid = info.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 1:
+        return None, f"daemon.json names no valid pid ({pid!r}): signalling nothing"
+    if not pid_alive(pid):
+        return None, None
+
+    def refuse(why: str) -> tuple[None, str]:
+        return None, f"daemon.json names pid {pid}, but {why}: not signalling it"
+    if info.get("start_ticks") is None:
+        return refuse("it records no start time to check it by")
+    if proc_start_ticks(pid) != info["start_ticks"] or info.get("boot_id") != boot_id():
+        return refuse("that process started at another time (the pid was reused, or the file "
+                      "was rewritten)")
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        argv = []
+    if not _is_overlayrec(argv):
+        return refuse(f"it is not overlayrec ({' '.join(argv)[:60] or '?'})")
+    holds = _holds_for_writing(pid, os.path.join(os.path.realpath(StateDir(state_dir).journal),
+                                                 "data.mdb"))
+    if holds is None:
+        return refuse("its open files cannot be read to check it")
+    if not holds:
+        return refuse(f"it is not the daemon of {state_dir} (it does not hold its journal)")
+    return pid, None
 
 
 def pid_alive(pid: int) -> bool:

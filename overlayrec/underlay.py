@@ -6,7 +6,11 @@ LMDB or journaling; the layers above decide *when* to call it.
 
 A few calls Python's ``os`` module does not expose with the flags we need (``renameat2`` with
 RENAME_NOREPLACE / RENAME_EXCHANGE, ``utimensat`` with UTIME_OMIT, ``fchownat`` with
-AT_EMPTY_PATH for symlinks reached by an O_PATH fd) go through ctypes.
+AT_EMPTY_PATH for symlinks reached by an O_PATH fd, ``openat2`` with its RESOLVE_* rules) go
+through ctypes.
+
+Every path beneath a root is reached by one rule, ``resolve_beneath``: never following a
+symlink, never climbing out.
 """
 from __future__ import annotations
 
@@ -29,6 +33,12 @@ UTIME_OMIT = (1 << 30) - 2
 FICLONE = 0x40049409
 
 O_PATH = getattr(os, "O_PATH", 0o10000000)
+
+# openat2(2), Linux >= 5.6: the same syscall number on every architecture
+SYS_OPENAT2 = 437
+RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_NO_SYMLINKS = 0x04
+RESOLVE_BENEATH = 0x08
 
 
 class _Timespec(ctypes.Structure):
@@ -113,22 +123,132 @@ def open_path(dirfd: int, name: str) -> int:
     return os.open(name, O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
 
 
-def open_beneath(dirfd: int, relpath: str) -> int:
-    """An O_PATH fd for a relative path, component by component, following no symlink."""
-    fd = os.dup(dirfd)
+class Escape(OSError):
+    """A path that cannot be reached beneath its root without following a symlink: a symlink
+    (ELOOP) or something else than a directory (ENOTDIR) on its way, or a name that climbs out
+    (EXDEV: an absolute path, "..").  Never followed, never written through."""
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64),
+                ("resolve", ctypes.c_uint64)]
+
+
+_libc.syscall.restype = ctypes.c_long
+_openat2: bool | None = None  # has this kernel openat2?  (None: not asked yet)
+_ESCAPES = {errno.ELOOP: "a symlink on the way, not followed",
+            errno.ENOTDIR: "not a directory on the way",
+            errno.EXDEV: "leaves its root"}
+
+
+def _openat2_call(dirfd: int, path: str, flags: int, mode: int, resolve: int) -> int:
+    """openat2(2): an fd, or -errno."""
+    how = _OpenHow(flags & 0xFFFFFFFF, mode, resolve)
+    ret = _libc.syscall(ctypes.c_long(SYS_OPENAT2), ctypes.c_long(dirfd),
+                        ctypes.c_char_p(os.fsencode(path)), ctypes.byref(how),
+                        ctypes.c_size_t(ctypes.sizeof(how)))
+    return ret if ret >= 0 else -ctypes.get_errno()
+
+
+def _have_openat2() -> bool:
+    """Asked once per process: ENOSYS before Linux 5.6, or EPERM where a seccomp filter does
+    not know the call; then every path is walked one component at a time instead.
+    (OVERLAYREC_TEST_NO_OPENAT2 makes the tests take the walk on any kernel.)"""
+    global _openat2
+    if _openat2 is None:
+        ok = False
+        if not os.environ.get("OVERLAYREC_TEST_NO_OPENAT2"):
+            fd = _openat2_call(AT_FDCWD, "/", O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, 0,
+                               RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)
+            if fd >= 0:
+                os.close(fd)
+                ok = True
+        _openat2 = ok
+    return _openat2
+
+
+def _blocker(root_fd: int, parts: list[str]) -> tuple[int, str] | None:
+    """The first component of a path that is not a directory (ELOOP: a symlink, ENOTDIR:
+    anything else), looked at without following anything: to say why it was refused."""
     try:
-        for part in relpath.split("/"):
-            if part in ("", "."):
-                continue
-            if part == "..":
-                raise OSError(errno.EXDEV, "path escapes the workspace", relpath)
-            nfd = open_path(fd, part)
+        fd = os.open(".", O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=root_fd)
+    except OSError:
+        return None
+    try:
+        for i, part in enumerate(parts):
+            nfd = os.open(part, O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
             os.close(fd)
             fd = nfd
-    except BaseException:
+            kind = os.fstat(fd).st_mode
+            if not stat.S_ISDIR(kind):
+                return errno.ELOOP if stat.S_ISLNK(kind) else errno.ENOTDIR, \
+                    "/".join(parts[:i + 1])
+    except OSError:
+        pass
+    finally:
         os.close(fd)
-        raise
-    return fd
+    return None
+
+
+def _fail(err: int, relpath: str, root_fd: int, parts: list[str]) -> OSError:
+    if err in (errno.ELOOP, errno.ENOTDIR):
+        found = _blocker(root_fd, parts)
+        if found is not None:
+            err, where = found
+            what = "a symlink, not followed" if err == errno.ELOOP else "not a directory"
+            return Escape(err, f"{where} is {what}", relpath)
+    if err in _ESCAPES:
+        return Escape(err, _ESCAPES[err], relpath)
+    return OSError(err, os.strerror(err), relpath)  # FileNotFoundError and the like
+
+
+def resolve_beneath(root_fd: int, relpath: str, flags: int = O_PATH, mode: int = 0) -> int:
+    """An fd for ``relpath`` beneath the directory ``root_fd``, reached without following any
+    symlink: not on the way, and not the last component either (O_NOFOLLOW and O_CLOEXEC are
+    always added, so with O_PATH a final symlink is opened itself, and otherwise refused).
+    ``flags`` and ``mode`` as for open(2): O_DIRECTORY to want a directory, O_CREAT to make a
+    file.  "" and "." are the root itself.
+
+    openat2 with RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS where the kernel
+    has it, else one component at a time with O_NOFOLLOW.  Raises ``Escape`` (an OSError) for a
+    path it cannot reach that way (see there), FileNotFoundError for one that is not there."""
+    parts = [p for p in relpath.split("/") if p not in ("", ".")]
+    if relpath.startswith("/") or ".." in parts:
+        raise Escape(errno.EXDEV, _ESCAPES[errno.EXDEV], relpath)
+    flags |= os.O_NOFOLLOW | os.O_CLOEXEC
+    if _have_openat2():
+        resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS
+        for _ in range(16):  # EAGAIN: a rename raced the lookup; EINTR: a signal
+            ret = _openat2_call(root_fd, "/".join(parts) or ".", flags, mode, resolve)
+            if ret >= 0:
+                return ret
+            if -ret not in (errno.EAGAIN, errno.EINTR):
+                break
+        raise _fail(-ret, relpath, root_fd, parts)
+    fd = os.open(".", O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=root_fd)
+    try:
+        for part in parts[:-1]:
+            nfd = os.open(part, O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+            kind = os.fstat(fd).st_mode
+            if not stat.S_ISDIR(kind):
+                raise _fail(errno.ELOOP if stat.S_ISLNK(kind) else errno.ENOTDIR, relpath,
+                            root_fd, parts)
+        try:
+            return os.open(parts[-1] if parts else ".", flags, mode, dir_fd=fd)
+        except OSError as e:
+            if e.errno in _ESCAPES:
+                raise _fail(e.errno, relpath, root_fd, parts) from None
+            raise
+    finally:
+        os.close(fd)
+
+
+def open_beneath(dirfd: int, relpath: str) -> int:
+    """An O_PATH fd for a relative path, following no symlink (a final one is opened itself):
+    ``resolve_beneath``."""
+    return resolve_beneath(dirfd, relpath)
 
 
 def reopen(fd: int, flags: int) -> int:

@@ -46,6 +46,7 @@ OVERLAYREC_MODEL_SHRINK=0 skips shrinking (a quicker first look at a failure).
 from __future__ import annotations
 
 import copy
+import errno
 import hashlib
 import itertools
 import json
@@ -56,6 +57,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -676,16 +678,18 @@ class Prediction:
 
 
 def predict(history: list[Op], states: list[Snap], unit: str) -> Prediction:
-    """Reverting ``unit``.  A path the unit changed (it names every path whose state changed:
-    the contents of a renamed directory, the other names of a hard link it wrote) goes back to
-    what it held before the unit's first change to it; a path the unit made and unmade needs
-    nothing.  Conflicts, checked in the order make_plan checks them: ``escape`` (a directory on
-    the path's way is now a symlink or a file, and the revert does not make it a directory
-    again), ``interleaved`` (another unit changed the path
-    between two of the unit's changes), ``changed`` (the path no longer holds what the unit
-    left).  The journal sees every operation here one by one, so ``unrecorded`` is never right.
-    Which paths are listed in an odd interleaving is a rule the issue does not fix: this mirrors
-    docs/revert.md, per path."""
+    """Reverting ``unit`` (docs/revert.md, per path).  A path the unit changed (every path
+    whose state an operation of the unit changed or that it named: the contents of a renamed
+    directory, the other names of a hard link it wrote) goes back to what it held before the
+    unit's first change to it; a path the unit made and unmade needs nothing.  Conflicts, in
+    the order make_plan checks them: ``escape`` (a directory on the path's way is now a symlink
+    or a file, and the revert does not make it a directory again), ``interleaved`` (another
+    unit changed the path between two of the unit's changes), ``changed`` (the path no longer
+    holds what the unit left: kind, full mode, content or target).  Every operation here is
+    journaled one by one and its handle closed before the next, so ``unrecorded`` is never
+    right.  One conflict refuses the whole revert.  Which paths are listed, and with which
+    kind, in an odd interleaving is a rule the issue does not fix: this follows docs/revert.md
+    and make_plan's order, path by path, as test_revert_model.py's predict() does."""
     final = states[-1]
     mine: dict[str, list[int]] = {}
     for i, o in enumerate(history):
@@ -863,12 +867,26 @@ class Recorder:
             self.j = None
 
     def start_session(self, session: str):
-        self.run = subprocess.Popen(
-            [sys.executable, "-m", "overlayrec", "run", "-w", self.m.ws, "--session", session,
-             "--", sys.executable, os.path.join(self.ctl, "agent.py"), self.ctl],
-            cwd=self.m.ws, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        # the agent opens its input first, then its output
-        self.cin = open(os.path.join(self.ctl, "ctl.in"), "w")
+        with open(os.path.join(self.base, "run.log"), "ab") as log:
+            self.run = subprocess.Popen(
+                [sys.executable, "-m", "overlayrec", "run", "-w", self.m.ws, "--session",
+                 session, "--", sys.executable, os.path.join(self.ctl, "agent.py"), self.ctl],
+                cwd=self.m.ws, stdout=log, stderr=log)
+        # the agent opens its input first, then its output; wait for it, not forever
+        deadline = time.monotonic() + 60 * SLOW
+        while True:
+            try:
+                fd = os.open(os.path.join(self.ctl, "ctl.in"), os.O_WRONLY | os.O_NONBLOCK)
+                break
+            except OSError as e:
+                if e.errno != errno.ENXIO:
+                    raise
+            if self.run.poll() is not None or time.monotonic() > deadline:
+                with open(os.path.join(self.base, "run.log")) as f:
+                    raise AssertionError(f"the agent did not start:\n{f.read()[-2000:]}")
+            time.sleep(0.02)
+        os.set_blocking(fd, True)
+        self.cin = os.fdopen(fd, "w")
         self.cout = open(os.path.join(self.ctl, "ctl.out"))
 
     def end_session(self):
@@ -974,6 +992,12 @@ def call_records(j: Journal, session: str, ids: dict) -> dict:
 
 
 # -- the readers --------------------------------------------------------------------------------
+
+def crashed(reader: str, e: Exception) -> AssertionError:
+    err = AssertionError(f"{reader} raised {type(e).__name__}: {e}")
+    err.__cause__ = e
+    return err
+
 
 def check_diff(rec, j, states, case, plan, ids, work) -> None:
     """Each call that ran alone: its patch, applied with git apply to the tree before it, gives
@@ -1219,6 +1243,8 @@ def run_case(model_env, plan: Plan, which: int) -> tuple[list[AssertionError], s
                         check()
                     except AssertionError as e:
                         failures.append(e)
+                    except Exception as e:  # a reader that crashes: said as its failure
+                        failures.append(crashed(name, e))
         finally:
             os.close(tree.root_fd)
         if "revert" in CHECKS and plan.ncalls:
@@ -1361,6 +1387,8 @@ def run_unmounted_case(env: UnmountedEnv, plan: Plan, edit: str, i: int):
             check_diff_unmounted(rec, case, plan, ids, unit, p, env.base)
         except AssertionError as e:
             failures.append(e)
+        except Exception as e:
+            failures.append(crashed("diff (unmounted)", e))
         try:
             check_revert_unmounted(rec, case, edited, ids, unit, op)
         except AssertionError as e:
@@ -1407,7 +1435,8 @@ def check_diff_unmounted(rec, case, plan, ids, unit, p, work) -> None:
         store = ObjectStore(rec.m.state)
         patch = store.diff(store.tree(side.before), store.tree(side.after), "patch", binary=True)
         seg = plan.segments[-1]
-        got_v = git_apply(os.path.join(work, f"apply-{case}"), git_view(plan.states[seg.start], case),
+        got_v = git_apply(os.path.join(work, f"apply-{case}"),
+                          git_view(plan.states[seg.start], case),
                           patch.encode("utf-8", "surrogateescape"))
         dv = view_diff(git_view(plan.states[seg.end], case), got_v)
         assert not dv, f"diff --call {unit} after an edit while unmounted does not give the " \

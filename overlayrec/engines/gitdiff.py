@@ -42,8 +42,10 @@ class ObjectStore:
             if theirs and os.path.isdir(theirs):
                 with open(os.path.join(self.git_dir, "objects", "info", "alternates"), "w") as f:
                     f.write(theirs + "\n")
+        # paths as they are (UTF-8), not octal-quoted: diffs read as the workspace's names
         self.env = dict(os.environ, GIT_DIR=self.git_dir, GIT_CONFIG_NOSYSTEM="1",
-                        GIT_CONFIG_GLOBAL=os.devnull)
+                        GIT_CONFIG_GLOBAL=os.devnull, GIT_CONFIG_COUNT="1",
+                        GIT_CONFIG_KEY_0="core.quotepath", GIT_CONFIG_VALUE_0="false")
         self.left_out: set[str] = set()   # paths git refuses, filtered out before git saw them
         self.warnings: list[str] = []     # what git said on stderr when it succeeded
 

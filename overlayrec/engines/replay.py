@@ -8,7 +8,7 @@ import stat
 import tempfile
 
 from ..journal import Journal
-from ..underlay import kind_of
+from ..underlay import O_PATH, Escape, chmod_fd, kind_of, resolve_beneath
 from .diff import SelectionError, file_events, _find_turn, _visible
 from .revert import link_key, linked, make_node, set_meta, temp_name
 from .states import ATTIC, States, State, Tree, state_of_stat
@@ -16,16 +16,26 @@ from .states import ATTIC, States, State, Tree, state_of_stat
 
 def resolve_point(j: Journal, spec: str) -> int:
     """A point as a sequence number: SEQ, a time (ISO 8601 or @epoch-seconds), turn:N, call:ID,
-    and before:/after: either of those (after: is the default)."""
+    and before:/after: either of those (after: is the default).  Anything else, or a number
+    past any sequence number, is a SelectionError."""
+    import math
+    import re
+    usage = "SEQ, a time (ISO 8601 or @epoch), turn:N, call:ID, before:/after: either"
+    shown = repr(spec if len(spec) <= 60 else spec[:57] + "...")
     side = "after"
     if spec.startswith(("before:", "after:")):
         side, spec = spec.split(":", 1)
-    if spec.isdigit():
-        n = int(spec)
-        return n - 1 if side == "before" else n
+    if re.fullmatch(r"[0-9]+", spec):  # ASCII digits only: str.isdigit takes '²' too
+        n = int(spec) if len(spec) <= 19 else 2**63  # (int() refuses 4300 digits)
+        if n >= 2**63:
+            raise SelectionError(f"no event {shown}: past any sequence number")
+        return max(n - 1, 0) if side == "before" else n
     if spec.startswith("turn:"):
-        t = _find_turn(j, spec[5:], None)
-        return t["begin_seq"] - 1 if side == "before" else (t["end_seq"] or j.last_seq())
+        sel = spec[5:]
+        if not re.fullmatch(r"last|-?[0-9]{1,19}", sel):
+            raise SelectionError(f"not a turn: {shown} (turn:N, turn:last, turn:-1 ...)")
+        t = _find_turn(j, sel, None)
+        return max(t["begin_seq"] - 1, 0) if side == "before" else (t["end_seq"] or j.last_seq())
     if spec.startswith("call:"):
         cid = spec[5:]
         calls = [c for c in j.records("calls") if c["id"] == cid]
@@ -36,10 +46,14 @@ def resolve_point(j: Journal, spec: str) -> int:
     try:
         t = float(spec[1:]) if spec.startswith("@") else \
             dt.datetime.fromisoformat(spec).timestamp()
-    except ValueError:
-        raise SelectionError(f"not a point: {spec!r} (SEQ, a time, turn:N, call:ID, "
-                             "before:/after: either)") from None
-    t_ns = int(t * 1e9)
+    except (ValueError, OverflowError, OSError):  # year 1 in local time overflows, say
+        raise SelectionError(f"not a point: {shown} ({usage})") from None
+    if not math.isfinite(t):
+        raise SelectionError(f"not a time: {shown} ({usage})")
+    t_ns = t * 1e9
+    if not math.isfinite(t_ns):  # a time beyond any event, or before them all
+        return j.last_seq() if t_ns > 0 else 0
+    t_ns = int(t_ns)
     last = 0
     for e in j.events():
         if e["t"] > t_ns:
@@ -59,8 +73,10 @@ def recorded_paths(j: Journal, until: int | None = None) -> list[str]:
 
 class _Build:
     """A replay being built below ``root_fd`` (a fresh temporary directory): every path is
-    reached one component at a time without following a symlink, so nothing is ever written
-    outside it; directory modes and owners are set last, deepest first."""
+    reached by ``resolve_beneath``, without following a symlink, so nothing is ever written
+    outside it (a symlink the history or the live tree holds is made as a symlink, and a path
+    that cannot be reached is a ``not_made`` line of the result); directory modes and owners
+    are set last, deepest first."""
 
     def __init__(self, root_fd: int):
         self.root_fd = root_fd
@@ -75,38 +91,40 @@ class _Build:
 
     # -- reaching paths
     def parent(self, rel: str, make: bool) -> tuple[int, str]:
-        """An O_PATH fd of ``rel``'s directory and its name there; with ``make``, a missing
-        directory on the way is made and anything else in its place (a symlink, a file the
-        live tree holds there now) is replaced by one: the record says the path's parent was
-        a directory at the point."""
+        """An O_PATH fd of ``rel``'s directory and its name there, reached by
+        ``resolve_beneath`` (no symlink followed); with ``make``, a missing directory on the
+        way is made and anything else in its place (a symlink, a file the live tree holds there
+        now) is replaced by one: the record says the path's parent was a directory at the
+        point.  Raises ``Escape`` (without ``make``: a symlink or a file on the way; always: a
+        name that would leave the replay) or FileNotFoundError."""
         *parts, name = rel.split("/")
-        if name in ("", ".", "..") or rel.startswith("/"):
-            raise OSError(errno.EXDEV, "path leaves the replay", rel)
-        fd = os.dup(self.root_fd)
+        if name in ("", ".", "..") or rel.startswith("/") or \
+                any(part in ("", ".", "..") for part in parts):
+            raise Escape(errno.EXDEV, "path leaves the replay", rel)
+        want = O_PATH | os.O_DIRECTORY
+        try:
+            return resolve_beneath(self.root_fd, "/".join(parts), want), name
+        except (FileNotFoundError, Escape):
+            if not make:
+                raise
+        fd = resolve_beneath(self.root_fd, "", want)
         try:
             done = []
             for part in parts:
-                if part in ("", ".", ".."):
-                    raise OSError(errno.EXDEV, "path leaves the replay", rel)
                 done.append(part)
                 try:
                     st = os.stat(part, dir_fd=fd, follow_symlinks=False)
                 except FileNotFoundError:
                     st = None
                 if st is not None and not stat.S_ISDIR(st.st_mode):
-                    if not make:
-                        raise NotADirectoryError(errno.ENOTDIR, "not a directory", rel)
-                    _discard(fd, part)
+                    _discard(fd, part)  # the symlink itself, never what it names
                     self.forget("/".join(done))
                     self.inexact.append("/".join(done))
                     st = None
                 if st is None:
-                    if not make:
-                        raise FileNotFoundError(errno.ENOENT, "no such directory", rel)
                     os.mkdir(part, 0o700, dir_fd=fd)
                     self.dirs.setdefault("/".join(done), (State("dir", self.default_mode), None))
-                nfd = os.open(part, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC,
-                              dir_fd=fd)
+                nfd = resolve_beneath(fd, part, want)
                 os.close(fd)
                 fd = nfd
         except BaseException:
@@ -149,11 +167,9 @@ class _Build:
                 if kind == "dir":
                     os.mkdir(name, 0o700, dir_fd=dst_fd)
                     self.dirs[rel] = (s, (st.st_atime_ns, st.st_mtime_ns))
-                    sfd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW |
-                                  os.O_CLOEXEC, dir_fd=src_fd)
+                    sfd = resolve_beneath(src_fd, name, os.O_RDONLY | os.O_DIRECTORY)
                     try:
-                        dfd = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW |
-                                      os.O_CLOEXEC, dir_fd=dst_fd)
+                        dfd = resolve_beneath(dst_fd, name, O_PATH | os.O_DIRECTORY)
                         try:
                             self.copy_live(sfd, dfd, rel)
                         finally:
@@ -198,8 +214,8 @@ class _Build:
     def remove(self, rel: str) -> bool:
         try:
             dfd, name = self.parent(rel, make=False)
-        except (FileNotFoundError, NotADirectoryError):
-            return False
+        except (FileNotFoundError, Escape):
+            return False  # beneath a symlink (or a file) at the point: nothing there to remove
         try:
             self.forget(rel)
             return _discard(dfd, name)
@@ -209,7 +225,11 @@ class _Build:
     def write(self, rel: str, s: State) -> None:
         """Make ``rel`` hold ``s``: its kind, content or target, owner and mode (a directory's
         last), and its hard-link group."""
-        dfd, name = self.parent(rel, make=True)
+        try:
+            dfd, name = self.parent(rel, make=True)
+        except Escape as e:  # never written through: said in the result
+            self.not_made[rel] = {"path": rel, "kind": s.kind, "why": f"escape: {e.strerror}"}
+            return
         try:
             try:
                 st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
@@ -236,7 +256,12 @@ class _Build:
                 try:
                     fd = os.open(name, flags, dir_fd=dfd)
                 except PermissionError:  # a read-only copy (it is ours): its mode comes after
-                    os.chmod(name, 0o600, dir_fd=dfd)
+                    pfd = resolve_beneath(dfd, name)  # the file itself, never followed
+                    try:
+                        if stat.S_ISREG(os.fstat(pfd).st_mode):
+                            chmod_fd(pfd, 0o600)
+                    finally:
+                        os.close(pfd)
                     fd = os.open(name, flags, dir_fd=dfd)
                 try:
                     view = memoryview(s.data)

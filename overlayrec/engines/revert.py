@@ -18,6 +18,7 @@ unit (``revert:<id>``): an unrevert is a revert of that unit.
 """
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import time
@@ -25,7 +26,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..journal import Journal
-from ..underlay import open_beneath
+from ..underlay import O_PATH, Escape, resolve_beneath
 from .diff import SelectionError, file_events, touched, _find_turn, _visible
 from .states import States, State, Tree
 
@@ -148,25 +149,35 @@ def temp_name(name: str, tag: str) -> str:
 
 
 def _parent(root_fd: int, rel: str, create: bool) -> tuple[int, str]:
+    """An O_PATH fd of ``rel``'s directory and its name there, reached from ``root_fd`` by
+    ``resolve_beneath`` (no symlink followed, nothing climbs out); with ``create``, the
+    directories missing on the way are made.  Raises ``Escape`` when a symlink or a file is
+    on the way, its own parent included, or ``rel`` is not a name beneath the root."""
     parent, _, name = rel.rpartition("/")
-    if not parent:
-        return os.dup(root_fd), name
-    if create:
-        fd = os.dup(root_fd)
-        try:
-            for part in parent.split("/"):
-                try:
-                    os.mkdir(part, 0o755, dir_fd=fd)
-                except FileExistsError:
-                    pass
-                nfd = os.open(part, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY, dir_fd=fd)
-                os.close(fd)
-                fd = nfd
-        except BaseException:
-            os.close(fd)
+    if name in ("", ".", "..") or rel.startswith("/"):
+        raise Escape(errno.EXDEV, "leaves the workspace", rel)
+    want = O_PATH | os.O_DIRECTORY
+    try:
+        return resolve_beneath(root_fd, parent, want), name
+    except FileNotFoundError:
+        if not create:
             raise
-        return fd, name
-    return open_beneath(root_fd, parent), name
+    fd = resolve_beneath(root_fd, "", want)
+    try:
+        for part in parent.split("/"):
+            if part in ("", "."):
+                continue
+            try:
+                os.mkdir(part, 0o755, dir_fd=fd)
+            except FileExistsError:
+                pass  # a directory, or whatever it is: resolve_beneath refuses a non-directory
+            nfd = resolve_beneath(fd, part, want)
+            os.close(fd)
+            fd = nfd
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, name
 
 
 def _remove(dfd: int, name: str) -> None:
@@ -266,12 +277,17 @@ def apply_step(root_fd: int, step: Step, made: dict | None = None) -> str:
     """Make ``step.path`` hold ``step.target``; returns what was done (``failed(...)`` tells
     a path it could not make whole).  ``made``, shared by the steps of one plan, maps the
     inode of a target to the path made for it (and that target): the other paths of a
-    hard-link group (see ``linked``) are linked to it, not copied."""
+    hard-link group (see ``linked``) are linked to it, not copied.  Raises ``Escape`` (naming
+    ``step.path``) when the path cannot be reached without following a symlink."""
     t = step.target
     try:
         dfd, name = _parent(root_fd, step.path, create=t.present)
     except FileNotFoundError:
         return "nothing (parent gone)"
+    except Escape as e:
+        # a symlink (or a file) put on the way since the plan was made (`--continue` carries
+        # out a saved plan): never followed; the revert stops there and stays pending
+        raise Escape(e.errno, f"escape: {e.strerror}", step.path) from None
     try:
         if isinstance(step, DirMode):
             st = os.stat(name, dir_fd=dfd, follow_symlinks=False)

@@ -24,6 +24,7 @@ inexact.
 from __future__ import annotations
 
 import bisect
+import errno
 import os
 import stat
 from dataclasses import dataclass, replace
@@ -113,9 +114,14 @@ class Tree:
         return cls(os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
 
     def _open_parent(self, rel: str) -> tuple[int, str]:
-        from ..underlay import open_beneath
+        """An O_PATH fd of ``rel``'s directory and its name there, reached without following a
+        symlink: ``Escape`` (an OSError) when its way holds one, or a file, even as the last
+        step (a parent that is now a symlink holds nothing of the workspace's)."""
+        from ..underlay import O_PATH, Escape, resolve_beneath
         parent, _, name = rel.rpartition("/")
-        return (open_beneath(self.root_fd, parent) if parent else os.dup(self.root_fd)), name
+        if name in ("", ".", ".."):
+            raise Escape(errno.EXDEV, "not a name beneath the root", rel)
+        return resolve_beneath(self.root_fd, parent, O_PATH | os.O_DIRECTORY), name
 
     def state(self, rel: str) -> State:
         if rel == "":  # the workspace root itself
@@ -186,22 +192,18 @@ class Tree:
             os.close(pfd)
 
     def symlink_on_the_way(self, rel: str) -> bool:
-        """Is a parent directory of ``rel`` a symlink (or not a directory) now?"""
-        fd = os.dup(self.root_fd)
+        """Is ``rel`` out of reach without following a symlink: a directory on its way, its
+        own parent included, now a symlink (or not a directory)?  A directory that is not
+        there is not in the way (a revert makes it)."""
+        from ..underlay import Escape
         try:
-            for part in rel.split("/")[:-1]:
-                try:
-                    st = os.stat(part, dir_fd=fd, follow_symlinks=False)
-                except FileNotFoundError:
-                    return False
-                if not stat.S_ISDIR(st.st_mode):
-                    return True
-                nfd = os.open(part, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY, dir_fd=fd)
-                os.close(fd)
-                fd = nfd
+            fd, _ = self._open_parent(rel)
+        except Escape:
+            return True
+        except FileNotFoundError:
             return False
-        finally:
-            os.close(fd)
+        os.close(fd)
+        return False
 
     def attic(self, name: str) -> bytes | None:
         s = self.state(f"{ATTIC}/{name}")

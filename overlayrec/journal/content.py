@@ -1,23 +1,37 @@
 """The content store: blobs named by their xxh3-128 digest, one file each, deduplicated.
 
-A blob is written to a temp file, hashed as it is written, then renamed to its name; a crash
-leaves at worst a stray temp file, never a blob whose name does not match its bytes.
+A blob is written to a temp file in ``tmp/``, hashed as it is written, then renamed to its name;
+a crash leaves at worst a stray temp file (the daemon removes those at start, ``clean``), never
+a blob whose name does not match its bytes.  What is on disk is still not taken on trust:
+``get`` hashes what it read and refuses a blob whose bytes do not match its name (BlobError),
+so a blob changed on disk (by hand, by another user while the store was open to others, by a
+bad disk) never reaches a workspace, a replay or a diff.  Directories are 0700 and blobs 0600
+whatever the umask (the daemon serves with umask 0); docs/storage.md has the layout.
 """
 from __future__ import annotations
 
+import errno
 import os
+import stat
 
 import xxhash
 
+from .. import state
+from .schema import JournalError
+
 CHUNK = 1 << 20
+
+
+class BlobError(JournalError):
+    """A blob whose bytes do not match its name, or that is not a regular file."""
 
 
 class ContentStore:
     def __init__(self, root: str):
         self.root = root
-        os.makedirs(root, exist_ok=True)
+        state.private_dir(root)
         self._tmp = os.path.join(root, "tmp")
-        os.makedirs(self._tmp, exist_ok=True)
+        state.private_dir(self._tmp)
         self._n = 0
 
     def path(self, digest: str) -> str:
@@ -26,10 +40,18 @@ class ContentStore:
     def has(self, digest: str) -> bool:
         return os.path.exists(self.path(digest))
 
+    def _present(self, digest: str, size: int) -> bool:
+        """A blob of this name and size is there (one of another size is replaced)."""
+        try:
+            st = os.lstat(self.path(digest))
+        except OSError:
+            return False
+        return stat.S_ISREG(st.st_mode) and st.st_size == size
+
     def put_bytes(self, data: bytes) -> str:
         digest = xxhash.xxh3_128_hexdigest(data)
-        if not self.has(digest):
-            self._commit(digest, lambda fd: os.write(fd, data))
+        if not self._present(digest, len(data)):
+            self._commit(digest, lambda fd: _write_all(fd, data))
         return digest
 
     def put_range(self, src_fd: int, offset: int, length: int) -> str:
@@ -45,25 +67,77 @@ class ContentStore:
             chunks.append(buf)
             pos += len(buf)
         digest = h.hexdigest()
-        if not self.has(digest):
+        if not self._present(digest, pos - offset):
             def write(fd):
                 for c in chunks:
-                    os.write(fd, c)
+                    _write_all(fd, c)
             self._commit(digest, write)
         return digest
 
     def _commit(self, digest: str, writer) -> None:
         self._n += 1
         tmp = os.path.join(self._tmp, f"{os.getpid()}.{self._n}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        fd = state.open_private(tmp)
         try:
             writer(fd)
         finally:
             os.close(fd)
         final = self.path(digest)
-        os.makedirs(os.path.dirname(final), exist_ok=True)
-        os.rename(tmp, final)
+        try:
+            os.rename(tmp, final)
+        except FileNotFoundError:  # the first blob under this prefix
+            state.private_dir(os.path.dirname(final))
+            os.rename(tmp, final)
 
-    def get(self, digest: str) -> bytes:
-        with open(self.path(digest), "rb") as f:
-            return f.read()
+    def get(self, digest: str, verify: bool = True) -> bytes:
+        """The blob's bytes, checked against its name: BlobError when they do not match (or it
+        is not a regular file), so a changed blob is never written anywhere.  A missing blob
+        raises FileNotFoundError."""
+        path = self.path(digest)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as e:
+            if e.errno != errno.ELOOP:  # O_NOFOLLOW's answer for a symlink
+                raise
+            raise BlobError(f"blob {digest} in {self.root} is not a regular file: refusing "
+                            "to use it") from None
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise BlobError(f"blob {digest} in {self.root} is not a regular file: "
+                                "refusing to use it")
+            data = f.read()
+        if verify and xxhash.xxh3_128_hexdigest(data) != digest:
+            raise BlobError(f"blob {digest} in {self.root} does not match its hash (changed on "
+                            "disk): refusing to use it")
+        return data
+
+    def clean(self, before_ns: int) -> int:
+        """At daemon start: remove the temp files of writers that are gone, made before
+        ``before_ns`` (a crash's leftovers; a live writer's file is its own), and bring the
+        store's directories to 0700 (an older overlayrec made them with the daemon's umask of
+        0).  The number of files removed."""
+        removed = 0
+        with os.scandir(self._tmp) as it:
+            for e in it:
+                try:
+                    st = e.stat(follow_symlinks=False)
+                    writer = e.name.split(".", 1)[0]
+                    if st.st_mtime_ns >= before_ns or (writer.isdigit() and
+                                                       state.pid_alive(int(writer))):
+                        continue
+                    os.unlink(e.path)
+                    removed += 1
+                except (OSError, ValueError):
+                    continue
+        with os.scandir(self.root) as it:
+            for e in it:
+                if e.is_dir(follow_symlinks=False):
+                    state.tighten(e.path)
+        state.tighten(self.root)
+        return removed
+
+
+def _write_all(fd: int, data) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]

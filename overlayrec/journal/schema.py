@@ -1,18 +1,17 @@
 """The canonical description of the journal's on-disk format.  Every key and value layout of the
 LMDB environment is defined here and nowhere else; ``FORMAT_VERSION`` is checked at open.
 
-State dir layout::
-
-    <state>/journal/        LMDB environment (data.mdb, lock.mdb)
-    <state>/content/aa/bb...  content store: blobs named by xxh3-128 hex, deduplicated
-    <state>/daemon.log      the daemon's log
-    <state>/daemon.json     the running daemon: pid, workspace, mountpoint, started
+Every file and directory overlayrec keeps (the state dir around ``journal/``: the content
+store, the control socket, daemon.json and daemon.log, revert plans, export stores; the
+registry; the attic), with its role, mode and owner, is listed in docs/storage.md; the names
+are made in ``overlayrec.state.StateDir``.  This module describes what is inside ``journal/``.
 
 Sub-databases of the LMDB environment:
 
 ``meta``      ascii key -> utf-8 value.  ``format`` (FORMAT_VERSION as decimal), ``workspace``
               (absolute path), ``created`` (ns since epoch), ``next_seq`` (decimal; the next
-              event sequence number).
+              event sequence number), ``journal_id`` (random hex, set at the first mount: the
+              journal's attic entries are named ``<journal_id>.<seq>``).
 ``events``    seq (8-byte big-endian) -> event JSON (compact, utf-8).  An event is::
 
                 {"seq": int, "t": ns, "op": str, "path": str, ["path2": str,]
@@ -39,14 +38,26 @@ Sub-databases of the LMDB environment:
               ``pre`` the seal they depart from.
 ``actors``    actor-key (``"<pid>:<start-ticks>"``) -> actor JSON
               ``{"pid","start","ppid","uid","exe","argv","cwd","first_seen"}``.
-``paths``     path utf-8 + b"\\0" + seq (8-byte big-endian) -> b"" : every event by path, for
-              ``log --path`` and blame without a scan.
+``paths``     path_key(path, seq) -> path_value(path): every event by path, for ``log --path``
+              and blame without a scan.  A path of at most PATH_KEY_MAX bytes is its own key:
+              path utf-8 + b"\\0" + seq (8-byte big-endian) -> b"".  A longer one (up to the
+              kernel's 4095 bytes) would not fit an LMDB key (511 bytes), so it is keyed by its
+              digest and the path itself is the value: b"\\xff" + xxh3-128 digest (16 bytes) +
+              b"\\0" + seq -> path utf-8; so is a path whose bytes begin with 0xff (never utf-8),
+              so that no key of the first form begins with that byte.  Either way the keys of
+              one path share a prefix (``path_prefix``) and its seqs follow in ascending order.
+              Journals written before the digest form hold the first form only (any path of up
+              to 502 bytes as its own key): readers look for both forms (``path_prefixes``)
+              and tell them apart by the value.
 ``sessions``  session id utf-8 -> JSON ``{"id","agent","agent_pid","runner","started","ended",
               "aliases": [...]}`` (``agent``: the actor key of the agent process).
 ``turns``     session id + b"\0" + index (4-byte big-endian) -> JSON ``{"session","index",
               "prompt","begin_t","end_t","begin_seq","end_seq"}``.
-``calls``     session id + b"\0" + call id -> JSON ``{"session","id","tool","summary","turn",
+``calls``     call_key(session, call id) -> JSON ``{"session","id","tool","summary","turn",
               "begin_t","end_t","status","begin_seq","end_seq","implicit"}``.
+              The key is session id + b"\0" + call id; a call id too long for an LMDB key
+              (or beginning with byte 0xff) is replaced by b"\xff" + its xxh3-128 digest (the
+              record holds the id; readers scan by the session's prefix).
 ``renames``   seq (8-byte big-endian) -> JSON ``{"src","dst","flags"}``: every rename whose source
               (or, for an exchange, either side) was a directory.  Path history: every path
               beneath moved with it, though the event names only the directory.  Indexed as
@@ -75,6 +86,7 @@ Pre-image JSON (``pre``)::
 """
 from __future__ import annotations
 
+import errno as _errno
 import struct
 
 import xxhash
@@ -103,11 +115,27 @@ def is_dir_rename(ev: dict) -> bool:
         (ev.get("pre") or {}).get("kind") == "dir" or
         (bool(ev.get("flags", 0) & 2) and (ev.get("pre2") or {}).get("kind") == "dir"))
 
-MAP_SIZE = 1 << 36  # 64 GiB of address space; the file grows only as used
+# The writer maps MAP_SIZE at first (or what the data already holds, rounded up to MAP_STEP)
+# and grows the map by MAP_STEP-sized steps on MDB_MAP_FULL.  It writes through the file, not
+# through the map (no MDB_WRITEMAP): a full filesystem is then an error of the commit, never a
+# SIGBUS on a page of a sparse file, and data.mdb is as long as the data in it.  Readers map
+# READ_MAP_SIZE of address space (or more, for a larger file), so a writer that grew the map
+# meanwhile never leaves them behind (MDB_MAP_RESIZED).
+MAP_SIZE = 64 << 20
+MAP_STEP = 64 << 20
+READ_MAP_SIZE = 1 << 36
 
 
 class JournalError(Exception):
-    """The journal cannot be opened or read: says why in one line."""
+    """The journal cannot be opened, read or written: says why in one line.
+
+    ``errno`` is what a filesystem operation that needed the journal fails with: ENOSPC when
+    the state dir's filesystem is full, the system's errno when LMDB or the content store gave
+    one, else EIO."""
+
+    def __init__(self, message: str = "", errno: int | None = None):
+        super().__init__(message)
+        self.errno = errno or _errno.EIO
 
 
 def seq_key(seq: int) -> bytes:
@@ -118,19 +146,62 @@ def key_seq(key: bytes) -> int:
     return struct.unpack(">Q", key)[0]
 
 
-def path_key(path: str, seq: int) -> bytes:
-    return path.encode("utf-8", "surrogateescape") + b"\0" + seq_key(seq)
-
-
 def turn_key(session: str, index: int) -> bytes:
     return session.encode() + b"\0" + struct.pack(">I", index)
 
 
-def call_key(session: str, call_id: str) -> bytes:
-    return session.encode() + b"\0" + call_id.encode("utf-8", "surrogateescape")
-
-
 MAX_KEY = 500  # LMDB's default key limit is 511 bytes
+LMDB_MAX_KEY = 511
+PATH_KEY_MAX = MAX_KEY - 9  # the longest path (utf-8 bytes) that is its own ``paths`` key
+
+
+def call_key(session: str, call_id: str) -> bytes:
+    head = session.encode() + b"\0"
+    raw = call_id.encode("utf-8", "surrogateescape")
+    if len(head) + len(raw) <= MAX_KEY and raw[:1] != b"\xff":
+        return head + raw
+    return head + b"\xff" + xxhash.xxh3_128_digest(raw)
+
+
+def _path_bytes(path: str) -> bytes:
+    return path.encode("utf-8", "surrogateescape")
+
+
+def _digest_form(raw: bytes) -> bool:
+    # utf-8 never begins with 0xff: a path that does (a non-utf-8 name) takes the digest form
+    # too, so that the two forms never share a key
+    return len(raw) > PATH_KEY_MAX or raw[:1] == b"\xff"
+
+
+def path_prefix(path: str) -> bytes:
+    """The prefix every ``paths`` key of ``path`` starts with (the seq follows)."""
+    raw = _path_bytes(path)
+    if not _digest_form(raw):
+        return raw + b"\0"
+    return b"\xff" + xxhash.xxh3_128_digest(raw) + b"\0"
+
+
+def path_prefixes(path: str) -> list[tuple[bytes, bytes]]:
+    """(prefix, value) of every form the ``paths`` keys of ``path`` may have been written in:
+    the digest form where ``path_prefix`` takes it, and the path itself wherever LMDB could
+    hold it (a journal written before the digest form)."""
+    raw = _path_bytes(path)
+    out = []
+    if len(raw) + 9 <= LMDB_MAX_KEY:
+        out.append((raw + b"\0", b""))
+    if _digest_form(raw):
+        out.append((b"\xff" + xxhash.xxh3_128_digest(raw) + b"\0", raw))
+    return out
+
+
+def path_key(path: str, seq: int) -> bytes:
+    return path_prefix(path) + seq_key(seq)
+
+
+def path_value(path: str) -> bytes:
+    """The value of a ``paths`` key: b"" when the key holds the path, else the path."""
+    raw = _path_bytes(path)
+    return raw if _digest_form(raw) else b""
 
 
 def seal_key(path: str) -> bytes:
@@ -140,5 +211,7 @@ def seal_key(path: str) -> bytes:
     return b"\xff" + xxhash.xxh3_128_digest(raw)
 
 
-def path_key_split(key: bytes) -> tuple[str, int]:
-    return key[:-9].decode("utf-8", "surrogateescape"), key_seq(key[-8:])
+def path_key_split(key: bytes, value: bytes = b"") -> tuple[str, int]:
+    """(path, seq) of a ``paths`` entry (the value holds the path of a digest-form key)."""
+    raw = value if value else key[:-9]
+    return raw.decode("utf-8", "surrogateescape"), key_seq(key[-8:])

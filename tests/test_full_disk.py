@@ -1,0 +1,323 @@
+"""A full filesystem is an errno, never a crash (issue 13).
+
+* the state dir on a small tmpfs, filled by several writers creating and rewriting files through
+  the mount: they get ENOSPC (never EIO, never ENOTCONN), the mount stays up and answers, no
+  change reaches the workspace without its event (write-ahead holds), no partial blob is left
+  behind, and once space is freed the same mount records again;
+* the workspace itself on a small full tmpfs: the writers get ENOSPC, the mount lives, each
+  refused write is voided by a ``failed`` note, and the journal reads back (``diff --since 0``).
+
+They mount tmpfs filesystems, so they need root (as another user they skip; tools/test runs them
+in its root pass).
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import SLOW, needs_fuse, needs_root, overlayrec, is_mounted
+
+ATTIC = ".overlayrec-attic"
+
+# One writer: creates new files and rewrites a few over and over, each operation in a child
+# process of its own (a new actor, so a new epoch: each rewrite saves the old content as a blob,
+# and the state dir fills with blobs and events), until it has been refused ENOSPC often enough
+# or its time is up.  Prints what it saw as JSON.
+WRITER = r'''
+import errno, json, os, sys, time
+root, tag, seconds, size = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
+os.chdir(root)
+errors, ok, full, i = {}, 0, 0, 0
+end = time.monotonic() + seconds
+while time.monotonic() < end and full < 40:
+    i += 1
+    name = "%s-new-%d" % (tag, i) if i % 3 == 0 else "%s-%d" % (tag, i % 8)
+    data = os.urandom(size if i % 3 else 100)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            with open(name, "wb") as f:
+                f.write(data)
+        except OSError as e:
+            os._exit(e.errno or 255)
+        except BaseException:
+            os._exit(254)
+        os._exit(0)
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    if code == 0:
+        ok += 1
+        continue
+    name = errno.errorcode.get(code, str(code))
+    errors[name] = errors.get(name, 0) + 1
+    if code == errno.ENOSPC:
+        full += 1
+        time.sleep(0.01)
+    elif code in (errno.ENOTCONN, errno.ECONNABORTED):
+        break
+print(json.dumps({"ok": ok, "errors": errors}), flush=True)
+'''
+
+
+@contextlib.contextmanager
+def tmpfs(path: str, size: str):
+    os.makedirs(path, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", path],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", path], capture_output=True)
+
+
+def free_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def fill(path: str, name: str, leave: int) -> str:
+    """A filler file that leaves about ``leave`` bytes free on ``path``'s filesystem."""
+    filler = os.path.join(path, name)
+    want = max(0, free_bytes(path) - leave)
+    with open(filler, "wb") as f:
+        while want > 0:
+            try:
+                want -= f.write(b"\0" * min(want, 1 << 20))
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                break
+    return filler
+
+
+def run_writers(ws: str, n: int, seconds: float, size: int) -> list[dict]:
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, ws, f"w{k}", str(seconds * SLOW),
+                               str(size)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, cwd="/")
+             for k in range(n)]
+    out = []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=(seconds + 30) * SLOW)
+            assert p.returncode == 0, stderr
+            out.append(json.loads(stdout))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return out
+
+
+def daemon_pid(m) -> int:
+    with open(os.path.join(m.state, "daemon.json")) as f:
+        return json.load(f)["pid"]
+
+
+def assert_alive(m, pid: int) -> None:
+    """Mounted, answering, served by the same daemon, and listable."""
+    assert is_mounted(m.ws)
+    st = json.loads(overlayrec("status", m.ws, "--json").stdout)
+    assert st["mounted"] is True and st["responding"] is True and st["dead_mount"] is False, st
+    assert st["daemon_pid"] == pid
+    os.kill(pid, 0)
+    m.sh("ls -la > /dev/null")
+
+
+def underlay_files(ws: str) -> set[str]:
+    out = set()
+    for d, dirs, files in os.walk(ws):
+        if d == ws and ATTIC in dirs:
+            dirs.remove(ATTIC)
+        for f in files:
+            out.add(os.path.relpath(os.path.join(d, f), ws))
+    return out
+
+
+def assert_write_ahead(m, before: set[str] = frozenset()) -> None:
+    """Every file on the underlay (read with nothing mounted) that was not there before the
+    mount was created by an event that holds (none that a ``failed`` note voids)."""
+    assert not is_mounted(m.ws)
+    created = {e["path"] for e in m.events() if e["op"] == "create"}
+    files = underlay_files(m.ws) - before
+    assert files, "the writers made nothing at all"
+    missing = sorted(files - created)
+    assert not missing, f"on the underlay without a create event: {missing[:10]}"
+
+
+def total_errors(results: list[dict]) -> dict[str, int]:
+    errors: dict[str, int] = {}
+    for r in results:
+        for k, v in r["errors"].items():
+            errors[k] = errors.get(k, 0) + v
+    return errors
+
+
+# creates empty files until one is refused: only events, so the journal itself must grow
+CREATOR = r'''
+import errno, json, os, sys
+os.chdir(sys.argv[1])
+for k in range(int(sys.argv[2])):
+    try:
+        os.close(os.open("j-%d" % k, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+    except OSError as e:
+        print(json.dumps({"made": k, "errno": errno.errorcode.get(e.errno, e.errno)}))
+        break
+else:
+    print(json.dumps({"made": k + 1, "errno": None}))
+'''
+
+
+@needs_fuse
+@needs_root
+@pytest.mark.timeout(int(90 * SLOW))
+def test_full_state_dir_is_enospc_and_recording_resumes(make_mount):
+    m = make_mount()
+    with tmpfs(os.path.join(m.base, "statefs"), "16m") as statefs:
+        m.state = os.path.join(statefs, "state")
+        try:
+            m.mount()
+            pid = daemon_pid(m)
+            m.sh("echo before > before")
+            filler = fill(statefs, "filler", 3 << 20)
+
+            # several writers fill it: rewrites save blobs, creates add events
+            results = run_writers(m.ws, 3, 10, 64 << 10)
+            errors = total_errors(results)
+            assert errors.get("ENOSPC", 0) > 0, results
+            assert set(errors) == {"ENOSPC"}, results  # never EIO, never ENOTCONN
+            assert sum(r["ok"] for r in results) > 0, results
+            assert_alive(m, pid)
+
+            # not a byte left: the journal itself cannot grow, and a create is refused
+            filler2 = fill(statefs, "filler2", 0)
+            r = subprocess.run([sys.executable, "-c", CREATOR, m.ws, "20000"], cwd="/",
+                               capture_output=True, text=True, timeout=60 * SLOW)
+            made = json.loads(r.stdout)
+            assert made["errno"] == "ENOSPC", (made, r.stderr)
+            assert not os.path.exists(os.path.join(m.ws, "j-%d" % made["made"]))
+            assert_alive(m, pid)
+
+            # while full: status and log warn, in one line; no partial blob was left behind
+            r = overlayrec("status", m.ws)
+            assert "warning" in r.stderr and "ENOSPC" in r.stderr, r.stderr
+            assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+            assert "warning" in overlayrec("log", m.ws, "--limit", "1").stderr
+            tmp = os.path.join(m.state, "content", "tmp")
+            if os.path.isdir(tmp):
+                assert os.listdir(tmp) == []
+            data = os.path.join(m.state, "journal", "data.mdb")
+            assert os.stat(data).st_size <= 16 << 20  # not a sparse map-sized file
+
+            # space freed: the same mount records again, without a restart
+            os.unlink(filler)
+            os.unlink(filler2)
+            m.sh("echo after > after-free; echo more >> before")
+            assert daemon_pid(m) == pid
+            evs = m.events()
+            first = [e for e in evs if e["path"] == "after-free"]
+            assert first and first[0]["op"] == "create", first
+            assert any(e["op"] == "write" and e["path"] == "before" and
+                       e["seq"] > first[0]["seq"] for e in evs)
+            assert_alive(m, pid)
+            assert "warning" not in overlayrec("status", m.ws).stderr
+        finally:
+            m.umount()
+        assert_write_ahead(m)
+        assert open(os.path.join(m.ws, "after-free")).read() == "after\n"
+        log = open(os.path.join(m.state, "daemon.log"), errors="replace").read()
+        assert "unexpected error" not in log and "Traceback" not in log, log[-3000:]
+
+
+@needs_fuse
+@needs_root
+@pytest.mark.timeout(int(90 * SLOW))
+def test_full_workspace_is_enospc_and_the_journal_holds(make_mount):
+    m = make_mount()
+    with tmpfs(os.path.join(m.base, "wsfs"), "8m") as wsfs:
+        m.ws = os.path.join(wsfs, "ws")
+        os.mkdir(m.ws)
+        fill(m.ws, ".filler", 1 << 20)  # made before the mount: not recorded
+        try:
+            m.mount()
+            pid = daemon_pid(m)
+            m.sh("echo seed > seed")
+            results = run_writers(m.ws, 3, 10, 256 << 10)
+            errors = total_errors(results)
+            assert errors.get("ENOSPC", 0) > 0, results
+            assert set(errors) == {"ENOSPC"}, results
+            assert_alive(m, pid)
+
+            # the refused writes are voided in the journal, which reads back
+            evs = m.events(failed=True)
+            failed = [e for e in evs if e["op"] == "failed"]
+            assert failed and all(e["errno"] == errno.ENOSPC for e in failed), failed[:5]
+            by_seq = {e["seq"]: e for e in evs}
+            assert all(by_seq[e["ref"]]["path"] == e["path"] for e in failed)
+            r = overlayrec("diff", m.ws, "--since", "0", "--stat")
+            assert "seed" in r.stdout
+
+            # room again (a truncation through the mount frees it; an unlink would keep the
+            # file in the attic): the same mount writes and records
+            m.sh("truncate -s 0 w0-* w1-*")
+            m.sh("echo after > after-free")
+            assert "after-free" in {e["path"] for e in m.events()}
+            assert daemon_pid(m) == pid
+        finally:
+            m.umount()
+        assert_write_ahead(m, before={".filler"})
+        log = open(os.path.join(m.state, "daemon.log"), errors="replace").read()
+        assert "unexpected error" not in log and "Traceback" not in log, log[-3000:]
+
+
+# -- without a mount: the recorder's bookkeeping after a refused commit (no root needed) ---------
+
+@pytest.mark.timeout(int(30 * SLOW))
+def test_a_refused_commit_leaves_no_half_epoch(tmp_path, monkeypatch):
+    """A truncation refused because the journal is full (its pre-image captured, its commit
+    failed) is not made, and leaves the epoch as it was: the retry, once there is room again,
+    journals the pre-image again (a recorder that kept the epoch would journal the truncation
+    without the content it destroyed)."""
+    from overlayrec.attribution import Attribution
+    from overlayrec.journal import Journal, JournalError
+    from overlayrec.recorder import Recorder
+
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "f").write_bytes(b"the old content")
+    j = Journal(str(tmp_path / "state"))
+    root_fd = os.open(ws, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    opath = os.open(ws / "f", os.O_PATH | os.O_CLOEXEC)
+    rw = os.open(ws / "f", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        rec = Recorder(j, root_fd, Attribution())
+        actor = rec.attribution.actor(os.getpid())
+        real = j.append_many
+
+        def full(events, actors):
+            raise JournalError("journal write failed: no space", errno.ENOSPC)
+        monkeypatch.setattr(j, "append_many", full)
+        with pytest.raises(JournalError) as refused:
+            rec.truncate(opath, 0, actor, open_fd=rw)
+        assert refused.value.errno == errno.ENOSPC
+        assert (ws / "f").read_bytes() == b"the old content"  # write-ahead: not made
+        assert "f" not in rec.epochs
+
+        monkeypatch.setattr(j, "append_many", real)  # space freed
+        rec.truncate(opath, 0, actor, open_fd=rw)
+        assert (ws / "f").read_bytes() == b""
+        evs = [e for e in j.events() if e.get("path") == "f"]
+        assert [e["op"] for e in evs] == ["truncate"]
+        assert evs[0]["epoch"] and j.content.get(evs[0]["pre"]["blob"]) == b"the old content"
+    finally:
+        for fd in (rw, opath, root_fd):
+            os.close(fd)
+        j.close()
