@@ -40,6 +40,7 @@ _STRIP = os.O_CREAT | os.O_EXCL | os.O_NOCTTY | os.O_APPEND | os.O_NOFOLLOW | \
     getattr(os, "O_DIRECT", 0)
 _COLLISION_BASE = 1 << 62
 _MIN_FD_HIGH = 64  # never fewer O_PATH fds kept than this, whatever the fd limit
+_NO_NAMES: frozenset[bytes] = frozenset()
 
 
 class Inode:
@@ -70,7 +71,7 @@ class Inode:
         # the kernel asks for security.capability before every write (and ls for ACLs and
         # labels on every file); xattrs change only through us, so a known absence is
         # remembered until this inode's attributes change
-        self.no_xattr: set[bytes] = set()
+        self.no_xattr: frozenset[bytes] = _NO_NAMES  # shared while empty (most inodes)
 
 
 class Handle:
@@ -438,7 +439,7 @@ class Operations(pyfuse3.Operations):
     @_errno_boundary
     async def setattr(self, inode, attr, fields, fh, ctx):
         i = self._inode(inode)
-        i.no_xattr.clear()  # chmod rewrites an ACL's mask; chown drops capabilities
+        i.no_xattr = _NO_NAMES  # chmod rewrites an ACL's mask; chown drops capabilities
         actor = self._actor(ctx)
         rec = self.recorder
         fd = self._fd(i)
@@ -726,7 +727,7 @@ class Operations(pyfuse3.Operations):
             return os.getxattr(p, os.fsdecode(name))
         except OSError as e:
             if e.errno == errno.ENODATA and len(i.no_xattr) < 16:
-                i.no_xattr.add(name)
+                i.no_xattr = i.no_xattr | {name}
             raise
 
     @_errno_boundary
@@ -741,7 +742,7 @@ class Operations(pyfuse3.Operations):
         i = self._inode(inode)
         if i.is_symlink:
             raise pyfuse3.FUSEError(errno.EPERM)
-        i.no_xattr.clear()
+        i.no_xattr = _NO_NAMES
         self.recorder.setxattr(self._fd(i), os.fsdecode(name), value, self._actor(ctx))
 
     @_errno_boundary
@@ -749,5 +750,5 @@ class Operations(pyfuse3.Operations):
         i = self._inode(inode)
         if i.is_symlink:
             raise pyfuse3.FUSEError(errno.ENODATA)
-        i.no_xattr.clear()
+        i.no_xattr = _NO_NAMES
         self.recorder.removexattr(self._fd(i), os.fsdecode(name), self._actor(ctx))

@@ -67,47 +67,6 @@ def _undoable(fn):
     return wrapper
 
 
-class _CleanBlobs:
-    """The content store as the recorder writes to it: a blob write that fails (a full state
-    filesystem) leaves no partial temp file behind.  (The daemon is one thread: the only temp
-    files of this process are those of the write that just failed.)"""
-
-    def __init__(self, store):
-        self._store = store
-
-    def __getattr__(self, name):
-        return getattr(self._store, name)
-
-    def put_range(self, *args, **kwargs) -> str:
-        try:
-            return self._store.put_range(*args, **kwargs)
-        except OSError:
-            self._sweep()
-            raise
-
-    def put_bytes(self, *args, **kwargs) -> str:
-        try:
-            return self._store.put_bytes(*args, **kwargs)
-        except OSError:
-            self._sweep()
-            raise
-
-    def _sweep(self) -> None:
-        tmp = getattr(self._store, "_tmp", None)
-        if tmp is None:
-            return
-        mine = f"{os.getpid()}."
-        try:
-            names = [n for n in os.listdir(tmp) if n.startswith(mine)]
-        except OSError:
-            return
-        for n in names:
-            try:
-                os.unlink(os.path.join(tmp, n))
-            except OSError:
-                pass
-
-
 class RangeSet:
     """Sorted, disjoint [lo, hi) intervals; small and simple, writes are mostly sequential."""
     __slots__ = ("iv",)
@@ -161,7 +120,7 @@ class Recorder:
         self.journal = journal
         self.record_data = record_data
         self.units = units or Calls(journal, attribution)
-        self.content = _CleanBlobs(journal.content)
+        self.content = journal.content
         self._undo: dict[str, tuple | None] | None = None  # see _undoable
         self._unjournaled: list[dict] = []  # failed notes the journal could not take yet
         self.root_fd = root_fd
@@ -263,7 +222,9 @@ class Recorder:
             if snap is None:
                 self.epochs.pop(path, None)
                 continue
-            ep, ep.unit, ep.content_saved, ep.meta_saved, ep.size0, iv = snap
+            ep, unit, content_saved, meta_saved, size0, iv = snap
+            ep.unit, ep.content_saved = unit, content_saved
+            ep.meta_saved, ep.size0 = meta_saved, size0
             if iv is None:
                 ep.ranges = None
             else:

@@ -7,8 +7,10 @@
 * the workspace itself on a small full tmpfs: the writers get ENOSPC, the mount lives, each
   refused write is voided by a ``failed`` note, and the journal reads back (``diff --since 0``).
 
-They mount tmpfs filesystems, so they need root (as another user they skip; tools/test runs them
-in its root pass).
+Those two mount tmpfs filesystems, so they need root (as another user they skip; tools/test
+runs them in its root pass).  Two more need neither root nor a mount: a refused commit leaves
+the recorder's epochs as they were (the retry journals the pre-image again), and the journal's
+map starts small and grows, with readers following.
 """
 from __future__ import annotations
 
@@ -18,7 +20,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -320,4 +321,52 @@ def test_a_refused_commit_leaves_no_half_epoch(tmp_path, monkeypatch):
     finally:
         for fd in (rw, opath, root_fd):
             os.close(fd)
+        j.close()
+
+
+READER = r'''
+import sys
+from overlayrec.journal import Journal
+j = Journal(sys.argv[1], readonly=True)
+print(j.count(), flush=True)
+sys.stdin.readline()          # the writer grows the map meanwhile
+print(j.count(), j.event(j.last_seq())["path"], flush=True)
+'''
+
+
+@pytest.mark.timeout(int(60 * SLOW))
+def test_the_map_grows_with_the_data_and_readers_follow(tmp_path, monkeypatch):
+    """The writer's map starts small and grows on MDB_MAP_FULL (the commit retried, nothing
+    lost); data.mdb is as long as its data (no sparse map-sized file); a reader opened before
+    the growth reads what was written after it."""
+    from overlayrec.journal import Journal, schema
+
+    monkeypatch.setattr(schema, "MAP_SIZE", 1 << 20)
+    monkeypatch.setattr(schema, "MAP_STEP", 1 << 20)
+    state = str(tmp_path / "state")
+    j = Journal(state)
+    try:
+        j.append({"op": "create", "path": "first", "actor": "a"})
+        first_map = j.env.info()["map_size"]
+        assert first_map <= 2 << 20
+        reader = subprocess.Popen([sys.executable, "-c", READER, state], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True, cwd="/")
+        try:
+            assert reader.stdout.readline().split() == ["1"]
+            n = 6000
+            j.append_many([{"op": "write", "path": f"d/f{i}", "actor": "a", "pad": "x" * 400}
+                           for i in range(n // 2)], [])  # one commit larger than the map
+            for i in range(n // 2, n):
+                j.append({"op": "write", "path": f"d/f{i}", "actor": "a", "pad": "x" * 400})
+            assert j.count() == n + 1 and j.last_seq() == n + 1
+            assert j.env.info()["map_size"] > first_map
+            size = os.stat(os.path.join(state, "journal", "data.mdb")).st_size
+            assert size <= j.env.info()["map_size"] and size < (n * 600) * 2
+            reader.stdin.write("\n")
+            reader.stdin.flush()
+            assert reader.stdout.readline().split() == [str(n + 1), f"d/f{n - 1}"]
+        finally:
+            reader.kill()
+            reader.wait()
+    finally:
         j.close()

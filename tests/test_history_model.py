@@ -24,6 +24,15 @@ A case passes only when every reader agrees with the model:
 * ``revert --call``: the model's tree, or exactly the model's conflicts (nothing written); and
   ``unrevert`` gives back the tree before the revert.
 
+Rules the model takes where the issue leaves a choice (each in ``predict`` or ``Model``): a
+unit's changes include every path whose state an operation changed, so the contents of a
+renamed directory and the other names of a hard link it wrote or chmodded; conflicts follow
+docs/revert.md path by path, in make_plan's order (escape, interleaved, changed), and a file
+that the reverted unit itself put where a directory was is no ``escape`` (the revert restores
+the directory); a directory a revert must recreate around a restored path may have any mode;
+paths that shared an inode before the unit share one after its revert where they hold one
+state.  A unit boundary is exact: every handle is closed before the next operation.
+
 The readers run in-process, as ``cli.py`` calls them (one CLI process costs ~0.3 s); revert and
 unrevert go through the CLI, since they write through the mount.  The calls' writers are
 processes the agent forks at each call's begin (so every write of theirs is that call's, after its
@@ -41,7 +50,8 @@ Knobs (environment): OVERLAYREC_MODEL_CASES (default 400) and
 OVERLAYREC_MODEL_UNMOUNTED_CASES (default max(24, CASES/16)) set the numbers of cases;
 OVERLAYREC_MODEL_CHECKS (default ``diff,replay,export,revert``) the readers checked, to look at
 one at a time; OVERLAYREC_MODEL_OPS a comma list of the operation kinds generated (default all);
-OVERLAYREC_MODEL_SHRINK=0 skips shrinking (a quicker first look at a failure).
+OVERLAYREC_MODEL_SHRINK=0 skips shrinking (a quicker first look at a failure).  A failing
+case can be pinned with ``@example(seed=..., raw=..., which=...)`` from hypothesis' report.
 """
 from __future__ import annotations
 

@@ -79,15 +79,23 @@ class ContentStore:
         tmp = os.path.join(self._tmp, f"{os.getpid()}.{self._n}")
         fd = state.open_private(tmp)
         try:
-            writer(fd)
-        finally:
-            os.close(fd)
-        final = self.path(digest)
-        try:
-            os.rename(tmp, final)
-        except FileNotFoundError:  # the first blob under this prefix
-            state.private_dir(os.path.dirname(final))
-            os.rename(tmp, final)
+            try:
+                writer(fd)
+            finally:
+                os.close(fd)
+            final = self.path(digest)
+            try:
+                os.rename(tmp, final)
+            except FileNotFoundError:  # the first blob under this prefix
+                state.private_dir(os.path.dirname(final))
+                os.rename(tmp, final)
+        except BaseException:
+            # a full disk (or anything else) leaves no partial temp file behind
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
 
     def get(self, digest: str, verify: bool = True) -> bytes:
         """The blob's bytes, checked against its name: BlobError when they do not match (or it
