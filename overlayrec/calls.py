@@ -208,6 +208,7 @@ class Calls:
         self.live_implicit: list[Call] = []  # implicit calls not ended, oldest first
         # called with a unit's key once its end is journaled (the daemon seals the unit's paths)
         self.on_unit_end: Callable[[str], None] | None = None
+        self.on_boundary: Callable[[], None] | None = None
         self._own_actor: dict | None = None
 
     # -- lineage --------------------------------------------------------------------------------
@@ -317,6 +318,7 @@ class Calls:
         session.order.append(call)
         call.begin_seq = self.journal.last_seq() + 1
         self.journal.put_record("calls", call_key(session.id, call.id), call.record())
+        self._boundary()
         self.live_implicit.append(call)
         self._join(session, call, child["key"], child["pid"])
         return call
@@ -389,7 +391,15 @@ class Calls:
     def _control_event(self, op: str, session: Session, actor: dict, **kw) -> int:
         ev = {"op": op, "path": None, "session": session.id, "actor": actor["key"]}
         ev.update(kw)
-        return self.journal.append(ev, actor)
+        seq = self.journal.append(ev, actor)
+        self._boundary()
+        return seq
+
+    def _boundary(self) -> None:
+        """A unit began or ended: every epoch ends there (``on_boundary``), so the record is
+        exact at every unit boundary, whoever keeps writing across it."""
+        if self.on_boundary is not None:
+            self.on_boundary()
 
     def resolve(self, name: str | None, caller: dict) -> Session:
         """The session a request names, or the one the caller runs under."""
@@ -558,11 +568,13 @@ class Calls:
         self.reverts[caller["key"]] = revert_id
         self.journal.append({"op": "revert_begin", "path": None, "revert": revert_id,
                              "actor": caller["key"]}, caller)
+        self._boundary()
 
     def revert_end(self, caller: dict, revert_id: str) -> None:
         self.reverts.pop(caller["key"], None)
         self.journal.append({"op": "revert_end", "path": None, "revert": revert_id,
                              "actor": caller["key"]}, caller)
+        self._boundary()
         self._unit_ended("revert:" + revert_id)
 
     def status(self) -> dict:

@@ -1348,7 +1348,9 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
             _save_revert(sd, rec)  # the plan is on disk before the first change
             root_fd = os.open(ws, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
             done = []
-            made = {}  # hard-link groups: the first path of each made holds the inode
+            # hard-link groups: the first path of each made holds the inode (or a live path
+            # outside the plan that still holds it)
+            made = dict(getattr(plan, "partners", {}))
             try:
                 with client.Client(os.path.join(sd, "control.sock")) as c:
                     c.request("revert_begin", id=plan.id)

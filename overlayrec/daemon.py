@@ -121,6 +121,7 @@ def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool, record_da
     if found["drifted"] or found["recovered"]:
         log.info("record opened: %s", found)
     calls.on_unit_end = recorder.seal  # a unit's end ends its epochs: seal what they left
+    calls.on_boundary = recorder.end_epochs  # every unit boundary ends every epoch
     control = ControlServer(state.StateDir(state_dir).control_sock, calls, attribution,
                             os.fstat(root_fd).st_uid, root_fd)
     control.bind()

@@ -628,10 +628,12 @@ class Operations(pyfuse3.Operations):
     async def release(self, fh):
         h = self.handles.pop(fh)
         try:
-            if h.write_seq is not None and h.writes > 1:
+            if h.write_seq is not None:
+                # also marks the run ended: readers know no unseen write follows ``end``
                 try:
                     self.recorder.journal.put_extents(h.write_seq, {
-                        "writes": h.writes, "bytes": h.nbytes, "lo": h.lo, "hi": h.hi})
+                        "writes": h.writes, "bytes": h.nbytes, "lo": h.lo, "hi": h.hi,
+                        "end": self.recorder.journal.last_reserved()})
                 except JournalError as e:  # a summary, not a pre-image: lost, and said so
                     log.warning("extents of event %d not journaled: %s", h.write_seq, e)
         finally:

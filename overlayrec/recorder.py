@@ -129,8 +129,13 @@ class Recorder:
         self.root_path = underlay.fd_path(root_fd)
         self._euid, self._egid = os.geteuid(), os.getegid()
         self.epochs: dict[str, Epoch] = {}
-        # paths whose epoch a directory rename carried to a new name: sealed with their unit
-        self.moved: dict[str, str] = {}
+        # the names the daemon knows for inodes with several links (made through the mount):
+        # a change through one name is journaled on the others too (an ``alias`` event)
+        self.names: dict[tuple[int, int], set[str]] = {}
+        self._pending: list[dict] = []  # alias events, committed with the event they go with
+        # paths whose last epoch ended unsealed (at a unit boundary, or carried to a new name
+        # by a directory rename): sealed with their unit
+        self.unsealed: dict[str, str] = {}
         self.attic_fd = self._open_attic()
         self.attic_links: dict[tuple[int, int], int] = {}
         self._count_attic()
@@ -214,6 +219,8 @@ class Recorder:
             return ep, False
         ep = Epoch(unit)
         self.epochs[path] = ep
+        # the new epoch's pre-image is where the last one ended: no seal owed for it
+        self.unsealed.pop(path, None)
         return ep, True
 
     def _restore(self, undo: dict[str, tuple | None]) -> None:
@@ -237,11 +244,15 @@ class Recorder:
         """Commit ``ev`` (after any failed notes still owed, in the same commit); its seq.
         JournalError (with the errno to answer, ENOSPC for a full state dir) when it cannot be
         committed: the caller must then leave the underlay alone."""
-        if not self._unjournaled:
+        aliases, self._pending = self._pending, []
+        for a in aliases:
+            a["actor"] = ev.get("actor", actor["key"])
+        if not self._unjournaled and not aliases:
             return self.journal.append(ev, actor)
         owed = self._unjournaled
-        seqs = self.journal.append_many(owed + [ev], [actor])
-        log.info("journaled %d failed note(s) owed since the journal was full", len(owed))
+        seqs = self.journal.append_many(owed + aliases + [ev], [actor])
+        if owed:
+            log.info("journaled %d failed note(s) owed since the journal was full", len(owed))
         self._unjournaled = []
         return seqs[-1]
 
@@ -363,6 +374,10 @@ class Recorder:
         ev = self._creation("link", parent_fd, name, actor, source=source)
         with self._mutation(ev, actor):
             underlay.link_fd(src_fd, parent_fd, name, root_fd=self.root_fd, rel=source)
+        try:
+            self._named(os.fstat(src_fd), source, ev["path"])
+        except OSError:
+            pass
 
     # -- removals -------------------------------------------------------------------------------
     @_undoable
@@ -378,12 +393,15 @@ class Recorder:
         seq = self.journal.reserve_seq()
         ev["seq"] = seq
         pre["attic"] = self.attic_prefix + str(seq)
+        self._keep_if_linked(parent_fd, name, st, pre)
         ev["pre"] = pre
         with self._mutation(ev, actor):
             # one rename is both the pre-image and the change: the inode lives on in the attic
             os.rename(name, pre["attic"], src_dir_fd=parent_fd, dst_dir_fd=self.attic_fd)
         k = (st.st_dev, st.st_ino)
         self.attic_links[k] = self.attic_links.get(k, 0) + 1
+        if self.names:
+            self._unnamed(path)
         ep.content_saved = ep.meta_saved = True
 
     @_undoable
@@ -417,6 +435,7 @@ class Recorder:
             # the renamed-over inode survives by a hard link in the attic, taken before the rename
             pre2["attic"] = self.attic_prefix + str(seq)
             attic_key = (st2.st_dev, st2.st_ino)
+            self._keep_if_linked(npfd, nname, st2, pre2)
         ev["pre2"] = pre2
         ep2, new2 = self._epoch(path2, unit)
         if new2:
@@ -427,6 +446,8 @@ class Recorder:
                         follow_symlinks=False)
                 self.attic_links[attic_key] = self.attic_links.get(attic_key, 0) + 1
             underlay.renameat2(pfd, name, npfd, nname, flags)
+        if self.names:
+            self._renamed(path, path2, stat.S_ISDIR(st.st_mode), flags)
         ep.content_saved = ep.meta_saved = True
         # the moved inode's content is in no pre-image (a rename copies nothing): the next
         # content change under the new name, even in this epoch, must save it first
@@ -437,9 +458,9 @@ class Recorder:
             # paths below a renamed directory change: their epochs start afresh under new names
             prefix = path + "/"
             for p in [p for p in self.epochs if p.startswith(prefix)]:
-                self.moved[path2 + p[len(path):]] = self.epochs.pop(p).unit
-            for p in [p for p in self.moved if p.startswith(prefix)]:
-                self.moved[path2 + p[len(path):]] = self.moved.pop(p)
+                self.unsealed[path2 + p[len(path):]] = self.epochs.pop(p).unit
+            for p in [p for p in self.unsealed if p.startswith(prefix)]:
+                self.unsealed[path2 + p[len(path):]] = self.unsealed.pop(p)
 
     # -- content --------------------------------------------------------------------------------
     def _capture(self, path: str, fd: int, unit: str, lo: int, hi: int | None) -> dict | None:
@@ -479,7 +500,82 @@ class Recorder:
             return None
         if pre is not None:
             ev["pre"] = pre
+            self._alias(path, st, unit, pre)
         return ev
+
+    # -- hard links -----------------------------------------------------------------------------
+    def _keep_if_linked(self, dirfd: int, name: str, st: os.stat_result, pre: dict) -> None:
+        """An inode leaving a name for the attic while other names keep it: writes through
+        those change the attic's copy too, so its content is kept now (small files)."""
+        if not stat.S_ISREG(st.st_mode) or self.nlink(st) < 2 or \
+                st.st_size > self.whole_file_limit:
+            return
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     dir_fd=dirfd)
+        try:
+            pre["blob"] = self._save_whole(fd, st.st_size)
+        finally:
+            os.close(fd)
+
+    def _alias(self, path: str, st: os.stat_result, unit: str, pre: dict) -> None:
+        """``path``'s inode is about to change: every other name the daemon knows it by changes
+        with it.  Queue an ``alias`` event for each (its pre-image: the same inode's, under
+        that name), committed with the change's own event."""
+        if not self.names or self.nlink(st) < 2:
+            return
+        key = (st.st_dev, st.st_ino)
+        for other in sorted(self.names.get(key, ()) - {path}):
+            try:
+                ost = self._lstat(other)
+            except OSError:
+                ost = None
+            if ost is None or (ost.st_dev, ost.st_ino) != key:
+                self.names[key].discard(other)
+                continue
+            ep, new = self._epoch(other, unit)
+            whole = "blob" in pre or st.st_size == 0
+            if new:
+                apre = self._meta(st)
+                if "blob" in pre:
+                    apre["blob"] = pre["blob"]
+                ep.meta_saved = True
+                ep.content_saved = whole
+            elif not ep.content_saved and "blob" in pre:
+                apre = {"facet": "content", "blob": pre["blob"]}
+                ep.content_saved = True
+            else:
+                continue
+            self._pending.append({"op": "alias", "path": other, "source": path, "pre": apre,
+                                  **({"epoch": True} if new else {}), **unit_fields(unit)})
+
+    def _lstat(self, path: str) -> os.stat_result:
+        parent, _, name = path.rpartition("/")
+        dfd = underlay.open_beneath(self.root_fd, parent) if parent else os.dup(self.root_fd)
+        try:
+            return underlay.lstat_at(dfd, name)
+        finally:
+            os.close(dfd)
+
+    def _named(self, st: os.stat_result, *paths: str) -> None:
+        if stat.S_ISREG(st.st_mode) and self.nlink(st) > 1:
+            self.names.setdefault((st.st_dev, st.st_ino), set()).update(paths)
+
+    def _renamed(self, path: str, path2: str, is_dir: bool, flags: int) -> None:
+        """Keep the known names of linked inodes right across a rename (of a directory too)."""
+        def move(n: str) -> str:
+            if n == path or (is_dir and n.startswith(path + "/")):
+                return path2 + n[len(path):]
+            if flags & underlay.RENAME_EXCHANGE and (n == path2 or n.startswith(path2 + "/")):
+                return path + n[len(path2):]
+            return n
+        for key, names in self.names.items():
+            if not flags & underlay.RENAME_EXCHANGE:
+                names.discard(path2)  # renamed over: that name now holds the moved inode
+            self.names[key] = {move(n) for n in names}
+
+    def _unnamed(self, path: str) -> None:
+        for names in self.names.values():
+            names.discard(path)
 
     @_undoable
     def before_write(self, handle, off: int, length: int, data: bytes | None = None) -> int | None:
@@ -561,6 +657,8 @@ class Recorder:
                 pre["facet"] = "meta"
             ev["pre"] = pre
             ep.meta_saved = True
+            if pre["kind"] == "file":
+                self._alias(path, st, unit, pre)
         return ev
 
     @_undoable
@@ -622,7 +720,7 @@ class Recorder:
         paths holds now.  A reader ends each path's chain at its last seal, so a change made
         later around the mount is told apart from the unit's own.  Returns how many were sealed."""
         paths = {p for p, ep in self.epochs.items() if unit is None or ep.unit == unit}
-        paths |= {p for p, u in self.moved.items() if unit is None or u == unit}
+        paths |= {p for p, u in self.unsealed.items() if unit is None or u == unit}
         if not paths:
             return 0
         events = []
@@ -644,8 +742,16 @@ class Recorder:
             return 0
         for p in paths:
             self.epochs.pop(p, None)
-            self.moved.pop(p, None)
+            self.unsealed.pop(p, None)
         return len(events)
+
+    def end_epochs(self) -> None:
+        """A unit boundary: every epoch ends, so the next change of any path captures a fresh
+        pre-image and every reader is exact there.  The paths are sealed later, with their
+        unit's end (or at unmount)."""
+        for p, ep in self.epochs.items():
+            self.unsealed.setdefault(p, ep.unit)
+        self.epochs.clear()
 
     def open_record(self) -> dict:
         """At mount: seal what a daemon that did not unmount cleanly left open, then compare

@@ -10,12 +10,11 @@ import json
 import os
 import shlex
 import subprocess
+import sys
 import threading
 import time
 
-import pytest
-
-from conftest import SLOW, needs_fuse, needs_root
+from conftest import SLOW, needs_fuse
 
 GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "init.defaultBranch=main",
        "-c", "gc.auto=0",  # no background gc changing .git while it is compared
@@ -120,7 +119,6 @@ CAT_ALL = "find . -type f -print0 | sort -z | xargs -0 cat | sha256sum"
 
 
 @needs_fuse
-@needs_root
 def test_twenty_thousand_files_under_a_1024_fd_limit(make_mount):
     limit = 1024
     m = make_mount(env=dict(os.environ, OVERLAYREC_FD_LIMIT=str(limit)))
@@ -166,7 +164,6 @@ def test_twenty_thousand_files_under_a_1024_fd_limit(make_mount):
 
 
 @needs_fuse
-@needs_root
 def test_names_follow_renames_and_links_without_fds(make_mount):
     """A tiny limit (128: 64 O_PATH fds), so nearly every inode loses its fd between uses."""
     limit = 128
@@ -199,7 +196,8 @@ def test_names_follow_renames_and_links_without_fds(make_mount):
         assert run(m, "cat d00/s1/g d02/s1/f003")[0] == "d02/s0/f001\nw\nd02/s0/f002\nw\n"
         assert events_for(m, "write", "d00/s1/g") and events_for(m, "write", "d02/s1/f003")
         # RENAME_EXCHANGE of two directories
-        run(m, "python3 -c 'import ctypes; l = ctypes.CDLL(None, use_errno=True);"
+        run(m, f"{shlex.quote(sys.executable)} -c 'import ctypes;"
+               " l = ctypes.CDLL(None, use_errno=True);"
                " assert l.renameat2(-100, b\"x\", -100, b\"y\", 2) == 0, ctypes.get_errno()';"
                f" {pressure}; echo w >> x/f")
         assert run(m, "cat x/f y/f")[0] == "in y\nw\nin x\n"

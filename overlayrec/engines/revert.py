@@ -44,6 +44,9 @@ class Plan:
     id: str
     selection: dict
     steps: list[Step] = field(default_factory=list)
+    # live paths outside the plan that still hold the inode of a hard-linked target: the
+    # target is linked to them, not copied (the seed of apply_step's ``made``)
+    partners: dict = field(default_factory=dict)
 
     @property
     def conflicts(self) -> list[Step]:
@@ -92,7 +95,10 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
     spans: dict[str, list[int]] = {}
     others: dict[str, list[int]] = {}
     last_unit: dict[str, str] = {}
+    linkish: set[str] = set()  # names the record saw share an inode
     for e in file_events(j, 1, hi):
+        if e["op"] in ("link", "alias"):
+            linkish.update(x for x in (e.get("path"), e.get("source")) if x)
         for p in touched(states, e):
             if not _visible(p):
                 continue
@@ -108,7 +114,8 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
     ends = states._unit_ends()
     unrecorded = {e.get("path") for e in file_events(j, lo, hi) if e["op"] == "unrecorded"}
     plan = Plan(revert_id or time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6], selection)
-    for p, (first, last) in sorted(spans.items()):
+    made_dirs: set[str] = set()
+    for p, (first, last) in sorted(spans.items(), key=lambda kv: kv[0].split("/")):
         if p.startswith("/") or ".." in p.split("/"):
             raise SelectionError(f"refusing a path that leaves the workspace: {p}")
         target = states.state(p, first - 1)
@@ -121,8 +128,10 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
         if target.same(expected):
             continue  # made and unmade inside the selection (a temp file): nothing to do
         step = Step(p, target, expected)
-        if live.symlink_on_the_way(p):
-            step.conflict = "escape"  # a directory on its way is now a symlink: never followed
+        if live.symlink_on_the_way(p) and live.blocker(p) not in made_dirs:
+            # a directory on its way is now a symlink (or a file) the plan does not itself
+            # replace by a directory: never followed
+            step.conflict = "escape"
         elif p in unrecorded or not target.exact or not expected.exact:
             step.conflict = "unrecorded"
         elif any(first < s < last for s in others.get(p, [])):
@@ -130,7 +139,27 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
         elif not expected.same(live.state(p)):
             step.conflict = "changed"
         plan.steps.append(step)
+        if target.kind == "dir" and step.conflict is None:
+            made_dirs.add(p)  # this plan puts a directory here first (order(): dirs first)
+    _find_partners(plan, live, linkish - spans.keys())
     return plan
+
+
+def _find_partners(plan: Plan, live: Tree, names: set[str]) -> None:
+    """For each hard-linked target no other step of the plan makes: a live path outside the
+    plan (one of the names the record saw linked) still holding that inode and content."""
+    for step in plan.steps:
+        t = step.target
+        if not (link_key(t) and t.nlink > 1) or link_key(t) in plan.partners:
+            continue
+        if any(o is not step and linked(t, o.target) for o in plan.steps):
+            continue
+        for name in sorted(names):
+            st = live.lstat(name)
+            if st is not None and st.st_ino == t.ino and stat.S_ISREG(st.st_mode) and \
+                    live.state(name).data == t.data:
+                plan.partners[link_key(t)] = (name, st.st_ino, t)
+                break
 
 
 # -- carrying a plan out ----------------------------------------------------------------------
@@ -420,13 +449,14 @@ def _link_to(root_fd: int, first: tuple, dfd: int, tmp: str) -> bool:
 
 
 def order(steps: list[Step]) -> list[Step]:
-    """Directories to create first (shallow first), then files, then removals deepest first,
-    then the modes of directories that would not let their owner fill them (deepest first)."""
+    """Removals first (deepest first: a directory the revert turns back into a file must be
+    emptied before), then directories to create (shallow first), then files, then the modes
+    of directories that would not let their owner fill them (deepest first)."""
     mk = sorted([s for s in steps if s.target.kind == "dir"], key=lambda s: s.path.count("/"))
     files = [s for s in steps if s.target.present and s.target.kind != "dir"]
     rm = sorted([s for s in steps if not s.target.present], key=lambda s: -s.path.count("/"))
     late = [DirMode(s.path, s.target, s.expected) for s in reversed(mk) if _blocks(s.target.mode)]
-    return mk + files + rm + late
+    return rm + mk + files + late
 
 
 _FIELDS = ("uid", "gid", "rdev", "block", "ino", "nlink", "drifted")

@@ -205,6 +205,19 @@ class Tree:
         os.close(fd)
         return False
 
+    def blocker(self, rel: str) -> str | None:
+        """The first directory on ``rel``'s way that is now something else (a symlink, a
+        file), or None."""
+        parts = rel.split("/")[:-1]
+        for i in range(len(parts)):
+            sub = "/".join(parts[:i + 1])
+            st = self.lstat(sub)
+            if st is None:
+                return None
+            if not stat.S_ISDIR(st.st_mode):
+                return sub
+        return None
+
     def attic(self, name: str) -> bytes | None:
         s = self.state(f"{ATTIC}/{name}")
         return s.data if s.kind in ("file", "symlink") else None
@@ -514,9 +527,13 @@ class States:
 
     def _may_change_unseen(self, path: str, after: int) -> bool:
         """Writes after a handle's first one are not events (unless the journal records data):
-        a point inside a run that wrote this way, before its unit ended, is not exact."""
-        allevs = self.events_on(path)
-        evs = [e for e in allevs if e["seq"] <= after]
+        a point inside a run that wrote this way (before its handle was released, or before
+        its unit ended for a journal that does not say) is not exact.  The run may have begun
+        under an earlier name of the path (its directory renamed since)."""
+        evs = []
+        for name, lo, hi in self.history(path, after):
+            evs = [(e, name) for e in self.events_on(name) if lo < e["seq"] <= min(hi, after)] \
+                + evs
         if not evs:
             return False
         nxt = next((e for e in self.chain_on(path) if e["seq"] > after), None)
@@ -524,14 +541,17 @@ class States:
             pre = self.pre_for(nxt, path)
             if pre is not None and "kind" in pre:
                 return False  # "just before that event": its pre-image, taken then, is exact
-        for e in reversed(evs):
+        for e, name in reversed(evs):
             if e["op"] == "write" and "data" not in e:
                 break
-            if self.starts_epoch(e, path):
+            if self.starts_epoch(e, name):
                 return False
         else:
             return False
-        end = self._unit_ends().get(evs[-1].get("unit") or "")
+        summary = self.j.extents(e["seq"])
+        if summary is not None and "end" in summary:
+            return summary["end"] > after  # released at "end": nothing unseen after it
+        end = self._unit_ends().get(e.get("unit") or "")
         return end is None or end > after
 
     def _unit_ends(self) -> dict[str, int]:

@@ -33,6 +33,8 @@ Sub-databases of the LMDB environment:
               ``seal`` events change nothing: their ``pre`` is what the path held when an epoch
               ended (a unit's end, unmount), with ``hash`` (and ``blob`` where the content was
               kept).  The chain of a path ends at its last seal, not at the live tree.
+              ``alias`` events: a change through one name of an inode with several links,
+              journaled on each other name the daemon knows (``source``: the name written).
               ``drift`` events are changes found at mount by comparing the live tree with the
               seals (made while unmounted, or around the mount): unit ``outside:unmounted``,
               ``pre`` the seal they depart from.
@@ -66,8 +68,10 @@ Sub-databases of the LMDB environment:
 ``seals``     seal_key(path) -> seq (8-byte big-endian) of the latest ``seal`` event of that path,
               followed by the path (utf-8).  The key is the path itself when it fits an LMDB
               key, else ``b"\xff"`` + its xxh3-128 digest.
-``extents``   seq -> JSON ``{"writes": n, "bytes": n, "lo": off, "hi": end}``: what the writes after
-              an epoch's first write did, summarised at release (not write-ahead: no pre-image in it).
+``extents``   seq -> JSON ``{"writes": n, "bytes": n, "lo": off, "hi": end, "end": seq}``: what the
+              writes through the handle of write event ``seq`` did, summarised at its release
+              (not write-ahead: no pre-image in it); ``end``: the last seq handed out at release,
+              so a reader knows no write of that run came after it.
 
 Pre-image JSON (``pre``)::
 
@@ -101,7 +105,7 @@ OPS = (
     "write", "truncate", "chmod", "chown", "utimens", "setxattr", "removexattr", "failed",
     "unrecorded",
     "session_begin", "session_end", "turn_begin", "turn_end", "call_begin", "call_end",
-    "revert_begin", "revert_end", "seal", "drift",
+    "revert_begin", "revert_end", "seal", "drift", "alias",
 )
 CONTROL_OPS = ("session_begin", "session_end", "turn_begin", "turn_end", "call_begin", "call_end",
                "revert_begin", "revert_end")

@@ -216,6 +216,10 @@ class Journal:
             return key_seq(cur.key()) + 1 if cur.last() else 1
 
     # -- writing --------------------------------------------------------------------------------
+    def last_reserved(self) -> int:
+        """The last sequence number handed out (committed or about to be)."""
+        return self._next_seq - 1
+
     def reserve_seq(self) -> int:
         """A sequence number for an event about to be appended (e.g. to name its attic entry)."""
         seq = self._next_seq
