@@ -98,8 +98,8 @@ class _Main(click.Group):
 
     @staticmethod
     def _usage(e: click.UsageError) -> click.UsageError:
-        if isinstance(e, (Usage, click.exceptions.NoArgsIsHelpError)):
-            return e  # (a group without its command shows its help)
+        if isinstance(e, (Usage, getattr(click.exceptions, "NoArgsIsHelpError", Usage))):
+            return e  # (a group without its command shows its help: click 8.2 and later)
         return Usage(e.format_message(), e.ctx)
 
     def make_context(self, info_name, args, parent=None, **extra):
@@ -150,7 +150,7 @@ class _Turn(click.ParamType):
 
 
 class _Seconds(click.ParamType):
-    """A number of seconds: finite, not negative."""
+    """A number of seconds: finite, from 0 to a million (select() refuses far larger)."""
     name = "seconds"
 
     def convert(self, value, param, ctx):
@@ -158,12 +158,38 @@ class _Seconds(click.ParamType):
             t = float(value)
         except (TypeError, ValueError):
             t = math.nan
-        if not (math.isfinite(t) and t >= 0):
-            self.fail(f"{_shown(str(value))} is not a number of seconds", param, ctx)
+        if not (math.isfinite(t) and 0 <= t <= 1e6):
+            self.fail(f"{_shown(str(value))} is not a number of seconds (0 to 1000000)",
+                      param, ctx)
         return t
 
 
-SEQ0, SEQ1, TURN, SECONDS = _Seq(0), _Seq(1), _Turn(), _Seconds()
+class _Id(click.ParamType):
+    """An id or a name as the journal keys it: not empty, and text (not bytes that are not
+    UTF-8, which arrive as surrogates)."""
+    name = "id"
+
+    def convert(self, value, param, ctx):
+        s = str(value)
+        if not s:
+            self.fail("an empty id", param, ctx)
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError:
+            self.fail(f"{_shown(s)} is not UTF-8 text", param, ctx)
+        return s
+
+
+class _NewPath(click.Path):
+    """A path to be made: not empty (the empty path would be the current directory)."""
+
+    def convert(self, value, param, ctx):
+        if value == "":
+            self.fail("an empty path", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+SEQ0, SEQ1, TURN, SECONDS, ID = _Seq(0), _Seq(1), _Turn(), _Seconds(), _Id()
 
 
 @click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
@@ -865,6 +891,10 @@ def _open_journal(workspace, state_dir):
     return Journal(_state_dir_for(ws, state_dir), readonly=True)
 
 
+_NO_NET = ("overlayrec: warning: the workspace cannot be read: listing every path written, not "
+           "the net changes")
+
+
 def _listing_net(j, ws: str | None, sd: str, quiet: bool = False):
     """(net, close) for the listings (views' ``net``: which paths a unit left changed), read
     from the live tree; (None, close) when the tree cannot be read: they then list every path
@@ -877,15 +907,14 @@ def _listing_net(j, ws: str | None, sd: str, quiet: bool = False):
         tree = _tree_for(ws, sd)
     except (Fail, OSError):
         if not quiet:
-            click.echo("overlayrec: warning: the workspace cannot be read: listing every path "
-                       "written, not the net changes", err=True)
+            click.echo(_NO_NET, err=True)
         return None, lambda: None
     return net_of(States(j, tree)), lambda: os.close(tree.root_fd)
 
 
 @main.command()
 @click.argument("workspace", type=click.Path(), default=".")
-@click.option("--session", "sid", help="Only this session.")
+@click.option("--session", "sid", type=ID, help="Only this session.")
 @click.option("--all", "churn", is_flag=True, help="Count every path written, also those left "
               "as they were (temp files, same-content rewrites); --json carries both.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
@@ -899,12 +928,14 @@ def turns(workspace, sid, churn, as_json, state_dir):
     ws = state.resolve_workspace(workspace, must_exist=False)
     sd = _state_dir_for(ws, state_dir)
     j = Journal(sd, readonly=True)
-    net, close = _listing_net(j, ws, sd)
+    net, close = _listing_net(j, ws, sd, quiet=True)
     try:
         rows = turn_rows(j, sid, net)
     finally:
         close()
         j.close()
+    if net is None:  # said once the listing is made: a failure is one line
+        click.echo(_NO_NET, err=True)
     for r in rows:
         if as_json:
             click.echo(json.dumps(r))
@@ -919,7 +950,7 @@ def turns(workspace, sid, churn, as_json, state_dir):
 
 @main.command()
 @click.argument("workspace", type=click.Path(), default=".")
-@click.option("--session", "sid", help="Only this session.")
+@click.option("--session", "sid", type=ID, help="Only this session.")
 @click.option("--turn", "turn_index", type=int, help="Only calls of this turn.")
 @click.option("--all", "churn", is_flag=True, help="Count every path written, also those left "
               "as they were (temp files, same-content rewrites); --json carries both.")
@@ -934,12 +965,14 @@ def calls(workspace, sid, turn_index, churn, as_json, state_dir):
     ws = state.resolve_workspace(workspace, must_exist=False)
     sd = _state_dir_for(ws, state_dir)
     j = Journal(sd, readonly=True)
-    net, close = _listing_net(j, ws, sd)
+    net, close = _listing_net(j, ws, sd, quiet=True)
     try:
         rows = call_rows(j, sid, turn_index, net)
     finally:
         close()
         j.close()
+    if net is None:  # said once the listing is made: a failure is one line
+        click.echo(_NO_NET, err=True)
     for r in rows:
         if as_json:
             click.echo(json.dumps(r))
@@ -980,7 +1013,8 @@ def _tree_for(ws: str, sd: str):
 @click.option("--call", "call_id", help="What this call changed.")
 @click.option("--turn", "turn_sel", type=TURN,
               help="What this turn changed: N, last, or -1, -2 ...")
-@click.option("--session", "sid", help="What this session changed (or: narrows --call/--turn).")
+@click.option("--session", "sid", type=ID,
+              help="What this session changed (or: narrows --call/--turn).")
 @click.option("--since", type=SEQ0, help="Everything recorded after this sequence number.")
 @click.option("--until", type=SEQ0, help="... up to and including this one.")
 @click.option("--drift", is_flag=True, help="What changed around the record: each recorded path "
@@ -1079,7 +1113,7 @@ def _say_left_out(n: int, store, what: str = "shown") -> None:
 @click.argument("workspace", default=".")
 @click.option("--at", "at", required=True, help="SEQ, a time (ISO 8601 or @epoch), turn:N, "
               "call:ID, or before:/after: either.")
-@click.option("--to", "dest", required=True, type=click.Path(), help="A new directory.")
+@click.option("--to", "dest", required=True, type=_NewPath(), help="A new directory.")
 @click.option("--full", is_flag=True, help="The whole workspace as it stood, not just the "
               "recorded paths (the live tree rolled back through the journal).")
 @click.option("--state-dir", type=click.Path())
@@ -1400,7 +1434,8 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
 @click.option("--call", "call_id", help="Revert this call.")
 @click.option("--turn", "turn_sel", type=TURN,
               help="Revert this turn's own calls: N, last, -1 ...")
-@click.option("--session", "sid", help="Revert this session (or: narrows --call/--turn).")
+@click.option("--session", "sid", type=ID,
+              help="Revert this session (or: narrows --call/--turn).")
 @click.option("--since", type=SEQ0,
               help="Revert everything recorded after this sequence number.")
 @click.option("--path", "glob", help="Only paths matching this glob.")
@@ -1475,7 +1510,7 @@ def export():
 @click.argument("workspace", default=".")
 @click.option("--repo", type=click.Path(), help="Write into this repository (default: a private "
               "object store in the state dir, the workspace's objects as an alternate).")
-@click.option("--ref-prefix", default="refs/overlayrec", show_default=True)
+@click.option("--ref-prefix", type=ID, default="refs/overlayrec", show_default=True)
 @click.option("--state-dir", type=click.Path())
 @click.option("--json", "as_json", is_flag=True)
 @_guard

@@ -18,7 +18,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 
@@ -32,8 +31,10 @@ from conftest import HAVE_FUSE, Mount, SLOW, overlayrec, force_unmount
 from overlayrec import cli
 from overlayrec.journal import schema
 
-# examples per command and world (OVERLAYREC_FUZZ_EXAMPLES raises it for a longer hunt)
-EXAMPLES = int(os.environ.get("OVERLAYREC_FUZZ_EXAMPLES", "25"))
+# examples per command and world: OVERLAYREC_FUZZ_EXAMPLES raises it for a longer hunt, and
+# OVERLAYREC_FUZZ_RANDOM=1 draws new ones each run (by default every run draws the same ones)
+EXAMPLES = int(os.environ.get("OVERLAYREC_FUZZ_EXAMPLES", "100"))
+FIXED = not os.environ.get("OVERLAYREC_FUZZ_RANDOM")
 
 # commands never run here, and why
 NOT_RUN = {
@@ -41,10 +42,14 @@ NOT_RUN = {
     ("run",): "mounts and runs a command",
     ("hook", "claude-code"): "the agent's hook: reads JSON on stdin and exits 0 whatever happens",
 }
+# options never given, and why
+NOT_GIVEN = {("log", "follow"): "waits for new events until interrupted, by design",
+             ("revert", "yes"): "would change the workspace", ("unrevert", "yes"): "the same"}
 # commands run for their argument checks only, and how they are kept from blocking or mounting:
 # call/turn/session begin/end find no daemon (OVERLAYREC_SOCKET names no socket); revert and
-# unrevert would mount to plan, which the fuzz refuses (cli._spawn_daemon fails); install-hooks
-# writes only below the world's directory (never --user alone); umount meets no live mount.
+# unrevert, which mount to plan, plan on the unmounted workspace instead (cli._spawn_daemon does
+# nothing) and only preview (no --yes); install-hooks writes only below the world's directory
+# (never --user alone); umount meets no live mount.
 
 SESSION, CALLS = "fz", ("c1", "c2")
 
@@ -86,13 +91,15 @@ def test_exclusions_name_real_commands():
 
 
 class World:
-    """Where one kind of fuzz runs: its workspace, state dir and a directory for what the
-    commands write."""
+    """Where one kind of fuzz runs: its workspace and state dir in ``base``, the commands run
+    in ``here`` (an empty directory in it), and what they write goes to ``out``, outside
+    ``base``: no workspace a command is given holds what an earlier one wrote."""
 
-    def __init__(self, base: str, ws: str, sd: str | None):
-        self.base, self.ws, self.sd = base, ws, sd
-        self.out = os.path.join(base, "out")
+    def __init__(self, base: str, ws: str, sd: str | None, out: str):
+        self.base, self.ws, self.sd, self.out = base, ws, sd, out
+        self.here = os.path.join(base, "here")
         os.makedirs(self.out, exist_ok=True)
+        os.makedirs(self.here, exist_ok=True)
         self.n = 0
 
     def fresh(self, suffix="") -> str:
@@ -111,7 +118,8 @@ def worlds():
     os.environ["XDG_STATE_HOME"] = os.path.join(base, "xdg")
     try:
         out = {"missing": World(os.path.join(base, "c"), os.path.join(base, "c", "nowhere"),
-                                None)}
+                                None, os.path.join(base, "out", "c"))}
+        out["missing"].events = []
         if HAVE_FUSE:
             out.update(_record(base))
         yield out
@@ -156,8 +164,8 @@ def _record(base: str) -> dict:
     corrupt_event(csd, bad, b'{"seq": %d, "op": "write", "pa' % bad)
     from overlayrec import state
     state.write_registry(cws, csd)
-    a = World(m.base, m.ws, m.state)
-    b = World(cbase, cws, csd)
+    a = World(m.base, m.ws, m.state, os.path.join(base, "out", "a"))
+    b = World(cbase, cws, csd, os.path.join(base, "out", "b"))
     b.bad = bad
     a.events = b.events = evs
     return {"recorded": a, "corrupt": b}
@@ -189,8 +197,9 @@ def corrupt_event(sd: str, seq: int, value: bytes) -> None:
 
 # -- values -----------------------------------------------------------------------------------
 
-INTS = st.one_of(st.integers(-5, 60), st.sampled_from(
-    [0, -1, 2**31, 2**63 - 1, 2**63, 2**64, -2**64, 10**30, 10**4400]))
+INTS = st.one_of(st.integers(-9, -1), st.integers(0, 60), st.sampled_from(
+    [0, -1, 2**31, 2**63 - 1, 2**63, 2**64, -2**64, 10**30])).map(str) | \
+    st.just("1" + "0" * 4400)  # past what int() reads
 FLOATS = st.one_of(st.floats(), st.sampled_from(
     [float("inf"), float("-inf"), float("nan"), 0.0, -0.0, -1.0, 1e308, 5e-324]))
 ODD = ["@inf", "@-inf", "@nan", "@1e400", "@-1e300", "@1e20", "@", "@x", "turn:x", "turn:",
@@ -202,106 +211,152 @@ ODD = ["@inf", "@-inf", "@nan", "@1e400", "@-1e300", "@1e20", "@", "@x", "turn:x
        "1970-01-01T00:00:00Z", "last", "-0", "inf", "nan", "../..", "..", ".", "/", "",
        " ", "*", "[", "[!", "**/", "\\", "é", "日本語", "\u202e", "a\nb", "\r", "\u2028", "-",
        "--", "--help", "x" * 5000, "9" * 5000, "/" * 300, "a/" * 2100, "refs/",
-       "refs/overlayrec/../x", "refs/a b", "toolu_nope", "fz", "c1", "c2", "claude-code"]
-TEXT = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"),
-               max_size=30)  # argv holds no NUL, and no lone surrogate in a str from the shell
-STRINGS = st.one_of(st.sampled_from(ODD), TEXT, INTS.map(str), FLOATS.map(str))
+       "refs/overlayrec/../x", "refs/a b", "toolu_nope", "fz", "c1", "c2", "claude-code",
+       "\udcff", "a\udce9.txt", "refs/\udcff"]
+# argv holds no NUL; bytes that are not UTF-8 reach Python as surrogates (U+DC80..U+DCFF)
+TEXT = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00") |
+               st.sampled_from([chr(c) for c in range(0xDC80, 0xDD00)]), max_size=30)
+STRINGS = st.one_of(st.sampled_from(ODD), TEXT, INTS, FLOATS.map(str))
 
 
-def path_values(w: World):
-    inside = [w.ws, w.ws + "/", w.ws + "/a.txt", w.ws + "/sub", w.ws + "/nope", w.ws + "/../..",
-              "a.txt", "sub/f", "gone.txt", "new.txt", "old.txt", "notes.txt", "sub", "nope",
-              ".overlayrec-attic", ".git/HEAD"]
-    outside = ["/", "/nonexistent/x", "/proc", w.base, w.base + "/nowhere", "../..", "..",
-               "~", "-", ""]
-    return st.one_of(st.sampled_from(inside + outside), STRINGS)
+def junk_paths(w: World):
+    return st.sampled_from([
+        w.ws + "/", w.ws + "/a.txt", w.ws + "/sub", w.ws + "/nope", w.ws + "/../..", "/",
+        "/nonexistent/x", "/proc", w.base, w.base + "/nowhere", "../..", "..", ".", "~", "-",
+        "", ".overlayrec-attic", ".git/HEAD", "sub/../../x"])
 
 
 def write_target(w: World, suffix=""):
-    """Where a command may write: fresh names in the world's own directory, or something that
-    already exists there (and junk relative to it: the fuzz runs in the world's directory)."""
-    return st.one_of(st.builds(lambda: w.fresh(suffix)),
+    """Where a command may write: fresh names in the world's output directory, something that
+    already exists, a name beneath 200 new directories, odd text as a name there."""
+    return st.one_of(st.builds(lambda: w.fresh(suffix)), st.builds(lambda: w.fresh(suffix)),
                      st.sampled_from([w.out, w.base, w.ws, w.ws + "/a.txt", "", ".", "..",
-                                      "../..", "/", w.base + "/x" * 2000]),
-                     TEXT.filter(lambda s: s and not s.startswith(("/", "~"))
-                                 and ".." not in s))
+                                      "../..", "/"]),
+                     st.builds(lambda: w.fresh() + "/x" * 200),
+                     TEXT.map(lambda s: os.path.join(w.fresh(), s.replace("/", "_"))))
 
 
-def value_for(w: World, param: click.Parameter):
+def plausible(w: World, param: click.Parameter):
+    """A value the command could well take, for the world at hand (None: no such thing)."""
     name, typ = param.name, param.type
-    if name == "workspace":
-        return st.one_of(st.just(w.ws), st.just(w.ws), path_values(w))
-    if name == "state_dir":
-        dirs = [d for d in (w.sd, w.base, w.base + "/nowhere", w.ws, "/") if d]
-        return st.one_of(st.sampled_from(dirs), STRINGS)
-    if name == "dest":
-        return write_target(w)
-    if name == "out":
-        return write_target(w, ".html")
-    if name == "project":
-        return st.builds(lambda: w.fresh())
-    if name == "repo":
-        return st.one_of(st.builds(lambda: w.fresh()), st.sampled_from([w.ws, w.out, ""]))
-    if name == "path":
-        return path_values(w)
-    if name in ("call_id", "sid", "name", "session", "revert_id", "actor"):
-        return st.one_of(st.sampled_from([SESSION, *CALLS, "nope", "", "x" * 600]), STRINGS)
+    n = len(w.events)
+    seqs = st.integers(0, n + 2).map(str)
+    times = [e["t"] for e in w.events] or [0]
+    points = st.one_of(
+        seqs, st.sampled_from(["turn:1", "turn:2", "turn:last", "turn:-1", "before:turn:2",
+                               "call:c1", "after:call:c2", "before:call:c1", "before:3",
+                               "2000-01-01T00:00:00", "@1"]),
+        st.sampled_from(times).map(lambda t: f"@{t / 1e9}"))
+    by_name = {
+        "workspace": st.just(w.ws),
+        "state_dir": st.sampled_from([w.sd or w.base + "/nowhere"]),
+        "dest": write_target(w), "out": write_target(w, ".html"),
+        "project": st.builds(lambda: w.fresh()),
+        "repo": st.one_of(st.builds(lambda: w.fresh()), st.sampled_from([w.ws, w.out])),
+        "path": st.sampled_from(["a.txt", "gone.txt", "new.txt", "old.txt", "sub/f", "sub",
+                                 "notes.txt", "b.txt", w.ws + "/a.txt"]),
+        "glob": st.sampled_from(["*", "*.txt", "sub/*", "a.txt", "[ab].txt", "nothing"]),
+        "at": points, "since": points if typ == click.STRING else seqs,
+        "until": points if typ == click.STRING else seqs,
+        "call_id": st.sampled_from([*CALLS, "c3"]), "sid": st.just(SESSION),
+        "session": st.just(SESSION), "name": st.sampled_from([SESSION, "new"]),
+        "turn_sel": st.sampled_from(["1", "2", "last", "-1", "-2", "3"]),
+        "turn_index": st.sampled_from(["1", "2", "3"]),
+        "ops": st.sampled_from(["write", "create", "unlink", "seal", "rename", "turn_begin"]),
+        "actor": st.sampled_from(["sed", "bash", "1", "overlayrec"]),
+        "limit": st.sampled_from(["1", "3", "100"]), "seq": st.integers(1, n + 2).map(str),
+        "ref_prefix": st.sampled_from(["refs/fz", "refs/overlayrec"]),
+        "revert_id": st.just("nope"), "timeout": st.sampled_from(["0", "1.5"]),
+    }
+    if name in by_name:
+        return by_name[name]
     if isinstance(typ, click.Choice):
-        return st.one_of(st.sampled_from(list(typ.choices)), STRINGS)
-    if isinstance(typ, (click.types.IntParamType, click.IntRange, cli._Seq, cli._Turn)):
-        return st.one_of(INTS.map(str), STRINGS)
+        return st.sampled_from(list(typ.choices))
+    return TEXT
+
+
+def junk(w: World, param: click.Parameter):
+    """Anything: the odd values, text, numbers of every size, paths inside and out."""
+    name, typ = param.name, param.type
+    if name in ("dest", "out"):
+        return write_target(w)
+    if name in ("project", "repo"):
+        return st.builds(lambda: w.fresh()) | st.sampled_from(["", w.ws, w.ws + "/a.txt"])
     if isinstance(typ, (click.types.FloatParamType, click.FloatRange, cli._Seconds)):
-        return st.one_of(FLOATS.map(str), STRINGS)
-    return st.one_of(path_values(w), STRINGS)
+        return FLOATS.map(str) | STRINGS
+    if isinstance(typ, (click.types.IntParamType, cli._Seq, cli._Turn)) or \
+            name in ("at", "since", "until"):
+        return INTS | STRINGS
+    return st.one_of(STRINGS, junk_paths(w))
 
 
 @st.composite
 def command_line(draw, w: World, path: tuple, cmd: click.Command):
-    chunks = []  # each option with its value, in an order drawn too
-    positional = []
-    for p in cmd.params:
-        if isinstance(p, click.Argument):
-            if p.nargs != 1:
-                continue  # (run's CMD...: not fuzzed)
-            if p.required or draw(st.booleans()):
-                positional.append(draw(value_for(w, p)))
-            continue
-        if not isinstance(p, click.Option):
-            continue
+    """The command's path, some of its options (each with a value), its arguments.  Either every
+    value is plausible but one (the likeliest: it gets the furthest), or none is odd, or any
+    may be, with now and then something the command does not take."""
+    mode = draw(st.sampled_from(["one odd", "none odd", "wild"]))
+    options = [p for p in cmd.params if isinstance(p, click.Option) and p.name != "help"
+               and (path[-1], p.name) not in NOT_GIVEN]
+    chosen = draw(st.lists(st.sampled_from(options), max_size=4, unique_by=id)) if options else []
+    for p in options:  # (for hypothesis, 0 is the simplest draw: the likeliest)
+        if p.required and p not in chosen and draw(st.integers(0, 9)) != 9:
+            chosen.append(p)  # a required option, but now and then left out
+        elif p.name == "workspace" and p not in chosen and draw(st.integers(0, 3)) != 3:
+            chosen.append(p)  # the workspace, as for commands that take it as an argument
+    arguments = [p for p in cmd.params if isinstance(p, click.Argument) and p.nargs == 1
+                 and (p.required or draw(st.integers(0, 3)) != 3)]  # (run's CMD...: not fuzzed)
+    valued = [p for p in chosen + arguments if not getattr(p, "is_flag", False)]
+    odd = draw(st.sampled_from(valued)) if valued and mode == "one odd" else None
+
+    def value(p):
+        if p is odd or (mode == "wild" and draw(st.booleans())):
+            return draw(junk(w, p))
+        return draw(plausible(w, p))
+    chunks = []
+    for p in chosen:
         opt = draw(st.sampled_from(p.opts))
         if p.is_flag:
-            if p.name != "help" and draw(st.integers(0, 2)) == 0:
-                chunks.append([opt])
+            chunks.append([opt])
             continue
-        times = draw(st.integers(0, 2)) if p.multiple else \
-            (1 if p.required else draw(st.integers(0, 2)) % 2)
-        if p.required and not draw(st.integers(0, 9)):
-            times = 0  # a required option left out, now and then
-        for _ in range(times):
-            chunks.append([opt, draw(value_for(w, p))])
+        for _ in range(draw(st.integers(1, 2)) if p.multiple else 1):
+            chunks.append([opt, value(p)])
     if path == ("install-hooks",) and ["--user"] in chunks and \
             not any(c[0] == "--project" for c in chunks):
         chunks.remove(["--user"])  # would write the user's own settings
+    positional = [value(p) for p in arguments]
+    if path == ("replay",) and ["--full"] in chunks:  # copies the whole workspace: the world's
+        positional = [w.ws if p.name == "workspace" else v for p, v in zip(arguments, positional)]
+        chunks = [c for c in chunks if c[0] not in ("-w", "--workspace")]
     chunks = draw(st.permutations(chunks))
-    extra = draw(st.sampled_from([[], [], [], ["--bogus"], ["extra-arg"], ["-x", "1"]]))
+    extra = draw(st.sampled_from([[], ["--bogus"], ["extra-arg"], ["-x", "1"]])) \
+        if mode == "wild" else []
     sep = ["--"] if positional and draw(st.booleans()) else []
     return list(path) + [x for c in chunks for x in c] + extra + sep + positional
 
 
 # -- running ----------------------------------------------------------------------------------
 
-def run_cli(w: World, argv: list[str]):
-    """One command line in this process, in the world's directory; (exit code, stderr)."""
+def run_cli(w: World, argv: list[str], limit: float = 30.0):
+    """One command line in this process, in the world's directory; (exit code, stderr).  A
+    command still running after ``limit`` seconds is interrupted and fails the test."""
+    import _thread
+    import threading
     here = os.getcwd()
     pipe = signal.getsignal(signal.SIGPIPE)
-    os.chdir(w.base)
+    hung = []
+    watchdog = threading.Timer(limit * SLOW, lambda: (hung.append(1), _thread.interrupt_main()))
+    os.chdir(w.here)
+    watchdog.start()
     try:
         r = CliRunner().invoke(cli.main, argv, prog_name="overlayrec", catch_exceptions=True,
                                env={"OVERLAYREC_SOCKET": os.path.join(w.base, "no.sock"),
                                     "OVERLAYREC_SESSION": None, "OVERLAYREC_DEBUG": None})
     finally:
+        watchdog.cancel()
         os.chdir(here)
         signal.signal(signal.SIGPIPE, pipe)  # the group's callback sets it for the CLI
+    assert not hung, f"overlayrec {argv!r:.300} still ran after {limit:g} s"
     if r.exception is not None and not isinstance(r.exception, SystemExit):
         import traceback
         raise AssertionError(f"overlayrec {argv!r:.300} raised:\n" + "".join(
@@ -313,6 +368,7 @@ def check_outcome(argv, code, err):
     what = f"overlayrec {argv!r:.400} -> {code}:\n{err[:2000]}"
     assert code in (0, 1, 2), what
     assert "Traceback" not in err, what
+    assert "internal error" not in err, what  # an exception no command expected: a bug
     if code:
         lines = err.splitlines()
         assert len(lines) == 1 and lines[0].startswith(("overlayrec: error: ",
@@ -322,9 +378,9 @@ def check_outcome(argv, code, err):
 
 @pytest.fixture
 def no_mounting(monkeypatch):
-    def refuse(ws, sd, **kw):
-        raise cli.Fail("the fuzz does not mount")
-    monkeypatch.setattr(cli, "_spawn_daemon", refuse)
+    """revert and unrevert plan on the workspace as it is, unmounted (their preview reads it)."""
+    monkeypatch.setattr(cli, "_spawn_daemon", lambda ws, sd, **kw: 0)
+    monkeypatch.setattr(cli, "_stop_daemon", lambda ws: None)
 
 
 @pytest.mark.parametrize("world", ["recorded", "corrupt", "missing"])
@@ -335,7 +391,7 @@ def test_every_command_fails_in_one_line(worlds, world, path, no_mounting):
     w = worlds[world]
     cmd = COMMANDS[path]
 
-    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+    @settings(max_examples=EXAMPLES, deadline=None, derandomize=FIXED, database=None,
               suppress_health_check=list(HealthCheck))
     @given(command_line(w, path, cmd))
     def fuzz(argv):
@@ -343,18 +399,18 @@ def test_every_command_fails_in_one_line(worlds, world, path, no_mounting):
     fuzz()
 
 
-def test_the_group_itself(worlds):
+def test_the_group_itself(worlds, no_mounting):
     w = worlds["missing"]
     skip = ("call", "turn", "session", "hook", "export", "run", "mount", "install-hooks",
             "umount", "revert", "unrevert", "--help", "-h")
 
-    @settings(max_examples=60, deadline=None, derandomize=True, database=None,
+    @settings(max_examples=60, deadline=None, derandomize=FIXED, database=None,
               suppress_health_check=list(HealthCheck))
     @given(st.lists(st.one_of(st.sampled_from(["--bogus", "-x", "nope", "LOG", "--version",
                                                "log", "show", "begin"]), STRINGS),
                     min_size=1, max_size=3))
     def fuzz(argv):
-        if argv[0] in skip:
+        if any(a in skip for a in argv):
             return  # fuzzed above, not run, or help (a group without its command shows it)
         check_outcome(argv, *run_cli(w, argv))
     fuzz()
@@ -387,7 +443,7 @@ def test_reported_tracebacks(worlds):
     sd = ["--state-dir", w.sd]
 
     def run(*args, **kw):
-        return overlayrec(*args, check=False, env=env, cwd=w.base, **kw)
+        return overlayrec(*args, check=False, env=env, cwd=w.here, **kw)
 
     one_line(run("replay", w.ws, *sd, "--at", "@inf", "--to", w.fresh()), 1, "not a time")
     one_line(run("replay", w.ws, *sd, "--at", "@nan", "--to", w.fresh()), 1, "not a time")
@@ -396,7 +452,7 @@ def test_reported_tracebacks(worlds):
     one_line(run("log", w.ws, *sd, "--limit", "0"), 2, "--limit")
     one_line(run("log", w.ws, *sd, "--since", "turn:x"), 1, "not a turn")
     one_line(run("show", "--", "-5", "-w", w.ws, *sd), 2, "not a sequence number")
-    one_line(run("mount", w.ws, "--timeout", "nan"), 2, "--timeout")
+    one_line(run("mount", worlds["missing"].ws, "--timeout", "nan"), 2, "--timeout")
     one_line(run("nosuchcommand"), 2, "No such command")
     # the corrupt event: named by every command that meets it
     bad = str(c.bad)
@@ -421,8 +477,8 @@ def test_an_event_without_its_fields_is_corrupt_too(worlds, tmp_path):
         copy_state(w.sd, sd)
         corrupt_event(sd, ev["seq"], json.dumps(broken).encode())
         for args in (["log", w.ws], ["show", str(ev["seq"]), "-w", w.ws],
-                     ["calls", w.ws], ["blame", "a.txt", "-w", w.ws]):
-            r = overlayrec(*args, "--state-dir", sd, check=False, env=_env(w), cwd=w.base)
+                     ["calls", w.ws], ["blame", ev["path"], "-w", w.ws]):
+            r = overlayrec(*args, "--state-dir", sd, check=False, env=_env(w), cwd=w.here)
             one_line(r, 1, f"is corrupt: event {ev['seq']} ")
 
 
@@ -444,3 +500,33 @@ def test_an_unexpected_exception_is_one_line_and_debug_shows_it(worlds, monkeypa
         os.chdir(here)
     assert r.exit_code == 1 and "Traceback" in r.stderr and "RuntimeError: boom" in r.stderr
     assert r.stderr.splitlines()[-1].startswith("overlayrec: error: internal error:")
+
+
+@pytest.mark.xfail(strict=True, reason="engines/replay.py replay() makes --to's missing parents "
+                   "with os.makedirs, which recurses once per directory: RecursionError")
+def test_replay_into_a_deep_new_path(worlds):
+    if "recorded" not in worlds:
+        pytest.skip("needs /dev/fuse to record the journal")
+    w = worlds["recorded"]
+    argv = ["replay", w.ws, "--at", "0", "--to", w.fresh() + "/x" * 1500]
+    check_outcome(argv, *run_cli(w, argv))
+
+
+@pytest.mark.xfail(strict=True, reason="engines/replay.py _Build.copy_live recurses once per "
+                   "directory level: --full of a deep tree is a RecursionError")
+def test_full_replay_of_a_deep_tree(worlds):
+    if "recorded" not in worlds:
+        pytest.skip("needs /dev/fuse to record the journal")
+    w = worlds["recorded"]
+    deep = w.fresh()
+    os.mkdir(deep)
+    fd = os.open(deep, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(1100):  # (not os.makedirs: it recurses as well)
+            os.mkdir("d", dir_fd=fd)
+            fd, old = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd), fd
+            os.close(old)
+    finally:
+        os.close(fd)
+    argv = ["replay", deep, "--state-dir", w.sd, "--at", "0", "--full", "--to", w.fresh()]
+    check_outcome(argv, *run_cli(w, argv))

@@ -549,8 +549,9 @@ class States:
         else:
             return False
         summary = self.j.extents(e["seq"])
-        if summary is not None and "end" in summary:
-            return summary["end"] > after  # released at "end": nothing unseen after it
+        if summary is not None and "end" in summary and \
+                (summary.get("writes", 2) <= 1 or summary["end"] <= after):
+            return False  # the event was the run's only write, or it was released by then
         end = self._unit_ends().get(e.get("unit") or "")
         return end is None or end > after
 
