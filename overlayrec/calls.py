@@ -53,9 +53,9 @@ def boot_ticks() -> int:
     return int(time.clock_gettime(time.CLOCK_BOOTTIME) * HZ)
 
 
-def children_of(pid: int) -> set[str]:
-    """Actor keys (pid:start) of a process's direct children, from /proc."""
-    out = set()
+def _child_pids(pid: int) -> list[int]:
+    """The pids of a process's direct children (every thread's), from /proc."""
+    out: list[int] = []
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
@@ -63,13 +63,19 @@ def children_of(pid: int) -> set[str]:
     for tid in tids:
         try:
             with open(f"/proc/{pid}/task/{tid}/children") as f:
-                pids = f.read().split()
+                out.extend(int(c) for c in f.read().split())
         except OSError:
             continue
-        for c in pids:
-            st = proc_start_and_ppid(int(c))
-            if st is not None:
-                out.add(f"{c}:{st[0]}")
+    return out
+
+
+def children_of(pid: int) -> set[str]:
+    """Actor keys (pid:start) of a process's direct children, from /proc."""
+    out = set()
+    for c in _child_pids(pid):
+        st = proc_start_and_ppid(c)
+        if st is not None:
+            out.add(f"{c}:{st[0]}")
     return out
 
 
@@ -89,20 +95,10 @@ def _live_stat(pid: int) -> tuple[int, int] | None:
 def live_children_of(pid: int) -> dict[str, int]:
     """{actor key: pid} of a process's direct children that have not exited, from /proc."""
     out = {}
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                pids = f.read().split()
-        except OSError:
-            continue
-        for c in pids:
-            st = _live_stat(int(c))
-            if st is not None:
-                out[f"{c}:{st[0]}"] = int(c)
+    for c in _child_pids(pid):
+        st = _live_stat(c)
+        if st is not None:
+            out[f"{c}:{st[0]}"] = c
     return out
 
 

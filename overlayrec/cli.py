@@ -94,6 +94,13 @@ class _Main(click.Group):
     whatever a command lets through as one line and exit 1, never a traceback."""
 
     def main(self, args=None, prog_name=None, *a, **kw):
+        # a path or name given in bytes that are not UTF-8 (Python holds them as surrogates)
+        # is printed back as those bytes, as under the C locale, not refused by the encoder
+        if getattr(sys.stdout, "errors", None) == "strict":
+            try:
+                sys.stdout.reconfigure(errors="surrogateescape")
+            except (AttributeError, ValueError, OSError):
+                pass
         return super().main(args, prog_name or "overlayrec", *a, **kw)
 
     @staticmethod

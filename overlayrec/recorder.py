@@ -178,15 +178,34 @@ class Recorder:
 
     # -- paths ----------------------------------------------------------------------------------
     def rel(self, fd: int) -> str:
-        """The workspace-relative path of an fd's object, as the kernel names it now."""
+        """The workspace-relative path of an fd's object, as the kernel names it now.  An fd
+        opened by a name that has since gone (unlinked into the attic, or renamed over) while
+        the inode lives on under another hard link is named by that other link."""
         p = underlay.fd_path(fd)
-        if p.endswith(" (deleted)"):
+        gone = p.endswith(" (deleted)")
+        if gone:
             p = p[:-10]
         if p == self.root_path:
             return ""
         if p.startswith(self.root_path + "/"):
-            return p[len(self.root_path) + 1:]
+            rel = p[len(self.root_path) + 1:]
+            if (gone or rel.split("/", 1)[0] == ATTIC_NAME) and self.names:
+                return self._live_name(fd) or rel
+            return rel
         return p  # outside the root (cannot happen through the mount): keep it visible
+
+    def _live_name(self, fd: int) -> str | None:
+        """A name the daemon knows the inode behind ``fd`` by that still holds it."""
+        st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino)
+        for name in sorted(self.names.get(key, ())):
+            try:
+                other = self._lstat(name)
+            except OSError:
+                continue
+            if (other.st_dev, other.st_ino) == key:
+                return name
+        return None
 
     def child(self, parent_fd: int, name: str) -> str:
         base = self.rel(parent_fd)

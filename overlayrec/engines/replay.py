@@ -152,7 +152,21 @@ class _Build:
     # -- the live tree (--full)
     def copy_live(self, src_fd: int, dst_fd: int, base: str) -> None:
         """Copy the directory open as ``src_fd`` into ``dst_fd``: every kind of file, symlinks
-        as symlinks, hard links as hard links; not the attic."""
+        as symlinks, hard links as hard links; not the attic.  Depth first with a stack of its
+        own (a tree of any depth; the fds it opens are its own and closed as it goes)."""
+        stack = [(os.dup(src_fd), os.dup(dst_fd), base)]
+        while stack:
+            sfd, dfd, rel = stack.pop()
+            try:
+                stack.extend(self._copy_dir(sfd, dfd, rel))
+            finally:
+                os.close(sfd)
+                os.close(dfd)
+
+    def _copy_dir(self, src_fd: int, dst_fd: int, base: str) -> list[tuple[int, int, str]]:
+        """Copy one directory's entries; its subdirectories are made and returned (open) for
+        the caller to descend into."""
+        below = []
         for name in sorted(os.listdir(src_fd)):
             if not base and name == ATTIC:
                 continue
@@ -170,12 +184,10 @@ class _Build:
                     sfd = resolve_beneath(src_fd, name, os.O_RDONLY | os.O_DIRECTORY)
                     try:
                         dfd = resolve_beneath(dst_fd, name, O_PATH | os.O_DIRECTORY)
-                        try:
-                            self.copy_live(sfd, dfd, rel)
-                        finally:
-                            os.close(dfd)
-                    finally:
+                    except BaseException:
                         os.close(sfd)
+                        raise
+                    below.append((sfd, dfd, rel))
                     continue
                 if st.st_nlink > 1 and st.st_ino in self.live and \
                         self.link(self.live[st.st_ino], dst_fd, name):
@@ -196,6 +208,7 @@ class _Build:
             except OSError as e:
                 self.not_made[rel] = {"path": rel, "kind": kind, "why": os.strerror(e.errno)
                                       if e.errno else str(e)}
+        return below
 
     def link(self, first: str, dfd: int, name: str) -> bool:
         try:
@@ -409,7 +422,8 @@ def replay(j: Journal, states: States, point: int, dest: str, full_from: str | N
     while not os.path.lexists(p):
         made_parents.append(p)
         p = os.path.dirname(p)
-    os.makedirs(parent, exist_ok=True)
+    for d in reversed(made_parents):  # one at a time (os.makedirs recurses per level)
+        os.mkdir(d)
     tmp = tempfile.mkdtemp(prefix=temp_name(base, "overlayrec-replay-XXXXXXXX")[:-8], dir=parent)
     pfd = os.open(parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     root_fd = os.open(tmp, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)

@@ -141,7 +141,7 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
         plan.steps.append(step)
         if target.kind == "dir" and step.conflict is None:
             made_dirs.add(p)  # this plan puts a directory here first (order(): dirs first)
-    _find_partners(plan, live, linkish - spans.keys())
+    _find_partners(plan, live, linkish - {s.path for s in plan.steps})
     return plan
 
 

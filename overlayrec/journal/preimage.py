@@ -15,22 +15,10 @@ import stat
 
 import xxhash
 
+from ..underlay import kind_of  # noqa: F401  (re-exported: a kind is a stored word)
+
 KINDS = ("absent", "file", "dir", "symlink", "fifo", "socket", "device")
 ABSENT = {"kind": "absent"}
-
-
-def kind_of(mode: int) -> str:
-    if stat.S_ISREG(mode):
-        return "file"
-    if stat.S_ISDIR(mode):
-        return "dir"
-    if stat.S_ISLNK(mode):
-        return "symlink"
-    if stat.S_ISFIFO(mode):
-        return "fifo"
-    if stat.S_ISSOCK(mode):
-        return "socket"
-    return "device"
 
 
 def from_stat(st: os.stat_result, nlink: int | None = None) -> dict:
