@@ -431,7 +431,8 @@ def status(workspace, as_json):
             j.close()
     holders = state.underlay_holders(ws, {os.getpid()} | ({pid} if pid else set())) \
         if mounted and not hung else []
-    pending = [r["id"] for r in _load_reverts(sd) if r.get("status") == "running"]
+    from .reverts import plans as revert_plans
+    pending = [r["id"] for r in revert_plans(sd) if r.get("status") == "running"]
     drifted = _drifted(ws, sd) if events is not None and not hung and not dead else None
     out = {"workspace": ws, "mounted": mounted, "dead_mount": dead, "daemon_pid": pid,
            "state_dir": sd, "journal": journal_path if events is not None else None,
@@ -1292,49 +1293,12 @@ def report(workspace, out, state_dir):
 
 # -- revert ---------------------------------------------------------------------------------------
 
-def _reverts_dir(sd: str) -> str:
-    return state.StateDir(sd).reverts
-
-
-def _load_reverts(sd: str) -> list[dict]:
-    out = []
-    d = _reverts_dir(sd)
-    closed = state.check_private(d, "revert plans")  # a plan steers writes: the user's alone
-    for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
-        if name.endswith(".json"):
-            state.check_entry(os.path.join(d, name), closed, "revert plans")
-            try:
-                with open(os.path.join(d, name)) as f:
-                    out.append(json.load(f))
-            except (OSError, ValueError):
-                continue
-    out.sort(key=lambda r: r.get("created", 0))
-    return out
-
-
-def _save_revert(sd: str, rec: dict) -> None:
-    state.private_dir(_reverts_dir(sd))
-    state.write_private(state.StateDir(sd).revert_plan(rec["id"]), json.dumps(rec).encode(),
-                        durable=True)
-
-
-def _describe(step) -> str:
-    t, e = step.target, step.expected
-    if not t.present:
-        return "delete"
-    if not e.present:
-        return "create"
-    return "replace"
-
-
 def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, unreverts=None,
                 resume=None):
-    """Plan, check, confirm and carry out a revert through the mount (mounting it for the
-    occasion when it is not): the daemon journals the changes as the revert's own unit."""
-    from . import client
+    """Plan, check, confirm and carry out a revert (overlayrec.reverts) through the mount,
+    mounting it for the occasion when it is not."""
+    from . import reverts
     from .engines.diff import SelectionError
-    from .engines.revert import (make_plan, apply_step, order, plan_to_json,
-                                 plan_from_json, failed)
     from .engines.states import States, Tree
     from .journal import ContentStore
     mounted_here = False
@@ -1349,84 +1313,45 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
         under = _tree_for(ws, sd)
         live = Tree.at(ws)  # through the mount: what every process sees
         try:
-            if resume is not None:
-                plan = plan_from_json(resume, content.get)
-            else:
-                try:
-                    plan = make_plan(j, States(j, under), live, selection, glob, revert_id)
-                except SelectionError as e:
-                    raise Fail(str(e)) from None
-            steps = plan.steps
+            try:
+                plan = reverts.plan_for(j, States(j, under), live, selection, glob, content,
+                                        revert_id, resume)
+            except SelectionError as e:
+                raise Fail(str(e)) from None
             conflicts = plan.conflicts
-            preview = {"id": plan.id, "steps": [{"path": s.path, "action": _describe(s),
-                                                 "conflict": s.conflict} for s in steps]}
+            shown = reverts.preview(plan)
             if as_json and not (yes and (not conflicts or force)):
-                click.echo(json.dumps(preview))
+                click.echo(json.dumps(shown))
             elif not as_json:
-                for s in steps:
+                for s in plan.steps:
                     mark = f"  CONFLICT ({s.conflict})" if s.conflict else ""
-                    click.echo(f"  {_describe(s):<8} {s.path}{mark}")
-            if not steps:
+                    click.echo(f"  {reverts.describe(s):<8} {s.path}{mark}")
+            if not plan.steps:
                 click.echo("nothing to revert")
                 return
             if conflicts and not force:
-                kinds = {}
-                for s in conflicts:
-                    kinds.setdefault(s.conflict, []).append(s.path)
-                raise Fail("conflicts, nothing reverted: " + "; ".join(
-                    f"{k}: {', '.join(v)}" for k, v in sorted(kinds.items())))
+                raise Fail("conflicts, nothing reverted: " + reverts.conflict_summary(plan))
             if not yes:
-                if sys.stdin.isatty() and click.confirm(f"revert {len(steps) - len(conflicts)} "
-                                                        "path(s)?"):
-                    pass
-                else:
+                if not (sys.stdin.isatty() and click.confirm(
+                        f"revert {len(plan.steps) - len(conflicts)} path(s)?")):
                     if not as_json:
                         click.echo("preview only: run again with --yes to revert")
                     return
-            rec = resume or dict(plan_to_json(plan, content.put_bytes), created=time.time_ns(),
-                                 status="running", unreverts=unreverts, ws=ws)
-            rec["status"] = "running"
-            _save_revert(sd, rec)  # the plan is on disk before the first change
-            root_fd = os.open(ws, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-            done = []
-            # hard-link groups: the first path of each made holds the inode (or a live path
-            # outside the plan that still holds it)
-            made = dict(getattr(plan, "partners", {}))
             try:
-                with client.Client(os.path.join(sd, "control.sock")) as c:
-                    c.request("revert_begin", id=plan.id)
-                    try:
-                        delay = float(os.environ.get("OVERLAYREC_TEST_REVERT_DELAY", "0"))
-                        for s in order([s for s in steps if not s.conflict]):
-                            done.append((s.path, apply_step(root_fd, s, made)))
-                            if delay:  # tests interrupt a revert half way
-                                time.sleep(delay)
-                    finally:
-                        c.request("revert_end", id=plan.id)
-            except client.ClientError as e:
+                rec = reverts.carry_out(ws, sd, plan, content, unreverts=unreverts,
+                                        resume=resume)
+            except reverts.RevertError as e:
                 raise Fail(str(e)) from None
-            finally:
-                os.close(root_fd)
-            rec["status"] = "done"
-            rec["skipped_conflicts"] = [s.path for s in conflicts]
-            bad = [(p, r) for p, r in done if failed(r)]
-            rec["failed"] = [{"path": p, "result": r} for p, r in bad]
-            _save_revert(sd, rec)
-            if unreverts:
-                for r in _load_reverts(sd):
-                    if r["id"] == unreverts:
-                        r["unreverted_by"] = plan.id
-                        _save_revert(sd, r)
+            done, bad = rec["done"], rec["failed"]
             if as_json:
-                click.echo(json.dumps(dict(preview, done=done, status="done",
-                                           failed=rec["failed"])))
+                click.echo(json.dumps(dict(shown, done=done, status="done", failed=bad)))
             else:
                 click.echo(f"reverted {len({p for p, _ in done})} path(s) as revert {plan.id}"
                            + (f"; {len(conflicts)} conflicting path(s) left alone"
                               if conflicts else ""))
             if bad:  # a path the revert could not make whole is never a silent success
                 raise Fail(f"{len(bad)} path(s) not restored: " + "; ".join(
-                    f"{p}: {r[len('failed: '):]}" for p, r in bad))
+                    f"{f['path']}: {f['result'][len('failed: '):]}" for f in bad))
         finally:
             os.close(under.root_fd)
             os.close(live.root_fd)
@@ -1457,14 +1382,14 @@ def revert(workspace, call_id, turn_sel, sid, since, glob, yes, force, cont, as_
 
     Previews by default; every path is checked first (changed since, interleaved with another
     writer, unrecorded) and one conflict refuses the whole revert unless --force."""
+    from . import reverts
     ws = state.resolve_workspace(workspace)
     sd = _state_dir_for(ws, state_dir)
     if cont:
-        pending = [r for r in _load_reverts(sd) if r.get("status") == "running"]
-        if not pending:
+        rec = reverts.pending(sd)
+        if rec is None:
             raise Fail("no interrupted revert to continue")
-        _run_revert(ws, sd, pending[-1]["selection"], None, True, True, as_json,
-                    resume=pending[-1])
+        _run_revert(ws, sd, rec["selection"], None, True, True, as_json, resume=rec)
         return
     selection = {"call": call_id, "turn": turn_sel, "session": sid, "since": since}
     if sum(v is not None for k, v in selection.items() if k != "session") > 1:
@@ -1485,27 +1410,17 @@ def revert(workspace, call_id, turn_sel, sid, since, glob, yes, force, cont, as_
 def unrevert(revert_id, workspace, yes, force, as_json, state_dir):
     """Undo a revert (the newest one not yet undone by default), with the same checks; an
     interrupted revert is rolled back the same way.  Reverts stack; unrevert peels them."""
+    from . import reverts
     ws = state.resolve_workspace(workspace)
     sd = _state_dir_for(ws, state_dir)
-    reverts = [r for r in _load_reverts(sd) if not r.get("unreverted_by")
-               and not r.get("unreverts_done")]
-    if revert_id is None:
-        candidates = [r for r in reverts if r.get("status") in ("done", "running")
-                      and not any(o.get("unreverts") == r["id"] and o.get("status") == "done"
-                                  for o in _load_reverts(sd))]
-        if not candidates:
-            raise Fail("no revert to undo")
-        target = candidates[-1]
-    else:
-        found = [r for r in _load_reverts(sd) if r["id"] == revert_id]
-        if not found:
-            raise Fail(f"no revert {revert_id}")
-        target = found[0]
+    try:
+        target = reverts.to_undo(sd, revert_id)
+    except reverts.RevertError as e:
+        raise Fail(str(e)) from None
     _run_revert(ws, sd, {"revert_id": target["id"]}, None, yes, force, as_json,
                 unreverts=target["id"])
-    if yes and target.get("status") == "running":
-        target["status"] = "rolled back"
-        _save_revert(sd, target)
+    if yes:
+        reverts.rolled_back(sd, target)
 
 
 @main.group()

@@ -139,21 +139,27 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
         elif not expected.same(live.state(p)):
             step.conflict = "changed"
         plan.steps.append(step)
-        if target.kind == "dir" and step.conflict is None:
-            made_dirs.add(p)  # this plan puts a directory here first (order(): dirs first)
-    _find_partners(plan, live, linkish - {s.path for s in plan.steps})
+        if target.kind == "dir":
+            # this plan puts a directory here first (order(): dirs first); if the directory
+            # has a conflict of its own the revert is refused there, not on what lies beneath
+            made_dirs.add(p)
+    _find_partners(plan, live, lambda: (linkish | set(j.paths())) - {s.path for s in plan.steps})
     return plan
 
 
-def _find_partners(plan: Plan, live: Tree, names: set[str]) -> None:
+def _find_partners(plan: Plan, live: Tree, candidates) -> None:
     """For each hard-linked target no other step of the plan makes: a live path outside the
-    plan (one of the names the record saw linked) still holding that inode and content."""
+    plan (a recorded name; ``candidates()`` lists them, asked only when needed) still holding
+    that inode and content."""
+    names: set[str] | None = None
     for step in plan.steps:
         t = step.target
         if not (link_key(t) and t.nlink > 1) or link_key(t) in plan.partners:
             continue
         if any(o is not step and linked(t, o.target) for o in plan.steps):
             continue
+        if names is None:
+            names = candidates()
         for name in sorted(names):
             st = live.lstat(name)
             if st is not None and st.st_ino == t.ino and stat.S_ISREG(st.st_mode) and \

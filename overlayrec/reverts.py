@@ -1,0 +1,148 @@
+"""The revert lifecycle: the saved plans, carrying a plan out through the mount, finishing an
+interrupted one (``--continue``) and the unrevert stack.
+
+A plan (``engines.revert``) is saved in the state dir before its first change and marked done
+after its last, so an interrupted revert can be continued or rolled back.  The changes go
+through the mount, announced to the daemon (``revert_begin``/``revert_end``), which journals
+them as the revert's own unit ``revert:<id>``: an unrevert is a revert of that unit, and a
+revert record names the revert it undid (``unreverts``) and is named by the one that undid it
+(``unreverted_by``).  The command layer mounts the workspace when it is not mounted, prints and
+asks; nothing here prints.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from . import client, state
+from .engines.revert import Plan, apply_step, failed, make_plan, order, plan_from_json, \
+    plan_to_json
+
+
+class RevertError(Exception):
+    """A revert that cannot go ahead; the message is one line."""
+
+
+def plans(sd: str) -> list[dict]:
+    """Every saved revert record, oldest first."""
+    out = []
+    d = state.StateDir(sd).reverts
+    closed = state.check_private(d, "revert plans")  # a plan steers writes: the user's alone
+    for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+        if name.endswith(".json"):
+            state.check_entry(os.path.join(d, name), closed, "revert plans")
+            try:
+                with open(os.path.join(d, name)) as f:
+                    out.append(json.load(f))
+            except (OSError, ValueError):
+                continue
+    out.sort(key=lambda r: r.get("created", 0))
+    return out
+
+
+def save(sd: str, rec: dict) -> None:
+    state.private_dir(state.StateDir(sd).reverts)
+    state.write_private(state.StateDir(sd).revert_plan(rec["id"]), json.dumps(rec).encode(),
+                        durable=True)
+
+
+def pending(sd: str) -> dict | None:
+    """The newest revert that was interrupted (still ``running``), or None."""
+    running = [r for r in plans(sd) if r.get("status") == "running"]
+    return running[-1] if running else None
+
+
+def to_undo(sd: str, revert_id: str | None) -> dict:
+    """The revert an unrevert undoes: the one named, or the newest not yet undone."""
+    every = plans(sd)
+    if revert_id is not None:
+        found = [r for r in every if r["id"] == revert_id]
+        if not found:
+            raise RevertError(f"no revert {revert_id}")
+        return found[0]
+    candidates = [r for r in every if not r.get("unreverted_by") and not r.get("unreverts_done")
+                  and r.get("status") in ("done", "running")
+                  and not any(o.get("unreverts") == r["id"] and o.get("status") == "done"
+                              for o in every)]
+    if not candidates:
+        raise RevertError("no revert to undo")
+    return candidates[-1]
+
+
+def rolled_back(sd: str, rec: dict) -> None:
+    """An interrupted revert that an unrevert undid is over."""
+    if rec.get("status") == "running":
+        rec["status"] = "rolled back"
+        save(sd, rec)
+
+
+def describe(step) -> str:
+    t, e = step.target, step.expected
+    if not t.present:
+        return "delete"
+    if not e.present:
+        return "create"
+    return "replace"
+
+
+def preview(plan: Plan) -> dict:
+    return {"id": plan.id, "steps": [{"path": s.path, "action": describe(s),
+                                      "conflict": s.conflict} for s in plan.steps]}
+
+
+def plan_for(j, states, live, selection: dict, glob: str | None, content,
+             revert_id: str | None = None, resume: dict | None = None) -> Plan:
+    """A fresh plan for ``selection`` (SelectionError when it names nothing), or the saved one
+    of an interrupted revert (``resume``)."""
+    if resume is not None:
+        return plan_from_json(resume, content.get)
+    return make_plan(j, states, live, selection, glob, revert_id)
+
+
+def conflict_summary(plan: Plan) -> str:
+    kinds: dict[str, list[str]] = {}
+    for s in plan.conflicts:
+        kinds.setdefault(s.conflict, []).append(s.path)
+    return "; ".join(f"{k}: {', '.join(v)}" for k, v in sorted(kinds.items()))
+
+
+def carry_out(ws: str, sd: str, plan: Plan, content, *, unreverts: str | None = None,
+              resume: dict | None = None) -> dict:
+    """Carry out the plan's paths without conflicts through the mount, the plan saved first
+    and its outcome after.  Returns the record: ``done`` [(path, what)], ``failed``."""
+    rec = resume or dict(plan_to_json(plan, content.put_bytes), created=time.time_ns(),
+                         status="running", unreverts=unreverts, ws=ws)
+    rec["status"] = "running"
+    save(sd, rec)  # the plan is on disk before the first change
+    root_fd = os.open(ws, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    done: list[tuple[str, str]] = []
+    # hard-link groups: the first path of each made holds the inode (or a live path outside
+    # the plan that still holds it)
+    made = dict(plan.partners)
+    try:
+        with client.Client(state.StateDir(sd).control_sock) as c:
+            c.request("revert_begin", id=plan.id)
+            try:
+                delay = float(os.environ.get("OVERLAYREC_TEST_REVERT_DELAY", "0"))
+                for s in order([s for s in plan.steps if not s.conflict]):
+                    done.append((s.path, apply_step(root_fd, s, made)))
+                    if delay:  # tests interrupt a revert half way
+                        time.sleep(delay)
+            finally:
+                c.request("revert_end", id=plan.id)
+    except client.ClientError as e:
+        raise RevertError(str(e)) from None
+    finally:
+        os.close(root_fd)
+    rec["status"] = "done"
+    rec["skipped_conflicts"] = [s.path for s in plan.conflicts]
+    rec["failed"] = [{"path": p, "result": r} for p, r in done if failed(r)]
+    rec["done"] = done
+    save(sd, rec)
+    if unreverts:
+        for r in plans(sd):
+            if r["id"] == unreverts:
+                r["unreverted_by"] = plan.id
+                save(sd, r)
+    return rec
