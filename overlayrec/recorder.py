@@ -551,21 +551,15 @@ class Recorder:
             if ost is None or (ost.st_dev, ost.st_ino) != key:
                 self.names[key].discard(other)
                 continue
-            ep, new = self._epoch(other, unit)
-            whole = "blob" in pre or st.st_size == 0
-            if new:
-                apre = self._meta(st)
-                if "blob" in pre:
-                    apre["blob"] = pre["blob"]
-                ep.meta_saved = True
-                ep.content_saved = whole
-            elif not ep.content_saved and "blob" in pre:
-                apre = {"facet": "content", "blob": pre["blob"]}
-                ep.content_saved = True
-            else:
-                continue
+            apre = self._meta(st)
+            if "blob" in pre:
+                apre["blob"] = pre["blob"]
+            # the other name's content changes with every write through this one, unseen
+            # there: its epoch ends here, so its next own change captures a fresh pre-image
+            self.epochs.pop(other, None)
+            self.unsealed.setdefault(other, str(unit))
             self._pending.append({"op": "alias", "path": other, "source": path, "pre": apre,
-                                  **({"epoch": True} if new else {}), **unit_fields(unit)})
+                                  "epoch": True, **unit_fields(unit)})
 
     def _lstat(self, path: str) -> os.stat_result:
         parent, _, name = path.rpartition("/")
