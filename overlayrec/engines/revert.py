@@ -349,7 +349,9 @@ def apply_step(root_fd: int, step: Step, made: dict | None = None) -> str:
             # a mode that would stop the directory being filled comes last (a DirMode step)
             problem = set_meta(dfd, name, t, t.mode | 0o700 if _blocks(t.mode) else t.mode)
             return FAILED + problem if problem else "dir"
-        if t.kind == "file" and link_key(t):
+        if t.kind == "file" and link_key(t) and t.nlink > 1:
+            # only a target that was itself linked then shares its inode: writing into an
+            # inode linked since would change names the revert does not own
             done = _write_in_place(dfd, name, t)
             if done is not None:
                 if made is not None:
