@@ -48,6 +48,8 @@ def tree(root: str) -> dict:
                 out[rel] = ("link", os.readlink(p))
             elif os.path.isdir(p):
                 out[rel] = ("dir", st.st_mode & 0o7777)
+            elif not os.path.isfile(p):  # a fifo (never opened: that would block)
+                out[rel] = ("special", st.st_mode)
             else:
                 out[rel] = ("file", open(p, "rb").read(), st.st_mode & 0o7777)
     return out
@@ -131,3 +133,35 @@ def test_edit_while_unmounted_is_drift(make_mount, tmp_path):
     assert "user line" not in overlayrec("diff", m.ws, "--turn", "2").stdout
     since = overlayrec("diff", m.ws, "--since", str(drift[0]["seq"] - 1)).stdout
     assert "+user line" in since
+
+
+SWAP = textwrap.dedent(r'''
+    import subprocess
+    from overlayrec import client
+    def sh(cmd):
+        subprocess.run(["bash", "-ec", cmd], check=True)
+    with client.connect() as c:
+        c.call_begin("c0", "Bash")
+        sh("rm p && mkdir p && mkfifo p/own")
+        c.call_end("c0")
+        c.call_begin("c1", "Bash")
+        sh("echo theirs > p/theirs")
+        c.call_end("c1")
+''')
+
+
+def test_a_directory_holding_another_units_file_is_a_conflict(make_mount, tmp_path):
+    """Reverting the call that turned a fifo into a directory, after another call put a file in
+    it, refuses with `changed` and writes nothing (never a revert stopped half way)."""
+    m = make_mount()
+    os.mkfifo(os.path.join(m.ws, "p"))
+    m.mount()
+    agent = tmp_path / "agent.py"
+    agent.write_text(SWAP)
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", sys.executable, str(agent), cwd=m.ws)
+    before = tree(m.ws)
+    r = overlayrec("revert", m.ws, "--call", "c0", "--yes", check=False)
+    assert r.returncode == 1 and "changed: p" in r.stderr, (r.stdout, r.stderr)
+    assert tree(m.ws) == before
+    st = json.loads(overlayrec("status", m.ws, "--json").stdout)
+    assert st["pending_revert"] == [], st

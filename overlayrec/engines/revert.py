@@ -143,8 +143,23 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
             # this plan puts a directory here first (order(): dirs first); if the directory
             # has a conflict of its own the revert is refused there, not on what lies beneath
             made_dirs.add(p)
+    _holding_others(plan, live)
     _find_partners(plan, live, lambda: (linkish | set(j.paths())) - {s.path for s in plan.steps})
     return plan
+
+
+def _holding_others(plan: Plan, live: Tree) -> None:
+    """A path the revert turns from a directory back into a file (a fifo, a symlink) while the
+    directory holds what the plan does not remove (another unit's files): a ``changed``
+    conflict, not a revert that stops half way on a directory that is not empty."""
+    gone = {s.path for s in plan.steps if not s.target.present and not s.conflict}
+    for step in plan.steps:
+        if step.conflict or step.target.kind in ("dir", "absent"):
+            continue
+        st = live.lstat(step.path)
+        if st is not None and stat.S_ISDIR(st.st_mode) and \
+                any(c not in gone for c in live.walk(step.path)):
+            step.conflict = "changed"
 
 
 def _find_partners(plan: Plan, live: Tree, candidates) -> None:
