@@ -893,12 +893,6 @@ def _print_summary(sd: str, sid: str) -> None:
 
 # -- listings -------------------------------------------------------------------------------------
 
-def _open_journal(workspace, state_dir):
-    from .journal import Journal
-    ws = state.resolve_workspace(workspace, must_exist=False)
-    return Journal(_state_dir_for(ws, state_dir), readonly=True)
-
-
 _NO_NET = ("overlayrec: warning: the workspace cannot be read: listing every path written, not "
            "the net changes")
 

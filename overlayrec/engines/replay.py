@@ -9,7 +9,7 @@ import tempfile
 
 from ..journal import Journal
 from ..underlay import O_PATH, Escape, chmod_fd, kind_of, resolve_beneath
-from .diff import SelectionError, file_events, _find_turn, _visible
+from .diff import SelectionError, _find_turn, _visible
 from .revert import link_key, linked, make_node, set_meta, temp_name
 from .states import ATTIC, States, State, Tree, state_of_stat
 
@@ -60,15 +60,6 @@ def resolve_point(j: Journal, spec: str) -> int:
             break
         last = e["seq"]
     return last
-
-
-def recorded_paths(j: Journal, until: int | None = None) -> list[str]:
-    out = set()
-    for e in file_events(j, 1, until):
-        for p in (e.get("path"), e.get("path2")):
-            if p is not None and _visible(p):
-                out.add(p)
-    return sorted(out)
 
 
 class _Build:
