@@ -550,8 +550,8 @@ class States:
             return False
         summary = self.j.extents(e["seq"])
         if summary is not None and "end" in summary and \
-                (summary.get("writes", 2) <= 1 or summary["end"] <= after):
-            return False  # the event was the run's only write, or it was released by then
+                (summary.get("writes", 2) <= 1 or summary["end"] < after):
+            return False  # the run's only write was the event, or it was released before
         end = self._unit_ends().get(e.get("unit") or "")
         return end is None or end > after
 
