@@ -187,6 +187,21 @@ class Operations(pyfuse3.Operations):
         self.root.nlookup = 1 << 62  # never forgotten
         self.inodes[pyfuse3.ROOT_INODE] = self.root
         self.by_key[self.root.key] = pyfuse3.ROOT_INODE
+        recorder.namer = self._name_of
+
+    def _name_of(self, st: os.stat_result) -> str | None:
+        """The workspace-relative path of a known object by its chain of parents and names:
+        the recorder's way to name an object whose absolute path is past the kernel's PATH_MAX
+        (readlink of /proc/self/fd then fails)."""
+        ino = self.by_key.get((st.st_dev, st.st_ino))
+        inode = self.inodes.get(ino) if ino is not None else None
+        parts = []
+        while inode is not None and inode is not self.root:
+            if inode.name is None:
+                return None
+            parts.append(inode.name)
+            inode = inode.parent
+        return "/".join(reversed(parts)) if inode is self.root else None
 
     # -- inodes ---------------------------------------------------------------------------------
     def _inode(self, ino: int) -> Inode:

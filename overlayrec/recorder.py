@@ -25,6 +25,7 @@ import logging
 import os
 import stat
 from contextlib import contextmanager
+from typing import Callable
 
 from . import underlay
 from .attribution import Attribution
@@ -138,6 +139,9 @@ class Recorder:
         self.unsealed: dict[str, str] = {}
         self.attic_fd = self._open_attic()
         self.attic_links: dict[tuple[int, int], int] = {}
+        # the filesystem's own name for an object (its inode table's parent/name chain), asked
+        # when the kernel cannot name an fd: an absolute path past PATH_MAX
+        self.namer: Callable[[os.stat_result], str | None] | None = None
         self._count_attic()
 
     # -- attic ----------------------------------------------------------------------------------
@@ -181,7 +185,15 @@ class Recorder:
         """The workspace-relative path of an fd's object, as the kernel names it now.  An fd
         opened by a name that has since gone (unlinked into the attic, or renamed over) while
         the inode lives on under another hard link is named by that other link."""
-        p = underlay.fd_path(fd)
+        try:
+            p = underlay.fd_path(fd)
+        except OSError as e:
+            if e.errno != errno.ENAMETOOLONG or self.namer is None:
+                raise
+            rel = self.namer(os.fstat(fd))
+            if rel is None:
+                raise
+            return rel
         gone = p.endswith(" (deleted)")
         if gone:
             p = p[:-10]

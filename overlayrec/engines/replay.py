@@ -317,11 +317,15 @@ class _Build:
             if not linked(s, made[1]):
                 return False
         else:
-            first = self.live.get(link_key(s))
+            # only a path linked at the point: a live copy may share the inode with it only
+            # because the attic holds a second name of it today
+            first = self.live.get(link_key(s)) if s.nlink > 1 else None
             if first is None or _content_at(self.root_fd, first) != (s.kind, s.data):
                 return False
         if not self.link(first, dfd, name):
             return False
+        if made is None:  # the live copy has today's mode and owner; the point's are in s
+            self.meta(dfd, name, rel, s)
         # written from the record: the group's holder from now on
         self.groups[link_key(s)] = (rel, s if made is None else made[1].but(
             nlink=max(s.nlink, made[1].nlink)))
