@@ -196,6 +196,32 @@ class _NewPath(click.Path):
         return super().convert(value, param, ctx)
 
 
+class _Size(click.ParamType):
+    """A number of bytes: 2G, 512M, 100K, 4096 (K = 1024)."""
+    name = "size"
+
+    def convert(self, value, param, ctx):
+        from .retention import parse_size
+        if isinstance(value, int):
+            return value
+        try:
+            return parse_size(str(value))
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+class _Duration(click.ParamType):
+    """A duration: 30d, 12h, 2w, 1d12h (s m h d w); in seconds."""
+    name = "duration"
+
+    def convert(self, value, param, ctx):
+        from .retention import parse_duration
+        try:
+            return parse_duration(str(value))
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
 SEQ0, SEQ1, TURN, SECONDS, ID = _Seq(0), _Seq(1), _Turn(), _Seconds(), _Id()
 
 
@@ -266,10 +292,19 @@ def _daemon_pid(sd: str) -> tuple[int | None, dict | None, str | None]:
               help="fsync every journal commit, so it also survives power loss.")
 @click.option("--record-data", is_flag=True,
               help="Full fidelity: journal every write's data, so replay is exact at every event.")
+@click.option("--secret", "secret", multiple=True, metavar="PATTERN",
+              help="A path whose content is never kept (repeatable; added to the defaults: "
+              ".env* .ssh/ .npmrc .pypirc .netrc .git-credentials *.pem *.key).")
+@click.option("--no-default-secrets", is_flag=True,
+              help="Only the --secret patterns, not the defaults.")
 @click.option("--timeout", type=SECONDS, default=30.0, show_default=True,
               help="Seconds to wait for the mount.")
+@click.option("--max-bytes", "max_bytes", type=_Size(), metavar="SIZE",
+              help="Keep the record within SIZE (K/M/G): the daemon drops the oldest sessions "
+              "itself (docs/retention.md).")
 @_guard
-def mount(workspace, state_dir, foreground, allow_other, durable, record_data, timeout):
+def mount(workspace, state_dir, foreground, allow_other, durable, record_data, secret,
+          no_default_secrets, timeout, max_bytes):
     """Mount the recorder over WORKSPACE itself.
 
     Every path into the workspace keeps working; from now on each change made through it is
@@ -280,19 +315,33 @@ def mount(workspace, state_dir, foreground, allow_other, durable, record_data, t
         raise Fail(f"{ws} holds a dead mount; clear it with: overlayrec umount {ws}")
     if state.fuse_mount_at(ws):
         raise Fail(f"{ws} is already mounted")
+    _check_secrets(secret)
     sd = state.check_state_dir(ws, state_dir or state.default_state_dir(ws))
     state.make_state_dir(sd)
+    _put_back_agent_settings()
     if foreground:
         from . import daemon
         sys.exit(daemon.run(ws, sd, foreground=True, durable=durable, allow_other=allow_other,
-                            ready_fd=None, record_data=record_data))
+                            ready_fd=None, record_data=record_data, secret=secret,
+                            no_default_secrets=no_default_secrets, max_bytes=max_bytes))
     pid = _spawn_daemon(ws, sd, durable=durable, allow_other=allow_other, timeout=timeout,
-                        record_data=record_data)
+                        record_data=record_data, secret=secret,
+                        no_default_secrets=no_default_secrets, max_bytes=max_bytes)
     click.echo(f"mounted {ws} (daemon pid {pid}, journal {os.path.join(sd, 'journal')})")
 
 
+def _check_secrets(patterns) -> None:
+    from .secrets import SecretError, check_pattern
+    try:
+        for p in patterns:
+            check_pattern(p)
+    except SecretError as e:
+        raise Fail(str(e)) from None
+
+
 def _spawn_daemon(ws: str, sd: str, *, durable=False, allow_other=False, timeout=30.0,
-                  record_data=False) -> int:
+                  record_data=False, secret=(), no_default_secrets=False,
+                  max_bytes=None) -> int:
     """Start the daemon in its own process and wait until the mount is ready; its pid."""
     r, w = os.pipe()
     cmd = [sys.executable, "-m", "overlayrec.daemon", "--workspace", ws, "--state-dir", sd,
@@ -303,6 +352,11 @@ def _spawn_daemon(ws: str, sd: str, *, durable=False, allow_other=False, timeout
         cmd.append("--allow-other")
     if record_data:
         cmd.append("--record-data")
+    cmd += [f"--secret={p}" for p in secret]  # "=": a pattern may begin with "-"
+    if no_default_secrets:
+        cmd.append("--no-default-secrets")
+    if max_bytes is not None:
+        cmd.append(f"--max-bytes={max_bytes}")
     log_fd = state.open_private(state.StateDir(sd).daemon_log,
                                 os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     with open(os.devnull, "rb") as devnull, os.fdopen(log_fd, "ab") as logf:
@@ -434,10 +488,14 @@ def status(workspace, as_json):
     from .reverts import plans as revert_plans
     pending = [r["id"] for r in revert_plans(sd) if r.get("status") == "running"]
     drifted = _drifted(ws, sd) if events is not None and not hung and not dead else None
+    size = _record_size(ws, sd, mounted) if events is not None and not hung and not dead \
+        else None
     out = {"workspace": ws, "mounted": mounted, "dead_mount": dead, "daemon_pid": pid,
            "state_dir": sd, "journal": journal_path if events is not None else None,
            "events": events, "underlay_holders": holders, "pending_revert": pending,
-           "responding": not hung, "drifted": drifted}
+           "responding": not hung, "drifted": drifted,
+           "record_bytes": size["total"] if size else None,
+           "attic": size["attic"] if size else None}
     if as_json:
         click.echo(json.dumps(out))
         return
@@ -453,6 +511,14 @@ def status(workspace, as_json):
     click.echo(f"  journal: {journal_path if events is not None else '(none yet)'}")
     if events is not None:
         click.echo(f"  events:  {events}")
+    if size:
+        from .views import human_size
+        attic = size["attic"]
+        n = attic["entries"] if attic is not None else 0
+        held = f"{n} entr{'y' if n == 1 else 'ies'}, {human_size(attic['bytes'])}" \
+            if attic is not None else "not reachable"
+        click.echo(f"  record:  {human_size(size['total'])} on disk; attic: {held} "
+                   "(`overlayrec storage` says where)")
     if drifted:
         click.echo(f"  drifted: {len(drifted)} path(s) differ from the record's end (changed "
                    f"while unmounted or around the mount): {', '.join(drifted[:5])}"
@@ -486,6 +552,173 @@ def _drifted(ws: str, sd: str) -> list[str] | None:
     finally:
         os.close(tree.root_fd)
         j.close()
+
+
+def _record_size(ws: str, sd: str, mounted: bool) -> dict | None:
+    """The record's figures without the sessions (engines.usage), or None when they cannot be
+    had (the journal unreadable); the attic is None when the workspace cannot be read."""
+    import lmdb
+    from .engines import usage
+    try:
+        j = Journal(sd, readonly=True)
+    except JournalError:
+        return None
+    try:
+        try:
+            tree = _tree_for(ws, sd) if mounted or os.path.isdir(ws) else None
+        except (Fail, OSError):
+            tree = None
+        try:
+            return usage.measure(sd, j, tree.root_fd if tree else None, mounted=mounted,
+                                 per_session=False)
+        except (OSError, JournalError, lmdb.Error):
+            return None
+        finally:
+            if tree:
+                os.close(tree.root_fd)
+    finally:
+        j.close()
+
+
+@main.command()
+@click.argument("workspace", required=False)  # not click.Path: it would stat a hung mount
+@click.option("--all", "every", is_flag=True, help="Every workspace in the registry (each one "
+              "this user's overlayrec has mounted).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object (see below).")
+@click.option("--state-dir", type=click.Path(), help="Read this state dir.")
+@_guard
+def storage(workspace, every, as_json, state_dir):
+    """Where the record's bytes go: for WORKSPACE (default: the recorded workspace at or above
+    the current directory) or --all, the bytes on disk of the journal (and of its free pages,
+    which a gc gives back), the content store, the attic (entries the workspace still links
+    cost nothing), the exports and the logs; then per session, newest first: its events, the
+    content it kept first and the attic entries its events kept.  A bar per category on a
+    terminal; piped, a tab-separated table with a header line.
+
+    \b
+    --json: {"workspace", "state_dir", "mounted", "total",
+      "journal": {"bytes", "data_size", "page_size", "pages", "used_pages",
+                  "free_pages", "reclaimable"},
+      "content": {"bytes", "files"}, "exports": {"bytes", "git"},
+      "attic": {"bytes", "entries", "shared_entries", "shared_size"} or null,
+      "logs": {"bytes"}, "other": {"bytes"},
+      "sessions": [{"session" (null: outside every session), "events", "content",
+                    "blobs", "attic", "attic_entries", "first_seq", "last_seq",
+                    "begun", "ended" (ns), "live", "pinned"}, ...]}
+    With --all: {"workspaces": [that, ...], "total", "errors": [{"workspace", "error"}],
+    "gone": [registered workspaces whose state dir is gone]}.
+    Every figure is bytes on disk; docs/storage.md says what each counts."""
+    from .engines import usage
+    if every and (workspace or state_dir):
+        raise Usage("--all reads every registered workspace: give no WORKSPACE or --state-dir")
+    if every:
+        docs, errors, gone = [], [], []
+        for ws in usage.registered():
+            try:
+                sd = state.find_state_dir(ws)
+                if not os.path.exists(os.path.join(sd, "journal", "data.mdb")):
+                    gone.append(ws)  # a registry entry outlives a state dir removed by hand
+                    continue
+                docs.append(_storage_of(ws, sd))
+            except (Fail, StateError, JournalError, OSError) as e:
+                msg = e.format_message() if isinstance(e, Fail) else \
+                    _os_error_text(e) if isinstance(e, OSError) else str(e)
+                errors.append({"workspace": ws, "error": msg})
+        if as_json:
+            click.echo(json.dumps({"workspaces": docs, "total": sum(d["total"] for d in docs),
+                                   "errors": errors, "gone": gone}))
+        else:
+            _print_storage(docs)
+        if gone and not as_json:
+            click.echo(f"overlayrec: {len(gone)} registered workspace(s) have no journal any "
+                       "more (their state dir was removed): left out", err=True)
+        for e in errors:  # one line each; the others are still shown
+            click.echo(f"overlayrec: error: {_one_line(e['error'])}", err=True)
+        if errors:
+            sys.exit(1)
+        return
+    if workspace is not None:
+        ws = state.resolve_workspace(workspace, must_exist=False)
+    elif state_dir:
+        ws = None  # the journal names it
+    else:
+        ws = _recorded_above(os.getcwd())
+    if state_dir:
+        if not os.path.isdir(state_dir):
+            raise Fail(f"state dir {state_dir} does not exist")
+        sd = _state_dir_for(ws or "/", state_dir)
+    else:
+        sd = _state_dir_for(ws, None)
+    doc = _storage_of(ws, sd)
+    if as_json:
+        click.echo(json.dumps(doc))
+    else:
+        _print_storage([doc])
+
+
+main.add_command(storage, name="du")
+
+
+def _recorded_above(cwd: str) -> str:
+    """The recorded workspace at or above ``cwd``: an overlayrec mount, or a directory the
+    registry names."""
+    here = os.path.realpath(cwd)
+    mp = state.overlayrec_mount_containing(here)
+    if mp is not None:
+        return mp
+    p = here
+    while True:
+        if os.path.exists(state.registry_path(p)):
+            return p
+        if p == "/":
+            raise Fail(f"no recorded workspace at or above {here} (name one, or --all)")
+        p = os.path.dirname(p)
+
+
+def _storage_of(ws: str | None, sd: str) -> dict:
+    """``storage``'s document of one workspace (engines.usage.measure)."""
+    from .engines import usage
+    if not os.path.isdir(sd):
+        raise Fail(f"{ws} is not recorded (no state dir {sd})")
+    if not os.path.exists(os.path.join(sd, "journal", "data.mdb")):
+        raise Fail(f"{ws or sd} is not recorded (no journal in {sd})")
+    j = Journal(sd, readonly=True)
+    try:
+        ws = ws or j.meta("workspace")
+        in_table = bool(ws) and bool(state.fuse_mount_at(ws))
+        answers = state.mount_answers(ws) if in_table else None
+        mounted = in_table and answers is True
+        tree = None
+        if ws and (mounted or (not in_table and os.path.isdir(ws))):
+            try:
+                tree = _tree_for(ws, sd)
+            except (Fail, OSError):
+                tree = None  # the attic is then not reachable: null, and said so
+        try:
+            doc = usage.measure(sd, j, tree.root_fd if tree else None, mounted=mounted)
+        finally:
+            if tree:
+                os.close(tree.root_fd)
+    finally:
+        j.close()
+    return {"workspace": ws, "state_dir": sd, "mounted": mounted, **doc}
+
+
+def _print_storage(docs: list[dict]) -> None:
+    from .views import storage_lines, storage_rows, STORAGE_COLUMNS
+    if sys.stdout.isatty():
+        import shutil
+        width = shutil.get_terminal_size((80, 24)).columns
+        for i, doc in enumerate(docs):
+            if i:
+                click.echo("")
+            for line in storage_lines(doc, width, _fmt_time):
+                click.echo(line)
+        return
+    click.echo("\t".join(STORAGE_COLUMNS))
+    for doc in docs:
+        for row in storage_rows(doc):
+            click.echo("\t".join(_one_line(str(v)).replace("\t", "\\t") for v in row))
 
 
 def _fmt_time(ns: int) -> str:
@@ -523,9 +756,9 @@ def log_cmd(workspace, glob, limit, call_id, turn_index, sid, actor, since, unti
         lo, hi = 1, None
         try:
             if since is not None:
-                lo = resolve_point(j, since) + 1
+                lo = resolve_point(j, since, refuse_dropped=False) + 1
             if until is not None:
-                hi = resolve_point(j, until)
+                hi = resolve_point(j, until, refuse_dropped=False)
         except SelectionError as e:
             raise Fail(str(e)) from None
         if turn_index is not None:
@@ -724,63 +957,56 @@ def hook():
     """Agent hook adapters (run by the agent on each hook event, JSON on stdin)."""
 
 
-@hook.command(name="claude-code")
-def hook_claude_code():
-    """Claude Code: SessionStart, UserPromptSubmit, Pre/PostToolUse, Stop, SessionEnd.
+def _hook_command_for(name: str):
+    from . import agents
+    mod = agents.get(name)
+    events = ", ".join(mod.EVENTS)
 
-    Silent on success; exits 0 even when nothing is mounted, so it never breaks the agent."""
-    from .hooks import run_claude_code_hook
-    sys.exit(run_claude_code_hook())
+    @hook.command(name=name, help=f"{name}: {events}.\n\nReads the hook's JSON on stdin. "
+                  "Silent on success (but for the answer the agent expects on stdout); exits 0 "
+                  "even when nothing is mounted, so it never breaks the agent.")
+    def _hook():
+        sys.exit(agents.run_hook(name))
+    return _hook
+
+
+def _agent_names() -> list[str]:
+    from . import agents
+    return agents.names()
+
+
+for _name in _agent_names():  # one subcommand per agent in the registry (overlayrec/agents/)
+    _hook_command_for(_name)
 
 
 @main.command(name="install-hooks")
-@click.argument("agent", type=click.Choice(["claude-code"]))
-@click.option("--project", type=click.Path(file_okay=False), help="A project's .claude/settings.json.")
-@click.option("--user", is_flag=True, help="The user's ~/.claude/settings.json.")
+@click.argument("agent", type=click.Choice(_agent_names()))
+@click.option("--project", type=click.Path(file_okay=False),
+              help="A project's settings (e.g. DIR/.claude/settings.json).")
+@click.option("--user", is_flag=True, help="The user's settings (e.g. ~/.claude/settings.json).")
 @click.option("--remove", is_flag=True, help="Take our entries out again.")
 @_guard
 def install_hooks(agent, project, user, remove):
-    """Merge overlayrec's hook entries into an agent's settings, keeping what is there."""
-    from .hooks import merge_hooks
+    """Merge overlayrec's hook entries into an agent's settings, keeping what is there (other
+    entries, key order, indentation); --remove takes exactly ours out again."""
+    from . import agents
+    from .agents._settings import SettingsError
     if bool(project) == bool(user):
         raise Fail("say where: --project DIR or --user")
-    path = os.path.join(os.path.expanduser("~") if user else project, ".claude", "settings.json")
-    settings = {}
-    if os.path.exists(path):
-        try:
-            with open(path) as f:
-                settings = json.load(f)
-        except ValueError as e:
-            raise Fail(f"{path} is not valid JSON ({e}); not touching it") from None
-        if not isinstance(settings, dict):
-            raise Fail(f"{path} does not hold a JSON object; not touching it")
-    command = hook_command()
-    merge_hooks(settings, command, remove=remove)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = path + ".overlayrec.tmp"
-    with open(tmp, "w") as f:
-        json.dump(settings, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
+    path = agents.settings_path(agent, None if user else project)
+    try:
+        agents.install(agent, path, remove=remove)
+    except SettingsError as e:
+        raise Fail(f"{path}: {e}" if not str(e).startswith(path) else str(e)) from None
     click.echo(f"{'removed hooks from' if remove else 'installed hooks in'} {path}")
 
 
 # -- run ------------------------------------------------------------------------------------------
 
-def hook_command() -> str:
-    """The hook's command line.  Under `overlayrec run` (OVERLAYREC_SOCKET set) and with `nc`
-    installed, the hook's JSON goes straight to the daemon's socket: no interpreter starts.
-    Otherwise this interpreter runs without site (-S: half the start-up) with the package's
-    directory on its path.  Either way a missing mount or any failure exits 0."""
-    import shlex
-    import overlayrec
-    where = os.path.dirname(os.path.dirname(os.path.abspath(overlayrec.__file__)))
-    code = (f"import sys; sys.path.insert(0, {where!r}); "
-            "from overlayrec.entry import main; main()")
-    py = f"{shlex.quote(sys.executable)} -S -c {shlex.quote(code)} hook claude-code"
-    fast = ('if [ -S "${OVERLAYREC_SOCKET:-}" ] && command -v nc >/dev/null; then '
-            'nc -UN "$OVERLAYREC_SOCKET" >/dev/null 2>&1; exit 0; fi; ')
-    return "sh -c " + shlex.quote(fast + "exec " + py) + " # overlayrec hook claude-code"
+def hook_command(agent: str = "claude-code", event: str | None = None) -> str:
+    """The hook's command line for ``agent`` (see ``agents.hook_command``)."""
+    from . import agents
+    return agents.hook_command(agent, event)
 
 
 def _set_subreaper() -> None:
@@ -798,12 +1024,27 @@ def _set_subreaper() -> None:
 @click.option("--session", "name", help="The session's name (default: a new id).")
 @click.option("--state-dir", type=click.Path(), help="Where the journal lives, when mounting.")
 @click.option("--record-data", is_flag=True, help="When mounting: journal every write's data.")
+@click.option("--secret", "secret", multiple=True, metavar="PATTERN",
+              help="When mounting: a path whose content is never kept (repeatable; added to "
+              "the defaults).")
+@click.option("--no-default-secrets", is_flag=True,
+              help="When mounting: only the --secret patterns, not the defaults.")
+@click.option("--max-bytes", "max_bytes", type=_Size(), metavar="SIZE",
+              help="When mounting: keep the record within SIZE (K/M/G), oldest sessions first.")
+@click.option("--no-hooks", is_flag=True,
+              help="Do not wire the agent's hooks for this run: implicit calls only.")
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 @_guard
-def run(workspace, name, state_dir, record_data, cmd):
+def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max_bytes, no_hooks,
+        cmd):
     """Run CMD (an agent) in the recorded workspace: mount it (or join the daemon already
     there), run CMD with the terminal passed through and OVERLAYREC_SOCKET/OVERLAYREC_SESSION
     set, then unmount if this run mounted, print a summary and exit with CMD's status.
+
+    The agent's hooks are wired for this run when CMD's program is one overlayrec knows
+    (claude, codex, gemini, cursor-agent; docs/agents.md), through the agent's own per-run
+    option where it has one, and its settings are as they were afterwards.  --no-hooks, and any
+    other program, record each direct child of CMD as an implicit call.
 
     Example: overlayrec run -- claude"""
     from . import client
@@ -812,10 +1053,15 @@ def run(workspace, name, state_dir, record_data, cmd):
     if state.is_dead_mount(ws):
         raise Fail(f"{ws} holds a dead mount; clear it with: overlayrec umount {ws}")
     if not state.fuse_mount_at(ws):
+        _check_secrets(secret)
         sd = state.check_state_dir(ws, state_dir or state.default_state_dir(ws))
         state.make_state_dir(sd)
-        _spawn_daemon(ws, sd, record_data=record_data)
+        _spawn_daemon(ws, sd, record_data=record_data, secret=secret,
+                      no_default_secrets=no_default_secrets, max_bytes=max_bytes)
         mounted_here = True
+    elif secret or no_default_secrets:  # the daemon there applies the list it mounted with
+        click.echo(f"overlayrec: warning: {ws} is already mounted: --secret and "
+                   "--no-default-secrets apply at mount only", err=True)
     sd = state.find_state_dir(ws)
     sock = os.path.join(sd, "control.sock")
     _set_subreaper()
@@ -829,9 +1075,11 @@ def run(workspace, name, state_dir, record_data, cmd):
     here = os.path.realpath(os.getcwd()) if os.path.exists(os.getcwd()) else ws
     cwd = here if here == ws or here.startswith(ws + "/") else ws  # re-entered by path
     env = dict(os.environ, OVERLAYREC_SOCKET=sock, OVERLAYREC_SESSION=sid, OVERLAYREC_WORKSPACE=ws)
+    argv, env, unwire = _wire_agent(list(cmd), env, cwd, no_hooks)
     try:
-        child = subprocess.Popen(list(cmd), cwd=cwd, env=env)
+        child = subprocess.Popen(argv, cwd=cwd, env=env)
     except OSError as e:
+        unwire()
         c.session_end(session=sid)
         if mounted_here:
             _stop_daemon(ws)
@@ -844,7 +1092,10 @@ def run(workspace, name, state_dir, record_data, cmd):
     for sig in forwarded:
         signal.signal(sig, lambda s, f: child.send_signal(s))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal sends it to CMD itself
-    rc = child.wait()
+    try:
+        rc = child.wait()
+    finally:
+        unwire()  # the agent's settings as they were, also when this run is being stopped
     for sig in forwarded + (signal.SIGINT,):
         signal.signal(sig, signal.SIG_DFL)
     others = []
@@ -865,6 +1116,48 @@ def run(workspace, name, state_dir, record_data, cmd):
     except Exception as e:  # the summary must not hide CMD's status
         click.echo(f"overlayrec: no summary: {e}", err=True)
     sys.exit(rc if rc >= 0 else 128 - rc)
+
+
+def _put_back_agent_settings() -> None:
+    """Put back the agents' settings files a killed `run` left edited (a backup beside them)."""
+    from . import agents
+    for path in agents.restore_left_behind():
+        click.echo(f"overlayrec: put back {path} (a run that was killed had edited it)", err=True)
+
+
+def _wire_agent(argv: list, env: dict, cwd: str, no_hooks: bool):
+    """Wire the hooks of the agent ``argv`` runs (known by its program's name, see
+    overlayrec/agents/) for this run: ``(argv, env, unwire)``.  Unknown programs, and
+    ``--no-hooks``, run as they are: their direct children are implicit calls."""
+    import shutil
+    import tempfile
+    from . import agents
+    _put_back_agent_settings()
+    mod = None if no_hooks else agents.for_program(argv[0])
+    if mod is None:
+        return argv, env, lambda: None
+    scratch = tempfile.mkdtemp(prefix="overlayrec-run-")
+    try:
+        argv, env, cleanup, note = agents.wire_run(mod, argv, env, scratch, cwd)
+    except Exception as e:  # the agent runs anyway, with implicit calls
+        cleanup, note = None, f"not wired: {e}"
+    if note.startswith("not wired"):
+        click.echo(f"overlayrec: warning: {mod.NAME} hooks {note}; implicit calls only",
+                   err=True)
+    done = []
+
+    def unwire():
+        if done:
+            return
+        done.append(True)
+        try:
+            if cleanup is not None:
+                cleanup()
+        except OSError as e:
+            click.echo(f"overlayrec: warning: could not put the {mod.NAME} settings back: {e}",
+                       err=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+    return argv, env, unwire
 
 
 def _stop_daemon(ws: str) -> None:
@@ -1040,7 +1333,7 @@ def diff(workspace, call_id, turn_sel, sid, since, until, drift, fmt, binary, gl
     binary files, modes and symlinks read as git shows them, and git apply takes it."""
     from .engines.diff import select, changed, drift_side, SelectionError
     from .engines.gitdiff import ObjectStore, GitError, git_refuses
-    from .engines.states import States
+    from .engines.states import States, ABSENT as tree_absent
     if sum(x is not None for x in (call_id, turn_sel)) + (since is not None) + drift > 1:
         raise Fail("choose one of --call, --turn, --since, --drift")
     if call_id is None and turn_sel is None and since is None and sid is None and not drift:
@@ -1056,6 +1349,13 @@ def diff(workspace, call_id, turn_sel, sid, since, until, drift, fmt, binary, gl
             click.echo(f"overlayrec: {len(moved_on)} path(s) here changed later outside the record "
                        f"(drift: {', '.join(moved_on[:3])}{' ...' if len(moved_on) > 3 else ''}); "
                        "`overlayrec diff --drift` shows how", err=True)
+        withheld = sorted(p for p in changed(side)
+                          if side.before.get(p, tree_absent).withheld
+                          or side.after.get(p, tree_absent).withheld)
+        if withheld and not as_json:  # the patch shows a placeholder line for each
+            click.echo(f"overlayrec: {len(withheld)} secret path(s) changed, content not kept: "
+                       f"{', '.join(withheld[:5])}{' ...' if len(withheld) > 5 else ''}",
+                       err=True)
         store = ObjectStore(sd)
         # git holds no .git/ path: they are left out, and said so (_say_left_out)
         left_out = [p for p in changed(side) if git_refuses(p)]
@@ -1084,6 +1384,7 @@ def diff(workspace, call_id, turn_sel, sid, since, until, drift, fmt, binary, gl
             click.echo(json.dumps({"from_tree": a, "to_tree": b, "files": files,
                                    "inexact": sorted(p for p, s in {**side.before, **side.after}.items()
                                                      if not s.exact),
+                                   "withheld": withheld,
                                    "git_left_out": len(left_out), "git_left_out_paths": left_out,
                                    "git_warnings": store.warnings}))
             _say_left_out(len(left_out), store)
@@ -1307,6 +1608,10 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
         under = _tree_for(ws, sd)
         live = Tree.at(ws)  # through the mount: what every process sees
         try:
+            from .retention import dropped_selection
+            why = dropped_selection(j, **selection) if resume is None else None
+            if why:  # what the revert needs was dropped by retention
+                raise Fail(why)
             try:
                 plan = reverts.plan_for(j, States(j, under), live, selection, glob, content,
                                         revert_id, resume)
@@ -1318,13 +1623,18 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
                 click.echo(json.dumps(shown))
             elif not as_json:
                 for s in plan.steps:
-                    mark = f"  CONFLICT ({s.conflict})" if s.conflict else ""
+                    mark = f"  CONFLICT ({s.conflict}" + (f": {s.note}" if s.note else "") \
+                        + ")" if s.conflict else ""
                     click.echo(f"  {reverts.describe(s):<8} {s.path}{mark}")
             if not plan.steps:
                 click.echo("nothing to revert")
                 return
+            noted = sorted({s.note for s in conflicts if s.note})
             if conflicts and not force:
-                raise Fail("conflicts, nothing reverted: " + reverts.conflict_summary(plan))
+                raise Fail("conflicts, nothing reverted: " + reverts.conflict_summary(plan)
+                           + "".join(f" ({n}: " + ", ".join(s.path for s in conflicts
+                                                            if s.note == n) + ")"
+                                     for n in noted))
             if not yes:
                 if not (sys.stdin.isatty() and click.confirm(
                         f"revert {len(plan.steps) - len(conflicts)} path(s)?")):
@@ -1415,6 +1725,127 @@ def unrevert(revert_id, workspace, yes, force, as_json, state_dir):
                 unreverts=target["id"])
     if yes:
         reverts.rolled_back(sd, target)
+
+
+# -- retention ------------------------------------------------------------------------------------
+
+@main.command()
+@click.argument("workspace", default=".")
+@click.option("--keep-last", type=click.IntRange(min=0), metavar="N",
+              help="Keep the N most recent sessions.")
+@click.option("--keep-within", type=_Duration(), metavar="DURATION",
+              help="Keep every session active within DURATION (30d, 12h, 2w; s m h d w).")
+@click.option("--max-bytes", "max_bytes", type=_Size(), metavar="SIZE",
+              help="Drop the oldest sessions until the record takes at most SIZE (K/M/G).")
+@click.option("--dry-run", is_flag=True, help="Print the plan (each session, drop or keep and "
+              "why) and change nothing.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object.")
+@click.option("--state-dir", type=click.Path())
+@_guard
+def gc(workspace, keep_last, keep_within, max_bytes, dry_run, as_json, state_dir):
+    """Drop the oldest sessions of WORKSPACE's record by policy, whole sessions, oldest first,
+    and free what only they used (blobs, attic entries, journal pages).
+
+    A session is kept when a rule keeps it (--keep-last, --keep-within); with --max-bytes the
+    oldest go until the record fits.  Always kept: the live session, pinned sessions (overlayrec
+    pin), and sessions a pending revert, or one that can still be unreverted, reaches into.
+    Without a rule nothing is dropped (an interrupted gc is finished, orphans swept).  Mounted,
+    the daemon runs it; see docs/retention.md."""
+    from . import retention
+    ws = state.resolve_workspace(workspace, must_exist=False)
+    sd = _state_dir_for(ws, state_dir)
+    policy = retention.Policy(keep_last, keep_within, max_bytes)
+    if state.fuse_mount_at(ws) and not state.is_dead_mount(ws):
+        from . import client
+        try:
+            with client.Client(state.StateDir(sd).control_sock, timeout=3600) as c:
+                out = c.request("gc", dry_run=dry_run or None, **policy.to_json())
+        except client.ClientError as e:
+            raise Fail(str(e)) from None
+        out.pop("ok", None)
+    else:
+        try:
+            out = retention.gc_unmounted(ws, sd, policy, dry_run)
+        except retention.RetentionError as e:
+            raise Fail(str(e)) from None
+    if as_json:
+        click.echo(json.dumps(out))
+        return
+    for r in out.get("sessions", []):
+        span = f"seq {r['begin_seq']}-{r['end_seq']}" if r.get("begin_seq") else "seq ?"
+        when = _fmt_time(r["started"])[:16] if r.get("started") else "?"
+        click.echo(f"  {r['action']:<4} {r['session']:<20} {when}  {span:<16} {r['why']}")
+    before = out.get("size_before") or {}
+    if dry_run:
+        est = out.get("size_after_estimate") or {}
+        n = sum(r["action"] == "drop" for r in out.get("sessions", []))
+        click.echo(f"dry run: would drop {n} session(s); the record would start at seq "
+                   f"{out.get('cut')}; about {_mib(before.get('total', 0))} -> "
+                   f"{_mib(est.get('total', 0))}")
+    else:
+        after = out.get("size_after") or {}
+        sw = out.get("swept") or {}
+        click.echo(f"dropped {len(out.get('dropped') or [])} session(s)"
+                   + (f"; the record starts at seq {out.get('record_starts')}" if out.get("cut")
+                      else "")
+                   + f"; removed {sw.get('blobs', 0)} blob(s) and {sw.get('attic', 0)} attic "
+                   f"entr{'y' if sw.get('attic', 0) == 1 else 'ies'}; "
+                   f"{_mib(before.get('total', 0))} -> {_mib(after.get('total', 0))}")
+        comp = out.get("compaction") or {}
+        if comp.get("compacted"):
+            click.echo(f"journal compacted: {_mib(comp['before'])} -> {_mib(comp['after'])}")
+        elif comp.get("why"):
+            click.echo(f"journal not compacted: {comp['why']}")
+    if out.get("over_budget"):
+        click.echo(f"overlayrec: still over the budget of {_mib(max_bytes)}: "
+                   f"{out['over_budget']}", err=True)
+
+
+def _pin(session_id: str, workspace: str, state_dir, pinned: bool) -> None:
+    from . import retention
+    ws = state.resolve_workspace(workspace, must_exist=False)
+    sd = _state_dir_for(ws, state_dir)
+    if state.fuse_mount_at(ws) and not state.is_dead_mount(ws):
+        from . import client
+        try:  # mounted: the daemon alone writes the journal
+            with client.Client(state.StateDir(sd).control_sock) as c:
+                out = c.request("pin" if pinned else "unpin", session=session_id)
+        except client.ClientError as e:
+            raise Fail(str(e)) from None
+        click.echo(out["message"])
+        return
+    try:
+        lock = retention.writer_lock(sd)
+        try:
+            j = Journal(sd)
+            try:
+                click.echo(retention.set_pin(j, session_id, pinned))
+            finally:
+                j.close()
+        finally:
+            os.close(lock)
+    except retention.RetentionError as e:
+        raise Fail(str(e)) from None
+
+
+@main.command()
+@click.argument("session_id", metavar="SESSION", type=ID)
+@click.option("-w", "--workspace", default=".")
+@click.option("--state-dir", type=click.Path())
+@_guard
+def pin(session_id, workspace, state_dir):
+    """Keep SESSION whatever a gc's policy says (until overlayrec unpin)."""
+    _pin(session_id, workspace, state_dir, True)
+
+
+@main.command()
+@click.argument("session_id", metavar="SESSION", type=ID)
+@click.option("-w", "--workspace", default=".")
+@click.option("--state-dir", type=click.Path())
+@_guard
+def unpin(session_id, workspace, state_dir):
+    """Let a gc drop SESSION again when its policy says so."""
+    _pin(session_id, workspace, state_dir, False)
 
 
 @main.group()

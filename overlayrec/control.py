@@ -17,7 +17,7 @@ import struct
 
 import trio
 
-from . import claude
+from . import agents
 from .calls import Calls, ControlError
 from .attribution import Attribution
 
@@ -66,11 +66,19 @@ class ControlServer:
         self.calls = calls
         self.attribution = attribution
         self.owner_uid = owner_uid
+        self.recorder = None      # set by the daemon: the gc reaches the attic through it
+        self.max_bytes = None     # a budget set at mount (``mount --max-bytes``)
+        self.budget_due = False   # a session ended: the budget is looked at soon
+        self._gc_lock = trio.Lock()
 
     def handle(self, req: dict, caller: dict) -> dict:
         if "hook_event_name" in req and "op" not in req:
-            # a Claude Code hook payload piped straight in (the fast hook: nc, no interpreter)
-            claude.apply(req, _Local(self.calls, caller), (ControlError,))
+            # an agent's hook payload piped straight in (the fast hook: nc, no interpreter);
+            # the registry says whose it is (docs/agents.md)
+            agent = agents.recognise(req)
+            if agent is None:
+                raise ControlError(f"no agent sends hook event {req['hook_event_name']!r}")
+            agent.apply(req, _Local(self.calls, caller), (ControlError,))
             return {}
         op = req.get("op")
         c = self.calls
@@ -108,7 +116,38 @@ class ControlServer:
         if op == "revert_end":
             c.revert_end(caller, str(req["id"]))
             return {}
+        if op in ("pin", "unpin"):
+            from . import retention
+            if not req.get("session"):
+                raise ControlError(f"{op} needs session")
+            try:
+                return {"message": retention.set_pin(c.journal, str(req["session"]),
+                                                     op == "pin")}
+            except retention.RetentionError as e:
+                raise ControlError(str(e)) from None
         raise ControlError(f"unknown op {op!r}")
+
+    async def run_gc(self, req: dict) -> dict:
+        """A gc run here, in the daemon (docs/retention.md): in the trio thread, between
+        requests, yielding to the mount between batches; one at a time."""
+        from . import retention
+        policy = retention.Policy.from_json(req)
+        rec = self.recorder
+        attic_fd = getattr(rec, "attic_fd", None)
+        drop = getattr(rec, "_drop_attic", None)
+        live = {s.id for s in self.calls.sessions.values() if s.ended is None}
+        out: dict = {}
+        async with self._gc_lock:
+            steps = retention.gc_steps(
+                self.calls.journal, os.path.dirname(self.path), policy, out, live=live,
+                attic_fd=attic_fd, dry_run=bool(req.get("dry_run")),
+                drop_attic=(lambda name, st: drop(name, (st.st_dev, st.st_ino))) if drop
+                else None)
+            for _ in steps:
+                await trio.sleep(0)
+        out["compaction"] = {"compacted": False, "why": "mounted: the free pages are reused "
+                             "by the journal, and given back by a gc while unmounted"}
+        return out
 
     def bind(self) -> None:
         """Bind before the mount is announced ready, so a client can connect at once."""
@@ -159,6 +198,13 @@ class ControlServer:
                                 socket.SOL_SOCKET, socket.SCM_RIGHTS,
                                 array.array("i", [self.root_fd]))])
                             continue
+                        if line.lstrip().startswith(b"{") and b'"gc"' in line:
+                            answer = await self._gc_answer(line)
+                            if answer is not None:
+                                out = memoryview(answer + b"\n")
+                                while out:
+                                    out = out[await conn.send(out):]
+                                continue
                         out = memoryview(self._answer(line, caller) + b"\n")
                         while out:
                             out = out[await conn.send(out):]
@@ -166,6 +212,23 @@ class ControlServer:
                 return
             except Exception:  # one bad connection must never take the mount down
                 log.exception("control connection failed")
+
+    async def _gc_answer(self, line: bytes) -> bytes | None:
+        """The answer to a ``gc`` request (None: the line is no gc request)."""
+        try:
+            req = json.loads(line)
+        except ValueError:
+            return None
+        if not isinstance(req, dict) or req.get("op") != "gc":
+            return None
+        try:
+            out = {"ok": True, **await self.run_gc(req)}
+        except ValueError as e:
+            out = {"ok": False, "error": f"bad request: {e}"}
+        except Exception as e:  # the endpoint must never take the mount down
+            log.exception("gc failed")
+            out = {"ok": False, "error": f"gc failed: {e}"}
+        return json.dumps(out).encode()
 
     def _answer(self, line: bytes, caller: dict) -> bytes:
         try:

@@ -26,7 +26,7 @@ from .control import ControlServer
 from .fs import Operations
 from .journal import Journal, JournalError
 from .recorder import Recorder
-from . import state
+from . import retention, secrets, state
 
 log = logging.getLogger("overlayrec")
 
@@ -90,6 +90,8 @@ async def _serve(control: ControlServer) -> None:
                 except Exception:  # a failed check must not take the mount down: retried
                     log.exception("checking implicit calls for exited processes failed")
         nursery.start_soon(end_exited_calls)
+        if control.max_bytes is not None:
+            nursery.start_soon(_keep_budget, control)
         # every handler runs to completion without awaiting, so more worker tasks cannot overlap
         # anything: one reader saves the task spawning and read-lock traffic per request
         # (tools/bench: grep and cat-all about 15% faster)
@@ -97,7 +99,41 @@ async def _serve(control: ControlServer) -> None:
         nursery.cancel_scope.cancel()
 
 
-def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool, record_data: bool = False):
+_writer_lock: int | None = None
+BUDGET_EVERY = 60.0  # seconds between looks at a budget set at mount (and after each session)
+
+
+async def _keep_budget(control: ControlServer) -> None:
+    """A budget set at mount (``--max-bytes``): after a session ends, and once a minute,
+    measure the record (journal pages in use, content store, attic: a walk of the store, not
+    a scan of the journal) and, when over, drop the oldest sessions (a gc in the daemon)."""
+    last = time.monotonic()
+    every = float(os.environ.get("OVERLAYREC_BUDGET_EVERY", BUDGET_EVERY))
+    while True:
+        await trio.sleep(0.5)
+        if not control.budget_due and time.monotonic() - last < every:
+            continue
+        control.budget_due = False
+        last = time.monotonic()
+        try:
+            size = retention.record_size(control.calls.journal,
+                                         getattr(control.recorder, "attic_fd", None))
+            if size["total"] <= control.max_bytes:
+                continue
+            out = await control.run_gc({"max_bytes": control.max_bytes})
+            if out.get("dropped"):
+                log.info("budget %d bytes: the record held %d; dropped session(s) %s, now %d",
+                         control.max_bytes, size["total"], ", ".join(out["dropped"]),
+                         out["size_after"]["total"])
+            if out.get("over_budget"):
+                log.warning("budget %d bytes: still over (%s)", control.max_bytes,
+                            out["over_budget"])
+        except Exception:  # the budget must not take the mount down: looked at again later
+            log.exception("keeping the budget failed")
+
+
+def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool, record_data: bool = False,
+            secret: tuple = (), no_default_secrets: bool = False):
     """Everything up to and including the mount; raises MountError with a one-line reason."""
     if state.fuse_mount_at(ws) is not None or state.is_dead_mount(ws):
         if state.is_dead_mount(ws):
@@ -110,11 +146,31 @@ def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool, record_da
     recorded = journal.meta("workspace")
     if recorded and recorded != ws:
         raise MountError(f"state dir {state_dir} records workspace {recorded}, not {ws}")
+    global _writer_lock  # held while mounted: no gc writes the journal behind us
+    try:
+        if _writer_lock is None:  # an unmounted gc finishes first (docs/retention.md)
+            _writer_lock = retention.writer_lock(state_dir, wait=20.0)
+    except retention.RetentionError as e:
+        journal.close()
+        raise MountError(f"cannot mount: {e}") from None
+    try:  # the secret paths, in the journal before any event: every reader applies this list
+        stored = journal.meta(secrets.META_PATTERNS)
+        patterns = secrets.effective(secret, no_default_secrets,
+                                     json.loads(stored) if stored is not None else None)
+        if stored is None or json.loads(stored) != patterns:
+            journal.put_meta(secrets.META_PATTERNS, json.dumps(patterns))
+    except (secrets.SecretError, JournalError, ValueError) as e:
+        raise MountError(str(e)) from None
     root_fd = os.open(ws, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     attribution = Attribution()
     calls = Calls(journal, attribution)
     recorder = Recorder(journal, root_fd, attribution, units=calls, record_data=record_data)
     try:
+        # a gc killed half way is finished first (docs/retention.md)
+        for _ in retention.finish(journal, state_dir, recorder.attic_fd, {},
+                                  lambda name, st: recorder._drop_attic(
+                                      name, (st.st_dev, st.st_ino))):
+            pass
         found = recorder.open_record()  # before the mount: nothing can change the tree meanwhile
     except (OSError, JournalError) as e:
         raise MountError(f"cannot check the workspace against the record: {e}") from None
@@ -125,6 +181,13 @@ def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool, record_da
     control = ControlServer(state.StateDir(state_dir).control_sock, calls, attribution,
                             os.fstat(root_fd).st_uid, root_fd)
     control.bind()
+    control.recorder = recorder
+
+    def on_unit_end(unit, seal=calls.on_unit_end):
+        seal(unit)
+        if unit.startswith("session:"):
+            control.budget_due = True  # a session can go now: the budget is looked at
+    calls.on_unit_end = on_unit_end
     ops = Operations(recorder, root_fd, fault_name=os.environ.get("OVERLAYREC_INJECT_FAULT"))
     options = set(pyfuse3.default_options) | {f"fsname={state.FSNAME}", f"subtype={state.FSNAME}"}
     if allow_other:
@@ -137,7 +200,8 @@ def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool, record_da
 
 
 def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other: bool,
-        ready_fd: int | None, record_data: bool = False) -> int:
+        ready_fd: int | None, record_data: bool = False, secret: tuple = (),
+        no_default_secrets: bool = False, max_bytes: int | None = None) -> int:
     # what the daemon makes for itself is the user's alone whatever the caller's umask
     # (docs/storage.md; LMDB's files take their mode from it); the umask drops to 0 only to
     # serve, where the kernel has applied the caller's umask to each request already
@@ -159,7 +223,9 @@ def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other
     _setup_logging(state_dir, foreground)
 
     try:
-        journal, control, recorder = prepare(ws, state_dir, durable, allow_other, record_data)
+        journal, control, recorder = prepare(ws, state_dir, durable, allow_other, record_data,
+                                             secret, no_default_secrets)
+        control.max_bytes = max_bytes
     except MountError as e:
         log.error("%s", e)
         tell(f"error: {e}")
@@ -219,10 +285,15 @@ def main(argv=None) -> int:
     p.add_argument("--durable", action="store_true")
     p.add_argument("--allow-other", action="store_true")
     p.add_argument("--record-data", action="store_true")
+    p.add_argument("--secret", action="append", default=[])
+    p.add_argument("--no-default-secrets", action="store_true")
     p.add_argument("--ready-fd", type=int)
+    p.add_argument("--max-bytes", type=int)
     a = p.parse_args(argv)
     return run(a.workspace, a.state_dir, foreground=a.foreground, durable=a.durable,
-               allow_other=a.allow_other, ready_fd=a.ready_fd, record_data=a.record_data)
+               allow_other=a.allow_other, ready_fd=a.ready_fd, record_data=a.record_data,
+               secret=tuple(a.secret), no_default_secrets=a.no_default_secrets,
+               max_bytes=a.max_bytes)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,15 @@
 """The `overlayrec` command's entry point.
 
-Agent hooks run on every tool call, so `overlayrec hook claude-code` skips the CLI framework
-and goes straight to the adapter (no click, no LMDB: a few milliseconds instead of ~100).
+Agent hooks run on every tool call, so `overlayrec hook AGENT` skips the CLI framework and goes
+straight to the agent registry (no click, no LMDB: a few milliseconds instead of ~100).
 """
 import sys
 
 
 def main():
-    if sys.argv[1:] == ["hook", "claude-code"]:
-        from .hooks import run_claude_code_hook
-        sys.exit(run_claude_code_hook())
+    args = sys.argv[1:]
+    if len(args) == 2 and args[0] == "hook" and not args[1].startswith("-"):
+        from .agents import run_hook
+        sys.exit(run_hook(args[1]))
     from .cli import main as cli_main
     cli_main()

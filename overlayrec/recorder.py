@@ -7,14 +7,18 @@ Every mutating operation the filesystem layer receives is carried out here, in t
 2. commit the event (with that pre-image) to the journal;
 3. only then change the underlay, and journal a ``failed`` note if the underlay refused.
 
-Pre-images cost what the change costs: an unlinked or renamed-over file moves to the *attic* by
-rename or hard link (no copy); content is copied into the content store only before it is
-overwritten or cut, whole for small files and range by range for large ones, so an append to a
-huge log copies nothing.
+Pre-images cost what the change costs: an unlinked or renamed-over file larger than
+SMALL_PREIMAGE moves to the *attic* by rename or hard link (no copy), a smaller one is copied
+into the content store (so lock-file churn costs nothing in the workspace); content is copied
+into the store only before it is overwritten or cut, whole for small files and range by range
+for large ones, so an append to a huge log copies nothing.
 
 The attic is a directory in the underlay's root (same filesystem, so hard links work) that the
 filesystem layer hides; its extra links are subtracted from ``st_nlink`` so link counts read as
-native.
+native.  Unmounted, it ignores itself (a ``.gitignore`` of ``*`` and a ``CACHEDIR.TAG``), so
+git and backup tools pass it by.  When the workspace's filesystem refuses a change for want of
+space, attic entries are dropped oldest first (``reclaim``, journaled) and the change is tried
+once more (``_roomy``).
 """
 from __future__ import annotations
 
@@ -32,11 +36,37 @@ from .attribution import Attribution
 from .calls import Calls
 from .journal import Journal, JournalError, preimage
 from .journal.schema import UNMOUNTED
+from .secrets import Secrets, META_NAMES
 
 log = logging.getLogger(__name__)
 
 ATTIC_NAME = ".overlayrec-attic"
 WHOLE_FILE_LIMIT = 4 << 20  # files up to this size are saved whole at an epoch's first change
+# An unlinked or renamed-over regular file of at most this size is copied into the content
+# store instead of being kept by a link in the attic: lock files, editor and build temp files
+# and nearly every source file are below it, so their churn costs the workspace nothing (the
+# store keeps one blob per distinct content, often already there from an earlier capture), and
+# such pre-images are never dropped to free space.  The bound keeps the copy an unlink now
+# makes cheap (``rm -rf`` of a tree of them copies each); larger files still cost no copy.
+SMALL_PREIMAGE = 256 << 10
+# The attic's own files, so that git and backup tools pass it by when the workspace is
+# unmounted (as virtual environments and .pytest_cache do): never attic entries.
+ATTIC_OWN = {
+    ".gitignore": b"# made by overlayrec: the attic holds pre-images, never commit them\n*\n",
+    "CACHEDIR.TAG": b"Signature: 8a477f597d28d172789f06886806bc55\n"
+                    b"# This file is a cache directory tag created by overlayrec.\n"
+                    b"# For information about cache directory tags, see:\n"
+                    b"#\thttps://bford.info/cachedir/\n",
+}
+# A workspace filesystem that refuses a change with ENOSPC gets attic entries dropped until
+# this much is free: room for the refused change and those right after it, so a burst of
+# writes costs one reclaim, not one per write, and few pre-images go.
+RECLAIM_HEADROOM = 32 << 20
+
+
+def is_attic_entry(name: str) -> bool:
+    """Is ``name`` (in the attic) a kept inode, not one of the attic's own files?"""
+    return name not in ATTIC_OWN and not name.startswith(".")
 
 
 def unit_fields(unit: str) -> dict:
@@ -66,6 +96,52 @@ def _undoable(fn):
         finally:
             self._undo = None
     return wrapper
+
+
+def _roomy(fn):
+    """A change refused for want of space on the workspace's filesystem (ENOSPC from the
+    underlay, or from the journal or the content store when the state dir shares that
+    filesystem) is tried once more after ``Recorder.reclaim`` has freed attic entries: the
+    first try left the epochs as they were (``_undoable``, applied inside this) and its event,
+    if journaled, is voided by its ``failed`` note.  No entry to free: the refusal stands."""
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return fn(self, *args, **kwargs)
+        except (OSError, JournalError) as e:
+            if not self._workspace_full(e):
+                raise
+            try:
+                freed = self.reclaim(fn.__name__)
+            except OSError as e2:  # the refusal is the answer, not the reclaim's own trouble
+                log.warning("cannot reclaim attic entries: %s", e2)
+                freed = 0
+            if not freed:
+                raise
+        return fn(self, *args, **kwargs)
+    return wrapper
+
+
+class _StateDirStore:
+    """The content store, with its OSErrors marked as the state dir's (``in_state_dir``): a
+    full state dir on another filesystem is no reason to drop the workspace's attic."""
+
+    def __init__(self, store):
+        self._store = store
+
+    def __getattr__(self, name):
+        attr = getattr(self._store, name)
+        if not callable(attr):
+            return attr
+
+        @functools.wraps(attr)
+        def call(*args, **kwargs):
+            try:
+                return attr(*args, **kwargs)
+            except OSError as e:
+                e.in_state_dir = True
+                raise
+        return call
 
 
 class RangeSet:
@@ -121,12 +197,17 @@ class Recorder:
         self.journal = journal
         self.record_data = record_data
         self.units = units or Calls(journal, attribution)
-        self.content = journal.content
+        self.content = _StateDirStore(journal.content)
+        # secret paths: their content never leaves the file (overlayrec.secrets)
+        self.secrets = Secrets.of_journal(journal)
         self._undo: dict[str, tuple | None] | None = None  # see _undoable
-        self._unjournaled: list[dict] = []  # failed notes the journal could not take yet
+        self._unjournaled: list[dict] = []  # notes (failed, reclaim) the journal owes
         self.root_fd = root_fd
         self.attribution = attribution
         self.whole_file_limit = whole_file_limit
+        # tests of the attic itself keep small files there too (=-1: every file)
+        knob = os.environ.get("OVERLAYREC_TEST_SMALL_PREIMAGE", "").strip()
+        self.small_preimage = int(knob) if knob else SMALL_PREIMAGE
         self.root_path = underlay.fd_path(root_fd)
         self._euid, self._egid = os.geteuid(), os.getegid()
         self.epochs: dict[str, Epoch] = {}
@@ -161,12 +242,47 @@ class Recorder:
         if not stat.S_ISDIR(os.fstat(fd).st_mode):
             os.close(fd)
             raise OSError(errno.ENOTDIR, f"{ATTIC_NAME} in the workspace is not a directory")
+        try:
+            self._ignore_attic(fd)
+        except OSError as e:  # a full workspace must not keep it from mounting: next time
+            log.warning("cannot make %s ignored by git and backup tools: %s", ATTIC_NAME, e)
         return fd
+
+    @staticmethod
+    def _ignore_attic(fd: int) -> None:
+        """Make the attic (``fd``) self-ignoring: its ``.gitignore`` and ``CACHEDIR.TAG``
+        (ATTIC_OWN), 0600, written whole by a rename when missing or not what they should be
+        (an attic made by an older overlayrec gets them at its next mount)."""
+        for name, data in ATTIC_OWN.items():
+            try:
+                st = underlay.lstat_at(fd, name)
+                if stat.S_ISREG(st.st_mode) and st.st_size == len(data) and \
+                        stat.S_IMODE(st.st_mode) == 0o600:
+                    with open(os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK |
+                                      os.O_CLOEXEC, dir_fd=fd), "rb") as f:
+                        if f.read() == data:
+                            continue
+            except FileNotFoundError:
+                pass
+            tmp = f".{name}.{os.getpid()}.tmp"  # a dot name: never an attic entry
+            wfd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW |
+                          os.O_CLOEXEC, 0o600, dir_fd=fd)
+            try:
+                os.fchmod(wfd, 0o600)  # whatever the umask (docs/storage.md)
+                os.write(wfd, data)
+            except BaseException:
+                os.close(wfd)
+                os.unlink(tmp, dir_fd=fd)
+                raise
+            os.close(wfd)
+            os.rename(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
 
     def _count_attic(self) -> None:
         dfd = underlay.open_dir(self.attic_fd)
         try:
             for name in os.listdir(dfd):
+                if not is_attic_entry(name):
+                    continue  # the attic's own files (ATTIC_OWN), a temp file of them
                 try:
                     st = underlay.lstat_at(self.attic_fd, name)
                 except OSError:
@@ -179,6 +295,108 @@ class Recorder:
 
     def nlink(self, st: os.stat_result) -> int:
         return st.st_nlink - self.attic_links.get((st.st_dev, st.st_ino), 0)
+
+    def _keep_small(self, dirfd: int, name: str, st: os.stat_result, pre: dict) -> bool:
+        """A regular file of at most SMALL_PREIMAGE bytes about to lose ``name`` (unlink,
+        rename over): its content goes into the store now (``pre["blob"]``; the empty blob
+        for an empty file), ahead of the event, and it needs no attic entry.  False (the attic
+        keeps it) for anything else, and for a file the daemon may not read (a link needs no
+        read permission)."""
+        if not stat.S_ISREG(st.st_mode) or st.st_size > self.small_preimage:
+            return False
+        if st.st_size == 0:
+            pre["blob"] = self.content.put_bytes(b"")
+            return True
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                         dir_fd=dirfd)
+        except PermissionError:
+            return False
+        try:
+            pre["blob"] = self._save_whole(fd, st.st_size)
+        finally:
+            os.close(fd)
+        return True
+
+    def _drop_attic(self, name: str, key: tuple[int, int]) -> None:
+        os.unlink(name, dir_fd=self.attic_fd)
+        n = self.attic_links.get(key, 0) - 1
+        if n > 0:
+            self.attic_links[key] = n
+        else:
+            self.attic_links.pop(key, None)
+
+    def _workspace_full(self, e: Exception) -> bool:
+        """Is ``e`` the workspace's filesystem out of space (so a reclaim may help)?"""
+        if getattr(e, "errno", None) != errno.ENOSPC:
+            return False
+        if isinstance(e, JournalError) or getattr(e, "in_state_dir", False):
+            return self._shares_fs()
+        return True
+
+    def _shares_fs(self) -> bool:
+        """Is the state dir on the workspace's filesystem?"""
+        try:
+            return os.stat(self.journal.state_dir).st_dev == os.fstat(self.root_fd).st_dev
+        except (AttributeError, OSError):
+            return False
+
+    def reclaim(self, why: str = "") -> int:
+        """The workspace's filesystem is full: drop attic entries of this journal, oldest
+        first (by seq), until RECLAIM_HEADROOM is free, taking only entries whose unlink frees
+        blocks (the attic's link is their only one).  The drop is journaled ahead (a ``reclaim``
+        marker naming every entry; when the journal cannot take it now, it goes with the next
+        event) and each dropped name is logged.  Readers meeting such a pre-image say they
+        cannot know its content.  Returns the bytes freed (0: nothing to drop)."""
+        dfd = underlay.open_dir(self.attic_fd)
+        try:
+            names = os.listdir(dfd)
+        finally:
+            os.close(dfd)
+        entries = []
+        for name in names:
+            seq = name[len(self.attic_prefix):]
+            if not name.startswith(self.attic_prefix) or not seq.isdigit():
+                continue  # another journal's entries are that journal's to drop
+            try:
+                st = underlay.lstat_at(self.attic_fd, name)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_blocks:
+                entries.append((int(seq), name, st))
+        entries.sort()
+        vfs = os.statvfs(self.root_fd)
+        free, inodes = vfs.f_bavail * vfs.f_frsize, vfs.f_favail
+        plan = []
+        for _, name, st in entries:
+            if free >= RECLAIM_HEADROOM and (not vfs.f_files or inodes > 0):
+                break
+            plan.append((name, st))
+            free += st.st_blocks * 512
+            inodes += 1
+        if not plan:  # every refused write asks again: not worth a line each
+            log.debug("%s: the workspace is full and the attic holds nothing to drop", why)
+            return 0
+        marker = {"op": "reclaim", "cause": "ENOSPC", "during": why, "actor": "overlayrec",
+                  "dropped": [n for n, _ in plan], "bytes": sum(st.st_blocks * 512
+                                                               for _, st in plan)}
+        try:
+            self.journal.append_many(self._unjournaled + [marker], [])
+            self._unjournaled = []
+        except JournalError as e:  # the state dir shares the full filesystem: journal later
+            log.warning("cannot journal the reclaim now (%s): kept to journal later", e)
+            self._unjournaled.append(marker)
+        freed = 0
+        for name, st in plan:
+            try:
+                self._drop_attic(name, (st.st_dev, st.st_ino))
+            except OSError as e:
+                log.warning("reclaim: cannot drop attic entry %s: %s", name, e)
+                continue
+            freed += st.st_blocks * 512
+            log.warning("reclaim: the workspace is full (%s): dropped attic entry %s "
+                        "(%d bytes), its pre-image is lost", why, name, st.st_size)
+        return freed
 
     # -- paths ----------------------------------------------------------------------------------
     def rel(self, fd: int) -> str:
@@ -197,6 +415,13 @@ class Recorder:
         gone = p.endswith(" (deleted)")
         if gone:
             p = p[:-10]
+            st = os.fstat(fd)
+            if st.st_nlink == 0 and stat.S_ISREG(st.st_mode):
+                # no name holds it (a small file unlinked or renamed over: its pre-image is in
+                # the content store): what is done through an fd still open on it changes no
+                # path, so it is journaled in the hidden attic's namespace, as for an inode
+                # the attic keeps, never as a change of its old name (which another may hold)
+                return f"{ATTIC_NAME}/{self.attic_prefix}gone.{st.st_ino}"
         if p == self.root_path:
             return ""
         if p.startswith(self.root_path + "/"):
@@ -239,6 +464,23 @@ class Recorder:
 
     def _save_whole(self, fd: int, size: int) -> str:
         return self.content.put_range(fd, 0, size)
+
+    def _withhold(self, path: str, pre: dict | None = None) -> bool:
+        """Is ``path`` a secret path (overlayrec.secrets), whose content is never kept?  Marks
+        a file's pre-image ``withheld`` (its metadata stays: kind, mode, owner, size)."""
+        if not self.secrets.match(path):
+            return False
+        if pre is not None and pre.get("kind", "file") == "file":
+            pre["withheld"] = True
+        return True
+
+    def _carry_secret(self, src: str, dst: str) -> None:
+        """``dst`` now holds what ``src`` held (a rename, a hard link): a secret's content
+        stays withheld under its new name, for the rest of the record (meta
+        ``secret_names``; stored before the change is journaled, so no reader ever sees the
+        name hold it unwithheld)."""
+        if self.secrets.carried(src, dst):
+            self.journal.put_meta(META_NAMES, self.secrets.names_json())
 
     def _epoch(self, path: str, unit: str) -> tuple[Epoch, bool]:
         ep = self.epochs.get(path)
@@ -283,7 +525,7 @@ class Recorder:
         owed = self._unjournaled
         seqs = self.journal.append_many(owed + aliases + [ev], [actor])
         if owed:
-            log.info("journaled %d failed note(s) owed since the journal was full", len(owed))
+            log.info("journaled %d note(s) owed since the journal was full", len(owed))
         self._unjournaled = []
         return seqs[-1]
 
@@ -346,6 +588,7 @@ class Recorder:
             ep.content_saved = ep.meta_saved = True
         return ev
 
+    @_roomy
     @_undoable
     def create(self, parent_fd: int, name: str, flags: int, mode: int, uid: int, gid: int,
                actor: dict) -> int:
@@ -364,7 +607,7 @@ class Recorder:
         return fd
 
     def _content_pre(self, parent_fd: int, name: str, path: str, pre: dict) -> dict:
-        if pre["kind"] != "file" or pre["size"] == 0:
+        if pre["kind"] != "file" or self._withhold(path, pre) or pre["size"] == 0:
             return pre
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd)
         try:
@@ -376,6 +619,7 @@ class Recorder:
             os.close(fd)
         return pre
 
+    @_roomy
     @_undoable
     def mkdir(self, parent_fd: int, name: str, mode: int, uid: int, gid: int, actor: dict) -> None:
         ev = self._creation("mkdir", parent_fd, name, actor, mode=mode)
@@ -383,6 +627,7 @@ class Recorder:
             os.mkdir(name, mode, dir_fd=parent_fd)
             self._fix_owner(parent_fd, name, uid, gid, None)
 
+    @_roomy
     @_undoable
     def mknod(self, parent_fd: int, name: str, mode: int, rdev: int, uid: int, gid: int,
               actor: dict) -> None:
@@ -391,6 +636,7 @@ class Recorder:
             os.mknod(name, mode, rdev, dir_fd=parent_fd)
             self._fix_owner(parent_fd, name, uid, gid, None)
 
+    @_roomy
     @_undoable
     def symlink(self, parent_fd: int, name: str, target: str, uid: int, gid: int,
                 actor: dict) -> None:
@@ -399,18 +645,31 @@ class Recorder:
             os.symlink(target, name, dir_fd=parent_fd)
             self._fix_owner(parent_fd, name, uid, gid, None)
 
+    @_roomy
     @_undoable
     def link(self, src_fd: int, parent_fd: int, name: str, actor: dict) -> None:
         source = self.rel(src_fd)
         ev = self._creation("link", parent_fd, name, actor, source=source)
+        # one inode under a secret name and another: withheld under both
+        self._carry_secret(source, ev["path"])
+        self._carry_secret(ev["path"], source)
         with self._mutation(ev, actor):
             underlay.link_fd(src_fd, parent_fd, name, root_fd=self.root_fd, rel=source)
         try:
-            self._named(os.fstat(src_fd), source, ev["path"])
+            st = os.fstat(src_fd)
         except OSError:
-            pass
+            return
+        self._named(st, source, ev["path"])
+        # the inode now has a name it had not when the source's epoch began: the next change
+        # through the source must capture afresh, so that it is journaled on the new name too
+        # (an ``alias`` event with what that name held just before)
+        for n in self.names.get((st.st_dev, st.st_ino), ()):
+            ep = self.epochs.pop(n, None)
+            if ep is not None:
+                self.unsealed.setdefault(n, ep.unit)
 
     # -- removals -------------------------------------------------------------------------------
+    @_roomy
     @_undoable
     def unlink(self, parent_fd: int, name: str, actor: dict) -> None:
         path = self.child(parent_fd, name)
@@ -421,20 +680,30 @@ class Recorder:
             raise FileNotFoundError(errno.ENOENT, "unlink", name)
         if stat.S_ISDIR(st.st_mode):
             raise IsADirectoryError(errno.EISDIR, "unlink", name)
-        seq = self.journal.reserve_seq()
-        ev["seq"] = seq
-        pre["attic"] = self.attic_prefix + str(seq)
-        self._keep_if_linked(parent_fd, name, st, pre)
-        ev["pre"] = pre
-        with self._mutation(ev, actor):
-            # one rename is both the pre-image and the change: the inode lives on in the attic
-            os.rename(name, pre["attic"], src_dir_fd=parent_fd, dst_dir_fd=self.attic_fd)
-        k = (st.st_dev, st.st_ino)
-        self.attic_links[k] = self.attic_links.get(k, 0) + 1
+        if self._withhold(path, pre):
+            ev["pre"] = pre
+            with self._mutation(ev, actor):
+                os.unlink(name, dir_fd=parent_fd)  # a secret: no attic, no copy, really gone
+        elif self._keep_small(parent_fd, name, st, pre):
+            ev["pre"] = pre
+            with self._mutation(ev, actor):
+                os.unlink(name, dir_fd=parent_fd)  # its content is in the store: really gone
+        else:
+            seq = self.journal.reserve_seq()
+            ev["seq"] = seq
+            pre["attic"] = self.attic_prefix + str(seq)
+            self._keep_if_linked(parent_fd, name, st, pre)
+            ev["pre"] = pre
+            with self._mutation(ev, actor):
+                # one rename is both the pre-image and the change: the inode lives on in the attic
+                os.rename(name, pre["attic"], src_dir_fd=parent_fd, dst_dir_fd=self.attic_fd)
+            k = (st.st_dev, st.st_ino)
+            self.attic_links[k] = self.attic_links.get(k, 0) + 1
         if self.names:
             self._unnamed(path)
         ep.content_saved = ep.meta_saved = True
 
+    @_roomy
     @_undoable
     def rmdir(self, parent_fd: int, name: str, actor: dict) -> None:
         path = self.child(parent_fd, name)
@@ -446,6 +715,7 @@ class Recorder:
             os.rmdir(name, dir_fd=parent_fd)
         ep.content_saved = ep.meta_saved = True
 
+    @_roomy
     @_undoable
     def rename(self, pfd: int, name: str, npfd: int, nname: str, flags: int, actor: dict) -> None:
         path, path2 = self.child(pfd, name), self.child(npfd, nname)
@@ -457,12 +727,16 @@ class Recorder:
         if st is None:
             raise FileNotFoundError(errno.ENOENT, "rename", name)
         ev["pre"] = pre
+        self._withhold(path, pre)
         pre2, st2 = self._pre_at(npfd, nname)
+        # a secret renamed over is really gone: no attic link, no copy (overlayrec.secrets)
+        withheld2 = self._withhold(path2, pre2)
         seq = self.journal.reserve_seq()
         ev["seq"] = seq
         attic_key = None
         if st2 is not None and not flags & underlay.RENAME_EXCHANGE and not stat.S_ISDIR(st2.st_mode) \
-                and not (st.st_dev == st2.st_dev and st.st_ino == st2.st_ino):
+                and not (st.st_dev == st2.st_dev and st.st_ino == st2.st_ino) \
+                and not withheld2 and not self._keep_small(npfd, nname, st2, pre2):
             # the renamed-over inode survives by a hard link in the attic, taken before the rename
             pre2["attic"] = self.attic_prefix + str(seq)
             attic_key = (st2.st_dev, st2.st_ino)
@@ -471,12 +745,23 @@ class Recorder:
         ep2, new2 = self._epoch(path2, unit)
         if new2:
             ev["epoch2"] = True
+        self._carry_secret(path, path2)
+        if flags & underlay.RENAME_EXCHANGE:
+            self._carry_secret(path2, path)
         with self._mutation(ev, actor):
             if attic_key:
                 os.link(nname, pre2["attic"], src_dir_fd=npfd, dst_dir_fd=self.attic_fd,
                         follow_symlinks=False)
                 self.attic_links[attic_key] = self.attic_links.get(attic_key, 0) + 1
-            underlay.renameat2(pfd, name, npfd, nname, flags)
+            try:
+                underlay.renameat2(pfd, name, npfd, nname, flags)
+            except OSError:
+                if attic_key:  # refused (a full disk: retried after a reclaim): no stray link
+                    try:
+                        self._drop_attic(pre2["attic"], attic_key)
+                    except OSError as e:
+                        log.warning("cannot drop attic entry %s: %s", pre2["attic"], e)
+                raise
         if self.names:
             self._renamed(path, path2, stat.S_ISDIR(st.st_mode), flags)
         ep.content_saved = ep.meta_saved = True
@@ -509,6 +794,10 @@ class Recorder:
             ev["epoch"] = True
             pre = self._meta(st)
             ep.meta_saved = True
+        if not ep.content_saved and self.secrets.match(path):
+            # a secret path: its content is never kept, the pre-image says so (its size stays)
+            (pre := pre or {"facet": "content"})["withheld"] = True
+            ep.content_saved = True
         if ep.size0 is None and not ep.content_saved:
             ep.size0 = st.st_size
             if st.st_size <= self.whole_file_limit:
@@ -613,7 +902,8 @@ class Recorder:
         ev = self._capture(handle.path, handle.fd, handle.unit, off, off + length)
         if self.record_data and data is not None:
             ev = ev or {"path": handle.path, **unit_fields(handle.unit)}
-            ev["data"] = self.content.put_bytes(data)
+            if not self.secrets.match(handle.path):  # a secret's written data is never kept
+                ev["data"] = self.content.put_bytes(data)
         if ev is None:
             if handle.write_seq is None or handle.epoch is not self.epochs.get(handle.path):
                 ev = {"path": handle.path, **unit_fields(handle.unit)}
@@ -628,6 +918,7 @@ class Recorder:
         handle.reset_extent(off, length)
         return handle.write_seq
 
+    @_roomy
     @_undoable
     def write(self, handle, off: int, data: bytes) -> int:
         """A write through ``handle``: journaled ahead (``before_write``), then made; bytes
@@ -642,6 +933,7 @@ class Recorder:
                 self._note_failed(seq, handle.path, e.errno, handle.actor["key"])
             raise
 
+    @_roomy
     @_undoable
     def truncate(self, fd: int, size: int, actor: dict, *, handle=None,
                  open_fd: int | None = None) -> None:
@@ -686,28 +978,33 @@ class Recorder:
                 self._alias(path, st, unit, pre)
         return ev
 
+    @_roomy
     @_undoable
     def chmod(self, fd: int, mode: int, actor: dict) -> None:
         with self._mutation(self._meta_event("chmod", fd, actor, mode=mode), actor):
             underlay.chmod_fd(fd, mode)
 
+    @_roomy
     @_undoable
     def chown(self, fd: int, uid: int, gid: int, actor: dict) -> None:
         with self._mutation(self._meta_event("chown", fd, actor, uid=uid, gid=gid), actor):
             underlay.chown_fd(fd, uid, gid)
 
+    @_roomy
     @_undoable
     def utimens(self, fd: int, atime_ns, mtime_ns, is_symlink: bool, actor: dict) -> None:
         with self._mutation(self._meta_event("utimens", fd, actor, atime_ns=atime_ns,
                                              mtime_ns=mtime_ns), actor):
             underlay.utimens_fd(fd, atime_ns, mtime_ns, is_symlink)
 
+    @_roomy
     @_undoable
     def setxattr(self, fd: int, name: str, value: bytes, actor: dict) -> None:
         with self._mutation(self._meta_event("setxattr", fd, actor, name=name, size=len(value)),
                             actor):
             os.setxattr(underlay.proc_path(fd), name, value)
 
+    @_roomy
     @_undoable
     def removexattr(self, fd: int, name: str, actor: dict) -> None:
         with self._mutation(self._meta_event("removexattr", fd, actor, name=name), actor):
@@ -724,6 +1021,8 @@ class Recorder:
             return dict(preimage.ABSENT)
         try:
             pre, st = self._pre_at(dfd, name)
+            if self._withhold(path, pre):
+                return pre  # no blob and no hash: a short secret's fast hash is brute-forced
             if pre["kind"] == "file" and pre["size"] <= self.whole_file_limit:
                 fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
                              dir_fd=dfd)

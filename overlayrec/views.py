@@ -198,3 +198,116 @@ def session_summary(j: Journal, sid: str, net=None) -> list[str]:
     if rec.get("ended") is None:
         lines.append("  (session still open)")
     return lines
+
+
+# -- sizes: `overlayrec storage` and `status` ------------------------------------------------------
+
+def human_size(n: int) -> str:
+    """Bytes as people read them: 512 B, 4.0 KiB, 12.3 MiB, 2.1 GiB."""
+    if n < 1024:
+        return f"{n} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+    return f"{n:.1f} TiB"
+
+
+_EIGHTHS = " ▏▎▍▌▋▊▉"
+
+
+def bar(parts: list[tuple[int, str]], scale: int, width: int) -> str:
+    """A proportional bar ``width`` cells wide for ``scale`` bytes: each (bytes, fill) part in
+    turn, the last cell of a "█" part in eighths (so a small part still shows)."""
+    out = []
+    for n, fill in parts:
+        cells = width * n / scale if scale else 0
+        whole = int(cells)
+        out.append(fill * whole)
+        frac = cells - whole
+        if fill == "█" and frac >= 1 / 8:
+            out.append(_EIGHTHS[int(frac * 8)])
+        elif fill != "█" and frac >= 0.5:
+            out.append(fill)
+    return "".join(out)[:width]
+
+
+CATEGORIES = ("journal", "content", "attic", "exports", "logs", "other")
+
+
+def storage_lines(doc: dict, width: int, fmt_time) -> list[str]:
+    """``overlayrec storage`` on a terminal: a bar per category scaled to the record's total,
+    what the free pages and the attic's shared entries are, then one row per session."""
+    total = doc["total"]
+    state = "mounted" if doc["mounted"] else "not mounted"
+    lines = [f"{doc['workspace']}: {human_size(total)} ({state}; state dir {doc['state_dir']})"]
+    bar_w = max(10, min(60, width - 24))
+    for name in CATEGORIES:
+        c = doc[name]
+        if c is None:
+            lines.append(f"  {name:<8} {'?':>10}  (not reachable: the workspace cannot be read)")
+            continue
+        n = c["bytes"]
+        parts = [(n, "█")]
+        if name == "journal":  # the free pages, a gc gives them back, drawn apart
+            free = min(c["reclaimable"], n)
+            parts = [(n - free, "█"), (free, "░")]
+        lines.append(f"  {name:<8} {human_size(n):>10}  {bar(parts, total, bar_w)}".rstrip())
+    j, a = doc["journal"], doc["attic"]
+    lines.append(f"  journal: {human_size(j['reclaimable'])} of it free pages (░), which a gc "
+                 "gives back")
+    if a is not None:
+        shared = f"; {a['shared_entries']} more shared with the workspace, costing nothing " \
+            f"({human_size(a['shared_size'])})" if a["shared_entries"] else ""
+        lines.append(f"  attic: {_entries(a['entries'] - a['shared_entries'])} held only there"
+                     f"{shared}")
+    rows = doc.get("sessions") or []
+    if rows:
+        kept = sum(r["content"] for r in rows)
+        lines.append(f"  content: {human_size(kept)} in blobs the events name, the rest in the "
+                     "store's directories and blobs no event names (revert plans)")
+        lines.append("")
+        lines.append(f"  {'session':<16} {'begun':<23} {'events':>8} {'content':>10} "
+                     f"{'attic':>10}")
+        for r in rows:
+            name = r["session"] if r["session"] is not None else "(outside)"
+            flags = " ".join(f for f, on in (("live", r["live"]), ("pinned", r["pinned"])) if on)
+            begun = fmt_time(r["begun"]) if r["begun"] else "-"
+            lines.append(f"  {name:<16.16} {begun:<23} {r['events']:>8} "
+                         f"{human_size(r['content']):>10} {human_size(r['attic']):>10}  "
+                         f"{flags}".rstrip())
+    return lines
+
+
+def _entries(n: int) -> str:
+    return f"{n} entr{'y' if n == 1 else 'ies'}"
+
+
+STORAGE_COLUMNS = ("workspace", "kind", "name", "bytes", "events", "content", "attic", "begun",
+                   "state")
+
+
+def storage_rows(doc: dict) -> list[tuple]:
+    """``overlayrec storage`` piped: one row per category (kind ``category``; the journal's free
+    pages, part of the journal's bytes, and ``attic-shared``: the length of the attic's entries
+    the workspace still links, which cost nothing and are in no total), then per session (kind
+    ``session``, or ``outside`` for the events no session holds); bytes as integers, ``-``
+    where a column does not apply, times as ns since the epoch."""
+    ws = doc["workspace"]
+    out = [(ws, "category", "total", doc["total"], "-", "-", "-", "-", "-")]
+    for name in CATEGORIES:
+        c = doc[name]
+        out.append((ws, "category", name, "-" if c is None else c["bytes"],
+                    "-", "-", "-", "-", "-"))
+        if name == "journal":
+            out.append((ws, "category", "journal-free", c["reclaimable"], "-", "-", "-", "-", "-"))
+        if name == "attic" and c is not None:
+            out.append((ws, "category", "attic-shared", c["shared_size"], "-", "-", "-", "-",
+                        "-"))
+    for r in doc.get("sessions") or []:
+        state = ",".join(f for f, on in (("live", r["live"]), ("pinned", r["pinned"])) if on)
+        out.append((ws, "session" if r["session"] is not None else "outside",
+                    r["session"] if r["session"] is not None else "-",
+                    r["content"] + r["attic"], r["events"], r["content"], r["attic"],
+                    r["begun"] if r["begun"] else "-", state or "-"))
+    return out

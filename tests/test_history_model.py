@@ -1238,6 +1238,17 @@ def _label(plan: Plan) -> None:
                  ("own", "rename", 970, 2076, "x")]),
     ("call", 0, [("own", "write", 970, 0, "x"), ("own", "chmod", 0, 0, "x"),
                  ("own", "move2", 0, 585, "x")])])
+@example(seed=1, which=0, raw=[
+    ("call", 1, [("own", "write", 0, 0, "x"), ("own", "write", 0, 0, "x"),
+                 ("own", "write", 0, 0, "x"), ("O", "link", 0, 0, "x"),
+                 ("own", "write", 0, 0, "x")])])
+@example(seed=2, which=3, raw=[  # a symlink and a directory trade places: git apply's limit
+    ("outside", 5, [("own", "swap", 2376, 69, "z")]),
+    ("call", 0, [("own", "through", 285, 2408, "x")]),
+    ("call", 0, [("own", "swap", 715, 2400, "y"), ("own", "truncate", 898, 250, "x"),
+                 ("own", "write", 922, 2477, "x")]),
+    ("call", 2, [("own", "swap", 715, 2400, "y"), ("own", "truncate", 898, 250, "x"),
+                 ("own", "write", 922, 2477, "x")])])
 def test_every_reader_agrees_with_the_model(model_env, seed, raw, which):
     plan = make_plan(seed, raw)
     note(plan.describe())

@@ -109,7 +109,8 @@ class ObjectStore:
 
     def diff(self, a: str, b: str, fmt: str, paths: list[str] | None = None,
              binary: bool = False) -> str:
-        args = ["diff-tree", "-r", "-M", "--no-commit-id", "--root"]
+        args = ["diff-tree", "-r", "-M" if self._renames_apply(a, b, paths) else "--no-renames",
+                "--no-commit-id", "--root"]
         args += {"patch": ["-p"], "stat": ["--stat"], "numstat": ["--numstat"],
                  "name-status": ["--name-status"]}[fmt]
         if binary and fmt == "patch":
@@ -118,3 +119,26 @@ class ObjectStore:
         if paths:
             args += ["--", *paths]
         return self._git(*args)
+
+    def _renames_apply(self, a: str, b: str, paths: list[str] | None) -> bool:
+        """May the diff name renames?  Not where a symlink and a directory trade places (``l``
+        a symlink becomes a directory holding what moved in): git apply then refuses a rename
+        into ``l/...`` as "beyond a symbolic link", though it takes the same change written as
+        deletions and additions."""
+        raw = self._git("diff-tree", "-r", "-z", "--no-renames", "--no-commit-id", "--root",
+                        a, b, *(["--", *paths] if paths else []))
+        fields = raw.split("\0")
+        links, changed = set(), []
+        for meta, path in zip(fields[0::2], fields[1::2]):
+            modes = meta.lstrip(":").split(" ")[:2]
+            if "120000" in modes:
+                links.add(path)
+            changed.append(path)
+        if not links:
+            return True
+        for path in changed:
+            parts = path.split("/")
+            if any("/".join(parts[:i]) in links for i in range(1, len(parts))):
+                return False
+        return True
+

@@ -10,14 +10,25 @@ import tempfile
 from ..journal import Journal
 from ..underlay import O_PATH, Escape, chmod_fd, kind_of, resolve_beneath
 from .diff import SelectionError, _find_turn, _visible
+from ..secrets import PLACEHOLDER
 from .revert import link_key, linked, make_node, set_meta, temp_name
 from .states import ATTIC, States, State, Tree, state_of_stat
 
 
-def resolve_point(j: Journal, spec: str) -> int:
+def resolve_point(j: Journal, spec: str, refuse_dropped: bool = True) -> int:
     """A point as a sequence number: SEQ, a time (ISO 8601 or @epoch-seconds), turn:N, call:ID,
     and before:/after: either of those (after: is the default).  Anything else, or a number
-    past any sequence number, is a SelectionError."""
+    past any sequence number, is a SelectionError; so is a point before the record's start
+    (dropped by retention), unless ``refuse_dropped`` is False (the listings start there)."""
+    from ..retention import dropped_point
+    point = _resolve_point(j, spec)
+    why = dropped_point(j, point) if refuse_dropped else None
+    if why:
+        raise SelectionError(why)
+    return point
+
+
+def _resolve_point(j: Journal, spec: str) -> int:
     import math
     import re
     usage = "SEQ, a time (ISO 8601 or @epoch), turn:N, call:ID, before:/after: either"
@@ -69,8 +80,9 @@ class _Build:
     that cannot be reached is a ``not_made`` line of the result); directory modes and owners
     are set last, deepest first."""
 
-    def __init__(self, root_fd: int):
+    def __init__(self, root_fd: int, secrets=None):
         self.root_fd = root_fd
+        self.secrets = secrets  # secret paths: never copied from the live tree
         self.dirs: dict[str, tuple[State, tuple | None]] = {}  # rel -> (its state, times)
         self.groups: dict[int, tuple[str, State]] = {}  # inode at the point -> (path, state)
         self.live: dict[int, str] = {}         # live inode (nlink > 1) -> its copy's path
@@ -167,6 +179,9 @@ class _Build:
             except FileNotFoundError:
                 continue  # gone meanwhile
             kind = kind_of(st.st_mode)
+            if kind != "dir" and self.secrets is not None and self.secrets.match(rel):
+                self.withheld(rel, kind)
+                continue
             s = state_of_stat(st, lambda: b"").but(nlink=st.st_nlink)
             try:
                 if kind == "dir":
@@ -200,6 +215,11 @@ class _Build:
                 self.not_made[rel] = {"path": rel, "kind": kind, "why": os.strerror(e.errno)
                                       if e.errno else str(e)}
         return below
+
+    def withheld(self, rel: str, kind: str) -> None:
+        """A secret path: nothing is written there, and the result says why."""
+        self.not_made[rel] = {"path": rel, "kind": kind, "why": PLACEHOLDER}
+        self.inexact.append(rel)
 
     def link(self, first: str, dfd: int, name: str) -> bool:
         try:
@@ -423,7 +443,7 @@ def replay(j: Journal, states: States, point: int, dest: str, full_from: str | N
     pfd = os.open(parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     root_fd = os.open(tmp, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        b = _Build(root_fd)
+        b = _Build(root_fd, states.secrets)
         root_state = None
         if full_from is not None:
             src = os.open(full_from, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -435,6 +455,9 @@ def replay(j: Journal, states: States, point: int, dest: str, full_from: str | N
         written = removed = 0
         for rel in [p for p in states.all_names() if _visible(p)]:
             s = states.state(rel, point)
+            if s.withheld:  # a secret path: its content was never kept, nothing is written
+                b.withheld(rel, s.kind)
+                continue
             if not s.exact:
                 b.inexact.append(rel)
             if not s.present:
@@ -513,6 +536,9 @@ def blame(j: Journal, states: States, path: str, at: int | None = None) -> list[
         after = states.state(r["name"], r["last_seq"])
         r["before"] = {"kind": before.kind, "size": len(before.data)}
         r["after"] = {"kind": after.kind, "size": len(after.data), "exact": after.exact}
+        for side, s in (("before", before), ("after", after)):
+            if s.withheld:  # the size is the placeholder's: the content was never kept
+                r[side]["withheld"] = True
         r["processes"] = [dict(key=k, **{f: (j.actor(k) or {}).get(f) for f in
                                           ("pid", "argv", "cwd", "uid")}) for k in r["actors"]]
         del r["actors"]

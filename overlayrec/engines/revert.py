@@ -6,7 +6,9 @@ written; one conflict refuses the whole revert (``--force`` reverts the paths wi
 * *changed*: the path no longer holds what the reverted changes left;
 * *interleaved*: another unit changed the path between two of the reverted changes;
 * *unrecorded*: the journal cannot say exactly what the path held (a change it could not
-  record, or a point inside a run of writes it did not see one by one);
+  record, a point inside a run of writes it did not see one by one, a secret path, whose
+  content is never kept, or a pre-image whose attic entry was dropped to free space: the
+  step's ``note`` says so);
 * *escape*: a directory on the path's way is now a symlink, which a revert never follows.
 
 The plan is written to the state dir before the first change, so an interrupted revert can be
@@ -26,9 +28,10 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..journal import Journal
+from ..secrets import PLACEHOLDER
 from ..underlay import O_PATH, Escape, resolve_beneath
 from .diff import SelectionError, file_events, touched, _find_turn, _visible
-from .states import States, State, Tree
+from .states import ATTIC, States, State, Tree
 
 
 @dataclass
@@ -37,6 +40,7 @@ class Step:
     target: State
     expected: State
     conflict: str | None = None
+    note: str | None = None   # why, where the conflict's name alone does not say
 
 
 @dataclass
@@ -134,6 +138,10 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
             step.conflict = "escape"
         elif p in unrecorded or not target.exact or not expected.exact:
             step.conflict = "unrecorded"
+            if target.withheld or expected.withheld:
+                step.note = PLACEHOLDER  # a secret path: nothing to put back
+            else:
+                step.note = _attic_gone(j, states, p)
         elif any(first < s < last for s in others.get(p, [])):
             step.conflict = "interleaved"
         elif not expected.same(live.state(p)):
@@ -146,6 +154,22 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
     _holding_others(plan, live)
     _find_partners(plan, live, lambda: (linkish | set(j.paths())) - {s.path for s in plan.steps})
     return plan
+
+
+def _attic_gone(j: Journal, states: States, path: str) -> str | None:
+    """Why ``path`` is unrecorded when a pre-image of it was kept in the attic and that entry
+    is gone: dropped to free space (named by a ``reclaim`` marker) or removed by hand."""
+    gone = set()
+    for e in states.chain_on(path):
+        pre = states.pre_for(e, path)
+        if pre and "attic" in pre and "blob" not in pre and \
+                states.tree.lstat(f"{ATTIC}/{pre['attic']}") is None:
+            gone.add(pre["attic"])
+    if not gone:
+        return None
+    if any(gone.intersection(e.get("dropped", ())) for e in j.events() if e["op"] == "reclaim"):
+        return "its pre-image was dropped to free space when the workspace's filesystem was full"
+    return "its pre-image's attic entry is gone"
 
 
 def _holding_others(plan: Plan, live: Tree) -> None:
@@ -306,7 +330,8 @@ def linked(a: State, b: State) -> bool:
     one of them saw it linked: a group's paths are each taken at their own point (in a plan,
     just before the first change to each), and a path taken after another of its group was
     unlinked counts one link less."""
-    return link_key(a) != 0 and link_key(a) == link_key(b) and max(a.nlink, b.nlink) > 1
+    return link_key(a) != 0 and link_key(a) == link_key(b) and max(a.nlink, b.nlink) > 1 and \
+        a.data == b.data  # one inode taken at two moments between which it was written
 
 
 FAILED = "failed: "
@@ -482,7 +507,7 @@ def order(steps: list[Step]) -> list[Step]:
     return rm + mk + files + late
 
 
-_FIELDS = ("uid", "gid", "rdev", "block", "ino", "nlink", "drifted")
+_FIELDS = ("uid", "gid", "rdev", "block", "ino", "nlink", "drifted", "withheld")
 
 
 def plan_to_json(plan: Plan, content_put) -> dict:
@@ -495,7 +520,7 @@ def plan_to_json(plan: Plan, content_put) -> dict:
         return d
     return {"id": plan.id, "selection": plan.selection,
             "steps": [{"path": s.path, "target": st(s.target), "expected": st(s.expected),
-                       "conflict": s.conflict} for s in plan.steps]}
+                       "conflict": s.conflict, "note": s.note} for s in plan.steps]}
 
 
 def plan_from_json(d: dict, content_get) -> Plan:
@@ -503,4 +528,5 @@ def plan_from_json(d: dict, content_get) -> Plan:
         return State(x["kind"], x["mode"], content_get(x["blob"]) if "blob" in x else b"",
                      x.get("exact", True), **{f: x[f] for f in _FIELDS if f in x})
     return Plan(d["id"], d["selection"], [Step(s["path"], st(s["target"]), st(s["expected"]),
-                                                s["conflict"]) for s in d["steps"]])
+                                                s["conflict"], s.get("note"))
+                                           for s in d["steps"]])

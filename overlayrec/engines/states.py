@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 
 from ..journal import Journal, preimage
 from ..journal.schema import MARK_OPS, is_dir_rename
+from ..secrets import Secrets, placeholder
 from ..underlay import kind_of
 
 ATTIC = ".overlayrec-attic"
@@ -50,6 +51,7 @@ class State:
     ino: int = 0              # the inode at that point (0: unknown); with nlink > 1 it groups
     nlink: int = 1            # the paths of one hard-link group
     drifted: bool = False     # the live path no longer holds what the record sealed
+    withheld: bool = False    # a secret path's file: ``data`` is a placeholder, never content
 
     @property
     def present(self) -> bool:
@@ -66,6 +68,8 @@ class State:
             return False
         if self.kind == "absent":
             return True
+        if self.withheld != other.withheld:
+            return False  # a placeholder never equals content
         if self.kind in ("file", "symlink") and self.data != other.data:
             return False
         if self.kind != "symlink" and self.mode != other.mode:
@@ -104,10 +108,13 @@ def _read_at(dfd: int, name: str, st: os.stat_result) -> bytes:
 
 
 class Tree:
-    """Reads the live tree and the attic below a root directory fd (the underlay)."""
+    """Reads the live tree and the attic below a root directory fd (the underlay).  With
+    ``secrets`` (set by States from its journal), a secret path's file is never read: its
+    State is a withheld placeholder."""
 
-    def __init__(self, root_fd: int):
+    def __init__(self, root_fd: int, secrets: Secrets | None = None):
         self.root_fd = root_fd
+        self.secrets = secrets
 
     @classmethod
     def at(cls, path: str) -> "Tree":
@@ -135,6 +142,10 @@ class Tree:
                 st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
             except FileNotFoundError:
                 return ABSENT
+            if stat.S_ISREG(st.st_mode) and self.secrets is not None and \
+                    self.secrets.match(rel):
+                return state_of_stat(st, lambda: placeholder(None)).but(exact=False,
+                                                                        withheld=True)
             return state_of_stat(st, lambda: _read_at(dfd, name, st))
         finally:
             os.close(dfd)
@@ -271,6 +282,11 @@ class States:
     def __init__(self, journal: Journal, tree: Tree):
         self.j = journal
         self.tree = tree
+        # secret paths: every state of one is a withheld placeholder, and the live tree
+        # read here never reads one (overlayrec.secrets)
+        self.secrets = Secrets.of_journal(journal)
+        if tree.secrets is None:
+            tree.secrets = self.secrets
         self._chain: dict[str, list[dict]] = {}
         self._cache: dict[tuple, State] = {}
         self._ends: dict[str, int] | None = None
@@ -471,6 +487,9 @@ class States:
         if seal is None:
             return live
         pre = seal["pre"]
+        if pre.get("withheld"):  # the record ends withheld, whatever the live file holds
+            st = self.sealed_state(pre)
+            return st if preimage.matches(pre, self.tree.lstat(path)) else st.but(drifted=True)
         if preimage.matches(pre, self.tree.lstat(path) if live.present else None,
                             lambda: os.fsdecode(live.data),
                             lambda: preimage.content_hash(live.data)):
@@ -483,6 +502,9 @@ class States:
         if kind == "absent":
             return ABSENT
         if kind == "file":
+            if pre.get("withheld"):
+                return State("file", pre.get("mode", 0o644), b"", exact=False, withheld=True,
+                             **facts(pre))
             if "blob" in pre:
                 return State("file", pre.get("mode", 0o644), self.j.content.get(pre["blob"]),
                              **facts(pre))
@@ -522,6 +544,8 @@ class States:
             st = self._state(path, after, forward)
             if st.exact and self._may_change_unseen(path, after):
                 st = st.but(exact=False)
+            if st.kind == "file" and (st.withheld or self.secrets.match(path)):
+                st = self._withheld(path, after, st)
             self._cache[key] = st
         return self._cache[key]
 
@@ -554,6 +578,17 @@ class States:
             return False  # the run's only write was the event, or it was released before
         end = self._unit_ends().get(e.get("unit") or "")
         return end is None or end > after
+
+    def _withheld(self, path: str, after: int, st: State) -> State:
+        """A secret file's state: its metadata, and a placeholder for the content the record
+        never kept, naming the last event that changed it by then (so two points read alike
+        only when nothing changed it between them)."""
+        last = 0
+        for e in self.events_on(path):
+            if e["seq"] > after:
+                break
+            last = e["seq"]
+        return st.but(data=placeholder(last), exact=False, withheld=True)
 
     def _unit_ends(self) -> dict[str, int]:
         if self._ends is None:
@@ -599,7 +634,7 @@ class States:
         kind = pre["kind"]
         if kind == "absent":
             return ABSENT
-        if kind != "file" or "blob" in pre:
+        if kind != "file" or "blob" in pre or pre.get("withheld"):
             return self.sealed_state(pre)
         mode = pre.get("mode", 0o644)
         if "attic" in pre and e["op"] in ("unlink", "rename") and not \
@@ -607,6 +642,9 @@ class States:
             data = self.tree.attic(pre["attic"])
             if data is not None:
                 return State("file", mode, data, **facts(pre))
+            # the entry is gone (dropped to free space: a ``reclaim`` marker; or removed by
+            # hand): nothing else holds that inode's content, so never guess it
+            return State("file", mode, b"", exact=False, **facts(pre))
         if e["op"] == "rename" and e.get("path") == path:
             s = self._moved(path, e)
             return s.but(mode=mode, **facts(pre)) if s.kind == "file" else s
@@ -620,6 +658,8 @@ class States:
                 break
             fp = self.pre_for(f, path)
             if fp and fp.get("facet") == "content":
+                if fp.get("withheld"):
+                    return self.sealed_state(dict(pre, withheld=True))
                 if "blob" in fp:
                     return State("file", mode, self.j.content.get(fp["blob"]), **facts(pre))
                 ranges.extend(fp.get("ranges", []))

@@ -145,6 +145,45 @@ class ContentStore:
         return removed
 
 
+    def blobs(self):
+        """(digest, lstat) of every blob in the store."""
+        try:
+            top = os.scandir(self.root)
+        except FileNotFoundError:
+            return
+        with top:
+            for d in top:
+                if len(d.name) != 2 or not d.is_dir(follow_symlinks=False):
+                    continue
+                with os.scandir(d.path) as it:
+                    for e in it:
+                        try:
+                            yield d.name + e.name, e.stat(follow_symlinks=False)
+                        except OSError:
+                            continue
+
+    def sweep(self, keep, before_ns: int, only=None) -> tuple[int, int]:
+        """Remove the blobs not in ``keep`` (a set of digests) last changed before
+        ``before_ns`` (a blob written since, for an event not yet committed, is a writer's:
+        never swept); with ``only``, just those digests.  (count, bytes) removed."""
+        n = size = 0
+        names = ((dg, None) for dg in only) if only is not None else self.blobs()
+        for digest, st in names:
+            if digest in keep:
+                continue
+            path = self.path(digest)
+            try:
+                st = st or os.lstat(path)
+                if st.st_mtime_ns >= before_ns:
+                    continue
+                os.unlink(path)
+            except OSError:
+                continue
+            n += 1
+            size += st.st_blocks * 512
+        return n, size
+
+
 def _write_all(fd: int, data) -> None:
     view = memoryview(data)
     while view:

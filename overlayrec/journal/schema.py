@@ -11,7 +11,18 @@ Sub-databases of the LMDB environment:
 ``meta``      ascii key -> utf-8 value.  ``format`` (FORMAT_VERSION as decimal), ``workspace``
               (absolute path), ``created`` (ns since epoch), ``next_seq`` (decimal; the next
               event sequence number), ``journal_id`` (random hex, set at the first mount: the
-              journal's attic entries are named ``<journal_id>.<seq>``).
+              journal's attic entries are named ``<journal_id>.<seq>``), ``secrets`` (JSON list
+              of the secret-path patterns the mount applied, stored at mount; absent: the
+              defaults of ``overlayrec.secrets``), ``secret_names`` (JSON list of paths a
+              rename or hard link carried a secret's content to: withheld like the patterns,
+              each with everything beneath it, for the rest of the record).
+              Retention (``overlayrec.retention``, docs/retention.md): ``dropped_before``
+              (decimal seq C: every event before C was dropped by a gc and is gone to every
+              reader, whatever step 2 has deleted yet; only the latest seal of a path, the one
+              ``seals`` points at, is kept below C), ``gc`` (JSON ``{"cut", "step", "t"}``: a gc
+              between its cut (step 1) and its end; step 2 deletes below the cut, step 3 sweeps
+              the content store and the attic; the next gc, or the daemon at mount, finishes
+              it), ``gc_last`` (JSON: what the last gc did).
 ``events``    seq (8-byte big-endian) -> event JSON (compact, utf-8).  An event is::
 
                 {"seq": int, "t": ns, "op": str, "path": str, ["path2": str,]
@@ -38,6 +49,14 @@ Sub-databases of the LMDB environment:
               ``drift`` events are changes found at mount by comparing the live tree with the
               seals (made while unmounted, or around the mount): unit ``outside:unmounted``,
               ``pre`` the seal they depart from.
+              ``reclaim`` events change no path (they have none): the workspace's filesystem
+              refused a change for want of space, so the daemon dropped attic entries to free
+              it, journaled ahead of the drop (or, when the journal itself was full, with the
+              next event).  ``{"op": "reclaim", "actor": "overlayrec", "cause": "ENOSPC",
+              "during": recorder operation, "dropped": [attic entry name, ...], "bytes": n}``
+              (``bytes``: the blocks the drop frees).  A pre-image naming a dropped entry has
+              no content any more: readers give an inexact state for it, and a revert that
+              needs it is refused (``unrecorded``).
 ``actors``    actor-key (``"<pid>:<start-ticks>"``) -> actor JSON
               ``{"pid","start","ppid","uid","exe","argv","cwd","first_seen"}``.
 ``paths``     path_key(path, seq) -> path_value(path): every event by path, for ``log --path``
@@ -68,6 +87,12 @@ Sub-databases of the LMDB environment:
 ``seals``     seal_key(path) -> seq (8-byte big-endian) of the latest ``seal`` event of that path,
               followed by the path (utf-8).  The key is the path itself when it fits an LMDB
               key, else ``b"\xff"`` + its xxh3-128 digest.
+``dropped``   session id utf-8 -> JSON ``{"id","dropped_t","why","begin_seq","end_seq",
+              "started","ended","calls": [call id, ...],"turns": n}``: each session a gc
+              dropped, written with the cut (step 1), so that a later request for it is refused
+              with "dropped by retention on DATE" rather than "no such session".
+``pins``      session id utf-8 -> JSON ``{"t": ns}``: sessions ``overlayrec pin`` keeps whatever
+              the retention policy says.
 ``extents``   seq -> JSON ``{"writes": n, "bytes": n, "lo": off, "hi": end, "end": seq}``: what the
               writes through the handle of write event ``seq`` did, summarised at its release
               (not write-ahead: no pre-image in it); ``end``: the last seq handed out at release,
@@ -82,11 +107,17 @@ Pre-image JSON (``pre``)::
         ["attic": name]           the old inode itself, hard-linked in the attic
         ["xattrs": {name: hex}]
         ["ino": n]                the inode number then (hard-link groups at one point)
-        ["hash": hex]}            seals: xxh3-128 of the content (whenever it was read)
+        ["hash": hex]             seals: xxh3-128 of the content (whenever it was read)
+        ["withheld": true]}       a secret path (``overlayrec.secrets``): no blob, ranges,
+                                  attic, data or hash, ever.  No hash on purpose: xxh3 is
+                                  fast, and a short secret (a token, a password) is found
+                                  from its hash by brute force; size and mtime are kept, so
+                                  a changed secret still shows as drift at mount
     {"kind": "dir", "mode", "uid", "gid", "mtime_ns"}
     {"kind": "symlink", "target", "uid", "gid", "mtime_ns"}
     {"kind": "fifo" | "socket" | "device", "mode", "uid", "gid", "rdev"}
-    A ``"facet": "meta" | "content"`` key marks a partial pre-image that completes an earlier one.
+    A ``"facet": "meta" | "content"`` key marks a partial pre-image that completes an earlier one
+    (a content facet of a secret path is ``{"facet": "content", "withheld": true}``).
 """
 from __future__ import annotations
 
@@ -98,18 +129,18 @@ import xxhash
 FORMAT_VERSION = 2
 
 DBS = ("meta", "events", "actors", "paths", "extents", "sessions", "turns", "calls", "renames",
-       "seals")
+       "seals", "dropped", "pins")
 
 OPS = (
     "create", "mkdir", "mknod", "symlink", "link", "unlink", "rmdir", "rename",
     "write", "truncate", "chmod", "chown", "utimens", "setxattr", "removexattr", "failed",
     "unrecorded",
     "session_begin", "session_end", "turn_begin", "turn_end", "call_begin", "call_end",
-    "revert_begin", "revert_end", "seal", "drift", "alias",
+    "revert_begin", "revert_end", "seal", "drift", "alias", "reclaim",
 )
 CONTROL_OPS = ("session_begin", "session_end", "turn_begin", "turn_end", "call_begin", "call_end",
                "revert_begin", "revert_end")
-MARK_OPS = ("seal",)       # events that record a state and change nothing
+MARK_OPS = ("seal", "reclaim")  # events that record a state or a drop and change no path
 UNMOUNTED = "unmounted"    # the actor key (and ``outside:`` unit) of changes made while unmounted
 
 

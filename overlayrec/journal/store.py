@@ -15,6 +15,7 @@ and the map grows as the data does (``_grow``): data.mdb is as long as what it h
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -52,15 +53,24 @@ class Journal:
         self._path, self._durable = path, durable
         if readonly and not os.path.exists(os.path.join(path, "data.mdb")):
             raise JournalError(f"no journal in {state_dir}")
+        self._compact_lock = None
         try:
             if not readonly:
                 private_dir(path)  # 0700 whatever the umask (docs/storage.md)
+            # held shared while the environment is open: a gc compacts data.mdb only when it
+            # can hold it alone (no process has the journal open), see ``compact``
+            self._compact_lock = hold_lock(path, COMPACT_LOCK, shared=True, wait=60.0)
             self._open_env()
         except lmdb.Error as e:
+            self._release_lock()
             raise JournalError(f"cannot open journal {path}: {e}", _lmdb_errno(e)) from None
+        except BaseException:
+            self._release_lock()
+            raise
         self.content = ContentStore(os.path.join(state_dir, "content")) if not readonly else \
             _ReadOnlyContent(os.path.join(state_dir, "content"))
         self._check_format(workspace)
+        self.load_cut()
         self._next_seq = self._load_next_seq()
         self._known_actors: set[str] = set()
         if not readonly and self.meta("renames_indexed") is None:
@@ -299,6 +309,8 @@ class Journal:
 
     def records(self, db: str, prefix: bytes = b"") -> list[dict]:
         out = []
+        if self.dbs[db] is None:
+            return out
         with self.env.begin(db=self.dbs[db]) as txn:
             cur = txn.cursor()
             if cur.set_range(prefix):
@@ -306,12 +318,181 @@ class Journal:
                     if not k.startswith(prefix):
                         break
                     out.append(_loads(v))
+        if self._dropped and db in _SESSION_DBS:  # a gc's cut made, its records not yet deleted
+            key = _SESSION_DBS[db]
+            out = [r for r in out if r.get(key) not in self._dropped]
         return out
 
     def record(self, db: str, key: bytes) -> dict | None:
+        if self.dbs[db] is None:
+            return None
         with self.env.begin(db=self.dbs[db]) as txn:
             v = txn.get(key)
+        r = _loads(v) if v is not None else None
+        if r is not None and self._dropped and db in _SESSION_DBS and \
+                r.get(_SESSION_DBS[db]) in self._dropped:
+            return None
+        return r
+
+    # -- retention (overlayrec.retention; the format in schema) --------------------------------
+    def load_cut(self) -> int:
+        """Read the retention cut (meta ``dropped_before``) and the dropped sessions again."""
+        v = self.meta("dropped_before")
+        self.cut = int(v) if v and v.isdigit() else 0
+        self._dropped = {r["id"] for r in self.dropped_sessions()} if self.cut else set()
+        return self.cut
+
+    def dropped_sessions(self) -> list[dict]:
+        """Every session a gc dropped (table ``dropped``), in key order."""
+        if self.dbs.get("dropped") is None:
+            return []
+        with self.env.begin(db=self.dbs["dropped"]) as txn:
+            return [_loads(v) for _, v in txn.cursor()]
+
+    def dropped_session(self, sid: str) -> dict | None:
+        if self.dbs.get("dropped") is None:
+            return None
+        with self.env.begin(db=self.dbs["dropped"]) as txn:
+            v = txn.get(sid.encode("utf-8", "surrogateescape"))
         return _loads(v) if v is not None else None
+
+    def pins(self) -> dict[str, dict]:
+        if self.dbs.get("pins") is None:
+            return {}
+        with self.env.begin(db=self.dbs["pins"]) as txn:
+            return {k.decode("utf-8", "surrogateescape"): _loads(v) for k, v in txn.cursor()}
+
+    def set_pin(self, sid: str, pinned: bool) -> None:
+        handle, key = self.dbs["pins"], sid.encode("utf-8", "surrogateescape")
+        if pinned:
+            value = _dumps({"t": time.time_ns()})
+            self._write(lambda txn: txn.put(key, value, db=handle))
+        else:
+            self._write(lambda txn: txn.delete(key, db=handle))
+
+    def seal_seq(self, path: str) -> int | None:
+        """The seq of ``path``'s latest seal (table ``seals``), or None."""
+        if self.dbs.get("seals") is None:
+            return None
+        with self.env.begin(db=self.dbs["seals"]) as txn:
+            v = txn.get(schema.seal_key(path))
+        if v is None or v[8:].decode("utf-8", "surrogateescape") != path:
+            return None
+        return key_seq(v[:8])
+
+    def scan_raw(self, since: int = 1, until: int | None = None):
+        """(seq, raw event bytes) from ``since`` on, whatever the cut (the gc's own scans)."""
+        with self.env.begin(db=self.dbs["events"]) as txn:
+            cur = txn.cursor()
+            if not cur.set_range(seq_key(since)):
+                return
+            for k, v in cur:
+                seq = key_seq(k)
+                if until is not None and seq > until:
+                    break
+                yield seq, bytes(v)
+
+    def set_cut(self, cut: int, dropped: list[dict], gc_meta: dict,
+                unseal: list[str] = ()) -> None:
+        """Step 1 of a gc, in one transaction: the cut (meta ``dropped_before``), a record of
+        each session dropped, the gc under way (meta ``gc``), and the ``seals`` entries of
+        ``unseal`` removed (seals below the cut that no longer end their path's chain)."""
+        meta, ddb, sdb = self.dbs["meta"], self.dbs["dropped"], self.dbs["seals"]
+
+        def body(txn):
+            old = txn.get(b"dropped_before", db=meta)
+            if old is not None and int(old) > cut:
+                raise JournalError(f"a cut at {cut} is below the record's start {int(old)}")
+            txn.put(b"dropped_before", str(cut).encode(), db=meta)
+            txn.put(b"gc", _dumps(gc_meta), db=meta)
+            for d in dropped:
+                txn.put(d["id"].encode("utf-8", "surrogateescape"), _dumps(d), db=ddb)
+            for p in unseal:
+                txn.delete(schema.seal_key(p), db=sdb)
+        self._write(body)
+        self.load_cut()
+
+    def delete_below(self, cut: int, start: int = 1, batch: int = 2000) -> int | None:
+        """Step 2 of a gc, one transaction: delete up to ``batch`` events below ``cut`` from
+        ``start`` on, with their ``paths`` keys, ``renames`` and ``extents`` rows, keeping the
+        seals ``seals`` points at.  Returns the seq to go on from, None when done."""
+        dbs = self.dbs
+
+        def body(txn):
+            seals: dict[bytes, int] = {}
+            cur = txn.cursor(db=dbs["events"])
+            n = 0
+            if not cur.set_range(seq_key(start)):
+                return None
+            while True:
+                k = cur.key()
+                if not k:
+                    return None
+                seq = key_seq(k)
+                if seq >= cut:
+                    return None
+                if n >= batch:
+                    return seq
+                ev = _loads(cur.value())
+                if ev.get("op") == "seal" and ev.get("path") is not None:
+                    sk = schema.seal_key(ev["path"])
+                    if sk not in seals:
+                        v = txn.get(sk, db=dbs["seals"])
+                        seals[sk] = key_seq(v[:8]) if v else -1
+                    if seals[sk] == seq:
+                        n += 1
+                        if not cur.next():
+                            return None
+                        continue
+                for p in (ev.get("path"), ev.get("path2")):
+                    if p is not None:
+                        for prefix, _ in schema.path_prefixes(p):
+                            txn.delete(prefix + k, db=dbs["paths"])
+                txn.delete(k, db=dbs["renames"])
+                txn.delete(k, db=dbs["extents"])
+                n += 1
+                if not cur.delete():  # moves to the next record
+                    return None
+        return self._write(body)
+
+    def delete_session_records(self, sids: list[str]) -> None:
+        """Step 2 of a gc: the session, turn and call records of dropped sessions."""
+        dbs = self.dbs
+
+        def body(txn):
+            for sid in sids:
+                raw = sid.encode("utf-8", "surrogateescape")
+                txn.delete(raw, db=dbs["sessions"])
+                txn.delete(raw, db=dbs["pins"])
+                for db in ("turns", "calls"):
+                    cur = txn.cursor(db=dbs[db])
+                    prefix = raw + b"\0"
+                    if cur.set_range(prefix):
+                        while cur.key().startswith(prefix):
+                            if not cur.delete():
+                                break
+        self._write(body)
+
+    def pages(self) -> dict:
+        """The data file in bytes: ``file`` (its length), ``used`` (pages the tables and the
+        meta pages hold), ``free`` (the rest: pages a compaction gives back)."""
+        psize = self.env.stat()["psize"]
+        used_pages = 2  # the two meta pages
+        st = self.env.stat()  # the main table (it names the others)
+        used_pages += st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
+        with self.env.begin() as txn:
+            for handle in self.dbs.values():
+                if handle is None:
+                    continue
+                st = txn.stat(handle)
+                used_pages += st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
+        last = self.env.info()["last_pgno"] + 1
+        try:
+            size = os.stat(os.path.join(self._path, "data.mdb")).st_size
+        except OSError:
+            size = last * psize
+        used = min(used_pages, last) * psize
+        return {"file": size, "used": used, "free": max(size - used, 0), "psize": psize}
 
     def put_extents(self, seq: int, summary: dict) -> None:
         handle, value = self.dbs["extents"], _dumps(summary)
@@ -332,11 +513,17 @@ class Journal:
                 v = txn.get(seq_key(seq))
         except lmdb.Error as e:
             raise JournalError(f"journal in {self.state_dir} is corrupt: {e}") from None
-        return self._decode_event(seq, v) if v is not None else None
+        if v is None:
+            return None
+        ev = self._decode_event(seq, v)
+        if seq < self.cut and not (ev["op"] == "seal" and self.seal_seq(ev["path"]) == seq):
+            return None  # dropped by retention (only the latest seal of a path stays)
+        return ev
 
     def events(self, since: int = 1, until: int | None = None) -> Iterator[dict]:
         """The events from ``since`` to ``until`` (inclusive), in order; JournalError naming
         the first record that is not an event."""
+        since = max(since, self.cut)  # below the cut: dropped by retention
         try:
             with self.env.begin(db=self.dbs["events"]) as txn:
                 cur = txn.cursor()
@@ -377,6 +564,9 @@ class Journal:
                             break
                         if len(k) == len(prefix) + 8 and v == value:
                             out.append(key_seq(k[-8:]))
+        if out and out[0] < self.cut:  # dropped by retention, but for the path's latest seal
+            sealed = self.seal_seq(path)
+            out = [s for s in out if s >= self.cut or s == sealed]
         return sorted(out)
 
     def paths(self) -> Iterator[str]:
@@ -403,8 +593,10 @@ class Journal:
                     if schema.is_dir_rename(ev)]
         out = []
         with self.env.begin(db=self.dbs["renames"]) as txn:
-            for k, v in txn.cursor():
-                out.append(dict(_loads(v), seq=key_seq(k)))
+            cur = txn.cursor()
+            if cur.set_range(seq_key(self.cut)):
+                for k, v in cur:
+                    out.append(dict(_loads(v), seq=key_seq(k)))
         return out
 
     def seals(self) -> Iterator[tuple[str, int]]:
@@ -451,6 +643,97 @@ class Journal:
 
     def close(self) -> None:
         self.env.close()
+        self._release_lock()
+
+    def _release_lock(self) -> None:
+        if self._compact_lock is not None:
+            os.close(self._compact_lock)
+            self._compact_lock = None
+
+
+_SESSION_DBS = {"sessions": "id", "turns": "session", "calls": "session"}
+COMPACT_LOCK = "compact.lock"  # held shared by every open Journal; alone by a compaction
+WRITER_LOCK = "writer.lock"    # held by the one process that writes: the daemon, or a gc
+
+
+def hold_lock(journal_dir: str, name: str, *, shared: bool, wait: float = 0.0) -> int | None:
+    """An fd holding flock ``name`` in the journal dir (shared or alone), waiting up to ``wait``
+    seconds; JournalError (EBUSY) when it is held otherwise.  None when the lock file cannot
+    be opened at all (a reader without write access to the dir): no lock then."""
+    path = os.path.join(journal_dir, name)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except OSError:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            return None
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                raise JournalError(f"the journal in {os.path.dirname(journal_dir)} is busy "
+                                   f"({name} is held: " + ("a gc is compacting it" if shared
+                                                          else "another process writes it")
+                                   + ")", errno.EBUSY) from None
+            time.sleep(0.05)
+
+
+def compact(state_dir: str) -> dict:
+    """Give the data file's free pages back to the filesystem: a compacting copy (LMDB's
+    ``mdb_env_copy2(MDB_CP_COMPACT)``), fsynced and renamed over data.mdb, and a fresh lock
+    file (the copy starts its transaction ids again).  Only when no process has the journal
+    open (COMPACT_LOCK taken alone, so none can open it meanwhile either); otherwise nothing,
+    and ``{"compacted": False, "why": ...}``."""
+    path = os.path.join(state_dir, "journal")
+    data = os.path.join(path, "data.mdb")
+    try:
+        lock = hold_lock(path, COMPACT_LOCK, shared=False)
+    except JournalError:
+        return {"compacted": False, "why": "the journal is open in another process (mounted, "
+                "or a reader): its free pages are reused by the journal, and given back by a "
+                "gc while nothing has it open"}
+    try:
+        before = os.stat(data).st_size
+        tmp = data + ".compact"
+        env = lmdb.open(path, readonly=True, lock=True, max_dbs=len(schema.DBS) + 1,
+                        map_size=max(schema.READ_MAP_SIZE, 2 * before))
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                env.copyfd(fd, compact=True)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        finally:
+            env.close()
+        if os.environ.get("OVERLAYREC_TEST_GC_KILL") == "compact":
+            os.kill(os.getpid(), 9)  # tests: killed with the copy made, not yet in place
+        os.rename(tmp, data)
+        try:
+            os.unlink(os.path.join(path, "lock.mdb"))  # its txn ids are the old file's
+        except FileNotFoundError:
+            pass
+        dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+        after = os.stat(data).st_size
+        return {"compacted": True, "before": before, "after": after, "freed": before - after}
+    except (OSError, lmdb.Error) as e:
+        try:
+            os.unlink(data + ".compact")
+        except OSError:
+            pass
+        return {"compacted": False, "why": f"compaction failed: {e}"}
+    finally:
+        if lock is not None:
+            os.close(lock)
 
 
 # the fields the readers index without asking: (name, type, required)

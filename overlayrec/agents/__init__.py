@@ -1,0 +1,166 @@
+"""The agent registry: one module per agent in this package, found by its file name.
+
+An agent module (``claude_code.py`` is agent ``claude-code``) holds everything overlayrec knows
+about that agent, and nothing else needs to know it:
+
+* ``NAME``, ``PROGRAMS`` (the program names ``overlayrec run`` recognises), ``EVENTS`` (the hook
+  events we install);
+* ``recognise(payload) -> int``: how surely a raw hook payload is this agent's (0: not), for
+  the daemon's fast path, where a payload arrives on the socket with no name attached;
+* ``apply(payload, target, errors)``: the pure mapping of one payload to session/turn/call
+  begin and end requests on ``target`` (the client, or the daemon's stand-in);
+* ``answer(event) -> str | None``: what the hook prints on stdout for that event;
+* ``SETTINGS`` (``{"user": ..., "project": ...}``), ``SHAPE`` (``grouped``/``flat``) and
+  ``hook_entries(command_for)``: where its settings live and what we merge into them;
+* ``wire_run(argv, env, scratch, command_for, cwd)``: how one ``overlayrec run`` wires it,
+  returning ``(argv, env, cleanup or None, note)``.
+
+``overlayrec hook AGENT``, ``install-hooks AGENT``, the daemon's payload recognition and the
+CLI's choices all loop over this registry: a new agent is one new file here (and its test).
+Hooks import this on every call: stdlib only, the agent modules loaded only when asked for.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def names() -> list[str]:
+    """Every agent, by name (``claude-code``, ``codex``, ...)."""
+    return sorted(f[:-3].replace("_", "-") for f in os.listdir(_HERE)
+                  if f.endswith(".py") and not f.startswith("_"))
+
+
+def get(name: str):
+    """The agent module called ``name``; KeyError for none."""
+    if name not in names():
+        raise KeyError(name)
+    return importlib.import_module(f"{__name__}.{name.replace('-', '_')}")
+
+
+def modules() -> list:
+    return [get(n) for n in names()]
+
+
+def for_program(argv0: str):
+    """The agent a command runs, from its program's name (None: no agent we know)."""
+    prog = os.path.basename(argv0 or "")
+    for m in modules():
+        if prog in m.PROGRAMS:
+            return m
+    return None
+
+
+def recognise(payload: dict):
+    """The agent a raw hook payload comes from (None: none)."""
+    best, score = None, 0
+    for m in modules():
+        s = m.recognise(payload)
+        if s > score:
+            best, score = m, s
+    return best
+
+
+# -- the hook command -----------------------------------------------------------------------------
+
+def hook_command(name: str, event: str | None = None) -> str:
+    """The command line our settings entries run for ``event``.  Under `overlayrec run`
+    (OVERLAYREC_SOCKET set) and with `nc` installed, the hook's JSON goes straight to the
+    daemon's socket: no interpreter starts.  Otherwise this interpreter runs without site (-S:
+    half the start-up) with the package's directory on its path.  Either way a missing mount
+    or any failure exits 0, and stdout carries only the agent's expected answer."""
+    import shlex
+    mod = get(name)
+    where = os.path.dirname(os.path.dirname(_HERE))
+    code = (f"import sys; sys.path.insert(0, {where!r}); "
+            "from overlayrec.entry import main; main()")
+    py = f"{shlex.quote(sys.executable)} -S -c {shlex.quote(code)} hook {name}"
+    said = mod.answer(event)
+    say = f"printf '%s\\n' {shlex.quote(said)}; " if said is not None else ""
+    fast = ('if [ -S "${OVERLAYREC_SOCKET:-}" ] && command -v nc >/dev/null; then '
+            f'nc -UN "$OVERLAYREC_SOCKET" >/dev/null 2>&1; {say}exit 0; fi; ')
+    return "sh -c " + shlex.quote(fast + "exec " + py) + f" # overlayrec hook {name}"
+
+
+def run_hook(name: str, stdin=None, stdout=None) -> int:
+    """``overlayrec hook AGENT``: apply one payload from stdin; always exits 0.  Silent on
+    success but for the agent's expected answer on stdout; a warning goes to stderr."""
+    from .. import client, wire
+    out = stdout or sys.stdout
+    event = None
+    try:
+        mod = get(name)
+    except KeyError:
+        print(f"overlayrec hook: no agent {name!r}", file=sys.stderr)
+        return 0
+    try:
+        payload = wire.loads((stdin or sys.stdin).read())
+        if isinstance(payload, dict):
+            event = payload.get("hook_event_name")
+            cwd = payload.get("cwd")
+            roots = payload.get("workspace_roots")
+            if not cwd and isinstance(roots, list) and roots and isinstance(roots[0], str):
+                cwd = roots[0]
+            try:
+                c = client.connect(cwd=cwd if isinstance(cwd, str) and os.path.isdir(cwd)
+                                   else None)
+            except client.NoMount:
+                c = None  # not recording here: nothing to do
+            if c is not None:
+                with c:
+                    mod.apply(payload, c, (client.ClientError,))
+    except Exception as e:  # never break the agent
+        print(f"overlayrec hook: {e}", file=sys.stderr)
+    said = mod.answer(event)
+    if said is not None:
+        out.write(said + "\n")
+        out.flush()
+    return 0
+
+
+# -- settings files -------------------------------------------------------------------------------
+
+def settings_path(name: str, project: str | None = None) -> str:
+    """The settings file ``install-hooks`` edits: the user's, or ``project``'s."""
+    mod = get(name)
+    if project is None:
+        return os.path.expanduser(mod.SETTINGS["user"])
+    return os.path.join(project, mod.SETTINGS["project"])
+
+
+def install(name: str, path: str, remove: bool = False) -> None:
+    """Merge our entries into (or take them out of) the settings file at ``path``, keeping
+    every other entry, its key order and its layout."""
+    from . import _settings
+    mod = get(name)
+    settings, how = _settings.load(path)
+    if not remove and not settings and getattr(mod, "new_file", None):
+        settings = mod.new_file(settings)
+    merge = _settings.merge_flat if mod.SHAPE == "flat" else _settings.merge_grouped
+    merge(settings, mod.hook_entries(lambda ev: hook_command(name, ev)), name, remove=remove)
+    if remove and not os.path.exists(path):
+        return
+    _settings.write(path, _settings.dumps(settings, how))
+
+
+def wire_run(mod, argv: list, env: dict, scratch: str, cwd: str):
+    """Wire ``mod``'s hooks for one run: ``(argv, env, cleanup or None, note)``."""
+    return mod.wire_run(list(argv), dict(env), scratch,
+                        lambda ev: hook_command(mod.NAME, ev), cwd)
+
+
+def restore_left_behind() -> list[str]:
+    """Put back the settings files a killed run left edited (their backup beside them)."""
+    from . import _settings
+    done = []
+    for m in modules():
+        for path in (os.path.expanduser(m.SETTINGS["user"]),):
+            try:
+                if _settings.restore(path, dead_only=True):
+                    done.append(path)
+            except OSError:
+                pass
+    return done

@@ -1,0 +1,95 @@
+"""What the agent modules share: the session-tolerant request helpers their ``apply`` uses.
+
+``target`` has the client's methods (``overlayrec.client.Client``, or the daemon's own stand-in
+for a raw payload); ``errors`` is what it raises when the daemon refuses a request.  Imported on
+every hook: stdlib only, nothing heavy.
+"""
+from __future__ import annotations
+
+from zlib import crc32
+
+
+def summarize(tool_input) -> str | None:
+    """One line saying what a tool call was asked to do."""
+    if isinstance(tool_input, str):  # some agents send the arguments as a JSON string
+        return tool_input.splitlines()[0][:200] if tool_input.strip() else None
+    if not isinstance(tool_input, dict):
+        return None
+    for key in ("command", "file_path", "path", "pattern", "url", "description", "prompt"):
+        v = tool_input.get(key)
+        if isinstance(v, str) and v:
+            return v.splitlines()[0][:200]
+    return None
+
+
+def with_session(target, errors: tuple, sid, fn):
+    """``fn()``, and when the daemon knows no session yet (hooks installed mid-session), begin
+    one and try again."""
+    try:
+        return fn()
+    except errors as e:
+        if not str(e).startswith("no session"):
+            raise
+        target.session_begin(session=sid)
+        return fn()
+
+
+def end_turn(target, errors: tuple, sid) -> None:
+    """End the open turn; none open (a Stop after an interrupted prompt) is no error."""
+    try:
+        target.turn_end(session=sid)
+    except errors as e:
+        if "no open turn" not in str(e) and not str(e).startswith("no session"):
+            raise
+
+
+def first(payload: dict, *keys):
+    """The first of ``keys`` the payload carries a non-empty value for."""
+    for k in keys:
+        v = payload.get(k)
+        if v not in (None, ""):
+            return v
+    return None
+
+
+# -- calls without an id --------------------------------------------------------------------------
+# Some agents announce a tool call's begin and end with no id that ties the two together (Gemini
+# CLI's BeforeTool/AfterTool).  The hook is a new process each time and keeps no state, so the id
+# is made from what both payloads carry, the tool and its arguments, and the daemon's answers
+# keep repeats apart: the n-th identical call is ``<id>.<n>``; an end closes the oldest open one.
+
+MAX_REPEATS = 512
+
+
+def derived_id(tool: str, tool_input) -> str:
+    from .. import wire
+    try:
+        text = wire.dumps(tool_input)
+    except (TypeError, ValueError):
+        text = repr(tool_input)
+    return f"{tool}-{crc32(text.encode('utf-8', 'surrogatepass')):08x}"
+
+
+def begin_derived(target, errors: tuple, sid, base: str, tool: str, summary) -> None:
+    for n in range(1, MAX_REPEATS + 1):
+        cid = base if n == 1 else f"{base}.{n}"
+        try:
+            target.call_begin(cid, tool, summary, session=sid)
+            return
+        except errors as e:
+            if "already begun" not in str(e):
+                raise
+
+
+def end_derived(target, errors: tuple, sid, base: str, status: str) -> None:
+    for n in range(1, MAX_REPEATS + 1):
+        cid = base if n == 1 else f"{base}.{n}"
+        try:
+            target.call_end(cid, status, session=sid)
+            return
+        except errors as e:
+            if "already ended" in str(e):
+                continue
+            if str(e).startswith("no call"):
+                return  # its begin was never seen (hooks installed mid-call): nothing to end
+            raise

@@ -1,0 +1,224 @@
+"""Agents' settings files: merge our hook entries in and take them out again, touching nothing
+else; put a file back exactly after a run that had to edit it.
+
+A settings file is read keeping its key order and written back in the layout it was found in
+(its indentation, a trailing newline or none), so ``install-hooks`` then ``--remove`` leaves a
+file that holds other entries byte-identical to before (for files laid out as
+``JSON.stringify(value, null, N)`` and ``json.dumps(value, indent=N)`` lay them out, which is
+how agents and editors write them).
+
+Two shapes of hook table exist.  *Grouped* (Claude Code, Codex, Gemini CLI): ``hooks`` maps an
+event to a list of groups ``{"matcher": ..., "hooks": [{"type": "command", "command": ...}]}``.
+*Flat* (Cursor): ``hooks`` maps an event to a list of ``{"command": ..., ...}``.  Our entries
+are recognised by their command (``... # overlayrec hook AGENT``), never by position.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+
+
+class SettingsError(Exception):
+    """A settings file we must not touch (not JSON, not an object)."""
+
+
+def ours(command, agent: str) -> bool:
+    return isinstance(command, str) and "overlayrec" in command and f"hook {agent}" in command
+
+
+# -- reading and writing in the layout found ------------------------------------------------------
+
+def load(path: str) -> tuple[dict, dict]:
+    """The settings in ``path`` ({} when absent) and its layout."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        return {}, {"indent": 2, "newline": True}
+    if not text.strip():
+        return {}, {"indent": 2, "newline": True}
+    try:
+        settings = json.loads(text)
+    except ValueError as e:
+        raise SettingsError(f"{path} is not valid JSON ({e}); not touching it") from None
+    if not isinstance(settings, dict):
+        raise SettingsError(f"{path} does not hold a JSON object; not touching it")
+    return settings, layout(text)
+
+
+def layout(text: str) -> dict:
+    m = re.search(r"^[{\[]\s*?\n([ \t]+)\S", text, re.M)
+    indent: int | str = 2
+    if m:
+        ws = m.group(1)
+        indent = ws if "\t" in ws else len(ws)
+    elif text.strip() and "\n" not in text.strip():
+        indent = None  # all on one line
+    return {"indent": indent, "newline": text.endswith("\n")}
+
+
+def dumps(settings: dict, how: dict) -> str:
+    indent = how.get("indent", 2)
+    if indent is None:
+        text = json.dumps(settings, ensure_ascii=False)
+    else:
+        text = json.dumps(settings, indent=indent, ensure_ascii=False)
+    return text + ("\n" if how.get("newline", True) else "")
+
+
+def write(path: str, text: str) -> None:
+    """Replace ``path`` atomically, keeping its mode."""
+    d = os.path.dirname(path) or "."
+    os.makedirs(d, exist_ok=True)
+    tmp = path + ".overlayrec.tmp"
+    try:
+        mode = os.stat(path).st_mode & 0o7777
+    except FileNotFoundError:
+        mode = None
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    if mode is not None:
+        os.chmod(tmp, mode)
+    os.replace(tmp, path)
+
+
+# -- merging --------------------------------------------------------------------------------------
+
+def merge_grouped(settings: dict, entries: dict, agent: str, remove: bool = False) -> dict:
+    """Add (or remove) our groups in a grouped hook table, keeping every other entry."""
+    hooks = settings.get("hooks")
+    if hooks is None:
+        hooks = {}
+    if not isinstance(hooks, dict):
+        raise SettingsError("its \"hooks\" is not an object; not touching it")
+    for ev in list(entries):
+        kept = []
+        for group in hooks.get(ev, []):
+            if not isinstance(group, dict):
+                kept.append(group)
+                continue
+            cmds = [h for h in group.get("hooks", []) if not
+                    (isinstance(h, dict) and ours(h.get("command"), agent))]
+            if cmds:
+                kept.append(dict(group, hooks=cmds) if len(cmds) != len(group["hooks"])
+                            else group)
+            elif not group.get("hooks"):
+                kept.append(group)
+        if not remove:
+            kept.extend(entries[ev])
+        if kept:
+            hooks[ev] = kept
+        else:
+            hooks.pop(ev, None)
+    if hooks:
+        settings["hooks"] = hooks
+    else:
+        settings.pop("hooks", None)
+    return settings
+
+
+def merge_flat(settings: dict, entries: dict, agent: str, remove: bool = False) -> dict:
+    """Add (or remove) our entries in a flat hook table (Cursor), keeping every other entry."""
+    hooks = settings.get("hooks")
+    if hooks is None:
+        hooks = {}
+    if not isinstance(hooks, dict):
+        raise SettingsError("its \"hooks\" is not an object; not touching it")
+    for ev in list(entries):
+        kept = [h for h in hooks.get(ev, []) if not
+                (isinstance(h, dict) and ours(h.get("command"), agent))]
+        if not remove:
+            kept.extend(entries[ev])
+        if kept:
+            hooks[ev] = kept
+        else:
+            hooks.pop(ev, None)
+    settings["hooks"] = hooks
+    return settings
+
+
+def holds_ours(path: str, agent: str) -> bool:
+    """Whether the file at ``path`` already runs our hook (installed by ``install-hooks``)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return ours(f.read(), agent)
+    except OSError:
+        return False
+
+
+# -- a file a run must edit, put back exactly -----------------------------------------------------
+# The backup is written beside the file before it is touched: one JSON header line (the run's
+# pid, whether the file existed, its mode) and then the original bytes.  The run restores it when
+# the agent exits; a run that was killed leaves the backup, and the next run or mount restores it.
+
+BACKUP_SUFFIX = ".overlayrec-backup"
+
+
+def edit_for_run(path: str, new_text_for) -> bool:
+    """Back ``path`` up beside itself, then write ``new_text_for(settings, layout)``.  False
+    when another live run holds a backup already: the file is edited then, but that run's
+    backup stays the one that puts it back."""
+    restore(path, dead_only=True)  # a killed run's leftover: it holds the user's own bytes
+    if os.path.exists(path + BACKUP_SUFFIX):
+        settings, how = load(path)
+        write(path, new_text_for(settings, how))
+        return False
+    try:
+        with open(path, "rb") as f:
+            original, existed = f.read(), True
+        mode = os.stat(path).st_mode & 0o7777
+    except FileNotFoundError:
+        original, existed, mode = b"", False, None
+    header = json.dumps({"pid": os.getpid(), "existed": existed, "mode": mode}).encode()
+    bak = path + BACKUP_SUFFIX
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fd = os.open(bak + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(header + b"\n" + original)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(bak + ".tmp", bak)
+    settings, how = load(path)
+    write(path, new_text_for(settings, how))
+    return True
+
+
+def _alive(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (OSError, ValueError, TypeError):
+        return False
+    return True
+
+
+def restore(path: str, dead_only: bool = False) -> bool:
+    """Put ``path`` back from the backup beside it, if there is one; True if it did.
+    ``dead_only``: only a backup whose run is gone (killed)."""
+    bak = path + BACKUP_SUFFIX
+    try:
+        with open(bak, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return False
+    head, _, original = raw.partition(b"\n")
+    try:
+        meta = json.loads(head)
+    except ValueError:
+        return False  # not ours: leave it
+    if dead_only and meta.get("pid") != os.getpid() and _alive(meta.get("pid")):
+        return False
+    if meta.get("existed"):
+        tmp = path + ".overlayrec.tmp"
+        with open(tmp, "wb") as f:
+            f.write(original)
+        if meta.get("mode") is not None:
+            os.chmod(tmp, meta["mode"])
+        os.replace(tmp, path)
+    else:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    os.unlink(bak)
+    return True

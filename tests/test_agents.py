@@ -1,0 +1,428 @@
+"""The agent registry (overlayrec/agents/): for each agent, its hook driven with payloads shaped
+like the agent's published reference, through a real mount under `overlayrec run` with a fake
+agent named like the real one that runs the hook commands from wherever `run` put them, the way
+the agent reads them; install-hooks then --remove leaves the user's file byte-identical; a
+killed run leaves the user's settings as they were."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import SLOW, needs_fuse, overlayrec
+from overlayrec import agents
+
+PROGRAM = {"claude-code": "claude", "codex": "codex", "gemini": "gemini", "cursor": "cursor-agent"}
+
+# -- payloads shaped like each agent's reference (docs/agents.md names the pages) ---------------
+FAKE = r'''
+import json, os, subprocess, sys, tomllib
+AGENT = __AGENT__
+args = sys.argv[1:]
+cwd = os.getcwd()
+ts = "2026-11-30T12:00:00Z"
+
+
+def hooks_for(event):
+    """The commands this agent would run for ``event``, read where the real agent reads them."""
+    if AGENT == "claude-code":
+        path = args[args.index("--settings") + 1]
+        table = json.load(open(path))["hooks"]
+    elif AGENT == "codex":
+        table = {}
+        for i, a in enumerate(args):
+            if a == "-c" and args[i + 1].startswith("hooks."):
+                key, _, value = args[i + 1].partition("=")
+                table[key.split(".", 1)[1]] = tomllib.loads("v = " + value)["v"]
+    elif AGENT == "gemini":
+        table = json.load(open(os.environ["GEMINI_CLI_SYSTEM_SETTINGS_PATH"]))["hooks"]
+    else:
+        table = json.load(open(os.path.expanduser("~/.cursor/hooks.json")))["hooks"]
+    if AGENT == "cursor":
+        return [h["command"] for h in table.get(event, [])]
+    return [h["command"] for g in table.get(event, []) for h in g["hooks"]]
+
+
+def fire(event, env=None, **payload):
+    payload["hook_event_name"] = event
+    for cmd in hooks_for(event):
+        r = subprocess.run(cmd, shell=True, input=json.dumps(payload), text=True,
+                           capture_output=True, env=env)
+        assert r.returncode == 0, r
+        if AGENT in ("gemini", "cursor"):
+            json.loads(r.stdout)  # JSON only, or the agent breaks
+            if AGENT == "cursor" and event == "preToolUse":
+                assert json.loads(r.stdout) == {"permission": "allow"}, r.stdout
+        else:
+            assert r.stdout == "", r
+        assert r.stderr == "", r
+
+
+def base(**kw):
+    if AGENT == "claude-code":
+        return dict(session_id="S1", transcript_path="/t.jsonl", cwd=cwd, **kw)
+    if AGENT == "codex":
+        return dict(session_id="S1", transcript_path=None, cwd=cwd, model="gpt-5-codex",
+                    permission_mode="default", **kw)
+    if AGENT == "gemini":
+        return dict(session_id="S1", transcript_path="/t.json", cwd=cwd, timestamp=ts, **kw)
+    return dict(conversation_id="S1", generation_id="g1", workspace_roots=[cwd],
+                model="m", cursor_version="2.0", **kw)
+
+
+def session_start():
+    ev = {"cursor": "sessionStart"}.get(AGENT, "SessionStart")
+    fire(ev, **base(source="startup") if AGENT != "cursor" else base())
+
+
+def prompt(text, turn):
+    ev = {"gemini": "BeforeAgent", "cursor": "beforeSubmitPrompt"}.get(AGENT, "UserPromptSubmit")
+    extra = {"turn_id": f"turn{turn}"} if AGENT == "codex" else {}
+    if AGENT == "cursor":
+        extra = {"attachments": []}
+    fire(ev, **base(prompt=text, **extra))
+
+
+def stop(turn):
+    if AGENT == "gemini":
+        fire("AfterAgent", **base(prompt="p", prompt_response="done", stop_hook_active=False))
+    elif AGENT == "cursor":
+        fire("stop", **base(status="completed", loop_count=0))
+    else:
+        extra = {"turn_id": f"turn{turn}", "last_assistant_message": "done"} \
+            if AGENT == "codex" else {}
+        fire("Stop", **base(stop_hook_active=False, **extra))
+
+
+def call(cid, command, turn, slow=False):
+    """One shell tool call: before, the command (a child of the agent), after."""
+    env = None
+    if slow:  # the Python fallback: no socket in the hook's environment
+        env = {k: v for k, v in os.environ.items() if k != "OVERLAYREC_SOCKET"}
+    if AGENT == "gemini":
+        pre = dict(tool_name="run_shell_command", tool_input={"command": command})
+        fire("BeforeTool", env, **base(**pre))
+        subprocess.run(command, shell=True, check=True)
+        fire("AfterTool", env, **base(tool_response={"llmContent": "", "returnDisplay": ""},
+                                      **pre))
+    elif AGENT == "cursor":
+        pre = dict(tool_name="Shell", tool_input={"command": command, "working_directory": cwd},
+                   tool_use_id=cid, cwd=cwd)
+        fire("preToolUse", env, **base(**pre))
+        subprocess.run(command, shell=True, check=True)
+        fire("postToolUse", env, **base(tool_output='{"exitCode":0}', duration=5, **pre))
+    else:
+        pre = dict(tool_name="Bash", tool_use_id=cid, tool_input={"command": command})
+        if AGENT == "codex":
+            pre["turn_id"] = f"turn{turn}"
+        fire("PreToolUse", env, **base(**pre))
+        subprocess.run(command, shell=True, check=True)
+        post = dict(pre, tool_response={"exit_code": 0, "output": ""}) if AGENT == "codex" \
+            else dict(pre, tool_response={"stdout": ""})
+        fire("PostToolUse", env, **base(**post))
+
+
+session_start()
+prompt("make a and b", 1)
+call("c1", "echo a > a.txt", 1)
+call("c2", "mkdir -p d && echo b > d/b.txt", 1)
+stop(1)
+prompt("again, and drop a", 2)
+call("c3", "echo a > a.txt", 2)          # the same command as c1: a repeat
+call("c4", "rm a.txt && echo c > c.txt", 2, slow=True)
+stop(2)
+if AGENT in ("claude-code", "gemini", "cursor"):
+    fire({"cursor": "sessionEnd"}.get(AGENT, "SessionEnd"), **base(reason="exit"))
+'''
+
+
+def fake_agent(tmp_path, name: str) -> str:
+    bindir = tmp_path / f"bin-{name}"
+    bindir.mkdir(exist_ok=True)
+    prog = bindir / PROGRAM[name]
+    prog.write_text(f"#!{sys.executable}\n" + FAKE.replace("__AGENT__", repr(name)))
+    prog.chmod(0o755)
+    return str(prog)
+
+
+def run_env(home) -> dict:
+    env = dict(os.environ)
+    env.setdefault("XDG_STATE_HOME", os.path.join(os.path.expanduser("~"), ".local", "state"))
+    env["HOME"] = str(home)  # the fake agents' user settings (cursor) live here
+    env.pop("GEMINI_CLI_SYSTEM_SETTINGS_PATH", None)
+    return env
+
+
+def rows(*args, env=None):
+    return [json.loads(line) for line in overlayrec(*args, "--json", env=env).stdout.splitlines()]
+
+
+# -- the registry ---------------------------------------------------------------------------------
+
+def test_the_registry_holds_every_agent_and_tells_their_payloads_apart():
+    assert agents.names() == ["claude-code", "codex", "cursor", "gemini"]
+    for name, prog in PROGRAM.items():
+        assert agents.for_program(f"/usr/local/bin/{prog}").NAME == name
+    assert agents.for_program("aider") is None and agents.for_program("bash") is None
+    samples = {
+        "claude-code": {"hook_event_name": "PreToolUse", "session_id": "s", "tool_use_id": "t",
+                        "tool_name": "Bash", "permission_mode": "default"},
+        "codex": {"hook_event_name": "PostToolUse", "session_id": "s", "model": "gpt-5",
+                  "turn_id": "t1", "tool_use_id": "t"},
+        "gemini": {"hook_event_name": "BeforeTool", "session_id": "s", "timestamp": "x",
+                   "tool_name": "run_shell_command"},
+        "cursor": {"hook_event_name": "preToolUse", "conversation_id": "c",
+                   "tool_use_id": "t"},
+    }
+    for name, payload in samples.items():
+        assert agents.recognise(payload).NAME == name
+    assert agents.recognise({"hook_event_name": "SessionStart", "session_id": "s",
+                             "timestamp": "2026"}).NAME == "gemini"
+    assert agents.recognise({"hook_event_name": "NoSuchEvent"}) is None
+
+
+class _Target:
+    """The client's methods, recording requests and refusing as the daemon does."""
+
+    def __init__(self):
+        self.calls, self.log = {}, []
+
+    def session_begin(self, session=None):
+        self.log.append(("session_begin", session))
+
+    def turn_begin(self, prompt=None, session=None):
+        self.log.append(("turn_begin", prompt))
+
+    def turn_end(self, session=None):
+        self.log.append(("turn_end",))
+
+    def session_end(self, session=None):
+        self.log.append(("session_end",))
+
+    def call_begin(self, cid, tool, summary=None, session=None):
+        if cid in self.calls:
+            raise ValueError(f"call {cid} already begun in session x")
+        self.calls[cid] = None
+        self.log.append(("call_begin", cid, tool, summary))
+
+    def call_end(self, cid, status="ok", session=None):
+        if cid not in self.calls:
+            raise ValueError(f"no call {cid} in session x")
+        if self.calls[cid] is not None:
+            raise ValueError(f"call {cid} already ended")
+        self.calls[cid] = status
+        self.log.append(("call_end", cid, status))
+
+
+def test_gemini_calls_without_ids_pair_up_and_repeats_stay_apart():
+    g = agents.get("gemini")
+    t = _Target()
+    pre = {"session_id": "s", "tool_name": "run_shell_command", "tool_input": {"command": "ls"}}
+    for _ in range(2):
+        g.apply(dict(pre, hook_event_name="BeforeTool"), t, (ValueError,))
+    g.apply(dict(pre, hook_event_name="AfterTool", tool_response={"error": "boom"}), t,
+            (ValueError,))
+    g.apply(dict(pre, hook_event_name="AfterTool", tool_response={}), t, (ValueError,))
+    base = next(iter(t.calls))
+    assert t.calls == {base: "error", f"{base}.2": "ok"}
+    assert base.startswith("run_shell_command-")
+    g.apply(dict(pre, hook_event_name="AfterTool"), t, (ValueError,))  # no begin seen: nothing
+    assert len(t.calls) == 2
+
+
+# -- settings files: in and out again, byte for byte ---------------------------------------------
+
+USER_SETTINGS = {
+    "claude-code": {"model": "opus", "hooks": {"PreToolUse": [
+        {"matcher": "Edit", "hooks": [{"type": "command", "command": "./lint.sh"}]}]},
+        "permissions": {"allow": ["Bash(ls:*)"]}},
+    "codex": {"hooks": {"Stop": [{"hooks": [{"type": "command", "command": "notify-send done",
+                                             "timeout": 5}]}]}},
+    "gemini": {"ui": {"theme": "GitHub"}, "hooks": {"BeforeTool": [
+        {"matcher": "write_file", "hooks": [{"name": "scan", "type": "command",
+                                             "command": "scan.sh"}]}]}, "général": "é"},
+    "cursor": {"version": 1, "hooks": {"afterFileEdit": [{"command": "./format.sh"}]}},
+}
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAM))
+@pytest.mark.parametrize("indent,newline", [(2, True), (4, False), ("\t", True)])
+def test_install_then_remove_leaves_the_file_byte_identical(tmp_path, name, indent, newline):
+    project = tmp_path / "proj"
+    path = agents.settings_path(name, str(project))
+    os.makedirs(os.path.dirname(path))
+    before = (json.dumps(USER_SETTINGS[name], indent=indent, ensure_ascii=False)
+              + ("\n" if newline else "")).encode()
+    with open(path, "wb") as f:
+        f.write(before)
+    os.chmod(path, 0o640)
+    mod = agents.get(name)
+    overlayrec("install-hooks", name, "--project", str(project))
+    overlayrec("install-hooks", name, "--project", str(project))  # idempotent
+    text = open(path).read()
+    s = json.loads(text)
+    assert text.endswith("\n") == newline
+    for ev in mod.EVENTS:
+        entries = s["hooks"][ev]
+        cmds = [h["command"] for h in entries] if mod.SHAPE == "flat" else \
+            [h["command"] for g in entries for h in g["hooks"]]
+        assert sum(f"overlayrec hook {name}" in c for c in cmds) == 1, (ev, cmds)
+    for k, v in USER_SETTINGS[name].items():  # everything else kept
+        if k != "hooks":
+            assert s[k] == v
+    for ev, entries in USER_SETTINGS[name]["hooks"].items():
+        assert s["hooks"][ev][0] == entries[0]
+    overlayrec("install-hooks", name, "--project", str(project), "--remove")
+    assert open(path, "rb").read() == before
+    assert os.stat(path).st_mode & 0o777 == 0o640
+
+
+def test_install_hooks_user_and_refusals(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    env = dict(os.environ, HOME=str(home))
+    r = overlayrec("install-hooks", "gemini", "--user", env=env)
+    assert str(home / ".gemini" / "settings.json") in r.stdout
+    s = json.loads((home / ".gemini" / "settings.json").read_text())
+    assert set(s["hooks"]) == set(agents.get("gemini").EVENTS)
+    bad = tmp_path / "p" / ".cursor"
+    bad.mkdir(parents=True)
+    (bad / "hooks.json").write_text("{not json")
+    r = overlayrec("install-hooks", "cursor", "--project", str(tmp_path / "p"), check=False)
+    assert r.returncode == 1 and "not valid JSON" in r.stderr
+    assert (bad / "hooks.json").read_text() == "{not json"
+    r = overlayrec("install-hooks", "nope", "--user", env=env, check=False)
+    assert r.returncode == 2
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAM))
+def test_hook_without_a_mount_exits_0_and_answers_as_the_agent_expects(tmp_path, name):
+    env = {k: v for k, v in os.environ.items() if k != "OVERLAYREC_SOCKET"}
+    mod = agents.get(name)
+    for ev in mod.EVENTS:
+        payload = {"hook_event_name": ev, "session_id": "x", "conversation_id": "x",
+                   "tool_use_id": "t", "tool_name": "Bash", "cwd": str(tmp_path)}
+        r = subprocess.run([sys.executable, "-m", "overlayrec", "hook", name],
+                           input=json.dumps(payload), capture_output=True, text=True,
+                           cwd=tmp_path, env=env, timeout=30 * SLOW)
+        said = mod.answer(ev)
+        assert r.returncode == 0 and r.stderr == ""
+        assert r.stdout == ("" if said is None else said + "\n")
+    r = subprocess.run([sys.executable, "-m", "overlayrec", "hook", name], input="not json",
+                       capture_output=True, text=True, cwd=tmp_path, env=env, timeout=30 * SLOW)
+    assert r.returncode == 0
+    if name == "gemini":
+        assert json.loads(r.stdout) == {}  # stdout stays JSON even then
+
+
+# -- under `overlayrec run`, through a real mount -------------------------------------------------
+
+@needs_fuse
+@pytest.mark.parametrize("name", sorted(PROGRAM))
+def test_agent_hooks_under_run_record_turns_and_calls(make_mount, tmp_path, name):
+    m = make_mount().mount()
+    home = tmp_path / "home"
+    (home / ".cursor").mkdir(parents=True)
+    user_cursor = b'{\n    "version": 1,\n    "hooks": {}\n}'  # the user's own, 4 spaces
+    (home / ".cursor" / "hooks.json").write_bytes(user_cursor)
+    env = run_env(home)
+    r = overlayrec("run", "-w", m.ws, "--session", "run1", "--", fake_agent(tmp_path, name),
+                   env=env, cwd=m.ws)
+    assert "warning" not in r.stderr, r.stderr
+    assert (home / ".cursor" / "hooks.json").read_bytes() == user_cursor  # as it was
+    assert not (home / ".cursor" / "hooks.json.overlayrec-backup").exists()
+    turns = [t for t in rows("turns", m.ws, env=env) if t["session"] == "run1"]
+    assert [t["index"] for t in turns] == [1, 2]
+    assert [t["prompt"] for t in turns] == ["make a and b", "again, and drop a"]
+    assert all(t["end_t"] for t in turns)
+    calls = {c["summary"]: c for c in rows("calls", m.ws, env=env) if c["session"] == "run1"}
+    assert not any(c["implicit"] for c in calls.values()), calls
+    first, again = [c for c in rows("calls", m.ws, env=env)
+                    if c["summary"] == "echo a > a.txt"]
+    assert first["id"] != again["id"] and (first["turn"], again["turn"]) == (1, 2)
+    assert first["paths"] == ["a.txt"] and first["status"] == "ok"
+    b = calls["mkdir -p d && echo b > d/b.txt"]
+    assert b["turn"] == 1 and "d/b.txt" in b["paths"]
+    c4 = calls["rm a.txt && echo c > c.txt"]  # through the Python fallback
+    assert c4["turn"] == 2 and sorted(c4["paths"]) == ["a.txt", "c.txt"] and c4["status"] == "ok"
+    every = [c for c in rows("calls", m.ws, env=env) if c["session"] == "run1"]
+    assert len(calls) == 3 and len(every) == 4
+    if name != "gemini":  # the agent's own ids; Gemini's are made from tool and arguments
+        assert {c["id"] for c in every} == {"c1", "c2", "c3", "c4"}
+
+
+@needs_fuse
+def test_no_hooks_and_unknown_programs_get_implicit_calls(make_mount, tmp_path):
+    m = make_mount().mount()
+    env = run_env(tmp_path)
+    agent = fake_agent(tmp_path, "codex")
+    # the fake agent finds no -c hooks: it runs its commands with no hook at all
+    overlayrec("run", "-w", m.ws, "--session", "nh", "--no-hooks", "--", agent, env=env,
+               cwd=m.ws)
+    got = [c for c in rows("calls", m.ws, env=env) if c["session"] == "nh"]
+    assert got and all(c["implicit"] for c in got)
+    aider = tmp_path / "bin-aider" / "aider"
+    aider.parent.mkdir()
+    aider.write_text("#!/bin/sh\necho x > aider.txt\n")
+    aider.chmod(0o755)
+    overlayrec("run", "-w", m.ws, "--session", "ai", "--", str(aider), env=env, cwd=m.ws)
+    assert not (tmp_path / ".cursor").exists()
+
+
+CURSOR_SLEEPER = r'''#!__PY__
+import json, os, sys, time
+hooks = json.load(open(os.path.expanduser("~/.cursor/hooks.json")))["hooks"]
+assert any("overlayrec hook cursor" in h["command"] for h in hooks["preToolUse"])
+open(sys.argv[1], "w").write(str(os.getpid()))
+time.sleep(60)
+'''
+
+
+@needs_fuse
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_killed_run_leaves_the_users_settings_as_they_were(make_mount, tmp_path, sig):
+    m = make_mount().mount()
+    home = tmp_path / "home"
+    (home / ".cursor").mkdir(parents=True)
+    user = home / ".cursor" / "hooks.json"
+    before = b'{"version": 1, "hooks": {"stop": [{"command": "say done"}]}}'
+    user.write_bytes(before)
+    env = run_env(home)
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    prog = bindir / "cursor-agent"
+    prog.write_text(CURSOR_SLEEPER.replace("__PY__", sys.executable))
+    prog.chmod(0o755)
+    up = tmp_path / "up"
+    p = subprocess.Popen([sys.executable, "-m", "overlayrec", "run", "-w", m.ws, "--", str(prog),
+                          str(up)], env=env, cwd=m.ws, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30 * SLOW
+        while not up.exists() and time.monotonic() < deadline and p.poll() is None:
+            time.sleep(0.05)
+        assert up.exists(), p.stderr.read() if p.poll() is not None else "agent never started"
+        assert user.read_bytes() != before  # edited for the run, backed up beside it
+        assert (home / ".cursor" / "hooks.json.overlayrec-backup").exists()
+        os.kill(p.pid, sig)
+        p.wait(timeout=30 * SLOW)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        if up.exists():  # the fake agent itself, by its own pid (a SIGKILLed run leaves it)
+            try:
+                os.kill(int(up.read_text()), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+    if sig == signal.SIGKILL:
+        # the run had no chance: the backup stays, and the next run puts the file back
+        assert user.read_bytes() != before
+        r = overlayrec("run", "-w", m.ws, "--", "true", env=env, cwd=m.ws)
+        assert "put back" in r.stderr
+    assert user.read_bytes() == before
+    assert not (home / ".cursor" / "hooks.json.overlayrec-backup").exists()

@@ -1,0 +1,377 @@
+"""The attic stays out of the user's way (issue 14).
+
+* Unmounted, the attic ignores itself (a ``.gitignore`` of ``*`` and a ``CACHEDIR.TAG``, 0600,
+  never counted as entries): ``git status`` lists nothing of overlayrec's, ``git add -A``
+  commits no pre-image, and a revert still brings every file back exactly.
+* Empty and small files (up to SMALL_PREIMAGE) that are unlinked or renamed over keep their
+  pre-image in the content store, not in the attic: ``git status`` in a loop leaves the
+  attic's entry count constant.
+* A full workspace: a write refused ENOSPC makes the daemon drop attic entries (oldest first,
+  logged, journaled as a ``reclaim`` marker) and the write is tried again; a revert that
+  needs a dropped pre-image is refused as ``unrecorded``, saying why.
+
+The first tests need no mount (the recorder on a plain directory); the tmpfs one needs root.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+import subprocess
+import time
+
+import pytest
+
+from conftest import SLOW, is_mounted, needs_fuse, needs_root, overlayrec
+
+ATTIC = ".overlayrec-attic"
+SIGNATURE = b"Signature: 8a477f597d28d172789f06886806bc55"
+BIG = 300 << 10  # above SMALL_PREIMAGE: kept in the attic
+
+
+def attic_entries(ws: str) -> list[str]:
+    from overlayrec.recorder import is_attic_entry
+    return sorted(n for n in os.listdir(os.path.join(ws, ATTIC)) if is_attic_entry(n))
+
+
+def check_own_files(ws: str) -> None:
+    """The attic's own files are there, whole, 0600."""
+    d = os.path.join(ws, ATTIC)
+    with open(os.path.join(d, ".gitignore"), "rb") as f:
+        assert b"\n*\n" in b"\n" + f.read()
+    with open(os.path.join(d, "CACHEDIR.TAG"), "rb") as f:
+        assert f.read().startswith(SIGNATURE)  # the spec: the tag's first 43 bytes
+    for n in (".gitignore", "CACHEDIR.TAG"):
+        st = os.lstat(os.path.join(d, n))
+        assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600, n
+
+
+def tree_of(root: str) -> dict:
+    """Every path beneath root but the attic and .git: kind, mode, content or target."""
+    out = {}
+    for d, dirs, files in os.walk(root):
+        dirs[:] = [x for x in dirs if not (d == root and x in (ATTIC, ".git"))]
+        for n in dirs + files:
+            p = os.path.join(d, n)
+            st = os.lstat(p)
+            rel = os.path.relpath(p, root)
+            if stat.S_ISLNK(st.st_mode):
+                out[rel] = ("link", os.readlink(p))
+            elif stat.S_ISDIR(st.st_mode):
+                out[rel] = ("dir", stat.S_IMODE(st.st_mode))
+            else:
+                with open(p, "rb") as f:
+                    out[rel] = ("file", stat.S_IMODE(st.st_mode), f.read())
+    return out
+
+
+def git(ws: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@example.org",
+               GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@example.org",
+               GIT_CONFIG_NOSYSTEM="1", HOME=ws + "/..")
+    r = subprocess.run(["git", "-c", "init.defaultBranch=main", *args], cwd=ws,
+                       capture_output=True, text=True, env=env, timeout=60 * SLOW)
+    if check and r.returncode != 0:
+        raise AssertionError(f"git {' '.join(args)} failed ({r.returncode}):\n{r.stderr}")
+    return r
+
+
+def run_session(m, session: str, script: str) -> None:
+    overlayrec("run", "-w", m.ws, "--session", session, "--", "bash", "-ec", script, cwd=m.ws)
+
+
+@contextlib.contextmanager
+def plain_recorder(tmp_path):
+    """A Recorder over a plain directory (no mount), its journal, and the workspace path."""
+    from overlayrec.attribution import Attribution
+    from overlayrec.journal import Journal
+    from overlayrec.recorder import Recorder
+    ws = tmp_path / "ws"
+    ws.mkdir(exist_ok=True)
+    j = Journal(str(tmp_path / "state"))
+    root_fd = os.open(ws, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        rec = Recorder(j, root_fd, Attribution())
+        yield rec, j, str(ws)
+    finally:
+        os.close(root_fd)
+        j.close()
+
+
+def unlink(rec, ws: str, name: str) -> None:
+    dfd = os.open(ws, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        rec.unlink(dfd, name, rec.attribution.actor(os.getpid()))
+    finally:
+        os.close(dfd)
+
+
+# -- without a mount ------------------------------------------------------------------------------
+
+@pytest.mark.timeout(int(30 * SLOW))
+def test_the_attic_ignores_itself_and_its_own_files_are_no_entries(tmp_path, monkeypatch):
+    from overlayrec import recorder
+    monkeypatch.setattr(recorder, "RECLAIM_HEADROOM", 1 << 62)  # drop all there is
+    ws = tmp_path / "ws"
+    (ws / ATTIC).mkdir(parents=True)
+    (ws / ATTIC / ".gitignore").write_bytes(b"not what overlayrec writes\n")  # an old one
+    os.chmod(ws / ATTIC / ".gitignore", 0o644)
+    with plain_recorder(tmp_path) as (rec, j, w):
+        check_own_files(w)
+        assert rec.attic_links == {}  # the own files are no attic entries
+        (ws / "big").write_bytes(os.urandom(BIG))
+        (ws / "small").write_bytes(b"small\n")
+        unlink(rec, w, "big")
+        unlink(rec, w, "small")
+        assert len(rec.attic_links) == 1 and attic_entries(w) == [rec.attic_prefix + "1"]
+    before = {n: (ws / ATTIC / n).read_bytes() for n in (".gitignore", "CACHEDIR.TAG")}
+    with plain_recorder(tmp_path) as (rec, j, w):  # opened again: the same, counted the same
+        check_own_files(w)
+        assert {n: (ws / ATTIC / n).read_bytes() for n in before} == before
+        assert len(rec.attic_links) == 1
+        assert sorted(os.listdir(ws / ATTIC)) == sorted([".gitignore", "CACHEDIR.TAG",
+                                                         rec.attic_prefix + "1"])
+        # a reclaim never takes them either
+        assert rec.reclaim("test") > 0
+        assert sorted(os.listdir(ws / ATTIC)) == [".gitignore", "CACHEDIR.TAG"]
+
+
+@pytest.mark.timeout(int(30 * SLOW))
+def test_small_and_empty_files_go_to_the_content_store_not_the_attic(tmp_path):
+    from overlayrec.engines.states import States, Tree
+    from overlayrec.recorder import SMALL_PREIMAGE
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    files = {"empty": b"", "small": b"x" * 100, "edge": os.urandom(SMALL_PREIMAGE),
+             "big": os.urandom(SMALL_PREIMAGE + 1), "over": b"renamed over\n",
+             "src": b"the new one\n"}
+    for n, data in files.items():
+        (ws / n).write_bytes(data)
+    with plain_recorder(tmp_path) as (rec, j, w):
+        actor = rec.attribution.actor(os.getpid())
+        held = os.open(ws / "small", os.O_RDWR | os.O_CLOEXEC)  # open across its unlink
+        for n in ("empty", "small", "edge", "big"):
+            unlink(rec, w, n)
+        try:  # really unlinked, so no name of the workspace's is its name any more
+            assert os.fstat(held).st_nlink == 0 and rec.rel(held).startswith(ATTIC + "/")
+        finally:
+            os.close(held)
+        dfd = os.open(w, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            rec.rename(dfd, "src", dfd, "over", 0, actor)
+        finally:
+            os.close(dfd)
+        evs = {(e["op"], e["path"]): e for e in j.events()}
+        for n in ("empty", "small", "edge"):
+            pre = evs[("unlink", n)]["pre"]
+            assert "attic" not in pre and j.content.get(pre["blob"]) == files[n], n
+            assert not (ws / n).exists()
+        assert "attic" in evs[("unlink", "big")]["pre"]
+        pre2 = evs[("rename", "src")]["pre2"]
+        assert "attic" not in pre2 and j.content.get(pre2["blob"]) == files["over"]
+        assert attic_entries(w) == [evs[("unlink", "big")]["pre"]["attic"]]
+        assert len(rec.attic_links) == 1
+        # every reader gets each pre-image back exactly
+        states = States(j, Tree(rec.root_fd))
+        for n in ("empty", "small", "edge", "big"):
+            s = states.state(n, evs[("unlink", n)]["seq"] - 1)
+            assert s.exact and s.data == files[n], n
+        s = states.state("over", evs[("rename", "src")]["seq"] - 1)
+        assert s.exact and s.data == files["over"]
+
+
+@pytest.mark.timeout(int(30 * SLOW))
+def test_a_full_state_dir_elsewhere_drops_nothing_and_a_reclaim_is_journaled_late(
+        tmp_path, monkeypatch):
+    """ENOSPC from the journal drops attic entries only when the state dir shares the
+    workspace's filesystem; a reclaim the full journal cannot take goes with the next event;
+    the dropped pre-image then reads inexact, and a revert is refused saying why."""
+    from overlayrec.engines.revert import make_plan
+    from overlayrec.engines.states import States, Tree
+    from overlayrec import recorder
+    from overlayrec.journal import JournalError
+    monkeypatch.setattr(recorder, "RECLAIM_HEADROOM", 1 << 62)  # drop all there is
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    data = os.urandom(BIG)
+    (ws / "big").write_bytes(data)
+    with plain_recorder(tmp_path) as (rec, j, w):
+        actor = rec.attribution.actor(os.getpid())
+        unlink(rec, w, "big")
+        [kept] = attic_entries(w)
+        real = j.append_many
+
+        def full(events, actors):
+            raise JournalError("journal write failed: no space", errno.ENOSPC)
+        dfd = os.open(w, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            monkeypatch.setattr(j, "append_many", full)
+            monkeypatch.setattr(rec, "_shares_fs", lambda: False)
+            with pytest.raises(JournalError):
+                rec.mkdir(dfd, "d", 0o755, os.getuid(), os.getgid(), actor)
+            assert attic_entries(w) == [kept]  # another filesystem's fullness: kept
+
+            monkeypatch.setattr(rec, "_shares_fs", lambda: True)
+            with pytest.raises(JournalError):  # still full after the reclaim: refused
+                rec.mkdir(dfd, "d", 0o755, os.getuid(), os.getgid(), actor)
+            assert attic_entries(w) == [] and not (ws / "d").exists()
+
+            monkeypatch.setattr(j, "append_many", real)  # room again
+            rec.mkdir(dfd, "d", 0o755, os.getuid(), os.getgid(), actor)
+        finally:
+            os.close(dfd)
+        evs = list(j.events())
+        [marker] = [e for e in evs if e["op"] == "reclaim"]
+        assert marker["dropped"] == [kept] and marker["cause"] == "ENOSPC"
+        assert marker["seq"] < [e for e in evs if e["op"] == "mkdir"][0]["seq"]
+        u = [e for e in evs if e["op"] == "unlink"][0]
+        states = States(j, Tree(rec.root_fd))
+        s = states.state("big", u["seq"] - 1)
+        assert s.kind == "file" and not s.exact and s.data != data  # never invented
+        plan = make_plan(j, states, Tree(rec.root_fd), {"since": 0})
+        [step] = [s for s in plan.steps if s.path == "big"]
+        assert step.conflict == "unrecorded" and "free space" in (step.note or "")
+
+
+# -- through the mount ----------------------------------------------------------------------------
+
+def seeded_repo(make_mount, files: dict):
+    m = make_mount()
+    for p, data in files.items():
+        full = os.path.join(m.ws, p)
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        with open(full, "wb") as f:
+            f.write(data)
+    git(m.ws, "init", "-q")
+    git(m.ws, "add", "-A")
+    git(m.ws, "commit", "-q", "-m", "first")
+    return m
+
+
+@needs_fuse
+@pytest.mark.timeout(int(180 * SLOW))
+def test_unmounted_git_sees_nothing_of_overlayrec_and_revert_is_exact(make_mount):
+    files = {"small.txt": b"small\n", "empty": b"", "big.bin": os.urandom(BIG),
+             "big2.bin": os.urandom(BIG), "a.txt": b"a\n", "b.txt": b"b\n",
+             "src/mod.py": b"x = 1\n", "dir/inner": b"inner\n"}
+    m = seeded_repo(make_mount, files)
+    before = tree_of(m.ws)
+    m.mount()
+    try:
+        run_session(m, "s", "rm small.txt empty big.bin; mv a.txt b.txt; "
+                    "head -c 400000 /dev/urandom > new.bin; mv new.bin big2.bin; "
+                    "sed -i s/1/2/ src/mod.py; rm -r dir; echo fresh > fresh.txt")
+        evs = m.events()
+    finally:
+        m.umount()
+    assert not is_mounted(m.ws)
+    kept = {e["path2"] if e["op"] == "rename" else e["path"]: (e.get("pre2") if e["op"] ==
+            "rename" else e.get("pre")) for e in evs if e["op"] in ("unlink", "rename")}
+    assert {p for p, pre in kept.items() if pre and "attic" in pre} == {"big.bin", "big2.bin"}
+    for p in ("small.txt", "empty", "b.txt", "src/mod.py", "dir/inner"):
+        assert "blob" in kept[p] and "attic" not in kept[p], p
+    assert len(attic_entries(m.ws)) == 2
+    check_own_files(m.ws)
+
+    status = git(m.ws, "status", "--porcelain", "--untracked-files=all").stdout
+    assert status.strip() and "overlayrec" not in status, status  # the session's own changes
+    git(m.ws, "add", "-A")
+    git(m.ws, "commit", "-q", "-m", "after the session")
+    listed = git(m.ws, "ls-files").stdout.split()
+    assert not [p for p in listed if p.startswith(ATTIC)], listed
+    tree = git(m.ws, "ls-tree", "-r", "--name-only", "HEAD").stdout
+    assert ATTIC not in tree and "fresh.txt" in tree
+
+    m.mount()
+    try:
+        overlayrec("revert", m.ws, "--session", "s", "--yes")
+        assert tree_of(m.ws) == before
+    finally:
+        m.umount()
+    check_own_files(m.ws)
+
+
+@needs_fuse
+@pytest.mark.timeout(int(300 * SLOW))
+def test_git_status_in_a_loop_leaves_the_attic_as_it_was(make_mount):
+    """``git status`` 1,000 times while recording (about 25 s here): each takes and drops an
+    empty ``.git/index.lock`` (and may rename a new index over the old one), none of which
+    costs an attic entry."""
+    m = seeded_repo(make_mount, {f"f{i}.txt": b"%d\n" % i for i in range(20)})
+    m.mount()
+    try:
+        m.sh("git status --porcelain > /dev/null")
+    finally:
+        m.umount()
+    first = attic_entries(m.ws)
+    m.mount()
+    try:
+        t0 = time.monotonic()
+        subprocess.run(["bash", "-ec", "echo changed >> f1.txt; for i in $(seq 1000); do "
+                        "git status --porcelain > /dev/null; done"], cwd=m.ws, check=True,
+                       timeout=240 * SLOW)
+        took = time.monotonic() - t0
+        evs = m.events()
+    finally:
+        m.umount()
+    assert attic_entries(m.ws) == first, (len(first), len(attic_entries(m.ws)), took)
+    locks = [e for e in evs if e.get("path") == ".git/index.lock" and e["op"] == "unlink"]
+    assert locks and all("attic" not in e["pre"] for e in locks)
+    assert not [e for e in evs if "attic" in (e.get("pre") or {}) or
+                "attic" in (e.get("pre2") or {})]
+
+
+@contextlib.contextmanager
+def tmpfs(path: str, size: str):
+    os.makedirs(path, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", path],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", path], capture_output=True)
+
+
+@needs_fuse
+@needs_root
+@pytest.mark.timeout(int(180 * SLOW))
+def test_a_full_workspace_frees_the_attic_and_the_next_write_succeeds(make_mount):
+    m = make_mount()
+    dropped = None
+    with tmpfs(os.path.join(m.base, "wsfs"), "16m") as wsfs:
+        m.ws = os.path.join(wsfs, "ws")
+        os.mkdir(m.ws)
+        try:
+            m.mount()
+            # fill the workspace through the mount (dd stops at ENOSPC)
+            run_session(m, "fill", "dd if=/dev/zero of=big bs=1M 2>/dev/null || true")
+            assert os.path.getsize(os.path.join(m.ws, "big")) > 8 << 20
+            r = m.sh("head -c 1048576 /dev/zero > probe", check=False)
+            assert r.returncode != 0 and "No space left" in r.stderr, r  # full indeed
+            run_session(m, "s", "rm big")  # into the attic: frees nothing yet
+            m.sh("rm -f probe; head -c 2097152 /dev/urandom > after")  # room is made
+            assert os.path.getsize(os.path.join(m.ws, "after")) == 2 << 20
+            evs = m.events()
+            [unl] = [e for e in evs if e["op"] == "unlink" and e["path"] == "big"]
+            dropped = unl["pre"]["attic"]
+            marks = [e for e in evs if e["op"] == "reclaim"]
+            assert marks and dropped in marks[0]["dropped"], marks
+
+            r = overlayrec("revert", m.ws, "--session", "s", "--yes", check=False)
+            assert r.returncode != 0, r.stdout
+            said = r.stdout + r.stderr
+            assert "unrecorded" in said and "dropped to free space" in said, said
+            assert not os.path.exists(os.path.join(m.ws, "big"))  # nothing written
+
+            assert is_mounted(m.ws)  # the mount lives and records
+            m.sh("echo alive > alive")
+            assert "alive" in {e.get("path") for e in m.events()}
+        finally:
+            m.umount()
+        log = open(os.path.join(m.state, "daemon.log"), errors="replace").read()
+        assert f"dropped attic entry {dropped}" in log, log[-3000:]
+        assert "Traceback" not in log, log[-3000:]
+        assert not is_mounted(m.ws)

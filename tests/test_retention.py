@@ -1,0 +1,375 @@
+"""Retention (docs/retention.md): sessions recorded through a real mount, then `gc` by policy.
+The kept sessions still diff, replay (`replay --at` their boundaries against snapshots of the
+tree) and revert exactly; what was dropped is refused with the reason; pins and pending reverts
+keep sessions; `--max-bytes` drops until the record fits; a gc killed anywhere (kill -9) is
+finished by the next one, leaving a consistent record; a budget set at mount is kept by the
+daemon itself."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+import time
+
+import pytest
+
+from conftest import SLOW, is_mounted, needs_fuse, overlayrec
+from overlayrec import retention
+from overlayrec.journal import Journal
+
+pytestmark = [needs_fuse, pytest.mark.timeout(int(300 * SLOW))]
+
+AGENT = textwrap.dedent(r'''
+    import subprocess, sys
+    from overlayrec import client
+    n, size = int(sys.argv[1]), int(sys.argv[2])
+    def sh(cmd):
+        subprocess.run(["bash", "-ec", cmd], check=True)
+    with client.connect() as c:
+        c.turn_begin(prompt=f"turn of session {n}")
+        c.call_begin(f"make{n}", "Bash")
+        sh(f"mkdir -p d{n} && echo v{n} > d{n}/f.txt && echo edit{n} >> shared.txt && "
+           f"head -c {size} /dev/urandom > big{n}.bin && head -c {size} /dev/urandom > f.bin")
+        c.call_end(f"make{n}")
+        c.call_begin(f"move{n}", "Bash")
+        sh(f"mv d{n}/f.txt d{n}/g.txt && rm -f big{n - 1}.bin && "
+           f"if [ -d d{n - 1} ]; then mv d{n - 1} old{n - 1}; fi && echo x{n} > d{n}/h.txt")
+        c.call_end(f"move{n}")
+        c.turn_end()
+''')
+
+
+def tree(root: str) -> dict:
+    out = {}
+    for d, dirs, files in os.walk(root):
+        dirs[:] = [x for x in dirs if x != ".overlayrec-attic"]
+        for n in files + dirs:
+            p = os.path.join(d, n)
+            rel = os.path.relpath(p, root)
+            if rel == ".overlayrec-attic":
+                continue
+            st = os.lstat(p)
+            if os.path.isdir(p):
+                out[rel] = ("dir", st.st_mode & 0o7777)
+            else:
+                with open(p, "rb") as f:
+                    out[rel] = ("file", f.read(), st.st_mode & 0o7777)
+    return out
+
+
+def record(m, tmp_path, n: int, size: int = 40000, args=()) -> dict:
+    """Sessions s1..sn through the mount; the tree after each (and before the first)."""
+    agent = tmp_path / "agent.py"
+    agent.write_text(AGENT)
+    with open(os.path.join(m.ws, "shared.txt"), "w") as f:
+        f.write("start\n")
+    m.mount()
+    snaps = {0: tree(m.ws)}
+    for i in range(1, n + 1):
+        overlayrec("run", "-w", m.ws, "--session", f"s{i}", *args, "--", sys.executable,
+                   str(agent), str(i), str(size), cwd=m.ws)
+        snaps[i] = tree(m.ws)
+    return snaps
+
+
+def gc(m, *args, check=True, env=None):
+    r = overlayrec("gc", m.ws, "--state-dir", m.state, "--json", *args, check=check, env=env)
+    return json.loads(r.stdout) if r.returncode == 0 else r
+
+
+def rows(plan: dict) -> dict:
+    return {r["session"]: r for r in plan["sessions"]}
+
+
+def fails(r, *needles):
+    """A refusal: exit 1 and one line on stderr naming the reason, no traceback."""
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def consistent(m) -> dict:
+    """The record after a gc: nothing below the cut but the latest seals, every blob and
+    attic entry a kept event names there, no blob or attic entry of dropped events left."""
+    j = Journal(m.state, readonly=True)
+    try:
+        cut = j.cut
+        seals = {seq for _, seq in j.seals()}
+        blobs, attic, named = set(), set(), set()
+        for seq, raw in j.scan_raw(1):
+            ev = json.loads(raw)
+            assert seq >= cut or seq in seals, f"event {seq} below the cut {cut} left"
+            retention._refs(ev, blobs, attic)
+            _named_blobs(ev, named)
+        jid = j.meta("journal_id")
+        assert not j.meta("gc"), "a gc left unfinished"
+        kept = {r["id"] for r in j.records("sessions")}
+        for rec in j.dropped_sessions():
+            assert rec["id"] not in kept
+            assert not j.records("turns", rec["id"].encode() + b"\0")
+            assert not j.records("calls", rec["id"].encode() + b"\0")
+        for p in retention.read_plans(m.state):
+            retention._refs(p.get("steps"), blobs, attic)
+    finally:
+        j.close()
+    on_disk = set()
+    croot = os.path.join(m.state, "content")
+    for d in os.listdir(croot):
+        if len(d) == 2:
+            on_disk |= {d + x for x in os.listdir(os.path.join(croot, d))}
+    missing = {b for b in named if b not in on_disk}
+    assert not missing, f"blobs named but missing: {sorted(missing)[:3]}"
+    orphans = on_disk - blobs
+    assert not orphans, f"blobs nothing names: {sorted(orphans)[:3]}"
+    adir = os.path.join(m.ws, ".overlayrec-attic")
+    if not is_mounted(m.ws) and os.path.isdir(adir):
+        for name in os.listdir(adir):
+            if jid and name.startswith(jid + "."):
+                assert name in attic or int(name.split(".")[1]) >= cut, \
+                    f"attic entry {name} below the cut that nothing names"
+    return {"cut": cut}
+
+
+def _named_blobs(obj, out: set) -> None:
+    """The digests an event stores its content under (blob, data, ranges): each must exist."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if k in ("blob", "data") and isinstance(v, str):
+                out.add(v)
+            elif k == "ranges" and isinstance(v, list):
+                out |= {r[2] for r in v if isinstance(r, list) and len(r) == 3}
+            else:
+                _named_blobs(v, out)
+    elif isinstance(obj, list):
+        for v in obj:
+            _named_blobs(v, out)
+
+
+def session_span(m, sid: str) -> tuple[int, int]:
+    evs = [e for e in m.events() if e.get("session") == sid
+           and e["op"] in ("session_begin", "session_end")]
+    return evs[0]["seq"], evs[-1]["seq"]
+
+
+def replay_equals(m, tmp_path, point, snap, name):
+    dest = str(tmp_path / name)
+    overlayrec("replay", m.ws, "--state-dir", m.state, "--at", str(point), "--to", dest,
+               "--full")
+    got = tree(dest)
+    assert got == snap, (point, sorted(set(got) ^ set(snap)),
+                         [k for k in got if k in snap and got[k] != snap[k]])
+
+
+def test_gc_keep_last_then_readers(make_mount, tmp_path):
+    m = make_mount()
+    try:
+        snaps = record(m, tmp_path, 4)
+        spans = {f"s{i}": session_span(m, f"s{i}") for i in range(1, 5)}
+        m.umount()
+        before = len(m.events(seals=True, failed=True))
+        plan = gc(m, "--keep-last", "2", "--dry-run")
+        r = rows(plan)
+        assert [r[f"s{i}"]["action"] for i in range(1, 5)] == ["drop", "drop", "keep", "keep"]
+        assert "keep-last 2" in r["s3"]["why"] and plan["cut"] == spans["s3"][0]
+        assert len(m.events(seals=True, failed=True)) == before  # a dry run changes nothing
+        # the human plan: one line per session with its reason
+        text = overlayrec("gc", m.ws, "--state-dir", m.state, "--keep-last", "2",
+                          "--dry-run").stdout
+        assert "drop s1" in text and "keep s4" in text and "within policy" in text
+
+        out = gc(m, "--keep-last", "2")
+        assert out["dropped"] == ["s1", "s2"] and out["record_starts"] == spans["s3"][0]
+        assert out["compaction"]["compacted"]
+        consistent(m)
+        # listings start at the cut
+        log = overlayrec("log", m.ws, "--state-dir", m.state, "--json").stdout
+        assert min(json.loads(x)["seq"] for x in log.splitlines()) == spans["s3"][0]
+        assert "s1" not in overlayrec("turns", m.ws, "--state-dir", m.state).stdout
+        assert overlayrec("log", m.ws, "--state-dir", m.state, "--since", "1").returncode == 0
+        # the kept sessions replay exactly at their boundaries
+        replay_equals(m, tmp_path, spans["s3"][0] - 1, snaps[2], "r2")
+        replay_equals(m, tmp_path, spans["s3"][1], snaps[3], "r3")
+        replay_equals(m, tmp_path, spans["s4"][1], snaps[4], "r4")
+        # ... and diff
+        d = overlayrec("diff", m.ws, "--state-dir", m.state, "--session", "s3",
+                       "--name-status").stdout
+        assert "d3/g.txt" in d and "shared.txt" in d
+        # what was dropped is refused, with the reason
+        fails(overlayrec("replay", m.ws, "--state-dir", m.state, "--at", "3", "--to",
+                         str(tmp_path / "no"), check=False),
+              "seq 3 was dropped by retention", f"the record starts at seq {spans['s3'][0]}")
+        fails(overlayrec("diff", m.ws, "--state-dir", m.state, "--session", "s1", check=False),
+              "session s1 was dropped by retention on")
+        fails(overlayrec("diff", m.ws, "--state-dir", m.state, "--call", "make2", check=False),
+              "call make2 of session s2 was dropped by retention")
+        fails(overlayrec("revert", m.ws, "--state-dir", m.state, "--session", "s2", "--yes",
+                         check=False), "session s2 was dropped by retention")
+        fails(overlayrec("revert", m.ws, "--state-dir", m.state, "--since", "5", "--yes",
+                         check=False), "seq 5 was dropped by retention")
+        fails(overlayrec("blame", "shared.txt", "-w", m.ws, "--state-dir", m.state, "--at",
+                         "2", check=False), "seq 2 was dropped by retention")
+        assert not is_mounted(m.ws)
+        # a kept session still reverts exactly (the revert mounts, and unmounts)
+        overlayrec("revert", m.ws, "--state-dir", m.state, "--session", "s4", "--yes")
+        assert tree(m.ws) == snaps[3]
+        # mounting again works on the cut record, and another gc keeps it consistent
+        m.mount()
+        assert tree(m.ws) == snaps[3]
+        m.umount()
+        gc(m)
+        consistent(m)
+    finally:
+        m.umount()
+
+
+def test_pin_and_pending_revert_keep_sessions(make_mount, tmp_path):
+    m = make_mount()
+    try:
+        record(m, tmp_path, 3)
+        overlayrec("pin", "s1", "-w", m.ws, "--state-dir", m.state)  # mounted: via the daemon
+        m.umount()
+        r = rows(gc(m, "--keep-last", "1", "--dry-run"))
+        assert r["s1"]["action"] == "keep" and "pinned" in r["s1"]["why"]
+        assert r["s2"]["action"] == "keep" and "newer than kept session s1" in r["s2"]["why"]
+        fails(overlayrec("unpin", "s2", "-w", m.ws, "--state-dir", m.state, check=False),
+              "not pinned")
+        overlayrec("unpin", "s1", "-w", m.ws, "--state-dir", m.state)
+        # a revert of s2 interrupted (its plan saved, still running): s2 stays
+        from overlayrec import reverts
+        reverts.save(m.state, {"id": "r-pending", "selection": {"session": "s2"},
+                               "steps": [], "status": "running", "created": time.time_ns()})
+        r = rows(gc(m, "--keep-last", "1", "--dry-run"))
+        assert r["s1"]["action"] == "drop"
+        assert r["s2"]["action"] == "keep" and "pending revert r-pending" in r["s2"]["why"]
+        out = gc(m, "--keep-last", "1")
+        assert out["dropped"] == ["s1"]
+        consistent(m)
+        assert overlayrec("diff", m.ws, "--state-dir", m.state, "--session", "s2").stdout
+        # pinning a dropped session says so
+        fails(overlayrec("pin", "s1", "-w", m.ws, "--state-dir", m.state, check=False),
+              "session s1 was dropped by retention")
+    finally:
+        m.umount()
+
+
+def test_max_bytes_drops_oldest_until_it_fits(make_mount, tmp_path):
+    m = make_mount()
+    try:
+        record(m, tmp_path, 5, size=120000)
+        m.umount()
+        plan = gc(m, "--dry-run")
+        total = plan["size_before"]["total"]
+        assert all(r["action"] == "keep" for r in plan["sessions"])  # no policy: nothing goes
+        budget = int(total * 0.6)
+        plan = gc(m, "--max-bytes", str(budget), "--dry-run")
+        drops = [r["session"] for r in plan["sessions"] if r["action"] == "drop"]
+        assert drops and drops == [f"s{i}" for i in range(1, len(drops) + 1)]  # oldest first
+        out = gc(m, "--max-bytes", str(budget))
+        assert out["dropped"][:len(drops)] == drops
+        j = Journal(m.state, readonly=True)
+        try:
+            size = retention.record_size(j, retention.attic_fd_of(m.ws))
+        finally:
+            j.close()
+        assert size["total"] <= budget, (size, budget)
+        assert not out.get("over_budget")
+        consistent(m)
+        # a budget no droppable session can meet: stopped by a kept one, and said so
+        overlayrec("pin", "s5", "-w", m.ws, "--state-dir", m.state)
+        r = overlayrec("gc", m.ws, "--state-dir", m.state, "--max-bytes", "1K")
+        assert "still over the budget" in r.stderr and "pinned" in r.stderr
+    finally:
+        m.umount()
+
+
+@pytest.mark.parametrize("where", ["after-cut", "mid-delete", "mid-sweep", "compact"])
+def test_kill_9_during_gc_then_gc_again(make_mount, tmp_path, where):
+    m = make_mount()
+    try:
+        snaps = record(m, tmp_path, 4)
+        spans = {f"s{i}": session_span(m, f"s{i}") for i in range(1, 5)}
+        m.umount()
+        env = dict(os.environ, OVERLAYREC_TEST_GC_KILL=where, OVERLAYREC_TEST_GC_BATCH="3")
+        r = overlayrec("gc", m.ws, "--state-dir", m.state, "--keep-last", "2", check=False,
+                       env=env)
+        assert r.returncode == -9, (r.returncode, r.stderr)
+        # killed: the readers already see the cut (or, killed before it, the whole record)
+        j = Journal(m.state, readonly=True)
+        try:
+            assert j.cut == spans["s3"][0]
+            assert (j.meta("gc") or "") != "" or where == "compact"
+        finally:
+            j.close()
+        fails(overlayrec("diff", m.ws, "--state-dir", m.state, "--session", "s1", check=False),
+              "dropped by retention")
+        replay_equals(m, tmp_path, spans["s3"][1], snaps[3], "killed")
+        out = gc(m)  # no policy: finishes the interrupted gc
+        assert out["record_starts"] == spans["s3"][0]
+        consistent(m)
+        replay_equals(m, tmp_path, spans["s3"][0] - 1, snaps[2], "a")
+        replay_equals(m, tmp_path, spans["s4"][1], snaps[4], "b")
+        assert overlayrec("diff", m.ws, "--state-dir", m.state, "--session", "s4").stdout
+        # and the daemon mounts it (a gc killed half way would be finished there too)
+        m.mount()
+        assert tree(m.ws) == snaps[4]
+    finally:
+        m.umount()
+
+
+def test_mount_finishes_an_interrupted_gc(make_mount, tmp_path):
+    m = make_mount()
+    try:
+        snaps = record(m, tmp_path, 3)
+        m.umount()
+        env = dict(os.environ, OVERLAYREC_TEST_GC_KILL="mid-delete", OVERLAYREC_TEST_GC_BATCH="2")
+        r = overlayrec("gc", m.ws, "--state-dir", m.state, "--keep-last", "1", check=False,
+                       env=env)
+        assert r.returncode == -9
+        m.mount()
+        j = Journal(m.state, readonly=True)
+        try:
+            assert not j.meta("gc")
+        finally:
+            j.close()
+        assert tree(m.ws) == snaps[3]
+        m.umount()
+        consistent(m)
+    finally:
+        m.umount()
+
+
+def test_daemon_keeps_a_budget_set_at_mount(make_mount, tmp_path):
+    m = make_mount(extra_args=["--max-bytes", "700K"])
+    try:
+        record(m, tmp_path, 6, size=100000)
+        assert is_mounted(m.ws)
+        deadline = time.monotonic() + 20 * SLOW
+        dropped: list = []
+        while time.monotonic() < deadline:
+            j = m.journal()
+            try:
+                dropped = [d["id"] for d in j.dropped_sessions()]
+                size = retention.record_size(j)
+            finally:
+                j.close()
+            if dropped and size["total"] - size["attic"] <= 700 << 10:
+                break
+            time.sleep(0.3)
+        assert "s1" in dropped and "s6" not in dropped, dropped
+        with open(os.path.join(m.state, "daemon.log")) as f:
+            assert "dropped session(s) s1" in f.read()
+        # still recording, and the kept sessions still diff
+        m.sh("echo after > after.txt")
+        assert overlayrec("diff", m.ws, "--state-dir", m.state, "--session", "s6").stdout
+        fails(overlayrec("diff", m.ws, "--state-dir", m.state, "--session", "s1", check=False),
+              "session s1 was dropped by retention")
+        # a gc through the daemon while mounted: no compaction, and it says why
+        out = gc(m)
+        assert not out["compaction"]["compacted"] and "mounted" in out["compaction"]["why"]
+        m.umount()
+        consistent(m)
+    finally:
+        m.umount()

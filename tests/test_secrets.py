@@ -1,0 +1,256 @@
+"""Secret paths on a real mount: a call that writes and edits `.env`, `keys/id.pem` and
+`.ssh/config` (and moves, deletes and renames over secrets) leaves its events, each pre-image
+``withheld``, and not one byte of any secret anywhere in the state dir (LMDB, content store,
+git store, exports, logs), whatever reader ran; diff says "content not kept", revert refuses
+with `unrecorded`, replay makes nothing there, while the ordinary file beside them still diffs
+and reverts.  `--secret` adds a pattern, `--no-default-secrets` drops the defaults."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+import zlib
+
+import pytest
+
+from conftest import needs_fuse, overlayrec
+
+pytestmark = needs_fuse
+
+
+def secrets(n: int) -> list[bytes]:
+    tag = uuid.uuid4().hex
+    return [f"S3CR3T-{i}-{tag}".encode() for i in range(n)]
+
+
+# the agent writes from Python: a shell command's argv (which the journal keeps, as it keeps
+# every process's) would carry the secret itself
+AGENT = textwrap.dedent(r'''
+    import os, sys
+    from overlayrec import client
+    vals = open(sys.argv[1], "rb").read().split(b"\n")
+    def put(p, data, mode="wb"):
+        with open(p, mode) as f:
+            f.write(data)
+    with client.connect() as c:
+        c.turn_begin(prompt="secrets")
+        c.call_begin("c1", "Write")
+        put(".env.local", vals[0] + b"\n")               # a new secret
+        put(".env", b"MORE=" + vals[1] + b"\n", "ab")    # an existing one edited
+        os.makedirs("keys", exist_ok=True)
+        put("keys/id.pem", vals[2] + b"\n")
+        os.makedirs(".ssh", exist_ok=True)
+        put(".ssh/config", b"Host x\n  IdentityFile " + vals[3] + b"\n")
+        put(".env.tmp", vals[4] + b"\n")
+        os.rename(".env.tmp", "env.bak")                  # a secret under an ordinary name
+        put("env.bak", b"tail\n", "ab")                   # ... changed there
+        os.unlink(".npmrc")                               # a secret deleted
+        put("plain.new", b"not secret\n")
+        os.rename("plain.new", ".pypirc")                 # a secret renamed over
+        put("notes.txt", b"world\n", "ab")                # an ordinary file
+        c.call_end("c1")
+        c.turn_end()
+''')
+
+
+def snapshot(ws: str) -> dict:
+    out = {}
+    for d, dirs, files in os.walk(ws):
+        dirs[:] = [x for x in dirs if x != ".overlayrec-attic"]
+        for n in files:
+            p = os.path.join(d, n)
+            with open(p, "rb") as f:
+                out[os.path.relpath(p, ws)] = f.read()
+    return out
+
+
+def everything_in(root: str) -> list[tuple[str, bytes]]:
+    """Every file below ``root`` as stored, and, for what git keeps deflated (loose objects),
+    packs aside, also inflated; plus every object git can read there."""
+    out = []
+    for d, _, files in os.walk(root):
+        for n in files:
+            p = os.path.join(d, n)
+            if os.path.islink(p) or not os.path.isfile(p):
+                continue
+            with open(p, "rb") as f:
+                data = f.read()
+            out.append((p, data))
+            try:
+                out.append((p + " (inflated)", zlib.decompress(data)))
+            except zlib.error:
+                pass
+    for d, dirs, _ in os.walk(root):
+        if os.path.exists(os.path.join(d, "HEAD")) and os.path.isdir(os.path.join(d, "objects")):
+            r = subprocess.run(["git", "--git-dir", d, "cat-file", "--batch-all-objects",
+                                "--batch"], capture_output=True, timeout=60)
+            out.append((d + " (git objects)", r.stdout))
+    return out
+
+
+def assert_nowhere(roots: list[str], needles: list[bytes]) -> None:
+    for root in roots:
+        for where, data in everything_in(root):
+            for s in needles:
+                assert s not in data, f"secret {s!r} found in {where}"
+
+
+def run_readers(m, tmp_path, tag: str) -> dict:
+    out = {}
+    for sel in (["--call", "c1"], ["--turn", "last"], ["--session", "s"]):
+        out[sel[0]] = overlayrec("diff", m.ws, *sel, "--state-dir", m.state)
+    last = max(e["seq"] for e in m.events())
+    for seq in range(1, last + 1):
+        overlayrec("show", str(seq), "-w", m.ws, "--state-dir", m.state)
+    for p in (".env", "env.bak", "keys/id.pem", ".npmrc", "notes.txt"):
+        overlayrec("blame", p, "-w", m.ws, "--state-dir", m.state)
+    out["report"] = str(tmp_path / f"report-{tag}.html")
+    overlayrec("report", m.ws, "--html", out["report"], "--state-dir", m.state)
+    overlayrec("export", "git", m.ws, "--state-dir", m.state)
+    out["replay"] = str(tmp_path / f"replay-{tag}")
+    out["replayed"] = json.loads(overlayrec("replay", m.ws, "--at", "call:c1", "--full",
+                                            "--to", out["replay"], "--json",
+                                            "--state-dir", m.state).stdout)
+    overlayrec("status", m.ws)
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_secret_content_is_never_kept(make_mount, tmp_path):
+    m = make_mount()
+    vals = secrets(5)
+    old = secrets(3)  # what the secrets held before the mount: never kept either
+    for rel, data in ((".env", b"A=" + old[0] + b"\n"), (".npmrc", old[1] + b"\n"),
+                      (".pypirc", old[2] + b"\n"), ("notes.txt", b"hello\n")):
+        with open(os.path.join(m.ws, rel), "wb") as f:
+            f.write(data)
+    vals_file = tmp_path / "vals"
+    vals_file.write_bytes(b"\n".join(vals))
+    agent = tmp_path / "agent.py"
+    agent.write_text(AGENT)
+    m.mount()
+    try:
+        overlayrec("run", "-w", m.ws, "--session", "s", "--", sys.executable, str(agent),
+                   str(vals_file), cwd=m.ws)
+        assert open(os.path.join(m.ws, "keys/id.pem"), "rb").read() == vals[2] + b"\n"
+        mounted = run_readers(m, tmp_path, "mounted")
+
+        # the events are there, each secret pre-image withheld, none with content
+        evs = m.events(seals=True)
+        by_path: dict[str, list[dict]] = {}
+        for e in evs:
+            for k, pk in (("path", "pre"), ("path2", "pre2")):
+                if e.get(k):
+                    by_path.setdefault(e[k], []).append((e, e.get(pk)))
+        for p in (".env", ".env.local", "keys/id.pem", ".ssh/config", "env.bak", ".npmrc",
+                  ".pypirc"):
+            assert by_path.get(p), f"no event for {p}"
+            for e, pre in by_path[p]:
+                if pre and pre.get("kind") == "file":
+                    assert pre.get("withheld") is True, (p, e)
+                    assert not {"blob", "ranges", "attic", "hash"} & pre.keys(), (p, e)
+                assert "data" not in e
+        ops = {(e["op"], e.get("path")) for e in evs}
+        assert ("unlink", ".npmrc") in ops and ("write", ".env") in ops
+
+        diff = mounted["--call"].stdout
+        assert "content not kept (secret path)" in diff
+        for p in (".env", "keys/id.pem", ".ssh/config", ".env.local", "env.bak", ".pypirc"):
+            assert f"b/{p}" in diff, p
+        assert "+world" in diff  # the ordinary file: its real diff
+        assert "secret path(s) changed, content not kept" in mounted["--call"].stderr
+        for sel in ("--turn", "--session"):
+            assert "content not kept (secret path)" in mounted[sel].stdout
+        # replay makes nothing at a secret path, and says why
+        not_made = {n["path"]: n["why"] for n in mounted["replayed"]["not_made"]}
+        for p in (".env", "keys/id.pem", ".ssh/config", "env.bak"):
+            assert "content not kept" in not_made.get(p, ""), (p, not_made)
+            assert not os.path.lexists(os.path.join(mounted["replay"], p))
+        assert open(os.path.join(mounted["replay"], "notes.txt"), "rb").read() == b"hello\nworld\n"
+
+        # revert of the call: refused, `unrecorded`, said why; nothing changed
+        before = snapshot(m.ws)
+        r = overlayrec("revert", m.ws, "--call", "c1", "--yes", "--state-dir", m.state,
+                       check=False)
+        assert r.returncode != 0
+        assert "unrecorded" in r.stderr and "content not kept" in r.stderr, r.stderr
+        assert "CONFLICT (unrecorded: content not kept (secret path))" in r.stdout
+        for p in (".env", "keys/id.pem", ".ssh/config"):
+            assert p in r.stderr
+        assert snapshot(m.ws) == before
+        # the ordinary file still reverts
+        overlayrec("revert", m.ws, "--call", "c1", "--path", "notes.txt", "--yes",
+                   "--state-dir", m.state)
+        assert open(os.path.join(m.ws, "notes.txt"), "rb").read() == b"hello\n"
+        after = snapshot(m.ws)
+        assert {k: v for k, v in after.items() if k != "notes.txt"} == \
+            {k: v for k, v in before.items() if k != "notes.txt"}
+    finally:
+        m.umount()
+    unmounted = run_readers(m, tmp_path, "unmounted")
+    assert "content not kept (secret path)" in unmounted["--call"].stdout
+    assert "+world" in unmounted["--call"].stdout
+    # nothing in the attic holds a secret: a secret deleted or renamed over is really gone
+    attic = os.path.join(m.ws, ".overlayrec-attic")
+    assert_nowhere([m.state] + ([attic] if os.path.isdir(attic) else []), vals + old)
+    for html in (mounted["report"], unmounted["report"]):
+        page = open(html, "rb").read()
+        assert b"content not kept (secret path)" in page
+        assert not any(s in page for s in vals + old), html
+    for rep in (mounted["replay"], unmounted["replay"]):
+        assert_nowhere([rep], vals + old)
+
+
+@pytest.mark.timeout(240)
+def test_secret_options(make_mount, tmp_path):
+    """--secret adds a pattern (withheld), --no-default-secrets keeps .env's content."""
+    m = make_mount(["--secret", "*.tfstate", "--no-default-secrets"])
+    vals = secrets(2)
+    with open(os.path.join(m.ws, ".env"), "wb") as f:
+        f.write(b"A=1\n")
+    m.mount()
+    try:
+        code = textwrap.dedent(f'''
+            from overlayrec import client
+            with client.connect() as c:
+                c.call_begin("c1", "Write")
+                open("infra/prod.tfstate", "wb").write(open({str(tmp_path / "v0")!r}, "rb").read())
+                open(".env", "ab").write(b"B=2\\n")
+                c.call_end("c1")
+        ''')
+        (tmp_path / "v0").write_bytes(vals[0])
+        os.makedirs(os.path.join(m.ws, "infra"))
+        overlayrec("run", "-w", m.ws, "--session", "s", "--", sys.executable, "-c", code,
+                   cwd=m.ws)
+        d = overlayrec("diff", m.ws, "--call", "c1", "--state-dir", m.state).stdout
+        assert "content not kept (secret path)" in d and "b/infra/prod.tfstate" in d
+        assert "+B=2" in d  # .env: an ordinary file now
+        j = m.journal()
+        try:
+            assert json.loads(j.meta("secrets")) == ["*.tfstate"]
+        finally:
+            j.close()
+    finally:
+        m.umount()
+    evs = m.events(seals=True)
+    tf = [e for e in evs if e.get("path") == "infra/prod.tfstate" and e.get("pre", {}).get("kind") == "file"]
+    assert tf and all(e["pre"].get("withheld") for e in tf)
+    env = [e for e in evs if e.get("path") == ".env" and e.get("pre", {}).get("kind") == "file"]
+    assert env and any("blob" in e["pre"] for e in env)
+    assert not any(e["pre"].get("withheld") for e in env)
+    assert_nowhere([m.state], vals[:1])
+    # a mount without the options keeps the workspace's list
+    m2 = m
+    m2.extra_args = []
+    m2.mount()
+    try:
+        j = m2.journal()
+        try:
+            assert json.loads(j.meta("secrets")) == ["*.tfstate"]
+        finally:
+            j.close()
+    finally:
+        m2.umount()
