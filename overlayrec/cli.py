@@ -1814,6 +1814,8 @@ def _pin(session_id: str, workspace: str, state_dir, pinned: bool) -> None:
             raise Fail(str(e)) from None
         click.echo(out["message"])
         return
+    if not os.path.exists(os.path.join(sd, "journal", "data.mdb")):
+        raise Fail(f"{ws} is not recorded (no journal in {sd})")
     try:
         lock = retention.writer_lock(sd)
         try:

@@ -70,7 +70,10 @@ def parse_size(text: str) -> int:
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", text or "")
     if not m:
         raise ValueError(f"{text!r} is not a size (a number with K, M, G or T)")
-    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+    n = float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
+    if not n < 1 << 62:  # also inf, from a number too long for a float
+        raise ValueError(f"{text!r} is too large a size")
+    return int(n)
 
 
 def parse_duration(text: str) -> float:
@@ -78,7 +81,10 @@ def parse_duration(text: str) -> float:
     parts = re.findall(r"([0-9]+(?:\.[0-9]+)?)([smhdw])", text or "")
     if not parts or "".join(a + b for a, b in parts) != (text or "").strip():
         raise ValueError(f"{text!r} is not a duration (e.g. 30d, 12h, 2w, 1d12h; s m h d w)")
-    return sum(float(n) * _TIME_UNITS[u] for n, u in parts)
+    secs = sum(float(n) * _TIME_UNITS[u] for n, u in parts)
+    if not secs < 1e11:  # some 3,000 years; also inf
+        raise ValueError(f"{text!r} is too long a duration")
+    return secs
 
 
 @dataclass

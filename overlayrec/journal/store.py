@@ -50,6 +50,11 @@ class Journal:
         self.state_dir = state_dir
         self.readonly = readonly
         path = os.path.join(state_dir, "journal")
+        try:
+            os.fsencode(path).decode("utf-8")
+        except UnicodeDecodeError:  # LMDB takes its path as UTF-8 text only
+            raise JournalError(f"cannot open a journal in {os.fsencode(state_dir)!r}: "
+                               "not a UTF-8 path") from None
         self._path, self._durable = path, durable
         if readonly and not os.path.exists(os.path.join(path, "data.mdb")):
             raise JournalError(f"no journal in {state_dir}")
