@@ -1249,6 +1249,8 @@ def _label(plan: Plan) -> None:
                  ("own", "write", 922, 2477, "x")]),
     ("call", 2, [("own", "swap", 715, 2400, "y"), ("own", "truncate", 898, 250, "x"),
                  ("own", "write", 922, 2477, "x")])])
+@example(seed=1, which=0, raw=[("call", 0, [("own", "link", 0, 0, "x"),
+                                            ("own", "link", 0, 0, "x")])])
 def test_every_reader_agrees_with_the_model(model_env, seed, raw, which):
     plan = make_plan(seed, raw)
     note(plan.describe())

@@ -187,16 +187,16 @@ def _holding_others(plan: Plan, live: Tree) -> None:
 
 
 def _find_partners(plan: Plan, live: Tree, candidates) -> None:
-    """For each hard-linked target no other step of the plan makes: a live path outside the
-    plan (a recorded name; ``candidates()`` lists them, asked only when needed) still holding
-    that inode and content."""
+    """For each hard-linked target whose group had more names than the plan makes: a live
+    path outside the plan (a recorded name; ``candidates()`` lists them, asked only when
+    needed) still holding that inode and content, which the group's steps link to."""
     names: set[str] | None = None
     for step in plan.steps:
         t = step.target
         if not (link_key(t) and t.nlink > 1) or link_key(t) in plan.partners:
             continue
-        if any(o is not step and linked(t, o.target) for o in plan.steps):
-            continue
+        if t.nlink <= 1 + sum(o is not step and linked(t, o.target) for o in plan.steps):
+            continue  # every name of the group is a step of the plan
         if names is None:
             names = candidates()
         for name in sorted(names):
