@@ -1556,30 +1556,22 @@ def show(seq, workspace, state_dir, as_json):
 @click.option("--state-dir", type=click.Path())
 @_guard
 def report(workspace, out, state_dir):
-    """A single self-contained HTML page (no network) with the sessions as a timeline: turns,
-    their calls, the processes and files of each, outside writers in their own lane, and each
-    call's diff a click away."""
-    from .engines.gitdiff import ObjectStore, left_out_note
-    from .engines.report import report_data, render
+    """A single self-contained HTML page (no network): the sessions on a time axis, a lane per
+    turn and per call, one for outside writers and one for late writes of background processes,
+    a mark per changed file (its diff a click away), and the files with the units that changed
+    each (docs/report.md)."""
+    from .engines.gitdiff import ObjectStore
+    from .engines.report import report_data
+    from .engines.report_html import render
     from .engines.states import States
     ws, sd, j, tree = _open_journal_and_tree(workspace, state_dir)
     try:
-        states = States(j, tree)
         store = ObjectStore(sd)
-
-        def diff_of(c, side):
-            # the call's Side from the listing's one pass (not a select() per call)
-            if side is None:
-                return ""
-            patch = store.diff(store.tree(side.before), store.tree(side.after), "patch")
-            if c["git_changes"]:
-                patch += f"# {left_out_note(c['git_changes'])}\n"
-            return patch
-        page = render(report_data(j, diff_of, states), ws)
+        page = render(report_data(j, States(j, tree), store, ws))
     finally:
         os.close(tree.root_fd)
         j.close()
-    with open(out, "w") as f:
+    with open(out, "w", encoding="utf-8") as f:
         f.write(page)
     click.echo(f"wrote {out}")
     for w in store.warnings:
@@ -1860,13 +1852,18 @@ def export():
 @click.option("--repo", type=click.Path(), help="Write into this repository (default: a private "
               "object store in the state dir, the workspace's objects as an alternate).")
 @click.option("--ref-prefix", type=ID, default="refs/overlayrec", show_default=True)
+@click.option("--push", "remote", help="Then send the refs to this git remote (a path or URL "
+              "git understands) under refs/overlayrec/origins/<origin>/: only what it lacks.")
+@click.option("--origin", "origin", help="The name this workspace's records take on the remote "
+              "(default: <host>-<workspace>-<random>, kept in the state dir).")
 @click.option("--state-dir", type=click.Path())
 @click.option("--json", "as_json", is_flag=True)
 @_guard
-def export_git(workspace, repo, ref_prefix, state_dir, as_json):
+def export_git(workspace, repo, ref_prefix, remote, origin, state_dir, as_json):
     """One commit per call (its parent: the state before it), one per turn end, refs under
     <prefix>/<session>/{calls,turns}/ and <session>/head.  Incremental: a second run writes
-    only what is new.  The workspace's own repository is never written."""
+    only what is new.  The workspace's own repository is never written.  --push sends them
+    on (docs/export.md: records that travel)."""
     import contextlib
     import hashlib
     from .engines.export import Exporter
@@ -1901,17 +1898,153 @@ def export_git(workspace, repo, ref_prefix, state_dir, as_json):
             click.echo("", err=True)
         out["git_dir"] = store.git_dir
         out["git_warnings"] = store.warnings
+        if remote:
+            from .engines.travel import origin_name, push
+            name = origin_name(state.StateDir(sd).export_state("origin"), ws, origin)
+            out["push"] = push(store.git_dir, ref_prefix, remote, name)
         if as_json:
             click.echo(json.dumps(out))
         else:
             click.echo(f"wrote {out['commits']} commit(s) for {out['sessions']} session(s) "
                        f"into {store.git_dir} (refs under {ref_prefix}/)")
+            if remote:
+                p = out["push"]
+                click.echo(f"pushed to {remote} as {p['refs_prefix']}: {len(p['new'])} new "
+                           f"ref(s), {len(p['updated'])} moved, {p['up_to_date']} up to date")
         _say_left_out(out["git_left_out"], store, "exported")
     except GitError as e:
         raise Fail(str(e)) from None
     finally:
         os.close(tree.root_fd)
         j.close()
+
+
+# -- records that travel --------------------------------------------------------------------------
+
+@main.command()
+@click.argument("remote")
+@click.option("--into", type=click.Path(), help="A bare repository to hold them (made when "
+              "missing; default: records.git in overlayrec's state home).")
+@click.option("--json", "as_json", is_flag=True)
+@_guard
+def fetch(remote, into, as_json):
+    """Bring the records other hosts pushed (`export git --push`) from REMOTE: every origin's
+    refs under refs/overlayrec/origins/.  `overlayrec records ...` reads them."""
+    from .engines.gitdiff import GitError
+    from .engines.travel import fetch as do_fetch, default_records_dir
+    try:
+        out = do_fetch(remote, into or default_records_dir())
+    except GitError as e:
+        raise Fail(str(e)) from None
+    if as_json:
+        click.echo(json.dumps(out))
+    else:
+        click.echo(f"fetched {out['sessions']} session(s) of {len(out['origins'])} origin(s) "
+                   f"into {out['into']}")
+
+
+@main.group()
+def records():
+    """Read fetched records from git alone (no journal): list, diff, blame, report."""
+
+
+def _records(git_dir):
+    from .engines.travel import Records, default_records_dir
+    return Records(git_dir or default_records_dir())
+
+
+_GIT_OPT = click.option("--git", "git_dir", type=click.Path(),
+                        help="The repository holding the records (default: where `overlayrec "
+                        "fetch` puts them).")
+
+
+@records.command(name="list")
+@_GIT_OPT
+@click.option("--json", "as_json", is_flag=True)
+@_guard
+def records_list(git_dir, as_json):
+    """The origins and sessions held, with their calls and turns."""
+    from .engines.gitdiff import GitError
+    try:
+        recs = _records(git_dir)
+    except GitError as e:
+        raise Fail(str(e)) from None
+    rows = [{"origin": o, "session": sid, "calls": len(s["calls"]), "turns": len(s["turns"]),
+             "head": s["head"]} for (o, sid), s in sorted(recs.sessions.items())]
+    for r in rows:
+        click.echo(json.dumps(r) if as_json else
+                   f"{r['origin']}  {r['session']}  {r['turns']} turn(s), {r['calls']} call(s)")
+
+
+@records.command(name="diff")
+@_GIT_OPT
+@click.option("--origin", help="The origin (when several hold the selection).")
+@click.option("--session", "sid", type=ID)
+@click.option("--call", "call_id")
+@click.option("--turn", "turn_sel", type=TURN)
+@click.option("--stat", "fmt", flag_value="stat")
+@click.option("--numstat", "fmt", flag_value="numstat")
+@click.option("--name-status", "fmt", flag_value="name-status")
+@click.option("--patch", "fmt", flag_value="patch", default=True)
+@click.option("--binary", is_flag=True)
+@_guard
+def records_diff(git_dir, origin, sid, call_id, turn_sel, fmt, binary):
+    """What a call, a turn or a session changed, as `overlayrec diff` printed it on its origin."""
+    from .engines.gitdiff import GitError
+    from .engines.travel import SelectionError
+    if call_id is not None and turn_sel is not None:
+        raise Fail("choose one of --call, --turn")
+    if call_id is None and turn_sel is None and sid is None:
+        raise Fail("say what to diff: --call ID, --turn N or --session S")
+    try:
+        click.echo(_records(git_dir).diff(fmt, binary, origin=origin, session=sid,
+                                          call=call_id, turn=turn_sel), nl=False)
+    except (GitError, SelectionError) as e:
+        raise Fail(str(e)) from None
+
+
+@records.command(name="blame")
+@click.argument("path")
+@_GIT_OPT
+@click.option("--origin", help="Only this origin's history of the path.")
+@click.option("--json", "as_json", is_flag=True)
+@_guard
+def records_blame(path, git_dir, origin, as_json):
+    """Each exported commit that changed PATH (relative to its workspace), newest first."""
+    from .engines.gitdiff import GitError
+    try:
+        rows = _records(git_dir).blame(os.path.normpath(path), origin)
+    except GitError as e:
+        raise Fail(str(e)) from None
+    if not rows:
+        raise Fail(f"nothing exported changed {path}")
+    for r in rows:
+        if as_json:
+            click.echo(json.dumps(r))
+            continue
+        click.echo(f"{_fmt_time(r['t'])} {r['origin']} seq {r['first_seq']}-{r['last_seq']} "
+                   f"{r['unit']}: {r['subject']}  {r['before']['kind']} {r['before']['size']}B "
+                   f"-> {r['after']['kind']} {r['after']['size']}B  "
+                   f"[{'; '.join(p[:60] for p in r['processes'])}]")
+
+
+@records.command(name="report")
+@_GIT_OPT
+@click.option("--html", "out", default="overlayrec-records.html", show_default=True,
+              type=click.Path(), help="Where to write the page.")
+@_guard
+def records_report(git_dir, out):
+    """A self-contained HTML page of every fetched session: turns, calls, their files and
+    diffs, and the changes between calls."""
+    from .engines.gitdiff import GitError
+    from .engines.travel import render
+    try:
+        page = render(_records(git_dir).report_data())
+    except GitError as e:
+        raise Fail(str(e)) from None
+    with open(out, "w", encoding="utf-8") as f:
+        f.write(page)
+    click.echo(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from .calls import Calls
 from .control import ControlServer
 from .fs import Operations
 from .journal import Journal, JournalError
-from .recorder import Recorder
+from .recorder import Recorder, UnrecordedRecorder
 from . import retention, secrets, state
 
 log = logging.getLogger("overlayrec")
@@ -164,7 +164,12 @@ def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool, record_da
     root_fd = os.open(ws, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     attribution = Attribution()
     calls = Calls(journal, attribution)
-    recorder = Recorder(journal, root_fd, attribution, units=calls, record_data=record_data)
+    # OVERLAYREC_BENCH_NORECORD=1: a bench switch, not a user feature (tools/bench's norecord
+    # setup): the same filesystem layer over a recorder that journals no change. Read once here.
+    make = UnrecordedRecorder if os.environ.get("OVERLAYREC_BENCH_NORECORD") == "1" else Recorder
+    recorder = make(journal, root_fd, attribution, units=calls, record_data=record_data)
+    if make is not Recorder:
+        log.info("OVERLAYREC_BENCH_NORECORD=1: changes are NOT recorded (a bench switch)")
     try:
         # a gc killed half way is finished first (docs/retention.md)
         for _ in retention.finish(journal, state_dir, recorder.attic_fd, {},

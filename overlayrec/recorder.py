@@ -1171,3 +1171,71 @@ def _moved_name(name: str, r: dict) -> str | None:
     if name.startswith(dst + "/"):
         return src + name[len(dst):] if r.get("flags", 0) & underlay.RENAME_EXCHANGE else None
     return name
+
+
+class UnrecordedRecorder(Recorder):
+    """A bench switch, not a user feature: ``OVERLAYREC_BENCH_NORECORD=1`` in the daemon's
+    environment (read once, at mount, by ``daemon.prepare``) serves with this recorder, whose
+    mutations change the underlay as the filesystem layer asks and journal nothing (no events,
+    no pre-images, no attic, no epochs). tools/bench's ``norecord`` setup uses it to split what
+    overlayrec's filesystem layer costs from what recording costs. Without the variable the
+    daemon builds a plain ``Recorder``: nothing here runs."""
+
+    def create(self, parent_fd, name, flags, mode, uid, gid, actor):
+        # a new object gets the caller's owner (as Recorder.create), an existing one keeps its
+        foreign = (uid, gid) != (self._euid, self._egid)
+        existed = foreign and not flags & os.O_EXCL and \
+            self._pre_at(parent_fd, name)[1] is not None
+        fd = os.open(name, flags | os.O_CREAT | os.O_CLOEXEC, mode, dir_fd=parent_fd)
+        if foreign and not existed:
+            try:
+                self._fix_owner(parent_fd, name, uid, gid, mode)
+            except OSError:
+                os.close(fd)
+                raise
+        return fd
+
+    def mkdir(self, parent_fd, name, mode, uid, gid, actor):
+        os.mkdir(name, mode, dir_fd=parent_fd)
+        self._fix_owner(parent_fd, name, uid, gid, None)
+
+    def mknod(self, parent_fd, name, mode, rdev, uid, gid, actor):
+        os.mknod(name, mode, rdev, dir_fd=parent_fd)
+        self._fix_owner(parent_fd, name, uid, gid, None)
+
+    def symlink(self, parent_fd, name, target, uid, gid, actor):
+        os.symlink(target, name, dir_fd=parent_fd)
+        self._fix_owner(parent_fd, name, uid, gid, None)
+
+    def link(self, src_fd, parent_fd, name, actor):
+        underlay.link_fd(src_fd, parent_fd, name, root_fd=self.root_fd, rel=self.rel(src_fd))
+
+    def unlink(self, parent_fd, name, actor):
+        os.unlink(name, dir_fd=parent_fd)
+
+    def rmdir(self, parent_fd, name, actor):
+        os.rmdir(name, dir_fd=parent_fd)
+
+    def rename(self, pfd, name, npfd, nname, flags, actor):
+        underlay.renameat2(pfd, name, npfd, nname, flags)
+
+    def write(self, handle, off, data):
+        return os.pwrite(handle.fd, data, off)
+
+    def truncate(self, fd, size, actor, *, handle=None, open_fd=None):
+        underlay.truncate_fd(fd, size)
+
+    def chmod(self, fd, mode, actor):
+        underlay.chmod_fd(fd, mode)
+
+    def chown(self, fd, uid, gid, actor):
+        underlay.chown_fd(fd, uid, gid)
+
+    def utimens(self, fd, atime_ns, mtime_ns, is_symlink, actor):
+        underlay.utimens_fd(fd, atime_ns, mtime_ns, is_symlink)
+
+    def setxattr(self, fd, name, value, actor):
+        os.setxattr(underlay.proc_path(fd), name, value)
+
+    def removexattr(self, fd, name, actor):
+        os.removexattr(underlay.proc_path(fd), name)

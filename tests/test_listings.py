@@ -152,9 +152,11 @@ def test_listings_net_and_git_said_not_hidden(make_mount, tmp_path):
     page = tmp_path / "r.html"
     overlayrec("report", m.ws, "--html", str(page))
     data = json.loads(page.read_text().split('<script id="data" type="application/json">')[1]
-                      .split("</script>")[0].replace("<\\/", "</"))
-    calls = {c["id"]: c for s in data["sessions"] for c in s["calls"]}
+                      .split("</script>")[0])
+    calls = {lane["call"]: lane for lane in data["lanes"] if lane["kind"] == "call"}
     assert calls["churn"]["paths"] == ["real.txt"] and "scratch.tmp" in calls["churn"]["touched"]
     assert calls["gitcall"]["git_changes"] == gitcall["git_changes"]
-    assert "app.txt" in calls["gitcall"]["diff"] and ".git/HEAD" not in calls["gitcall"]["diff"]
-    assert "under .git/ not shown" in calls["gitcall"]["diff"]
+    diff = "".join(data["patches"][calls["gitcall"]["patch"]])
+    assert "app.txt" in diff and ".git/HEAD" not in diff
+    assert "under .git/ not shown" in diff
+    assert not [c for c in data["changes"] if git_refuses(c["path"])]   # .git/: counted only

@@ -13,38 +13,199 @@ between the same two points.  Export is incremental: what a run exported is reme
 state dir and a later run only adds commits for calls and turns that ended since; paths first
 recorded after an earlier run appear in the new commits only (docs/export.md).
 
-Messages carry the facts as trailers; refs live under ``refs/overlayrec/<session>/``.
+Beside the chain, a ``sides`` commit per session holds the two sides of each exported call's,
+turn's and the session's own diff exactly as ``overlayrec diff`` makes them (trees of only the
+selection's paths), so a copy of the refs elsewhere answers ``diff`` without the journal
+(engines/travel.py).
+
+Everything is written through one ``git fast-import`` stream per run (no process per object or
+commit).  Messages carry the facts as trailers; refs live under ``refs/overlayrec/<session>/``.
 """
 from __future__ import annotations
 
+import bisect
+import hashlib
 import json
 import os
+import subprocess
 import tempfile
+from urllib.parse import quote
 
 from ..journal import Journal
-from .diff import file_events, touched, _visible
-from .gitdiff import ObjectStore, git_refuses
-from .states import States
+from ..views import unit_session
+from .diff import file_events, touched, side_of, _visible
+from .gitdiff import ObjectStore, GitError, git_refuses
+from .states import States, State
 
 
 def _ident(name: str, email: str, t_ns: int) -> dict:
     return {"name": name, "email": email, "date": f"{t_ns // 10**9} +0000"}
 
 
+def side_key(kind: str, key) -> str:
+    """Where one unit's diff sides live in a session's ``sides`` tree: ``calls/c-<id>``
+    (the id percent-encoded: any text is a valid id), ``turns/<n>``, ``session``; beneath it
+    ``a/`` (before) and ``b/`` (after), each holding only the selection's paths."""
+    if kind == "call":
+        return "calls/c-" + quote(key, safe="")
+    if kind == "turn":
+        return f"turns/{key}"
+    return "session"
+
+
+def _trailer_value(text) -> str:
+    """One line of free text as a trailer's value (its first line, at most 200 characters)."""
+    lines = str(text).splitlines()
+    return lines[0].strip()[:200] if lines else ""
+
+
+def _quote_path(p: str) -> bytes:
+    """A path as fast-import reads it: as is, or C-quoted when it starts with a double quote or
+    holds a newline (or a backslash, which quoting would otherwise misread)."""
+    b = p.encode("utf-8", "surrogateescape")
+    if not (b.startswith(b'"') or b"\n" in b):
+        return b
+    out = bytearray(b'"')
+    for ch in b:
+        if ch in (0x22, 0x5c):
+            out += b"\\" + bytes([ch])
+        elif ch == 0x0a:
+            out += b"\\n"
+        elif ch < 0x20 or ch == 0x7f:
+            out += b"\\%03o" % ch
+        else:
+            out.append(ch)
+    return bytes(out + b'"')
+
+
+def _name(s: str) -> str:
+    """An ident name as git commit-tree writes it: without newlines and angle brackets."""
+    return "".join(ch for ch in s if ch not in "\n<>").strip()
+
+
+class FastImport:
+    """One ``git fast-import`` process fed objects, commits and refs; refs are updated (forced)
+    when the stream ends, and each mark's object name read back then."""
+
+    def __init__(self, store: ObjectStore):
+        self.tmp = tempfile.mkdtemp(prefix="overlayrec-export-")
+        self.marks_file = os.path.join(self.tmp, "marks")
+        self.err = open(os.path.join(self.tmp, "stderr"), "w+b")
+        self.proc = subprocess.Popen(
+            ["git", "fast-import", "--quiet", "--force", "--done",
+             f"--export-marks={self.marks_file}"],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=self.err,
+            # glibc otherwise gives memory back and asks for it again for every object (tens
+            # of thousands of brk calls: most of fast-import's time on a long session)
+            env=dict(store.env, MALLOC_TOP_PAD_=str(64 << 20)))
+        self.out = self.proc.stdin
+        self.buf = bytearray()
+        self.n = 0
+        self.blobs: dict[bytes, str] = {}   # content digest -> its mark (one blob per content)
+
+    def _write(self, data: bytes) -> None:
+        self.buf += data
+        if len(self.buf) >= 1 << 20:   # in large writes: a pipe's 64 KiB at a time is slow
+            self._flush()
+
+    def _flush(self) -> None:
+        try:
+            self.out.write(self.buf)
+        except BrokenPipeError:
+            self._fail()
+        self.buf = bytearray()
+
+    def _fail(self):
+        self.proc.wait()
+        self.err.seek(0)
+        said = [l for l in self.err.read().decode(errors="replace").splitlines() if l.strip()]
+        self.cleanup()
+        fatal = [l for l in said if l.startswith("fatal:")] or said[-3:]
+        raise GitError("git fast-import failed: " + "; ".join(fatal)[:2000])
+
+    def mark(self) -> str:
+        self.n += 1
+        return f":{self.n}"
+
+    def blob(self, data: bytes) -> str:
+        key = hashlib.sha1(data).digest()
+        m = self.blobs.get(key)
+        if m is None:
+            m = self.blobs[key] = self.mark()
+            self._write(b"blob\nmark %s\ndata %d\n" % (m.encode(), len(data)) + data + b"\n")
+        return m
+
+    def commit(self, ref: str, author: dict, committer: dict, message: str,
+               parent: str | None, changes: list[bytes]) -> str:
+        m = self.mark()
+        msg = message.encode("utf-8", "surrogateescape")
+        head = (f"commit {ref}\nmark {m}\n"
+                f"author {_name(author['name'])} <{author['email']}> {author['date']}\n"
+                f"committer {_name(committer['name'])} <{committer['email']}> "
+                f"{committer['date']}\n").encode("utf-8", "surrogateescape")
+        parts = [head, b"data %d\n" % len(msg), msg, b"\n"]
+        if parent:
+            parts.append(f"from {parent}\n".encode())
+        for c in changes:
+            parts += [c, b"\n"]
+        parts.append(b"\n")
+        self._write(b"".join(parts))
+        return m
+
+    def reset(self, ref: str, to: str | None = None) -> None:
+        self._write(f"reset {ref}\n".encode("utf-8", "surrogateescape")
+                    + (f"from {to}\n\n".encode() if to else b"\n"))
+
+    def close(self) -> dict[str, str]:
+        """End the stream; the object name of each mark."""
+        self._write(b"done\n")
+        self._flush()
+        try:
+            self.out.close()
+        except BrokenPipeError:
+            self._fail()
+        if self.proc.wait() != 0:
+            self._fail()
+        marks = {}
+        try:
+            with open(self.marks_file) as f:
+                for line in f:
+                    m, sha = line.split()
+                    marks[m] = sha
+        finally:
+            self.cleanup()
+        return marks
+
+    def cleanup(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.err.close()
+        if os.path.isdir(self.tmp):
+            for name in os.listdir(self.tmp):
+                os.unlink(os.path.join(self.tmp, name))
+            os.rmdir(self.tmp)
+
+
 class Exporter:
     def __init__(self, j: Journal, states: States, store: ObjectStore, state_file: str,
-                 ref_prefix: str = "refs/overlayrec"):
+                 ref_prefix: str = "refs/overlayrec", sides: bool = True):
         self.j = j
         self.states = states
         self.store = store
         self.state_file = state_file
         self.prefix = ref_prefix.rstrip("/")
+        self.sides = sides
         try:
             with open(state_file) as f:
                 self.done = json.load(f)
         except (OSError, ValueError):
             self.done = {"horizon": 0, "paths": [], "sessions": {}}
         self.written = 0
+        self.fi: FastImport | None = None
+        self._evs: list[dict] | None = None
+        self._actor_cache: dict = {}
+        self._state_cache: dict = {}
 
     def _git(self, *args, input=None, env=None) -> str:
         return self.store._git(*args, input=input, env=env)
@@ -57,17 +218,57 @@ class Exporter:
             if _visible(p):
                 (refused if git_refuses(p) else paths).add(p)
         paths = sorted(paths)
-        new = {p for e in file_events(self.j, self.done["horizon"] + 1, horizon)
-               for p in (e.get("path"), e.get("path2")) if p in refused}
-        left_out = sum(1 for p in new if not self.states.state(p, self.done["horizon"]).same(
-            self.states.state(p, horizon)))
         calls = self.j.records("calls")
         turns = self.j.records("turns")
         sessions = sorted({c["session"] for c in calls} | {t["session"] for t in turns})
+        work = []
         for sid in sessions:
-            self._session(sid, [c for c in calls if c["session"] == sid and c.get("end_seq")],
-                          [t for t in turns if t["session"] == sid and t.get("end_seq")],
-                          paths, progress)
+            st = self.done["sessions"].get(sid) or {"calls": {}, "turns": {}}
+            c_new = [c for c in calls if c["session"] == sid and c.get("end_seq")
+                     and c["id"] not in st["calls"]]
+            t_new = [t for t in turns if t["session"] == sid and t.get("end_seq")
+                     and str(t["index"]) not in st["turns"]]
+            if c_new or t_new:
+                work.append((sid, c_new, t_new))
+        if work:
+            # the events this run reads: from the earliest point a chain, a new unit's span or
+            # a session's spans (all of a session never exported) start from
+            lo = self.done["horizon"]
+            for sid, c_new, t_new in work:
+                st = self.done["sessions"].get(sid)
+                lo = min([lo, min(st["point"], st.get("spans_to", 0))
+                               if st and st.get("spans") is not None else 0]
+                         + [(c.get("begin_seq") or c["end_seq"]) - 1 for c in c_new]
+                         + [t["begin_seq"] - 1 for t in t_new])
+            self._load(max(0, lo), horizon)
+            self.refs: list[tuple[str, str]] = []
+            self.fi = FastImport(self.store)
+            try:
+                for sid, c_new, t_new in work:
+                    self._session(sid, c_new, t_new, paths, horizon, progress)
+                marks = self.fi.close()
+            except BaseException:
+                self.fi.cleanup()
+                raise
+            new = {p for e in self._events(self.done["horizon"], horizon)
+                   for p in (e.get("path"), e.get("path2")) if p in refused}
+        else:
+            new = {p for e in file_events(self.j, self.done["horizon"] + 1, horizon)
+                   for p in (e.get("path"), e.get("path2")) if p in refused}
+        left_out = sum(1 for p in new if not self.states.state(p, self.done["horizon"]).same(
+            self.states.state(p, horizon)))
+        if work:
+            # the marks of this run become object names in the state kept
+            for st in self.done["sessions"].values():
+                for d, k in [(st, "head"), (st, "sides")] + \
+                        [(st["calls"], k) for k in st["calls"]] + \
+                        [(st["turns"], k) for k in st["turns"]]:
+                    if isinstance(d.get(k), str) and d[k].startswith(":"):
+                        d[k] = marks[d[k]]
+            if self.refs:
+                self._git("update-ref", "--stdin", input="".join(
+                    f"update {name} {marks[m]}\n" for name, m in self.refs
+                ).encode("utf-8", "surrogateescape"))
         self.done["horizon"] = horizon
         self.done["paths"] = paths
         tmp = self.state_file + ".tmp"
@@ -77,125 +278,183 @@ class Exporter:
         return {"commits": self.written, "sessions": len(sessions), "paths": len(paths),
                 "git_left_out": left_out}
 
+    # -- the journal's events, read once a run ----------------------------------------------------
+    def _load(self, lo: int, hi: int) -> None:
+        self._evs = file_events(self.j, lo + 1, hi)
+        self._seqs = [e["seq"] for e in self._evs]
+        self._lo, self._hi = lo, hi
+
+    def _events(self, lo: int, hi: int) -> list[dict]:
+        """File events with lo < seq <= hi (within what _load read)."""
+        if self._evs is None or lo < self._lo:
+            self._load(lo, self._hi if self._evs is not None else self.j.last_seq())
+        return self._evs[bisect.bisect_right(self._seqs, lo):bisect.bisect_right(self._seqs, hi)]
+
+    def state(self, path: str, point: int) -> State:
+        """What ``path`` held after ``point``, as States.state gives it but without working out
+        whether the point is exact (a tree holds the bytes, not that flag); cached."""
+        key = (path, point)
+        st = self._state_cache.get(key)
+        if st is None:
+            s = self.states
+            st = s._state(path, point)
+            if st.kind == "file" and (st.withheld or s.secrets.match(path)):
+                st = s._withheld(path, point, st)   # a secret's placeholder, as every reader
+            self._state_cache[key] = st
+        return st
+
+    def moved_with(self, e: dict):
+        return self.states.moved_with(e)
+
+    def _actor(self, key: str) -> dict:
+        if key not in self._actor_cache:
+            self._actor_cache[key] = self.j.actor(key) or {}
+        return self._actor_cache[key]
+
+    # -- one session's chain ------------------------------------------------------------------------
     def _session(self, sid: str, calls: list[dict], turns: list[dict], paths: list[str],
-                 progress) -> None:
+                 horizon: int, progress) -> None:
         st = self.done["sessions"].setdefault(sid, {"head": None, "point": 0, "calls": {},
                                                     "turns": {}})
         points = []
         for c in calls:
-            if c["id"] not in st["calls"]:
-                points.append((c["end_seq"], 1, "call", c))
+            points.append((c["end_seq"], 1, "call", c))
         for t in turns:
-            if str(t["index"]) not in st["turns"]:
-                points.append((t["end_seq"], 2, "turn", t))
+            points.append((t["end_seq"], 2, "turn", t))
         points.sort(key=lambda p: (p[0], p[1]))
         if not points:
             return
-        with tempfile.TemporaryDirectory(prefix="overlayrec-export-") as tmp:
-            index = os.path.join(tmp, "index")
-            env = dict(self.store.env, GIT_INDEX_FILE=index)
-            if st["head"]:
-                self._git("read-tree", st["head"], env=env)
-            point = st["point"]
-            if not st["head"]:
-                first = points[0][3]
-                point = max(0, (first.get("begin_seq") or points[0][0]) - 1)
-            have = set(self._git("ls-files", "-z", env=env).split("\0")) if st["head"] else set()
-            fill = [p for p in paths if p not in have]
-            self._update(fill, point, env)
-            if not st["head"]:
-                # the session's base: the workspace as it stood before its first call (the
-                # recorded paths rolled back, every other file as it is: nothing changed it)
-                self._fill_unrecorded(paths, env)
-                msg = (f"session {sid}: the workspace before it\n\n"
-                       f"Overlayrec-Session: {sid}\nOverlayrec-Seq: ..{point}\n")
-                t0 = points[0][3].get("begin_t") or 0
-                st["head"] = self._commit(sid, st, env, _ident(f"agent (session {sid})",
-                                                               "agent@overlayrec.invalid", t0),
-                                          msg, t0)
-                self._ref(f"{sid}/base", st["head"])
-            for n, (seq, _, kind, rec) in enumerate(points):
-                if kind == "call":
-                    begin = rec.get("begin_seq") or seq
-                    if begin - 1 > point and self._changed(point, begin - 1):
-                        self._commit_interim(sid, st, point, begin - 1, paths, env)
-                        point = begin - 1
-                    self._advance(point, seq, paths, env)
-                    st["head"] = self._commit(sid, st, env, *self._call_message(sid, rec, point, seq))
-                    st["calls"][rec["id"]] = st["head"]
-                    self._ref(f"{sid}/calls/{rec['id']}", st["head"])
-                else:
-                    if seq > point and self._changed(point, seq):
-                        self._advance(point, seq, paths, env)
-                    st["head"] = self._commit(sid, st, env, *self._turn_message(sid, rec, point, seq))
-                    st["turns"][str(rec["index"])] = st["head"]
-                    self._ref(f"{sid}/turns/{rec['index']}", st["head"])
-                point = seq
-                st["point"] = point
-                if progress:
-                    progress(sid, n + 1, len(points))
-            self._ref(f"{sid}/head", st["head"])
+        self.pending: list[bytes] = []
+        # the files of the chain's tree as it stands (a path is removed only where it is a
+        # file: a path now a directory keeps what lies beneath it, as an index would)
+        self.files: set[str] = set()
+        if st["head"]:
+            self.files = set(p for p in self._git("ls-tree", "-r", "-z", "--name-only",
+                                                  st["head"]).split("\0") if p)
+        point = st["point"]
+        if not st["head"]:
+            first = points[0][3]
+            point = max(0, (first.get("begin_seq") or points[0][0]) - 1)
+        fill = [p for p in paths if p not in self.files]
+        self._update(fill, point)
+        if not st["head"]:
+            # the session's base: the workspace as it stood before its first call (the
+            # recorded paths rolled back, every other file as it is: nothing changed it)
+            self._fill_unrecorded(paths)
+            msg = (f"session {sid}: the workspace before it\n\n"
+                   f"Overlayrec-Session: {sid}\nOverlayrec-Seq: ..{point}\n")
+            t0 = points[0][3].get("begin_t") or 0
+            self.fi.reset(self._refname(f"{sid}/head"))   # a root commit, whatever was there
+            st["head"] = self._commit(sid, st, _ident(f"agent (session {sid})",
+                                                      "agent@overlayrec.invalid", t0), msg, t0)
+            self._ref(f"{sid}/base", st["head"])
+        for n, (seq, _, kind, rec) in enumerate(points):
+            if kind == "call":
+                begin = rec.get("begin_seq") or seq
+                if begin - 1 > point and self._changed(point, begin - 1):
+                    self._commit_interim(sid, st, point, begin - 1, paths)
+                    point = begin - 1
+                self._advance(point, seq, paths)
+                st["head"] = self._commit(sid, st, *self._call_message(sid, rec, point, seq))
+                st["calls"][rec["id"]] = st["head"]
+                self._ref(f"{sid}/calls/{rec['id']}", st["head"])
+            else:
+                if seq > point and self._changed(point, seq):
+                    self._advance(point, seq, paths)
+                st["head"] = self._commit(sid, st, *self._turn_message(sid, rec, point, seq))
+                st["turns"][str(rec["index"])] = st["head"]
+                self._ref(f"{sid}/turns/{rec['index']}", st["head"])
+            point = seq
+            st["point"] = point
+            if progress:
+                progress(sid, n + 1, len(points))
+        if self.sides:
+            self._sides(sid, st, calls, turns, horizon)
+
+    def _refname(self, name: str) -> str:
+        return f"{self.prefix}/{name}"
 
     # -- trees ----------------------------------------------------------------------------------
-    def _fill_unrecorded(self, paths: list[str], env, batch: int = 2000) -> None:
+    def _fill_unrecorded(self, paths: list[str]) -> None:
         """Add every file and symlink of the live tree the record never touched (so a commit
-        holds the whole workspace, not only what changed), in batches."""
+        holds the whole workspace, not only what changed)."""
         known = set(paths)
         tree = self.states.tree
-        rest = [p for p in tree.walk("", skip={".git"})
-                if p not in known and _visible(p) and not git_refuses(p)]
-        for i in range(0, len(rest), batch):
-            states = {}
-            for p in rest[i:i + batch]:
+        states = {}
+        for p in tree.walk("", skip={".git"}):
+            if p not in known and _visible(p) and not git_refuses(p):
                 s = tree.state(p)
                 if s.kind in ("file", "symlink"):
                     states[p] = s
-            self.store.update_index(self.store.index_lines(states), env)
+        self._stage(states)
 
     def _changed(self, lo: int, hi: int) -> bool:
-        return any(_visible(p) and not git_refuses(p) for e in file_events(self.j, lo + 1, hi)
+        return any(_visible(p) and not git_refuses(p) for e in self._events(lo, hi)
                    for p in (e.get("path"), e.get("path2")) if p is not None)
 
     def _touched(self, lo: int, hi: int) -> list[str]:
         out = set()
-        for e in file_events(self.j, lo + 1, hi):
+        for e in self._events(lo, hi):
             for p in touched(self.states, e):
                 if _visible(p):
                     out.add(p)
         return sorted(out)
 
-    def _advance(self, lo: int, hi: int, paths: list[str], env) -> None:
+    def _advance(self, lo: int, hi: int, paths: list[str]) -> None:
         known = set(paths)
-        self._update([p for p in self._touched(lo, hi) if p in known], hi, env)
+        self._update([p for p in self._touched(lo, hi) if p in known], hi)
 
-    def _update(self, paths: list[str], point: int, env) -> None:
+    def _update(self, paths: list[str], point: int) -> None:
         if paths:
-            states = {p: self.states.state(p, point) for p in paths}
-            self.store.update_index(self.store.index_lines(states), env)
+            self._stage({p: self.state(p, point) for p in paths})
+
+    def _blob_line(self, p: str, s: State, prefix: str = "") -> bytes:
+        mode = "120000" if s.kind == "symlink" else ("100755" if s.mode & 0o111 else "100644")
+        return f"M {mode} {self.fi.blob(s.data)} ".encode() + _quote_path(prefix + p)
+
+    def _stage(self, states: dict[str, State]) -> None:
+        """The changes that bring the chain's tree to these states (as ``git update-index
+        --index-info`` would: each present file or symlink written as a blob, each other path
+        removed where it is a file).  Paths git refuses (``.git/``) are left out and remembered
+        in the store's ``left_out``; so is the workspace's root."""
+        refused = {p for p in states if git_refuses(p)}
+        self.store.left_out |= refused
+        present = []
+        for p in sorted(states):
+            if not p or p in refused:
+                continue
+            if states[p].kind in ("file", "symlink"):
+                present.append(p)
+            elif p in self.files:
+                self.pending.append(b"D " + _quote_path(p))
+                self.files.discard(p)
+        for p in present:
+            self.pending.append(self._blob_line(p, states[p]))
+            parts = p.split("/")
+            for i in range(1, len(parts)):   # a file where a directory now is: replaced
+                self.files.discard("/".join(parts[:i]))
+            self.files.add(p)
 
     # -- commits --------------------------------------------------------------------------------
-    def _commit(self, sid, st, env, author: dict, message: str, t_ns: int) -> str:
-        tree = self._git("write-tree", env=env).strip()
-        cenv = dict(self.store.env, GIT_AUTHOR_NAME=author["name"],
-                    GIT_AUTHOR_EMAIL=author["email"], GIT_AUTHOR_DATE=author["date"],
-                    GIT_COMMITTER_NAME="overlayrec", GIT_COMMITTER_EMAIL="overlayrec@localhost",
-                    GIT_COMMITTER_DATE=f"{t_ns // 10**9} +0000")
-        args = ["commit-tree", tree]
-        if st["head"]:
-            args += ["-p", st["head"]]
-        sha = self._git(*args, input=message.encode("utf-8", "surrogateescape"), env=cenv).strip()
+    def _commit(self, sid, st, author: dict, message: str, t_ns: int) -> str:
+        committer = _ident("overlayrec", "overlayrec@localhost", t_ns)
+        m = self.fi.commit(self._refname(f"{sid}/head"), author, committer, message, st["head"],
+                           self.pending)
+        self.pending = []
         self.written += 1
-        return sha
+        return m
 
-    def _ref(self, name: str, sha: str) -> None:
-        self._git("update-ref", f"{self.prefix}/{name}", sha)
+    def _ref(self, name: str, mark: str) -> None:
+        # set once the stream is done (a ``reset`` in the stream would load the commit's tree
+        # into fast-import for every ref): one ``git update-ref --stdin`` for them all
+        self.refs.append((self._refname(name), mark))
 
     def _actors(self, lo: int, hi: int, unit: str | None) -> list[str]:
         out = []
-        for e in file_events(self.j, lo + 1, hi):
+        for e in self._events(lo, hi):
             if unit is not None and e.get("unit") != unit:
                 continue
-            a = self.j.actor(e["actor"]) or {}
+            a = self._actor(e["actor"])
             line = f"{a.get('pid', '?')} {' '.join(a.get('argv') or [])[:120]}"
             if line not in out:
                 out.append(line)
@@ -208,8 +467,14 @@ class Exporter:
                     ("Overlayrec-Turn", str(c.get("turn"))), ("Overlayrec-Session", sid),
                     ("Overlayrec-Seq", f"{lo + 1}..{hi}"), ("Overlayrec-Status", str(c.get("status"))),
                     ("Overlayrec-Begin", str(c["begin_t"])), ("Overlayrec-End", str(c["end_t"]))]
-        trailers += [("Overlayrec-Actor", a) for a in self._actors(lo, hi, unit)]
-        others = [a for a in self._actors(lo, hi, None) if a not in self._actors(lo, hi, unit)]
+        if EXTRA_TRAILERS:
+            if c.get("summary"):
+                trailers.append(("Overlayrec-Summary", _trailer_value(c["summary"])))
+            if c.get("implicit"):
+                trailers.append(("Overlayrec-Implicit", "yes"))
+        mine = self._actors(lo, hi, unit)
+        trailers += [("Overlayrec-Actor", a) for a in mine]
+        others = [a for a in self._actors(lo, hi, None) if a not in mine]
         trailers += [("Overlayrec-Other-Writer", a) for a in others]
         msg = subject + "\n\n" + "\n".join(f"{k}: {v}" for k, v in trailers) + "\n"
         author = _ident(f"agent (session {sid})", "agent@overlayrec.invalid", c["end_t"])
@@ -221,20 +486,108 @@ class Exporter:
         trailers = [("Overlayrec-Turn", str(t["index"])), ("Overlayrec-Session", sid),
                     ("Overlayrec-Seq", f"{t['begin_seq']}..{hi}"),
                     ("Overlayrec-Begin", str(t["begin_t"])), ("Overlayrec-End", str(t["end_t"]))]
+        if EXTRA_TRAILERS and prompt:
+            trailers.append(("Overlayrec-Prompt", _trailer_value(t["prompt"])))
         msg = subject[:72] + "\n\n" + "\n".join(f"{k}: {v}" for k, v in trailers) + "\n"
         return _ident(f"agent (session {sid})", "agent@overlayrec.invalid", t["end_t"]), msg, \
             t["end_t"]
 
-    def _commit_interim(self, sid, st, lo, hi, paths, env) -> None:
-        self._advance(lo, hi, paths, env)
-        units = sorted({e.get("unit") or "" for e in file_events(self.j, lo + 1, hi)})
+    def _commit_interim(self, sid, st, lo, hi, paths) -> None:
+        self._advance(lo, hi, paths)
+        evs = self._events(lo, hi)
+        units = sorted({e.get("unit") or "" for e in evs})
         outside = all(u.startswith("outside:") for u in units)
         actors = self._actors(lo, hi, None)
-        t_ns = max((e["t"] for e in file_events(self.j, lo + 1, hi)), default=0)
+        t_ns = max((e["t"] for e in evs), default=0)
         who = ("outside process" if outside else f"agent (session {sid})")
         msg = (f"changes between calls by {'outside processes' if outside else 'the agent'}\n\n"
                + "\n".join([f"Overlayrec-Session: {sid}", f"Overlayrec-Seq: {lo + 1}..{hi}"]
                            + [f"Overlayrec-Unit: {u}" for u in units]
                            + [f"Overlayrec-Actor: {a}" for a in actors]) + "\n")
         email = "outside@overlayrec.invalid" if outside else "agent@overlayrec.invalid"
-        st["head"] = self._commit(sid, st, env, _ident(who, email, t_ns), msg, t_ns)
+        st["head"] = self._commit(sid, st, _ident(who, email, t_ns), msg, t_ns)
+
+    # -- the sides of each unit's diff ----------------------------------------------------------
+    def _counts(self, e: dict) -> bool:
+        """Does this event change a path a tree can hold (not the attic, not under .git/)?"""
+        return any(_visible(p) and not git_refuses(p) for p in (e.get("path"), e.get("path2"))
+                   if p is not None)
+
+    def _sides(self, sid: str, st: dict, calls: list[dict], turns: list[dict],
+               horizon: int) -> None:
+        """One commit on ``<session>/sides``: the before (``a/``) and after (``b/``) trees of
+        the diffs ``overlayrec diff`` makes (engines/diff.py), each only its selection's paths:
+        every new turn's, the session's (kept up to date path by path), and a new call's only
+        where the chain cannot show it (another unit wrote inside its span, or it wrote after
+        its end): else its commit against its parent is that diff already."""
+        changes: list[bytes] = []
+
+        def put(key: str, events: list[dict], bounds=None) -> None:
+            side = side_of(self, events, bounds)
+            changes.append(b"D " + _quote_path(key))
+            for half, states in (("a/", side.before), ("b/", side.after)):
+                for p in sorted(states):
+                    s = states[p]
+                    if p and s.kind in ("file", "symlink") and not git_refuses(p):
+                        changes.append(self._blob_line(p, s, f"{key}/{half}"))
+
+        if calls:
+            lo = min(c.get("begin_seq") or c["end_seq"] for c in calls) - 1
+            by_unit: dict[str, list[dict]] = {}
+            for e in self._events(lo, horizon):
+                by_unit.setdefault(e.get("unit") or "", []).append(e)
+            for c in calls:
+                unit = f"call:{sid}:{c['id']}"
+                mine = by_unit.get(unit, [])
+                begin, end = c.get("begin_seq") or c["end_seq"], c["end_seq"]
+                if any(e["seq"] > end for e in mine) or any(
+                        e.get("unit") != unit and self._counts(e)
+                        for e in self._events(begin - 1, end)):
+                    put(side_key("call", c["id"]), mine)
+        for t in turns:
+            lo, hi = t["begin_seq"], t["end_seq"]
+            put(side_key("turn", t["index"]),
+                [e for e in self._events(lo - 1, hi) if unit_session(e.get("unit")) == sid],
+                (lo, hi))
+        # the session: each path from just before the session's first change to it to just
+        # after its last; spans kept in the export state, so a run reads only its new events
+        spans = st.get("spans")
+        since = st.get("spans_to", 0) if spans is not None else 0
+        spans = spans or {}
+        moved = {}
+        for e in self._events(since, horizon):
+            if unit_session(e.get("unit")) != sid:
+                continue
+            for p in touched(self.states, e):
+                if not _visible(p):
+                    continue
+                cur = moved.get(p) or spans.get(p)
+                span = [min(cur[0], e["seq"] - 1), max(cur[1], e["seq"])] if cur else \
+                    [e["seq"] - 1, e["seq"]]
+                moved[p] = span + (cur[2:] if cur else [False, False])
+        drops, puts = [], []
+        for p in sorted(moved):
+            lo, hi, had_a, had_b = moved[p]
+            now = []
+            for half, point, had in (("a/", lo, had_a), ("b/", hi, had_b)):
+                s = self.state(p, point)
+                there = bool(p) and s.kind in ("file", "symlink") and not git_refuses(p)
+                if had:
+                    drops.append(b"D " + _quote_path(f"session/{half}{p}"))
+                if there:
+                    puts.append(self._blob_line(p, s, f"session/{half}"))
+                now.append(there)
+            spans[p] = [lo, hi] + now
+        changes += drops + puts
+        st["spans"], st["spans_to"] = spans, horizon
+        t_ns = max([c["end_t"] for c in calls] + [t["end_t"] for t in turns])
+        who = _ident("overlayrec", "overlayrec@localhost", t_ns)
+        msg = (f"session {sid}: the sides of its diffs\n\nOverlayrec-Session: {sid}\n"
+               f"Overlayrec-Seq: ..{horizon}\n")
+        if not st.get("sides"):
+            self.fi.reset(self._refname(f"{sid}/sides"))   # a root commit, whatever was there
+        st["sides"] = self.fi.commit(self._refname(f"{sid}/sides"), who, who, msg,
+                                     st.get("sides"), changes)
+
+
+EXTRA_TRAILERS = True

@@ -1,136 +1,339 @@
-"""A self-contained HTML timeline of recorded sessions: turns, their calls, the processes each
-call ran and the files each wrote, outside actors in a lane of their own, each call's diff a
-click away.  One file, no network, no build step: the data is embedded as JSON."""
+"""The data of ``overlayrec report --html``: the record as a timeline (report_html renders it).
+
+Lanes, in time order: per session, a lane per turn and, under it, a lane per call (the turn's or
+call's span a bar, its diff a click away); then one lane for outside actors (an editor, another
+terminal, edits made while unmounted), one for the late writes of background processes (events
+after their call had ended: ``after_end``) and, when there were any, one for reverts.
+
+A *change*, one mark on the timeline, is one file in a unit's diff: a path the unit left changed
+(added, modified, deleted, its mode or kind changed), as ``overlayrec diff`` shows it, a file
+that moved (``mv tests testsuite``) once, old name -> new name.  A unit here is a call (its
+writes up to its end), a turn's or session's own writes outside any call, an outside actor, the
+late writes of one call, or a revert.  Directories are not changes by themselves (their files
+are), and changes under ``.git/`` are counted per unit, never marked.  The mark stands at the
+time of the unit's last event on that file.
+
+Each unit's diff is made once (git's own, from the private object store) and cut into its
+files' sections, so a mark shows its file's part and a bar the whole.
+"""
 from __future__ import annotations
 
-import html
-import json
+import time
 
 from ..journal import Journal
-from ..views import call_rows, turn_rows, command_name, unit_listing
-from .diff import file_events, net_of
+from ..views import call_rows, command_name, git_refuses, unit_session
+from .diff import changed, file_events, side_of, touched
+from .gitdiff import ObjectStore, left_out_note
+
+MAX_SECTION = 200_000   # characters of one file's diff kept in the page
 
 
-def report_data(j: Journal, diff_of, states=None) -> dict:
-    """``diff_of(call_row, side)`` gives a call's patch text (``side``: the call's Side, None
-    without ``states``).  With ``states``, every unit names only the paths it left changed
-    (net; ``touched``: all it wrote), the workspace's own first, those under .git/ counted."""
-    sides: dict = {}
-    net = net_of(states) if states is not None else None
-    calls = call_rows(j, net=net, sides=sides)
-    turns = turn_rows(j, net=net)
-    sessions = {}
-    for t in turns:
-        sessions.setdefault(t["session"], {"id": t["session"], "turns": [], "calls": []})
-        sessions[t["session"]]["turns"].append(t)
-    for c in calls:
-        s = sessions.setdefault(c["session"], {"id": c["session"], "turns": [], "calls": []})
-        s["calls"].append({k: c[k] for k in ("id", "tool", "summary", "turn", "begin_t", "end_t",
-                                              "status", "paths", "files", "git_changes",
-                                              "touched", "processes", "late_events",
-                                              "implicit")}
-                          | {"diff": diff_of(c, sides.get((c["session"], c["id"])))})
-    outside: dict[str, dict] = {}
-    by_actor: dict[str, list[dict]] = {}
+def report_data(j: Journal, states, store: ObjectStore, workspace: str) -> dict:
+    """Everything the page shows, as plain data (JSON-able): ``lanes`` in display order,
+    ``changes`` (the marks), ``patches`` (each a list of diff sections), ``files`` (which
+    units changed each file) and ``summary``."""
+    rep = _Report(j, states, store, workspace)
+    by_unit: dict[str, list[dict]] = {}
+    span: dict[str, list[int]] = {}   # session -> [first, last] event time
     for e in file_events(j):
         unit = e.get("unit") or "outside:" + e["actor"]
-        if not unit.startswith("outside:"):
+        by_unit.setdefault(unit, []).append(e)
+        sid = unit_session(unit)
+        if sid:
+            lo_hi = span.setdefault(sid, [e["t"], e["t"]])
+            lo_hi[0], lo_hi[1] = min(lo_hi[0], e["t"]), max(lo_hi[1], e["t"])
+
+    calls = call_rows(j)   # tool, summary, status, processes; changes come from the diffs here
+    turns = sorted(j.records("turns"), key=lambda t: (t["session"], t["index"]))
+    sessions = {s["id"]: s for s in j.records("sessions") if "id" in s}
+    for x in calls + turns:
+        lo_hi = span.setdefault(x["session"], [x["begin_t"], x["begin_t"]])
+        lo_hi[0] = min(lo_hi[0], x["begin_t"])
+        lo_hi[1] = max(lo_hi[1], x.get("end_t") or 0, x["begin_t"])
+    last = j.last_seq()
+    for sid in sorted(span, key=lambda s: span[s][0]):
+        s_turns = [t for t in turns if t["session"] == sid]
+        s_calls = [c for c in calls if c["session"] == sid]
+        rec = sessions.get(sid) or {}
+        rep.lane("session", sid, f"Session {sid}",
+                 f"{len(s_turns)} turn(s), {len(s_calls)} call(s)",
+                 begin=rec.get("started") or span[sid][0], end=rec.get("ended") or span[sid][1])
+        own = by_unit.get(f"session:{sid}", [])
+        if own:
+            rep.lane("agent", f"{sid}:own", "the agent itself", "its writes outside any turn",
+                     unit=f"session:{sid}", events=own)
+        # turns and the calls outside any turn, in time order; a turn's calls beneath it
+        indices = {t["index"] for t in s_turns}
+        items = [("turn", t) for t in s_turns] + \
+            [("call", c) for c in s_calls if c.get("turn") not in indices]
+        for kind, x in sorted(items, key=lambda kx: kx[1]["begin_t"]):
+            if kind == "call":
+                rep.call_lane(x, by_unit)
+                continue
+            t = x
+            lo, hi = t["begin_seq"], t["end_seq"] or last
+            evs = [e for e in file_events(j, lo, hi) if unit_session(e.get("unit")) == sid]
+            whole = rep.diffed(evs, (lo, hi))   # `diff --turn`: the turn's net, every unit's
+            turn_unit = f"turn:{sid}:{t['index']}"
+            rep.lane("turn", f"{sid}:{t['index']}", f"Turn {t['index']}",
+                     (t.get("prompt") or "").split("\n")[0], begin=t["begin_t"],
+                     end=t.get("end_t"), unit=turn_unit, events=by_unit.get(turn_unit, []),
+                     whole=whole, extra={"turn": t["index"], "session": sid})
+            for c in s_calls:
+                if c.get("turn") == t["index"]:
+                    rep.call_lane(c, by_unit)
+
+    outside = rep.lane("outside", "outside", "outside the sessions",
+                       "your editor, other terminals, edits while unmounted")
+    for unit, evs in by_unit.items():
+        if unit.startswith("outside:"):
+            a = j.actor(unit.split(":", 1)[1])
+            rep.add_group(outside, evs, f"{command_name(a)}[{a['pid'] if a else '?'}]",
+                          writer=unit)
+    late = rep.lane("late", "late", "late writes",
+                    "background processes, after their call had ended")
+    for c in calls:
+        evs = [e for e in by_unit.get(f"call:{c['session']}:{c['id']}", [])
+               if e.get("after_end")]
+        if evs:
+            rep.add_group(late, evs, f"{c['tool']} {c['id']} (late)",
+                          writer=f"call:{c['session']}:{c['id']}")
+    reverts = [(u, evs) for u, evs in by_unit.items() if u.startswith("revert:")]
+    if reverts:
+        lane = rep.lane("revert", "revert", "reverts", "overlayrec revert and unrevert")
+        for unit, evs in reverts:
+            rep.add_group(lane, evs, unit.replace(":", " ", 1), writer=unit)
+    for lane in rep.lanes:
+        lane["marks"].sort(key=lambda i: rep.changes[i]["t"])
+        # the files it left changed (a moved file by both names): a turn's all, else its marks'
+        named = rep.entries[lane["patch"]][0] if lane["kind"] == "turn" else \
+            [(c["status"], c["old"] or c["path"], c["path"], None)
+             for c in map(rep.changes.__getitem__, lane["marks"])]
+        lane["paths"] = sorted({p for _, old, new, _ in named for p in (old, new)})
+    return {"workspace": workspace, "generated_t": time.time_ns() / 1e6,
+            "lanes": rep.lanes, "changes": rep.changes, "patches": rep.patches,
+            "files": rep.files_view(), "summary": rep.summary(span, calls, turns)}
+
+
+class _Report:
+    def __init__(self, j: Journal, states, store: ObjectStore, workspace: str):
+        self.j, self.states, self.store, self.workspace = j, states, store, workspace
+        self.lanes: list[dict] = []
+        self.changes: list[dict] = []
+        self.patches: list[list[str]] = []
+        self.entries: list[tuple[list, int]] = []   # per patch: (files, changes under .git/)
+        self.counts: list[tuple[int, int]] = []
+
+    # -- lanes ----------------------------------------------------------------------------------
+    def lane(self, kind, key, label, sub="", *, begin=None, end=None, unit=None, events=(),
+             whole=None, extra=None) -> dict:
+        """A lane; with ``events``, the marks of that unit's changes, and a bar from ``begin``
+        to ``end`` whose click shows ``whole`` (a patch index; default: the unit's own)."""
+        lane = {"index": len(self.lanes), "kind": kind, "id": key, "label": label, "sub": sub,
+                "marks": [],
+                "begin_t": _ms(begin), "end_t": _ms(end), "patch": whole, "files": 0,
+                "git_changes": 0, "marked_git": 0, **(extra or {})}
+        self.lanes.append(lane)
+        if events:
+            own = self.add_group(lane, list(events), label, writer=unit)
+            if whole is None:
+                lane["patch"] = own
+        if whole is not None:
+            lane["files"], lane["git_changes"] = self.counts[whole]
+        return lane
+
+    def call_lane(self, c: dict, by_unit: dict) -> None:
+        unit = f"call:{c['session']}:{c['id']}"
+        evs = by_unit.get(unit, [])
+        now = [e for e in evs if not e.get("after_end")]
+        summary = c.get("summary") or ""
+        if summary.startswith(self.workspace + "/"):   # an edit tool's absolute path
+            summary = summary[len(self.workspace) + 1:]
+        # an implicit call's id is made up (implicit-PID-TICK): its command names it
+        label = f"{c['tool']} (implicit)" if c["implicit"] else f"{c['tool']} {c['id']}"
+        lane = self.lane("call", f"{c['session']}:{c['id']}", label, summary,
+                         begin=c["begin_t"],
+                         end=c.get("end_t") or max([e["t"] for e in now], default=None),
+                         unit=unit, events=now,
+                         extra={"status": c["status"], "implicit": c["implicit"],
+                                "processes": c["processes"], "turn": c.get("turn"),
+                                "session": c["session"], "call": c["id"],
+                                "late_events": c["late_events"],
+                                "touched": c["touched"]})   # all it wrote, own first
+        if len(now) < len(evs):   # the bar shows what `diff --call` shows: the late writes too
+            lane["patch"] = self.diffed(evs)
+        if lane["patch"] is None:
+            lane["patch"] = self.diffed([])
+
+    def add_group(self, lane: dict, evs: list[dict], who: str, writer: str | None) -> int:
+        """Diff one unit's events, mark each changed file on ``lane``; the patch's index."""
+        idx = self.diffed(evs)
+        entries, _ = self.entries[idx]
+        last_t: dict[str, int] = {}   # path -> the group's last event on it (both names)
+        if entries:
+            for e in evs:
+                for p in touched(self.states, e):
+                    last_t[p] = max(last_t.get(p, 0), e["t"])
+        for status, old, new, sections in entries:
+            ts = [last_t[p] for p in (old, new) if p in last_t]
+            self.changes.append({
+                "id": len(self.changes), "lane": lane["index"],
+                "status": status, "path": new, "old": old if old != new else None,
+                "t": _ms(max(ts) if ts else evs[-1]["t"]), "who": who, "unit": writer,
+                "patch": idx, "sections": sections})
+            lane["marks"].append(len(self.changes) - 1)
+        files, git = self.counts[idx]
+        lane["marked_git"] += git   # the .git/ changes of the units whose files are marked here
+        if lane["patch"] is None or lane["kind"] in ("outside", "late", "revert"):
+            lane["files"] += files
+            lane["git_changes"] += git
+        return idx
+
+    # -- diffs ----------------------------------------------------------------------------------
+    def diffed(self, evs: list[dict], bounds=None) -> int:
+        """The patch of these events' net change (a Side, as ``overlayrec diff`` makes it), cut
+        into its files' sections: its index in ``patches``; ``entries[i]``: (status, old name,
+        new name, section indices) per file, ``counts[i]``: (files, changes under .git/)."""
+        side = side_of(self.states, evs, bounds)
+        net = [p for p in changed(side) if p]
+        git = sum(1 for p in net if git_refuses(p))
+        entries, sections = [], []
+        if len(net) > git:
+            tb, ta = self.store.tree(side.before), self.store.tree(side.after)
+            if tb != ta:
+                listed = _name_status(self.store.diff(tb, ta, "name-status"))
+                patch = self.store.diff(tb, ta, "patch")
+                sections = _sections(patch)
+                entries = _match(listed, sections)
+        if git:
+            sections.append(f"# {left_out_note(git)}\n")
+        self.patches.append([_cap(s) for s in sections])
+        self.entries.append((entries, git))
+        self.counts.append((len(entries), git))
+        return len(self.patches) - 1
+
+    # -- views ----------------------------------------------------------------------------------
+    def files_view(self) -> dict:
+        """Which units changed each file: the workspace's own files, sorted, each with its
+        changes in time order (a moved file under both names); ``.git/`` as one count, with
+        the units that changed something there."""
+        files: dict[str, list[int]] = {}
+        for ch in sorted(self.changes, key=lambda c: c["t"]):
+            for p in {ch["path"], ch["old"]} - {None}:
+                files.setdefault(p, []).append(ch["id"])
+        git_by = [(lane["label"], lane["marked_git"]) for lane in self.lanes
+                  if lane["marked_git"]]
+        return {"own": [{"path": p, "changes": ids} for p, ids in sorted(files.items())],
+                "git": {"changes": sum(n for _, n in git_by),
+                        "units": [label for label, _ in git_by]}}
+
+    def summary(self, sessions, calls, turns) -> dict:
+        ts = [c["t"] for c in self.changes] + \
+            [t for lane in self.lanes for t in (lane["begin_t"], lane["end_t"]) if t]
+        return {"sessions": len(sessions), "turns": len(turns), "calls": len(calls),
+                "changes": len(self.changes),
+                "files": len({p for c in self.changes for p in (c["path"], c["old"]) if p}),
+                "git_changes": sum(lane["marked_git"] for lane in self.lanes),
+                "outside": sum(1 for c in self.changes
+                               if self.lanes[c["lane"]]["kind"] == "outside"),
+                "late": sum(1 for c in self.changes if self.lanes[c["lane"]]["kind"] == "late"),
+                "first_t": min(ts, default=None), "last_t": max(ts, default=None)}
+
+
+def _ms(ns) -> float | None:
+    return None if not ns else ns / 1e6
+
+
+def _cap(section: str) -> str:
+    if len(section) <= MAX_SECTION:
+        return section
+    cut = section.rfind("\n", 0, MAX_SECTION) + 1 or MAX_SECTION
+    more = section[cut:].count("\n")
+    return section[:cut] + f"# ... {more} more line(s) not in the page: see `overlayrec diff`\n"
+
+
+# -- git's output, cut per file --------------------------------------------------------------------
+
+_ESC = {"a": 7, "b": 8, "t": 9, "n": 10, "v": 11, "f": 12, "r": 13, '"': 34, "\\": 92}
+
+
+def _unquote(s: str) -> str:
+    """A path as git prints it: C-quoted ("a\\tb", octal bytes) when it holds a control
+    character, a quote or a backslash (core.quotepath is off, so not for other bytes)."""
+    if len(s) < 2 or s[0] != '"' or s[-1] != '"':
+        return s
+    raw = s[1:-1].encode("utf-8", "surrogateescape")
+    out, i = bytearray(), 0
+    while i < len(raw):
+        c = raw[i]
+        if c == 92 and i + 1 < len(raw):
+            nxt = chr(raw[i + 1])
+            if nxt in _ESC:
+                out.append(_ESC[nxt])
+                i += 2
+                continue
+            if nxt in "01234567":
+                out.append(int(raw[i + 1:i + 4], 8))
+                i += 4
+                continue
+        out.append(c)
+        i += 1
+    return out.decode("utf-8", "surrogateescape")
+
+
+def _quote(s: str) -> str:
+    """What git prints for a path (see _unquote)."""
+    if not any(ord(ch) < 32 or ch in '"\\' or ord(ch) == 127 for ch in s):
+        return s
+    rev = {v: k for k, v in _ESC.items()}
+    out = []
+    for b in s.encode("utf-8", "surrogateescape"):
+        if b in rev:
+            out.append("\\" + rev[b])
+        elif b < 32 or b == 127:
+            out.append(f"\\{b:03o}")
+        else:
+            out.append(chr(b))
+    return '"' + "".join(out).encode("latin-1").decode("utf-8", "surrogateescape") + '"'
+
+
+def _name_status(text: str) -> list[tuple[str, str, str]]:
+    """``git diff-tree --name-status`` lines as (status letter, old name, new name)."""
+    out = []
+    for line in text.splitlines():
+        if not line:
             continue
-        by_actor.setdefault(e["actor"], []).append(e)
-        o = outside.setdefault(e["actor"], {"actor": e["actor"], "first_t": e["t"]})
-        if o.get("name") is None:
-            a = j.actor(e["actor"])
-            o["name"] = f"{command_name(a)}[{a['pid'] if a else '?'}]"
-        o["last_t"] = e["t"]
-    for key, o in outside.items():
-        o.update(unit_listing(net, by_actor[key])[0])
-    return {"sessions": list(sessions.values()), "outside": list(outside.values())}
+        parts = line.split("\t")
+        names = [_unquote(p) for p in parts[1:]]
+        out.append((parts[0][:1], names[0], names[-1]))
+    return out
 
 
-PAGE = """<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>overlayrec report</title>
-<style>
-body{font:14px system-ui,sans-serif;margin:1.5em;color:#222}
-h1{font-size:1.3em} h2{font-size:1.1em;margin-top:1.5em}
-.lane{display:flex;flex-wrap:wrap;gap:.4em;align-items:flex-start;margin:.3em 0 .8em 0}
-.turn{border-left:3px solid #36c;padding-left:.6em;margin:.6em 0}
-.turn .prompt{color:#555;font-style:italic}
-.call{border:1px solid #bbb;border-radius:4px;padding:.3em .5em;cursor:pointer;background:#f7f9ff;max-width:22em}
-.call:hover{background:#e6eeff} .call.error{border-color:#c33}
-.call .tool{font-weight:600} .call .meta{font-size:.85em;color:#555}
-.outside{border:1px dashed #a70;background:#fff8ec;border-radius:4px;padding:.3em .5em}
-#diff{white-space:pre;font:12px ui-monospace,monospace;background:#fafafa;border:1px solid #ddd;
-padding:.6em;margin-top:1em;overflow:auto;max-height:60vh}
-.add{color:#070}.del{color:#a00}.hunk{color:#36c}
-</style></head><body>
-<h1>overlayrec: what happened in __WORKSPACE__</h1>
-<div id="timeline"></div>
-<h2 id="diff-title">Click a call to see its diff</h2>
-<div id="diff"></div>
-<script id="data" type="application/json">__DATA__</script>
-<script>
-const data = JSON.parse(document.getElementById('data').textContent);
-const el = (tag, cls, text) => { const e = document.createElement(tag);
-  if (cls) e.className = cls; if (text !== undefined) e.textContent = text; return e; };
-const when = ns => new Date(ns / 1e6).toLocaleTimeString();
-// a unit's net changes: the workspace's own files, then those under .git/ as a count
-const files = u => u.files + ' file(s)' + (u.git_changes ? ' + ' + u.git_changes + ' under .git/' : '');
-const own = u => u.paths.slice(0, u.files);
-function showDiff(call) {
-  document.getElementById('diff-title').textContent = 'Diff of ' + call.tool + ' ' + call.id;
-  const box = document.getElementById('diff'); box.textContent = '';
-  for (const line of (call.diff || '(no change)').split('\\n')) {
-    const cls = line.startsWith('+') && !line.startsWith('+++') ? 'add'
-      : line.startsWith('-') && !line.startsWith('---') ? 'del' : line.startsWith('@@') ? 'hunk' : '';
-    box.appendChild(el('div', cls, line));
-  }
-}
-function callBox(call) {
-  const b = el('div', 'call' + (call.status === 'error' ? ' error' : ''));
-  b.id = 'call-' + call.id;
-  b.appendChild(el('div', 'tool', call.tool + (call.implicit ? ' (implicit)' : '')));
-  if (call.summary) b.appendChild(el('div', 'summary', call.summary));
-  b.appendChild(el('div', 'meta', when(call.begin_t) + ' · ' + files(call) +
-    (call.late_events ? ' · ' + call.late_events + ' late write(s)' : '')));
-  b.appendChild(el('div', 'meta', call.processes.join(', ')));
-  b.title = own(call).concat(call.git_changes ? ['+ ' + call.git_changes + ' under .git/'] : [])
-    .join('\\n');
-  b.addEventListener('click', () => showDiff(call));
-  return b;
-}
-const tl = document.getElementById('timeline');
-for (const s of data.sessions) {
-  tl.appendChild(el('h2', '', 'Session ' + s.id));
-  const byTurn = {};
-  for (const c of s.calls) (byTurn[c.turn] = byTurn[c.turn] || []).push(c);
-  const turns = s.turns.length ? s.turns
-    : [{index: null, prompt: null, begin_t: 0, files: 0, git_changes: 0, paths: []}];
-  for (const t of turns) {
-    const d = el('div', 'turn');
-    d.id = 'turn-' + s.id + '-' + t.index;
-    d.appendChild(el('div', '', (t.index === null ? 'Calls' : 'Turn ' + t.index + ' · ' +
-      when(t.begin_t) + ' · ' + files(t)) + (t.others && t.others.length ?
-      ' · shared with ' + t.others.join(', ') : '')));
-    if (t.prompt) d.appendChild(el('div', 'prompt', t.prompt.split('\\n')[0]));
-    const lane = el('div', 'lane');
-    for (const c of byTurn[t.index] || []) lane.appendChild(callBox(c));
-    d.appendChild(lane); tl.appendChild(d);
-  }
-}
-if (data.outside.length) {
-  tl.appendChild(el('h2', '', 'Outside the sessions'));
-  const lane = el('div', 'lane'); lane.id = 'outside';
-  for (const o of data.outside) lane.appendChild(el('div', 'outside',
-    o.name + ': ' + own(o).slice(0, 5).join(', ') + (o.files > 5 ? ' …' : '') +
-    (o.git_changes ? ' + ' + o.git_changes + ' under .git/' : '')));
-  tl.appendChild(lane);
-}
-const m = location.hash.match(/^#open=(.+)$/);
-if (m) { const b = document.getElementById(decodeURIComponent(m[1])); if (b) b.click(); }
-</script></body></html>
-"""
+def _sections(patch: str) -> list[str]:
+    """A patch cut at each file's ``diff --git`` header."""
+    out: list[str] = []
+    for line in patch.splitlines(keepends=True):
+        if line.startswith("diff --git ") or not out:
+            out.append(line)
+        else:
+            out[-1] += line
+    return out
 
 
-def render(data: dict, workspace: str) -> str:
-    blob = json.dumps(data).replace("</", "<\\\\/")  # keep the JSON inside its script element
-    return PAGE.replace("__WORKSPACE__", html.escape(workspace)).replace("__DATA__", blob)
+def _match(listed, sections) -> list[tuple[str, str, str, list[int]]]:
+    """Each file of the name-status listing with the patch sections that show it (a kind
+    change, file to symlink, is two sections); a section no header names goes with the file
+    before it."""
+    heads = {}
+    for i, (status, old, new) in enumerate(listed):
+        a = old if status != "A" else new
+        b = new if status != "D" else old
+        heads[f"diff --git {_quote('a/' + a)} {_quote('b/' + b)}"] = i
+    found: list[list[int]] = [[] for _ in listed]
+    prev = None
+    for k, sec in enumerate(sections):
+        i = heads.get(sec.split("\n", 1)[0], prev)
+        if i is not None:
+            found[i].append(k)
+            prev = i
+    return [(status, old, new, found[i]) for i, (status, old, new) in enumerate(listed)]

@@ -1,0 +1,375 @@
+"""Records that travel: exported refs pushed to a git remote, fetched elsewhere, and read there
+from git alone (no journal, no workspace).
+
+Layout on a remote (and in a repository that fetched them)::
+
+    refs/overlayrec/origins/<origin>/<session>/{base,head,sides,calls/<id>,turns/<n>}
+
+``<origin>`` names one recorded workspace on one host (``<host>-<workspace>-<random>``, kept in
+its state dir; ``--origin`` names it): two workspaces never write the same refs.  The commits
+are the export's (engines/export.py); the readers here take ids, tools, times and processes
+from their trailers, and each diff from the session's ``sides`` tree (the two sides
+``overlayrec diff`` compares) or, for a call the chain shows exactly, from its commit and parent.
+"""
+from __future__ import annotations
+
+import html
+import json
+import os
+import re
+import secrets
+import socket
+import subprocess
+
+from .export import side_key
+from .gitdiff import EMPTY_TREE, GitError, ObjectStore
+
+ORIGINS = "refs/overlayrec/origins"
+
+
+def _clean(s: str) -> str:
+    s = re.sub(r"[^A-Za-z0-9._-]+", "_", s).strip("._-")
+    return s or "x"
+
+
+def origin_name(state_file: str, workspace: str, given: str | None = None) -> str:
+    """This workspace's origin: ``given``, or the one kept in ``state_file``, else a new one
+    (``<host>-<workspace basename>-<8 random hex digits>``)."""
+    if given:
+        if _clean(given) != given or given.endswith(".lock"):
+            raise GitError(f"origin {given!r}: use letters, digits, '.', '_' and '-' only")
+        return given
+    try:
+        with open(state_file) as f:
+            return json.load(f)["origin"]
+    except (OSError, ValueError, KeyError):
+        pass
+    name = (f"{_clean(socket.gethostname())}-{_clean(os.path.basename(workspace) or 'root')}"
+            f"-{secrets.token_hex(4)}")
+    with open(state_file, "w") as f:
+        json.dump({"origin": name}, f)
+    return name
+
+
+def _user_env(git_dir: str) -> dict:
+    """git as the user runs it (their config: remotes' credentials, url rewrites, ssh)."""
+    return dict(os.environ, GIT_DIR=git_dir)
+
+
+def push(git_dir: str, prefix: str, remote: str, origin: str) -> dict:
+    """Send every ref under ``prefix`` to ``remote`` beneath ``ORIGINS/<origin>/``: git sends
+    only the objects the remote lacks and moves only the refs that changed."""
+    spec = f"+{prefix.rstrip('/')}/*:{ORIGINS}/{origin}/*"
+    r = subprocess.run(["git", "push", "--porcelain", remote, spec], capture_output=True,
+                       env=_user_env(git_dir))
+    out = r.stdout.decode("utf-8", "surrogateescape")
+    if r.returncode != 0:
+        raise GitError(f"git push to {remote} failed: "
+                       + (r.stderr.decode(errors="replace").strip() or out.strip()))
+    new, updated, same = [], [], 0
+    for line in out.splitlines():
+        parts = line.split("\t")
+        if len(parts) < 3 or len(parts[0]) != 1:
+            continue
+        dst = parts[1].split(":", 1)[-1]
+        if parts[0] == "*":
+            new.append(dst)
+        elif parts[0] in " +":
+            updated.append(dst)
+        elif parts[0] == "=":
+            same += 1
+    return {"remote": remote, "origin": origin, "refs_prefix": f"{ORIGINS}/{origin}/",
+            "new": new, "updated": updated, "up_to_date": same}
+
+
+def default_records_dir() -> str:
+    from ..state import state_home
+    return os.path.join(state_home(), "overlayrec", "records.git")
+
+
+def fetch(remote: str, into: str) -> dict:
+    """Bring every origin's refs from ``remote`` into the bare repository ``into`` (made when
+    missing); git fetches only what is new."""
+    if not os.path.exists(os.path.join(into, "HEAD")):
+        r = subprocess.run(["git", "init", "-q", "--bare", into], capture_output=True)
+        if r.returncode != 0:
+            raise GitError(f"git init {into} failed: {r.stderr.decode(errors='replace').strip()}")
+    r = subprocess.run(["git", "fetch", "--no-write-fetch-head", "--porcelain", remote,
+                        f"+{ORIGINS}/*:{ORIGINS}/*"], capture_output=True, env=_user_env(into))
+    if r.returncode != 0 and b"porcelain" in r.stderr:   # a git before 2.41: no --porcelain
+        r = subprocess.run(["git", "fetch", "--no-write-fetch-head", remote,
+                            f"+{ORIGINS}/*:{ORIGINS}/*"], capture_output=True,
+                           env=_user_env(into))
+    if r.returncode != 0:
+        raise GitError(f"git fetch from {remote} failed: "
+                       f"{r.stderr.decode(errors='replace').strip()}")
+    recs = Records(into)
+    return {"into": into, "origins": sorted({o for o, _ in recs.sessions}),
+            "sessions": len(recs.sessions)}
+
+
+def _trailers(message: str) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for line in message.splitlines():
+        if line.startswith("Overlayrec-") and ": " in line:
+            k, v = line.split(": ", 1)
+            out.setdefault(k[len("Overlayrec-"):], []).append(v)
+    return out
+
+
+def _seq(t: dict) -> tuple[int, int]:
+    lo, _, hi = (t.get("Seq") or [".."])[0].partition("..")
+    return (int(lo) if lo else 0), (int(hi) if hi else 0)
+
+
+class SelectionError(Exception):
+    pass
+
+
+class Records:
+    """The exported records a git repository holds under ``ORIGINS``."""
+
+    def __init__(self, git_dir: str):
+        if not os.path.exists(os.path.join(git_dir, "HEAD")) and \
+                not os.path.exists(os.path.join(git_dir, ".git")):
+            raise GitError(f"{git_dir} is not a git repository (`overlayrec fetch` makes one)")
+        self.store = ObjectStore("", git_dir=git_dir if os.path.exists(
+            os.path.join(git_dir, "HEAD")) else os.path.join(git_dir, ".git"))
+        refs = self.store._git("for-each-ref", "--format=%(objectname) %(refname)",
+                               ORIGINS + "/").splitlines()
+        names = {}
+        for line in refs:
+            sha, name = line.split(" ", 1)
+            names[name[len(ORIGINS) + 1:]] = sha
+        # (origin, session) -> its refs; a session is known by its head
+        self.sessions: dict[tuple[str, str], dict] = {}
+        for rest in names:
+            if rest.endswith("/head"):
+                origin, _, sid = rest[:-len("/head")].partition("/")
+                if sid:
+                    self.sessions[(origin, sid)] = {"head": names[rest], "calls": {},
+                                                    "turns": {}}
+        for (origin, sid), s in self.sessions.items():
+            pre = f"{origin}/{sid}/"
+            s["base"] = names.get(pre + "base")
+            s["sides"] = names.get(pre + "sides")
+            for rest, sha in names.items():
+                if rest.startswith(pre + "calls/"):
+                    s["calls"][rest[len(pre + "calls/"):]] = sha
+                elif rest.startswith(pre + "turns/") and rest[len(pre + "turns/"):].isdigit():
+                    s["turns"][int(rest[len(pre + "turns/"):])] = sha
+
+    def pick(self, origin=None, session=None, want=lambda s: True, what="records") -> tuple:
+        found = [k for k, s in self.sessions.items()
+                 if (origin is None or k[0] == origin) and (session is None or k[1] == session)
+                 and want(s)]
+        if not found:
+            raise SelectionError(f"no {what} in the fetched records"
+                                 + (f" of origin {origin}" if origin else "")
+                                 + (f" in session {session}" if session else ""))
+        if len(found) > 1:
+            raise SelectionError(f"{what}: in several sessions ("
+                                 + ", ".join(f"{o}/{s}" for o, s in sorted(found))
+                                 + "): say --origin and --session")
+        return found[0]
+
+    def _side(self, sides: str | None, key: str) -> tuple[str, str] | None:
+        if not sides:
+            return None
+        out = self.store._git("ls-tree", "-z", sides, key + "/").split("\0")
+        trees = {}
+        for entry in out:
+            if "\t" in entry:
+                meta, path = entry.split("\t", 1)
+                trees[path.rsplit("/", 1)[-1]] = meta.split()[2]
+        if not out or not any(out):
+            return None
+        return trees.get("a", EMPTY_TREE), trees.get("b", EMPTY_TREE)
+
+    def diff(self, fmt: str = "patch", binary: bool = False, origin=None, session=None,
+             call=None, turn=None) -> str:
+        """What ``overlayrec diff --call/--turn/--session`` printed on the origin."""
+        if call is not None:
+            k = self.pick(origin, session, lambda s: call in s["calls"], f"call {call}")
+            s = self.sessions[k]
+            ab = self._side(s["sides"], side_key("call", call))
+            if ab is None:   # the chain shows it exactly: its commit against its parent
+                ab = (s["calls"][call] + "^", s["calls"][call])
+        elif turn is not None:
+            k = self.pick(origin, session, lambda s: bool(s["turns"]), "turns")
+            s = self.sessions[k]
+            n = self._turn_index(s, turn)
+            ab = self._side(s["sides"], side_key("turn", n))
+            if ab is None:
+                raise SelectionError(f"turn {n} of {k[0]}/{k[1]} has no diff sides")
+        else:
+            k = self.pick(origin, session, what=f"session {session}" if session else "sessions")
+            ab = self._side(self.sessions[k]["sides"], side_key("session", None))
+            if ab is None:
+                ab = (EMPTY_TREE, EMPTY_TREE)
+        return self.store.diff(ab[0], ab[1], fmt, binary=binary)
+
+    @staticmethod
+    def _turn_index(s: dict, turn) -> int:
+        ns = sorted(s["turns"])
+        if turn == "last":
+            return ns[-1]
+        n = int(turn)
+        if n < 0:
+            if -n > len(ns):
+                raise SelectionError(f"no turn {n}: {len(ns)} exported")
+            return ns[n]
+        if n not in s["turns"]:
+            raise SelectionError(f"no turn {n}")
+        return n
+
+    # -- the chain's commits ------------------------------------------------------------------
+    def commits(self, rev: str, path: str | None = None) -> list[dict]:
+        """The chain's commits from its base (oldest first), each with its trailers."""
+        args = ["log", "--reverse", "--format=%x1e%H%x1f%P%x1f%an%x1f%at%x1f%B", rev]
+        if path is not None:
+            args += ["--", path]
+        out = []
+        for rec in self.store._git(*args).split("\x1e")[1:]:
+            sha, parents, author, at, body = rec.split("\x1f", 4)
+            t = _trailers(body)
+            out.append({"sha": sha, "parent": parents.split()[0] if parents.strip() else None,
+                        "author": author, "t": int(at), "subject": body.split("\n", 1)[0],
+                        "trailers": t, "seq": _seq(t)})
+        return out
+
+    def _entry(self, rev: str | None, path: str) -> dict:
+        if rev is None:
+            return {"kind": "absent", "size": 0}
+        line = self.store._git("ls-tree", "-l", "-z", rev, "--", path).split("\0")[0]
+        if not line:
+            return {"kind": "absent", "size": 0}
+        meta = line.split("\t", 1)[0].split()
+        kind = {"120000": "symlink", "040000": "dir", "160000": "commit"}.get(meta[0], "file")
+        return {"kind": kind, "size": int(meta[3]) if meta[3].isdigit() else 0}
+
+    def blame(self, path: str, origin=None) -> list[dict]:
+        """Each exported commit that changed ``path``, newest first, per origin: its unit
+        (call, turn's end, or the units of the changes between calls), the sequence range,
+        the time and the processes that wrote (commit granularity: the journal's blame is per
+        event run)."""
+        rows = []
+        for (o, sid), s in sorted(self.sessions.items()):
+            if origin is not None and o != origin:
+                continue
+            for c in self.commits(s["head"], path):
+                if c["parent"] is None:
+                    continue   # the base: the workspace before the session, not a change
+                t = c["trailers"]
+                if "Call" in t:
+                    unit = f"call:{sid}:{t['Call'][0]}"
+                elif "Unit" in t:
+                    unit = ", ".join(t["Unit"])
+                else:
+                    unit = f"turn:{sid}:{t.get('Turn', ['?'])[0]}"
+                before, after = self._entry(c["parent"], path), self._entry(c["sha"], path)
+                if before == after and before["kind"] == "dir":
+                    continue
+                rows.append({"origin": o, "session": sid, "commit": c["sha"], "unit": unit,
+                             "first_seq": c["seq"][0], "last_seq": c["seq"][1],
+                             "t": int((t.get("End") or [c["t"] * 10**9])[0]),
+                             "subject": c["subject"], "before": before, "after": after,
+                             "processes": t.get("Actor", []) + t.get("Other-Writer", [])})
+        seen, out = set(), []
+        for r in sorted(rows, key=lambda r: (r["origin"], r["last_seq"], r["first_seq"]),
+                        reverse=True):
+            key = (r["origin"], r["first_seq"], r["last_seq"], r["unit"])
+            if key not in seen:   # an interim commit two sessions both hold
+                seen.add(key)
+                out.append(r)
+        return out
+
+    # -- the report -----------------------------------------------------------------------------
+    def report_data(self) -> dict:
+        out = []
+        for (o, sid), s in sorted(self.sessions.items()):
+            calls, turns, outside = [], [], []
+            for c in self.commits(s["head"]):
+                t = c["trailers"]
+                if "Call" in t:
+                    cid = t["Call"][0]
+                    patch = self.diff(call=cid, origin=o, session=sid)
+                    files = self.diff("name-status", call=cid, origin=o, session=sid)
+                    calls.append({"id": cid, "tool": t.get("Tool", ["?"])[0],
+                                  "summary": (t.get("Summary") or [""])[0],
+                                  "turn": t.get("Turn", ["None"])[0],
+                                  "status": t.get("Status", [""])[0],
+                                  "begin_t": int(t.get("Begin", [0])[0]),
+                                  "end_t": int(t.get("End", [0])[0]),
+                                  "processes": t.get("Actor", []),
+                                  "others": t.get("Other-Writer", []),
+                                  "files": files.splitlines(), "diff": patch})
+                elif c["parent"] and "Turn" in t and "Call" not in t:
+                    n = int(t["Turn"][0])
+                    turns.append({"index": n, "prompt": (t.get("Prompt") or [""])[0]
+                                  or c["subject"].partition(": ")[2],
+                                  "begin_t": int(t.get("Begin", [0])[0]),
+                                  "end_t": int(t.get("End", [0])[0]),
+                                  "files": self.diff("name-status", turn=n, origin=o,
+                                                     session=sid).splitlines()})
+                elif c["parent"] and "Unit" in t:
+                    outside.append({"units": t["Unit"], "processes": t.get("Actor", []),
+                                    "t": c["t"], "seq": list(c["seq"]),
+                                    "files": self.store.diff(c["parent"], c["sha"],
+                                                             "name-status").splitlines()})
+            out.append({"origin": o, "session": sid, "turns": turns, "calls": calls,
+                        "between": outside})
+        return {"sessions": out}
+
+
+PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>overlayrec records</title>
+<style>
+body{font:14px system-ui,sans-serif;margin:1.5em;color:#222}
+h2{font-size:1.1em;margin-top:1.5em} .turn{border-left:3px solid #36c;padding-left:.6em}
+.call{border:1px solid #bbb;border-radius:4px;padding:.3em .5em;margin:.3em 0;cursor:pointer;
+background:#f7f9ff} .between{border:1px dashed #a70;background:#fff8ec;padding:.3em .5em}
+.meta{font-size:.85em;color:#555} pre{display:none;font:12px ui-monospace,monospace;
+background:#fafafa;border:1px solid #ddd;padding:.5em;overflow:auto}
+.call.open pre{display:block}
+</style></head><body>
+<h1>overlayrec: fetched records</h1>
+__BODY__
+<script>
+for (const c of document.querySelectorAll('.call'))
+  c.addEventListener('click', () => c.classList.toggle('open'));
+</script></body></html>
+"""
+
+
+def render(data: dict) -> str:
+    """A self-contained page (no network): per origin and session, each turn with its calls,
+    each call's files and its diff a click away, and the changes between calls."""
+    e = html.escape
+    parts = []
+    for s in data["sessions"]:
+        parts.append(f'<h2 id="s-{e(s["origin"])}-{e(s["session"])}">{e(s["origin"])} · '
+                     f'session {e(s["session"])}</h2>')
+        turns = {str(t["index"]): t for t in s["turns"]}
+        groups: dict[str, list] = {}
+        for c in s["calls"]:
+            groups.setdefault(str(c["turn"]), []).append(c)
+        for key in list(turns) + [k for k in groups if k not in turns]:
+            t = turns.get(key)
+            parts.append('<div class="turn">' + (
+                f'<div>Turn {e(key)}: {e(t["prompt"] or "")} '
+                f'<span class="meta">{len(t["files"])} file(s)</span></div>' if t else
+                f'<div>Calls (turn {e(key)})</div>'))
+            for c in groups.get(key, []):
+                parts.append(
+                    f'<div class="call" id="call-{e(s["origin"])}-{e(s["session"])}-{e(c["id"])}">'
+                    f'<b>{e(c["tool"])}</b> {e(c["id"])} {e(c["summary"])} '
+                    f'<span class="meta">{e(c["status"])} · {len(c["files"])} file(s): '
+                    f'{e(", ".join(f.split(chr(9))[-1] for f in c["files"][:5]))} · '
+                    f'{e("; ".join(c["processes"][:3]))}</span>'
+                    f'<pre>{e(c["diff"] or "(no change)")}</pre></div>')
+            parts.append("</div>")
+        for b in s["between"]:
+            parts.append(f'<div class="between">between calls: {e(", ".join(b["units"]))} · '
+                         f'{e(", ".join(f.split(chr(9))[-1] for f in b["files"][:5]))}</div>')
+    return PAGE.replace("__BODY__", "\n".join(parts))

@@ -1,0 +1,66 @@
+"""OVERLAYREC_BENCH_NORECORD=1, tools/bench's norecord setup (a bench switch, not a user
+feature): with it the mount makes every change and journals none; without it (unset, or any
+other value) the same changes are journaled as always."""
+from __future__ import annotations
+
+import os
+
+from conftest import needs_fuse
+
+SCRIPT = """
+mkdir d
+printf 'one\\n' > d/a
+printf 'two\\n' >> d/a
+printf 'tmp\\n' > d/.a.tmp
+mv d/.a.tmp d/a
+ln -s a d/s
+ln d/a d/h
+chmod 600 d/a
+touch -d 2020-01-01 d/a
+: > d/a
+printf 'x' > d/b
+truncate -s 10 d/b
+rm d/h d/s
+mkdir d/e
+rmdir d/e
+"""
+
+
+def _run(make_mount, value):
+    env = dict(os.environ)
+    env.pop("OVERLAYREC_BENCH_NORECORD", None)
+    if value is not None:
+        env["OVERLAYREC_BENCH_NORECORD"] = value
+    m = make_mount(env=env, sub=f"m{value}")
+    m.mount()
+    try:
+        m.sh(SCRIPT)
+        listing = sorted(os.listdir(os.path.join(m.ws, "d")))
+        st = os.stat(os.path.join(m.ws, "d", "a"))
+        sizes = (st.st_size, os.stat(os.path.join(m.ws, "d", "b")).st_size)
+        mode = st.st_mode & 0o777
+    finally:
+        m.umount()
+    return m, listing, sizes, mode
+
+
+@needs_fuse
+def test_norecord_makes_changes_and_journals_none(make_mount):
+    m, listing, sizes, mode = _run(make_mount, "1")
+    assert listing == ["a", "b"]
+    assert sizes == (0, 10) and mode == 0o600
+    changes = [e for e in m.events() if "path" in e and e["op"] not in ("turn", "call")]
+    assert changes == []
+    assert not [n for n in os.listdir(os.path.join(m.ws, ".overlayrec-attic"))
+                if not n.startswith(".") and n != "CACHEDIR.TAG"]
+
+
+@needs_fuse
+def test_without_the_switch_every_change_is_journaled(make_mount):
+    for value in (None, "0"):
+        m, listing, sizes, mode = _run(make_mount, value)
+        assert listing == ["a", "b"]
+        assert sizes == (0, 10) and mode == 0o600
+        ops = {e["op"] for e in m.events()}
+        assert {"mkdir", "create", "write", "rename", "symlink", "link", "chmod", "utimens",
+                "truncate", "unlink", "rmdir"} <= ops, ops

@@ -1,0 +1,202 @@
+"""Records that travel: two recorded workspaces push their exports to one bare repository, a
+third repository fetches them and reads diffs, a blame and a report from git alone."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import needs_fuse, overlayrec
+from test_diff import AGENT, seed
+
+pytestmark = [needs_fuse, pytest.mark.timeout(400)]
+
+AGENT_B = textwrap.dedent(r'''
+    import subprocess
+    from overlayrec import client
+    with client.connect() as c:
+        c.turn_begin(prompt="other host's work")
+        c.call_begin("c1", "Write", summary="a new module")
+        with open("mod.py", "w") as f:
+            f.write("def f():\n    return 1\n")
+        c.call_end("c1")
+        c.call_begin("c2", "Bash")
+        subprocess.run(["bash", "-c", "echo tail >> text.txt && rm blob.bin"], check=True)
+        c.call_end("c2")
+        c.turn_end()
+''')
+
+AGENT_MORE = textwrap.dedent(r'''
+    from overlayrec import client
+    with client.connect() as c:
+        c.turn_begin(prompt="more")
+        c.call_begin("e1", "Edit")
+        with open("text.txt", "a") as f:
+            f.write("one more line\n")
+        c.call_end("e1")
+        c.turn_end()
+''')
+
+
+def git(git_dir, *args):
+    r = subprocess.run(["git", "--git-dir", str(git_dir), *args], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def refs(git_dir) -> dict[str, str]:
+    out = git(git_dir, "for-each-ref", "--format=%(refname) %(objectname)")
+    return dict(line.split() for line in out.splitlines())
+
+
+def stored_objects(git_dir) -> int:
+    got = dict(line.split(": ") for line in git(git_dir, "count-objects", "-v").splitlines())
+    return int(got["count"]) + int(got["in-pack"])
+
+
+def object_ids(git_dir) -> set[str]:
+    return set(git(git_dir, "cat-file", "--batch-all-objects", "--batch-check=%(objectname)")
+               .split())
+
+
+def record(m, tmp_path, agent: str, session: str) -> None:
+    path = tmp_path / f"agent-{session}-{os.path.basename(m.base)}.py"
+    path.write_text(agent)
+    overlayrec("run", "-w", m.ws, "--state-dir", m.state, "--session", session, "--",
+               sys.executable, str(path), cwd=m.ws)
+
+
+def seen_on_origin(m, session: str, calls: list[str]) -> dict:
+    """What `overlayrec diff` prints on the origin, to compare with the fetched side."""
+    d = lambda *a: overlayrec("diff", m.ws, "--state-dir", m.state, *a).stdout  # noqa: E731
+    out = {("session", "patch"): d("--session", session),
+           ("session", "binary"): d("--session", session, "--binary"),
+           ("turn", "stat"): d("--session", session, "--turn", "1", "--stat"),
+           ("turn", "patch"): d("--session", session, "--turn", "1")}
+    for c in calls:
+        out[(c, "patch")] = d("--session", session, "--call", c)
+        out[(c, "name-status")] = d("--session", session, "--call", c, "--name-status")
+    return out
+
+
+def read_fetched(clone, origin: str, session: str, calls: list[str]) -> dict:
+    r = lambda *a: overlayrec("records", "diff", "--git", str(clone), "--origin",  # noqa: E731
+                              origin, "--session", session, *a).stdout
+    out = {("session", "patch"): r(), ("session", "binary"): r("--binary"),
+           ("turn", "stat"): r("--turn", "1", "--stat"), ("turn", "patch"): r("--turn", "1")}
+    for c in calls:
+        out[(c, "patch")] = r("--call", c)
+        out[(c, "name-status")] = r("--call", c, "--name-status")
+    return out
+
+
+def test_two_workspaces_push_a_third_fetches_and_reads(make_mount, tmp_path):
+    a, b = make_mount(sub="a"), make_mount(sub="b")
+    try:
+        for m in (a, b):
+            seed(m.ws)
+            m.mount()
+        # the same session name and call ids in both: the origins keep them apart
+        record(a, tmp_path, AGENT, "d")
+        record(b, tmp_path, AGENT_B, "d")
+        want_a = seen_on_origin(a, "d", ["c1", "c2", "c3"])
+        want_b = seen_on_origin(b, "d", ["c1", "c2"])
+        assert want_a[("session", "patch")] and want_b[("session", "patch")]
+        assert want_a[("session", "patch")] != want_b[("session", "patch")]
+
+        remote = tmp_path / "server.git"
+        subprocess.run(["git", "init", "-q", "--bare", str(remote)], check=True)
+        out_a = json.loads(overlayrec("export", "git", a.ws, "--state-dir", a.state, "--push",
+                                      str(remote), "--json").stdout)
+        out_b = json.loads(overlayrec("export", "git", b.ws, "--state-dir", b.state, "--push",
+                                      str(remote), "--origin", "ci-runner-7", "--json").stdout)
+        origin_a = out_a["push"]["origin"]
+        assert re.fullmatch(r"[A-Za-z0-9._-]+-ws-[0-9a-f]{8}", origin_a), origin_a  # host-ws-id
+        assert out_b["push"]["origin"] == "ci-runner-7"
+        on_server = refs(remote)
+        for o, calls in ((origin_a, ["c1", "c2", "c3"]), ("ci-runner-7", ["c1", "c2"])):
+            pre = f"refs/overlayrec/origins/{o}/d/"
+            assert {pre + n for n in ["base", "head", "sides", "turns/1"]
+                    + [f"calls/{c}" for c in calls]} <= set(on_server), on_server
+        assert on_server[f"refs/overlayrec/origins/{origin_a}/d/head"] != \
+            on_server["refs/overlayrec/origins/ci-runner-7/d/head"]
+        # the push named exactly what it made on the remote
+        assert sorted(out_a["push"]["new"]) == sorted(
+            r for r in on_server if r.startswith(f"refs/overlayrec/origins/{origin_a}/"))
+
+        # a third machine: fetch, then read from git alone (both workspaces unmounted and
+        # their state dirs out of reach would change nothing: nothing here opens them)
+        clone = tmp_path / "elsewhere" / "records.git"
+        fetched = json.loads(overlayrec("fetch", str(remote), "--into", str(clone),
+                                        "--json").stdout)
+        assert fetched["origins"] == sorted([origin_a, "ci-runner-7"]) and \
+            fetched["sessions"] == 2
+        listed = [json.loads(l) for l in overlayrec("records", "list", "--git", str(clone),
+                                                    "--json").stdout.splitlines()]
+        assert {(r["origin"], r["session"], r["calls"]) for r in listed} == \
+            {(origin_a, "d", 3), ("ci-runner-7", "d", 2)}
+        assert read_fetched(clone, origin_a, "d", ["c1", "c2", "c3"]) == want_a
+        assert read_fetched(clone, "ci-runner-7", "d", ["c1", "c2"]) == want_b
+        # a selection in two origins is refused until one is named
+        r = overlayrec("records", "diff", "--git", str(clone), "--call", "c1", check=False)
+        assert r.returncode == 1 and "several sessions" in r.stderr
+
+        # blame: each exported commit that changed text.txt, newest first, per origin
+        rows = [json.loads(l) for l in overlayrec("records", "blame", "text.txt", "--git",
+                                                  str(clone), "--json").stdout.splitlines()]
+        mine = [r["unit"] for r in rows if r["origin"] == origin_a]
+        assert mine[:3] == ["call:d:c3", "call:d:c2", "call:d:c1"], rows
+        assert [r["unit"] for r in rows if r["origin"] == "ci-runner-7"][:1] == ["call:d:c2"]
+        c1 = next(r for r in rows if r["unit"] == "call:d:c1" and r["origin"] == origin_a)
+        assert c1["before"] == {"kind": "file", "size": len("alpha\nbeta\n")}
+        assert any("sed -i s/alpha/ALPHA/ text.txt" in p for p in c1["processes"])
+        text = overlayrec("records", "blame", "text.txt", "--git", str(clone), "--origin",
+                          "ci-runner-7").stdout
+        assert "call:d:c2" in text and origin_a not in text
+
+        # the report: both origins, every call, each call's diff in the page
+        page_path = tmp_path / "records.html"
+        overlayrec("records", "report", "--git", str(clone), "--html", str(page_path))
+        page = page_path.read_text()
+        assert origin_a in page and "ci-runner-7" in page
+        assert f'id="call-{origin_a}-d-c3"' in page and 'id="call-ci-runner-7-d-c2"' in page
+        assert "+def f():" in page and "-alpha" in page and "a new module" in page
+
+        # more calls on a: the second push sends only the new session's refs and objects
+        record(a, tmp_path, AGENT_MORE, "e")
+        before_refs, before_objects = refs(remote), stored_objects(remote)
+        before_ids = object_ids(remote)
+        out = json.loads(overlayrec("export", "git", a.ws, "--state-dir", a.state, "--push",
+                                    str(remote), "--json").stdout)
+        assert out["commits"] == 3 and out["push"]["origin"] == origin_a  # base, e1, turn 1
+        after = refs(remote)
+        pre = f"refs/overlayrec/origins/{origin_a}/e/"
+        assert sorted(out["push"]["new"]) == sorted(
+            pre + n for n in ["base", "calls/e1", "head", "sides", "turns/1"])
+        assert out["push"]["updated"] == []
+        assert set(after) - set(before_refs) == set(out["push"]["new"])
+        assert {k: after[k] for k in before_refs} == before_refs   # old refs did not move
+        # every object stored now is one the remote lacked (none sent twice), and each is
+        # reachable from the new refs
+        added = object_ids(remote) - before_ids
+        assert added and stored_objects(remote) - before_objects == len(added)
+        reachable = {l.split()[0] for l in git(remote, "rev-list", "--objects",
+                                               *out["push"]["new"]).splitlines()}
+        assert added <= reachable
+        # nothing new: nothing sent
+        again = json.loads(overlayrec("export", "git", b.ws, "--state-dir", b.state, "--push",
+                                      str(remote), "--origin", "ci-runner-7", "--json").stdout)
+        assert again["commits"] == 0 and again["push"]["new"] == again["push"]["updated"] == []
+        assert refs(remote) == after
+        # the fetch side follows
+        overlayrec("fetch", str(remote), "--into", str(clone))
+        assert overlayrec("records", "diff", "--git", str(clone), "--session", "e").stdout == \
+            overlayrec("diff", a.ws, "--state-dir", a.state, "--session", "e").stdout
+    finally:
+        for m in (a, b):
+            m.umount()
