@@ -1251,6 +1251,9 @@ def _label(plan: Plan) -> None:
                  ("own", "write", 922, 2477, "x")])])
 @example(seed=1, which=0, raw=[("call", 0, [("own", "link", 0, 0, "x"),
                                             ("own", "link", 0, 0, "x")])])
+@example(seed=2, which=5, raw=[("call", 0, [  # another unit linked the group's inode since
+    ("own", "write", 0, 3, "x"), ("O", "link", 705, 236, "x"), ("own", "rmdir", 387, 2000, "y"),
+    ("own", "rename", 821, 170, "z"), ("own", "chmod", 1182, 29, "x")])])
 def test_every_reader_agrees_with_the_model(model_env, seed, raw, which):
     plan = make_plan(seed, raw)
     note(plan.describe())

@@ -41,6 +41,9 @@ class Step:
     expected: State
     conflict: str | None = None
     note: str | None = None   # why, where the conflict's name alone does not say
+    # a hard-linked target may go back into the inode the path holds, for every name of its
+    # group; not when names outside the plan joined that inode after the target's point
+    in_place: bool = True
 
 
 @dataclass
@@ -152,8 +155,35 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
             # has a conflict of its own the revert is refused there, not on what lies beneath
             made_dirs.add(p)
     _holding_others(plan, live)
-    _find_partners(plan, live, lambda: (linkish | set(j.paths())) - {s.path for s in plan.steps})
+    names: list[set[str]] = []
+
+    def candidates() -> set[str]:  # asked only when a hard-linked target needs them
+        if not names:
+            names.append((linkish | set(j.paths())) - {s.path for s in plan.steps})
+        return names[0]
+    _find_partners(plan, live, candidates)
+    _joined_since(plan, live, candidates)
     return plan
+
+
+def _joined_since(plan: Plan, live: Tree, candidates) -> None:
+    """A hard-linked target whose live inode now has more names outside the plan than its
+    group had then (a name linked to it after the target's point, say by another unit) is not
+    written back in place: that would change a name the revert does not own."""
+    for step in plan.steps:
+        t = step.target
+        if not (t.kind == "file" and link_key(t) and t.nlink > 1) or not step.in_place:
+            continue
+        group = [o for o in plan.steps if linked(t, o.target)]
+        outside_then = t.nlink - len(group)
+        outside_now = 0
+        for name in candidates():
+            st = live.lstat(name)
+            if st is not None and st.st_ino == t.ino and stat.S_ISREG(st.st_mode):
+                outside_now += 1
+        if outside_now > outside_then:
+            for o in group:
+                o.in_place = False
 
 
 def _attic_gone(j: Journal, states: States, path: str) -> str | None:
@@ -389,7 +419,7 @@ def apply_step(root_fd: int, step: Step, made: dict | None = None) -> str:
             # a mode that would stop the directory being filled comes last (a DirMode step)
             problem = set_meta(dfd, name, t, t.mode | 0o700 if _blocks(t.mode) else t.mode)
             return FAILED + problem if problem else "dir"
-        if t.kind == "file" and link_key(t) and t.nlink > 1:
+        if t.kind == "file" and link_key(t) and t.nlink > 1 and step.in_place:
             # only a target that was itself linked then shares its inode: writing into an
             # inode linked since would change names the revert does not own
             done = _write_in_place(dfd, name, t)
@@ -520,7 +550,8 @@ def plan_to_json(plan: Plan, content_put) -> dict:
         return d
     return {"id": plan.id, "selection": plan.selection,
             "steps": [{"path": s.path, "target": st(s.target), "expected": st(s.expected),
-                       "conflict": s.conflict, "note": s.note} for s in plan.steps]}
+                       "conflict": s.conflict, "note": s.note, "in_place": s.in_place}
+                      for s in plan.steps]}
 
 
 def plan_from_json(d: dict, content_get) -> Plan:
@@ -528,5 +559,6 @@ def plan_from_json(d: dict, content_get) -> Plan:
         return State(x["kind"], x["mode"], content_get(x["blob"]) if "blob" in x else b"",
                      x.get("exact", True), **{f: x[f] for f in _FIELDS if f in x})
     return Plan(d["id"], d["selection"], [Step(s["path"], st(s["target"]), st(s["expected"]),
-                                                s["conflict"], s.get("note"))
+                                                s["conflict"], s.get("note"),
+                                                s.get("in_place", True))
                                            for s in d["steps"]])
