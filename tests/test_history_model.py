@@ -1254,6 +1254,11 @@ def _label(plan: Plan) -> None:
 @example(seed=2, which=5, raw=[("call", 0, [  # another unit linked the group's inode since
     ("own", "write", 0, 3, "x"), ("O", "link", 705, 236, "x"), ("own", "rmdir", 387, 2000, "y"),
     ("own", "rename", 821, 170, "z"), ("own", "chmod", 1182, 29, "x")])])
+@example(seed=2, which=2, raw=[  # truncated through the other name of a linked inode
+    ("call", 7, [("own", "mkdir", 1804, 141, "z")]),
+    ("call", 2, [("own", "write", 0, 0, "x"), ("O", "append", 382, 87, "y"),
+                 ("own", "truncate", 345, 106, "z"), ("O", "write", 29, 290, "z"),
+                 ("own", "write", 2903, 441, "z")])])
 def test_every_reader_agrees_with_the_model(model_env, seed, raw, which):
     plan = make_plan(seed, raw)
     note(plan.describe())
