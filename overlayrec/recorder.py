@@ -862,6 +862,29 @@ class Recorder:
             self._pending.append({"op": "alias", "path": other, "source": path, "pre": apre,
                                   "epoch": True, **unit_fields(unit)})
 
+    def _alias_again(self, path: str, fd: int, unit: str) -> None:
+        """A change through ``path`` inside its epoch (it takes no pre-image of its own): the
+        inode's other known names change with it, unseen there, so each gets an ``alias`` event
+        again, its pre-image the inode as it is now (the content kept for files up to the
+        whole-file limit).  A write run's later writes are no events, here as under ``path``."""
+        if not self.names:
+            return
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or self.nlink(st) < 2 or \
+                not self.names.get((st.st_dev, st.st_ino), set()) - {path}:
+            return
+        pre = self._meta(st)
+        if not self._withhold(path, pre) and st.st_size <= self.whole_file_limit:
+            if st.st_size == 0:
+                pre["blob"] = self.content.put_bytes(b"")
+            else:
+                rfd = underlay.reopen(fd, os.O_RDONLY)
+                try:
+                    pre["blob"] = self._save_whole(rfd, st.st_size)
+                finally:
+                    os.close(rfd)
+        self._alias(path, st, unit, pre)
+
     def _lstat(self, path: str) -> os.stat_result:
         parent, _, name = path.rpartition("/")
         dfd = underlay.open_beneath(self.root_fd, parent) if parent else os.dup(self.root_fd)
@@ -907,6 +930,7 @@ class Recorder:
         if ev is None:
             if handle.write_seq is None or handle.epoch is not self.epochs.get(handle.path):
                 ev = {"path": handle.path, **unit_fields(handle.unit)}
+                self._alias_again(handle.path, handle.fd, handle.unit)
             else:
                 handle.note_write(off, length)
                 return None
@@ -948,7 +972,10 @@ class Recorder:
         if rfd is None or (os.O_ACCMODE & _fd_flags(rfd)) == os.O_WRONLY:
             rfd = tmp = underlay.reopen(fd, os.O_RDONLY)
         try:
-            ev = self._capture(path, rfd, unit, size, None) or {"path": path, **unit_fields(unit)}
+            ev = self._capture(path, rfd, unit, size, None)
+            if ev is None:  # inside the path's epoch: its other names still change, unseen
+                ev = {"path": path, **unit_fields(unit)}
+                self._alias_again(path, rfd, unit)
         finally:
             if tmp is not None:
                 os.close(tmp)
@@ -976,6 +1003,8 @@ class Recorder:
             ep.meta_saved = True
             if pre["kind"] == "file":
                 self._alias(path, st, unit, pre)
+        else:
+            self._alias_again(path, fd, unit)
         return ev
 
     @_roomy

@@ -569,11 +569,6 @@ class States:
             if e["op"] == "write" and "data" not in e:
                 break
             if self.starts_epoch(e, name):
-                if e["op"] == "alias":
-                    # changed through another name of its inode: later changes through that
-                    # name (a write, a truncate by the other name) are no events here, until
-                    # the unit ends
-                    break
                 return False
         else:
             return False
