@@ -1263,6 +1263,11 @@ def _label(plan: Plan) -> None:
     ("own", "mkdir", 933, 2897, "y"), ("own", "truncate", 928, 954, "x"),
     ("own", "rmdir", 709, 251, "z"), ("O", "rename", 487, 1538, "x"),
     ("own", "mkdir", 711, 256, "y")])])
+@example(seed=2, which=7, raw=[  # a linked file renamed twice by another unit
+    ("call", 6, [("late", "swap", 4095, 1578, "z"), ("own", "mkdir", 3138, 3434, "z"),
+                 ("late", "truncate", 314, 1218, "y")]),
+    ("call", 7, [("own", "backforth", 195, 352, "x"), ("own", "write", 0, 1236, "x"),
+                 ("own", "rename", 1451, 1933, "x")])])
 def test_every_reader_agrees_with_the_model(model_env, seed, raw, which):
     plan = make_plan(seed, raw)
     note(plan.describe())

@@ -685,6 +685,7 @@ class States:
         e0 = evs[start]
         st = self._state(path, e0["seq"] - 1)
         kind, mode, data = st.kind, st.mode, bytearray(st.data)
+        facts_of = st  # owner, inode and link count: whose they are now
         for e in evs[start:]:
             if e["seq"] > after:
                 break
@@ -703,6 +704,7 @@ class States:
                 data.extend(b"\0" * (size - len(data)))
             elif op == "create":
                 kind, mode, data = "file", e.get("mode", 0o644) & 0o7777, bytearray()
+                facts_of = ABSENT
             elif op == "chmod":
                 mode = e["mode"]
             elif op in ("chown", "utimens", "setxattr", "removexattr"):
@@ -711,8 +713,10 @@ class States:
                 kind, mode, data = "absent", 0, bytearray()
             elif op == "mkdir":
                 kind, mode, data = "dir", e.get("mode", 0o755), bytearray()
+                facts_of = ABSENT
             elif op == "symlink":
                 kind, mode, data = "symlink", 0o120000, bytearray(os.fsencode(e["target"]))
+                facts_of = ABSENT
             elif op == "rename" and e.get("path") == path and e.get("path2") != path:
                 kind, mode, data = "absent", 0, bytearray()
             elif op in ("rename", "link"):
@@ -723,9 +727,14 @@ class States:
                 if not s2.exact:
                     return None
                 kind, mode, data = s2.kind, s2.mode, bytearray(s2.data)
+                facts_of = s2 if op == "rename" else s2.but(nlink=s2.nlink + 1)
             else:
                 return None
-        return State(kind, mode, bytes(data)) if kind != "absent" else ABSENT
+        if kind == "absent":
+            return ABSENT
+        return State(kind, mode, bytes(data), uid=facts_of.uid, gid=facts_of.gid,
+                     rdev=facts_of.rdev, block=facts_of.block, ino=facts_of.ino,
+                     nlink=facts_of.nlink)
 
     def _moved(self, path: str, e: dict) -> State:
         """A renamed-away file: the inode, unchanged by the rename, now at its new name.  Its
