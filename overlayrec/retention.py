@@ -150,22 +150,8 @@ def _refs(obj, blobs: set, attic: set) -> None:
 
 
 def read_plans(sd: str) -> list[dict]:
-    """The saved revert records (as ``reverts.plans``, which sits above this layer)."""
-    d = state.StateDir(sd).reverts
-    if not os.path.isdir(d):
-        return []
-    closed = state.check_private(d, "revert plans")
-    out = []
-    for name in sorted(os.listdir(d)):
-        if name.endswith(".json"):
-            state.check_entry(os.path.join(d, name), closed, "revert plans")
-            try:
-                with open(os.path.join(d, name)) as f:
-                    out.append(json.load(f))
-            except (OSError, ValueError):
-                continue
-    out.sort(key=lambda r: r.get("created", 0))
-    return out
+    """The saved revert records, oldest first."""
+    return state.saved_reverts(sd)
 
 
 def _undoable(r: dict, every: list[dict]) -> bool:

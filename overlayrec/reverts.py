@@ -26,19 +26,7 @@ class RevertError(Exception):
 
 def plans(sd: str) -> list[dict]:
     """Every saved revert record, oldest first."""
-    out = []
-    d = state.StateDir(sd).reverts
-    closed = state.check_private(d, "revert plans")  # a plan steers writes: the user's alone
-    for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
-        if name.endswith(".json"):
-            state.check_entry(os.path.join(d, name), closed, "revert plans")
-            try:
-                with open(os.path.join(d, name)) as f:
-                    out.append(json.load(f))
-            except (OSError, ValueError):
-                continue
-    out.sort(key=lambda r: r.get("created", 0))
-    return out
+    return state.saved_reverts(sd)
 
 
 def save(sd: str, rec: dict) -> None:

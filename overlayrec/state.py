@@ -11,6 +11,7 @@ read back is checked first: a state dir or registry another user could change is
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat as _stat
 
@@ -568,3 +569,24 @@ def is_dead_mount(path: str) -> bool:
         return False
     except OSError as e:
         return e.errno in DEAD_ERRNOS
+
+
+def saved_reverts(sd: str) -> list[dict]:
+    """Every saved revert record of the state dir ``sd``, oldest first (``reverts`` keeps them;
+    retention reads them too, from below that layer).  A plan steers writes: the directory and
+    each file must be the user's alone."""
+    out = []
+    d = StateDir(sd).reverts
+    if not os.path.isdir(d):
+        return out
+    closed = check_private(d, "revert plans")
+    for name in sorted(os.listdir(d)):
+        if name.endswith(".json"):
+            check_entry(os.path.join(d, name), closed, "revert plans")
+            try:
+                with open(os.path.join(d, name)) as f:
+                    out.append(json.load(f))
+            except (OSError, ValueError):
+                continue
+    out.sort(key=lambda r: r.get("created", 0))
+    return out
