@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import re
 
 DEFAULTS = (".env*", ".ssh/", ".npmrc", ".pypirc", ".netrc", ".git-credentials", "*.pem",
             "*.key")
@@ -62,6 +63,11 @@ def placeholder(as_of: int | None) -> bytes:
     return f"overlayrec: {PLACEHOLDER}; {when}\n".encode()
 
 
+def _one_re(patterns: list[str]):
+    """One compiled expression matching what any of ``patterns`` matches (fnmatchcase)."""
+    return re.compile("|".join(fnmatch.translate(p) for p in patterns)) if patterns else None
+
+
 class Secrets:
     """The patterns and extra names of one journal, and the match."""
 
@@ -77,6 +83,9 @@ class Secrets:
                 self._any.append(p)
             else:
                 self._anchored.append(p.strip("/"))
+        # each list as one regular expression (fnmatchcase's own translation), asked once a name
+        self._any_re = _one_re(self._any)
+        self._anchored_re = _one_re(self._anchored)
         self._cache: dict[str, bool] = {}
 
     @classmethod
@@ -104,13 +113,12 @@ class Secrets:
         for i in range(1, len(parts) + 1):
             if "/".join(parts[:i]) in self.names:
                 return True
-        for part in parts:
-            if any(fnmatch.fnmatchcase(part, p) for p in self._any):
-                return True
-        for i in range(1, len(parts) + 1):
-            head = "/".join(parts[:i])
-            if any(fnmatch.fnmatchcase(head, p) for p in self._anchored):
-                return True
+        if self._any_re is not None and any(self._any_re.match(part) for part in parts):
+            return True
+        if self._anchored_re is not None:
+            for i in range(1, len(parts) + 1):
+                if self._anchored_re.match("/".join(parts[:i])):
+                    return True
         return False
 
     def carried(self, src: str, dst: str) -> bool:

@@ -63,17 +63,17 @@ def git_refuses(path: str) -> bool:
     return any(part.lower() == ".git" for part in path.split("/"))
 
 
-def unit_listing(net, evs: list[dict], bounds: tuple[int, int] | None = None):
-    """(row fields, side) of one unit from its events.  ``net(evs, bounds)`` (from the engines:
+def unit_listing(net, evs: list[dict], bounds: tuple[int, int] | None = None) -> dict:
+    """The row fields of one unit from its events.  ``net(evs, bounds)`` (from the engines:
     engines.diff.net_of) gives (the paths whose state differs between the unit's two points,
-    every path the unit touched, its Side): then ``paths`` are only the changes (churn, such as
-    a temp file made and removed, a rewrite with the same content or a chmod to the same mode,
-    is not one) and ``touched`` all it wrote.  Without ``net``: the touched, and no side."""
+    every path the unit touched): then ``paths`` are only the changes (churn, such as a temp
+    file made and removed, a rewrite with the same content or a chmod to the same mode, is not
+    one) and ``touched`` all it wrote.  Without ``net``: the touched."""
     touched = {p for e in evs for p in _paths(e)}
     if net is None:
-        return listing(touched, None), None
-    changed, more, side = net(evs, bounds)
-    return listing(touched | set(more), changed), side
+        return listing(touched, None)
+    changed, more = net(evs, bounds)
+    return listing(touched | set(more), changed)
 
 
 def listing(touched, net: list[str] | None) -> dict:
@@ -121,19 +121,18 @@ def turn_rows(j: Journal, sid: str | None = None, net=None) -> list[dict]:
                 mine.append(e)
             else:
                 others.add(writer_name(j, e.get("unit") or "outside:" + e["actor"], actors))
-        fields, _ = unit_listing(net, mine, (t["begin_seq"], t["end_seq"] or last))
+        fields = unit_listing(net, mine, (t["begin_seq"], t["end_seq"] or last))
         rows.append({"session": s, "index": t["index"], "begin_t": t["begin_t"],
                      "end_t": t["end_t"], "prompt": t.get("prompt"), **fields,
                      "others": sorted(others), "seq": [t["begin_seq"], t["end_seq"]]})
     return rows
 
 
-def call_rows(j: Journal, sid: str | None = None, turn: int | None = None, net=None,
-              sides: dict | None = None) -> list[dict]:
+def call_rows(j: Journal, sid: str | None = None, turn: int | None = None, net=None
+              ) -> list[dict]:
     """One row per call; with ``net`` (see unit_listing), ``paths`` are the net changes of the
     call (each path from just before the call's first change to it to just after its last),
-    ``touched`` all it wrote.  One pass over the journal; ``sides`` (a dict) collects each
-    call's Side by (session, id)."""
+    ``touched`` all it wrote.  One pass over the journal."""
     by_unit: dict[str, list[dict]] = {}
     for e in file_events(j):
         by_unit.setdefault(e.get("unit") or "", []).append(e)
@@ -152,9 +151,7 @@ def call_rows(j: Journal, sid: str | None = None, turn: int | None = None, net=N
             name = f"{command_name(actors[e['actor']])}[{e['actor'].split(':')[0]}]"
             if name not in procs:
                 procs.append(name)
-        fields, side = unit_listing(net, evs)
-        if sides is not None and side is not None:
-            sides[(c["session"], c["id"])] = side
+        fields = unit_listing(net, evs)
         rows.append({**c, **fields, "processes": procs, "events": len(evs),
                      "late_events": sum(1 for e in evs if e.get("after_end"))})
     return rows
@@ -190,11 +187,11 @@ def session_summary(j: Journal, sid: str, net=None) -> list[str]:
     def count(row):
         return f"{row['files']} file(s)" + \
             (f" + {row['git_changes']} under .git/" if row["git_changes"] else "")
-    total = unit_listing(net, evs)[0]
+    total = unit_listing(net, evs)
     lines = [f"overlayrec: session {sid}: {len(turns)} turn(s), {ncalls} call(s), "
              f"{count(total).replace('file(s)', 'file(s) changed', 1)}"]
     for who, wevs in sorted(by_writer.items()):
-        lines.append(f"  {who}: " + count(unit_listing(net, wevs)[0]))
+        lines.append(f"  {who}: " + count(unit_listing(net, wevs)))
     if rec.get("ended") is None:
         lines.append("  (session still open)")
     return lines

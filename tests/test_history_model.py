@@ -21,6 +21,8 @@ A case passes only when every reader agrees with the model:
   groups;
 * ``export git``: each call's commit holds the model's tree at the call's end, and its parent
   the tree at the call's begin;
+* ``calls``: each call's net paths (compared by stored hashes) are the paths its ``diff``
+  shows changed (compared by content);
 * ``revert --call``: the model's tree, or exactly the model's conflicts (nothing written); and
   ``unrevert`` gives back the tree before the revert.
 
@@ -48,7 +50,7 @@ the call.
 
 Knobs (environment): OVERLAYREC_MODEL_CASES (default 400) and
 OVERLAYREC_MODEL_UNMOUNTED_CASES (default max(24, CASES/16)) set the numbers of cases;
-OVERLAYREC_MODEL_CHECKS (default ``diff,replay,export,revert``) the readers checked, to look at
+OVERLAYREC_MODEL_CHECKS (default ``diff,replay,export,revert,listing``) the readers checked, to look at
 one at a time; OVERLAYREC_MODEL_OPS a comma list of the operation kinds generated (default all);
 OVERLAYREC_MODEL_SHRINK=0 skips shrinking (a quicker first look at a failure).  A failing
 case can be pinned with ``@example(seed=..., raw=..., which=...)`` from hypothesis' report.
@@ -75,12 +77,13 @@ from hypothesis import HealthCheck, Phase, event, example, given, note, settings
 
 from conftest import HAVE_FUSE, SLOW, Mount, force_unmount, is_mounted, overlayrec
 from overlayrec import client
-from overlayrec.engines.diff import select
+from overlayrec.engines.diff import changed, net_of, select
 from overlayrec.engines.export import Exporter
 from overlayrec.engines.gitdiff import ObjectStore
 from overlayrec.engines.replay import replay
 from overlayrec.engines.states import States, Tree
 from overlayrec.journal import Journal
+from overlayrec.views import call_rows
 
 pytestmark = pytest.mark.skipif(not HAVE_FUSE, reason="needs /dev/fuse")
 
@@ -88,7 +91,8 @@ pytestmark = pytest.mark.skipif(not HAVE_FUSE, reason="needs /dev/fuse")
 CASES = int(os.environ.get("OVERLAYREC_MODEL_CASES", "400"))
 UNMOUNTED_CASES = int(os.environ.get("OVERLAYREC_MODEL_UNMOUNTED_CASES", str(max(24, CASES // 16))))
 PER_MOUNT = int(os.environ.get("OVERLAYREC_MODEL_CASES_PER_MOUNT", "50"))
-CHECKS = set((os.environ.get("OVERLAYREC_MODEL_CHECKS") or "diff,replay,export,revert").split(","))
+CHECKS = set((os.environ.get("OVERLAYREC_MODEL_CHECKS") or
+              "diff,replay,export,revert,listing").split(","))
 PHASES = tuple(Phase) if os.environ.get("OVERLAYREC_MODEL_SHRINK", "1") != "0" else \
     tuple(p for p in Phase if p is not Phase.shrink)
 if os.environ.get("OVERLAYREC_MODEL_EXPLICIT") == "1":    # only the pinned @example cases
@@ -1041,6 +1045,24 @@ def check_diff(rec, j, states, case, plan, ids, work) -> None:
                       f"give the tree after it:\n{d}\npatch:\n{patch}"
 
 
+def check_listing(rec, j, case, plan, ids, tree) -> None:
+    """``calls`` (its net, from stored hashes: States.sig) names for each call exactly the
+    paths whose full states differ between the call's two points, as ``diff`` has them."""
+    try:
+        rows = {r["id"]: r for r in call_rows(j, rec.session, net=net_of(States(j, tree)))}
+    finally:
+        j.forget_events()  # a listing keeps every event decoded; the journal grows on
+    states = States(j, tree)
+    for k in range(plan.ncalls):
+        row = rows.get(ids[f"c{k}"])
+        if row is None:
+            continue  # a call that wrote nothing may have no record of its own
+        mine = [p for p in row["paths"] if p.startswith(case + "/")]
+        want = [p for p in changed(select(j, states, call=ids[f"c{k}"]))
+                if p.startswith(case + "/")]
+        assert mine == want, f"calls lists c{k} as changing {mine}, its diff {want}"
+
+
 def check_replay(rec, j, states, tree, case, plan, points, work, boundaries=()) -> None:
     """replay --full at every unit boundary gives the model's tree.  At the other points checked
     (a writer switching inside a call) a path inside a run of writes the journal saw only in
@@ -1311,7 +1333,8 @@ def run_case(model_env, plan: Plan, which: int) -> tuple[list[AssertionError], s
                     ("diff", lambda: check_diff(rec, j, states, case, plan, ids, work)),
                     ("replay", lambda: check_replay(rec, j, states, tree, case, plan,
                                                     points.items(), work, boundaries)),
-                    ("export", lambda: check_export(rec, j, states, case, plan, ids))):
+                    ("export", lambda: check_export(rec, j, states, case, plan, ids)),
+                    ("listing", lambda: check_listing(rec, j, case, plan, ids, tree))):
                 if name in CHECKS:
                     try:
                         check()

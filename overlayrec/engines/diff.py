@@ -116,13 +116,10 @@ def _find_turn(j: Journal, turn, session: str | None) -> dict:
     raise SelectionError(f"no turn {n}")
 
 
-def side_of(states: States, events: list[dict], bounds: tuple[int, int] | None = None, *,
-            keep=None) -> Side:
-    """The Side of one unit whose events are already at hand (grouped per unit in one pass
-    over the journal, as the listings do), as select() makes it: without ``bounds``, each path
-    from just before its first event to just after its last (a call, a session, an actor);
-    with ``bounds`` (lo, hi), every path from lo to hi (a turn, a range).  ``keep(path)``: only
-    the paths it accepts."""
+def spans_of(states: States, events: list[dict], bounds: tuple[int, int] | None = None, *,
+             keep=None) -> tuple[dict[str, list[int]], dict[str, set[str]]]:
+    """(path -> [before-point, after-point], path -> the units that changed it) of one unit
+    whose events are at hand, as side_of takes them."""
     spans: dict[str, list[int]] = {}
     writers: dict[str, set[str]] = {}
     for e in events:
@@ -133,6 +130,17 @@ def side_of(states: States, events: list[dict], bounds: tuple[int, int] | None =
             cur = spans.get(p)
             spans[p] = [min(cur[0], lo), max(cur[1], hi)] if cur else [lo, hi]
             writers.setdefault(p, set()).add(e.get("unit") or "outside:" + e.get("actor", "?"))
+    return spans, writers
+
+
+def side_of(states: States, events: list[dict], bounds: tuple[int, int] | None = None, *,
+            keep=None) -> Side:
+    """The Side of one unit whose events are already at hand (grouped per unit in one pass
+    over the journal, as the listings do), as select() makes it: without ``bounds``, each path
+    from just before its first event to just after its last (a call, a session, an actor);
+    with ``bounds`` (lo, hi), every path from lo to hi (a turn, a range).  ``keep(path)``: only
+    the paths it accepts."""
+    spans, writers = spans_of(states, events, bounds, keep=keep)
     before = {p: states.state(p, lo) for p, (lo, _) in spans.items()}
     after = {p: states.state(p, hi) for p, (_, hi) in spans.items()}
     return Side(before, after, writers)
@@ -140,10 +148,16 @@ def side_of(states: States, events: list[dict], bounds: tuple[int, int] | None =
 
 def net_of(states: States):
     """What the listings (views) take as ``net``: a function of one unit's events (and bounds,
-    as side_of) giving (its changed paths, every path it touched, its Side)."""
+    as side_of) giving (its changed paths, every path it touched).  It compares the two points
+    by States.sig (stored hashes, no content read where the record has them), so a listing of
+    every call costs a pass over the journal, not a read of every file it touched."""
+    states.preload()
+
     def net(events: list[dict], bounds: tuple[int, int] | None = None):
-        side = side_of(states, events, bounds)
-        return changed(side), side.before.keys() | side.after.keys(), side
+        spans, _ = spans_of(states, events, bounds)
+        changed = sorted(p for p, (lo, hi) in spans.items()
+                         if not states.sig(p, lo).same(states.sig(p, hi)))
+        return changed, spans.keys()
     return net
 
 

@@ -247,6 +247,29 @@ def facts(pre: dict) -> dict:
     return out
 
 
+def _sig_of(pre: dict, seal: bool) -> State | None:
+    """A stored pre-image's or seal's State with a file's content as its hash (States.sig);
+    None when the record keeps neither the content nor its hash there."""
+    kind = pre["kind"]
+    if kind == "absent":
+        return ABSENT
+    if kind == "file":
+        digest = pre.get("blob") or (pre.get("hash") if seal else None)
+        if digest is None or pre.get("withheld"):
+            return None
+        return State("file", pre.get("mode", 0o644), digest.encode(), **facts(pre))
+    if kind == "symlink":
+        return State("symlink", 0o120000, os.fsencode(pre.get("target") or ""), **facts(pre))
+    return State(kind, pre.get("mode", 0o755 if kind == "dir" else 0), **facts(pre))
+
+
+def _hashed(st: State) -> State:
+    """``st`` with a file's content as its hash (a withheld placeholder stays as it is)."""
+    if st.kind != "file" or st.withheld:
+        return st
+    return st.but(data=preimage.content_hash(st.data).encode())
+
+
 INF = float("inf")
 
 
@@ -295,11 +318,15 @@ class States:
         self._universe: list[tuple[str, float]] | None = None
         self._candidates: dict[float, set[str]] = {}
         self._names: list[str] | None = None
+        self._preloaded = False
+        self._sigs: dict[tuple, State] = {}
 
     # -- the chain of one name ------------------------------------------------------------------
     def chain_on(self, path: str) -> list[dict]:
         """Every event naming ``path`` that holds (not failed), seals included."""
         evs = self._chain.get(path)
+        if evs is None and self._preloaded:
+            return []
         if evs is None:
             evs = []
             failed = set()
@@ -314,6 +341,22 @@ class States:
             evs = [e for e in evs if e["seq"] not in failed]
             self._chain[path] = evs
         return evs
+
+    def preload(self) -> None:
+        """Fill every path's chain from one pass over the journal, for a reader that will ask
+        about most of the paths (a listing): one decode per event instead of one per path."""
+        raw: dict[str, list[dict]] = {}
+        for e in self.j.keep_events():
+            for p in {e.get("path"), e.get("path2")} - {None}:
+                raw.setdefault(p, []).append(e)
+        if self.j.cut > 1:  # below the cut only each path's latest seal stays
+            for p, seq in self.j.seals():
+                if seq < self.j.cut and (e := self.j.event(seq)) is not None:
+                    raw.setdefault(p, []).insert(0, e)
+        for p, evs in raw.items():
+            failed = {e["ref"] for e in evs if e["op"] == "failed"}
+            self._chain[p] = [e for e in evs if e["op"] != "failed" and e["seq"] not in failed]
+        self._preloaded = True
 
     def events_on(self, path: str) -> list[dict]:
         """The changes of ``path`` (no seals)."""
@@ -548,6 +591,36 @@ class States:
                 st = self._withheld(path, after, st)
             self._cache[key] = st
         return self._cache[key]
+
+    def sig(self, path: str, after: int) -> State:
+        """What ``State.same`` compares of ``state(path, after)``, with a file's content as its
+        hash: from the stored hashes (a pre-image's blob, a seal's hash) wherever the record has
+        one, so a listing compares two points of 100,000 paths without reading them.  The end
+        of a sealed chain is the seal's content, drifted or not (the record's end); exactness
+        is not kept.  Anything else (inside an epoch, content completed from the attic or from
+        ranges, an open epoch, a secret) is the full state, hashed."""
+        key = (path, after)
+        got = self._sigs.get(key)
+        if got is None:
+            got = self._sigs[key] = self._sig(path, after) or _hashed(self.state(path, after))
+        return got
+
+    def _sig(self, path: str, after: int) -> State | None:
+        if self.secrets.match(path):
+            return None
+        move = self._next_move(path, after)
+        for e in self.chain_on(path):
+            if e["seq"] <= after:
+                continue
+            if move is not None and e["seq"] >= move["seq"]:
+                break
+            pre = self.pre_for(e, path)
+            return None if pre is None or "kind" not in pre else _sig_of(pre, seal=False)
+        if move is not None:
+            new = _fwd(path, move)
+            return ABSENT if new is None else self.sig(new, move["seq"])
+        seal = self._governing_seal(path)
+        return None if seal is None else _sig_of(seal["pre"], seal=True)
 
     def _may_change_unseen(self, path: str, after: int) -> bool:
         """Writes after a handle's first one are not events (unless the journal records data):

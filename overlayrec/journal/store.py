@@ -14,6 +14,7 @@ and the map grows as the data does (``_grow``): data.mdb is as long as what it h
 """
 from __future__ import annotations
 
+import bisect
 import errno
 import fcntl
 import json
@@ -49,6 +50,7 @@ class Journal:
                  workspace: str | None = None):
         self.state_dir = state_dir
         self.readonly = readonly
+        self._kept: list[dict] | None = None  # keep_events()
         path = os.path.join(state_dir, "journal")
         try:
             os.fsencode(path).decode("utf-8")
@@ -525,10 +527,31 @@ class Journal:
             return None  # dropped by retention (only the latest seal of a path stays)
         return ev
 
+    def keep_events(self) -> list[dict]:
+        """Decode every event once and answer ``events()`` from memory from now on: for a
+        reader that passes over the whole journal more than once (a listing).  The journal as
+        it stands now; a writer's later events are not seen."""
+        if self._kept is None:
+            self._kept = list(self.events())
+        return self._kept
+
+    def forget_events(self) -> None:
+        """Read ``events()`` from the journal again (what keep_events() kept is let go)."""
+        self._kept = None
+
     def events(self, since: int = 1, until: int | None = None) -> Iterator[dict]:
         """The events from ``since`` to ``until`` (inclusive), in order; JournalError naming
         the first record that is not an event."""
         since = max(since, self.cut)  # below the cut: dropped by retention
+        if self._kept is not None:
+            kept = self._kept
+            lo = bisect.bisect_left(kept, since, key=lambda e: e["seq"])
+            hi = len(kept) if until is None else \
+                bisect.bisect_right(kept, until, key=lambda e: e["seq"])
+            return iter(kept[lo:hi])
+        return self._read_events(since, until)
+
+    def _read_events(self, since: int, until: int | None) -> Iterator[dict]:
         try:
             with self.env.begin(db=self.dbs["events"]) as txn:
                 cur = txn.cursor()
@@ -748,6 +771,13 @@ _EVENT_FIELDS = (("seq", int, True), ("t", int, True), ("op", str, True), ("path
 
 def _event_defect(ev, seq: int) -> str | None:
     """What makes a decoded record no event (the message's tail), or None."""
+    if type(ev) is dict:  # the common case in one expression: every reader decodes every event
+        g = ev.get
+        if g("seq") == seq and type(g("seq")) is int and type(g("t")) is int and \
+                type(g("op")) is str and g("op") != "failed" and \
+                type(g("path", "")) is str and type(g("path2", "")) is str and \
+                type(g("actor", "")) is str and type(g("unit", "")) is str:
+            return None
     if not isinstance(ev, dict):
         return f"is not a JSON object but {type(ev).__name__}"
     for name, kind, required in _EVENT_FIELDS:
