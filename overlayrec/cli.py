@@ -14,9 +14,9 @@ import math
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import click
 
@@ -24,6 +24,9 @@ from . import state
 from .journal import Journal, JournalError
 from .journal.schema import CONTROL_OPS, MARK_OPS
 from .state import StateError
+
+if TYPE_CHECKING:
+    import subprocess
 
 
 def _one_line(msg: str) -> str:
@@ -343,6 +346,7 @@ def _spawn_daemon(ws: str, sd: str, *, durable=False, allow_other=False, timeout
                   record_data=False, secret=(), no_default_secrets=False,
                   max_bytes=None) -> int:
     """Start the daemon in its own process and wait until the mount is ready; its pid."""
+    import subprocess
     r, w = os.pipe()
     cmd = [sys.executable, "-m", "overlayrec.daemon", "--workspace", ws, "--state-dir", sd,
            "--ready-fd", str(w)]
@@ -447,6 +451,7 @@ def _unmount_now(ws: str) -> None:
 def _detach(cmd: list[str], timeout: float = 15.0) -> str | None:
     """Run a lazy-unmount command; None on success, else why not.  A helper stuck in the
     kernel is left behind rather than waited for: umount must come back."""
+    import subprocess
     try:
         p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     except OSError as e:
@@ -1047,6 +1052,7 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
     other program, record each direct child of CMD as an implicit call.
 
     Example: overlayrec run -- claude"""
+    import subprocess
     from . import client
     ws = state.resolve_workspace(workspace)
     mounted_here = False
@@ -1195,6 +1201,13 @@ def _listing_net(j, ws: str | None, sd: str, quiet: bool = False):
     from the live tree; (None, close) when the tree cannot be read: they then list every path
     written."""
     from .engines.diff import net_of
+    states, close = _listing_states(j, ws, sd, quiet)
+    return (net_of(states) if states is not None else None), close
+
+
+def _listing_states(j, ws: str | None, sd: str, quiet: bool = False):
+    """(States, close) over the live tree for a listing; (None, close) when the tree cannot be
+    read (then warned, unless ``quiet``)."""
     from .engines.states import States
     try:
         if not ws:
@@ -1204,7 +1217,24 @@ def _listing_net(j, ws: str | None, sd: str, quiet: bool = False):
         if not quiet:
             click.echo(_NO_NET, err=True)
         return None, lambda: None
-    return net_of(States(j, tree)), lambda: os.close(tree.root_fd)
+    return States(j, tree), lambda: os.close(tree.root_fd)
+
+
+def _rows(kind: str, j, ws: str, sd: str, **kw) -> tuple[list[dict], bool]:
+    """The rows of ``turns`` or ``calls`` (engines.listings: settled rows kept between runs),
+    and whether they carry the net changes (False: the tree cannot be read)."""
+    from . import views
+    from .engines import listings
+    states, close = _listing_states(j, ws, sd, quiet=True)
+    try:
+        if states is None:
+            return (views.turn_rows(j, **kw) if kind == "turns" else views.call_rows(j, **kw)), \
+                False
+        kept = state.StateDir(sd).listings
+        return (listings.turn_rows(j, states, kept, **kw) if kind == "turns" else
+                listings.call_rows(j, states, kept, **kw)), True
+    finally:
+        close()
 
 
 @main.command()
@@ -1219,28 +1249,29 @@ def turns(workspace, sid, churn, as_json, state_dir):
     """One row per turn: index, time, files changed (net: the state differs between the turn's
     begin and end), the first paths and a count of those under .git/, the prompt's first line,
     and who else wrote in the workspace during it."""
-    from .views import turn_rows, fold
+    from .views import fold
     ws = state.resolve_workspace(workspace, must_exist=False)
     sd = _state_dir_for(ws, state_dir)
     j = Journal(sd, readonly=True)
-    net, close = _listing_net(j, ws, sd, quiet=True)
     try:
-        rows = turn_rows(j, sid, net)
+        rows, net = _rows("turns", j, ws, sd, sid=sid)
     finally:
-        close()
         j.close()
-    if net is None:  # said once the listing is made: a failure is one line
+    if not net:  # said once the listing is made: a failure is one line
         click.echo(_NO_NET, err=True)
+    out = []  # echoed at once: one echo per line costs more than the listing on 10k rows
     for r in rows:
         if as_json:
-            click.echo(json.dumps(r))
+            out.append(json.dumps(r))
             continue
         paths = fold(r, touched=churn)
         prompt = (r["prompt"] or "").splitlines()[0][:50] if r["prompt"] else ""
         shared = f"  [shared with {', '.join(r['others'])}]" if r["others"] else ""
-        click.echo(f"{r['session']:<14.14} {r['index']:>3} {_fmt_time(r['begin_t'])} "
+        out.append(f"{r['session']:<14.14} {r['index']:>3} {_fmt_time(r['begin_t'])} "
                    f"{r['touched_files' if churn else 'files']:>4} files  {paths:<40}  "
                    f"{prompt}{shared}")
+    if out:
+        click.echo("\n".join(out))
 
 
 @main.command()
@@ -1256,30 +1287,31 @@ def calls(workspace, sid, turn_index, churn, as_json, state_dir):
     """One row per call: tool, files changed (net: the state differs between just before the
     call's first change and just after its last), summary, the processes it ran; under it the
     paths, the workspace's own first and those under .git/ as a count."""
-    from .views import call_rows, fold
+    from .views import fold
     ws = state.resolve_workspace(workspace, must_exist=False)
     sd = _state_dir_for(ws, state_dir)
     j = Journal(sd, readonly=True)
-    net, close = _listing_net(j, ws, sd, quiet=True)
     try:
-        rows = call_rows(j, sid, turn_index, net)
+        rows, net = _rows("calls", j, ws, sd, sid=sid, turn=turn_index)
     finally:
-        close()
         j.close()
-    if net is None:  # said once the listing is made: a failure is one line
+    if not net:  # said once the listing is made: a failure is one line
         click.echo(_NO_NET, err=True)
+    out = []  # echoed at once, as turns does
     for r in rows:
         if as_json:
-            click.echo(json.dumps(r))
+            out.append(json.dumps(r))
             continue
         procs = ", ".join(r["processes"][:4])
         n = r["touched_files"] if churn else r["files"]
-        click.echo(f"{r['session']:<14.14} {str(r['turn'] or '-'):>3} {r['id']:<24.24} "
+        out.append(f"{r['session']:<14.14} {str(r['turn'] or '-'):>3} {r['id']:<24.24} "
                    f"{r['tool']:<10.10} {n:>4} files  {(r['summary'] or ''):<40.40}  "
                    f"{procs}")
         paths = fold(r, touched=churn, first=6)
         if paths:
-            click.echo(f"{'':<19} {paths}")
+            out.append(f"{'':<19} {paths}")
+    if out:
+        click.echo("\n".join(out))
 
 
 # -- diffs ----------------------------------------------------------------------------------------
@@ -1866,6 +1898,7 @@ def export_git(workspace, repo, ref_prefix, remote, origin, state_dir, as_json):
     on (docs/export.md: records that travel)."""
     import contextlib
     import hashlib
+    import subprocess
     from .engines.export import Exporter
     from .engines.gitdiff import ObjectStore, GitError
     from .engines.states import States

@@ -76,6 +76,11 @@ class StateDir:
         """The private git object store of diff, show, report and export."""
         return os.path.join(self.path, "git")
 
+    @property
+    def listings(self) -> str:
+        """The listings' settled rows (engines.listings): derived, rebuilt when removed."""
+        return os.path.join(self.path, "listings.json")
+
     def export_state(self, tag: str) -> str:
         """What an export has written so far, for one (object store, ref prefix)."""
         return os.path.join(self.path, f"export-{tag}.json")

@@ -15,13 +15,29 @@ symlink, never climbing out.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import fcntl
 import os
 import stat
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+class _Libc:
+    """The C library through ctypes, opened on first use (a reader that imports this module for
+    ``kind_of`` never needs it): the one the interpreter already runs on, dlopen(NULL), found
+    without a search (``ctypes.util.find_library`` imports shutil and subprocess and runs
+    ldconfig)."""
+
+    def __getattr__(self, name: str):
+        lib = self.__dict__.get("_lib")
+        if lib is None:
+            lib = self._lib = ctypes.CDLL(None, use_errno=True)
+            lib.syscall.restype = ctypes.c_long
+        fn = getattr(lib, name)
+        setattr(self, name, fn)   # once: later calls find it without coming here
+        return fn
+
+
+_libc = _Libc()
 
 AT_FDCWD = -100
 AT_SYMLINK_NOFOLLOW = 0x100
@@ -134,7 +150,6 @@ class _OpenHow(ctypes.Structure):
                 ("resolve", ctypes.c_uint64)]
 
 
-_libc.syscall.restype = ctypes.c_long
 _openat2: bool | None = None  # has this kernel openat2?  (None: not asked yet)
 _ESCAPES = {errno.ELOOP: "a symlink on the way, not followed",
             errno.ENOTDIR: "not a directory on the way",

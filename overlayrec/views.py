@@ -109,23 +109,28 @@ def fold(row: dict, touched: bool = False, first: int = 3) -> str:
 def turn_rows(j: Journal, sid: str | None = None, net=None) -> list[dict]:
     """One row per turn; with ``net`` (see unit_listing), ``paths`` are the net changes of the
     session's units from the turn's begin to its end (``touched``: all they wrote)."""
-    rows = []
     last = j.last_seq()
     actors: dict = {}
-    for t in j.records("turns", (sid.encode() + b"\0") if sid else b""):
-        s = t["session"]
-        evs = file_events(j, t["begin_seq"], t["end_seq"] or last)
-        mine, others = [], set()
-        for e in evs:
-            if unit_session(e.get("unit")) == s:
-                mine.append(e)
-            else:
-                others.add(writer_name(j, e.get("unit") or "outside:" + e["actor"], actors))
-        fields = unit_listing(net, mine, (t["begin_seq"], t["end_seq"] or last))
-        rows.append({"session": s, "index": t["index"], "begin_t": t["begin_t"],
-                     "end_t": t["end_t"], "prompt": t.get("prompt"), **fields,
-                     "others": sorted(others), "seq": [t["begin_seq"], t["end_seq"]]})
-    return rows
+    return [{**turn_record_fields(t), **turn_fields(j, t, last, net, actors)}
+            for t in j.records("turns", (sid.encode() + b"\0") if sid else b"")]
+
+
+def turn_record_fields(t: dict) -> dict:
+    return {"session": t["session"], "index": t["index"], "begin_t": t["begin_t"],
+            "end_t": t["end_t"], "prompt": t.get("prompt")}
+
+
+def turn_fields(j: Journal, t: dict, last: int, net, actors: dict) -> dict:
+    """A turn row's fields from the journal: its paths (unit_listing), who else wrote."""
+    s = t["session"]
+    mine, others = [], set()
+    for e in file_events(j, t["begin_seq"], t["end_seq"] or last):
+        if unit_session(e.get("unit")) == s:
+            mine.append(e)
+        else:
+            others.add(writer_name(j, e.get("unit") or "outside:" + e["actor"], actors))
+    fields = unit_listing(net, mine, (t["begin_seq"], t["end_seq"] or last))
+    return {**fields, "others": sorted(others), "seq": [t["begin_seq"], t["end_seq"]]}
 
 
 def call_rows(j: Journal, sid: str | None = None, turn: int | None = None, net=None
@@ -137,24 +142,32 @@ def call_rows(j: Journal, sid: str | None = None, turn: int | None = None, net=N
     for e in file_events(j):
         by_unit.setdefault(e.get("unit") or "", []).append(e)
     actors: dict = {}
-    rows = []
+    return [{**c, **call_fields(j, by_unit.get(call_unit(c), []), net, actors)}
+            for c in calls_of(j, sid, turn)]
+
+
+def calls_of(j: Journal, sid: str | None = None, turn: int | None = None) -> list[dict]:
+    """The call records (of a session, of a turn), in the order they began."""
     calls = j.records("calls", (sid.encode() + b"\0") if sid else b"")
     calls.sort(key=lambda c: c["begin_t"])
-    for c in calls:
-        if turn is not None and c.get("turn") != turn:
-            continue
-        evs = by_unit.get(f"call:{c['session']}:{c['id']}", [])
-        procs = []
-        for e in evs:
-            if e["actor"] not in actors:
-                actors[e["actor"]] = j.actor(e["actor"])
-            name = f"{command_name(actors[e['actor']])}[{e['actor'].split(':')[0]}]"
-            if name not in procs:
-                procs.append(name)
-        fields = unit_listing(net, evs)
-        rows.append({**c, **fields, "processes": procs, "events": len(evs),
-                     "late_events": sum(1 for e in evs if e.get("after_end"))})
-    return rows
+    return [c for c in calls if turn is None or c.get("turn") == turn]
+
+
+def call_unit(c: dict) -> str:
+    return f"call:{c['session']}:{c['id']}"
+
+
+def call_fields(j: Journal, evs: list[dict], net, actors: dict) -> dict:
+    """A call row's fields from its events: paths (unit_listing), the processes that wrote."""
+    procs = []
+    for e in evs:
+        if e["actor"] not in actors:
+            actors[e["actor"]] = j.actor(e["actor"])
+        name = f"{command_name(actors[e['actor']])}[{e['actor'].split(':')[0]}]"
+        if name not in procs:
+            procs.append(name)
+    return {**unit_listing(net, evs), "processes": procs, "events": len(evs),
+            "late_events": sum(1 for e in evs if e.get("after_end"))}
 
 
 def session_summary(j: Journal, sid: str, net=None) -> list[str]:

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 from conftest import needs_fuse, overlayrec
 from test_diff import snapshot
@@ -160,3 +161,118 @@ def test_listings_net_and_git_said_not_hidden(make_mount, tmp_path):
     assert "app.txt" in diff and ".git/HEAD" not in diff
     assert "under .git/ not shown" in diff
     assert not [c for c in data["changes"] if git_refuses(c["path"])]   # .git/: counted only
+
+
+KEPT_AGENT = textwrap.dedent(r'''
+    import os, subprocess, sys, time
+    from overlayrec import client
+    go = sys.argv[1]
+    def sh(cmd):
+        subprocess.run(["bash", "-c", cmd], check=True)
+    with client.connect() as c:
+        c.turn_begin(prompt="one")
+        c.call_begin("plain", "Edit")
+        sh("printf 'a\\n' > a.txt; printf 'b\\n' > b.txt; mkdir -p dir; printf 'x\\n' > dir/x")
+        c.call_end("plain")
+        c.call_begin("late", "Bash")  # leaves a process that writes when told, long after
+        subprocess.Popen(["bash", "-c", f"while [ ! -e {go} ]; do sleep 0.05; done; "
+                          f"printf 'late\\n' >> c.txt; touch {go}.done"],
+                         start_new_session=True, stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        sh("printf 'c\\n' > c.txt")
+        c.call_end("late")
+        c.turn_end()
+        c.turn_begin(prompt="two")
+        c.call_begin("moves", "Bash")
+        sh("mv dir moved")             # a directory rename: its row is never kept
+        c.call_end("moves")
+        c.call_begin("secret", "Edit")
+        sh("printf 'TOKEN=1\\n' > .env; printf 'b2\\n' > b.txt")
+        c.call_end("secret")
+        c.turn_end()
+        open(go + ".ready", "w").close()  # the test lists now, then lets the late write go
+        for _ in range(400):
+            if os.path.exists(go + ".done"):
+                break
+            time.sleep(0.05)
+''')
+
+
+def listing(m, kind):
+    return [json.loads(l) for l in overlayrec(kind, m.ws, "--json").stdout.splitlines()]
+
+
+@needs_fuse
+def test_kept_rows_agree_with_rows_made_afresh(make_mount, tmp_path):
+    """The listings keep settled rows in the state dir (engines.listings).  After late writes
+    by a call's process, writes by others, a second session, an edit while unmounted (drift)
+    and a file that is not JSON, a listing made with the kept rows equals one made afresh."""
+    m = make_mount()
+    m.mount()
+    kept = os.path.join(m.state, "listings.json")
+    go = tmp_path / "go"
+    agent = tmp_path / "agent.py"
+    agent.write_text(KEPT_AGENT)
+
+    def afresh(kind):
+        if os.path.exists(kept):
+            os.rename(kept, kept + ".aside")
+        try:
+            return listing(m, kind)
+        finally:
+            if os.path.exists(kept + ".aside"):
+                os.replace(kept + ".aside", kept)
+
+    def agrees():
+        """The calls (by id) once both listings agree with ones made afresh."""
+        got = {}
+        for kind in ("calls", "turns"):
+            got[kind] = listing(m, kind)
+            assert got[kind] == afresh(kind), kind
+        return {r["id"]: r for r in got["calls"]}
+
+    run = subprocess.Popen([sys.executable, "-m", "overlayrec", "run", "-w", m.ws, "--session",
+                            "k", "--", sys.executable, str(agent), str(go)], cwd=m.ws,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(400):
+            if os.path.exists(str(go) + ".ready"):
+                break
+            time.sleep(0.05)
+        assert os.path.exists(str(go) + ".ready")
+        first = {r["id"]: r for r in listing(m, "calls")}
+        assert first["plain"]["paths"] == ["a.txt", "b.txt", "dir", "dir/x"]
+        assert first["secret"]["paths"] == [".env", "b.txt"]
+        with open(kept) as f:
+            rows = json.load(f)["rows"]
+        assert "call:k:plain" in rows and "call:k:late" in rows   # settled: kept
+        assert "call:k:moves" not in rows and "call:k:secret" not in rows
+        assert os.stat(kept).st_mode & 0o777 == 0o600
+        agrees()
+        # the late call's process writes now: its kept row goes, the listing has the write
+        go.write_text("")
+        assert run.wait(timeout=60) == 0
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    assert os.path.exists(str(go) + ".done")
+    calls = agrees()
+    assert calls["late"]["late_events"] >= 1 and calls["late"]["paths"] == ["c.txt"]
+    with open(os.path.join(m.ws, "c.txt")) as f:
+        assert f.read() == "c\nlate\n"
+
+    # another writer, another session, then an edit while unmounted
+    m.sh("printf 'outside\\n' >> a.txt")
+    overlayrec("run", "-w", m.ws, "--session", "k2", "--", "bash", "-c", "printf 'z\\n' > z.txt",
+               cwd=m.ws, timeout=60)
+    agrees()
+    m.umount()
+    with open(os.path.join(m.ws, "b.txt"), "a") as f:
+        f.write("edited while unmounted\n")
+    agrees()
+    m.mount()
+    agrees()
+    with open(kept, "w") as f:
+        f.write("{not json")
+    assert listing(m, "calls") == afresh("calls")

@@ -10,6 +10,7 @@ import fnmatch
 from dataclasses import dataclass
 
 from ..journal import Journal
+from ..journal.schema import is_dir_rename
 from ..views import file_events as _tree_events, unit_session as _unit_session
 from .states import States, State
 
@@ -146,19 +147,34 @@ def side_of(states: States, events: list[dict], bounds: tuple[int, int] | None =
     return Side(before, after, writers)
 
 
-def net_of(states: States):
-    """What the listings (views) take as ``net``: a function of one unit's events (and bounds,
-    as side_of) giving (its changed paths, every path it touched).  It compares the two points
+class Net:
+    """What the listings (views) take as ``net``: called with one unit's events (and bounds,
+    as side_of), it gives (its changed paths, every path it touched), comparing the two points
     by States.sig (stored hashes, no content read where the record has them), so a listing of
-    every call costs a pass over the journal, not a read of every file it touched."""
-    states.preload()
+    every call costs a pass over the journal, not a read of every file it touched.
+    ``settled`` then says whether that answer is for good (engines.listings keeps it)."""
 
-    def net(events: list[dict], bounds: tuple[int, int] | None = None):
+    def __init__(self, states: States):
+        self.states = states
+        self.settled = False
+
+    def __call__(self, events: list[dict], bounds: tuple[int, int] | None = None):
+        states = self.states
         spans, _ = spans_of(states, events, bounds)
         changed = sorted(p for p, (lo, hi) in spans.items()
                          if not states.sig(p, lo).same(states.sig(p, hi)))
+        # a directory rename's moved paths are read from the live tree too (States.moved_with)
+        self.settled = not any(is_dir_rename(e) for e in events) and \
+            all(states.settled(p, lo) and states.settled(p, hi) for p, (lo, hi) in spans.items())
         return changed, spans.keys()
-    return net
+
+
+def net_of(states: States, preload: bool = True) -> Net:
+    """A Net over ``states``; ``preload``: for a listing of (nearly) the whole journal, every
+    path's chain read in one pass first."""
+    if preload:
+        states.preload()
+    return Net(states)
 
 
 def changed(side: Side) -> list[str]:

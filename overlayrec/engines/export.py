@@ -24,17 +24,14 @@ commit).  Messages carry the facts as trailers; refs live under ``refs/overlayre
 from __future__ import annotations
 
 import bisect
-import hashlib
 import json
 import os
-import subprocess
-import tempfile
 from urllib.parse import quote
 
 from ..journal import Journal
 from ..views import unit_session
 from .diff import file_events, touched, side_of, _visible
-from .gitdiff import ObjectStore, GitError, git_refuses
+from .gitdiff import FastImport, ObjectStore, git_refuses
 from .states import States, State
 
 
@@ -76,115 +73,6 @@ def _quote_path(p: str) -> bytes:
         else:
             out.append(ch)
     return bytes(out + b'"')
-
-
-def _name(s: str) -> str:
-    """An ident name as git commit-tree writes it: without newlines and angle brackets."""
-    return "".join(ch for ch in s if ch not in "\n<>").strip()
-
-
-class FastImport:
-    """One ``git fast-import`` process fed objects, commits and refs; refs are updated (forced)
-    when the stream ends, and each mark's object name read back then."""
-
-    def __init__(self, store: ObjectStore):
-        self.tmp = tempfile.mkdtemp(prefix="overlayrec-export-")
-        self.marks_file = os.path.join(self.tmp, "marks")
-        self.err = open(os.path.join(self.tmp, "stderr"), "w+b")
-        self.proc = subprocess.Popen(
-            ["git", "fast-import", "--quiet", "--force", "--done",
-             f"--export-marks={self.marks_file}"],
-            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=self.err,
-            # glibc otherwise gives memory back and asks for it again for every object (tens
-            # of thousands of brk calls: most of fast-import's time on a long session)
-            env=dict(store.env, MALLOC_TOP_PAD_=str(64 << 20)))
-        self.out = self.proc.stdin
-        self.buf = bytearray()
-        self.n = 0
-        self.blobs: dict[bytes, str] = {}   # content digest -> its mark (one blob per content)
-
-    def _write(self, data: bytes) -> None:
-        self.buf += data
-        if len(self.buf) >= 1 << 20:   # in large writes: a pipe's 64 KiB at a time is slow
-            self._flush()
-
-    def _flush(self) -> None:
-        try:
-            self.out.write(self.buf)
-        except BrokenPipeError:
-            self._fail()
-        self.buf = bytearray()
-
-    def _fail(self):
-        self.proc.wait()
-        self.err.seek(0)
-        said = [l for l in self.err.read().decode(errors="replace").splitlines() if l.strip()]
-        self.cleanup()
-        fatal = [l for l in said if l.startswith("fatal:")] or said[-3:]
-        raise GitError("git fast-import failed: " + "; ".join(fatal)[:2000])
-
-    def mark(self) -> str:
-        self.n += 1
-        return f":{self.n}"
-
-    def blob(self, data: bytes) -> str:
-        key = hashlib.sha1(data).digest()
-        m = self.blobs.get(key)
-        if m is None:
-            m = self.blobs[key] = self.mark()
-            self._write(b"blob\nmark %s\ndata %d\n" % (m.encode(), len(data)) + data + b"\n")
-        return m
-
-    def commit(self, ref: str, author: dict, committer: dict, message: str,
-               parent: str | None, changes: list[bytes]) -> str:
-        m = self.mark()
-        msg = message.encode("utf-8", "surrogateescape")
-        head = (f"commit {ref}\nmark {m}\n"
-                f"author {_name(author['name'])} <{author['email']}> {author['date']}\n"
-                f"committer {_name(committer['name'])} <{committer['email']}> "
-                f"{committer['date']}\n").encode("utf-8", "surrogateescape")
-        parts = [head, b"data %d\n" % len(msg), msg, b"\n"]
-        if parent:
-            parts.append(f"from {parent}\n".encode())
-        for c in changes:
-            parts += [c, b"\n"]
-        parts.append(b"\n")
-        self._write(b"".join(parts))
-        return m
-
-    def reset(self, ref: str, to: str | None = None) -> None:
-        self._write(f"reset {ref}\n".encode("utf-8", "surrogateescape")
-                    + (f"from {to}\n\n".encode() if to else b"\n"))
-
-    def close(self) -> dict[str, str]:
-        """End the stream; the object name of each mark."""
-        self._write(b"done\n")
-        self._flush()
-        try:
-            self.out.close()
-        except BrokenPipeError:
-            self._fail()
-        if self.proc.wait() != 0:
-            self._fail()
-        marks = {}
-        try:
-            with open(self.marks_file) as f:
-                for line in f:
-                    m, sha = line.split()
-                    marks[m] = sha
-        finally:
-            self.cleanup()
-        return marks
-
-    def cleanup(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self.err.close()
-        if os.path.isdir(self.tmp):
-            for name in os.listdir(self.tmp):
-                os.unlink(os.path.join(self.tmp, name))
-            os.rmdir(self.tmp)
 
 
 class Exporter:

@@ -1,12 +1,14 @@
 """Diffs in git's own format, made by git itself.
 
 The two sides of a diff (the recorded paths as they stood before and after a selection) are
-written as blobs and trees into a private object store in the state dir, and `git diff-tree`
-compares the trees: renames, binary files, modes and symlinks come out exactly as git shows
-them, and `git apply` takes the patch.  The user's repository is never touched.
+written as blobs (through one `git fast-import` stream per side) and trees into a private
+object store in the state dir, and `git diff-tree` compares the trees: renames, binary files,
+modes and symlinks come out exactly as git shows them, and `git apply` takes the patch.  The
+user's repository is never touched.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import tempfile
@@ -25,6 +27,13 @@ def left_out_note(n: int, what: str = "shown") -> str:
 
 class GitError(Exception):
     pass
+
+
+def blob_id(data: bytes) -> str:
+    """The object name git gives a blob of these bytes (``git hash-object --no-filters``)."""
+    h = hashlib.sha1(b"blob %d\0" % len(data))
+    h.update(data)
+    return h.hexdigest()
 
 
 class ObjectStore:
@@ -71,21 +80,30 @@ class ObjectStore:
         present = {p: s for p, s in states.items() if s.kind in ("file", "symlink")}
         lines = []
         if present:
-            with tempfile.TemporaryDirectory(prefix="overlayrec-blobs-") as tmp:
-                names = []
-                for i, (p, s) in enumerate(sorted(present.items())):
-                    f = os.path.join(tmp, str(i))
-                    with open(f, "wb") as fh:
-                        fh.write(s.data)
-                    names.append(f)
-                shas = self._git("hash-object", "-w", "--no-filters", "--stdin-paths",
-                                 input="\n".join(names).encode()).split()
+            shas = self.write_blobs([s.data for _, s in sorted(present.items())])
             for (p, s), sha in zip(sorted(present.items()), shas):
                 mode = "120000" if s.kind == "symlink" else \
                     ("100755" if s.mode & 0o111 else "100644")
                 lines.append(f"{mode} {sha}\t{p}")
         lines += [f"0 {'0' * 40}\t{p}" for p in states if p not in present]
         return lines
+
+    def write_blobs(self, blobs: list[bytes]) -> list[str]:
+        """Write these blobs into the store; their object names.  One ``git fast-import``
+        stream for them all (no file or process per object), each content once: git writes
+        one pack of what the store's packs do not hold yet (an earlier diff's, an export's,
+        the workspace repository's), or loose objects when that is under 100 of them (its
+        ``fastimport.unpackLimit``, as a fetch does)."""
+        if not blobs:
+            return []
+        fi = FastImport(self, marks=False, prefix="overlayrec-blobs-")
+        try:
+            names = [fi.named_blob(data) for data in blobs]
+        except BaseException:
+            fi.cleanup()
+            raise
+        fi.close()
+        return names
 
     def update_index(self, lines: list[str], env: dict) -> None:
         if lines:
@@ -142,3 +160,125 @@ class ObjectStore:
                 return False
         return True
 
+
+def _name(s: str) -> str:
+    """An ident name as git commit-tree writes it: without newlines and angle brackets."""
+    return "".join(ch for ch in s if ch not in "\n<>").strip()
+
+
+class FastImport:
+    """One ``git fast-import`` process fed objects, commits and refs; refs are updated (forced)
+    when the stream ends, and each mark's object name read back then (``marks=False``: blobs
+    only, named here: ``named_blob``).  Export writes a whole run through one; a diff its
+    blobs (ObjectStore.write_blobs)."""
+
+    def __init__(self, store: ObjectStore, marks: bool = True,
+                 prefix: str = "overlayrec-export-"):
+        self.tmp = tempfile.mkdtemp(prefix=prefix)
+        self.marks_file = os.path.join(self.tmp, "marks") if marks else None
+        self.err = open(os.path.join(self.tmp, "stderr"), "w+b")
+        self.proc = subprocess.Popen(
+            ["git", "fast-import", "--quiet", "--force", "--done",
+             *([f"--export-marks={self.marks_file}"] if marks else [])],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=self.err,
+            # glibc otherwise gives memory back and asks for it again for every object (tens
+            # of thousands of brk calls: most of fast-import's time on a long session)
+            env=dict(store.env, MALLOC_TOP_PAD_=str(64 << 20)))
+        self.out = self.proc.stdin
+        self.buf = bytearray()
+        self.n = 0
+        self.blobs: dict[bytes, str] = {}   # content digest -> its mark (one blob per content)
+        self.named: set[str] = set()        # blobs written without a mark (named_blob)
+
+    def _write(self, data: bytes) -> None:
+        self.buf += data
+        if len(self.buf) >= 1 << 20:   # in large writes: a pipe's 64 KiB at a time is slow
+            self._flush()
+
+    def _flush(self) -> None:
+        try:
+            self.out.write(self.buf)
+        except BrokenPipeError:
+            self._fail()
+        self.buf = bytearray()
+
+    def _fail(self):
+        self.proc.wait()
+        self.err.seek(0)
+        said = [l for l in self.err.read().decode(errors="replace").splitlines() if l.strip()]
+        self.cleanup()
+        fatal = [l for l in said if l.startswith("fatal:")] or said[-3:]
+        raise GitError("git fast-import failed: " + "; ".join(fatal)[:2000])
+
+    def mark(self) -> str:
+        self.n += 1
+        return f":{self.n}"
+
+    def blob(self, data: bytes) -> str:
+        key = hashlib.sha1(data).digest()
+        m = self.blobs.get(key)
+        if m is None:
+            m = self.blobs[key] = self.mark()
+            self._write(b"blob\nmark %s\ndata %d\n" % (m.encode(), len(data)) + data + b"\n")
+        return m
+
+    def named_blob(self, data: bytes) -> str:
+        """This content as a blob without a mark (once per stream): its object name, computed
+        here.  git skips writing it when the store's packs hold it already."""
+        name = blob_id(data)
+        if name not in self.named:
+            self.named.add(name)
+            self._write(b"blob\ndata %d\n" % len(data) + data + b"\n")
+        return name
+
+    def commit(self, ref: str, author: dict, committer: dict, message: str,
+               parent: str | None, changes: list[bytes]) -> str:
+        m = self.mark()
+        msg = message.encode("utf-8", "surrogateescape")
+        head = (f"commit {ref}\nmark {m}\n"
+                f"author {_name(author['name'])} <{author['email']}> {author['date']}\n"
+                f"committer {_name(committer['name'])} <{committer['email']}> "
+                f"{committer['date']}\n").encode("utf-8", "surrogateescape")
+        parts = [head, b"data %d\n" % len(msg), msg, b"\n"]
+        if parent:
+            parts.append(f"from {parent}\n".encode())
+        for c in changes:
+            parts += [c, b"\n"]
+        parts.append(b"\n")
+        self._write(b"".join(parts))
+        return m
+
+    def reset(self, ref: str, to: str | None = None) -> None:
+        self._write(f"reset {ref}\n".encode("utf-8", "surrogateescape")
+                    + (f"from {to}\n\n".encode() if to else b"\n"))
+
+    def close(self) -> dict[str, str]:
+        """End the stream; the object name of each mark (none without ``marks``)."""
+        self._write(b"done\n")
+        self._flush()
+        try:
+            self.out.close()
+        except BrokenPipeError:
+            self._fail()
+        if self.proc.wait() != 0:
+            self._fail()
+        marks = {}
+        try:
+            if self.marks_file:
+                with open(self.marks_file) as f:
+                    for line in f:
+                        m, sha = line.split()
+                        marks[m] = sha
+        finally:
+            self.cleanup()
+        return marks
+
+    def cleanup(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.err.close()
+        if os.path.isdir(self.tmp):
+            for name in os.listdir(self.tmp):
+                os.unlink(os.path.join(self.tmp, name))
+            os.rmdir(self.tmp)

@@ -320,6 +320,7 @@ class States:
         self._names: list[str] | None = None
         self._preloaded = False
         self._sigs: dict[tuple, State] = {}
+        self._unsettled: set[tuple] = set()
 
     # -- the chain of one name ------------------------------------------------------------------
     def chain_on(self, path: str) -> list[dict]:
@@ -602,12 +603,23 @@ class States:
         key = (path, after)
         got = self._sigs.get(key)
         if got is None:
-            got = self._sigs[key] = self._sig(path, after) or _hashed(self.state(path, after))
+            got, settled = self._sig(path, after)
+            if got is None:
+                got = _hashed(self.state(path, after))
+            if not settled:
+                self._unsettled.add(key)
+            self._sigs[key] = got
         return got
 
-    def _sig(self, path: str, after: int) -> State | None:
+    def settled(self, path: str, after: int) -> bool:
+        """Is ``sig(path, after)`` settled for good: read from an event after ``after`` (which
+        later events cannot change), not from the live tree or an open epoch?"""
+        self.sig(path, after)
+        return (path, after) not in self._unsettled
+
+    def _sig(self, path: str, after: int) -> tuple[State | None, bool]:
         if self.secrets.match(path):
-            return None
+            return None, False
         move = self._next_move(path, after)
         for e in self.chain_on(path):
             if e["seq"] <= after:
@@ -615,12 +627,22 @@ class States:
             if move is not None and e["seq"] >= move["seq"]:
                 break
             pre = self.pre_for(e, path)
-            return None if pre is None or "kind" not in pre else _sig_of(pre, seal=False)
+            if pre is None or "kind" not in pre:
+                return None, False
+            got = _sig_of(pre, seal=e["op"] == "seal")
+            return got, got is not None
         if move is not None:
             new = _fwd(path, move)
-            return ABSENT if new is None else self.sig(new, move["seq"])
+            if new is None:
+                return ABSENT, True
+            return self.sig(new, move["seq"]), self.settled(new, move["seq"])
         seal = self._governing_seal(path)
-        return None if seal is None else _sig_of(seal["pre"], seal=True)
+        if seal is None:
+            return None, False
+        # for good: the next event on the path, when one comes, takes its pre-image from what
+        # the seal holds (a drift event's is the seal itself)
+        got = _sig_of(seal["pre"], seal=True)
+        return got, got is not None
 
     def _may_change_unseen(self, path: str, after: int) -> bool:
         """Writes after a handle's first one are not events (unless the journal records data):

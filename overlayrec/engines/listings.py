@@ -1,0 +1,162 @@
+"""The listings' rows (``turns``, ``calls``) with their net changes, kept between runs.
+
+A row's net (which paths a unit left changed: views.unit_listing through diff.Net) is settled
+for good once every state it compares was read from an event after its point: the journal is
+append-only, so later events cannot change it.  Settled rows are kept in the state dir
+(``listings.json``, docs/storage.md) with the last event they saw.  The next listing decodes
+only the events since then, and computes again only the rows those events touch (a call's late
+writes) and the rows not settled (an open epoch, a secret, content only the attic or the live
+tree holds, a directory rename); the rest it reads back.
+
+The file is derived and private to this module: it names the journal it was made from (its
+creation time and retention cut) and is rebuilt when it does not fit; a failed event that
+refers to an event it saw throws it away; removing it costs only time.  A reader that cannot
+write it (a read-only state dir) lists all the same.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from ..journal import Journal
+from ..journal.schema import CONTROL_OPS, MARK_OPS
+from ..state import open_private
+from ..views import (call_fields, call_unit, calls_of, file_events, turn_fields,
+                     turn_record_fields)
+from .diff import net_of
+from .states import States
+
+VERSION = 1
+
+
+class Kept:
+    """The rows kept for one journal, and what happened in it since they were made."""
+
+    def __init__(self, j: Journal, path: str):
+        self.j, self.path = j, path
+        self.ident = [j.meta("created"), j.cut]
+        self.last = j.last_seq()
+        self.rows: dict[str, dict] = {}
+        self.upto = 0
+        self.changed = False
+        doc = self._load()
+        if doc is not None:
+            self.rows, self.upto = doc["rows"], doc["upto"]
+        # the events since: a unit that wrote again (a call's late writes) is computed again,
+        # and a failed event that refers to one already seen changes any row: start over
+        fresh = [e for e in j.events(self.upto + 1, self.last)
+                 if e["op"] not in CONTROL_OPS and e["op"] not in MARK_OPS] if self.upto else []
+        if any(e["op"] == "failed" and e["ref"] <= self.upto for e in fresh):
+            self.rows, self.changed = {}, True
+        for e in fresh:
+            if self.rows.pop(e.get("unit") or "", None) is not None:
+                self.changed = True
+        if self.upto != self.last:
+            self.changed = True
+
+    def _load(self) -> dict | None:
+        try:
+            with open(self.path, "rb") as f:
+                doc = json.load(f)
+        except (OSError, ValueError):
+            return None
+        if not isinstance(doc, dict) or doc.get("version") != VERSION or \
+                doc.get("journal") != self.ident or not isinstance(doc.get("rows"), dict) or \
+                not isinstance(doc.get("upto"), int) or not 0 < doc["upto"] <= self.last:
+            return None
+        return doc
+
+    def get(self, key: str, check=None) -> dict | None:
+        row = self.rows.get(key)
+        if row is None or (check is not None and not check(row)):
+            return None
+        if row.get("touched") is None:  # kept once when it equals the net (see put)
+            row = dict(row, touched=row["paths"])
+        return row
+
+    def put(self, key: str, row: dict, settled: bool) -> None:
+        if settled:
+            self.rows[key] = dict(row, touched=None) if row["touched"] == row["paths"] else row
+            self.changed = True
+        elif self.rows.pop(key, None) is not None:
+            self.changed = True
+
+    def save(self) -> None:
+        """Write the rows (a temp file of this process renamed over the file); a state dir
+        that cannot take it is no error: the listing is made all the same."""
+        if not self.changed:
+            return
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        data = json.dumps({"version": VERSION, "journal": self.ident, "upto": self.last,
+                           "rows": self.rows}, separators=(",", ":")).encode()
+        try:
+            fd = open_private(tmp)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.path)
+        except OSError:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+
+def call_rows(j: Journal, states: States, kept_path: str, sid: str | None = None,
+              turn: int | None = None) -> list[dict]:
+    """views.call_rows with its net, kept rows read back and the others computed in one pass
+    over the journal from the earliest call among them."""
+    kept = Kept(j, kept_path)
+    calls = calls_of(j, sid, turn)
+    todo = [c for c in calls if kept.get(call_unit(c)) is None]
+    by_unit: dict[str, list[dict]] = {}
+    net = None
+    if todo:
+        lo = min(c.get("begin_seq") or 1 for c in todo)
+        net = net_of(states, preload=lo <= j.cut + 1 or not kept.rows)
+        for e in file_events(j, lo):
+            by_unit.setdefault(e.get("unit") or "", []).append(e)
+    actors: dict = {}
+    rows = []
+    for c in calls:
+        key = call_unit(c)
+        fields = kept.get(key)
+        if fields is None:
+            fields = call_fields(j, by_unit.get(key, []), net, actors)
+            kept.put(key, fields, net.settled)
+        rows.append({**c, **fields})
+    kept.save()
+    return rows
+
+
+def turn_rows(j: Journal, states: States, kept_path: str, sid: str | None = None) -> list[dict]:
+    """views.turn_rows with its net: a turn that ended before the kept rows were made, with
+    the same bounds, is read back."""
+    kept = Kept(j, kept_path)
+    turns = j.records("turns", (sid.encode() + b"\0") if sid else b"")
+
+    def same_bounds(t):
+        return lambda row: row["seq"] == [t["begin_seq"], t["end_seq"]]
+    todo = [t for t in turns if kept.get(_turn_key(t), same_bounds(t)) is None]
+    net = None
+    if todo:
+        net = net_of(states, preload=len(todo) > len(turns) // 2 or not kept.rows)
+    actors: dict = {}
+    rows = []
+    for t in turns:
+        key = _turn_key(t)
+        fields = kept.get(key, same_bounds(t))
+        if fields is None:
+            fields = turn_fields(j, t, kept.last, net, actors)
+            kept.put(key, fields, net.settled and bool(t["end_seq"]) and
+                     t["end_seq"] <= kept.last)
+        rows.append({**turn_record_fields(t), **fields})
+    kept.save()
+    return rows
+
+
+def _turn_key(t: dict) -> str:
+    return f"turn:{t['session']}:{t['index']}"
