@@ -175,8 +175,9 @@ KEPT_AGENT = textwrap.dedent(r'''
         sh("printf 'a\\n' > a.txt; printf 'b\\n' > b.txt; mkdir -p dir; printf 'x\\n' > dir/x")
         c.call_end("plain")
         c.call_begin("late", "Bash")  # leaves a process that writes when told, long after
-        subprocess.Popen(["bash", "-c", f"while [ ! -e {go} ]; do sleep 0.05; done; "
-                          f"printf 'late\\n' >> c.txt; touch {go}.done"],
+        subprocess.Popen(["bash", "-c", f"for i in $(seq 1200); do [ -e {go} ] && break; "
+                          f"sleep 0.05; done; [ -e {go} ] && printf 'late\\n' >> c.txt; "
+                          f"touch {go}.done"],
                          start_new_session=True, stdin=subprocess.DEVNULL,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         sh("printf 'c\\n' > c.txt")
