@@ -76,11 +76,12 @@ class Inode:
 
 class Handle:
     __slots__ = ("fd", "inode", "actor", "unit", "_path", "write_seq", "epoch", "writes",
-                 "lo", "hi", "nbytes", "recorder")
+                 "lo", "hi", "nbytes", "recorder", "flags")
 
     def __init__(self, fd: int, inode: Inode, actor: dict | None, unit: str | None,
                  recorder: Recorder):
-        self.fd = fd
+        self.fd = fd              # -1: a reader's, opened on its first READ (fs.open)
+        self.flags = 0            # the flags to open it with then
         self.inode = inode
         self.actor = actor
         self.unit = unit
@@ -619,13 +620,27 @@ class Operations(pyfuse3.Operations):
             except BaseException:
                 os.close(fd)
                 raise
+        elif not writing:
+            # opened on the first READ: with the page cache serving the data (keep_cache), a
+            # reader such as grep or cat of a file read before costs no underlay open at all.
+            # The kernel has checked the permissions already (default_permissions).
+            info = self._file_info(-1, i, None)
+            self.handles[info.fh].flags = io_flags
+            return info
         else:
             fd = underlay.reopen(self._fd(i), io_flags)
         return self._file_info(fd, i, actor if writing else None)
 
+    def _handle_fd(self, h: "Handle") -> int:
+        """The underlay fd of a file handle, opened now if its open was left to the first
+        READ."""
+        if h.fd < 0:
+            h.fd = underlay.reopen(self._fd(h.inode), h.flags)
+        return h.fd
+
     @_errno_boundary
     async def read(self, fh, off, size):
-        return os.pread(self.handles[fh].fd, size, off)
+        return os.pread(self._handle_fd(self.handles[fh]), size, off)
 
     @_errno_boundary
     async def write(self, fh, off, buf):
@@ -652,7 +667,8 @@ class Operations(pyfuse3.Operations):
                 except JournalError as e:  # a summary, not a pre-image: lost, and said so
                     log.warning("extents of event %d not journaled: %s", h.write_seq, e)
         finally:
-            os.close(h.fd)
+            if h.fd >= 0:
+                os.close(h.fd)
             self._closed(h.inode)
 
     def _closed(self, inode: Inode) -> None:
@@ -663,7 +679,7 @@ class Operations(pyfuse3.Operations):
 
     @_errno_boundary
     async def fsync(self, fh, datasync):
-        fd = self.handles[fh].fd
+        fd = self._handle_fd(self.handles[fh])
         (os.fdatasync if datasync else os.fsync)(fd)
 
     # -- directories ----------------------------------------------------------------------------
