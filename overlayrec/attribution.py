@@ -90,18 +90,31 @@ def _exited(pidfd: int) -> bool:
     return bool(p.poll(0))
 
 
+# Threads whose actors are cached (least recently used dropped first): the cache serves the
+# threads other than a process's main one, and a request served after its process exited; a
+# mount's lifetime of processes must not grow the daemon (issue 16: flat memory).
+CACHED = 1024
+# Main threads' pidfds held before the exited among them are let go (then twice the living).
+SWEEP = 256
+
+
 class Attribution:
     """Caches tid -> actor.
 
     A cached actor is trusted only while its process is provably the same one: for a process's
     main thread (tid == pid, nearly every writer) a pidfd held since first sight says whether it
     has exited, at the cost of one poll instead of reading /proc; other threads are checked
-    against their start time in /proc on every use.
+    against their start time in /proc on every use.  Both caches are bounded: the pidfds of
+    exited processes are let go in sweeps (``_evict``), and the tid cache keeps the ``CACHED``
+    most recently used threads.
     """
 
     def __init__(self, own_pid: int | None = None):
+        # tid -> (start time, actor), least recently used first, at most CACHED of them
         self._by_tid: dict[int, tuple[int, dict]] = {}
         self._live: dict[int, tuple[int, dict]] = {}  # pid -> (pidfd, actor), main threads only
+        self._cached = CACHED
+        self._sweep_at = SWEEP  # _live's size at which the exited are let go (_evict)
         self.own_pid = own_pid or os.getpid()
 
     def actor(self, tid: int) -> dict:
@@ -113,6 +126,7 @@ class Attribution:
                 return live[1]
             os.close(live[0])
             del self._live[tid]
+            self._keep(tid, live[1])  # a request it sent before it exited is still its own
         actor = self._actor_from_proc(tid)
         if actor["pid"] == tid and actor["start"]:
             fd = _pidfd(tid)
@@ -120,7 +134,7 @@ class Attribution:
                 # the pidfd is taken after the start time was read: check it is the same process
                 st = proc_start_and_ppid(tid)
                 if st is not None and st[0] == actor["start"]:
-                    if len(self._live) > 4096:
+                    if len(self._live) >= self._sweep_at:
                         self._evict()
                     self._live[tid] = (fd, actor)
                 else:
@@ -128,23 +142,40 @@ class Attribution:
         return actor
 
     def _evict(self) -> None:
-        for pid, (fd, _) in list(self._live.items()):
+        """Let the pidfds of exited processes go (their actors stay in the tid cache, as the
+        last process known there).  The next sweep waits until twice as many as the living
+        are held, so a crowd of running writers costs no sweep per new process."""
+        for pid, (fd, actor) in list(self._live.items()):
             if _exited(fd):
                 os.close(fd)
                 del self._live[pid]
+                self._keep(pid, actor)
+        self._sweep_at = max(SWEEP, 2 * len(self._live))
+
+    def _keep(self, tid: int, actor: dict) -> None:
+        """An exited process's actor stays known for its tid (its cache entry, else ``actor``),
+        as the most recently used."""
+        self._put(tid, self._by_tid.get(tid) or (actor["start"], actor))
+
+    def _put(self, tid: int, entry: tuple[int, dict]) -> None:
+        """``entry`` is ``tid``'s, the most recently used; past CACHED entries, the least
+        recently used go."""
+        self._by_tid.pop(tid, None)
+        self._by_tid[tid] = entry
+        while len(self._by_tid) > self._cached:
+            del self._by_tid[next(iter(self._by_tid))]
 
     def _actor_from_proc(self, tid: int) -> dict:
         st = proc_start_and_ppid(tid)
-        if st is None:
-            # gone already: the best we know is a pid without a start time
-            cached = self._by_tid.get(tid)
-            return cached[1] if cached else dict(UNKNOWN, key=f"{tid}:0", pid=tid)
         cached = self._by_tid.get(tid)
-        if cached and cached[0] == st[0]:
+        if st is None:
+            # gone already: the best we know is the last process seen there, else a pid
+            # without a start time
+            if cached is None:
+                return dict(UNKNOWN, key=f"{tid}:0", pid=tid)
+            self._put(tid, cached)
             return cached[1]
-        pid = tgid_of(tid)
-        actor = read_actor(pid)
-        if len(self._by_tid) > 65536:
-            self._by_tid.clear()
-        self._by_tid[tid] = (st[0], actor)
-        return actor
+        if cached is None or cached[0] != st[0]:
+            cached = (st[0], read_actor(tgid_of(tid)))
+        self._put(tid, cached)
+        return cached[1]

@@ -909,10 +909,19 @@ class Recorder:
             if not flags & underlay.RENAME_EXCHANGE:
                 names.discard(path2)  # renamed over: that name now holds the moved inode
             self.names[key] = {move(n) for n in names}
+        self._forget_unnamed()
 
     def _unnamed(self, path: str) -> None:
         for names in self.names.values():
             names.discard(path)
+        self._forget_unnamed()
+
+    def _forget_unnamed(self) -> None:
+        """Inodes the daemon knows no name of any more are no entries: ``names`` holds what
+        the live tree holds, never one entry per hard link made over the mount's life (an
+        empty entry and none are the same to every reader of it)."""
+        if any(not names for names in self.names.values()):
+            self.names = {key: names for key, names in self.names.items() if names}
 
     @_undoable
     def before_write(self, handle, off: int, length: int, data: bytes | None = None) -> int | None:

@@ -128,6 +128,9 @@ class Exporter:
                                if st and st.get("spans") is not None else 0]
                          + [(c.get("begin_seq") or c["end_seq"]) - 1 for c in c_new]
                          + [t["begin_seq"] - 1 for t in t_new])
+            # one decode of the journal for this run: the chains of every path the commits
+            # hold are read too, and they reach back before ``lo``
+            self.j.keep_events()
             self._load(max(0, lo), horizon)
             self.refs: list[tuple[str, str]] = []
             self.fi = FastImport(self.store)

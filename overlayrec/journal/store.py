@@ -11,19 +11,30 @@ JournalError with the errno the filesystem operation that needed it should fail 
 environment stays usable, and the next commit succeeds once there is room again.  LMDB writes
 through the file, not through its map (no MDB_WRITEMAP), so a full filesystem is never a SIGBUS,
 and the map grows as the data does (``_grow``): data.mdb is as long as what it holds.
+
+What a process reads through the map stays in its RSS until the kernel wants the memory back;
+a writer lets go of it every few thousand commits (``trim_map``), so a mount's RSS does not
+grow with its journal.
 """
 from __future__ import annotations
 
 import bisect
+import ctypes
 import errno
 import fcntl
 import json
 import logging
+import mmap
 import os
 import time
 from typing import Iterator
 
 import lmdb
+
+try:  # three times the standard decoder's speed; what it cannot take, the standard one reads
+    import orjson
+except ImportError:
+    orjson = None
 
 from . import schema
 from .content import ContentStore
@@ -35,6 +46,13 @@ log = logging.getLogger(__name__)
 # system errors a commit may fail with that the caller gets as they are (anything else is EIO)
 _PASSED_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG, errno.EROFS, errno.ENOMEM)
 _LOW_SPACE = 1 << 20  # an EIO from a commit with less free than this in the state dir: ENOSPC
+# actor keys remembered as already in the table (a commit then skips looking them up); past
+# this many the memory starts again empty: a mount's lifetime of processes must not grow it
+_KNOWN_ACTORS = 4096
+# commits between two ``trim_map``s of a writer: the map's pages it read since the last are
+# all it keeps of the journal in its RSS (a commit writes its B-tree paths to fresh pages,
+# which the next reads: some 10 to 40 KiB a commit); a trim costs about ten microseconds
+_TRIM_EVERY = 32
 
 
 def _dumps(obj) -> bytes:
@@ -42,6 +60,11 @@ def _dumps(obj) -> bytes:
 
 
 def _loads(b: bytes):
+    if orjson is not None:
+        try:
+            return orjson.loads(b)
+        except orjson.JSONDecodeError:
+            pass  # not UTF-8 (a path's undecodable bytes, kept by surrogateescape), or a bad record
     return json.loads(b.decode("utf-8", "surrogateescape"))
 
 
@@ -51,6 +74,7 @@ class Journal:
         self.state_dir = state_dir
         self.readonly = readonly
         self._kept: list[dict] | None = None  # keep_events()
+        self._kept_seq: dict[int, dict] = {}
         path = os.path.join(state_dir, "journal")
         try:
             os.fsencode(path).decode("utf-8")
@@ -80,6 +104,9 @@ class Journal:
         self.load_cut()
         self._next_seq = self._load_next_seq()
         self._known_actors: set[str] = set()
+        self._commits = 0
+        self._map_spans: list[tuple[int, int]] = []  # trim_map: where the map was last found
+        self._map_real: str | None = None
         if not readonly and self.meta("renames_indexed") is None:
             self._index_renames()
 
@@ -167,7 +194,11 @@ class Journal:
         for _ in range(16):
             try:
                 with self.env.begin(write=True) as txn:
-                    return body(txn)
+                    out = body(txn)
+                self._commits += 1
+                if self._commits % _TRIM_EVERY == 0:
+                    self.trim_map()
+                return out
             except lmdb.MapFullError:
                 try:
                     self._grow()
@@ -296,6 +327,8 @@ class Journal:
                 if timed_here:
                     ev.pop("t", None)
             raise
+        if len(self._known_actors) + len(added) > _KNOWN_ACTORS:
+            self._known_actors.clear()  # the table answers for the forgotten ones
         self._known_actors.update(added)  # only once committed
         return seqs
 
@@ -515,6 +548,8 @@ class Journal:
 
     def event(self, seq: int) -> dict | None:
         """Event ``seq``, or None; JournalError when its record is not an event."""
+        if self._kept is not None and seq in self._kept_seq:
+            return self._kept_seq[seq]
         try:
             with self.env.begin(db=self.dbs["events"]) as txn:
                 v = txn.get(seq_key(seq))
@@ -533,11 +568,13 @@ class Journal:
         it stands now; a writer's later events are not seen."""
         if self._kept is None:
             self._kept = list(self.events())
+            self._kept_seq = {e["seq"]: e for e in self._kept}
         return self._kept
 
     def forget_events(self) -> None:
         """Read ``events()`` from the journal again (what keep_events() kept is let go)."""
         self._kept = None
+        self._kept_seq = {}
 
     def events(self, since: int = 1, until: int | None = None) -> Iterator[dict]:
         """The events from ``since`` to ``until`` (inclusive), in order; JournalError naming
@@ -669,6 +706,32 @@ class Journal:
             v = txn.get(seq_key(seq))
         return _loads(v) if v is not None else None
 
+    def trim_map(self) -> int:
+        """Let go of the pages of data.mdb this process has read through LMDB's map: LMDB reads
+        every page through it (appends too: the B-tree's path to the last leaf, the leaf just
+        written), and a page once read stays in the process's RSS, shared with the page cache,
+        until the kernel reclaims it; a journal of a million events would read as hundreds of
+        MB of a daemon's RSS.  The map is a read-only shared file mapping (no MDB_WRITEMAP), so
+        MADV_DONTNEED only unmaps: the next read of a page maps the page cache's again, as it
+        was, and nothing is lost or read from disk.  Only this environment's own map is
+        touched: a mapping of this data.mdb (its name and inode), shared, not writable, of the
+        map's size.  Bytes of map advised."""
+        try:
+            size = self.env.info()["map_size"]
+            path = os.path.join(self._path, "data.mdb")
+            if self._map_real is None:
+                self._map_real = os.path.realpath(path)
+            spans = self._map_spans
+            if not spans or spans[0][1] != size or not _still_mapped(spans, self._map_real):
+                spans = self._map_spans = _find_map(path, size)  # mapped anew (grown, reopened)
+            return _advise(spans)
+        except (OSError, ValueError, AttributeError) as e:  # memory, never the record
+            global _trim_warned
+            if not _trim_warned:  # said once
+                _trim_warned = True
+                log.warning("cannot let go of the journal map's pages (RSS grows with it): %s", e)
+            return 0
+
     def close(self) -> None:
         self.env.close()
         self._release_lock()
@@ -792,6 +855,59 @@ def _event_defect(ev, seq: int) -> str | None:
     if ev["op"] == "failed" and (not isinstance(ev.get("ref"), int) or isinstance(ev["ref"], bool)):
         return "has no 'ref' field (the event that failed)"
     return None
+
+
+_madvise = None
+_trim_warned = False
+
+
+def _find_map(path: str, size: int) -> list[tuple[int, int]]:
+    """The read-only shared mappings of ``path`` (its name and inode) of ``size`` bytes in this
+    process, from /proc/self/maps: (address, size)."""
+    st = os.stat(path)
+    real = os.path.realpath(path)
+    spans = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(None, 5)
+            if len(fields) < 6 or fields[5].rstrip("\n") != real:
+                continue
+            span, perms, _offset, _dev, ino = fields[:5]
+            if int(ino) != st.st_ino or perms[1] != "-" or perms[3] != "s":
+                continue
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if hi - lo == size:
+                spans.append((lo, size))
+    return spans
+
+
+def _still_mapped(spans: list[tuple[int, int]], real: str) -> bool:
+    """Is each of ``spans`` still one mapping of the file ``real`` (its entry in
+    /proc/self/map_files: a readlink, where reading /proc/self/maps costs a hundred times
+    more)?"""
+    try:
+        return bool(spans) and all(
+            os.readlink(f"/proc/self/map_files/{lo:x}-{lo + size:x}") == real
+            for lo, size in spans)
+    except OSError:
+        return False
+
+
+def _advise(spans: list[tuple[int, int]]) -> int:
+    """madvise(MADV_DONTNEED) these spans; the bytes advised."""
+    global _madvise
+    if _madvise is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        libc.madvise.restype = ctypes.c_int
+        _madvise = libc.madvise
+    done = 0
+    for lo, size in spans:
+        if _madvise(lo, size, mmap.MADV_DONTNEED) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"madvise of the journal map: {os.strerror(err)}")
+        done += size
+    return done
 
 
 def _round_up(n: int, step: int) -> int:
