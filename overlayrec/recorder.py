@@ -905,23 +905,20 @@ class Recorder:
             if flags & underlay.RENAME_EXCHANGE and (n == path2 or n.startswith(path2 + "/")):
                 return path + n[len(path2):]
             return n
+        exchange = flags & underlay.RENAME_EXCHANGE
+        kept = {}
         for key, names in self.names.items():
-            if not flags & underlay.RENAME_EXCHANGE:
-                names.discard(path2)  # renamed over: that name now holds the moved inode
-            self.names[key] = {move(n) for n in names}
-        self._forget_unnamed()
+            # renamed over (no exchange): that name now holds the moved inode
+            moved = {move(n) for n in names if exchange or n != path2}
+            if moved:  # an inode with no known name left is no entry (names: the live tree's)
+                kept[key] = moved
+        self.names = kept
 
     def _unnamed(self, path: str) -> None:
-        for names in self.names.values():
-            names.discard(path)
-        self._forget_unnamed()
-
-    def _forget_unnamed(self) -> None:
-        """Inodes the daemon knows no name of any more are no entries: ``names`` holds what
-        the live tree holds, never one entry per hard link made over the mount's life (an
-        empty entry and none are the same to every reader of it)."""
-        if any(not names for names in self.names.values()):
-            self.names = {key: names for key, names in self.names.items() if names}
+        for key in [key for key, names in self.names.items() if path in names]:
+            self.names[key].discard(path)
+            if not self.names[key]:  # no known name left: no entry
+                del self.names[key]
 
     @_undoable
     def before_write(self, handle, off: int, length: int, data: bytes | None = None) -> int | None:

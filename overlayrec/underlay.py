@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import mmap
 import os
 import stat
 
@@ -66,6 +67,13 @@ def _check(ret: int, what: str) -> int:
         e = ctypes.get_errno()
         raise OSError(e, f"{what}: {os.strerror(e)}")
     return ret
+
+
+def madvise_dontneed(addr: int, length: int) -> None:
+    """Let go of this process's pages of ``length`` bytes at ``addr`` (madvise MADV_DONTNEED):
+    for a shared file mapping, the next read maps the page cache's page again."""
+    _check(_libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length),
+                         ctypes.c_int(mmap.MADV_DONTNEED)), "madvise")
 
 
 def proc_path(fd: int) -> str:

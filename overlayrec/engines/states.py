@@ -247,20 +247,11 @@ def facts(pre: dict) -> dict:
     return out
 
 
-def _sig_of(pre: dict, seal: bool) -> State | None:
-    """A stored pre-image's or seal's State with a file's content as its hash (States.sig);
-    None when the record keeps neither the content nor its hash there."""
-    kind = pre["kind"]
-    if kind == "absent":
-        return ABSENT
-    if kind == "file":
-        digest = pre.get("blob") or (pre.get("hash") if seal else None)
-        if digest is None or pre.get("withheld"):
-            return None
-        return State("file", pre.get("mode", 0o644), digest.encode(), **facts(pre))
-    if kind == "symlink":
-        return State("symlink", 0o120000, os.fsencode(pre.get("target") or ""), **facts(pre))
-    return State(kind, pre.get("mode", 0o755 if kind == "dir" else 0), **facts(pre))
+def _holding(evs) -> list[dict]:
+    """The events of a path's chain that hold: not ``failed`` notes, nor the events they name."""
+    evs = list(evs)
+    failed = {e["ref"] for e in evs if e["op"] == "failed"}
+    return [e for e in evs if e["op"] != "failed" and e["seq"] not in failed]
 
 
 def _hashed(st: State) -> State:
@@ -329,18 +320,8 @@ class States:
         if evs is None and self._preloaded:
             return []
         if evs is None:
-            evs = []
-            failed = set()
-            for seq in self.j.seqs_for_path(path):
-                e = self.j.event(seq)
-                if e is None:
-                    continue
-                if e["op"] == "failed":
-                    failed.add(e["ref"])
-                else:
-                    evs.append(e)
-            evs = [e for e in evs if e["seq"] not in failed]
-            self._chain[path] = evs
+            evs = self._chain[path] = _holding(
+                e for e in map(self.j.event, self.j.seqs_for_path(path)) if e is not None)
         return evs
 
     def preload(self) -> None:
@@ -355,8 +336,7 @@ class States:
                 if seq < self.j.cut and (e := self.j.event(seq)) is not None:
                     raw.setdefault(p, []).insert(0, e)
         for p, evs in raw.items():
-            failed = {e["ref"] for e in evs if e["op"] == "failed"}
-            self._chain[p] = [e for e in evs if e["op"] != "failed" and e["seq"] not in failed]
+            self._chain[p] = _holding(evs)
         self._preloaded = True
 
     def events_on(self, path: str) -> list[dict]:
@@ -629,7 +609,7 @@ class States:
             pre = self.pre_for(e, path)
             if pre is None or "kind" not in pre:
                 return None, False
-            got = _sig_of(pre, seal=e["op"] == "seal")
+            got = self._sig_of(pre, seal=e["op"] == "seal")
             return got, got is not None
         if move is not None:
             new = _fwd(path, move)
@@ -641,8 +621,18 @@ class States:
             return None, False
         # for good: the next event on the path, when one comes, takes its pre-image from what
         # the seal holds (a drift event's is the seal itself)
-        got = _sig_of(seal["pre"], seal=True)
+        got = self._sig_of(seal["pre"], seal=True)
         return got, got is not None
+
+    def _sig_of(self, pre: dict, seal: bool) -> State | None:
+        """A stored pre-image's or seal's State with a file's content as its hash; None when
+        the record keeps neither the content nor its hash there."""
+        if pre["kind"] != "file":
+            return self.sealed_state(pre)  # no content to read
+        digest = pre.get("blob") or (pre.get("hash") if seal else None)
+        if digest is None or pre.get("withheld"):
+            return None
+        return State("file", pre.get("mode", 0o644), digest.encode(), **facts(pre))
 
     def _may_change_unseen(self, path: str, after: int) -> bool:
         """Writes after a handle's first one are not events (unless the journal records data):

@@ -13,18 +13,16 @@ through the file, not through its map (no MDB_WRITEMAP), so a full filesystem is
 and the map grows as the data does (``_grow``): data.mdb is as long as what it holds.
 
 What a process reads through the map stays in its RSS until the kernel wants the memory back;
-a writer lets go of it every few thousand commits (``trim_map``), so a mount's RSS does not
-grow with its journal.
+a writer lets go of it every few dozen commits (``trim_map``), so a mount's RSS does not grow
+with its journal.
 """
 from __future__ import annotations
 
 import bisect
-import ctypes
 import errno
 import fcntl
 import json
 import logging
-import mmap
 import os
 import time
 from typing import Iterator
@@ -39,6 +37,7 @@ except ImportError:
 from . import schema
 from .content import ContentStore
 from ..state import private_dir
+from ..underlay import madvise_dontneed
 from .schema import JournalError, seq_key, key_seq, path_key, path_key_split
 
 log = logging.getLogger(__name__)
@@ -548,8 +547,9 @@ class Journal:
 
     def event(self, seq: int) -> dict | None:
         """Event ``seq``, or None; JournalError when its record is not an event."""
-        if self._kept is not None and seq in self._kept_seq:
-            return self._kept_seq[seq]
+        kept = self._kept_seq.get(seq)  # keep_events()
+        if kept is not None:
+            return kept
         try:
             with self.env.begin(db=self.dbs["events"]) as txn:
                 v = txn.get(seq_key(seq))
@@ -857,7 +857,6 @@ def _event_defect(ev, seq: int) -> str | None:
     return None
 
 
-_madvise = None
 _trim_warned = False
 
 
@@ -894,20 +893,10 @@ def _still_mapped(spans: list[tuple[int, int]], real: str) -> bool:
 
 
 def _advise(spans: list[tuple[int, int]]) -> int:
-    """madvise(MADV_DONTNEED) these spans; the bytes advised."""
-    global _madvise
-    if _madvise is None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        libc.madvise.restype = ctypes.c_int
-        _madvise = libc.madvise
-    done = 0
+    """Let go of these spans' pages (underlay.madvise_dontneed); the bytes advised."""
     for lo, size in spans:
-        if _madvise(lo, size, mmap.MADV_DONTNEED) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"madvise of the journal map: {os.strerror(err)}")
-        done += size
-    return done
+        madvise_dontneed(lo, size)
+    return sum(size for _, size in spans)
 
 
 def _round_up(n: int, step: int) -> int:
