@@ -277,3 +277,72 @@ def test_kept_rows_agree_with_rows_made_afresh(make_mount, tmp_path):
     with open(kept, "w") as f:
         f.write("{not json")
     assert listing(m, "calls") == afresh("calls")
+
+
+KINDS_AGENT = textwrap.dedent(r'''
+    import os
+    from overlayrec import client
+    deep = "/".join(["d" * 200] * 19)               # 3,818 bytes of directories
+    with client.connect() as c:
+        c.turn_begin(prompt="kinds")
+        c.call_begin("kinds", "Bash")
+        os.mkfifo("pipe")
+        with open("one", "w") as f:
+            f.write("one\n")
+        os.link("one", "two")                     # a hard link
+        os.makedirs(deep)
+        with open(deep + "/" + "f" * 150, "w") as f:   # a path of 3,969 bytes
+            f.write("deep\n")
+        os.mkdir("real")
+        os.symlink("real", "via")                 # a symlink to a directory
+        with open("via/inner", "w") as f:          # written through it
+            f.write("inner\n")
+        c.call_end("kinds")
+        c.call_begin("again", "Bash")
+        with open("two", "a") as f:                # through the other name
+            f.write("more\n")
+        os.unlink("pipe")
+        os.rename("real", "moved")                 # a directory renamed, a file beneath
+        c.call_end("again")
+        c.turn_end()
+''')
+
+
+@needs_fuse
+def test_kept_rows_of_every_kind_of_path(make_mount, tmp_path):
+    """Kept rows hold for what is not a plain file: a fifo, a hard link written through its
+    other name, a path of nearly 4,000 bytes, a symlink to a directory written through, a
+    directory renamed with a file beneath; also after the symlink's target is swapped while
+    unmounted (planted on the way to the paths the rows name)."""
+    m = make_mount()
+    m.mount()
+    kept = os.path.join(m.state, "listings.json")
+    agent = tmp_path / "agent.py"
+    agent.write_text(KINDS_AGENT)
+    overlayrec("run", "-w", m.ws, "--session", "k", "--", sys.executable, str(agent),
+               cwd=m.ws, timeout=120)
+    deep = "/".join(["d" * 200] * 19) + "/" + "f" * 150
+
+    def both(kind):
+        got = listing(m, kind)
+        os.rename(kept, kept + ".aside")
+        try:
+            assert listing(m, kind) == got, kind
+        finally:
+            os.replace(kept + ".aside", kept)
+        return got
+
+    calls = {r["id"]: r for r in both("calls")}
+    assert {"pipe", "one", "two", deep, "real", "real/inner", "via"} <= \
+        set(calls["kinds"]["paths"]), calls["kinds"]["paths"]
+    assert {"one", "two", "pipe", "real", "moved", "real/inner", "moved/inner"} <= \
+        set(calls["again"]["paths"]), calls["again"]["paths"]
+    with open(kept) as f:
+        assert "call:k:kinds" in json.load(f)["rows"]  # settled: kept, long path and all
+    both("turns")
+    m.umount()
+    os.unlink(os.path.join(m.ws, "via"))
+    os.symlink("/", os.path.join(m.ws, "via"))     # planted while unmounted
+    m.mount()
+    assert {r["id"]: r for r in both("calls")}["kinds"]["paths"] == calls["kinds"]["paths"]
+    both("turns")
