@@ -116,8 +116,12 @@ class Mount:
             j.close()
 
     def blob(self, digest: str) -> bytes:
-        with open(os.path.join(self.state, "content", digest[:2], digest[2:]), "rb") as f:
-            return f.read()
+        """A blob as the record keeps it (the journal's small blobs, or a content-store file)."""
+        j = self.journal()
+        try:
+            return j.content.get(digest)
+        finally:
+            j.close()
 
     def attic(self, name: str) -> str:
         return os.path.join(self.ws, ".overlayrec-attic", name)  # valid once unmounted

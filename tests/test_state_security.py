@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+import lmdb
 import pytest
 import xxhash
 
@@ -402,18 +403,46 @@ def test_stale_temp_files_are_cleaned_at_start(tmp_path):
     assert not gone.exists() and live.exists() and new.exists()
 
 
+def _plant(s, digest: str, data: bytes | None) -> bytes:
+    """Put ``data`` under ``digest`` where the record keeps that blob (the journal's ``blobs``
+    table for a small one, a content-store file for a large one); what was there.  With data
+    None, only read it."""
+    blob = os.path.join(s.sd, "content", digest[:2], digest[2:])
+    if os.path.exists(blob):
+        old = open(blob, "rb").read()
+        if data is not None:
+            with open(blob, "wb") as f:
+                f.write(data)
+        return old
+    env = lmdb.open(os.path.join(s.sd, "journal"), max_dbs=64, map_size=1 << 30)
+    try:
+        db = env.open_db(b"blobs", create=False)
+        with env.begin(db=db, write=data is not None) as txn:
+            old = txn.get(digest.encode())
+            assert old is not None, f"blob {digest} is kept nowhere"
+            if data is not None:
+                txn.put(digest.encode(), data)
+        return old
+    finally:
+        env.close()
+
+
 @needs_fuse
-def test_a_planted_blob_makes_revert_refuse_and_writes_nothing(session, tmp_path):
+@pytest.mark.parametrize("size", ["small", "large"])
+def test_a_planted_blob_makes_revert_refuse_and_writes_nothing(session, tmp_path, size):
+    """A small pre-image is kept in the journal, a large one as a file: other bytes planted
+    under its name, in either place, are refused by every reader that would use them."""
     s = session
-    with open(os.path.join(s.ws, "old.txt"), "w") as f:
-        f.write("old content\n")
+    old = b"old content\n" * (1 if size == "small" else 10000)
+    with open(os.path.join(s.ws, "old.txt"), "wb") as f:
+        f.write(old)
     s.mount()
     s.call("c1", "printf 'new\\n' > old.txt")
-    digest = xxhash.xxh3_128_hexdigest(b"old content\n")
-    blob = os.path.join(s.sd, "content", digest[:2], digest[2:])
-    assert open(blob, "rb").read() == b"old content\n"
-    with open(blob, "wb") as f:  # the tamper: other bytes under the old content's name
-        f.write(b"planted!!!!\n")
+    digest = xxhash.xxh3_128_hexdigest(old)
+    assert _plant(s, digest, None) == old
+    assert os.path.exists(os.path.join(s.sd, "content", digest[:2], digest[2:])) == \
+        (size == "large")
+    _plant(s, digest, b"planted!!!!\n" + old[12:])  # the tamper: other bytes under the name
     r = s.run("revert", s.ws, "--call", "c1", "--yes", check=False)
     one_line_error(r, f"blob {digest}", "does not match its hash")
     assert open(os.path.join(s.ws, "old.txt")).read() == "new\n"
@@ -425,10 +454,9 @@ def test_a_planted_blob_makes_revert_refuse_and_writes_nothing(session, tmp_path
                          check=False), f"blob {digest}")
     assert not dest.exists()
     one_line_error(s.run("diff", s.ws, "--call", "c1", check=False), f"blob {digest}")
-    with open(blob, "wb") as f:
-        f.write(b"old content\n")
+    _plant(s, digest, old)
     s.run("revert", s.ws, "--call", "c1", "--yes")
-    assert open(os.path.join(s.ws, "old.txt")).read() == "old content\n"
+    assert open(os.path.join(s.ws, "old.txt"), "rb").read() == old
 
 
 # -- signalling only the daemon -------------------------------------------------------------------

@@ -7,7 +7,9 @@ thing would give back, so a sparse or a small file costs what it occupies, not i
   (``gc``) would give back: LMDB's free pages (on its freelist, kept for reuse, never returned
   to the filesystem), the freelist's own pages and any length past the last page.
 * **content**: the content store, directories and temp files included; each blob is charged to
-  the first session whose events name it (``blob``, ``ranges``, a write's ``data``).
+  the first session whose events name it (``blob``, ``ranges``, a write's ``data``).  A small
+  blob kept in the journal (``blobs``, at most 64 KiB) is charged by its length to its
+  session's content, and counted in the journal's bytes in the totals.
 * **attic**: this journal's entries (``<journal id>.<seq>``).  An entry whose inode the
   workspace still links costs nothing (it is shared); one only the attic holds costs its blocks,
   once however many attic names it has, charged to the session of the event that kept it.
@@ -303,6 +305,7 @@ def sessions(j: Journal, content_root: str, attic: dict[int, dict] | None,
                              "attic_entries": 0, "first_seq": None, "last_seq": None}
         return r
     seen: set[str] = set()
+    inline = dict(j.blob_sizes())
     jid = j.meta("journal_id")
     prefix = (jid + ".") if jid else None
     attic_owner: dict[int, str | None] = {}
@@ -329,6 +332,10 @@ def sessions(j: Journal, content_root: str, attic: dict[int, dict] | None,
             if dg in seen:
                 continue
             seen.add(dg)
+            if dg in inline:  # a small blob, kept in the journal's pages
+                r["content"] += inline[dg]
+                r["blobs"] += 1
+                continue
             try:
                 r["content"] += on_disk(os.lstat(os.path.join(content_root, dg[:2], dg[2:])))
                 r["blobs"] += 1

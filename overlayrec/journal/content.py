@@ -17,7 +17,7 @@ import stat
 import xxhash
 
 from .. import state
-from .schema import JournalError
+from .schema import INLINE_BLOB, JournalError
 
 CHUNK = 1 << 20
 
@@ -188,3 +188,60 @@ def _write_all(fd: int, data) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
+
+
+class RecordContent:
+    """The record's content, wherever a blob is kept: a small one (at most INLINE_BLOB bytes)
+    in the journal's ``blobs`` table, committed with the event that names it (a pre-image of a
+    small file then costs no file create, write and rename in the state dir: the most common
+    pre-image, the file a formatter or ``sed -i`` renames over, is a small one); a larger one as
+    a file of the store.  A digest is the same name either way, and ``get`` checks the bytes
+    against it wherever they came from."""
+
+    def __init__(self, files: ContentStore, journal):
+        self.files = files
+        self.root = files.root
+        self._j = journal
+
+    def put_bytes(self, data: bytes) -> str:
+        if len(data) > INLINE_BLOB or self._j.readonly:
+            return self.files.put_bytes(data)
+        digest = xxhash.xxh3_128_hexdigest(data)
+        self._j.hold_blob(digest, bytes(data))
+        return digest
+
+    def put_range(self, src_fd: int, offset: int, length: int) -> str:
+        """Store [offset, offset+length) of an open file; returns the digest."""
+        if length > INLINE_BLOB or self._j.readonly:
+            return self.files.put_range(src_fd, offset, length)
+        data = os.pread(src_fd, length, offset)
+        while len(data) < length:  # a short read: more may follow (a file shrunk: what is there)
+            more = os.pread(src_fd, length - len(data), offset + len(data))
+            if not more:
+                break
+            data += more
+        return self.put_bytes(data)
+
+    def get(self, digest: str, verify: bool = True) -> bytes:
+        """The blob's bytes, checked against its name (BlobError when they do not match);
+        FileNotFoundError when neither the journal nor the store has it."""
+        data = self._j.blob(digest)
+        if data is None:
+            return self.files.get(digest, verify)
+        if verify and xxhash.xxh3_128_hexdigest(data) != digest:
+            raise BlobError(f"blob {digest} in the journal of {os.path.dirname(self.root)} does "
+                            "not match its hash (changed on disk): refusing to use it")
+        return bytes(data)
+
+    def has(self, digest: str) -> bool:
+        return self._j.blob(digest) is not None or self.files.has(digest)
+
+    def sweep(self, keep, before_ns: int, only=None) -> tuple[int, int]:
+        """The file store's sweep (ContentStore.sweep), then the journal's small blobs not in
+        ``keep``; (count, bytes) removed, both together."""
+        n, size = self.files.sweep(keep, before_ns, only)
+        m, b = self._j.sweep_blobs(keep, only)
+        return n + m, size + b
+
+    def __getattr__(self, name):  # blobs(), clean(), path(): the file store's own
+        return getattr(self.files, name)

@@ -97,12 +97,17 @@ Sub-databases of the LMDB environment:
               writes through the handle of write event ``seq`` did, summarised at its release
               (not write-ahead: no pre-image in it); ``end``: the last seq handed out at release,
               so a reader knows no write of that run came after it.
+``blobs``     digest (32 ascii hex digits) -> the blob's bytes: the content store's small blobs
+              (at most ``INLINE_BLOB`` bytes), committed in the transaction of the event that
+              first names them, so a small pre-image costs no file of its own.  A digest names
+              the same bytes wherever they are kept; readers look here first, then in the
+              content store's files, and check the bytes against the digest either way.
 
 Pre-image JSON (``pre``)::
 
     {"kind": "absent"}
     {"kind": "file", "mode", "uid", "gid", "mtime_ns", "size", "nlink",
-        ["blob": hex]             whole content, in the content store
+        ["blob": hex]             whole content, in the content store (``blobs`` or a file)
         ["ranges": [[off, len, hex], ...]]  only the ranges about to be overwritten or cut
         ["attic": name]           the old inode itself, hard-linked in the attic
         ["xattrs": {name: hex}]
@@ -129,7 +134,8 @@ import xxhash
 FORMAT_VERSION = 2
 
 DBS = ("meta", "events", "actors", "paths", "extents", "sessions", "turns", "calls", "renames",
-       "seals", "dropped", "pins")
+       "seals", "dropped", "pins", "blobs")
+INLINE_BLOB = 64 << 10  # blobs up to this size are kept in ``blobs``, larger ones as files
 
 OPS = (
     "create", "mkdir", "mknod", "symlink", "link", "unlink", "rmdir", "rename",

@@ -6,6 +6,13 @@ changes the underlay only after ``append`` returned never changes it unrecorded.
 not fsynced by default (they reach the page cache, which a killed daemon cannot lose);
 ``durable=True`` syncs every commit, for power loss.
 
+Group commit (``group_commit``, the daemon's): an event that carries no pre-image (a write,
+chmod or the like inside an epoch whose pre-image is already committed) may be ``defer``red:
+it takes its seq at once and is committed with the next commit of any kind, or by ``flush``
+(the daemon's, a few milliseconds later).  A killed daemon can lose such an event, never a
+pre-image: what it would have said is what the epoch's pre-image and the next state say
+(docs/design.md, "Group commit").
+
 A commit that cannot be made (the state dir's filesystem is full, a quota, an I/O error) raises
 JournalError with the errno the filesystem operation that needed it should fail with; the
 environment stays usable, and the next commit succeeds once there is room again.  LMDB writes
@@ -35,7 +42,7 @@ except ImportError:
     orjson = None
 
 from . import schema
-from .content import ContentStore
+from .content import ContentStore, RecordContent
 from ..state import private_dir
 from ..underlay import madvise_dontneed
 from .schema import JournalError, seq_key, key_seq, path_key, path_key_split
@@ -52,9 +59,16 @@ _KNOWN_ACTORS = 4096
 # all it keeps of the journal in its RSS (a commit writes its B-tree paths to fresh pages,
 # which the next reads: some 10 to 40 KiB a commit); a trim costs about ten microseconds
 _TRIM_EVERY = 32
+# deferred events and notes a writer holds at most: past it, the next ``defer`` commits
+_DEFER_MAX = 256
 
 
 def _dumps(obj) -> bytes:
+    if orjson is not None:
+        try:
+            return orjson.dumps(obj)
+        except (orjson.JSONEncodeError, TypeError):
+            pass  # a path's undecodable bytes (lone surrogates): the standard encoder keeps them
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "surrogateescape")
 
 
@@ -97,8 +111,10 @@ class Journal:
         except BaseException:
             self._release_lock()
             raise
-        self.content = ContentStore(os.path.join(state_dir, "content")) if not readonly else \
+        self._held_blobs: dict[str, bytes] = {}  # hold_blob(): for the next commit
+        files = ContentStore(os.path.join(state_dir, "content")) if not readonly else \
             _ReadOnlyContent(os.path.join(state_dir, "content"))
+        self.content = RecordContent(files, self)
         self._check_format(workspace)
         self.load_cut()
         self._next_seq = self._load_next_seq()
@@ -106,6 +122,9 @@ class Journal:
         self._commits = 0
         self._map_spans: list[tuple[int, int]] = []  # trim_map: where the map was last found
         self._map_real: str | None = None
+        self.group_commit = False  # the daemon's writer: ``defer`` may hold events back
+        self.on_deferred = None    # called when held events start waiting (the daemon's wake-up)
+        self._deferred: list[tuple] = []  # ("event", ev, actor) / ("extents", key, value)
         if not readonly and self.meta("renames_indexed") is None:
             self._index_renames()
 
@@ -190,10 +209,21 @@ class Journal:
 
         MDB_MAP_FULL grows the map and runs body again in a new transaction (body only puts, so
         it can run twice); any other failure is a JournalError carrying the errno to answer."""
+        held, blobs = self._deferred, self._held_blobs
+        added: list[str] = []
         for _ in range(16):
             try:
                 with self.env.begin(write=True) as txn:
+                    if blobs:
+                        self._put_blobs(txn, blobs)
+                    if held:
+                        added = self._put_deferred(txn, held)
                     out = body(txn)
+                if blobs:
+                    self._held_blobs = {}
+                if held:
+                    del self._deferred[:len(held)]  # (body never defers: nothing came after)
+                    self._known(added)
                 self._commits += 1
                 if self._commits % _TRIM_EVERY == 0:
                     self.trim_map()
@@ -286,31 +316,13 @@ class Journal:
 
         def body(txn) -> list[int]:
             seqs = []
-            added.clear()
-            for a in actors:
-                if a["key"] in self._known_actors:
-                    continue
-                akey = a["key"].encode()
-                if txn.get(akey, db=self.dbs["actors"]) is None:
-                    txn.put(akey, _dumps(a), db=self.dbs["actors"])
-                added.append(a["key"])
+            added[:] = self._put_actors(txn, actors)
             for ev in events:
                 if "seq" not in ev:
                     ev["seq"] = self.reserve_seq()
                     assigned.append((ev, "t" not in ev))
                 ev.setdefault("t", time.time_ns())
-                k = seq_key(ev["seq"])
-                txn.put(k, _dumps(ev), db=self.dbs["events"])
-                for p in (ev.get("path"), ev.get("path2")):
-                    if p is not None:
-                        txn.put(path_key(p, ev["seq"]), schema.path_value(p),
-                                db=self.dbs["paths"])
-                if schema.is_dir_rename(ev):
-                    txn.put(k, _dumps(_rename_record(ev)), db=self.dbs["renames"])
-                elif ev["op"] == "seal":
-                    txn.put(schema.seal_key(ev["path"]),
-                            k + ev["path"].encode("utf-8", "surrogateescape"),
-                            db=self.dbs["seals"])
+                self._put_event(txn, ev)
                 seqs.append(ev["seq"])
             return seqs
 
@@ -326,10 +338,143 @@ class Journal:
                 if timed_here:
                     ev.pop("t", None)
             raise
+        self._known(added)  # only once committed
+        return seqs
+
+    def _known(self, added: list[str]) -> None:
         if len(self._known_actors) + len(added) > _KNOWN_ACTORS:
             self._known_actors.clear()  # the table answers for the forgotten ones
-        self._known_actors.update(added)  # only once committed
-        return seqs
+        self._known_actors.update(added)
+
+    def _put_actors(self, txn, actors) -> list[str]:
+        """Put the actors the table may not have; the keys put."""
+        added = []
+        for a in actors:
+            if a is None or a["key"] in self._known_actors or a["key"] in added:
+                continue
+            akey = a["key"].encode()
+            if txn.get(akey, db=self.dbs["actors"]) is None:
+                txn.put(akey, _dumps(a), db=self.dbs["actors"])
+            added.append(a["key"])
+        return added
+
+    def _put_event(self, txn, ev: dict) -> None:
+        """One event, with its path keys and its place in the rename or seal index."""
+        k = seq_key(ev["seq"])
+        txn.put(k, _dumps(ev), db=self.dbs["events"])
+        for p in (ev.get("path"), ev.get("path2")):
+            if p is not None:
+                txn.put(path_key(p, ev["seq"]), schema.path_value(p), db=self.dbs["paths"])
+        if schema.is_dir_rename(ev):
+            txn.put(k, _dumps(_rename_record(ev)), db=self.dbs["renames"])
+        elif ev["op"] == "seal":
+            txn.put(schema.seal_key(ev["path"]), k + ev["path"].encode("utf-8", "surrogateescape"),
+                    db=self.dbs["seals"])
+
+    # -- group commit ---------------------------------------------------------------------------
+    def defer(self, event: dict, actor: dict | None = None) -> int:
+        """Append an event that carries no pre-image: with ``group_commit``, it takes its seq
+        now and is committed with the next commit (or ``flush``); else, or when too many
+        wait already, it is committed now.  Its seq."""
+        if not self.group_commit or len(self._deferred) >= _DEFER_MAX:
+            return self.append(event, actor)
+        event["seq"] = self.reserve_seq()
+        event.setdefault("t", time.time_ns())
+        self._hold(("event", event, actor))
+        return event["seq"]
+
+    def _hold(self, item: tuple) -> None:
+        self._deferred.append(item)
+        if len(self._deferred) == 1 and self.on_deferred is not None:
+            self.on_deferred()
+
+    def _put_deferred(self, txn, held: list[tuple]) -> list[str]:
+        added: list[str] = []
+        for kind, a, b in held:
+            if kind == "event":
+                added += self._put_actors(txn, [b] if b else [])
+                self._put_event(txn, a)
+            else:
+                txn.put(a, b, db=self.dbs[kind])
+        return added
+
+    # -- small blobs --------------------------------------------------------------------------
+    def hold_blob(self, digest: str, data: bytes) -> None:
+        """Keep a small blob (``blobs``) with the next commit: the one of the event that names
+        it, which its caller makes next.  A digest the table has already is not written again."""
+        self._held_blobs[digest] = data
+
+    def _put_blobs(self, txn, blobs: dict[str, bytes]) -> None:
+        db = self.dbs["blobs"]
+        for digest, data in blobs.items():
+            k = digest.encode()
+            if txn.get(k, db=db) is None:
+                txn.put(k, data, db=db)
+
+    def blob(self, digest: str) -> bytes | None:
+        """A small blob's bytes as stored (unchecked), or None when ``blobs`` has no such one."""
+        held = self._held_blobs.get(digest)
+        if held is not None:
+            return held
+        if self.dbs["blobs"] is None:  # a journal older than the table
+            return None
+        try:
+            with self.env.begin(db=self.dbs["blobs"]) as txn:
+                return txn.get(digest.encode())
+        except lmdb.Error as e:
+            raise JournalError(f"journal in {self.state_dir} is corrupt: {e}") from None
+
+    def blob_sizes(self) -> Iterator[tuple[str, int]]:
+        """(digest, bytes) of every blob ``blobs`` holds."""
+        if self.dbs["blobs"] is None:
+            return
+        with self.env.begin(db=self.dbs["blobs"]) as txn:
+            for k, v in txn.cursor(db=self.dbs["blobs"]):
+                yield k.decode("ascii", "replace"), len(v)
+
+    def sweep_blobs(self, keep, only=None, batch: int = 2000) -> tuple[int, int]:
+        """Delete the blobs of ``blobs`` not in ``keep`` (with ``only``, of those digests);
+        (count, bytes).  Only blobs committed can go: one held for the next commit is a
+        writer's, for an event not committed yet."""
+        if self.dbs["blobs"] is None:
+            return 0, 0
+        names = [dg for dg in only] if only is not None else [dg for dg, _ in self.blob_sizes()]
+        gone = [dg for dg in names if dg not in keep and dg not in self._held_blobs]
+        n = size = 0
+        db = self.dbs["blobs"]
+        for i in range(0, len(gone), batch):
+            part = gone[i:i + batch]
+
+            def body(txn, part=part):
+                m = b = 0
+                for dg in part:
+                    v = txn.pop(dg.encode(), db=db)
+                    if v is not None:
+                        m, b = m + 1, b + len(v)
+                return m, b
+            m, b = self._write(body)
+            n, size = n + m, size + b
+        return n, size
+
+    @property
+    def deferred(self) -> int:
+        """How many events and notes wait for the next commit."""
+        return len(self._deferred)
+
+    def flush(self) -> None:
+        """Commit what waits (JournalError when it cannot be: it waits on)."""
+        if self._deferred:
+            self._write(lambda txn: None)
+
+    def _settle(self) -> None:
+        """Before this process reads its own journal: what waits is committed (when it cannot
+        be, the read sees the journal as committed, and what waits stays held)."""
+        if self._deferred:
+            try:
+                self.flush()
+            except JournalError as e:
+                log.warning("cannot commit %d held event(s) before a read: %s",
+                            len(self._deferred), e)
 
     def _index_renames(self) -> None:
         """Index the directory renames of a journal written before that index existed."""
@@ -534,19 +679,27 @@ class Journal:
         return {"file": size, "used": used, "free": max(size - used, 0), "psize": psize}
 
     def put_extents(self, seq: int, summary: dict) -> None:
+        """A write handle's extents note (a summary readers may go without): held for the next
+        commit under group commit."""
+        if self.group_commit and len(self._deferred) < _DEFER_MAX:
+            self._hold(("extents", seq_key(seq), _dumps(summary)))
+            return
         handle, value = self.dbs["extents"], _dumps(summary)
         self._write(lambda txn: txn.put(seq_key(seq), value, db=handle))
 
     # -- reading --------------------------------------------------------------------------------
     def count(self) -> int:
+        self._settle()
         with self.env.begin(db=self.dbs["events"]) as txn:
             return txn.stat(self.dbs["events"])["entries"]
 
     def last_seq(self) -> int:
+        self._settle()
         return self._load_next_seq() - 1
 
     def event(self, seq: int) -> dict | None:
         """Event ``seq``, or None; JournalError when its record is not an event."""
+        self._settle()
         kept = self._kept_seq.get(seq)  # keep_events()
         if kept is not None:
             return kept
@@ -589,6 +742,7 @@ class Journal:
         return self._read_events(since, until)
 
     def _read_events(self, since: int, until: int | None) -> Iterator[dict]:
+        self._settle()
         try:
             with self.env.begin(db=self.dbs["events"]) as txn:
                 cur = txn.cursor()
@@ -619,6 +773,7 @@ class Journal:
 
     def seqs_for_path(self, path: str) -> list[int]:
         """The seqs of every event naming ``path``, ascending (whatever form its keys have)."""
+        self._settle()
         out = []
         with self.env.begin(db=self.dbs["paths"]) as txn:
             cur = txn.cursor()
@@ -637,6 +792,7 @@ class Journal:
     def paths(self) -> Iterator[str]:
         """Every path the events name, once each, in key order (a long path's place is that of
         its digest)."""
+        self._settle()
         last = None
         long_seen: set[str] = set()
         with self.env.begin(db=self.dbs["paths"]) as txn:
@@ -666,6 +822,7 @@ class Journal:
 
     def seals(self) -> Iterator[tuple[str, int]]:
         """(path, seq of its latest seal), every sealed path."""
+        self._settle()
         if self.dbs["seals"] is None:
             return
         with self.env.begin(db=self.dbs["seals"]) as txn:
@@ -674,6 +831,7 @@ class Journal:
 
     def last_seq_for_path(self, path: str) -> int | None:
         """The seq of the last event naming ``path``, or None."""
+        self._settle()
         best = None
         with self.env.begin(db=self.dbs["paths"]) as txn:
             cur = txn.cursor()
@@ -702,6 +860,7 @@ class Journal:
         return _loads(v) if v is not None else None
 
     def extents(self, seq: int) -> dict | None:
+        self._settle()
         with self.env.begin(db=self.dbs["extents"]) as txn:
             v = txn.get(seq_key(seq))
         return _loads(v) if v is not None else None
@@ -733,6 +892,12 @@ class Journal:
             return 0
 
     def close(self) -> None:
+        if self._deferred:
+            try:
+                self.flush()
+            except JournalError as e:
+                log.error("closing the journal: %d held event(s) could not be committed: %s",
+                          len(self._deferred), e)
         self.env.close()
         self._release_lock()
 
