@@ -90,7 +90,7 @@ async def _serve(control: ControlServer) -> None:
                 except Exception:  # a failed check must not take the mount down: retried
                     log.exception("checking implicit calls for exited processes failed")
         nursery.start_soon(end_exited_calls)
-        await nursery.start(_group_commit, control.calls.journal)
+        await nursery.start(_commit_held_notes, control.calls.journal)
         if control.max_bytes is not None:
             nursery.start_soon(_keep_budget, control)
         # every handler runs to completion without awaiting, so more worker tasks cannot overlap
@@ -100,40 +100,39 @@ async def _serve(control: ControlServer) -> None:
         nursery.cancel_scope.cancel()
 
 
-# how long an event that carries no pre-image may wait for the next commit (Journal.defer): a
-# rewrite's write and chmod ride with its rename's commit; a reader started after a change
-# (tens of milliseconds at least) finds it committed
-GROUP_COMMIT_DELAY = 0.005
+# how long an extents note may wait for the next commit (Journal.hold_notes): a rewrite's rides
+# with its rename's commit, a burst's last one is committed this much later
+NOTE_DELAY = 0.005
 
 
-async def _group_commit(journal, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Group commit while mounted: held events are committed GROUP_COMMIT_DELAY after the first
-    of them started waiting, unless a commit took them first."""
+async def _commit_held_notes(journal, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Held extents notes are committed NOTE_DELAY after the first of them started waiting,
+    unless a commit took them first."""
     woken = trio.Event()
 
     def wake():
         woken.set()
-    journal.on_deferred = wake
-    journal.group_commit = True
+    journal.on_held = wake
+    journal.hold_notes = True
     task_status.started()
     failed_logged = float("-inf")
     try:
         while True:
             await woken.wait()
-            await trio.sleep(GROUP_COMMIT_DELAY)
+            await trio.sleep(NOTE_DELAY)
             woken = trio.Event()
             try:
                 journal.flush()
             except JournalError as e:  # the state dir full: tried again a little later
                 if time.monotonic() - failed_logged > 60:
                     failed_logged = time.monotonic()
-                    log.warning("cannot commit %d held event(s) now: %s", journal.deferred, e)
+                    log.warning("cannot commit %d extents note(s) now: %s", journal.held, e)
                 await trio.sleep(0.25)
-            if journal.deferred:
+            if journal.held:
                 woken.set()
     finally:
-        journal.group_commit = False
-        journal.on_deferred = None
+        journal.hold_notes = False
+        journal.on_held = None
 
 
 _writer_lock: int | None = None

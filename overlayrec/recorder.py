@@ -74,18 +74,6 @@ def unit_fields(unit: str) -> dict:
     return {"unit": str(unit), **getattr(unit, "extra", {})}
 
 
-# changes that may wait for the next commit (group commit) when their event carries no pre-image:
-# inside an epoch whose pre-image is committed, they add who and what, not what was before;
-# creations, renames and removals change names, and always commit ahead
-_DEFERRABLE = frozenset({"write", "truncate", "chmod", "chown", "utimens", "setxattr",
-                         "removexattr"})
-_WRITE_AHEAD_KEYS = ("pre", "pre2", "epoch", "epoch2", "data")
-
-
-def _deferrable(ev: dict) -> bool:
-    return ev["op"] in _DEFERRABLE and not any(k in ev for k in _WRITE_AHEAD_KEYS)
-
-
 def _fd_flags(fd: int) -> int:
     return fcntl.fcntl(fd, fcntl.F_GETFL)
 
@@ -533,8 +521,6 @@ class Recorder:
         for a in aliases:
             a["actor"] = ev.get("actor", actor["key"])
         if not self._unjournaled and not aliases:
-            if _deferrable(ev):
-                return self.journal.defer(ev, actor)
             return self.journal.append(ev, actor)
         owed = self._unjournaled
         seqs = self.journal.append_many(owed + aliases + [ev], [actor])

@@ -6,12 +6,10 @@ changes the underlay only after ``append`` returned never changes it unrecorded.
 not fsynced by default (they reach the page cache, which a killed daemon cannot lose);
 ``durable=True`` syncs every commit, for power loss.
 
-Group commit (``group_commit``, the daemon's): an event that carries no pre-image (a write,
-chmod or the like inside an epoch whose pre-image is already committed) may be ``defer``red:
-it takes its seq at once and is committed with the next commit of any kind, or by ``flush``
-(the daemon's, a few milliseconds later).  A killed daemon can lose such an event, never a
-pre-image: what it would have said is what the epoch's pre-image and the next state say
-(docs/design.md, "Group commit").
+Two things ride with the next commit instead of one of their own: a small blob (``hold_blob``,
+the content store's, for the event its caller commits next) and, in the daemon
+(``hold_notes``), a handle's extents note, a summary readers go without and never a pre-image
+(``flush`` commits it a few milliseconds later when nothing else commits first).
 
 A commit that cannot be made (the state dir's filesystem is full, a quota, an I/O error) raises
 JournalError with the errno the filesystem operation that needed it should fail with; the
@@ -59,8 +57,8 @@ _KNOWN_ACTORS = 4096
 # all it keeps of the journal in its RSS (a commit writes its B-tree paths to fresh pages,
 # which the next reads: some 10 to 40 KiB a commit); a trim costs about ten microseconds
 _TRIM_EVERY = 32
-# deferred events and notes a writer holds at most: past it, the next ``defer`` commits
-_DEFER_MAX = 256
+# extents notes a writer holds at most: past it, the next note commits at once
+_HELD_MAX = 256
 
 
 def _dumps(obj) -> bytes:
@@ -122,9 +120,9 @@ class Journal:
         self._commits = 0
         self._map_spans: list[tuple[int, int]] = []  # trim_map: where the map was last found
         self._map_real: str | None = None
-        self.group_commit = False  # the daemon's writer: ``defer`` may hold events back
-        self.on_deferred = None    # called when held events start waiting (the daemon's wake-up)
-        self._deferred: list[tuple] = []  # ("event", ev, actor) / ("extents", key, value)
+        self.hold_notes = False  # the daemon's writer: extents notes wait for the next commit
+        self.on_held = None      # called when a note starts waiting (the daemon's wake-up)
+        self._held: list[tuple[bytes, bytes]] = []  # extents notes (key, value) not committed
         if not readonly and self.meta("renames_indexed") is None:
             self._index_renames()
 
@@ -209,21 +207,19 @@ class Journal:
 
         MDB_MAP_FULL grows the map and runs body again in a new transaction (body only puts, so
         it can run twice); any other failure is a JournalError carrying the errno to answer."""
-        held, blobs = self._deferred, self._held_blobs
-        added: list[str] = []
+        held, blobs = self._held, self._held_blobs
         for _ in range(16):
             try:
                 with self.env.begin(write=True) as txn:
                     if blobs:
                         self._put_blobs(txn, blobs)
-                    if held:
-                        added = self._put_deferred(txn, held)
+                    for k, v in held:
+                        txn.put(k, v, db=self.dbs["extents"])
                     out = body(txn)
                 if blobs:
                     self._held_blobs = {}
                 if held:
-                    del self._deferred[:len(held)]  # (body never defers: nothing came after)
-                    self._known(added)
+                    self._held = []
                 self._commits += 1
                 if self._commits % _TRIM_EVERY == 0:
                     self.trim_map()
@@ -371,33 +367,6 @@ class Journal:
             txn.put(schema.seal_key(ev["path"]), k + ev["path"].encode("utf-8", "surrogateescape"),
                     db=self.dbs["seals"])
 
-    # -- group commit ---------------------------------------------------------------------------
-    def defer(self, event: dict, actor: dict | None = None) -> int:
-        """Append an event that carries no pre-image: with ``group_commit``, it takes its seq
-        now and is committed with the next commit (or ``flush``); else, or when too many
-        wait already, it is committed now.  Its seq."""
-        if not self.group_commit or len(self._deferred) >= _DEFER_MAX:
-            return self.append(event, actor)
-        event["seq"] = self.reserve_seq()
-        event.setdefault("t", time.time_ns())
-        self._hold(("event", event, actor))
-        return event["seq"]
-
-    def _hold(self, item: tuple) -> None:
-        self._deferred.append(item)
-        if len(self._deferred) == 1 and self.on_deferred is not None:
-            self.on_deferred()
-
-    def _put_deferred(self, txn, held: list[tuple]) -> list[str]:
-        added: list[str] = []
-        for kind, a, b in held:
-            if kind == "event":
-                added += self._put_actors(txn, [b] if b else [])
-                self._put_event(txn, a)
-            else:
-                txn.put(a, b, db=self.dbs[kind])
-        return added
-
     # -- small blobs --------------------------------------------------------------------------
     def hold_blob(self, digest: str, data: bytes) -> None:
         """Keep a small blob (``blobs``) with the next commit: the one of the event that names
@@ -456,25 +425,25 @@ class Journal:
             n, size = n + m, size + b
         return n, size
 
+    # -- held notes ---------------------------------------------------------------------------
     @property
-    def deferred(self) -> int:
-        """How many events and notes wait for the next commit."""
-        return len(self._deferred)
+    def held(self) -> int:
+        """How many extents notes wait for the next commit."""
+        return len(self._held)
 
     def flush(self) -> None:
         """Commit what waits (JournalError when it cannot be: it waits on)."""
-        if self._deferred:
+        if self._held or self._held_blobs:
             self._write(lambda txn: None)
 
     def _settle(self) -> None:
         """Before this process reads its own journal: what waits is committed (when it cannot
         be, the read sees the journal as committed, and what waits stays held)."""
-        if self._deferred:
+        if self._held:
             try:
                 self.flush()
             except JournalError as e:
-                log.warning("cannot commit %d held event(s) before a read: %s",
-                            len(self._deferred), e)
+                log.warning("cannot commit %d held note(s) before a read: %s", len(self._held), e)
 
     def _index_renames(self) -> None:
         """Index the directory renames of a journal written before that index existed."""
@@ -679,10 +648,13 @@ class Journal:
         return {"file": size, "used": used, "free": max(size - used, 0), "psize": psize}
 
     def put_extents(self, seq: int, summary: dict) -> None:
-        """A write handle's extents note (a summary readers may go without): held for the next
-        commit under group commit."""
-        if self.group_commit and len(self._deferred) < _DEFER_MAX:
-            self._hold(("extents", seq_key(seq), _dumps(summary)))
+        """A write handle's extents note (a summary readers may go without, and a release
+        reaches the daemon after the writer's close anyway): with ``hold_notes``, it waits for
+        the next commit."""
+        if self.hold_notes and len(self._held) < _HELD_MAX:
+            self._held.append((seq_key(seq), _dumps(summary)))
+            if len(self._held) == 1 and self.on_held is not None:
+                self.on_held()
             return
         handle, value = self.dbs["extents"], _dumps(summary)
         self._write(lambda txn: txn.put(seq_key(seq), value, db=handle))
@@ -892,12 +864,12 @@ class Journal:
             return 0
 
     def close(self) -> None:
-        if self._deferred:
+        if self._held:
             try:
                 self.flush()
             except JournalError as e:
-                log.error("closing the journal: %d held event(s) could not be committed: %s",
-                          len(self._deferred), e)
+                log.error("closing the journal: %d extents note(s) could not be committed: %s",
+                          len(self._held), e)
         self.env.close()
         self._release_lock()
 

@@ -1,10 +1,10 @@
-"""Group commit and small blobs in the journal (issue 16's recording cost).
+"""Small blobs in the journal and held extents notes (issue 16's recording cost).
 
-An event that carries no pre-image may wait for the next commit (``Journal.defer``); a small
-blob is held and committed with the event that names it (``blobs``).  What must hold, whatever
-the timing: nothing that waits is seen by another process before it is committed, everything
-that waits is committed in seq order with (or before) the next commit of any kind, a failed
-commit keeps what waits, a held blob is never swept, and a pre-image is never what waits.
+A small blob is held and committed in the transaction of the event that names it (``blobs``);
+in the daemon, a handle's extents note waits for the next commit (``hold_notes``).  What must
+hold, whatever the timing: every event is still committed ahead of its change, with the blobs
+it names; nothing held is seen by another process before it is committed; a failed commit
+keeps what is held; a held blob is never swept; the daemon commits a held note on its own.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ ACTOR = {"key": "7:8", "pid": 7, "start": 8}
 
 def writer(tmp_path) -> Journal:
     j = Journal(str(tmp_path / "state"))
-    j.group_commit = True
+    j.hold_notes = True
     return j
 
 
@@ -62,62 +62,58 @@ def ev(op: str, path: str, **kw) -> dict:
     return {"op": op, "path": path, "actor": ACTOR["key"], **kw}
 
 
-def test_what_waits_is_committed_with_the_next_commit_in_seq_order(tmp_path):
+def test_a_held_note_is_committed_with_the_next_commit(tmp_path):
     j = writer(tmp_path)
     woken = []
-    j.on_deferred = lambda: woken.append(j.deferred)
+    j.on_held = lambda: woken.append(j.held)
     try:
-        first = j.append(ev("create", "f", pre={"kind": "absent"}, epoch=True), ACTOR)
-        s1 = j.defer(ev("write", "f", offset=0, length=3), ACTOR)
-        s2 = j.defer(ev("chmod", "f", mode=0o600), ACTOR)
-        j.put_extents(s1, {"writes": 1, "bytes": 3, "lo": 0, "hi": 3, "end": s2})
-        assert (s1, s2) == (first + 1, first + 2)
-        assert woken == [1]  # woken once, when the first started waiting
-        assert [e["seq"] for e in committed(tmp_path)] == [first]
-        last = j.append(ev("rename", "f", path2="g", pre={"kind": "file"}), ACTOR)
-        assert last == s2 + 1 and j.deferred == 0
-        evs = committed(tmp_path)
-        assert [(e["seq"], e["op"]) for e in evs] == \
-            [(first, "create"), (s1, "write"), (s2, "chmod"), (last, "rename")]
-        assert other(tmp_path, f"r.extents({s1})")["end"] == s2
+        s1 = j.append(ev("create", "f", pre={"kind": "absent"}, epoch=True), ACTOR)
+        s2 = j.append(ev("write", "f", offset=0, length=3), ACTOR)
+        j.put_extents(s2, {"writes": 1, "bytes": 3, "lo": 0, "hi": 3, "end": s2})
+        j.put_extents(s1, {"writes": 0, "bytes": 0, "lo": 0, "hi": 0, "end": s2})
+        assert woken == [1] and j.held == 2  # woken once, when the first started waiting
+        assert [e["seq"] for e in committed(tmp_path)] == [s1, s2]  # events: committed ahead
+        assert other(tmp_path, f"r.extents({s2})") is None
+        s3 = j.append(ev("chmod", "f", mode=0o600), ACTOR)
+        assert j.held == 0
+        assert other(tmp_path, f"[r.extents({s2})['end'], r.extents({s1})['writes']]") == [s2, 0]
+        assert [e["seq"] for e in committed(tmp_path)] == [s1, s2, s3]
     finally:
         j.close()
 
 
-def test_a_flush_or_a_read_of_its_own_commits_what_waits(tmp_path):
+def test_a_flush_a_read_or_a_close_commits_held_notes(tmp_path):
     j = writer(tmp_path)
     try:
-        s = j.defer(ev("write", "f", offset=0, length=1), ACTOR)
-        assert committed(tmp_path) == []
-        assert [e["seq"] for e in j.events()] == [s]  # the writer reads what it wrote
-        assert [e["seq"] for e in committed(tmp_path)] == [s]
-        s2 = j.defer(ev("write", "f", offset=1, length=1), ACTOR)
+        s = j.append(ev("write", "f", offset=0, length=1), ACTOR)
+        j.put_extents(s, {"writes": 1, "bytes": 1, "lo": 0, "hi": 1, "end": s})
+        assert other(tmp_path, f"r.extents({s})") is None
+        assert j.extents(s)["end"] == s  # the writer reads what it wrote
+        assert other(tmp_path, f"r.extents({s})")["end"] == s
+        j.put_extents(s, {"writes": 2, "bytes": 2, "lo": 0, "hi": 2, "end": s})
         j.flush()
-        assert [e["seq"] for e in committed(tmp_path)] == [s, s2]
+        assert other(tmp_path, f"r.extents({s})")["writes"] == 2
+        j.put_extents(s, {"writes": 3, "bytes": 3, "lo": 0, "hi": 3, "end": s})
     finally:
         j.close()
+    assert other(tmp_path, f"r.extents({s})")["writes"] == 3
 
 
-def test_closing_commits_what_waits(tmp_path):
-    j = writer(tmp_path)
-    s = j.defer(ev("utimens", "f", atime_ns=1, mtime_ns=2), ACTOR)
-    j.close()
-    assert [(e["seq"], e["op"]) for e in committed(tmp_path)] == [(s, "utimens")]
-
-
-def test_without_group_commit_defer_commits_at_once(tmp_path):
+def test_without_hold_notes_a_note_commits_at_once(tmp_path):
     j = Journal(str(tmp_path / "state"))
     try:
-        s = j.defer(ev("write", "f", offset=0, length=1), ACTOR)
-        assert j.deferred == 0 and [e["seq"] for e in committed(tmp_path)] == [s]
+        s = j.append(ev("write", "f", offset=0, length=1), ACTOR)
+        j.put_extents(s, {"writes": 1, "bytes": 1, "lo": 0, "hi": 1, "end": s})
+        assert j.held == 0 and other(tmp_path, f"r.extents({s})")["writes"] == 1
     finally:
         j.close()
 
 
-def test_a_failed_commit_keeps_what_waits_and_its_blobs(tmp_path, monkeypatch):
+def test_a_failed_commit_keeps_held_notes_and_blobs(tmp_path, monkeypatch):
     j = writer(tmp_path)
     try:
-        s = j.defer(ev("write", "f", offset=0, length=1), ACTOR)
+        s = j.append(ev("write", "f", offset=0, length=1), ACTOR)
+        j.put_extents(s, {"writes": 1, "bytes": 1, "lo": 0, "hi": 1, "end": s})
         digest = j.content.put_bytes(b"the old bytes")
         real = j._put_event
         calls = []
@@ -130,12 +126,14 @@ def test_a_failed_commit_keeps_what_waits_and_its_blobs(tmp_path, monkeypatch):
         monkeypatch.setattr(j, "_put_event", refuse_once)
         with pytest.raises(JournalError):
             j.append(ev("unlink", "f", pre={"kind": "file", "blob": digest}), ACTOR)
-        assert j.deferred == 1 and committed(tmp_path) == []
+        assert j.held == 1 and [e["seq"] for e in committed(tmp_path)] == [s]
+        assert other(tmp_path, f"[r.extents({s}), blob({digest!r})]") == [None, None]
         assert j.content.get(digest) == b"the old bytes"  # held, still the writer's
         seq = j.append(ev("unlink", "f", pre={"kind": "file", "blob": digest}), ACTOR)
         assert seq == s + 1  # the refused event's seq went back, and is given again
         assert [e["seq"] for e in committed(tmp_path)] == [s, seq]
-        assert other(tmp_path, f"blob({digest!r})") == "the old bytes"
+        assert other(tmp_path, f"[r.extents({s})['writes'], blob({digest!r})]") == \
+            [1, "the old bytes"]
     finally:
         j.close()
 
@@ -174,9 +172,10 @@ def test_a_sweep_spares_held_and_named_blobs(tmp_path):
         j.close()
 
 
-def test_the_recorder_holds_only_what_carries_no_pre_image(tmp_path):
-    """A fresh file's write and chmod wait; a change that needs a pre-image never does, and
-    commits what waits with it, ahead of the change."""
+def test_the_recorder_commits_every_event_ahead_with_the_blobs_it_names(tmp_path):
+    """The rewrite pattern driven through the recorder: each event is committed before its
+    change (another process sees it at once), the renamed-over file's content in the rename's
+    own commit, in the journal, with no file in the content store."""
     ws = tmp_path / "ws"
     ws.mkdir()
     (ws / "old").write_bytes(b"before\n")
@@ -186,7 +185,6 @@ def test_the_recorder_holds_only_what_carries_no_pre_image(tmp_path):
     actor = {"key": "9:9", "pid": 9, "start": 9, "uid": os.geteuid()}
     try:
         fd = rec.create(root_fd, "tmp", os.O_WRONLY, 0o644, os.geteuid(), os.getegid(), actor)
-        assert j.deferred == 0  # a creation commits ahead
         h = Handle(fd, None, actor, rec.units.unit_of(actor), rec)
         rec.write(h, 0, b"after\n")
         path_fd = os.open("tmp", os.O_PATH | os.O_NOFOLLOW, dir_fd=root_fd)
@@ -194,13 +192,13 @@ def test_the_recorder_holds_only_what_carries_no_pre_image(tmp_path):
             rec.chmod(path_fd, 0o600, actor)
         finally:
             os.close(path_fd)
-        assert j.deferred == 2 and [e["op"] for e in committed(tmp_path)] == ["create"]
+        assert [e["op"] for e in committed(tmp_path)] == ["create", "write", "chmod"]
         rec.rename(root_fd, "tmp", root_fd, "old", 0, actor)
-        assert j.deferred == 0
         evs = committed(tmp_path)
         assert [e["op"] for e in evs] == ["create", "write", "chmod", "rename"]
-        ren = evs[-1]
-        assert j.content.get(ren["pre2"]["blob"]) == b"before\n"  # committed with the rename
+        digest = evs[-1]["pre2"]["blob"]
+        assert other(tmp_path, f"blob({digest!r})") == "before\n"
+        assert not os.path.exists(os.path.join(j.content.root, digest[:2], digest[2:]))
         assert (ws / "old").read_bytes() == b"after\n"
         os.close(fd)
     finally:
@@ -209,27 +207,31 @@ def test_the_recorder_holds_only_what_carries_no_pre_image(tmp_path):
 
 
 @needs_fuse
-def test_the_daemon_commits_what_waits_without_another_change(make_mount):
-    """A write to a fresh file waits for a commit; with nothing else happening, the daemon's
-    flush commits it (no unmount, no other event)."""
+def test_the_daemon_commits_a_held_note_without_another_change(make_mount):
+    """A write run's extents note waits for a commit; with nothing else happening, the
+    daemon commits it on its own (no unmount, no other event)."""
     m = make_mount()
     m.mount()
-    m.sh("printf one > f; chmod 600 f")
+    m.sh("printf one > f")
+    write = [e for e in m.events() if e["op"] == "write" and e["path"] == "f"]
+    assert len(write) == 1  # committed ahead of the write
     deadline = time.monotonic() + 10 * SLOW
-    ops = []
-    while time.monotonic() < deadline:
-        ops = [e["op"] for e in m.events() if e.get("path") == "f"]
-        if ops == ["create", "write", "chmod"]:
-            break
+    note = None
+    while note is None and time.monotonic() < deadline:
+        j = m.journal()
+        try:
+            note = j.extents(write[0]["seq"])
+        finally:
+            j.close()
         time.sleep(0.05)
-    assert ops == ["create", "write", "chmod"]
+    assert note is not None and note["bytes"] == 3 and note["writes"] == 1
 
 
 @needs_fuse
 def test_kill_9_after_rewrites_loses_no_pre_image(make_mount):
     """The rewrite pattern (temp file written, chmodded, renamed over the original), then the
     daemon killed at once: every original's content is in the record (a small blob in the
-    journal), whatever of the temp files' events was still waiting."""
+    journal), committed with its rename."""
     m = make_mount()
     originals = {f"f{i}": os.urandom(300 + i) for i in range(40)}
     for name, data in originals.items():
