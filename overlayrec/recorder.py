@@ -144,6 +144,72 @@ class _StateDirStore:
         return call
 
 
+class Names:
+    """The names the daemon knows each linked inode by: (st_dev, st_ino) -> its names, with the
+    reverse map (name -> inode) so that an unlink or a rename costs a lookup, not a pass over
+    every inode (git alone leaves thousands: each object is linked into place).  An inode with
+    no name left is no entry."""
+    __slots__ = ("_by_key", "_key_of")
+
+    def __init__(self):
+        self._by_key: dict[tuple[int, int], set[str]] = {}
+        self._key_of: dict[str, tuple[int, int]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._by_key)
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def get(self, key, default=()):
+        return self._by_key.get(key, default)
+
+    def values(self):
+        return self._by_key.values()
+
+    def add(self, key, paths) -> None:
+        names = self._by_key.setdefault(key, set())
+        for p in paths:
+            old = self._key_of.get(p)
+            if old is not None and old != key:  # a name holds one inode: no longer that one
+                self.discard(old, p)
+            names.add(p)
+            self._key_of[p] = key
+
+    def discard(self, key, path: str) -> None:
+        names = self._by_key.get(key)
+        if names is None:
+            return
+        names.discard(path)
+        if self._key_of.get(path) == key:
+            del self._key_of[path]
+        if not names:
+            del self._by_key[key]
+
+    def unname(self, path: str) -> None:
+        key = self._key_of.get(path)
+        if key is not None:
+            self.discard(key, path)
+
+    def rename(self, path: str, path2: str, is_dir: bool, exchange: bool) -> None:
+        """``path`` became ``path2`` (and what lay beneath, for a directory); with exchange,
+        ``path2`` became ``path`` too.  A name renamed over (no exchange) is gone."""
+        def beneath(top: str) -> list[str]:
+            prefix = top + "/"
+            return [n for n in self._key_of if n.startswith(prefix)]
+        moves = [(path, path2)] + [(n, path2 + n[len(path):]) for n in
+                                   (beneath(path) if is_dir else ())]
+        if exchange:
+            moves += [(path2, path)] + [(n, path + n[len(path2):]) for n in beneath(path2)]
+        else:
+            self.unname(path2)
+        moved = [(self._key_of[old], new) for old, new in moves if old in self._key_of]
+        for old, _ in moves:
+            self.unname(old)
+        for key, new in moved:
+            self.add(key, (new,))
+
+
 class RangeSet:
     """Sorted, disjoint [lo, hi) intervals; small and simple, writes are mostly sequential."""
     __slots__ = ("iv",)
@@ -213,7 +279,7 @@ class Recorder:
         self.epochs: dict[str, Epoch] = {}
         # the names the daemon knows for inodes with several links (made through the mount):
         # a change through one name is journaled on the others too (an ``alias`` event)
-        self.names: dict[tuple[int, int], set[str]] = {}
+        self.names = Names()
         self._pending: list[dict] = []  # alias events, committed with the event they go with
         # paths whose last epoch ended unsealed (at a unit boundary, or carried to a new name
         # by a directory rename): sealed with their unit
@@ -850,7 +916,7 @@ class Recorder:
             except OSError:
                 ost = None
             if ost is None or (ost.st_dev, ost.st_ino) != key:
-                self.names[key].discard(other)
+                self.names.discard(key, other)
                 continue
             apre = self._meta(st)
             if "blob" in pre:
@@ -895,30 +961,14 @@ class Recorder:
 
     def _named(self, st: os.stat_result, *paths: str) -> None:
         if stat.S_ISREG(st.st_mode) and self.nlink(st) > 1:
-            self.names.setdefault((st.st_dev, st.st_ino), set()).update(paths)
+            self.names.add((st.st_dev, st.st_ino), paths)
 
     def _renamed(self, path: str, path2: str, is_dir: bool, flags: int) -> None:
         """Keep the known names of linked inodes right across a rename (of a directory too)."""
-        def move(n: str) -> str:
-            if n == path or (is_dir and n.startswith(path + "/")):
-                return path2 + n[len(path):]
-            if flags & underlay.RENAME_EXCHANGE and (n == path2 or n.startswith(path2 + "/")):
-                return path + n[len(path2):]
-            return n
-        exchange = flags & underlay.RENAME_EXCHANGE
-        kept = {}
-        for key, names in self.names.items():
-            # renamed over (no exchange): that name now holds the moved inode
-            moved = {move(n) for n in names if exchange or n != path2}
-            if moved:  # an inode with no known name left is no entry (names: the live tree's)
-                kept[key] = moved
-        self.names = kept
+        self.names.rename(path, path2, is_dir, bool(flags & underlay.RENAME_EXCHANGE))
 
     def _unnamed(self, path: str) -> None:
-        for key in [key for key, names in self.names.items() if path in names]:
-            self.names[key].discard(path)
-            if not self.names[key]:  # no known name left: no entry
-                del self.names[key]
+        self.names.unname(path)
 
     @_undoable
     def before_write(self, handle, off: int, length: int, data: bytes | None = None) -> int | None:

@@ -165,3 +165,60 @@ def test_no_request_handler_awaits():
                        for n in ast.walk(h) if isinstance(n, (ast.Await, ast.AsyncFor,
                                                                ast.AsyncWith))})
     assert awaiting == ["wrapper"]  # only _errno_boundary's wrapper, which awaits the handler
+
+
+def test_names_agree_with_a_scan_of_every_inode():
+    """Recorder.names (a reverse-mapped table) against the plain scan it replaced, over a
+    random mix of links, unlinks, renames of files and directories, renames over a name and
+    exchanges: the same names for every inode after every step."""
+    import random
+    from overlayrec.recorder import Names
+
+    def model_rename(model, path, path2, is_dir, exchange):
+        def move(n):
+            if n == path or (is_dir and n.startswith(path + "/")):
+                return path2 + n[len(path):]
+            if exchange and (n == path2 or n.startswith(path2 + "/")):
+                return path + n[len(path2):]
+            return n
+        kept = {}
+        for key, names in model.items():
+            moved = {move(n) for n in names if exchange or n != path2}
+            if moved:
+                kept[key] = moved
+        return kept
+
+    rng = random.Random(16)
+    pool = ["a", "b", "c", "d/x", "d/y", "d/e/z", "f/x", "f/y", "g"]
+    for _ in range(200):
+        names, model = Names(), {}
+        for _ in range(60):
+            op = rng.choice(["add", "add", "unname", "rename", "rename_dir", "exchange"])
+            key = (1, rng.randrange(6))
+            if op == "add":
+                ps = rng.sample(pool, 2)
+                names.add(key, ps)
+                for p in ps:  # a name holds one inode
+                    for other in model.values():
+                        other.discard(p)
+                model = {k: v for k, v in model.items() if v}
+                model.setdefault(key, set()).update(ps)
+            elif op == "unname":
+                p = rng.choice(pool)
+                names.unname(p)
+                model = {k: v - {p} for k, v in model.items() if v - {p}}
+            else:
+                if op == "rename":
+                    a, b = rng.sample(["a", "b", "c", "g", "d/x", "f/y"], 2)
+                    is_dir = False
+                else:
+                    a, b = rng.sample(["d", "f", "h"], 2)
+                    is_dir = True
+                    if op == "rename_dir":  # a directory is renamed over an empty one only
+                        for p in [p for v in model.values() for p in v if p.startswith(b + "/")]:
+                            names.unname(p)
+                            model = {k: v - {p} for k, v in model.items() if v - {p}}
+                names.rename(a, b, is_dir, op == "exchange")
+                model = model_rename(model, a, b, is_dir, op == "exchange")
+            assert {k: set(v) for k, v in zip(list(names._by_key), names.values())} == model, op
+            assert len(names) == len(model) and all(names.values())
