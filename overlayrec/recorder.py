@@ -766,7 +766,7 @@ class Recorder:
             k = (st.st_dev, st.st_ino)
             self.attic_links[k] = self.attic_links.get(k, 0) + 1
         if self.names:
-            self._unnamed(path)
+            self.names.unname(path)
         ep.content_saved = ep.meta_saved = True
 
     @_roomy
@@ -829,7 +829,8 @@ class Recorder:
                         log.warning("cannot drop attic entry %s: %s", pre2["attic"], e)
                 raise
         if self.names:
-            self._renamed(path, path2, stat.S_ISDIR(st.st_mode), flags)
+            self.names.rename(path, path2, stat.S_ISDIR(st.st_mode),
+                              bool(flags & underlay.RENAME_EXCHANGE))
         ep.content_saved = ep.meta_saved = True
         # the moved inode's content is in no pre-image (a rename copies nothing): the next
         # content change under the new name, even in this epoch, must save it first
@@ -962,13 +963,6 @@ class Recorder:
     def _named(self, st: os.stat_result, *paths: str) -> None:
         if stat.S_ISREG(st.st_mode) and self.nlink(st) > 1:
             self.names.add((st.st_dev, st.st_ino), paths)
-
-    def _renamed(self, path: str, path2: str, is_dir: bool, flags: int) -> None:
-        """Keep the known names of linked inodes right across a rename (of a directory too)."""
-        self.names.rename(path, path2, is_dir, bool(flags & underlay.RENAME_EXCHANGE))
-
-    def _unnamed(self, path: str) -> None:
-        self.names.unname(path)
 
     @_undoable
     def before_write(self, handle, off: int, length: int, data: bytes | None = None) -> int | None:

@@ -334,19 +334,16 @@ class Journal:
                 if timed_here:
                     ev.pop("t", None)
             raise
-        self._known(added)  # only once committed
-        return seqs
-
-    def _known(self, added: list[str]) -> None:
         if len(self._known_actors) + len(added) > _KNOWN_ACTORS:
             self._known_actors.clear()  # the table answers for the forgotten ones
-        self._known_actors.update(added)
+        self._known_actors.update(added)  # only once committed
+        return seqs
 
     def _put_actors(self, txn, actors) -> list[str]:
         """Put the actors the table may not have; the keys put."""
         added = []
         for a in actors:
-            if a is None or a["key"] in self._known_actors or a["key"] in added:
+            if a["key"] in self._known_actors:
                 continue
             akey = a["key"].encode()
             if txn.get(akey, db=self.dbs["actors"]) is None:
@@ -437,8 +434,9 @@ class Journal:
             self._write(lambda txn: None)
 
     def _settle(self) -> None:
-        """Before this process reads its own journal: what waits is committed (when it cannot
-        be, the read sees the journal as committed, and what waits stays held)."""
+        """Before this process reads extents notes: those held are committed (when they cannot
+        be, the read sees the journal as committed, and they stay held).  Held blobs need no
+        settling: ``blob`` looks at them first."""
         if self._held:
             try:
                 self.flush()
@@ -661,17 +659,14 @@ class Journal:
 
     # -- reading --------------------------------------------------------------------------------
     def count(self) -> int:
-        self._settle()
         with self.env.begin(db=self.dbs["events"]) as txn:
             return txn.stat(self.dbs["events"])["entries"]
 
     def last_seq(self) -> int:
-        self._settle()
         return self._load_next_seq() - 1
 
     def event(self, seq: int) -> dict | None:
         """Event ``seq``, or None; JournalError when its record is not an event."""
-        self._settle()
         kept = self._kept_seq.get(seq)  # keep_events()
         if kept is not None:
             return kept
@@ -714,7 +709,6 @@ class Journal:
         return self._read_events(since, until)
 
     def _read_events(self, since: int, until: int | None) -> Iterator[dict]:
-        self._settle()
         try:
             with self.env.begin(db=self.dbs["events"]) as txn:
                 cur = txn.cursor()
@@ -745,7 +739,6 @@ class Journal:
 
     def seqs_for_path(self, path: str) -> list[int]:
         """The seqs of every event naming ``path``, ascending (whatever form its keys have)."""
-        self._settle()
         out = []
         with self.env.begin(db=self.dbs["paths"]) as txn:
             cur = txn.cursor()
@@ -764,7 +757,6 @@ class Journal:
     def paths(self) -> Iterator[str]:
         """Every path the events name, once each, in key order (a long path's place is that of
         its digest)."""
-        self._settle()
         last = None
         long_seen: set[str] = set()
         with self.env.begin(db=self.dbs["paths"]) as txn:
@@ -794,7 +786,6 @@ class Journal:
 
     def seals(self) -> Iterator[tuple[str, int]]:
         """(path, seq of its latest seal), every sealed path."""
-        self._settle()
         if self.dbs["seals"] is None:
             return
         with self.env.begin(db=self.dbs["seals"]) as txn:
@@ -803,7 +794,6 @@ class Journal:
 
     def last_seq_for_path(self, path: str) -> int | None:
         """The seq of the last event naming ``path``, or None."""
-        self._settle()
         best = None
         with self.env.begin(db=self.dbs["paths"]) as txn:
             cur = txn.cursor()
