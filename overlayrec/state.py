@@ -78,8 +78,9 @@ class StateDir:
 
     @property
     def listings(self) -> str:
-        """The listings' settled rows (engines.listings): derived, rebuilt when removed."""
-        return os.path.join(self.path, "listings.json")
+        """The directory of the listings' settled rows (engines.listings): derived, rebuilt
+        when removed."""
+        return os.path.join(self.path, "listings")
 
     def export_state(self, tag: str) -> str:
         """What an export has written so far, for one (object store, ref prefix)."""

@@ -178,7 +178,7 @@ def copy_state(src: str, dst: str) -> None:
     them reads only the events since (it never meets an event a test corrupts)."""
     shutil.copytree(src, dst, symlinks=True,
                     ignore=shutil.ignore_patterns("journal", "control.sock", "daemon.json",
-                                                  "listings.json"))
+                                                  "listings"))
     os.makedirs(os.path.join(dst, "journal"))
     env = lmdb.open(os.path.join(src, "journal"), readonly=True, lock=False,
                     max_dbs=len(schema.DBS) + 1, subdir=True)

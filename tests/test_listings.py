@@ -6,8 +6,10 @@ real change.  `calls` and `turns` name only what changed (`--all`: everything wr
 .git/ into a count; `diff` and `export git` say how many .git/ changes git could not hold."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -199,8 +201,31 @@ KEPT_AGENT = textwrap.dedent(r'''
 ''')
 
 
-def listing(m, kind):
-    return [json.loads(l) for l in overlayrec(kind, m.ws, "--json").stdout.splitlines()]
+def listing(m, kind, *args):
+    return [json.loads(l) for l in overlayrec(kind, m.ws, "--json", *args).stdout.splitlines()]
+
+
+def kept_rows(kept: str) -> dict:
+    """Every shard's rows in the kept-rows directory (engines.listings)."""
+    rows = {}
+    for name in os.listdir(kept):
+        if name.endswith(".json"):
+            with open(os.path.join(kept, name)) as f:
+                rows.update(json.load(f)["rows"])
+    return rows
+
+
+@contextlib.contextmanager
+def kept_aside(kept: str):
+    """No kept rows while inside: the listing made then is made afresh."""
+    if os.path.exists(kept):
+        os.rename(kept, kept + ".aside")
+    try:
+        yield
+    finally:
+        if os.path.exists(kept + ".aside"):
+            shutil.rmtree(kept, ignore_errors=True)
+            os.rename(kept + ".aside", kept)
 
 
 @needs_fuse
@@ -210,19 +235,14 @@ def test_kept_rows_agree_with_rows_made_afresh(make_mount, tmp_path):
     and a file that is not JSON, a listing made with the kept rows equals one made afresh."""
     m = make_mount()
     m.mount()
-    kept = os.path.join(m.state, "listings.json")
+    kept = os.path.join(m.state, "listings")
     go = tmp_path / "go"
     agent = tmp_path / "agent.py"
     agent.write_text(KEPT_AGENT)
 
-    def afresh(kind):
-        if os.path.exists(kept):
-            os.rename(kept, kept + ".aside")
-        try:
-            return listing(m, kind)
-        finally:
-            if os.path.exists(kept + ".aside"):
-                os.replace(kept + ".aside", kept)
+    def afresh(kind, *args):
+        with kept_aside(kept):
+            return listing(m, kind, *args)
 
     def agrees():
         """The calls (by id) once both listings agree with ones made afresh."""
@@ -230,6 +250,8 @@ def test_kept_rows_agree_with_rows_made_afresh(make_mount, tmp_path):
         for kind in ("calls", "turns"):
             got[kind] = listing(m, kind)
             assert got[kind] == afresh(kind), kind
+        for t in {r["turn"] for r in got["calls"]} - {None}:  # one shard of kept rows
+            assert listing(m, "calls", "--turn", str(t)) == afresh("calls", "--turn", str(t))
         return {r["id"]: r for r in got["calls"]}
 
     run = subprocess.Popen([sys.executable, "-m", "overlayrec", "run", "-w", m.ws, "--session",
@@ -244,11 +266,12 @@ def test_kept_rows_agree_with_rows_made_afresh(make_mount, tmp_path):
         first = {r["id"]: r for r in listing(m, "calls")}
         assert first["plain"]["paths"] == ["a.txt", "b.txt", "dir", "dir/x"]
         assert first["secret"]["paths"] == [".env", "b.txt"]
-        with open(kept) as f:
-            rows = json.load(f)["rows"]
+        rows = kept_rows(kept)
         assert "call:k:plain" in rows and "call:k:late" in rows   # settled: kept
         assert "call:k:moves" not in rows and "call:k:secret" not in rows
-        assert os.stat(kept).st_mode & 0o777 == 0o600
+        assert os.stat(kept).st_mode & 0o777 == 0o700
+        assert {os.stat(os.path.join(kept, n)).st_mode & 0o777 for n in os.listdir(kept)} == \
+            {0o600}
         agrees()
         # the late call's process writes now: its kept row goes, the listing has the write
         go.write_text("")
@@ -274,9 +297,11 @@ def test_kept_rows_agree_with_rows_made_afresh(make_mount, tmp_path):
     agrees()
     m.mount()
     agrees()
-    with open(kept, "w") as f:
-        f.write("{not json")
+    for name in os.listdir(kept):
+        with open(os.path.join(kept, name), "w") as f:
+            f.write("{not json")
     assert listing(m, "calls") == afresh("calls")
+    assert listing(m, "turns") == afresh("turns")
 
 
 KINDS_AGENT = textwrap.dedent(r'''
@@ -316,7 +341,7 @@ def test_kept_rows_of_every_kind_of_path(make_mount, tmp_path):
     unmounted (planted on the way to the paths the rows name)."""
     m = make_mount()
     m.mount()
-    kept = os.path.join(m.state, "listings.json")
+    kept = os.path.join(m.state, "listings")
     agent = tmp_path / "agent.py"
     agent.write_text(KINDS_AGENT)
     overlayrec("run", "-w", m.ws, "--session", "k", "--", sys.executable, str(agent),
@@ -325,11 +350,8 @@ def test_kept_rows_of_every_kind_of_path(make_mount, tmp_path):
 
     def both(kind):
         got = listing(m, kind)
-        os.rename(kept, kept + ".aside")
-        try:
+        with kept_aside(kept):
             assert listing(m, kind) == got, kind
-        finally:
-            os.replace(kept + ".aside", kept)
         return got
 
     calls = {r["id"]: r for r in both("calls")}
@@ -337,8 +359,7 @@ def test_kept_rows_of_every_kind_of_path(make_mount, tmp_path):
         set(calls["kinds"]["paths"]), calls["kinds"]["paths"]
     assert {"one", "two", "pipe", "real", "moved", "real/inner", "moved/inner"} <= \
         set(calls["again"]["paths"]), calls["again"]["paths"]
-    with open(kept) as f:
-        assert "call:k:kinds" in json.load(f)["rows"]  # settled: kept, long path and all
+    assert "call:k:kinds" in kept_rows(kept)  # settled: kept, long path and all
     both("turns")
     m.umount()
     os.unlink(os.path.join(m.ws, "via"))
@@ -346,3 +367,53 @@ def test_kept_rows_of_every_kind_of_path(make_mount, tmp_path):
     m.mount()
     assert {r["id"]: r for r in both("calls")}["kinds"]["paths"] == calls["kinds"]["paths"]
     both("turns")
+
+
+TURNS_AGENT = textwrap.dedent(r'''
+    from overlayrec import client
+    with client.connect() as c:
+        for t in (1, 2):
+            c.turn_begin(prompt=f"turn {t}")
+            c.call_begin(f"c{t}", "Edit")
+            with open(f"f{t}.txt", "w") as f:
+                f.write(f"turn {t}\n")
+            c.call_end(f"c{t}")
+            c.turn_end()
+''')
+
+
+@needs_fuse
+def test_kept_rows_are_read_by_the_turn(make_mount, tmp_path):
+    """The calls' kept rows are one file per turn: ``calls --turn 2`` reads and writes only
+    turn 2's, ``turns`` only the turns'; what each lists equals a listing made afresh.  The
+    single file of the first version, left beside, is removed."""
+    m = make_mount()
+    m.mount()
+    kept = os.path.join(m.state, "listings")
+    agent = tmp_path / "agent.py"
+    agent.write_text(TURNS_AGENT)
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", sys.executable, str(agent),
+               cwd=m.ws, timeout=120)
+    legacy = os.path.join(m.state, "listings.json")
+    with open(legacy, "w") as f:
+        f.write("{}")
+    two = listing(m, "calls", "--turn", "2")
+    assert [(r["id"], r["paths"]) for r in two] == [("c2", ["f2.txt"])]
+    assert [n.endswith("-2.json") for n in os.listdir(kept)] == [True]
+    assert not os.path.exists(legacy)
+    assert set(kept_rows(kept)) == {"call:s:c2"}
+    turns = listing(m, "turns")
+    assert [(r["index"], r["paths"]) for r in turns] == [(1, ["f1.txt"]), (2, ["f2.txt"])]
+    assert "turns.json" in os.listdir(kept) and len(os.listdir(kept)) == 2
+    calls = listing(m, "calls")
+    assert [(r["id"], r["paths"]) for r in calls] == [("c1", ["f1.txt"]), ("c2", ["f2.txt"])]
+    assert len(os.listdir(kept)) == 3
+    assert set(kept_rows(kept)) == {"call:s:c1", "call:s:c2", "turn:s:1", "turn:s:2"}
+    with kept_aside(kept):
+        assert listing(m, "calls") == calls and listing(m, "turns") == turns
+        assert listing(m, "calls", "--turn", "2") == two
+    # another session writes after the rows were kept: they are read back all the same
+    overlayrec("run", "-w", m.ws, "--session", "s2", "--", "bash", "-c", "echo more >> f2.txt",
+               cwd=m.ws, timeout=60)
+    assert listing(m, "calls", "--turn", "2") == two
+    assert listing(m, "turns", "--session", "s") == turns
