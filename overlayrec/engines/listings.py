@@ -134,9 +134,18 @@ def shards(j: Journal, kept_dir: str, names) -> dict[str, Kept]:
             for n, d in docs.items()}
 
 
-def _calls_shard(c: dict) -> str:
-    """The shard of a call's row: its session (hashed: any id makes a file name) and turn."""
-    return f"calls-{xxhash.xxh64_hexdigest(c['session'].encode())}-{c.get('turn') or 0}"
+def _calls_shards(calls: list[dict]) -> list[str]:
+    """The shard of each call's row: its session (hashed: any id makes a file name) and
+    turn."""
+    tags: dict[str, str] = {}
+    out = []
+    for c in calls:
+        sid = c["session"]
+        tag = tags.get(sid)
+        if tag is None:
+            tag = tags[sid] = xxhash.xxh64_hexdigest(sid.encode())
+        out.append(f"calls-{tag}-{c.get('turn') or 0}")
+    return out
 
 
 def call_rows(j: Journal, states: States, kept_dir: str, sid: str | None = None,
@@ -144,8 +153,9 @@ def call_rows(j: Journal, states: States, kept_dir: str, sid: str | None = None,
     """views.call_rows with its net, kept rows read back and the others computed in one pass
     over the journal from the earliest call among them."""
     calls = calls_of(j, sid, turn)
-    kept = shards(j, kept_dir, {_calls_shard(c) for c in calls})
-    found = [kept[_calls_shard(c)].get(call_unit(c)) for c in calls]
+    where = _calls_shards(calls)
+    kept = shards(j, kept_dir, set(where))
+    found = [kept[w].get(call_unit(c)) for c, w in zip(calls, where)]
     todo = [c for c, fields in zip(calls, found) if fields is None]
     by_unit: dict[str, list[dict]] = {}
     net = None
@@ -156,11 +166,11 @@ def call_rows(j: Journal, states: States, kept_dir: str, sid: str | None = None,
             by_unit.setdefault(e.get("unit") or "", []).append(e)
     actors: dict = {}
     rows = []
-    for c, fields in zip(calls, found):
+    for c, fields, w in zip(calls, found, where):
         if fields is None:
             key = call_unit(c)
             fields = call_fields(j, by_unit.get(key, []), net, actors)
-            kept[_calls_shard(c)].put(key, fields, net.settled)
+            kept[w].put(key, fields, net.settled)
         rows.append({**c, **fields})
     for k in kept.values():
         k.save()
