@@ -110,9 +110,10 @@ class Secrets:
 
     def _match(self, path: str) -> bool:
         parts = path.split("/")
-        for i in range(1, len(parts) + 1):
-            if "/".join(parts[:i]) in self.names:
-                return True
+        if self.names:
+            for i in range(1, len(parts) + 1):
+                if "/".join(parts[:i]) in self.names:
+                    return True
         if self._any_re is not None and any(self._any_re.match(part) for part in parts):
             return True
         if self._anchored_re is not None:

@@ -60,7 +60,10 @@ def git_refuses(path: str) -> bool:
     (any component named ``.git``, in any case)?  Listings fold these into a count, diffs and
     exports leave them out and say how many; ``overlayrec replay`` restores them.  (git refuses
     a few more names, e.g. NTFS aliases of ``.git``: those surface as git's own warning.)"""
-    return any(part.lower() == ".git" for part in path.split("/"))
+    # on the whole path at once (listings ask it of every path of every row): a component is
+    # ".git" when the lowered path is it, begins or ends with it, or holds it between slashes
+    p = path.lower()
+    return p == ".git" or p.startswith(".git/") or p.endswith("/.git") or "/.git/" in p
 
 
 def unit_listing(net, evs: list[dict], bounds: tuple[int, int] | None = None) -> dict:

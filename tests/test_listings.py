@@ -53,6 +53,14 @@ def rows(m, *args):
 def test_git_paths_are_filtered_before_git_and_its_warnings_kept(tmp_path):
     assert git_refuses(".git/HEAD") and git_refuses("vendor/lib/.GIT/config")
     assert git_refuses(".git") and not git_refuses(".github/x") and not git_refuses("a.git/b")
+    # the same answer as a look at each component, on names near ".git"
+    names = [".git", ".GiT", "git", ".gitx", "x.git", ".git.", "", "a", ".", "..", "\u0130",
+             ".g\u0130t", "\u03a3", ".git\u03a3"]
+    for a in names:
+        for b in names:
+            for path in (a, f"{a}/{b}", f"x/{a}/{b}", f"{a}/{b}/y", f"{a}//{b}"):
+                want = any(part.lower() == ".git" for part in path.split("/"))
+                assert git_refuses(path) == want, path
     store = ObjectStore(str(tmp_path))
     f = State("file", 0o644, b"x\n")
     lines = store.index_lines({".git/HEAD": f, "ok.txt": f, "": State("dir", 0o755),
