@@ -5,6 +5,8 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
+import time
 
 from conftest import needs_fuse, overlayrec
 from test_diff import AGENT, seed
@@ -83,3 +85,174 @@ def test_export_matches_overlayrec_diff_and_fscks(make_mount, tmp_path):
 
 def _strip_index(patch: str) -> str:
     return "\n".join(l for l in patch.splitlines() if not l.startswith("index "))
+
+
+SESSION = textwrap.dedent(r'''
+    import os, sys, time
+    from overlayrec import client
+    tag, hold = sys.argv[1], sys.argv[2:]
+    with client.connect() as c:
+        c.turn_begin(prompt=tag)
+        with open("early.txt", "a") as f:   # the session's own, before any call
+            f.write(tag + " early\n")
+        if hold:   # wait while the test exports (nothing of this session has ended)
+            open(hold[0] + ".ready", "w").close()
+            while not os.path.exists(hold[0]):
+                time.sleep(0.05)
+        for i in range(3):
+            c.call_begin(f"{tag}{i}", "Edit")
+            with open(f"f{i}.txt", "a") as f:
+                f.write(f"{tag} call {i}\n")
+            with open("save.tmp", "w") as f:   # an editor's save: a rename over the name
+                f.write(f"{tag} saved {i}\n")
+            os.replace("save.tmp", "saved.txt")
+            with open(".env", "a") as f:       # a secret: its content is never kept
+                f.write(f"KEY_{i}={tag}\n")
+            if i == 1:
+                os.unlink("seeded.txt") if os.path.exists("seeded.txt") else \
+                    open("seeded.txt", "w").write(tag + " again\n")
+                os.chmod("f0.txt", 0o755)
+            c.call_end(f"{tag}{i}")
+        c.turn_end()
+''')
+
+
+def test_export_of_later_sessions_is_that_of_one_export_of_all(make_mount, tmp_path):
+    """A run after earlier ones reads each path's chain only from its new sessions' start, and
+    a session that began before the last run but had nothing ended then from its beginning:
+    what it writes is exactly what one export of the whole journal writes, and every state
+    States gives from a floor is the one it gives without."""
+    m = make_mount()
+    for name in ("seeded.txt", "untouched.txt"):
+        with open(os.path.join(m.ws, name), "w") as f:
+            f.write(name + "\n")
+    m.mount()
+    agent = tmp_path / "agent.py"
+    agent.write_text(SESSION)
+    run = ["run", "-w", m.ws, "--", sys.executable, str(agent)]
+    overlayrec(*run[:3], "--session", "a", *run[3:], "a", cwd=m.ws)
+    overlayrec("export", "git", m.ws)
+    hold = tmp_path / "go"
+    p = subprocess.Popen([sys.executable, "-m", "overlayrec", *run[:3], "--session", "b",
+                          *run[3:], "b", str(hold)], cwd=m.ws, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT)
+    try:
+        for _ in range(600):
+            if os.path.exists(str(hold) + ".ready") or p.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert os.path.exists(str(hold) + ".ready"), p.communicate()[0]
+        # b has begun and written, nothing of it has ended: not exported yet
+        out = json.loads(overlayrec("export", "git", m.ws, "--json").stdout)
+        assert out["commits"] == 0
+    finally:
+        hold.touch()
+        assert p.wait(timeout=60) == 0, p.communicate()[0]
+    overlayrec("export", "git", m.ws)
+    overlayrec(*run[:3], "--session", "c", *run[3:], "c", cwd=m.ws)
+    gd = os.path.join(m.state, "git")
+    j = m.journal()
+    start_c = min(c["begin_seq"] for c in j.records("calls") if c["session"] == "c")
+    overlayrec("export", "git", m.ws)
+    one = tmp_path / "one.git"
+    subprocess.run(["git", "init", "-q", "--bare", str(one)], check=True)
+    overlayrec("export", "git", m.ws, "--repo", str(one))
+
+    def refs(d):   # a sides commit names the run's last seq: its tree, then
+        return {r.split()[1]: r.split()[0] for r in git(
+            d, "for-each-ref", "--format=%(objectname) %(refname)").splitlines()} | \
+            {r: git(d, "rev-parse", r + "^{tree}").strip() for r in
+             git(d, "for-each-ref", "--format=%(refname)").split() if r.endswith("/sides")}
+    got, want = refs(gd), refs(str(one))
+    assert {r for r in want if r.startswith("refs/overlayrec/c/calls/")} == \
+        {f"refs/overlayrec/c/calls/c{i}" for i in range(3)}
+    assert got == want
+    # b's sides hold its write before the run that saw it begin
+    assert "b early" in git(gd, "show", "refs/overlayrec/b/sides:session/b/early.txt")
+
+    m.umount()
+    from overlayrec.engines.states import States, Tree
+    last = j.last_seq()   # the unmount's seals too
+    whole = States(j, Tree.at(m.ws))
+    names = whole.all_names()
+    assert ".env" in names and "saved.txt" in names
+    for floor in (start_c - 1, last // 2, last - 3):
+        part = States(j, Tree.at(m.ws))
+        part.floor = floor
+        for after in range(floor, last + 1):   # as export asks (Exporter.state)
+            for p in names:
+                assert part.whole_chains(part._state, p, after) == whole._state(p, after), \
+                    (floor, p, after)
+                assert part.sig(p, after) == whole.sig(p, after), (floor, p, after)
+        assert part._partial   # chains were read from the floor (and answered)
+        for after in range(floor, last + 1):
+            for p in names:
+                assert part.state(p, after) == whole.state(p, after), (floor, p, after)
+    j.close()
+
+
+def test_a_new_sessions_base_reads_unrecorded_files_changed_since(make_mount, tmp_path):
+    """A new session's base takes the ids of files the record never touched from the last
+    base where their lstat is unchanged, and reads every other one: a file edited while
+    unmounted (even to the same size and mtime), chmodded or replaced shows as it is now."""
+    m = make_mount()
+    files = {"keep.txt": "kept\n", "edit.txt": "before\n", "same.txt": "AAAA\n",
+             "exe.sh": "#!/bin/sh\n", "d/deep.txt": "deep\n", "swap.txt": "one\n"}
+    for name, text in files.items():
+        os.makedirs(os.path.dirname(os.path.join(m.ws, name)), exist_ok=True)
+        with open(os.path.join(m.ws, name), "w") as f:
+            f.write(text)
+    os.symlink("keep.txt", os.path.join(m.ws, "link"))
+    time.sleep(3.5)   # older than the few seconds within which an id is not kept
+    m.mount()
+    agent = tmp_path / "agent.py"
+    agent.write_text(textwrap.dedent('''
+        import sys
+        from overlayrec import client
+        with client.connect() as c:
+            c.turn_begin(prompt="t")
+            c.call_begin(sys.argv[1], "Edit")
+            with open("a.txt", "a") as f:
+                f.write(sys.argv[1] + "\\n")
+            c.call_end(sys.argv[1])
+            c.turn_end()
+    '''))
+    overlayrec("run", "-w", m.ws, "--session", "a", "--", sys.executable, str(agent), "a1",
+               cwd=m.ws)
+    overlayrec("export", "git", m.ws)
+    [live] = [n for n in os.listdir(m.state) if n.endswith(".live.json")]
+    with open(os.path.join(m.state, live)) as f:
+        kept = json.load(f)["files"]
+    assert set(files) | {"link"} <= set(kept) and "a.txt" not in kept
+    m.umount()
+    with open(os.path.join(m.ws, "edit.txt"), "a") as f:
+        f.write("after\n")
+    st = os.stat(os.path.join(m.ws, "same.txt"))
+    with open(os.path.join(m.ws, "same.txt"), "w") as f:
+        f.write("BBBB\n")
+    os.utime(os.path.join(m.ws, "same.txt"), ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.chmod(os.path.join(m.ws, "exe.sh"), 0o755)
+    os.rename(os.path.join(m.ws, "swap.txt"), os.path.join(m.ws, "swapped.txt"))
+    with open(os.path.join(m.ws, "swap.txt"), "w") as f:
+        f.write("two\n")
+    os.unlink(os.path.join(m.ws, "link"))
+    os.symlink("edit.txt", os.path.join(m.ws, "link"))
+    m.mount()
+    overlayrec("run", "-w", m.ws, "--session", "b", "--", sys.executable, str(agent), "b1",
+               cwd=m.ws)
+    overlayrec("export", "git", m.ws)
+    gd = os.path.join(m.state, "git")
+    base = "refs/overlayrec/b/base"
+    want = {"keep.txt": "kept\n", "edit.txt": "before\nafter\n", "same.txt": "BBBB\n",
+            "d/deep.txt": "deep\n", "swap.txt": "two\n", "swapped.txt": "one\n",
+            "link": "edit.txt", "a.txt": "a1\n"}
+    for p, text in want.items():
+        assert git(gd, "show", f"{base}:{p}") == text, p
+    assert git(gd, "ls-tree", base, "exe.sh").split()[0] == "100755"
+    # the same commits as one export of everything into a fresh repository (no ids kept)
+    one = tmp_path / "one.git"
+    subprocess.run(["git", "init", "-q", "--bare", str(one)], check=True)
+    overlayrec("export", "git", m.ws, "--repo", str(one))
+    for ref in (base, "refs/overlayrec/b/head"):
+        assert git(gd, "rev-parse", ref) == git(str(one), "rev-parse", ref)
+    assert "fsck" not in git(gd, "fsck", "--strict", "--no-dangling")

@@ -26,12 +26,13 @@ from __future__ import annotations
 import bisect
 import json
 import os
-from urllib.parse import quote
+import time
+from stat import S_ISLNK, S_ISREG
 
 from ..journal import Journal
 from ..views import unit_session
 from .diff import file_events, touched, side_of, _visible
-from .gitdiff import FastImport, ObjectStore, git_refuses
+from .gitdiff import FastImport, GitError, ObjectStore, git_refuses
 from .states import States, State
 
 
@@ -44,6 +45,7 @@ def side_key(kind: str, key) -> str:
     (the id percent-encoded: any text is a valid id), ``turns/<n>``, ``session``; beneath it
     ``a/`` (before) and ``b/`` (after), each holding only the selection's paths."""
     if kind == "call":
+        from urllib.parse import quote   # here: most runs never need it
         return "calls/c-" + quote(key, safe="")
     if kind == "turn":
         return f"turns/{key}"
@@ -94,6 +96,8 @@ class Exporter:
         self._evs: list[dict] | None = None
         self._actor_cache: dict = {}
         self._state_cache: dict = {}
+        self._live_base: str | None = None   # the mark of the last session base made
+        self._live_new: dict[str, list] = {}
 
     def _git(self, *args, input=None, env=None) -> str:
         return self.store._git(*args, input=input, env=env)
@@ -118,25 +122,47 @@ class Exporter:
                      and str(t["index"]) not in st["turns"]]
             if c_new or t_new:
                 work.append((sid, c_new, t_new))
+        # the sessions recorded by now (read after the horizon: a session's record is written
+        # before any event of it), so a later run knows a session it never saw began after
+        # this run's horizon
+        seen = self.done.get("seen")
+        seen = set(seen["ids"]) if isinstance(seen, dict) and \
+            seen.get("horizon") == self.done["horizon"] else None   # else: not known
+        recorded = {r["id"] for r in self.j.records("sessions") if isinstance(r.get("id"), str)}
+        self.done["seen"] = {"horizon": horizon, "ids": sorted(recorded | (seen or set()))}
         if work:
             # the events this run reads: from the earliest point a chain, a new unit's span or
             # a session's spans (all of a session never exported) start from
             lo = self.done["horizon"]
+            self._since = {}
             for sid, c_new, t_new in work:
                 st = self.done["sessions"].get(sid)
-                lo = min([lo, min(st["point"], st.get("spans_to", 0))
-                               if st and st.get("spans") is not None else 0]
+                if st and st.get("spans") is not None:
+                    since = min(st["point"], st.get("spans_to", 0))
+                elif seen is not None and sid not in seen and sid in recorded:
+                    since = self.done["horizon"]   # all of it after the last run's horizon
+                else:
+                    since = 0
+                self._since[sid] = since
+                lo = min([lo, since]
                          + [(c.get("begin_seq") or c["end_seq"]) - 1 for c in c_new]
                          + [t["begin_seq"] - 1 for t in t_new])
-            # one decode of the journal for this run: the chains of every path the commits
-            # hold are read too, and they reach back before ``lo``
-            self.j.keep_events()
-            self._load(max(0, lo), horizon)
+            lo = max(0, lo)
+            # the states asked for are at ``lo`` or later: each path's chain is read from there
+            # (States.floor: only its events after ``lo`` and its last one before).  When most
+            # of the journal is read anyway, or chains are read whole (directory renames), one
+            # decode of it all serves every chain
+            if lo - self.j.cut < (horizon - self.j.cut) // 2 or self.states.renames():
+                self.j.keep_events()
+            self._load(lo, horizon)
             self.refs: list[tuple[str, str]] = []
-            self.fi = FastImport(self.store)
+            # a run's objects as one pack, until the store holds as many as ``git gc --auto``
+            # lets be (gc.autoPackLimit); then as git does (loose, when under 100)
+            self.fi = FastImport(self.store, keep_pack=self.store.packs() < 50)
             try:
-                for sid, c_new, t_new in work:
-                    self._session(sid, c_new, t_new, paths, horizon, progress)
+                with self.states.from_floor(lo):
+                    for sid, c_new, t_new in work:
+                        self._session(sid, c_new, t_new, paths, horizon, progress)
                 marks = self.fi.close()
             except BaseException:
                 self.fi.cleanup()
@@ -156,6 +182,8 @@ class Exporter:
                         [(st["turns"], k) for k in st["turns"]]:
                     if isinstance(d.get(k), str) and d[k].startswith(":"):
                         d[k] = marks[d[k]]
+            if self._live_base is not None:
+                self._save_live(marks)
             if self.refs:
                 self._git("update-ref", "--stdin", input="".join(
                     f"update {name} {marks[m]}\n" for name, m in self.refs
@@ -187,11 +215,14 @@ class Exporter:
         key = (path, point)
         st = self._state_cache.get(key)
         if st is None:
-            s = self.states
-            st = s._state(path, point)
-            if st.kind == "file" and (st.withheld or s.secrets.match(path)):
-                st = s._withheld(path, point, st)   # a secret's placeholder, as every reader
-            self._state_cache[key] = st
+            st = self._state_cache[key] = self.states.whole_chains(self._state_now, path, point)
+        return st
+
+    def _state_now(self, path: str, point: int) -> State:
+        s = self.states
+        st = s._state(path, point)
+        if st.kind == "file" and (st.withheld or s.secrets.match(path)):
+            st = s._withheld(path, point, st)   # a secret's placeholder, as every reader
         return st
 
     def moved_with(self, e: dict):
@@ -238,6 +269,7 @@ class Exporter:
             self.fi.reset(self._refname(f"{sid}/head"))   # a root commit, whatever was there
             st["head"] = self._commit(sid, st, _ident(f"agent (session {sid})",
                                                       "agent@overlayrec.invalid", t0), msg, t0)
+            self._live_base = st["head"]
             self._ref(f"{sid}/base", st["head"])
         for n, (seq, _, kind, rec) in enumerate(points):
             if kind == "call":
@@ -268,16 +300,81 @@ class Exporter:
     # -- trees ----------------------------------------------------------------------------------
     def _fill_unrecorded(self, paths: list[str]) -> None:
         """Add every file and symlink of the live tree the record never touched (so a commit
-        holds the whole workspace, not only what changed)."""
+        holds the whole workspace, not only what changed).
+
+        Their blob ids are kept beside the export state (``.live.json``) with each one's
+        lstat, as git's index keeps them: a file whose mode, size, mtime, ctime and inode are
+        the ones kept is not read again (any change to a file sets its ctime to the time of
+        the change; an edit while unmounted too).  A file whose times are within a few
+        seconds of the walk is not kept (a later change could leave the same times), nor a
+        secret (never read).  The ids are used only while the commit they went into (the
+        last session base made) is in the store."""
         known = set(paths)
         tree = self.states.tree
-        states = {}
-        for p in tree.walk("", skip={".git"}):
-            if p not in known and _visible(p) and not git_refuses(p):
-                s = tree.state(p)
-                if s.kind in ("file", "symlink"):
-                    states[p] = s
+        kept = self._live_kept()
+        racy = time.time_ns() - 3 * 10**9
+        fresh: dict[str, list] = {}
+        states, ids = {}, {}
+        for p, st in tree.walk_stat("", skip={".git"}):
+            if p in known or not _visible(p) or git_refuses(p) or \
+                    not (S_ISREG(st.st_mode) or S_ISLNK(st.st_mode)):
+                continue
+            key = [st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+            k = kept.get(p)
+            if k is not None and k[:5] == key:
+                ids[p] = ("120000" if S_ISLNK(st.st_mode) else
+                          "100755" if st.st_mode & 0o111 else "100644", k[5])
+                fresh[p] = k
+                continue
+            s = tree.state(p)
+            if s.kind not in ("file", "symlink"):
+                continue
+            states[p] = s
+            if max(st.st_mtime_ns, st.st_ctime_ns) < racy and not s.withheld and \
+                    not self.states.secrets.match(p):
+                fresh[p] = key   # its blob's mark, then object name, added below
         self._stage(states)
+        for p, key in fresh.items():
+            if len(key) == 5:
+                key.append(self.fi.blob(states[p].data))   # the mark _stage wrote it under
+        for p in sorted(ids):
+            mode, sha = ids[p]
+            self.pending.append(f"M {mode} {sha} ".encode() + _quote_path(p))
+            self._placed(p)
+        self._live_new = fresh
+
+    def _live_file(self) -> str:
+        return self.state_file[:-5] + ".live.json" if self.state_file.endswith(".json") \
+            else self.state_file + ".live"
+
+    def _live_kept(self) -> dict[str, list]:
+        """The kept ids of unrecorded files (see _fill_unrecorded), when their commit is in
+        the store."""
+        try:
+            with open(self._live_file()) as f:
+                kept = json.load(f)
+            files, commit = kept["files"], kept["commit"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return {}
+        if not (isinstance(files, dict) and isinstance(commit, str) and files):
+            return {}
+        try:
+            self._git("cat-file", "-e", commit + "^{commit}")
+        except GitError:
+            return {}
+        return {p: k for p, k in files.items() if isinstance(k, list) and len(k) == 6
+                and isinstance(k[5], str) and len(k[5]) in (40, 64)
+                and all(c in "0123456789abcdef" for c in k[5])}
+
+    def _save_live(self, marks: dict[str, str]) -> None:
+        """Keep the ids of the last base's unrecorded files (marks made object names)."""
+        files = {p: k[:5] + [marks.get(k[5], k[5])] for p, k in self._live_new.items()}
+        files = {p: k for p, k in files.items() if not k[5].startswith(":")}
+        tmp = self._live_file() + ".tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"commit": marks[self._live_base], "files": files}, f)
+        os.replace(tmp, self._live_file())
 
     def _changed(self, lo: int, hi: int) -> bool:
         return any(_visible(p) and not git_refuses(p) for e in self._events(lo, hi)
@@ -321,10 +418,13 @@ class Exporter:
                 self.files.discard(p)
         for p in present:
             self.pending.append(self._blob_line(p, states[p]))
-            parts = p.split("/")
-            for i in range(1, len(parts)):   # a file where a directory now is: replaced
-                self.files.discard("/".join(parts[:i]))
-            self.files.add(p)
+            self._placed(p)
+
+    def _placed(self, p: str) -> None:
+        parts = p.split("/")
+        for i in range(1, len(parts)):   # a file where a directory now is: replaced
+            self.files.discard("/".join(parts[:i]))
+        self.files.add(p)
 
     # -- commits --------------------------------------------------------------------------------
     def _commit(self, sid, st, author: dict, message: str, t_ns: int) -> str:
@@ -443,7 +543,7 @@ class Exporter:
         # the session: each path from just before the session's first change to it to just
         # after its last; spans kept in the export state, so a run reads only its new events
         spans = st.get("spans")
-        since = st.get("spans_to", 0) if spans is not None else 0
+        since = st.get("spans_to", 0) if spans is not None else self._since.get(sid, 0)
         spans = spans or {}
         moved = {}
         for e in self._events(since, horizon):

@@ -88,6 +88,14 @@ class ObjectStore:
         lines += [f"0 {'0' * 40}\t{p}" for p in states if p not in present]
         return lines
 
+    def packs(self) -> int:
+        """How many packs the store holds."""
+        try:
+            return sum(n.endswith(".pack") for n in
+                       os.listdir(os.path.join(self.git_dir, "objects", "pack")))
+        except OSError:
+            return 0
+
     def write_blobs(self, blobs: list[bytes]) -> list[str]:
         """Write these blobs into the store; their object names.  One ``git fast-import``
         stream for them all (no file or process per object), each content once: git writes
@@ -173,12 +181,15 @@ class FastImport:
     blobs (ObjectStore.write_blobs)."""
 
     def __init__(self, store: ObjectStore, marks: bool = True,
-                 prefix: str = "overlayrec-export-"):
+                 prefix: str = "overlayrec-export-", keep_pack: bool = False):
         self.tmp = tempfile.mkdtemp(prefix=prefix)
         self.marks_file = os.path.join(self.tmp, "marks") if marks else None
         self.err = open(os.path.join(self.tmp, "stderr"), "w+b")
         self.proc = subprocess.Popen(
-            ["git", "fast-import", "--quiet", "--force", "--done",
+            # ``keep_pack``: the objects stay one pack however few (by default git makes loose
+            # objects of under 100: a file each, and a directory for each new first byte)
+            ["git", *(["-c", "fastimport.unpackLimit=0"] if keep_pack else []),
+             "fast-import", "--quiet", "--force", "--done",
              *([f"--export-marks={self.marks_file}"] if marks else [])],
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=self.err,
             # glibc otherwise gives memory back and asks for it again for every object (tens

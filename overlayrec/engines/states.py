@@ -27,6 +27,7 @@ import bisect
 import errno
 import os
 import stat
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 from ..journal import Journal, preimage
@@ -194,6 +195,40 @@ class Tree:
             os.close(fd)
         return out
 
+    def walk_stat(self, rel: str, skip=()) -> list[tuple[str, os.stat_result]]:
+        """``walk`` with each path's lstat (taken in its directory, as it was listed)."""
+        out: list[tuple[str, os.stat_result]] = []
+        try:
+            fd = self._open_dir(rel)
+        except OSError:
+            return out
+        stack = [(fd, rel)]
+        while stack:
+            fd, base = stack.pop()
+            try:
+                with os.scandir(fd) as it:
+                    entries = []
+                    for e in it:
+                        try:
+                            entries.append((e.name, e.stat(follow_symlinks=False)))
+                        except OSError:
+                            pass   # gone meanwhile
+            except OSError:
+                entries = []
+            for name, st in entries:
+                if not base and name == ATTIC:
+                    continue
+                child = f"{base}/{name}" if base else name
+                out.append((child, st))
+                if stat.S_ISDIR(st.st_mode) and child not in skip:
+                    try:
+                        stack.append((os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+                                              | os.O_CLOEXEC, dir_fd=fd), child))
+                    except OSError:
+                        pass
+            os.close(fd)
+        return out
+
     def _open_dir(self, rel: str) -> int:
         from ..underlay import open_beneath
         pfd = open_beneath(self.root_fd, rel) if rel else os.dup(self.root_fd)
@@ -254,6 +289,14 @@ def _holding(evs) -> list[dict]:
     return [e for e in evs if e["op"] != "failed" and e["seq"] not in failed]
 
 
+class _Partial(Exception):
+    """A chain read from the floor on (States.floor) cannot answer: read it whole."""
+
+    def __init__(self, path: str):
+        super().__init__(path)
+        self.path = path
+
+
 def _hashed(st: State) -> State:
     """``st`` with a file's content as its hash (a withheld placeholder stays as it is)."""
     if st.kind != "file" or st.withheld:
@@ -302,6 +345,7 @@ class States:
         if tree.secrets is None:
             tree.secrets = self.secrets
         self._chain: dict[str, list[dict]] = {}
+        self._chain_seqs: dict[str, tuple[list[dict], list[int]]] = {}
         self._cache: dict[tuple, State] = {}
         self._ends: dict[str, int] | None = None
         self._renames: list[dict] | None = None
@@ -312,6 +356,12 @@ class States:
         self._preloaded = False
         self._sigs: dict[tuple, State] = {}
         self._unsettled: set[tuple] = set()
+        # ``floor``: a reader that asks about points at or after it only (export) lets a chain
+        # be read from there: its events after the floor and its last holding one at or before
+        # it.  Such a chain is ``partial``; whatever would look further back reads it whole
+        # (_Partial), so the answers are the same as from whole chains, only cheaper.
+        self.floor: int | None = None
+        self._partial: set[str] = set()
 
     # -- the chain of one name ------------------------------------------------------------------
     def chain_on(self, path: str) -> list[dict]:
@@ -320,9 +370,74 @@ class States:
         if evs is None and self._preloaded:
             return []
         if evs is None:
-            evs = self._chain[path] = _holding(
-                e for e in map(self.j.event, self.j.seqs_for_path(path)) if e is not None)
+            seqs = self.j.seqs_for_path(path)
+            if self.floor is not None and seqs and seqs[0] < self.floor \
+                    and not self.renames():
+                evs = self._chain[path] = self._tail_chain(path, seqs, self.floor)
+            else:
+                evs = self._chain[path] = _holding(
+                    e for e in map(self.j.event, seqs) if e is not None)
         return evs
+
+    def _tail_chain(self, path: str, seqs: list[int], floor: int) -> list[dict]:
+        """``path``'s chain from ``floor`` on: its holding events after ``floor`` and the last
+        holding one at or before it (a failed note comes after the event it names, so reading
+        back from the floor finds that one).  Marked partial when events before it are left."""
+        i = bisect.bisect_right(seqs, floor)
+        high = [e for e in map(self.j.event, seqs[i:]) if e is not None]
+        failed = {e["ref"] for e in high if e["op"] == "failed"}
+        out = [e for e in high if e["op"] != "failed" and e["seq"] not in failed]
+        for k in range(i - 1, -1, -1):
+            e = self.j.event(seqs[k])
+            if e is None:
+                continue
+            if e["op"] == "failed":
+                failed.add(e["ref"])
+            elif e["seq"] not in failed:
+                if k > 0:
+                    self._partial.add(path)
+                return [e] + out
+        return out
+
+    @contextmanager
+    def from_floor(self, floor: int):
+        """Within: every question is about a point at or after ``floor`` (``floor``); after,
+        chains are read whole again."""
+        self.floor = floor
+        try:
+            yield self
+        finally:
+            self.floor = None
+            for p in self._partial:
+                self._chain.pop(p, None)
+            self._partial.clear()
+
+    def _whole(self, path: str) -> None:
+        """Read ``path``'s chain whole (it was read from the floor on, and a question looks
+        further back)."""
+        self._partial.discard(path)
+        self._chain[path] = _holding(
+            e for e in map(self.j.event, self.j.seqs_for_path(path)) if e is not None)
+
+    def _short(self, path: str, after: float) -> bool:
+        """Does ``path``'s chain leave out events at or before ``after`` that matter there?"""
+        return path in self._partial and after < self.floor
+
+    def whole_chains(self, fn, *args):
+        """``fn(*args)``, again after reading a chain whole each time a partial one (see
+        ``floor``) could not answer."""
+        while True:
+            try:
+                return fn(*args)
+            except _Partial as e:
+                self._whole(e.path)
+
+    def _seqs_of(self, path: str, chain: list[dict]) -> list[int]:
+        """The seqs of ``chain`` (``path``'s, as chain_on gave it), ascending."""
+        got = self._chain_seqs.get(path)
+        if got is None or got[0] is not chain:
+            got = self._chain_seqs[path] = (chain, [e["seq"] for e in chain])
+        return got[1]
 
     def preload(self) -> None:
         """Fill every path's chain from one pass over the journal, for a reader that will ask
@@ -565,13 +680,16 @@ class States:
         """The state of ``path`` after event ``after`` (and before any later one)."""
         key = (path, after, forward)
         if key not in self._cache:
-            st = self._state(path, after, forward)
-            if st.exact and self._may_change_unseen(path, after):
-                st = st.but(exact=False)
-            if st.kind == "file" and (st.withheld or self.secrets.match(path)):
-                st = self._withheld(path, after, st)
-            self._cache[key] = st
+            self._cache[key] = self.whole_chains(self._state_now, path, after, forward)
         return self._cache[key]
+
+    def _state_now(self, path: str, after: int, forward: bool) -> State:
+        st = self._state(path, after, forward)
+        if st.exact and self._may_change_unseen(path, after):
+            st = st.but(exact=False)
+        if st.kind == "file" and (st.withheld or self.secrets.match(path)):
+            st = self._withheld(path, after, st)
+        return st
 
     def sig(self, path: str, after: int) -> State:
         """What ``State.same`` compares of ``state(path, after)``, with a file's content as its
@@ -583,7 +701,7 @@ class States:
         key = (path, after)
         got = self._sigs.get(key)
         if got is None:
-            got, settled = self._sig(path, after)
+            got, settled = self.whole_chains(self._sig, path, after)
             if got is None:
                 got = _hashed(self.state(path, after))
             if not settled:
@@ -600,6 +718,8 @@ class States:
     def _sig(self, path: str, after: int) -> tuple[State | None, bool]:
         if self.secrets.match(path):
             return None, False
+        if self._short(path, after):
+            raise _Partial(path)
         move = self._next_move(path, after)
         for e in self.chain_on(path):
             if e["seq"] <= after:
@@ -643,6 +763,13 @@ class States:
         for name, lo, hi in self.history(path, after):
             evs = [(e, name) for e in self.events_on(name) if lo < e["seq"] <= min(hi, after)] \
                 + evs
+        if path in self._partial and after >= self.floor:
+            # what is left out lies before the floor: needed only when nothing after says
+            if not any(e["op"] == "write" and "data" not in e or self.starts_epoch(e, name)
+                       for e, name in evs if e["seq"] > self.floor):
+                raise _Partial(path)
+        elif self._short(path, after):
+            raise _Partial(path)
         if not evs:
             return False
         nxt = next((e for e in self.chain_on(path) if e["seq"] > after), None)
@@ -668,6 +795,8 @@ class States:
         """A secret file's state: its metadata, and a placeholder for the content the record
         never kept, naming the last event that changed it by then (so two points read alike
         only when nothing changed it between them)."""
+        if path in self._partial:
+            raise _Partial(path)
         last = 0
         for e in self.events_on(path):
             if e["seq"] > after:
@@ -693,9 +822,13 @@ class States:
         return self._ends
 
     def _state(self, path: str, after: int, forward: bool = True) -> State:
+        if self._short(path, after):
+            raise _Partial(path)
         move = self._next_move(path, after)
-        allevs = [e for e in self.chain_on(path) if move is None or e["seq"] < move["seq"]]
-        evs = [e for e in allevs if e["seq"] > after]
+        chain = self.chain_on(path)
+        seqs = self._seqs_of(path, chain)   # a chain is in seq order: bisect, not a scan
+        allevs = chain if move is None else chain[:bisect.bisect_left(seqs, move["seq"])]
+        evs = allevs[bisect.bisect_right(seqs, after, 0, len(allevs)):]
         if evs and forward:
             pre = self.pre_for(evs[0], path)
             if pre is None or "kind" not in pre:
@@ -766,6 +899,8 @@ class States:
             if pre is not None and "kind" in pre:
                 start = i
         if start is None:
+            if path in self._partial:
+                raise _Partial(path)   # a full pre-image may lie before the floor
             return None
         e0 = evs[start]
         st = self._state(path, e0["seq"] - 1)
