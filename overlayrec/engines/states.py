@@ -168,36 +168,15 @@ class Tree:
     def walk(self, rel: str, skip=()) -> list[str]:
         """Every path beneath directory ``rel`` (not itself), following no symlink; the
         directories named in ``skip`` (paths) are listed but not entered."""
-        out: list[str] = []
-        try:
-            fd = self._open_dir(rel)
-        except OSError:
-            return out
-        stack = [(fd, rel)]
-        while stack:
-            fd, base = stack.pop()
-            try:
-                with os.scandir(fd) as it:
-                    entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
-            except OSError:
-                entries = []
-            for name, is_dir in entries:
-                if not base and name == ATTIC:
-                    continue
-                child = f"{base}/{name}" if base else name
-                out.append(child)
-                if is_dir and child not in skip:
-                    try:
-                        stack.append((os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
-                                              | os.O_CLOEXEC, dir_fd=fd), child))
-                    except OSError:
-                        pass
-            os.close(fd)
-        return out
+        return [p for p, _ in self._walk(rel, skip, False)]
 
     def walk_stat(self, rel: str, skip=()) -> list[tuple[str, os.stat_result]]:
-        """``walk`` with each path's lstat (taken in its directory, as it was listed)."""
-        out: list[tuple[str, os.stat_result]] = []
+        """``walk`` with each path's lstat (taken in its directory, as it was listed; a path
+        gone meanwhile is left out)."""
+        return self._walk(rel, skip, True)
+
+    def _walk(self, rel: str, skip, want_stat: bool) -> list[tuple[str, os.stat_result | None]]:
+        out: list[tuple[str, os.stat_result | None]] = []
         try:
             fd = self._open_dir(rel)
         except OSError:
@@ -205,22 +184,26 @@ class Tree:
         stack = [(fd, rel)]
         while stack:
             fd, base = stack.pop()
+            entries = []  # (name, is a directory, lstat or None)
             try:
                 with os.scandir(fd) as it:
-                    entries = []
                     for e in it:
+                        if not want_stat:
+                            entries.append((e.name, e.is_dir(follow_symlinks=False), None))
+                            continue
                         try:
-                            entries.append((e.name, e.stat(follow_symlinks=False)))
+                            st = e.stat(follow_symlinks=False)
                         except OSError:
-                            pass   # gone meanwhile
+                            continue   # gone meanwhile
+                        entries.append((e.name, stat.S_ISDIR(st.st_mode), st))
             except OSError:
                 entries = []
-            for name, st in entries:
+            for name, is_dir, st in entries:
                 if not base and name == ATTIC:
                     continue
                 child = f"{base}/{name}" if base else name
                 out.append((child, st))
-                if stat.S_ISDIR(st.st_mode) and child not in skip:
+                if is_dir and child not in skip:
                     try:
                         stack.append((os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
                                               | os.O_CLOEXEC, dir_fd=fd), child))
