@@ -1397,8 +1397,7 @@ def diff(workspace, call_id, turn_sel, sid, since, until, drift, fmt, binary, gl
             groups = [(u, sorted(p for p, us in side.writers.items()
                                  if u in us and not git_refuses(p))) for u in units]
             groups = [(u, ps) for u, ps in groups if ps]
-        a = store.tree(side.before)
-        b = store.tree(side.after)
+        a, b = store.trees(side.before, side.after)
         if as_json:
             status = {}
             for line in store.diff(a, b, "name-status").splitlines():
@@ -1559,8 +1558,8 @@ def show(seq, workspace, state_dir, as_json):
         if paths:
             st = States(j, tree)
             store = ObjectStore(sd)
-            a = store.tree({p: st.state(p, seq - 1) for p in paths})
-            b = store.tree({p: st.state(p, seq) for p in paths})
+            a, b = store.trees({p: st.state(p, seq - 1) for p in paths},
+                               {p: st.state(p, seq) for p in paths})
             diff_text = store.diff(a, b, "patch")
     finally:
         os.close(tree.root_fd)

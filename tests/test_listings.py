@@ -63,9 +63,9 @@ def test_git_paths_are_filtered_before_git_and_its_warnings_kept(tmp_path):
                 assert git_refuses(path) == want, path
     store = ObjectStore(str(tmp_path))
     f = State("file", 0o644, b"x\n")
-    lines = store.index_lines({".git/HEAD": f, "ok.txt": f, "": State("dir", 0o755),
-                               "sub/.git": State("absent")})
-    assert [l.split("\t")[1] for l in lines] == ["ok.txt"]
+    tree = store.tree({".git/HEAD": f, "ok.txt": f, "": State("dir", 0o755),
+                       "sub/.git": State("absent")})
+    assert store.diff(store.tree({}), tree, "name-status") == "A\tok.txt\n"
     assert store.left_out == {".git/HEAD", "sub/.git"}
     assert store.tree({".git/HEAD": f}) == store.tree({})
     # a name git refuses that is not .git/ itself: git's own warning is kept, not swallowed

@@ -32,7 +32,7 @@ from stat import S_ISLNK, S_ISREG
 from ..journal import Journal
 from ..views import unit_session
 from .diff import file_events, touched, side_of, _visible
-from .gitdiff import FastImport, GitError, ObjectStore, git_refuses
+from .gitdiff import FastImport, GitError, ObjectStore, git_refuses, quote_path
 from .states import States, State
 
 
@@ -56,25 +56,6 @@ def _trailer_value(text) -> str:
     """One line of free text as a trailer's value (its first line, at most 200 characters)."""
     lines = str(text).splitlines()
     return lines[0].strip()[:200] if lines else ""
-
-
-def _quote_path(p: str) -> bytes:
-    """A path as fast-import reads it: as is, or C-quoted when it starts with a double quote or
-    holds a newline (or a backslash, which quoting would otherwise misread)."""
-    b = p.encode("utf-8", "surrogateescape")
-    if not (b.startswith(b'"') or b"\n" in b):
-        return b
-    out = bytearray(b'"')
-    for ch in b:
-        if ch in (0x22, 0x5c):
-            out += b"\\" + bytes([ch])
-        elif ch == 0x0a:
-            out += b"\\n"
-        elif ch < 0x20 or ch == 0x7f:
-            out += b"\\%03o" % ch
-        else:
-            out.append(ch)
-    return bytes(out + b'"')
 
 
 class Exporter:
@@ -339,7 +320,7 @@ class Exporter:
                 key.append(self.fi.blob(states[p].data))   # the mark _stage wrote it under
         for p in sorted(ids):
             mode, sha = ids[p]
-            self.pending.append(f"M {mode} {sha} ".encode() + _quote_path(p))
+            self.pending.append(f"M {mode} {sha} ".encode() + quote_path(p))
             self._placed(p)
         self._live_new = fresh
 
@@ -398,7 +379,7 @@ class Exporter:
 
     def _blob_line(self, p: str, s: State, prefix: str = "") -> bytes:
         mode = "120000" if s.kind == "symlink" else ("100755" if s.mode & 0o111 else "100644")
-        return f"M {mode} {self.fi.blob(s.data)} ".encode() + _quote_path(prefix + p)
+        return f"M {mode} {self.fi.blob(s.data)} ".encode() + quote_path(prefix + p)
 
     def _stage(self, states: dict[str, State]) -> None:
         """The changes that bring the chain's tree to these states (as ``git update-index
@@ -414,7 +395,7 @@ class Exporter:
             if states[p].kind in ("file", "symlink"):
                 present.append(p)
             elif p in self.files:
-                self.pending.append(b"D " + _quote_path(p))
+                self.pending.append(b"D " + quote_path(p))
                 self.files.discard(p)
         for p in present:
             self.pending.append(self._blob_line(p, states[p]))
@@ -515,7 +496,7 @@ class Exporter:
 
         def put(key: str, events: list[dict], bounds=None) -> None:
             side = side_of(self, events, bounds)
-            changes.append(b"D " + _quote_path(key))
+            changes.append(b"D " + quote_path(key))
             for half, states in (("a/", side.before), ("b/", side.after)):
                 for p in sorted(states):
                     s = states[p]
@@ -564,7 +545,7 @@ class Exporter:
                 s = self.state(p, point)
                 there = bool(p) and s.kind in ("file", "symlink") and not git_refuses(p)
                 if had:
-                    drops.append(b"D " + _quote_path(f"session/{half}{p}"))
+                    drops.append(b"D " + quote_path(f"session/{half}{p}"))
                 if there:
                     puts.append(self._blob_line(p, s, f"session/{half}"))
                 now.append(there)

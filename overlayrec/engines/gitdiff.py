@@ -1,8 +1,9 @@
 """Diffs in git's own format, made by git itself.
 
 The two sides of a diff (the recorded paths as they stood before and after a selection) are
-written as blobs (through one `git fast-import` stream per side) and trees into a private
-object store in the state dir, and `git diff-tree` compares the trees: renames, binary files,
+written as blobs and trees into a private object store in the state dir, both sides through
+one `git fast-import` stream (the trees' names computed here, checked against git's own index
+by tests/test_gitdiff.py), and `git diff-tree` compares the trees: renames, binary files,
 modes and symlinks come out exactly as git shows them, and `git apply` takes the patch.  The
 user's repository is never touched.
 """
@@ -23,6 +24,25 @@ def left_out_note(n: int, what: str = "shown") -> str:
     """The line that says what a diff (or, ``what="exported"``, an export) could not hold."""
     return (f"overlayrec: {n} change(s) under .git/ not {what} (git cannot hold them); "
             "`overlayrec replay` restores them")
+
+
+def quote_path(p: str) -> bytes:
+    """A path as fast-import reads it: as is, or C-quoted when it starts with a double quote or
+    holds a newline (or a backslash, which quoting would otherwise misread)."""
+    b = p.encode("utf-8", "surrogateescape")
+    if not (b.startswith(b'"') or b"\n" in b):
+        return b
+    out = bytearray(b'"')
+    for ch in b:
+        if ch in (0x22, 0x5c):
+            out += b"\\" + bytes([ch])
+        elif ch == 0x0a:
+            out += b"\\n"
+        elif ch < 0x20 or ch == 0x7f:
+            out += b"\\%03o" % ch
+        else:
+            out.append(ch)
+    return bytes(out + b'"')
 
 
 class GitError(Exception):
@@ -57,6 +77,7 @@ class ObjectStore:
                         GIT_CONFIG_KEY_0="core.quotepath", GIT_CONFIG_VALUE_0="false")
         self.left_out: set[str] = set()   # paths git refuses, filtered out before git saw them
         self.warnings: list[str] = []     # what git said on stderr when it succeeded
+        self._entries: dict[str, dict] = {EMPTY_TREE: {}}  # trees made here: path -> (mode, id)
 
     def _git(self, *args, input=None, env=None, git_dir=True) -> str:
         cmd = ["git", *args]
@@ -68,25 +89,6 @@ class ObjectStore:
             if line.strip() and line not in self.warnings:
                 self.warnings.append(line)
         return r.stdout.decode("utf-8", "surrogateescape")
-
-    def index_lines(self, states: dict[str, State]) -> list[str]:
-        """``git update-index --index-info`` lines for these states: each present file or
-        symlink written as a blob, each other path removed (mode 0).  Paths git refuses
-        (``.git/``) are left out and remembered in ``left_out``; so is the workspace's root
-        ("", a directory: never a tree entry)."""
-        refused = {p for p in states if git_refuses(p)}
-        self.left_out |= refused
-        states = {p: s for p, s in states.items() if p and p not in refused}
-        present = {p: s for p, s in states.items() if s.kind in ("file", "symlink")}
-        lines = []
-        if present:
-            shas = self.write_blobs([s.data for _, s in sorted(present.items())])
-            for (p, s), sha in zip(sorted(present.items()), shas):
-                mode = "120000" if s.kind == "symlink" else \
-                    ("100755" if s.mode & 0o111 else "100644")
-                lines.append(f"{mode} {sha}\t{p}")
-        lines += [f"0 {'0' * 40}\t{p}" for p in states if p not in present]
-        return lines
 
     def packs(self) -> int:
         """How many packs the store holds."""
@@ -113,24 +115,64 @@ class ObjectStore:
         fi.close()
         return names
 
-    def update_index(self, lines: list[str], env: dict) -> None:
-        if lines:
-            self._git("update-index", "-z", "--index-info",
-                      input=("\0".join(lines) + "\0").encode("utf-8", "surrogateescape"),
-                      env=env)
-
     def tree(self, states: dict[str, State]) -> str:
         """A tree holding each present path (files and symlinks) as a blob; not the paths git
         refuses (see index_lines)."""
-        refused = {p for p in states if git_refuses(p)}
-        self.left_out |= refused
-        if not any(s.kind in ("file", "symlink") and p not in refused
-                   for p, s in states.items()):
-            return EMPTY_TREE
+        return self.trees(states)[0]
+
+    def trees(self, *sides: dict[str, State]) -> list[str]:
+        """The tree of each side (see tree), all written through one ``git fast-import``
+        stream: fast-import writes trees only as a commit's, so each is the root of a commit on
+        a ref of this process's that the stream deletes again at its end (the objects stay;
+        nothing names them).  The trees' names are computed here (``_tree_name``) and their
+        entries kept, so ``diff`` can tell which paths differ without asking git."""
+        names, todo = [], []
+        for states in sides:
+            refused = {p for p in states if git_refuses(p)}
+            self.left_out |= refused
+            entries = {p: ("120000" if s.kind == "symlink" else
+                           "100755" if s.mode & 0o111 else "100644", s.data)
+                       for p, s in sorted(states.items())
+                       if p and p not in refused and s.kind in ("file", "symlink")}
+            if not entries:
+                names.append(EMPTY_TREE)
+            elif any(_git_may_refuse(p, m == "120000") for p, (m, _) in entries.items()):
+                names.append(self._tree_by_index(entries))
+            else:
+                todo.append((len(names), entries))
+                names.append(None)
+        if not todo:
+            return names
+        ref = f"refs/overlayrec/tree-{os.getpid()}"
+        who = {"name": "overlayrec", "email": "overlayrec", "date": "0 +0000"}
+        fi = FastImport(self, marks=False, prefix="overlayrec-tree-")
+        try:
+            for i, entries in todo:
+                named = {p: (mode, fi.named_blob(data)) for p, (mode, data) in entries.items()}
+                fi.reset(ref)
+                fi.commit(ref, who, who, "", None,
+                          [f"M {mode} {sha} ".encode() + quote_path(p)
+                           for p, (mode, sha) in named.items()])
+                names[i], flat = _tree_name(named)
+                self._entries[names[i]] = flat
+            fi.reset(ref)   # no "from": the ref is deleted when the stream ends
+        except BaseException:
+            fi.cleanup()
+            raise
+        fi.close()
+        return names
+
+    def _tree_by_index(self, entries: dict[str, tuple[str, bytes]]) -> str:
+        """The tree of these entries made by ``git update-index`` and ``write-tree`` in a
+        private index: for names git may refuse (``_git_may_refuse``), which fast-import would
+        take as they are; update-index leaves them out, and what it says is kept."""
+        shas = self.write_blobs([data for _, data in entries.values()])
+        lines = [f"{mode} {sha}\t{p}" for (p, (mode, _)), sha in zip(entries.items(), shas)]
         with tempfile.TemporaryDirectory(prefix="overlayrec-tree-") as tmp:
             env = dict(self.env, GIT_INDEX_FILE=os.path.join(tmp, "index"))
-            self.update_index([l for l in self.index_lines(states) if not l.startswith("0 ")],
-                              env)
+            self._git("update-index", "-z", "--index-info",
+                      input=("\0".join(lines) + "\0").encode("utf-8", "surrogateescape"),
+                      env=env)
             return self._git("write-tree", env=env).strip()
 
     def diff(self, a: str, b: str, fmt: str, paths: list[str] | None = None,
@@ -151,15 +193,25 @@ class ObjectStore:
         a symlink becomes a directory holding what moved in): git apply then refuses a rename
         into ``l/...`` as "beyond a symbolic link", though it takes the same change written as
         deletions and additions."""
-        raw = self._git("diff-tree", "-r", "-z", "--no-renames", "--no-commit-id", "--root",
-                        a, b, *(["--", *paths] if paths else []))
-        fields = raw.split("\0")
+        ea, eb = self._entries.get(a), self._entries.get(b)
         links, changed = set(), []
-        for meta, path in zip(fields[0::2], fields[1::2]):
-            modes = meta.lstrip(":").split(" ")[:2]
-            if "120000" in modes:
-                links.add(path)
-            changed.append(path)
+        if ea is not None and eb is not None and not paths:  # both made here: no git to ask
+            none = ("", "")
+            for path in ea.keys() | eb.keys():
+                was, now = ea.get(path, none), eb.get(path, none)
+                if was != now:
+                    if "120000" in (was[0], now[0]):
+                        links.add(path)
+                    changed.append(path)
+        else:
+            raw = self._git("diff-tree", "-r", "-z", "--no-renames", "--no-commit-id", "--root",
+                            a, b, *(["--", *paths] if paths else []))
+            fields = raw.split("\0")
+            for meta, path in zip(fields[0::2], fields[1::2]):
+                modes = meta.lstrip(":").split(" ")[:2]
+                if "120000" in modes:
+                    links.add(path)
+                changed.append(path)
         if not links:
             return True
         for path in changed:
@@ -167,6 +219,55 @@ class ObjectStore:
             if any("/".join(parts[:i]) in links for i in range(1, len(parts))):
                 return False
         return True
+
+
+def _git_may_refuse(path: str, symlink: bool) -> bool:
+    """Might git's own path check (``verify_path``, core.protectNTFS on as by default) refuse
+    this path?  Besides ``.git`` (git_refuses) it refuses the names NTFS reads as ``.git``
+    (``git~1``, ``.git. ``, ``.git::$INDEX_ALLOCATION``: git's ``is_ntfs_dotgit``) and, for a
+    symlink, as ``.gitmodules``.  A wide net: what it catches goes through git's own check."""
+    for part in path.lower().split("/"):
+        for stem in (".git", "git~1"):
+            if part.startswith(stem):
+                rest = part[len(stem):].lstrip(". ")
+                if not rest or rest[0] in "\\:":
+                    return True
+        if symlink and part.startswith((".gitmodules", "gitmod~", "gi7eba~")):
+            return True
+    return False
+
+
+def _tree_name(entries: dict[str, tuple[str, str]]) -> tuple[str, dict]:
+    """The object name of the tree fast-import makes of these ``M`` lines (path -> (mode, blob
+    id), in this order), and the entries it ends up holding: a later path beneath an earlier
+    file's name turns that file into a directory, as fast-import does."""
+    root: dict = {}
+    for path, entry in entries.items():
+        node = root
+        *dirs, name = path.split("/")
+        for d in dirs:
+            sub = node.get(d)
+            if not isinstance(sub, dict):
+                sub = node[d] = {}
+            node = sub
+        node[name] = entry
+    flat: dict[str, tuple[str, str]] = {}
+
+    def write(node: dict, prefix: str) -> str:
+        items = []
+        for name, v in node.items():
+            raw = name.encode("utf-8", "surrogateescape")
+            if isinstance(v, dict):
+                # git orders a tree's entries by name, a directory's as if it ended in "/"
+                items.append((raw + b"/", b"40000 " + raw + b"\0" +
+                              bytes.fromhex(write(v, prefix + name + "/"))))
+            else:
+                flat[prefix + name] = v
+                items.append((raw, v[0].encode() + b" " + raw + b"\0" + bytes.fromhex(v[1])))
+        body = b"".join(e for _, e in sorted(items))
+        return hashlib.sha1(b"tree %d\0" % len(body) + body).hexdigest()
+
+    return write(root, ""), flat
 
 
 def _name(s: str) -> str:

@@ -199,7 +199,7 @@ class _Report:
         git = sum(1 for p in net if git_refuses(p))
         entries, sections = [], []
         if len(net) > git:
-            tb, ta = self.store.tree(side.before), self.store.tree(side.after)
+            tb, ta = self.store.trees(side.before, side.after)
             if tb != ta:
                 listed = _name_status(self.store.diff(tb, ta, "name-status"))
                 patch = self.store.diff(tb, ta, "patch")

@@ -1,0 +1,116 @@
+"""engines.gitdiff against git itself: the trees a diff writes through one fast-import stream
+(their names computed in Python) are the trees git's own index makes of the same paths, and
+what the diff decides without asking git is what git answers."""
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+
+import pytest
+
+from overlayrec.engines.gitdiff import EMPTY_TREE, ObjectStore, _git_may_refuse
+from overlayrec.engines.states import State
+
+pytestmark = pytest.mark.timeout(120)
+
+NAMES = ["a", "a.b", "a-b", "a b", "a0", "b", "\u00e4", '"q', "new\nline", "back\\slash",
+         "tab\tname", "x" * 200, os.fsdecode(b"\xff\xfe"), ".gitignore", ".github", "git~10",
+         "A", "z"]
+
+
+def _random_side(r: random.Random, n: int) -> dict[str, State]:
+    side: dict[str, State] = {}
+    for _ in range(n):
+        depth = r.randrange(1, 4)
+        path = "/".join(r.choice(NAMES) for _ in range(depth))
+        if any(q.startswith(path + "/") or path.startswith(q + "/") for q in side):
+            continue  # one point of a tree: a name is a file or a directory, not both
+        k = r.random()
+        if k < 0.15:
+            side[path] = State("symlink", 0o120000, r.choice([b"a", b"../x", b"t" * 50]))
+        elif k < 0.25:
+            side[path] = State("absent")
+        else:
+            side[path] = State("file", r.choice([0o644, 0o755, 0o600]),
+                               r.choice([b"", b"x\n", b"\0bin", bytes(r.randrange(256)
+                                                                        for _ in range(40))]))
+    return side
+
+
+def _by_gits_index(store: ObjectStore, side: dict[str, State], tmp) -> tuple[str, list[str]]:
+    """The tree git's own update-index and write-tree make of a side, and what git said."""
+    lines, said = [], []
+    for p, s in sorted(side.items()):
+        if s.kind not in ("file", "symlink"):
+            continue
+        sha = subprocess.run(["git", "hash-object", "-w", "--stdin"], input=s.data, env=store.env,
+                             capture_output=True, check=True).stdout.decode().strip()
+        mode = "120000" if s.kind == "symlink" else "100755" if s.mode & 0o111 else "100644"
+        lines.append(f"{mode} {sha}\t{p}")
+    env = dict(store.env, GIT_INDEX_FILE=str(tmp / "oracle-index"))
+    if os.path.exists(env["GIT_INDEX_FILE"]):
+        os.unlink(env["GIT_INDEX_FILE"])
+    r = subprocess.run(["git", "update-index", "-z", "--index-info"], env=env,
+                       input="".join(l + "\0" for l in lines).encode("utf-8", "surrogateescape"),
+                       capture_output=True, check=True)
+    said += r.stderr.decode(errors="replace").splitlines()
+    tree = subprocess.run(["git", "write-tree"], env=env, capture_output=True,
+                          check=True).stdout.decode().strip()
+    return tree, said
+
+
+def test_trees_are_the_trees_gits_index_makes(tmp_path):
+    store = ObjectStore(str(tmp_path))
+    r = random.Random(16)
+    sides = [_random_side(r, r.randrange(0, 25)) for _ in range(40)]
+    sides.append({"only/absent": State("absent"), "": State("dir", 0o755)})
+    names = store.trees(*sides)
+    assert names[-1] == EMPTY_TREE
+    for side, name in zip(sides, names):
+        want, _ = _by_gits_index(store, side, tmp_path)
+        assert name == want, sorted(side)
+        # the object is in the store, whole (git reads it back)
+        subprocess.run(["git", "ls-tree", "-r", name], env=store.env, check=True,
+                       capture_output=True)
+    # the refs the stream wrote its trees' commits on are gone again
+    refs = subprocess.run(["git", "for-each-ref"], env=store.env, capture_output=True,
+                          check=True).stdout
+    assert refs == b""
+
+
+def test_rename_decision_without_git_is_gits(tmp_path):
+    """A diff may name renames unless a symlink and a directory trade places: decided from the
+    trees' entries when both were made here, by `git diff-tree` otherwise; the same answer."""
+    store = ObjectStore(str(tmp_path))
+    r = random.Random(7)
+    cases = [({"l": State("symlink", 0o120000, b"d")},
+              {"l/f": State("file", 0o644, b"moved\n")}),
+             ({"d/f": State("file", 0o644, b"x\n")}, {"d": State("symlink", 0o120000, b"e")})]
+    cases += [(_random_side(r, 15), _random_side(r, 15)) for _ in range(30)]
+    answers = set()
+    for before, after in cases:
+        a, b = store.trees(before, after)
+        mine = store._renames_apply(a, b, None)
+        gits = ObjectStore(str(tmp_path))._renames_apply(a, b, None)  # knows no entries: asks git
+        assert mine == gits, (sorted(before), sorted(after))
+        answers.add(mine)
+    assert answers == {True, False}
+
+
+@pytest.mark.parametrize("name,symlink", [
+    ("git~1", False), ("GIT~1/x", False), (".git. ", False), (".Git::$INDEX_ALLOCATION", False),
+    ("x/.git .", False), (".gitmodules", True), ("sub/GITMOD~1", True), (".gitignore", False),
+    (".github", False), ("git~10", False), ("a.git", False), (".gitmodules", False)])
+def test_names_git_may_refuse_go_through_git(tmp_path, name, symlink):
+    """A name git's own path check refuses (or might) is caught before fast-import, which would
+    take it; those trees come from git's index, what git says about them kept."""
+    store = ObjectStore(str(tmp_path))
+    s = State("symlink", 0o120000, b"t") if symlink else State("file", 0o644, b"x\n")
+    side = {name: s, "ok.txt": State("file", 0o644, b"ok\n")}
+    want, said = _by_gits_index(store, side, tmp_path)
+    refused = bool(said)
+    assert not refused or _git_may_refuse(name, symlink), said
+    assert store.tree(side) == want
+    if refused:
+        assert any(name.split("/")[0] in w or name in w for w in store.warnings), store.warnings
