@@ -151,7 +151,10 @@ def call_rows(j: Journal, sid: str | None = None, turn: int | None = None, net=N
 
 def calls_of(j: Journal, sid: str | None = None, turn: int | None = None) -> list[dict]:
     """The call records (of a session, of a turn), in the order they began."""
-    calls = j.records("calls", (sid.encode() + b"\0") if sid else b"")
+    # records are compact JSON: a call of turn N holds '"turn":N' (and one of turn N0 too,
+    # which the check below leaves out); the others are not decoded
+    calls = j.records("calls", (sid.encode() + b"\0") if sid else b"",
+                      holding=None if turn is None else b'"turn":%d' % turn)
     calls.sort(key=lambda c: c["begin_t"])
     return [c for c in calls if turn is None or c.get("turn") == turn]
 

@@ -64,11 +64,11 @@ class Kept:
             self.changed = True
 
     def get(self, key: str, check=None) -> dict | None:
+        """The kept row of ``key`` (if ``check(row)`` accepts it); its ``touched`` may be None,
+        kept once when it equals the net (see put): ``whole`` makes the row a listing shows."""
         row = self.rows.get(key)
         if row is None or (check is not None and not check(row)):
             return None
-        if row.get("touched") is None:  # kept once when it equals the net (see put)
-            row = dict(row, touched=row["paths"])
         return row
 
     def put(self, key: str, row: dict, settled: bool) -> None:
@@ -171,7 +171,7 @@ def call_rows(j: Journal, states: States, kept_dir: str, sid: str | None = None,
             key = call_unit(c)
             fields = call_fields(j, by_unit.get(key, []), net, actors)
             kept[w].put(key, fields, net.settled)
-        rows.append({**c, **fields})
+        rows.append(_whole({**c, **fields}))
     for k in kept.values():
         k.save()
     return rows
@@ -198,9 +198,16 @@ def turn_rows(j: Journal, states: States, kept_dir: str, sid: str | None = None)
             fields = turn_fields(j, t, kept.last, net, actors)
             kept.put(key, fields, net.settled and bool(t["end_seq"]) and
                      t["end_seq"] <= kept.last)
-        rows.append({**turn_record_fields(t), **fields})
+        rows.append(_whole({**turn_record_fields(t), **fields}))
     kept.save()
     return rows
+
+
+def _whole(row: dict) -> dict:
+    """A listing's row from a kept one (its own copy): ``touched`` filled in."""
+    if row.get("touched") is None:
+        row["touched"] = row["paths"]
+    return row
 
 
 def _turn_key(t: dict) -> str:

@@ -132,22 +132,28 @@ class Tree:
         return resolve_beneath(self.root_fd, parent, O_PATH | os.O_DIRECTORY), name
 
     def state(self, rel: str) -> State:
+        return self.state_stat(rel)[0]
+
+    def state_stat(self, rel: str) -> tuple[State, os.stat_result | None]:
+        """``state`` and the lstat it was read with (None when absent): one walk to the
+        directory, for a caller that wants both."""
         if rel == "":  # the workspace root itself
-            return state_of_stat(os.fstat(self.root_fd), lambda: b"")
+            st = os.fstat(self.root_fd)
+            return state_of_stat(st, lambda: b""), st
         try:
             dfd, name = self._open_parent(rel)
         except OSError:
-            return ABSENT
+            return ABSENT, None
         try:
             try:
                 st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
             except FileNotFoundError:
-                return ABSENT
+                return ABSENT, None
             if stat.S_ISREG(st.st_mode) and self.secrets is not None and \
                     self.secrets.match(rel):
                 return state_of_stat(st, lambda: placeholder(None)).but(exact=False,
-                                                                        withheld=True)
-            return state_of_stat(st, lambda: _read_at(dfd, name, st))
+                                                                        withheld=True), st
+            return state_of_stat(st, lambda: _read_at(dfd, name, st)), st
         finally:
             os.close(dfd)
 
@@ -605,14 +611,14 @@ class States:
 
     def _tail(self, path: str) -> State:
         seal = self._governing_seal(path)
-        live = self.tree.state(path)
+        live, lst = self.tree.state_stat(path)
         if seal is None:
             return live
         pre = seal["pre"]
         if pre.get("withheld"):  # the record ends withheld, whatever the live file holds
             st = self.sealed_state(pre)
-            return st if preimage.matches(pre, self.tree.lstat(path)) else st.but(drifted=True)
-        if preimage.matches(pre, self.tree.lstat(path) if live.present else None,
+            return st if preimage.matches(pre, lst) else st.but(drifted=True)
+        if preimage.matches(pre, lst,
                             lambda: os.fsdecode(live.data),
                             lambda: preimage.content_hash(live.data)):
             return live

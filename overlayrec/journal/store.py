@@ -27,7 +27,6 @@ import bisect
 import errno
 import fcntl
 import json
-import logging
 import os
 import time
 from typing import Iterator
@@ -45,7 +44,18 @@ from ..state import private_dir
 from ..underlay import madvise_dontneed
 from .schema import JournalError, seq_key, key_seq, path_key, path_key_split
 
-log = logging.getLogger(__name__)
+
+
+class _Log:
+    """This module's logger, made on first use: only a writer logs, and importing logging
+    costs every reader's start some 5 ms."""
+
+    def __getattr__(self, name: str):
+        import logging
+        return getattr(logging.getLogger(__name__), name)
+
+
+log = _Log()
 
 # system errors a commit may fail with that the caller gets as they are (anything else is EIO)
 _PASSED_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG, errno.EROFS, errno.ENOMEM)
@@ -458,7 +468,10 @@ class Journal:
         handle, value = self.dbs[db], _dumps(record)
         self._write(lambda txn: txn.put(key, value, db=handle))
 
-    def records(self, db: str, prefix: bytes = b"") -> list[dict]:
+    def records(self, db: str, prefix: bytes = b"", holding: bytes | None = None) -> list[dict]:
+        """The records of ``db`` whose key starts with ``prefix``; with ``holding``, only
+        those whose stored bytes hold it (the rest are not decoded: a caller that filters on
+        a field looks for the field as the encoder writes it, and checks what it gets)."""
         out = []
         if self.dbs[db] is None:
             return out
@@ -468,7 +481,8 @@ class Journal:
                 for k, v in cur:
                     if not k.startswith(prefix):
                         break
-                    out.append(_loads(v))
+                    if holding is None or holding in v:
+                        out.append(_loads(v))
         if self._dropped and db in _SESSION_DBS:  # a gc's cut made, its records not yet deleted
             key = _SESSION_DBS[db]
             out = [r for r in out if r.get(key) not in self._dropped]
