@@ -117,7 +117,7 @@ class ObjectStore:
 
     def tree(self, states: dict[str, State]) -> str:
         """A tree holding each present path (files and symlinks) as a blob; not the paths git
-        refuses (see index_lines)."""
+        refuses (``.git/``: remembered in ``left_out``), nor the workspace's root ("")."""
         return self.trees(states)[0]
 
     def trees(self, *sides: dict[str, State]) -> list[str]:
