@@ -1220,7 +1220,27 @@ def _listing_states(j, ws: str | None, sd: str, quiet: bool = False):
     return States(j, tree), lambda: os.close(tree.root_fd)
 
 
-def _rows(kind: str, j, ws: str, sd: str, **kw) -> tuple[list[dict], bool]:
+class _Progress:
+    """``n/total`` on a terminal's stderr for work that turns out long (shown once a second
+    has passed, on one line, wiped at the end); nothing when stderr is no terminal."""
+
+    def __init__(self, what: str, on: bool = True):
+        self.what, self.on = what, on and sys.stderr.isatty()
+        self.start, self.width = time.monotonic(), 0
+
+    def __call__(self, n: int, total: int) -> None:
+        if self.on and (self.width or time.monotonic() - self.start >= 1.0):
+            line = f"overlayrec: {self.what} {n}/{total}"
+            self.width = len(line)
+            click.echo("\r" + line, nl=False, err=True)
+
+    def done(self) -> None:
+        if self.width:
+            click.echo("\r" + " " * self.width + "\r", nl=False, err=True)
+
+
+def _rows(kind: str, j, ws: str, sd: str, progress: _Progress | None = None,
+          **kw) -> tuple[list[dict], bool]:
     """The rows of ``turns`` or ``calls`` (engines.listings: settled rows kept between runs),
     and whether they carry the net changes (False: the tree cannot be read)."""
     from . import views
@@ -1231,10 +1251,12 @@ def _rows(kind: str, j, ws: str, sd: str, **kw) -> tuple[list[dict], bool]:
             return (views.turn_rows(j, **kw) if kind == "turns" else views.call_rows(j, **kw)), \
                 False
         kept = state.StateDir(sd).listings
-        return (listings.turn_rows(j, states, kept, **kw) if kind == "turns" else
-                listings.call_rows(j, states, kept, **kw)), True
+        return (listings.turn_rows(j, states, kept, progress=progress, **kw) if kind == "turns"
+                else listings.call_rows(j, states, kept, progress=progress, **kw)), True
     finally:
         close()
+        if progress is not None:
+            progress.done()
 
 
 @main.command()
@@ -1254,7 +1276,7 @@ def turns(workspace, sid, churn, as_json, state_dir):
     sd = _state_dir_for(ws, state_dir)
     j = Journal(sd, readonly=True)
     try:
-        rows, net = _rows("turns", j, ws, sd, sid=sid)
+        rows, net = _rows("turns", j, ws, sd, _Progress("turns", not as_json), sid=sid)
     finally:
         j.close()
     if not net:  # said once the listing is made: a failure is one line
@@ -1292,7 +1314,8 @@ def calls(workspace, sid, turn_index, churn, as_json, state_dir):
     sd = _state_dir_for(ws, state_dir)
     j = Journal(sd, readonly=True)
     try:
-        rows, net = _rows("calls", j, ws, sd, sid=sid, turn=turn_index)
+        rows, net = _rows("calls", j, ws, sd, _Progress("calls", not as_json), sid=sid,
+                          turn=turn_index)
     finally:
         j.close()
     if not net:  # said once the listing is made: a failure is one line

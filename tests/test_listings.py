@@ -425,3 +425,56 @@ def test_kept_rows_are_read_by_the_turn(make_mount, tmp_path):
                cwd=m.ws, timeout=60)
     assert listing(m, "calls", "--turn", "2") == two
     assert listing(m, "turns", "--session", "s") == turns
+
+
+@needs_fuse
+def test_listings_say_how_far_they_are(make_mount, tmp_path):
+    """A listing tells its progress of the rows it computes (not of those it reads back)."""
+    from overlayrec.engines import listings
+    from overlayrec.engines.states import States, Tree
+    from overlayrec.journal import Journal
+    m = make_mount()
+    m.mount()
+    agent = tmp_path / "agent.py"
+    agent.write_text(TURNS_AGENT)
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", sys.executable, str(agent),
+               cwd=m.ws, timeout=120)
+    kept = str(tmp_path / "kept")
+    j = Journal(m.state, readonly=True)
+    tree = Tree.at(m.ws)
+    try:
+        for kind, want in (("calls", [(2, 2)]), ("turns", [(1, 2), (2, 2)])):
+            fn = listings.call_rows if kind == "calls" else listings.turn_rows
+            ticks: list = []
+            rows = fn(j, States(j, tree), kept, progress=lambda n, t: ticks.append((n, t)))
+            assert ticks == want, kind
+            assert [r["paths"] for r in rows] == [["f1.txt"], ["f2.txt"]]
+            ticks.clear()
+            assert fn(j, States(j, tree), kept, progress=lambda n, t: ticks.append((n, t))) \
+                == rows
+            assert ticks == [], kind   # all read back
+    finally:
+        os.close(tree.root_fd)
+        j.close()
+
+
+def test_progress_shows_long_work_on_a_terminal_only(capsys):
+    from overlayrec import cli
+    quick = cli._Progress("calls")
+    quick.on = True   # as on a terminal
+    quick(100, 300)
+    quick.done()
+    assert capsys.readouterr().err == ""   # under a second: nothing said
+    slow = cli._Progress("calls")
+    slow.on, slow.start = True, slow.start - 2
+    slow(100, 300)
+    slow(300, 300)
+    slow.done()
+    err = capsys.readouterr().err
+    line = "overlayrec: calls 300/300"
+    assert err == f"\roverlayrec: calls 100/300\r{line}\r{' ' * len(line)}\r"
+    piped = cli._Progress("calls")   # stderr is no terminal under pytest
+    piped.start -= 2
+    piped(1, 2)
+    piped.done()
+    assert capsys.readouterr().err == ""

@@ -149,9 +149,10 @@ def _calls_shards(calls: list[dict]) -> list[str]:
 
 
 def call_rows(j: Journal, states: States, kept_dir: str, sid: str | None = None,
-              turn: int | None = None) -> list[dict]:
+              turn: int | None = None, progress=None) -> list[dict]:
     """views.call_rows with its net, kept rows read back and the others computed in one pass
-    over the journal from the earliest call among them."""
+    over the journal from the earliest call among them.  ``progress(done, total)`` is told of
+    the rows computed (not those read back), every hundred and at the end."""
     calls = calls_of(j, sid, turn)
     where = _calls_shards(calls)
     kept = shards(j, kept_dir, set(where))
@@ -166,20 +167,25 @@ def call_rows(j: Journal, states: States, kept_dir: str, sid: str | None = None,
             by_unit.setdefault(e.get("unit") or "", []).append(e)
     actors: dict = {}
     rows = []
+    done = 0
     for c, fields, w in zip(calls, found, where):
         if fields is None:
             key = call_unit(c)
             fields = call_fields(j, by_unit.get(key, []), net, actors)
             kept[w].put(key, fields, net.settled)
+            done += 1
+            if progress is not None and (done % 100 == 0 or done == len(todo)):
+                progress(done, len(todo))
         rows.append(_whole({**c, **fields}))
     for k in kept.values():
         k.save()
     return rows
 
 
-def turn_rows(j: Journal, states: States, kept_dir: str, sid: str | None = None) -> list[dict]:
+def turn_rows(j: Journal, states: States, kept_dir: str, sid: str | None = None,
+              progress=None) -> list[dict]:
     """views.turn_rows with its net: a turn that ended before the kept rows were made, with
-    the same bounds, is read back."""
+    the same bounds, is read back.  ``progress(done, total)``: as call_rows, every turn."""
     kept = shards(j, kept_dir, ["turns"])["turns"]
     turns = j.records("turns", (sid.encode() + b"\0") if sid else b"")
 
@@ -191,6 +197,7 @@ def turn_rows(j: Journal, states: States, kept_dir: str, sid: str | None = None)
         net = net_of(states, preload=len(todo) > len(turns) // 2 or not kept.rows)
     actors: dict = {}
     rows = []
+    done = 0
     for t in turns:
         key = _turn_key(t)
         fields = kept.get(key, same_bounds(t))
@@ -198,6 +205,9 @@ def turn_rows(j: Journal, states: States, kept_dir: str, sid: str | None = None)
             fields = turn_fields(j, t, kept.last, net, actors)
             kept.put(key, fields, net.settled and bool(t["end_seq"]) and
                      t["end_seq"] <= kept.last)
+            done += 1
+            if progress is not None:
+                progress(done, len(todo))
         rows.append(_whole({**turn_record_fields(t), **fields}))
     kept.save()
     return rows
