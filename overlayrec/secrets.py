@@ -87,6 +87,7 @@ class Secrets:
         self._any_re = _one_re(self._any)
         self._anchored_re = _one_re(self._anchored)
         self._cache: dict[str, bool] = {}
+        self._parts: dict[str, bool] = {}  # a name's answer under _any_re (names repeat)
 
     @classmethod
     def of_journal(cls, journal) -> "Secrets":
@@ -103,7 +104,7 @@ class Secrets:
         got = self._cache.get(path)
         if got is None:
             got = self._match(path)
-            if len(self._cache) > 65536:
+            if len(self._cache) > 1 << 18:  # a listing asks of every path twice
                 self._cache.clear()
             self._cache[path] = got
         return got
@@ -114,8 +115,16 @@ class Secrets:
             for i in range(1, len(parts) + 1):
                 if "/".join(parts[:i]) in self.names:
                     return True
-        if self._any_re is not None and any(self._any_re.match(part) for part in parts):
-            return True
+        if self._any_re is not None:
+            known = self._parts
+            for part in parts:
+                got = known.get(part)
+                if got is None:
+                    if len(known) > 1 << 16:
+                        known.clear()
+                    got = known[part] = self._any_re.match(part) is not None
+                if got:
+                    return True
         if self._anchored_re is not None:
             for i in range(1, len(parts) + 1):
                 if self._anchored_re.match("/".join(parts[:i])):

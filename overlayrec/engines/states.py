@@ -432,15 +432,24 @@ class States:
         """Fill every path's chain from one pass over the journal, for a reader that will ask
         about most of the paths (a listing): one decode per event instead of one per path."""
         raw: dict[str, list[dict]] = {}
+        failed = False
         for e in self.j.keep_events():
-            for p in {e.get("path"), e.get("path2")} - {None}:
+            p, p2 = e.get("path"), e.get("path2")
+            if p is not None:
                 raw.setdefault(p, []).append(e)
+            if p2 is not None and p2 != p:
+                raw.setdefault(p2, []).append(e)
+            if e["op"] == "failed":
+                failed = True
         if self.j.cut > 1:  # below the cut only each path's latest seal stays
             for p, seq in self.j.seals():
                 if seq < self.j.cut and (e := self.j.event(seq)) is not None:
                     raw.setdefault(p, []).insert(0, e)
-        for p, evs in raw.items():
-            self._chain[p] = _holding(evs)
+        if failed or self.j.cut > 1:
+            for p, evs in raw.items():
+                self._chain[p] = _holding(evs)
+        else:  # no failed note anywhere: every event holds
+            self._chain.update(raw)
         self._preloaded = True
 
     def events_on(self, path: str) -> list[dict]:
@@ -603,6 +612,9 @@ class States:
     def _governing_seal(self, path: str) -> dict | None:
         """The seal that ends ``path``'s chain now, following its names back; None when its
         last epoch is open (or it was never sealed): then the live tree is the end."""
+        if not self.renames():  # one name all along: its whole chain is its own
+            chain = self.chain_on(path)
+            return chain[-1] if chain and chain[-1]["op"] == "seal" else None
         for name, lo, hi in self.history(path):
             own = [e for e in self.chain_on(name) if lo < e["seq"] <= hi]
             if own:
@@ -741,7 +753,10 @@ class States:
         digest = pre.get("blob") or (pre.get("hash") if seal else None)
         if digest is None or pre.get("withheld"):
             return None
-        return State("file", pre.get("mode", 0o644), digest.encode(), **facts(pre))
+        # as State("file", mode, digest, **facts(pre)), without the dict: a listing makes
+        # two of these for every path it compares
+        return State("file", pre.get("mode", 0o644), digest.encode(), True, pre.get("uid"),
+                     pre.get("gid"), 0, False, pre.get("ino") or 0, pre.get("nlink") or 1)
 
     def _may_change_unseen(self, path: str, after: int) -> bool:
         """Writes after a handle's first one are not events (unless the journal records data):
