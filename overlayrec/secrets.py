@@ -104,7 +104,8 @@ class Secrets:
         got = self._cache.get(path)
         if got is None:
             got = self._match(path)
-            if len(self._cache) > 1 << 18:  # a listing asks of every path twice
+            if len(self._cache) > 65536:  # bounded: the daemon asks too (misses are cheap:
+                # each name's answer is kept in _parts)
                 self._cache.clear()
             self._cache[path] = got
         return got

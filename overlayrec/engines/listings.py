@@ -65,7 +65,7 @@ class Kept:
 
     def get(self, key: str, check=None) -> dict | None:
         """The kept row of ``key`` (if ``check(row)`` accepts it); its ``touched`` may be None,
-        kept once when it equals the net (see put): ``whole`` makes the row a listing shows."""
+        kept once when it equals the net (see put): ``_whole`` makes the row a listing shows."""
         row = self.rows.get(key)
         if row is None or (check is not None and not check(row)):
             return None
