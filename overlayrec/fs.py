@@ -75,8 +75,8 @@ class Inode:
 
 
 class Handle:
-    __slots__ = ("fd", "inode", "actor", "unit", "_path", "write_seq", "epoch", "writes",
-                 "lo", "hi", "nbytes", "recorder", "flags")
+    __slots__ = ("fd", "inode", "actor", "unit", "_path", "_named_at", "write_seq", "epoch",
+                 "writes", "lo", "hi", "nbytes", "recorder", "flags")
 
     def __init__(self, fd: int, inode: Inode, actor: dict | None, unit: str | None,
                  recorder: Recorder):
@@ -87,6 +87,7 @@ class Handle:
         self.unit = unit
         self.recorder = recorder
         self._path = None
+        self._named_at = -1  # the recorder's name_changes when _path was asked
         self.write_seq = None
         self.epoch = None
         self.writes = self.nbytes = 0
@@ -94,8 +95,14 @@ class Handle:
 
     @property
     def path(self) -> str:
-        if self._path is None:
+        """The workspace path of the handle's file now.  Asked of the kernel again after any
+        rename, unlink or rmdir: a file renamed (or unlinked) while open is written under its
+        new name (or the attic's), never under the old one, which may name another file by
+        then."""
+        changes = self.recorder.name_changes
+        if self._named_at != changes:
             self._path = self.recorder.rel(self.fd)
+            self._named_at = changes
         return self._path
 
     def reset_extent(self, off: int, length: int) -> None:

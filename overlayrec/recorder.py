@@ -277,6 +277,9 @@ class Recorder:
         self.root_path = underlay.fd_path(root_fd)
         self._euid, self._egid = os.geteuid(), os.getegid()
         self.epochs: dict[str, Epoch] = {}
+        # bumped by every rename, unlink and rmdir: an open handle's file may have another
+        # name since (fs.Handle.path asks the kernel again when this moved)
+        self.name_changes = 0
         # the names the daemon knows for inodes with several links (made through the mount):
         # a change through one name is journaled on the others too (an ``alias`` event)
         self.names = Names()
@@ -738,6 +741,7 @@ class Recorder:
     @_roomy
     @_undoable
     def unlink(self, parent_fd: int, name: str, actor: dict) -> None:
+        self.name_changes += 1
         path = self.child(parent_fd, name)
         unit = self.units.unit_of(actor)
         ev, ep, new = self._event("unlink", path, actor, unit)
@@ -772,6 +776,7 @@ class Recorder:
     @_roomy
     @_undoable
     def rmdir(self, parent_fd: int, name: str, actor: dict) -> None:
+        self.name_changes += 1
         path = self.child(parent_fd, name)
         unit = self.units.unit_of(actor)
         ev, ep, new = self._event("rmdir", path, actor, unit)
@@ -784,6 +789,7 @@ class Recorder:
     @_roomy
     @_undoable
     def rename(self, pfd: int, name: str, npfd: int, nname: str, flags: int, actor: dict) -> None:
+        self.name_changes += 1
         path, path2 = self.child(pfd, name), self.child(npfd, nname)
         unit = self.units.unit_of(actor)
         ev, ep, new = self._event("rename", path, actor, unit, path2=path2)

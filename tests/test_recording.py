@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import stat
 
-from conftest import needs_fuse, needs_root
+from conftest import needs_fuse, needs_root, overlayrec
 
 pytestmark = needs_fuse
 
@@ -245,6 +245,47 @@ def test_unlinked_while_open_keeps_working(make_mount):
          "f.seek(0); assert f.read() == b'start+more'\nassert not os.path.exists('f')\nf.close()")
     evs = m.events()
     assert only(evs, "unlink", "f")
+
+
+def test_a_file_renamed_or_unlinked_while_open_is_written_under_its_new_name(make_mount,
+                                                                             tmp_path):
+    """Writes through a handle follow its file: after a rename they are the new name's (with
+    the content it held before as their pre-image), after an unlink the attic's; the old name,
+    which another file takes meanwhile, is never charged with them."""
+    m = seeded(make_mount, {"keep": b"k\n", "gone": b"g\n"})
+    m.py("import os\n"
+         "f = open('a', 'w'); f.write('one\\n'); f.flush()\n"
+         "os.rename('a', 'b')\n"
+         "f.write('two\\n'); f.flush()\n"
+         "os.rename('keep', 'a')\n"
+         "f.write('three\\n'); f.close()\n"
+         "g = open('gone', 'a'); os.unlink('gone')\n"
+         "open('gone', 'w').write('new\\n')\n"
+         "g.write('late\\n'); g.close()\n")
+    truth = {"a": b"k\n", "b": b"one\ntwo\nthree\n", "gone": b"new\n"}
+    for p, data in truth.items():
+        assert open(os.path.join(m.ws, p), "rb").read() == data
+    evs = m.events()
+    to_b = only(evs, "rename", "a")[0]["seq"]
+    to_a = only(evs, "rename", "keep")[0]["seq"]
+    made = only(evs, "create", "gone")[0]["seq"]
+    assert not [e for e in evs if e["path"] == "a" and e["seq"] > to_a], evs
+    assert [(e["op"], e["offset"], e["length"]) for e in evs
+            if e["path"] == "gone" and e["seq"] > made] == [("write", 0, 4)]  # "new\n" only
+    late = [e for e in evs if e["path"].startswith(".overlayrec-attic/") and e["op"] == "write"]
+    assert [(e["offset"], e["length"]) for e in late] == [(2, 5)]
+    into_b = only(evs, "write", "b")[0]
+    assert into_b["seq"] > to_b and pre_content(m, into_b["pre"]) == b"one\n"
+    m.umount()
+    # the readers agree with what the files held at those points
+    for seq, want in ((to_b, {"b": b"one\n", "keep": b"k\n"}),
+                      (to_a, {"a": b"k\n"}),
+                      (made, {"gone": b""}),
+                      (max(e["seq"] for e in evs), truth)):
+        dest = tmp_path / f"at-{seq}"
+        overlayrec("replay", m.ws, "--state-dir", m.state, "--at", str(seq), "--to", str(dest))
+        for p, data in want.items():
+            assert (dest / p).read_bytes() == data, (seq, p)
 
 
 def test_shared_mmap_writes_reach_the_file(make_mount):
