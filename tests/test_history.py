@@ -165,3 +165,93 @@ def test_a_directory_holding_another_units_file_is_a_conflict(make_mount, tmp_pa
     assert tree(m.ws) == before
     st = json.loads(overlayrec("status", m.ws, "--json").stdout)
     assert st["pending_revert"] == [], st
+
+
+def test_a_refused_directory_rename_moves_nothing(make_mount, tmp_path):
+    """A directory rename the underlay refuses (ENOTEMPTY: the target holds files) is journaled
+    ahead, then voided by its ``failed`` note: path history must not take it, or every earlier
+    rename of the same names reads wrong."""
+    m = make_mount().mount()
+    m.py("import errno, os\n"
+         "os.mkdir('d'); open('d/y', 'w').write('y\\n'); os.mkdir('e'); os.rename('d', 'e')\n"
+         "os.mkdir('d'); open('d/z', 'w').write('z\\n')\n"
+         "try:\n"
+         "    os.rename('d', 'e')\n"
+         "except OSError as e:\n"
+         "    assert e.errno == errno.ENOTEMPTY, e\n"
+         "else:\n"
+         "    raise AssertionError('renamed')\n")
+    evs = m.events(failed=True)
+    failed = {e["ref"] for e in evs if e["op"] == "failed"}
+    moved = [e for e in evs if e["op"] == "rename"]
+    assert [e["seq"] in failed for e in moved] == [False, True], moved
+    m.umount()
+    ok = moved[0]["seq"]
+    for seq, want in ((ok - 1, {"d", "d/y", "e"}), (ok, {"e", "e/y"}),
+                      (max(e["seq"] for e in evs), {"d", "d/z", "e", "e/y"})):
+        dest = tmp_path / f"at-{seq}"
+        overlayrec("replay", m.ws, "--state-dir", m.state, "--at", str(seq), "--to", str(dest))
+        assert set(tree(str(dest))) == want, (seq, sorted(tree(str(dest))))
+    status = names(overlayrec("diff", m.ws, "--state-dir", m.state, "--since", str(ok),
+                              "--until", str(ok), "--name-status").stdout)
+    assert status == {("R100", "d/y", "e/y")}, status
+
+
+def test_an_index_that_kept_refused_renames_is_made_again(tmp_path):
+    """A journal whose ``renames`` index still holds a refused directory rename (written before
+    the index left those out) is read right at once (readers scan the events) and indexed again
+    at its next writable open."""
+    import lmdb
+    from overlayrec.journal import Journal
+    sd = str(tmp_path / "state")
+    j = Journal(sd)
+    actor = {"key": "1:1", "pid": 1}
+    pre = {"kind": "dir", "mode": 0o755}
+    j.append({"op": "mkdir", "path": "d", "pre": {"kind": "absent"}}, actor)
+    ok = j.append({"op": "rename", "path": "d", "path2": "e", "pre": pre,
+                   "pre2": {"kind": "absent"}}, actor)
+    bad = j.append({"op": "rename", "path": "e", "path2": "f", "pre": pre,
+                    "pre2": {"kind": "dir", "mode": 0o755}}, actor)
+    j.append({"op": "failed", "ref": bad, "path": "e", "errno": 39}, actor)
+    assert [r["seq"] for r in j.dir_renames()] == [ok]
+    j.close()
+    # as an older overlayrec left it: the refused rename indexed, the index marked "1"
+    env = lmdb.open(os.path.join(sd, "journal"), max_dbs=16)
+    with env.begin(write=True) as txn:
+        txn.put(bad.to_bytes(8, "big"), json.dumps({"src": "e", "dst": "f", "flags": 0}).encode(),
+                db=env.open_db(b"renames", txn=txn))
+        txn.put(b"renames_indexed", b"1", db=env.open_db(b"meta", txn=txn))
+    env.close()
+    r = Journal(sd, readonly=True)
+    try:
+        assert [x["seq"] for x in r.dir_renames()] == [ok]
+    finally:
+        r.close()
+    w = Journal(sd)
+    try:
+        assert w.meta("renames_indexed") == "2"
+        assert [x["seq"] for x in w.dir_renames()] == [ok]
+    finally:
+        w.close()
+
+
+def test_an_empty_file_renamed_then_written_held_nothing_before(make_mount, tmp_path):
+    """A file made empty, renamed, then written in the same epoch: the write's pre-image of the
+    new name is the empty content (kept without a blob), so the file held nothing under both
+    names until the write, not what it holds in the end."""
+    m = make_mount().mount()
+    m.py("import os\n"
+         "open('y', 'w').close(); os.rename('y', 'b')\n"
+         "with open('b', 'a') as f:\n"
+         "    f.write('hi\\n')\n"
+         "os.rename('b', 'a')\n")
+    evs = m.events()
+    assert [e["op"] for e in evs] == ["create", "rename", "write", "rename"], evs
+    m.umount()
+    for e, want in zip(evs, ({"y": b""}, {"b": b""}, {"b": b"hi\n"}, {"a": b"hi\n"})):
+        dest = tmp_path / f"at-{e['seq']}"
+        out = json.loads(overlayrec("replay", m.ws, "--state-dir", m.state, "--at", str(e["seq"]),
+                                    "--to", str(dest), "--json").stdout)
+        assert out["inexact"] == [], out
+        got = {k: v[1] for k, v in tree(str(dest)).items()}
+        assert got == want, (e, got)

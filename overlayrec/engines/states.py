@@ -979,6 +979,10 @@ class States:
                 continue
             if "blob" in pre:
                 return State("file", 0, self.j.content.get(pre["blob"]))
+            if pre.get("facet") == "content" and "ranges" not in pre and \
+                    not pre.get("withheld"):
+                # the whole-file capture of an empty file keeps no blob: it held nothing
+                return State("file", 0, b"")
             if "kind" in pre or "ranges" in pre:
                 s = self.state(new, f["seq"] - 1, forward=False)
                 return State("file", 0, s.data, s.exact, drifted=s.drifted) \

@@ -82,8 +82,10 @@ Sub-databases of the LMDB environment:
 ``renames``   seq (8-byte big-endian) -> JSON ``{"src","dst","flags"}``: every rename whose source
               (or, for an exchange, either side) was a directory.  Path history: every path
               beneath moved with it, though the event names only the directory.  Indexed as
-              the event is appended; a journal written before this index is indexed at its next
-              writable open (meta ``renames_indexed``), and read-only readers scan.
+              the event is appended, and taken out again by the ``failed`` note of a rename the
+              underlay refused (ENOTEMPTY, EXDEV, ...): nothing moved.  A journal indexed
+              before that (meta ``renames_indexed`` other than RENAMES_INDEXED) is indexed again
+              at its next writable open, and read-only readers scan.
 ``seals``     seal_key(path) -> seq (8-byte big-endian) of the latest ``seal`` event of that path,
               followed by the path (utf-8).  The key is the path itself when it fits an LMDB
               key, else ``b"\xff"`` + its xxh3-128 digest.
@@ -148,6 +150,11 @@ CONTROL_OPS = ("session_begin", "session_end", "turn_begin", "turn_end", "call_b
                "revert_begin", "revert_end")
 MARK_OPS = ("seal", "reclaim")  # events that record a state or a drop and change no path
 UNMOUNTED = "unmounted"    # the actor key (and ``outside:`` unit) of changes made while unmounted
+
+
+# meta ``renames_indexed``: "1" indexed every directory rename, refused ones too; "2" leaves
+# out those a ``failed`` note voids
+RENAMES_INDEXED = b"2"
 
 
 def is_dir_rename(ev: dict) -> bool:

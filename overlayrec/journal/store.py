@@ -133,7 +133,7 @@ class Journal:
         self.hold_notes = False  # the daemon's writer: extents notes wait for the next commit
         self.on_held = None      # called when a note starts waiting (the daemon's wake-up)
         self._held: list[tuple[bytes, bytes]] = []  # extents notes (key, value) not committed
-        if not readonly and self.meta("renames_indexed") is None:
+        if not readonly and not self._renames_indexed():
             self._index_renames()
 
     # -- the environment and its map ------------------------------------------------------------
@@ -370,6 +370,8 @@ class Journal:
                 txn.put(path_key(p, ev["seq"]), schema.path_value(p), db=self.dbs["paths"])
         if schema.is_dir_rename(ev):
             txn.put(k, _dumps(_rename_record(ev)), db=self.dbs["renames"])
+        elif ev["op"] == "failed":  # a refused rename moved nothing: out of path history
+            txn.delete(seq_key(ev["ref"]), db=self.dbs["renames"])
         elif ev["op"] == "seal":
             txn.put(schema.seal_key(ev["path"]), k + ev["path"].encode("utf-8", "surrogateescape"),
                     db=self.dbs["seals"])
@@ -453,14 +455,30 @@ class Journal:
             except JournalError as e:
                 log.warning("cannot commit %d held note(s) before a read: %s", len(self._held), e)
 
+    def _renames_indexed(self) -> bool:
+        """Does ``renames`` hold exactly the directory renames that held (schema)?"""
+        if self.dbs["renames"] is None:
+            return False
+        with self.env.begin(db=self.dbs["meta"]) as txn:
+            return txn.get(b"renames_indexed") == schema.RENAMES_INDEXED
+
+    def _scan_renames(self) -> list[dict]:
+        """The directory renames that held, read off the events (no index)."""
+        evs = [ev for ev in self.events() if ev["op"] == "failed" or schema.is_dir_rename(ev)]
+        failed = {ev["ref"] for ev in evs if ev["op"] == "failed"}
+        return [ev for ev in evs if ev["op"] != "failed" and ev["seq"] not in failed]
+
     def _index_renames(self) -> None:
-        """Index the directory renames of a journal written before that index existed."""
-        found = [ev for ev in self.events() if schema.is_dir_rename(ev)]
+        """Index the directory renames of a journal written before that index existed, or
+        before refused renames were left out of it."""
+        found = self._scan_renames()
+        db = self.dbs["renames"]
 
         def body(txn):
+            txn.drop(db, delete=False)
             for ev in found:
-                txn.put(seq_key(ev["seq"]), _dumps(_rename_record(ev)), db=self.dbs["renames"])
-            txn.put(b"renames_indexed", b"1", db=self.dbs["meta"])
+                txn.put(seq_key(ev["seq"]), _dumps(_rename_record(ev)), db=db)
+            txn.put(b"renames_indexed", schema.RENAMES_INDEXED, db=self.dbs["meta"])
         self._write(body)
 
     def put_record(self, db: str, key: bytes, record: dict) -> None:
@@ -787,9 +805,8 @@ class Journal:
 
     def dir_renames(self) -> list[dict]:
         """Every directory rename, in order: ``{"seq","src","dst","flags"}``."""
-        if self.dbs["renames"] is None or self.meta("renames_indexed") is None:
-            return [dict(_rename_record(ev), seq=ev["seq"]) for ev in self.events()
-                    if schema.is_dir_rename(ev)]
+        if not self._renames_indexed():
+            return [dict(_rename_record(ev), seq=ev["seq"]) for ev in self._scan_renames()]
         out = []
         with self.env.begin(db=self.dbs["renames"]) as txn:
             cur = txn.cursor()
