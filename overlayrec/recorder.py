@@ -246,7 +246,7 @@ class RangeSet:
 
 
 class Epoch:
-    __slots__ = ("unit", "content_saved", "meta_saved", "size0", "ranges")
+    __slots__ = ("unit", "content_saved", "meta_saved", "size0", "ranges", "last")
 
     def __init__(self, unit: str):
         self.unit = unit
@@ -254,6 +254,9 @@ class Epoch:
         self.meta_saved = False
         self.size0: int | None = None  # range mode: size at the epoch's start
         self.ranges: RangeSet | None = None
+        # the seq of the path's latest event: a handle's write joins its run (no event) only
+        # while its run's event is still the latest (see before_write)
+        self.last = 0
 
 
 class Recorder:
@@ -590,13 +593,25 @@ class Recorder:
         for a in aliases:
             a["actor"] = ev.get("actor", actor["key"])
         if not self._unjournaled and not aliases:
-            return self.journal.append(ev, actor)
+            seq = self.journal.append(ev, actor)
+            self._latest(ev, seq)
+            return seq
         owed = self._unjournaled
-        seqs = self.journal.append_many(owed + aliases + [ev], [actor])
+        evs = owed + aliases + [ev]
+        seqs = self.journal.append_many(evs, [actor])
         if owed:
             log.info("journaled %d note(s) owed since the journal was full", len(owed))
         self._unjournaled = []
+        for e, seq in zip(evs, seqs):
+            self._latest(e, seq)
         return seqs[-1]
+
+    def _latest(self, ev: dict, seq: int) -> None:
+        """``ev`` (committed as ``seq``) is the latest event of the paths it names."""
+        for p in (ev.get("path"), ev.get("path2")):
+            ep = self.epochs.get(p) if p is not None else None
+            if ep is not None:
+                ep.last = seq
 
     def _note_failed(self, seq: int, path: str | None, err: int | None, actor_key: str) -> None:
         """Journal that the underlay refused event ``seq``.  When the journal cannot take the
@@ -843,13 +858,33 @@ class Recorder:
         ep2.meta_saved = True
         ep2.content_saved = False
         ep2.size0 = ep2.ranges = None
-        if stat.S_ISDIR(st.st_mode):
-            # paths below a renamed directory change: their epochs start afresh under new names
-            prefix = path + "/"
-            for p in [p for p in self.epochs if p.startswith(prefix)]:
-                self.unsealed[path2 + p[len(path):]] = self.epochs.pop(p).unit
-            for p in [p for p in self.unsealed if p.startswith(prefix)]:
-                self.unsealed[path2 + p[len(path):]] = self.unsealed.pop(p)
+        if stat.S_ISDIR(st.st_mode) or (st2 is not None and stat.S_ISDIR(st2.st_mode)):
+            self._move_beneath(path, path2, bool(flags & underlay.RENAME_EXCHANGE))
+
+    def _move_beneath(self, path: str, path2: str, exchange: bool) -> None:
+        """Paths below a renamed directory change: their epochs end (owed seals go with them)
+        and start afresh under their new names.  The names below the target held other objects
+        (the empty directory it replaced had held them once; an exchange moves the other side's
+        to ``path``): their epochs end too, or the next change there would be taken as inside
+        an epoch of an object that has gone, and journaled without its pre-image."""
+        src, dst = path + "/", path2 + "/"
+
+        def moved(p: str) -> str | None:
+            if p.startswith(src):
+                return path2 + p[len(path):]
+            if p.startswith(dst):
+                return path + p[len(path2):] if exchange else None
+            return p
+        ended: dict[str, str] = {}
+        for p in [p for p in self.epochs if moved(p) != p]:
+            unit = self.epochs.pop(p).unit
+            if moved(p) is not None:
+                ended[moved(p)] = unit
+        owed = {p: self.unsealed.pop(p) for p in [p for p in self.unsealed if moved(p) != p]}
+        for p, unit in owed.items():
+            if moved(p) is not None:
+                self.unsealed[moved(p)] = unit
+        self.unsealed.update(ended)
 
     # -- content --------------------------------------------------------------------------------
     def _capture(self, path: str, fd: int, unit: str, lo: int, hi: int | None) -> dict | None:
@@ -984,7 +1019,11 @@ class Recorder:
             if not self.secrets.match(handle.path):  # a secret's written data is never kept
                 ev["data"] = self.content.put_bytes(data)
         if ev is None:
-            if handle.write_seq is None or handle.epoch is not self.epochs.get(handle.path):
+            ep = self.epochs.get(handle.path)
+            if handle.write_seq is None or handle.epoch is not ep or ep.last != handle.write_seq:
+                # a new run: the handle's first write, or one after another event on the path
+                # (another handle's write or truncate, a chmod, a rename): readers take the
+                # state after that event from it, so no write may follow it unseen
                 ev = {"path": handle.path, **unit_fields(handle.unit)}
                 self._alias_again(handle.path, handle.fd, handle.unit)
             else:

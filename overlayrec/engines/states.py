@@ -784,6 +784,13 @@ class States:
         for e, name in reversed(evs):
             if e["op"] == "write" and "data" not in e:
                 break
+            if e["op"] == "alias":
+                # another name of the inode began a write run: its later writes change this
+                # name too, unseen here as there
+                run = self._alias_run(e)
+                if run is not None:
+                    e = run
+                    break
             if self.starts_epoch(e, name):
                 return False
         else:
@@ -794,6 +801,18 @@ class States:
             return False  # the run's only write was the event, or it was released before
         end = self._unit_ends().get(e.get("unit") or "")
         return end is None or end > after
+
+    def _alias_run(self, alias: dict) -> dict | None:
+        """The write an ``alias`` event was committed with (the next event of its source, in
+        the same commit) when that write began a run; None for any other change."""
+        src = alias.get("source")
+        if src is None:
+            return None
+        chain = self.chain_on(src)
+        i = bisect.bisect_right(self._seqs_of(src, chain), alias["seq"])
+        if i < len(chain) and chain[i]["op"] == "write" and "data" not in chain[i]:
+            return chain[i]
+        return None
 
     def _withheld(self, path: str, after: int, st: State) -> State:
         """A secret file's state: its metadata, and a placeholder for the content the record
@@ -896,11 +915,14 @@ class States:
         """Replay forward from the last full pre-image at or before ``after`` (full-fidelity
         journals: every write carries its data); None when an event cannot be replayed."""
         start = None
+        # events of the name before a directory rename brought this object to it were another
+        # object's (path history): the replay starts after that
+        since = self.history(path, after)[0][1] if self.renames() else 0
         for i, e in enumerate(evs):
             if e["seq"] > after:
                 break
             pre = self.pre_for(e, path)
-            if pre is not None and "kind" in pre:
+            if pre is not None and "kind" in pre and e["seq"] > since:
                 start = i
         if start is None:
             if path in self._partial:

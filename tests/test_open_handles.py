@@ -1,0 +1,263 @@
+"""Files held open across renames, unlinks and directory moves: every state the readers call
+exact is the state the tree had.
+
+The history model test closes every handle before the next operation; agents' tools do not (an
+editor keeps its file open while a formatter renames it away, a logger appends to a file a test
+has moved, a build keeps writing an output whose directory was renamed).  Here one process
+holds up to three raw file descriptors at once, opened with O_TRUNC, O_APPEND or O_RDWR, and
+writes, pwrites and ftruncates through them between renames of files and directories, unlinks,
+new files made in the old names, hard links, chmods and mkdirs, in generated sequences (seeded: a failure names
+its case).  After every operation it snapshots its directory (contents and modes) through the
+mount.  Unmounted,
+``States.state(path, N)`` is compared path by path with the tree as it stood just before event
+N+1 (what a state "after N" means: a write that joins an open write run is no event, so it lands
+between two events), which is the last snapshot taken before event N+1 was committed: wherever
+the record says a state is exact, it must be that snapshot's.  (States inside a run that goes on
+past the next event are inexact: they are left out, and the test checks that enough states were
+exact to mean something.)
+
+Knobs (environment): OVERLAYREC_HANDLE_CASES (default 40), OVERLAYREC_HANDLE_OPS (default 30).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+
+from conftest import SLOW, needs_fuse
+from overlayrec.engines.states import States, Tree
+from overlayrec.journal import Journal
+
+pytestmark = needs_fuse
+
+CASES = int(os.environ.get("OVERLAYREC_HANDLE_CASES", "40"))
+OPS = int(os.environ.get("OVERLAYREC_HANDLE_OPS", "30"))
+FILES = ("a", "b", "c", "d/x", "d/y", "e/x")
+DIRS = ("d", "e")
+
+DRIVER = textwrap.dedent(r'''
+    import json, os, sys, time
+    plan, out = json.load(open(sys.argv[1])), sys.argv[2]
+    FLAGS = {"trunc": os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+             "append": os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+             "rdwr": os.O_RDWR | os.O_CREAT}
+
+    def snap():
+        tree = {}
+        for d, dirs, files in os.walk("."):
+            for n in dirs:
+                tree[os.path.relpath(os.path.join(d, n), ".")] = None
+            for n in files:
+                p = os.path.join(d, n)
+                with open(p, "rb") as f:
+                    tree[os.path.relpath(p, ".")] = [f.read().decode("latin-1"),
+                                                     os.stat(p).st_mode & 0o7777]
+        return tree
+
+    marks = []
+    for case in plan:
+        os.mkdir(case["dir"])
+        os.chdir(case["dir"])
+        fds = {}
+        for op in case["ops"]:
+            kind, args = op[0], op[1:]
+            try:
+                if kind == "open":
+                    h, path, how = args
+                    if h in fds:
+                        os.close(fds.pop(h))
+                    fds[h] = os.open(path, FLAGS[how], 0o644)
+                elif kind == "write" and args[0] in fds:
+                    os.write(fds[args[0]], args[1].encode())
+                elif kind == "pwrite" and args[0] in fds:
+                    os.pwrite(fds[args[0]], args[1].encode(), args[2])
+                elif kind == "ftruncate" and args[0] in fds:
+                    os.ftruncate(fds[args[0]], args[1])
+                elif kind == "close" and args[0] in fds:
+                    os.close(fds.pop(args[0]))
+                elif kind == "rename":
+                    os.rename(*args)
+                elif kind == "unlink":
+                    os.unlink(args[0])
+                elif kind == "mkdir":
+                    os.mkdir(args[0])
+                elif kind == "link":
+                    os.link(*args)
+                elif kind == "chmod":
+                    os.chmod(*args)
+                elif kind == "make":
+                    with open(args[0], "w") as f:
+                        f.write(args[1])
+            except OSError:
+                pass
+            marks.append({"case": case["dir"], "t": time.time_ns(), "op": op, "tree": snap()})
+        for fd in fds.values():
+            os.close(fd)
+        os.chdir("..")
+    # closing the last handles is a change of nothing: the snapshots stand
+    json.dump(marks, open(out, "w"))
+''')
+
+
+def generate(seed: int) -> list[list]:
+    """A sequence of operations over a few names, mostly ones that can succeed."""
+    rnd = random.Random(seed)
+    ops: list[list] = [["mkdir", "d"]]
+    n = 0
+
+    def token() -> str:
+        nonlocal n
+        n += 1
+        return f"<{seed}.{n}>"
+    for _ in range(OPS):
+        h = rnd.randrange(3)
+        kind = rnd.choices(("open", "write", "pwrite", "ftruncate", "close", "rename",
+                            "renamedir", "unlink", "mkdir", "make", "link", "chmod"),
+                           (4, 6, 2, 1, 2, 4, 2, 2, 1, 2, 1, 1))[0]
+        if kind == "open":
+            ops.append(["open", h, rnd.choice(FILES), rnd.choice(("trunc", "append", "rdwr"))])
+        elif kind == "write":
+            ops.append(["write", h, token()])
+        elif kind == "pwrite":
+            ops.append(["pwrite", h, token(), rnd.choice((0, 3))])
+        elif kind == "ftruncate":
+            ops.append(["ftruncate", h, rnd.choice((0, 2))])
+        elif kind == "close":
+            ops.append(["close", h])
+        elif kind == "rename":
+            ops.append(["rename", *rnd.sample(FILES, 2)])
+        elif kind == "renamedir":
+            ops.append(["rename", *rnd.sample(DIRS, 2)])
+        elif kind == "unlink":
+            ops.append(["unlink", rnd.choice(FILES)])
+        elif kind == "mkdir":
+            ops.append(["mkdir", rnd.choice(DIRS)])
+        elif kind == "link":
+            ops.append(["link", *rnd.sample(FILES, 2)])
+        elif kind == "chmod":
+            ops.append(["chmod", rnd.choice(FILES), rnd.choice((0o600, 0o644, 0o755))])
+        else:
+            ops.append(["make", rnd.choice(FILES), token()])
+    return ops
+
+
+def run_and_check(make_mount, tmp_path, plan: list[dict], *, min_exact: int):
+    """Run ``plan`` (cases of operations) through the driver on a fresh mount, then compare
+    every exact state with the tree as it stood (see the module's docstring)."""
+    m = make_mount().mount()
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    out = tmp_path / "marks.json"
+    r = subprocess.run([sys.executable, str(driver), str(tmp_path / "plan.json"), str(out)],
+                       cwd=m.ws, capture_output=True, text=True, timeout=300 * SLOW)
+    assert r.returncode == 0, r.stderr
+    marks = json.loads(out.read_text())
+    m.umount()
+
+    j = Journal(m.state, readonly=True)
+    try:
+        states = States(j, Tree.at(m.ws))
+        times = [(e["t"], e["seq"]) for e in j.events()]
+        # each point's tree: the last snapshot before the next event (writes that joined a run
+        # came between)
+        last: dict[int, dict] = {}
+        for i, mark in enumerate(marks):
+            mark["i"] = i
+            last[max((seq for t, seq in times if t <= mark["t"]), default=0)] = mark
+        exact = inexact = 0
+        for point, mark in sorted(last.items()):
+            i, case = mark["i"], mark["case"]
+            names = {f"{case}/{p}" for p in FILES + DIRS}
+            for path in sorted(names | {f"{case}/{p}" for p in mark["tree"]}):
+                st = states.state(path, point)
+                if not st.exact:
+                    inexact += 1
+                    continue
+                exact += 1
+                rel = path[len(case) + 1:]
+                if rel not in mark["tree"]:
+                    got = st.kind
+                    assert got == "absent", (i, mark["op"], path, point, got)
+                elif mark["tree"][rel] is None:
+                    assert st.kind == "dir", (i, mark["op"], path, point, st.kind)
+                else:
+                    data, mode = mark["tree"][rel]
+                    want = ("file", data.encode("latin-1"), mode)
+                    assert (st.kind, st.data, st.mode & 0o7777) == want, \
+                        (i, mark["op"], path, point, st, want)
+    finally:
+        j.close()
+    # most states are exact: a run of joined writes is the only inexact stretch
+    assert exact >= min_exact and exact > 2 * inexact, (exact, inexact)
+    return m
+
+
+def test_every_exact_state_is_the_tree_as_it_stood(make_mount, tmp_path):
+    plan = [{"dir": f"c{seed}", "ops": generate(seed)} for seed in range(CASES)]
+    run_and_check(make_mount, tmp_path, plan, min_exact=5 * CASES * len(FILES))
+
+
+def test_two_handles_on_one_file(make_mount, tmp_path):
+    """A process writing one file through two descriptors: a write through the first after
+    the second's events starts a run of its own (an event), so the state after the second's
+    write is what it wrote, not what the first wrote later unseen."""
+    ops = [["mkdir", "d"], ["open", 0, "b", "trunc"], ["pwrite", 0, "<1>", 0],
+           ["pwrite", 0, "<2>", 3], ["make", "b", "<3>"], ["mkdir", "e"],
+           ["write", 0, "<4>"], ["close", 0], ["rename", "b", "c"]]
+    m = run_and_check(make_mount, tmp_path, [{"dir": "c", "ops": ops}], min_exact=20)
+    writes = [e for e in m.events() if e["op"] == "write" and e["path"] == "c/b"]
+    assert len(writes) == 3, writes  # <1>, the make's <3>, and <4> after it
+
+
+def test_a_directory_renamed_over_an_emptied_one(make_mount, tmp_path):
+    """e/x written and renamed away (e left empty), then d renamed over e: the e/x that d/x
+    becomes is another object, its first change takes its own pre-image, and its state just
+    after the rename is d/x's, not the old e/x's."""
+    ops = [["mkdir", "d"], ["mkdir", "e"], ["make", "e/x", "<1>"], ["rename", "e/x", "a"],
+           ["open", 2, "d/x", "append"], ["write", 2, "<2>"], ["close", 2], ["mkdir", "z"],
+           ["rename", "d", "e"], ["mkdir", "z"], ["open", 2, "e/x", "append"],
+           ["write", 2, "<3>"], ["close", 2], ["rename", "e/x", "b"]]
+    m = run_and_check(make_mount, tmp_path, [{"dir": "c", "ops": ops}], min_exact=30)
+    evs = m.events()
+    moved = next(e["seq"] for e in evs if e["op"] == "rename" and e["path"] == "c/d")
+    first = next(e for e in evs if e["path"] == "c/e/x" and e["seq"] > moved)
+    assert first["op"] == "write" and first.get("pre", {}).get("kind") == "file", first
+
+
+def test_a_replay_forward_never_starts_before_the_object_came(tmp_path):
+    """A journal of an older overlayrec, which kept the replaced directory's epochs: the first
+    write to e/x after ``mv d e`` has no pre-image.  Replaying e/x forward must not start from
+    the old e/x's events (another object, renamed away before): the state after the rename is
+    then inexact, never the old object's "absent"."""
+    ws, sd = tmp_path / "ws", str(tmp_path / "state")
+    (ws / "e").mkdir(parents=True)
+    (ws / "a").write_text("<1>")
+    (ws / "e" / "x").write_text("<2>")
+    j = Journal(sd)
+    actor = {"key": "1:1", "pid": 1}
+    unit = "outside:1:1"
+    f = {"kind": "file", "mode": 0o644, "size": 3}
+    d = {"kind": "dir", "mode": 0o755}
+    for ev in ({"op": "mkdir", "path": "d", "pre": {"kind": "absent"}, "epoch": True},
+               {"op": "mkdir", "path": "e", "pre": {"kind": "absent"}, "epoch": True},
+               {"op": "create", "path": "e/x", "pre": {"kind": "absent"}, "epoch": True},
+               {"op": "write", "path": "e/x", "offset": 0, "length": 3},
+               {"op": "rename", "path": "e/x", "path2": "a", "pre": f,
+                "pre2": {"kind": "absent"}, "epoch2": True},
+               {"op": "create", "path": "d/x", "pre": {"kind": "absent"}, "epoch": True},
+               {"op": "rename", "path": "d", "path2": "e", "pre": d, "pre2": d}):
+        moved = j.append(dict(ev, unit=unit), actor)
+    j.append({"op": "write", "path": "e/x", "unit": unit, "offset": 0, "length": 3}, actor)
+    j.close()
+    r = Journal(sd, readonly=True)
+    try:
+        states = States(r, Tree.at(str(ws)))
+        for path in ("e/x", "d/x"):
+            st = states.state(path, moved - (path == "d/x"))
+            assert st.kind == "file" or not st.exact, (path, st)
+    finally:
+        r.close()
