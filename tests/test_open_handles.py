@@ -261,3 +261,13 @@ def test_a_replay_forward_never_starts_before_the_object_came(tmp_path):
             assert st.kind == "file" or not st.exact, (path, st)
     finally:
         r.close()
+
+
+def test_a_hard_link_written_through_its_other_name(make_mount, tmp_path):
+    """c is a hard link of a; a write run through a changes c unseen too: c's state after the
+    run's event (its alias) is not the content the run left, until the run has ended."""
+    ops = [["make", "a", "<0>"], ["link", "a", "c"], ["open", 0, "a", "trunc"],
+           ["write", 0, "<1>"], ["mkdir", "z"], ["write", 0, "<2>"], ["close", 0],
+           ["rename", "c", "b"]]
+    m = run_and_check(make_mount, tmp_path, [{"dir": "c", "ops": ops}], min_exact=15)
+    assert [e["op"] for e in m.events() if e["path"] == "c/c"][-2:] == ["alias", "rename"]
