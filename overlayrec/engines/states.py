@@ -271,6 +271,12 @@ def facts(pre: dict) -> dict:
     return out
 
 
+def _exchanged(e: dict, path: str) -> bool:
+    """Is ``e`` an exchange (renameat2 RENAME_EXCHANGE) of ``path`` with another name?"""
+    return e["op"] == "rename" and bool(e.get("flags", 0) & 2) and e.get("path") != e.get("path2") \
+        and path in (e.get("path"), e.get("path2"))
+
+
 def _holding(evs) -> list[dict]:
     """The events of a path's chain that hold: not ``failed`` notes, nor the events they name."""
     evs = list(evs)
@@ -886,7 +892,7 @@ class States:
             # the entry is gone (dropped to free space: a ``reclaim`` marker; or removed by
             # hand): nothing else holds that inode's content, so never guess it
             return State("file", mode, b"", exact=False, **facts(pre))
-        if e["op"] == "rename" and e.get("path") == path:
+        if e["op"] == "rename" and (e.get("path") == path or _exchanged(e, path)):
             s = self._moved(path, e)
             return s.but(mode=mode, **facts(pre)) if s.kind == "file" else s
         # content saved later in the epoch, or unchanged until the epoch's end
@@ -963,6 +969,13 @@ class States:
             elif op == "symlink":
                 kind, mode, data = "symlink", 0o120000, bytearray(os.fsencode(e["target"]))
                 facts_of = ABSENT
+            elif _exchanged(e, path):
+                s2 = self.state(e["path2"] if e.get("path") == path else e["path"],
+                                e["seq"] - 1)
+                if not s2.exact:
+                    return None
+                kind, mode, data = s2.kind, s2.mode, bytearray(s2.data)
+                facts_of = s2
             elif op == "rename" and e.get("path") == path and e.get("path2") != path:
                 kind, mode, data = "absent", 0, bytearray()
             elif op in ("rename", "link"):
@@ -983,11 +996,11 @@ class States:
                      nlink=facts_of.nlink)
 
     def _moved(self, path: str, e: dict) -> State:
-        """A renamed-away file: the inode, unchanged by the rename, now at its new name.  Its
-        content is the first one the journal saved under the new name (the recorder saves it
-        before the first change there, in the same epoch too), or what the new name holds at
-        the end of its history."""
-        new = e["path2"]
+        """A renamed-away file: the inode, unchanged by the rename, now at its new name (the
+        other name, for either side of an exchange).  Its content is the first one the journal
+        saved under the new name (the recorder saves it before the first change there, in the
+        same epoch too), or what the new name holds at the end of its history."""
+        new = e["path2"] if e.get("path") == path else e["path"]
         move = self._next_move(new, e["seq"])
         for f in self.chain_on(new):
             if f["seq"] <= e["seq"]:
