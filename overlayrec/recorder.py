@@ -1013,20 +1013,22 @@ class Recorder:
         the tree can be replayed exactly at every event, not only at epoch boundaries.
         Returns the seq of the event it journaled, or None when the write joined the handle's
         last one."""
-        ev = self._capture(handle.path, handle.fd, handle.unit, off, off + length)
+        captured = ev = self._capture(handle.path, handle.fd, handle.unit, off, off + length)
         if self.record_data and data is not None:
             ev = ev or {"path": handle.path, **unit_fields(handle.unit)}
             if not self.secrets.match(handle.path):  # a secret's written data is never kept
                 ev["data"] = self.content.put_bytes(data)
-        if ev is None:
+        if captured is None:
             ep = self.epochs.get(handle.path)
             if handle.write_seq is None or handle.epoch is not ep or ep.last != handle.write_seq:
                 # a new run: the handle's first write, or one after another event on the path
                 # (another handle's write or truncate, a chmod, a rename): readers take the
-                # state after that event from it, so no write may follow it unseen
-                ev = {"path": handle.path, **unit_fields(handle.unit)}
+                # state after that event from it, so no write may follow it unseen; the
+                # inode's other names change with the run (also when each write is an event
+                # of this name, recording data)
+                ev = ev or {"path": handle.path, **unit_fields(handle.unit)}
                 self._alias_again(handle.path, handle.fd, handle.unit)
-            else:
+            elif ev is None:
                 handle.note_write(off, length)
                 return None
         ev["op"] = "write"

@@ -277,6 +277,13 @@ def _exchanged(e: dict, path: str) -> bool:
         and path in (e.get("path"), e.get("path2"))
 
 
+def _moves_away(e: dict, path: str) -> bool:
+    """Does ``e`` take the object at ``path`` to another name (a rename of it, or an
+    exchange)?"""
+    return e["op"] == "rename" and e.get("path2") != e.get("path") and (
+        e.get("path") == path or (bool(e.get("flags", 0) & 2) and e.get("path2") == path))
+
+
 def _holding(evs) -> list[dict]:
     """The events of a path's chain that hold: not ``failed`` notes, nor the events they name."""
     evs = list(evs)
@@ -785,14 +792,18 @@ class States:
         nxt = next((e for e in self.chain_on(path) if e["seq"] > after), None)
         if nxt is not None and nxt["seq"] == after + 1:
             pre = self.pre_for(nxt, path)
-            if pre is not None and "kind" in pre:
-                return False  # "just before that event": its pre-image, taken then, is exact
+            # "just before that event": its pre-image, taken then, is exact; but a linked file
+            # renamed away keeps no content in it, and a write run through another of its names
+            # goes on changing it unseen (asked below)
+            if pre is not None and "kind" in pre and not (
+                    (pre.get("nlink") or 1) > 1 and _moves_away(nxt, path)):
+                return False
         for e, name in reversed(evs):
             if e["op"] == "write" and "data" not in e:
                 break
             if e["op"] == "alias":
                 # another name of the inode began a write run: its later writes change this
-                # name too, unseen here as there
+                # name too, unseen here
                 run = self._alias_run(e)
                 if run is not None:
                     e = run
@@ -810,13 +821,15 @@ class States:
 
     def _alias_run(self, alias: dict) -> dict | None:
         """The write an ``alias`` event was committed with (the next event of its source, in
-        the same commit) when that write began a run; None for any other change."""
+        the same commit) when that write began a run; None for any other change.  (A journal
+        that records data makes every later write of the run an event of the source only: the
+        alias's name is as unseen there.)"""
         src = alias.get("source")
         if src is None:
             return None
         chain = self.chain_on(src)
         i = bisect.bisect_right(self._seqs_of(src, chain), alias["seq"])
-        if i < len(chain) and chain[i]["op"] == "write" and "data" not in chain[i]:
+        if i < len(chain) and chain[i]["op"] == "write":
             return chain[i]
         return None
 
