@@ -852,6 +852,11 @@ class Recorder:
         if self.names:
             self.names.rename(path, path2, stat.S_ISDIR(st.st_mode),
                               bool(flags & underlay.RENAME_EXCHANGE))
+            exchange = bool(flags & underlay.RENAME_EXCHANGE)
+            for moved, name in ((st, path2), (st2 if exchange else None, path)):
+                if moved is not None and not stat.S_ISDIR(moved.st_mode) and \
+                        self.nlink(moved) >= 2:
+                    self._end_runs(moved, name)
         ep.content_saved = ep.meta_saved = True
         # the moved inode's content is in no pre-image (a rename copies nothing): the next
         # content change under the new name, even in this epoch, must save it first
@@ -885,6 +890,15 @@ class Recorder:
             if moved(p) is not None:
                 self.unsealed[moved(p)] = unit
         self.unsealed.update(ended)
+
+    def _end_runs(self, st: os.stat_result, name: str) -> None:
+        """A linked inode has a new name (``name``): the write runs through its other names end
+        here, so their next write is an event again, journaled on the new name too (an
+        ``alias``); joined unseen, it would change the new name after the event that made it."""
+        for other in self.names.get((st.st_dev, st.st_ino), ()):
+            ep = self.epochs.get(other) if other != name else None
+            if ep is not None:
+                ep.last = 0
 
     # -- content --------------------------------------------------------------------------------
     def _capture(self, path: str, fd: int, unit: str, lo: int, hi: int | None) -> dict | None:

@@ -3,8 +3,8 @@ exact is the state the tree had.
 
 The history model test closes every handle before the next operation; agents' tools do not (an
 editor keeps its file open while a formatter renames it away, a logger appends to a file a test
-has moved, a build keeps writing an output whose directory was renamed).  Here one process
-holds up to three raw file descriptors at once, opened with O_TRUNC, O_APPEND or O_RDWR, and
+has moved, a build keeps writing an output whose directory was renamed).  Here two processes
+(two units: each change of writer ends every epoch) hold up to three raw file descriptors each, opened with O_TRUNC, O_APPEND or O_RDWR, and
 writes, pwrites and ftruncates through them between renames of files and directories, unlinks,
 new files made in the old names, hard links, symlinks (to files, to directories, dangling),
 exchanges (renameat2), truncates by name, chmods, mkdirs and rmdirs, in generated sequences
@@ -40,17 +40,84 @@ FILES = ("a", "b", "c", "d/x", "d/y", "e/x")
 DIRS = ("d", "e")
 
 DRIVER = textwrap.dedent(r'''
-    import ctypes, json, os, sys, time
-    plan, out = json.load(open(sys.argv[1])), sys.argv[2]
+    import ctypes, json, os, subprocess, sys, time
     libc = ctypes.CDLL(None, use_errno=True)
+    FLAGS = {"trunc": os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+             "append": os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+             "rdwr": os.O_RDWR | os.O_CREAT}
 
     def exchange(a, b):
         # renameat2(AT_FDCWD, a, AT_FDCWD, b, RENAME_EXCHANGE)
         if libc.renameat2(-100, a.encode(), -100, b.encode(), 2) != 0:
             raise OSError(ctypes.get_errno(), "renameat2")
-    FLAGS = {"trunc": os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
-             "append": os.O_WRONLY | os.O_CREAT | os.O_APPEND,
-             "rdwr": os.O_RDWR | os.O_CREAT}
+
+    def do(op, fds):
+        kind, args = op[0], op[1:]
+        try:
+            if kind == "open":
+                h, path, how = args
+                if h in fds:
+                    os.close(fds.pop(h))
+                fds[h] = os.open(path, FLAGS[how], 0o644)
+            elif kind == "write" and args[0] in fds:
+                os.write(fds[args[0]], args[1].encode())
+            elif kind == "pwrite" and args[0] in fds:
+                os.pwrite(fds[args[0]], args[1].encode(), args[2])
+            elif kind == "ftruncate" and args[0] in fds:
+                os.ftruncate(fds[args[0]], args[1])
+            elif kind == "close" and args[0] in fds:
+                os.close(fds.pop(args[0]))
+            elif kind == "rename":
+                os.rename(*args)
+            elif kind == "unlink":
+                os.unlink(args[0])
+            elif kind == "mkdir":
+                os.mkdir(args[0])
+            elif kind == "link":
+                os.link(*args)
+            elif kind == "chmod":
+                os.chmod(*args)
+            elif kind == "symlink":
+                os.symlink(*args)
+            elif kind == "rmdir":
+                os.rmdir(args[0])
+            elif kind == "exchange":
+                exchange(*args)
+            elif kind == "truncate":
+                os.truncate(*args)
+            elif kind == "make":
+                with open(args[0], "w") as f:
+                    f.write(args[1])
+        except OSError:
+            pass
+
+    def close_all(fds):
+        for fd in fds.values():
+            os.close(fd)
+        fds.clear()
+
+    if sys.argv[1] == "worker":  # the second writer: another process, another unit
+        fds = {}
+        for line in sys.stdin:
+            msg = json.loads(line)
+            if "cd" in msg:
+                close_all(fds)
+                os.chdir(msg["cd"])
+            else:
+                do(msg["op"], fds)
+            sys.stdout.write("ok\n")
+            sys.stdout.flush()
+        close_all(fds)
+        sys.exit(0)
+
+    plan, out = json.load(open(sys.argv[1])), sys.argv[2]
+    worker = subprocess.Popen([sys.executable, __file__, "worker"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+
+    def tell(msg):
+        worker.stdin.write(json.dumps(msg) + "\n")
+        worker.stdin.flush()
+        assert worker.stdout.readline() == "ok\n"
 
     def snap():
         tree = {}
@@ -74,57 +141,27 @@ DRIVER = textwrap.dedent(r'''
     for case in plan:
         os.mkdir(case["dir"])
         os.chdir(case["dir"])
+        tell({"cd": os.getcwd()})
         fds = {}
         for op in case["ops"]:
-            kind, args = op[0], op[1:]
-            try:
-                if kind == "open":
-                    h, path, how = args
-                    if h in fds:
-                        os.close(fds.pop(h))
-                    fds[h] = os.open(path, FLAGS[how], 0o644)
-                elif kind == "write" and args[0] in fds:
-                    os.write(fds[args[0]], args[1].encode())
-                elif kind == "pwrite" and args[0] in fds:
-                    os.pwrite(fds[args[0]], args[1].encode(), args[2])
-                elif kind == "ftruncate" and args[0] in fds:
-                    os.ftruncate(fds[args[0]], args[1])
-                elif kind == "close" and args[0] in fds:
-                    os.close(fds.pop(args[0]))
-                elif kind == "rename":
-                    os.rename(*args)
-                elif kind == "unlink":
-                    os.unlink(args[0])
-                elif kind == "mkdir":
-                    os.mkdir(args[0])
-                elif kind == "link":
-                    os.link(*args)
-                elif kind == "chmod":
-                    os.chmod(*args)
-                elif kind == "symlink":
-                    os.symlink(*args)
-                elif kind == "rmdir":
-                    os.rmdir(args[0])
-                elif kind == "exchange":
-                    exchange(*args)
-                elif kind == "truncate":
-                    os.truncate(*args)
-                elif kind == "make":
-                    with open(args[0], "w") as f:
-                        f.write(args[1])
-            except OSError:
-                pass
+            if op[0] == "@1":
+                tell({"op": op[1:]})
+            else:
+                do(op, fds)
             marks.append({"case": case["dir"], "t": time.time_ns(), "op": op, "tree": snap()})
-        for fd in fds.values():
-            os.close(fd)
+        close_all(fds)
+        tell({"cd": os.getcwd()})  # the worker closes its descriptors too
         os.chdir("..")
+    worker.stdin.close()
+    worker.wait()
     # closing the last handles is a change of nothing: the snapshots stand
     json.dump(marks, open(out, "w"))
 ''')
 
 
-def generate(seed: int) -> list[list]:
-    """A sequence of operations over a few names, mostly ones that can succeed."""
+def generate(seed: int, two: bool = True) -> list[list]:
+    """A sequence of operations over a few names, mostly ones that can succeed; with ``two``,
+    about a third of them made by a second process (its own descriptors, its own unit)."""
     rnd = random.Random(seed)
     ops: list[list] = [["mkdir", "d"]]
     n = 0
@@ -135,6 +172,7 @@ def generate(seed: int) -> list[list]:
         return f"<{seed}.{n}>"
     for _ in range(OPS):
         h = rnd.randrange(3)
+        start = len(ops)
         kind = rnd.choices(("open", "write", "pwrite", "ftruncate", "close", "rename",
                             "renamedir", "unlink", "mkdir", "make", "link", "chmod", "symlink",
                             "rmdir", "exchange", "truncate"),
@@ -171,6 +209,8 @@ def generate(seed: int) -> list[list]:
             ops.append(["truncate", rnd.choice(FILES), rnd.choice((0, 1))])
         else:
             ops.append(["make", rnd.choice(FILES), token()])
+        if two and rnd.random() < 0.35:  # made by the second writer
+            ops[start:] = [["@1", *op] for op in ops[start:]]
     return ops
 
 
@@ -333,3 +373,14 @@ def test_a_hard_link_written_through_its_other_name_with_record_data(make_mount,
            ["close", 0], ["rename", "c", "b"]]
     run_and_check(make_mount, tmp_path, [{"dir": "c", "ops": ops}], min_exact=15,
                   extra=["--record-data"])
+
+
+def test_a_hard_link_renamed_over_another_name_while_written(make_mount, tmp_path):
+    """b, a hard link of c, is renamed over d/y while a write run through c goes on: the run's
+    next write is an event again (journaled on d/y too), so d/y's state after the rename is the
+    content it had then, not what the run wrote later."""
+    ops = [["mkdir", "d"], ["make", "c", "<0>"], ["link", "c", "b"], ["open", 0, "c", "rdwr"],
+           ["write", 0, "<1>"], ["write", 0, "<2>"], ["@1", "make", "d/y", "<3>"],
+           ["rename", "b", "d/y"], ["mkdir", "e"], ["write", 0, "<4>"], ["close", 0],
+           ["mkdir", "z"]]
+    run_and_check(make_mount, tmp_path, [{"dir": "c", "ops": ops}], min_exact=20)
