@@ -17,7 +17,8 @@ the record says a state is exact, it must be that snapshot's.  (States inside a 
 past the next event are inexact: they are left out, and the test checks that enough states were
 exact to mean something.)
 
-Knobs (environment): OVERLAYREC_HANDLE_CASES (default 40), OVERLAYREC_HANDLE_OPS (default 30).
+Knobs (environment): OVERLAYREC_HANDLE_CASES (default 40), OVERLAYREC_HANDLE_OPS (default 30),
+OVERLAYREC_HANDLE_SEED (the first case's seed, default 0).
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ pytestmark = needs_fuse
 
 CASES = int(os.environ.get("OVERLAYREC_HANDLE_CASES", "40"))
 OPS = int(os.environ.get("OVERLAYREC_HANDLE_OPS", "30"))
+SEED = int(os.environ.get("OVERLAYREC_HANDLE_SEED", "0"))
 FILES = ("a", "b", "c", "d/x", "d/y", "e/x")
 DIRS = ("d", "e")
 
@@ -271,7 +273,7 @@ def run_and_check(make_mount, tmp_path, plan: list[dict], *, min_exact: int, ext
 
 
 def test_every_exact_state_is_the_tree_as_it_stood(make_mount, tmp_path):
-    plan = [{"dir": f"c{seed}", "ops": generate(seed)} for seed in range(CASES)]
+    plan = [{"dir": f"c{seed}", "ops": generate(seed)} for seed in range(SEED, SEED + CASES)]
     run_and_check(make_mount, tmp_path, plan, min_exact=5 * CASES * len(FILES))
 
 
@@ -279,7 +281,8 @@ def test_every_state_with_record_data(make_mount, tmp_path):
     """With --record-data every write is an event with its data: states are replayed forward
     (exchanges, renames and links included), and nearly all are exact."""
     n = max(4, CASES // 4)
-    plan = [{"dir": f"c{seed}", "ops": generate(1000 + seed)} for seed in range(n)]
+    plan = [{"dir": f"c{seed}", "ops": generate(seed)}
+            for seed in range(SEED + 1000, SEED + 1000 + n)]
     run_and_check(make_mount, tmp_path, plan, min_exact=8 * n * len(FILES),
                   extra=["--record-data"])
 
