@@ -15,7 +15,8 @@ N+1 (what a state "after N" means: a write that joins an open write run is no ev
 between two events), which is the last snapshot taken before event N+1 was committed: wherever
 the record says a state is exact, it must be that snapshot's.  (States inside a run that goes on
 past the next event are inexact: they are left out, and the test checks that enough states were
-exact to mean something.)
+exact to mean something.)  ``replay`` is checked the same way at a dozen of those points: every
+path it writes and does not call inexact is the snapshot's.
 
 Knobs (environment): OVERLAYREC_HANDLE_CASES (default 40), OVERLAYREC_HANDLE_OPS (default 30),
 OVERLAYREC_HANDLE_SEED (the first case's seed, default 0).
@@ -30,6 +31,7 @@ import sys
 import textwrap
 
 from conftest import SLOW, needs_fuse
+from overlayrec.engines.replay import replay
 from overlayrec.engines.states import States, Tree
 from overlayrec.journal import Journal
 
@@ -216,6 +218,23 @@ def generate(seed: int, two: bool = True) -> list[list]:
     return ops
 
 
+def tree_at(root) -> dict:
+    """A directory as the driver snapshots one (see ``snap`` in DRIVER)."""
+    tree = {}
+    for d, dirs, files in os.walk(root):
+        for n in dirs + files:
+            p = os.path.join(d, n)
+            rel = os.path.relpath(p, root)
+            if os.path.islink(p):
+                tree[rel] = {"link": os.readlink(p)}
+            elif n in dirs:
+                tree[rel] = None
+            else:
+                with open(p, "rb") as f:
+                    tree[rel] = [f.read().decode("latin-1"), os.stat(p).st_mode & 0o7777]
+    return tree
+
+
 def run_and_check(make_mount, tmp_path, plan: list[dict], *, min_exact: int, extra=()):
     """Run ``plan`` (cases of operations) through the driver on a fresh mount (``extra``: its
     options), then compare every exact state with the tree as it stood (see the module's
@@ -265,6 +284,21 @@ def run_and_check(make_mount, tmp_path, plan: list[dict], *, min_exact: int, ext
                     want = ("file", data.encode("latin-1"), mode)
                     assert (st.kind, st.data, st.mode & 0o7777) == want, \
                         (i, mark["op"], path, point, st, want)
+        # the replay reader too, at a dozen points: what it writes, where it calls it exact
+        compared = 0
+        for point in sorted(random.Random(len(marks)).sample(sorted(last), min(12, len(last)))):
+            mark = last[point]
+            dest = tmp_path / f"replay-{point}"
+            out = replay(j, states, point, str(dest))
+            skip = set(out["inexact"])
+            got = tree_at(dest / mark["case"]) if (dest / mark["case"]).is_dir() else {}
+            for rel in sorted(set(got) | set(mark["tree"])):
+                if f"{mark['case']}/{rel}" in skip:
+                    continue
+                assert got.get(rel) == mark["tree"].get(rel), \
+                    (mark["i"], mark["op"], rel, point, got.get(rel), mark["tree"].get(rel))
+                compared += 1
+        assert compared >= min(12, len(last)), compared
     finally:
         j.close()
     # most states are exact: a run of joined writes is the only inexact stretch
