@@ -273,9 +273,7 @@ class Recorder:
         self._unjournaled: list[dict] = []  # notes (failed, reclaim) the journal owes
         self.root_fd = root_fd
         self.attribution = attribution
-        # tests of range pre-images make small files take them (a few bytes)
-        knob = os.environ.get("OVERLAYREC_TEST_WHOLE_FILE_LIMIT", "").strip()
-        self.whole_file_limit = int(knob) if knob else whole_file_limit
+        self.whole_file_limit = whole_file_limit
         # tests of the attic itself keep small files there too (=-1: every file)
         knob = os.environ.get("OVERLAYREC_TEST_SMALL_PREIMAGE", "").strip()
         self.small_preimage = int(knob) if knob else SMALL_PREIMAGE

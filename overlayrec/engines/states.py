@@ -928,10 +928,7 @@ class States:
         data = bytearray(end.data[:size].ljust(size, b"\0"))
         for off, length, digest in ranges:
             data[off:off + length] = self.j.content.get(digest)
-        # an alias of a file past the whole-file limit keeps no content, and the inode changes
-        # at once through the other name (whose ranges are saved on that name's chain)
-        unkept = e["op"] == "alias" and bool(pre.get("size"))
-        return State("file", mode, bytes(data), end.exact and not unkept, **facts(pre))
+        return State("file", mode, bytes(data), end.exact, **facts(pre))
 
     def _forward(self, path: str, after: int, evs: list[dict]) -> State | None:
         """Replay forward from the last full pre-image at or before ``after`` (full-fidelity
