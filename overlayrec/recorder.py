@@ -849,10 +849,9 @@ class Recorder:
                     except OSError as e:
                         log.warning("cannot drop attic entry %s: %s", pre2["attic"], e)
                 raise
+        exchange = bool(flags & underlay.RENAME_EXCHANGE)
         if self.names:
-            self.names.rename(path, path2, stat.S_ISDIR(st.st_mode),
-                              bool(flags & underlay.RENAME_EXCHANGE))
-            exchange = bool(flags & underlay.RENAME_EXCHANGE)
+            self.names.rename(path, path2, stat.S_ISDIR(st.st_mode), exchange)
             for moved, name in ((st, path2), (st2 if exchange else None, path)):
                 if moved is not None and not stat.S_ISDIR(moved.st_mode) and \
                         self.nlink(moved) >= 2:
@@ -864,7 +863,7 @@ class Recorder:
         ep2.content_saved = False
         ep2.size0 = ep2.ranges = None
         if stat.S_ISDIR(st.st_mode) or (st2 is not None and stat.S_ISDIR(st2.st_mode)):
-            self._move_beneath(path, path2, bool(flags & underlay.RENAME_EXCHANGE))
+            self._move_beneath(path, path2, exchange)
 
     def _move_beneath(self, path: str, path2: str, exchange: bool) -> None:
         """Paths below a renamed directory change: their epochs end (owed seals go with them)
@@ -1034,7 +1033,8 @@ class Recorder:
                 ev["data"] = self.content.put_bytes(data)
         if captured is None:
             ep = self.epochs.get(handle.path)
-            if handle.write_seq is None or handle.epoch is not ep or ep.last != handle.write_seq:
+            if handle.write_seq is None or ep is None or handle.epoch is not ep or \
+                    ep.last != handle.write_seq:
                 # a new run: the handle's first write, or one after another event on the path
                 # (another handle's write or truncate, a chmod, a rename): readers take the
                 # state after that event from it, so no write may follow it unseen; the
