@@ -273,7 +273,9 @@ class Recorder:
         self._unjournaled: list[dict] = []  # notes (failed, reclaim) the journal owes
         self.root_fd = root_fd
         self.attribution = attribution
-        self.whole_file_limit = whole_file_limit
+        # tests of range pre-images make small files take them (a few bytes)
+        knob = os.environ.get("OVERLAYREC_TEST_WHOLE_FILE_LIMIT", "").strip()
+        self.whole_file_limit = int(knob) if knob else whole_file_limit
         # tests of the attic itself keep small files there too (=-1: every file)
         knob = os.environ.get("OVERLAYREC_TEST_SMALL_PREIMAGE", "").strip()
         self.small_preimage = int(knob) if knob else SMALL_PREIMAGE
@@ -941,7 +943,7 @@ class Recorder:
             return None
         if pre is not None:
             ev["pre"] = pre
-            self._alias(path, st, unit, pre)
+            self._alias(path, st, unit, pre, content=True)
         return ev
 
     # -- hard links -----------------------------------------------------------------------------
@@ -958,10 +960,12 @@ class Recorder:
         finally:
             os.close(fd)
 
-    def _alias(self, path: str, st: os.stat_result, unit: str, pre: dict) -> None:
-        """``path``'s inode is about to change: every other name the daemon knows it by changes
-        with it.  Queue an ``alias`` event for each (its pre-image: the same inode's, under
-        that name), committed with the change's own event."""
+    def _alias(self, path: str, st: os.stat_result, unit: str, pre: dict, *,
+               content: bool) -> None:
+        """``path``'s inode is about to change (its data when ``content``, else only its
+        metadata): every other name the daemon knows it by changes with it.  Queue an ``alias``
+        event for each (its pre-image: the same inode's, under that name), committed with the
+        change's own event."""
         if not self.names or self.nlink(st) < 2:
             return
         key = (st.st_dev, st.st_ino)
@@ -976,6 +980,10 @@ class Recorder:
             apre = self._meta(st)
             if "blob" in pre:
                 apre["blob"] = pre["blob"]
+            elif content and st.st_size:
+                # past the whole-file limit (or withheld): the data the other name held is
+                # not kept under it, so a reader may not take it from a later state
+                apre["unkept"] = True
             # the other name's content changes with every write through this one, unseen
             # there: its epoch ends here, so its next own change captures a fresh pre-image
             self.epochs.pop(other, None)
@@ -983,7 +991,7 @@ class Recorder:
             self._pending.append({"op": "alias", "path": other, "source": path, "pre": apre,
                                   "epoch": True, **unit_fields(unit)})
 
-    def _alias_again(self, path: str, fd: int, unit: str) -> None:
+    def _alias_again(self, path: str, fd: int, unit: str, *, content: bool = True) -> None:
         """A change through ``path`` inside its epoch (it takes no pre-image of its own): the
         inode's other known names change with it, unseen there, so each gets an ``alias`` event
         again, its pre-image the inode as it is now (the content kept for files up to the
@@ -1004,7 +1012,7 @@ class Recorder:
                     pre["blob"] = self._save_whole(rfd, st.st_size)
                 finally:
                     os.close(rfd)
-        self._alias(path, st, unit, pre)
+        self._alias(path, st, unit, pre, content=content)
 
     def _lstat(self, path: str) -> os.stat_result:
         parent, _, name = path.rpartition("/")
@@ -1113,9 +1121,9 @@ class Recorder:
             ev["pre"] = pre
             ep.meta_saved = True
             if pre["kind"] == "file":
-                self._alias(path, st, unit, pre)
+                self._alias(path, st, unit, pre, content=False)
         else:
-            self._alias_again(path, fd, unit)
+            self._alias_again(path, fd, unit, content=False)
         return ev
 
     @_roomy

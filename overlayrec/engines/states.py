@@ -928,7 +928,10 @@ class States:
         data = bytearray(end.data[:size].ljust(size, b"\0"))
         for off, length, digest in ranges:
             data[off:off + length] = self.j.content.get(digest)
-        return State("file", mode, bytes(data), end.exact, **facts(pre))
+        # an alias whose content was not kept (a file past the whole-file limit): the inode
+        # changed at once through the other name, so the later state is not this one's
+        return State("file", mode, bytes(data), end.exact and not pre.get("unkept"),
+                     **facts(pre))
 
     def _forward(self, path: str, after: int, evs: list[dict]) -> State | None:
         """Replay forward from the last full pre-image at or before ``after`` (full-fidelity

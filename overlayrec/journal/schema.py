@@ -115,6 +115,9 @@ Pre-image JSON (``pre``)::
         ["xattrs": {name: hex}]
         ["ino": n]                the inode number then (hard-link groups at one point)
         ["hash": hex]             seals: xxh3-128 of the content (whenever it was read)
+        ["unkept": true]          an ``alias`` whose inode's data changed at once through
+                                  another name, and whose content was not kept (past the
+                                  whole-file limit): its state there is inexact
         ["withheld": true]}       a secret path (``overlayrec.secrets``): no blob, ranges,
                                   attic, data or hash, ever.  No hash on purpose: xxh3 is
                                   fast, and a short secret (a token, a password) is found
