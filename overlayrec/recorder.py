@@ -1172,6 +1172,7 @@ class Recorder:
             if self._withhold(path, pre):
                 return pre  # no blob and no hash: a short secret's fast hash is brute-forced
             if pre["kind"] == "file" and pre["size"] <= self.whole_file_limit:
+                pre["ctime_ns"] = st.st_ctime_ns  # an edit that puts the mtime back moves it
                 fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
                              dir_fd=dfd)
                 try:

@@ -135,6 +135,28 @@ def test_edit_while_unmounted_is_drift(make_mount, tmp_path):
     assert "+user line" in since
 
 
+
+def test_edit_keeping_size_and_mtime_is_drift(make_mount, tmp_path):
+    """An edit while unmounted that keeps the size and puts the mtime back (cp -p, touch -r,
+    tar): the stat the seal kept says nothing changed, the ctime does.  The turn's diff stays
+    the agent's, status and --drift name the file, and a revert refuses to undo over it."""
+    m, snaps = session(make_mount, tmp_path)
+    agent_diff = overlayrec("diff", m.ws, "--turn", "2").stdout
+    m.umount()
+    path = os.path.join(m.ws, "CHANGELOG")
+    st = os.stat(path)
+    old = open(path, "rb").read()
+    with open(path, "r+b") as f:
+        f.write(old[:2].upper() if old[:2] != old[:2].upper() else b"XX")
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(path).st_size == st.st_size and os.stat(path).st_mtime_ns == st.st_mtime_ns
+    assert overlayrec("diff", m.ws, "--turn", "2").stdout == agent_diff
+    assert json.loads(overlayrec("status", m.ws, "--json").stdout)["drifted"] == ["CHANGELOG"]
+    assert "CHANGELOG" in overlayrec("diff", m.ws, "--drift").stdout
+    r = overlayrec("revert", m.ws, "--turn", "2", "--yes", check=False)
+    assert r.returncode == 1 and "CHANGELOG" in r.stderr, r
+    assert open(path, "rb").read() != old
+
 SWAP = textwrap.dedent(r'''
     import subprocess
     from overlayrec import client

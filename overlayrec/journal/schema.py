@@ -115,6 +115,9 @@ Pre-image JSON (``pre``)::
         ["xattrs": {name: hex}]
         ["ino": n]                the inode number then (hard-link groups at one point)
         ["hash": hex]             seals: xxh3-128 of the content (whenever it was read)
+        ["ctime_ns": n]           seals with a hash: the ctime then (an edit that keeps the
+                                  size and puts the mtime back still moves it, and then
+                                  the hash says whether the content is the same)
         ["unkept": true]          an ``alias`` whose inode's data changed at once through
                                   another name, and whose content was not kept (past the
                                   whole-file limit): its state there is inexact
