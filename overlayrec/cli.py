@@ -1239,20 +1239,32 @@ class _Progress:
             click.echo("\r" + " " * self.width + "\r", nl=False, err=True)
 
 
-def _rows(kind: str, j, ws: str, sd: str, progress: _Progress | None = None,
-          **kw) -> tuple[list[dict], bool]:
-    """The rows of ``turns`` or ``calls`` (engines.listings: settled rows kept between runs),
-    and whether they carry the net changes (False: the tree cannot be read)."""
+def _listing(kind: str, j, ws: str, sd: str, question: list, render,
+             progress: _Progress | None = None, **kw) -> list:
+    """The answer of ``turns`` or ``calls``: ``render(rows)`` of its rows (engines.listings:
+    settled rows kept between runs), kept whole for the same question of the same record
+    (engines.answers).  When the tree cannot be read, the rows carry every path written, not
+    the net changes, and say so."""
     from . import views
     from .engines import listings
     states, close = _listing_states(j, ws, sd, quiet=True)
     try:
         if states is None:
-            return (views.turn_rows(j, **kw) if kind == "turns" else views.call_rows(j, **kw)), \
-                False
-        kept = state.StateDir(sd).listings
-        return (listings.turn_rows(j, states, kept, progress=progress, **kw) if kind == "turns"
-                else listings.call_rows(j, states, kept, progress=progress, **kw)), True
+            parts = render(views.turn_rows(j, **kw) if kind == "turns"
+                           else views.call_rows(j, **kw))
+            parts.insert(0, (2, _NO_NET + "\n"))  # said once the listing is made
+            return parts
+        answers = _answers(sd, j, states.tree)
+        parts = answers.get(question)
+        if parts is None:
+            states.tree.reads = _reads()
+            kept = state.StateDir(sd).listings
+            rows = (listings.turn_rows(j, states, kept, progress=progress, **kw)
+                    if kind == "turns"
+                    else listings.call_rows(j, states, kept, progress=progress, **kw))
+            parts = render(rows)
+            answers.put(question, parts, states.tree.reads)
+        return parts
     finally:
         close()
         if progress is not None:
@@ -1271,17 +1283,21 @@ def turns(workspace, sid, churn, as_json, state_dir):
     """One row per turn: index, time, files changed (net: the state differs between the turn's
     begin and end), the first paths and a count of those under .git/, the prompt's first line,
     and who else wrote in the workspace during it."""
-    from .views import fold
     ws = state.resolve_workspace(workspace, must_exist=False)
     sd = _state_dir_for(ws, state_dir)
     j = Journal(sd, readonly=True)
     try:
-        rows, net = _rows("turns", j, ws, sd, _Progress("turns", not as_json), sid=sid)
+        parts = _listing("turns", j, ws, sd, ["turns", sid, churn, as_json],
+                         lambda rows: _turn_lines(rows, churn, as_json),
+                         _Progress("turns", not as_json), sid=sid)
     finally:
         j.close()
-    if not net:  # said once the listing is made: a failure is one line
-        click.echo(_NO_NET, err=True)
-    out = []  # echoed at once: one echo per line costs more than the listing on 10k rows
+    _emit(parts)
+
+
+def _turn_lines(rows: list[dict], churn: bool, as_json: bool) -> _Parts:
+    from .views import fold
+    out = []  # one text: one echo per line costs more than the listing on 10k rows
     for r in rows:
         if as_json:
             out.append(json.dumps(r))
@@ -1292,8 +1308,10 @@ def turns(workspace, sid, churn, as_json, state_dir):
         out.append(f"{r['session']:<14.14} {r['index']:>3} {_fmt_time(r['begin_t'])} "
                    f"{r['touched_files' if churn else 'files']:>4} files  {paths:<40}  "
                    f"{prompt}{shared}")
+    parts = _Parts()
     if out:
-        click.echo("\n".join(out))
+        parts.out("\n".join(out) + "\n")
+    return parts
 
 
 @main.command()
@@ -1309,18 +1327,21 @@ def calls(workspace, sid, turn_index, churn, as_json, state_dir):
     """One row per call: tool, files changed (net: the state differs between just before the
     call's first change and just after its last), summary, the processes it ran; under it the
     paths, the workspace's own first and those under .git/ as a count."""
-    from .views import fold
     ws = state.resolve_workspace(workspace, must_exist=False)
     sd = _state_dir_for(ws, state_dir)
     j = Journal(sd, readonly=True)
     try:
-        rows, net = _rows("calls", j, ws, sd, _Progress("calls", not as_json), sid=sid,
-                          turn=turn_index)
+        parts = _listing("calls", j, ws, sd, ["calls", sid, turn_index, churn, as_json],
+                         lambda rows: _call_lines(rows, churn, as_json),
+                         _Progress("calls", not as_json), sid=sid, turn=turn_index)
     finally:
         j.close()
-    if not net:  # said once the listing is made: a failure is one line
-        click.echo(_NO_NET, err=True)
-    out = []  # echoed at once, as turns does
+    _emit(parts)
+
+
+def _call_lines(rows: list[dict], churn: bool, as_json: bool) -> _Parts:
+    from .views import fold
+    out = []  # one text, as _turn_lines
     for r in rows:
         if as_json:
             out.append(json.dumps(r))
@@ -1333,8 +1354,10 @@ def calls(workspace, sid, turn_index, churn, as_json, state_dir):
         paths = fold(r, touched=churn, first=6)
         if paths:
             out.append(f"{'':<19} {paths}")
+    parts = _Parts()
     if out:
-        click.echo("\n".join(out))
+        parts.out("\n".join(out) + "\n")
+    return parts
 
 
 # -- diffs ----------------------------------------------------------------------------------------
@@ -1352,9 +1375,11 @@ def _tree_for(ws: str, sd: str):
     if state.fuse_mount_at(ws) and not state.is_dead_mount(ws):
         from . import client
         try:
-            return Tree(client.underlay_fd(os.path.join(sd, "control.sock")))
+            tree = Tree(client.underlay_fd(os.path.join(sd, "control.sock")))
         except client.ClientError as e:
             raise Fail(str(e)) from None
+        tree.served = True
+        return tree
     return Tree.at(ws)
 
 
@@ -1386,84 +1411,144 @@ def diff(workspace, call_id, turn_sel, sid, since, until, drift, fmt, binary, gl
 
     The diff is made by git (diff-tree of two trees in a private object store), so renames,
     binary files, modes and symlinks read as git shows them, and git apply takes it."""
-    from .engines.diff import select, changed, drift_side, SelectionError
-    from .engines.gitdiff import ObjectStore, GitError, git_refuses
-    from .engines.states import States, ABSENT as tree_absent
     if sum(x is not None for x in (call_id, turn_sel)) + (since is not None) + drift > 1:
         raise Fail("choose one of --call, --turn, --since, --drift")
     if call_id is None and turn_sel is None and since is None and sid is None and not drift:
         raise Fail("say what to diff: --call ID, --turn N, --session S, --since SEQ or --drift")
     ws, sd, j, tree = _open_journal_and_tree(workspace, state_dir)
     try:
-        states = States(j, tree)
-        side = drift_side(states, glob) if drift else \
-            select(j, states, call=call_id, turn=turn_sel, session=sid, since=since,
-                   until=until, glob=glob)
-        moved_on = sorted(p for p, s in side.after.items() if s.drifted)
-        if moved_on:
-            click.echo(f"overlayrec: {len(moved_on)} path(s) here changed later outside the record "
-                       f"(drift: {', '.join(moved_on[:3])}{' ...' if len(moved_on) > 3 else ''}); "
-                       "`overlayrec diff --drift` shows how", err=True)
-        withheld = sorted(p for p in changed(side)
-                          if side.before.get(p, tree_absent).withheld
-                          or side.after.get(p, tree_absent).withheld)
-        if withheld and not as_json:  # the patch shows a placeholder line for each
-            click.echo(f"overlayrec: {len(withheld)} secret path(s) changed, content not kept: "
-                       f"{', '.join(withheld[:5])}{' ...' if len(withheld) > 5 else ''}",
-                       err=True)
-        store = ObjectStore(sd)
-        # git holds no .git/ path: they are left out, and said so (_say_left_out)
-        left_out = [p for p in changed(side) if git_refuses(p)]
-        groups = [(None, sorted(side.before))]
-        if by_writer:
-            units = sorted({u for us in side.writers.values() for u in us})
-            groups = [(u, sorted(p for p, us in side.writers.items()
-                                 if u in us and not git_refuses(p))) for u in units]
-            groups = [(u, ps) for u, ps in groups if ps]
-        a, b = store.trees(side.before, side.after)
-        if as_json:
-            status = {}
-            for line in store.diff(a, b, "name-status").splitlines():
-                parts = line.split("\t")
-                status[parts[-1]] = {"status": parts[0], "from": parts[1] if len(parts) > 2 else None}
-            nums = {}
-            for line in store.diff(a, b, "numstat").splitlines():
-                add, dele, p = line.split("\t", 2)
-                p = p.split(" => ")[-1].rstrip("}") if " => " in p else p
-                nums[p] = (None if add == "-" else int(add), None if dele == "-" else int(dele))
-            files = [{"path": p, **st, "added": nums.get(p, (None, None))[0],
-                      "deleted": nums.get(p, (None, None))[1],
-                      "writers": sorted(side.writers.get(p, set()) | side.writers.get(st.get("from") or "", set()))}
-                     for p, st in sorted(status.items())]
-            click.echo(json.dumps({"from_tree": a, "to_tree": b, "files": files,
-                                   "inexact": sorted(p for p, s in {**side.before, **side.after}.items()
-                                                     if not s.exact),
-                                   "withheld": withheld,
-                                   "git_left_out": len(left_out), "git_left_out_paths": left_out,
-                                   "git_warnings": store.warnings}))
-            _say_left_out(len(left_out), store)
-            return
-        for unit, paths in groups:
-            out = store.diff(a, b, fmt, paths=paths if unit else None, binary=binary)
-            if unit and out:
-                click.echo(f"# {unit}")
-            click.echo(out, nl=False)
-        _say_left_out(len(left_out), store)
-    except (SelectionError, GitError) as e:
-        raise Fail(str(e)) from None
+        # the same question of the same record: the answer kept last time (engines.answers)
+        answers = _answers(sd, j, tree)
+        question = ["diff", call_id, turn_sel, sid, since, until, drift, fmt, binary, glob,
+                    by_writer, as_json]
+        parts = answers.get(question)
+        if parts is None:
+            parts = _Parts()
+            tree.reads = _reads()
+            _diff_answer(parts, sd, j, tree, call_id, turn_sel, sid, since, until, drift, fmt,
+                         binary, glob, by_writer, as_json)
+            answers.put(question, parts, tree.reads)
     finally:
         os.close(tree.root_fd)
         j.close()
+    _emit(parts)
+
+
+class _Parts(list):
+    """A command's output as it will be shown: (1, text) for stdout, (2, text) for stderr, in
+    order (kept whole by engines.answers)."""
+
+    def out(self, text: str) -> None:
+        if text:
+            self.append((1, text))
+
+    def err(self, line: str) -> None:
+        self.append((2, line + "\n"))
+
+
+def _emit(parts) -> None:
+    for stream, text in parts:
+        click.echo(text, nl=False, err=stream == 2)
+
+
+def _answers(sd: str, j, tree):
+    from .engines.answers import Answers
+    return Answers(state.StateDir(sd).answers, j, tree.stat_unnoted)
+
+
+def _reads():
+    from .engines.answers import Reads
+    return Reads()
+
+
+def _diff_answer(parts: _Parts, sd, j, tree, call_id, turn_sel, sid, since, until, drift, fmt,
+                 binary, glob, by_writer, as_json) -> None:
+    """The diff command's answer, into ``parts``."""
+    from .engines.diff import SelectionError
+    from .engines.gitdiff import GitError
+    try:
+        _diff_parts(parts, sd, j, tree, call_id, turn_sel, sid, since, until, drift, fmt,
+                    binary, glob, by_writer, as_json)
+    except (SelectionError, GitError) as e:
+        raise Fail(str(e)) from None
+
+
+def _diff_parts(parts: _Parts, sd, j, tree, call_id, turn_sel, sid, since, until, drift, fmt,
+                binary, glob, by_writer, as_json) -> None:
+    from .engines.diff import select, changed, drift_side
+    from .engines.gitdiff import ObjectStore, git_refuses
+    from .engines.states import States, ABSENT as tree_absent
+    states = States(j, tree)
+    side = drift_side(states, glob) if drift else \
+        select(j, states, call=call_id, turn=turn_sel, session=sid, since=since,
+               until=until, glob=glob)
+    moved_on = sorted(p for p, s in side.after.items() if s.drifted)
+    if moved_on:
+        parts.err(f"overlayrec: {len(moved_on)} path(s) here changed later outside the record "
+                  f"(drift: {', '.join(moved_on[:3])}{' ...' if len(moved_on) > 3 else ''}); "
+                  "`overlayrec diff --drift` shows how")
+    withheld = sorted(p for p in changed(side)
+                      if side.before.get(p, tree_absent).withheld
+                      or side.after.get(p, tree_absent).withheld)
+    if withheld and not as_json:  # the patch shows a placeholder line for each
+        parts.err(f"overlayrec: {len(withheld)} secret path(s) changed, content not kept: "
+                  f"{', '.join(withheld[:5])}{' ...' if len(withheld) > 5 else ''}")
+    store = ObjectStore(sd)
+    # git holds no .git/ path: they are left out, and said so (_left_out_lines)
+    left_out = [p for p in changed(side) if git_refuses(p)]
+    groups = [(None, sorted(side.before))]
+    if by_writer:
+        units = sorted({u for us in side.writers.values() for u in us})
+        groups = [(u, sorted(p for p, us in side.writers.items()
+                             if u in us and not git_refuses(p))) for u in units]
+        groups = [(u, ps) for u, ps in groups if ps]
+    a, b = store.trees(side.before, side.after)
+    if as_json:  # it names the trees: kept while the object store that holds them is there
+        tree.reads.note_abs(os.path.join(state.StateDir(sd).git, "objects"))
+        status = {}
+        for line in store.diff(a, b, "name-status").splitlines():
+            fields = line.split("\t")
+            status[fields[-1]] = {"status": fields[0],
+                                  "from": fields[1] if len(fields) > 2 else None}
+        nums = {}
+        for line in store.diff(a, b, "numstat").splitlines():
+            add, dele, p = line.split("\t", 2)
+            p = p.split(" => ")[-1].rstrip("}") if " => " in p else p
+            nums[p] = (None if add == "-" else int(add), None if dele == "-" else int(dele))
+        files = [{"path": p, **st, "added": nums.get(p, (None, None))[0],
+                  "deleted": nums.get(p, (None, None))[1],
+                  "writers": sorted(side.writers.get(p, set())
+                                    | side.writers.get(st.get("from") or "", set()))}
+                 for p, st in sorted(status.items())]
+        parts.out(json.dumps({"from_tree": a, "to_tree": b, "files": files,
+                              "inexact": sorted(p for p, s in
+                                                {**side.before, **side.after}.items()
+                                                if not s.exact),
+                              "withheld": withheld,
+                              "git_left_out": len(left_out), "git_left_out_paths": left_out,
+                              "git_warnings": store.warnings}) + "\n")
+    else:
+        for unit, paths in groups:
+            out = store.diff(a, b, fmt, paths=paths if unit else None, binary=binary)
+            if unit and out:
+                parts.out(f"# {unit}\n")
+            parts.out(out)
+    for line in _left_out_lines(len(left_out), store):
+        parts.err(line)
+
+
+def _left_out_lines(n: int, store, what: str = "shown") -> list[str]:
+    """How many changes under .git/ a diff or an export left out (git holds no .git/ path;
+    replay restores them), and whatever else git warned about: lines for stderr."""
+    from .engines.gitdiff import left_out_note
+    return ([left_out_note(n, what)] if n else []) + \
+        [f"overlayrec: git: {w}" for w in store.warnings]
 
 
 def _say_left_out(n: int, store, what: str = "shown") -> None:
-    """On stderr: how many changes under .git/ a diff or an export left out (git holds no .git/
-    path; replay restores them), and whatever else git warned about."""
-    from .engines.gitdiff import left_out_note
-    if n:
-        click.echo(left_out_note(n, what), err=True)
-    for w in store.warnings:
-        click.echo(f"overlayrec: git: {w}", err=True)
+    """On stderr: _left_out_lines."""
+    for line in _left_out_lines(n, store, what):
+        click.echo(line, err=True)
 
 
 @main.command()

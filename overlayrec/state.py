@@ -82,6 +82,11 @@ class StateDir:
         when removed."""
         return os.path.join(self.path, "listings")
 
+    @property
+    def answers(self) -> str:
+        """The readers' kept answers (engines.answers): derived, rebuilt when removed."""
+        return os.path.join(self.path, "answers")
+
     def export_state(self, tag: str) -> str:
         """What an export has written so far, for one (object store, ref prefix)."""
         return os.path.join(self.path, f"export-{tag}.json")

@@ -116,6 +116,9 @@ class Tree:
     def __init__(self, root_fd: int, secrets: Secrets | None = None):
         self.root_fd = root_fd
         self.secrets = secrets
+        self.reads = None  # engines.answers.Reads: what a kept answer depends on, when set
+        # mounted (a daemon serves it): a file in a write run changes with no event
+        self.served = False
 
     @classmethod
     def at(cls, path: str) -> "Tree":
@@ -139,15 +142,23 @@ class Tree:
         directory, for a caller that wants both."""
         if rel == "":  # the workspace root itself
             st = os.fstat(self.root_fd)
+            if self.reads is not None:
+                self.reads.note(rel, st)
             return state_of_stat(st, lambda: b""), st
         try:
             dfd, name = self._open_parent(rel)
         except OSError:
+            if self.reads is not None:
+                self.reads.note(rel, None)
             return ABSENT, None
         try:
             try:
                 st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
             except FileNotFoundError:
+                st = None
+            if self.reads is not None:
+                self.reads.note(rel, st)
+            if st is None:
                 return ABSENT, None
             if stat.S_ISREG(st.st_mode) and self.secrets is not None and \
                     self.secrets.match(rel):
@@ -158,6 +169,12 @@ class Tree:
             os.close(dfd)
 
     def lstat(self, rel: str) -> os.stat_result | None:
+        st = self._lstat(rel)
+        if self.reads is not None:
+            self.reads.note(rel, st)
+        return st
+
+    def _lstat(self, rel: str) -> os.stat_result | None:
         if rel == "":
             return os.fstat(self.root_fd)
         try:
@@ -170,6 +187,10 @@ class Tree:
             return None
         finally:
             os.close(dfd)
+
+    def stat_unnoted(self, rel: str) -> os.stat_result | None:
+        """``lstat``, not noted in ``reads`` (a kept answer's check of what it read)."""
+        return self._lstat(rel)
 
     def walk(self, rel: str, skip=()) -> list[str]:
         """Every path beneath directory ``rel`` (not itself), following no symlink; the
@@ -186,10 +207,14 @@ class Tree:
         try:
             fd = self._open_dir(rel)
         except OSError:
+            if self.reads is not None:
+                self.reads.note(rel, None)
             return out
         stack = [(fd, rel)]
         while stack:
             fd, base = stack.pop()
+            if self.reads is not None:  # a directory's ctime moves when its entries change
+                self.reads.note(base, os.fstat(fd))
             entries = []  # (name, is a directory, lstat or None)
             try:
                 with os.scandir(fd) as it:
@@ -638,6 +663,8 @@ class States:
         seal = self._governing_seal(path)
         live, lst = self.tree.state_stat(path)
         if seal is None:
+            if self.tree.reads is not None and self.tree.served and live.kind == "file":
+                self.tree.reads.open_end = True  # maybe an open epoch's: no answer is kept
             return live
         pre = seal["pre"]
         if pre.get("withheld"):  # the record ends withheld, whatever the live file holds

@@ -697,6 +697,12 @@ class Journal:
     def last_seq(self) -> int:
         return self._load_next_seq() - 1
 
+    def generation(self) -> int:
+        """LMDB's last committed write transaction: it moves with every change to the journal
+        (an event, a call's or turn's record, a meta key), so an answer made from the journal
+        as it stood at one generation holds while the generation is the same."""
+        return self.env.info()["last_txnid"]
+
     def event(self, seq: int) -> dict | None:
         """Event ``seq``, or None; JournalError when its record is not an event."""
         kept = self._kept_seq.get(seq)  # keep_events()

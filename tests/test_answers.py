@@ -1,0 +1,193 @@
+"""Kept answers (engines.answers): a question asked again of the same record is answered from
+what was kept, and that answer is always the one made afresh.
+
+A recorded session (two calls in a turn: writes, a directory renamed with files beneath, an
+unlink, a large file), then changes of every kind a kept answer must notice: the daemon's own
+events, an edit made while unmounted that keeps the size and puts the mtime back, a chmod
+while unmounted, a file held open and written twice (an open epoch, whose writes are no
+events), a new session whose one call changes nothing (a record written without an event
+moves the journal's generation: the unit test below).  At each step every question is asked
+with the answers kept so far, then with none, and the two must be the same; asked once more,
+nothing changed, the kept answer must be the one used (its file is not written again).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+from conftest import needs_fuse, overlayrec
+
+from overlayrec.journal import Journal
+
+AGENT = textwrap.dedent(r'''
+    import os, subprocess
+    from overlayrec import client
+    def sh(cmd):
+        subprocess.run(["bash", "-c", cmd], check=True)
+    with client.connect() as c:
+        c.turn_begin(prompt="change things")
+        c.call_begin("c1", "Bash", summary="writes")
+        sh("printf 'one\\ntwo\\n' > a.txt && printf 'b\\n' >> b.txt && mkdir -p d/e && "
+           "printf 'x\\n' > d/e/x.txt && head -c 300000 /dev/urandom | base64 > big.txt")
+        c.call_end("c1")
+        c.call_begin("c2", "Bash", summary="moves and removes")
+        sh("mv d moved && printf 'y\\n' >> moved/e/x.txt && rm gone.txt && "
+           "printf 'three\\n' >> a.txt")
+        c.call_end("c2")
+        c.turn_end()
+''')
+
+QUESTIONS = [
+    ["diff", "--session", "s", "--turn", "1", "--stat"],
+    ["diff", "--session", "s", "--turn", "last"],
+    ["diff", "--call", "c1", "--json"],
+    ["diff", "--call", "c2", "--by-writer"],
+    ["diff", "--since", "0", "--numstat"],
+    ["diff", "--drift"],
+    ["calls"],
+    ["calls", "--json", "--all"],
+    ["turns"],
+    ["turns", "--json"],
+]
+
+
+def ask(m, q) -> tuple:
+    r = overlayrec(q[0], m.ws, "--state-dir", m.state, *q[1:], check=False)
+    return r.returncode, r.stdout, r.stderr
+
+
+def kept_files(m) -> dict:
+    d = os.path.join(m.state, "answers")
+    if not os.path.isdir(d):
+        return {}
+    return {n: os.stat(os.path.join(d, n)).st_ino for n in os.listdir(d)}
+
+
+def agree(m, *, kept_again=True) -> dict:
+    """Every question: the answer with what was kept equals the one made afresh; asked again,
+    the kept answer is used (``kept_again``).  The fresh answers, by question."""
+    before = {}
+    for q in QUESTIONS:
+        before[json.dumps(q)] = ask(m, q)
+    shutil.rmtree(os.path.join(m.state, "answers"), ignore_errors=True)
+    fresh = {}
+    for q in QUESTIONS:
+        key = json.dumps(q)
+        fresh[key] = ask(m, q)
+        assert fresh[key] == before[key], (q, before[key], fresh[key])
+        assert fresh[key][0] == 0, (q, fresh[key])
+    files = kept_files(m)
+    if kept_again:
+        assert len(files) == len(QUESTIONS), files
+    for q in QUESTIONS:
+        assert ask(m, q) == fresh[json.dumps(q)], q
+    if kept_again:
+        assert kept_files(m) == files  # read back, not made and written again
+    return fresh
+
+
+@needs_fuse
+def test_kept_answers_are_the_fresh_ones(make_mount, tmp_path):
+    m = make_mount()
+    for name, data in (("a.txt", "a\n"), ("b.txt", "b\n"), ("gone.txt", "g\n")):
+        with open(os.path.join(m.ws, name), "w") as f:
+            f.write(data)
+    m.mount()
+    agent = tmp_path / "agent.py"
+    agent.write_text(AGENT)
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", sys.executable, str(agent),
+               cwd=m.ws, timeout=120)
+    m.umount()
+    first = agree(m)
+    stat = first[json.dumps(QUESTIONS[0])][1]
+    assert "a.txt" in stat and "moved/e/x.txt" in stat and "gone.txt" in stat, stat
+
+    # unmounted: a.txt edited in place, its size kept and its mtime put back (only its ctime
+    # says so), then b.txt's mode: each is drift, and every answer that read them is made again
+    a = os.path.join(m.ws, "a.txt")
+    st = os.stat(a)
+    with open(a, "r+") as f:
+        f.write("ONE")
+    os.utime(a, ns=(st.st_atime_ns, st.st_mtime_ns))
+    second = agree(m)
+    assert second != first
+    assert "a.txt" in second[json.dumps(["diff", "--drift"])][1]
+    os.chmod(os.path.join(m.ws, "b.txt"), 0o755)  # git shows the x bit
+    third = agree(m)
+    assert "b.txt" in third[json.dumps(["diff", "--drift"])][1]
+
+    # mounted again: a file held open and written twice, asked between the writes; the answers
+    # that read its open epoch are not kept (its writes are no events)
+    m.mount()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent('''
+            import os, sys
+            fd = os.open("held.txt", os.O_WRONLY | os.O_CREAT, 0o644)
+            for chunk in (b"first\\n", b"other\\n"):
+                os.write(fd, chunk)
+                print("written", flush=True)
+                sys.stdin.readline()
+            os.close(fd)
+        ''')], cwd=m.ws, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "written\n"
+        q = ["diff", "--since", "0", "--stat"]
+        shutil.rmtree(os.path.join(m.state, "answers"), ignore_errors=True)
+        once = ask(m, q)
+        assert "held.txt" in once[1], once
+        assert kept_files(m) == {}  # it read an open epoch's live end: not kept
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline() == "written\n"
+        # the same size, likely the same clock tick: only the journal's word could tell
+        again = ask(m, q)
+        shutil.rmtree(os.path.join(m.state, "answers"), ignore_errors=True)
+        assert again == ask(m, q)
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        assert holder.wait(timeout=30) == 0
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+    # a session whose call changes nothing
+    j = Journal(m.state, readonly=True)
+    try:
+        gen = j.generation()
+    finally:
+        j.close()
+    agree(m, kept_again=False)  # read through the mount: its epochs may be open
+    overlayrec("run", "-w", m.ws, "--session", "s2", "--", sys.executable, "-c", textwrap.dedent('''
+        from overlayrec import client
+        with client.connect() as c:
+            c.turn_begin(prompt="nothing")
+            c.call_begin("idle", "Read", summary="reads only")
+            c.call_end("idle")
+            c.turn_end()
+    '''), cwd=m.ws, timeout=120)
+    m.umount()
+    j = Journal(m.state, readonly=True)
+    try:
+        assert j.generation() > gen
+    finally:
+        j.close()
+    last = agree(m)
+    assert "idle" in last[json.dumps(["calls"])][1]
+
+
+def test_generation_moves_with_records(tmp_path):
+    """A record written without an event (a call's end) moves the journal's generation."""
+    j = Journal(str(tmp_path), workspace=str(tmp_path))
+    try:
+        g0 = j.generation()
+        j.put_record("calls", b"s\0c", {"id": "c"})
+        g1 = j.generation()
+        assert g1 > g0
+        j.put_meta("x", "y")
+        assert j.generation() > g1
+    finally:
+        j.close()
