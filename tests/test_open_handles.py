@@ -115,6 +115,11 @@ DRIVER = textwrap.dedent(r'''
         sys.exit(0)
 
     plan, out = json.load(open(sys.argv[1])), sys.argv[2]
+    calls = None  # a control connection when the plan has calls (run under `overlayrec run`)
+    if any(op[0] == "call" for case in plan for op in case["ops"]):
+        from overlayrec import client
+        calls = client.connect()
+    current = None
     worker = subprocess.Popen([sys.executable, __file__, "worker"], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
 
@@ -148,13 +153,21 @@ DRIVER = textwrap.dedent(r'''
         tell({"cd": os.getcwd()})
         fds = {}
         for op in case["ops"]:
-            if op[0] == "@1":
+            if op[0] == "call":  # the current call ends (its epochs are sealed), the next begins
+                if current is not None:
+                    calls.call_end(current)
+                current = op[1]
+                calls.call_begin(current, "Bash", summary=current)
+            elif op[0] == "@1":
                 tell({"op": op[1:]})
             else:
                 do(op, fds)
             marks.append({"case": case["dir"], "t": time.time_ns(), "op": op, "tree": snap()})
         close_all(fds)
         tell({"cd": os.getcwd()})  # the worker closes its descriptors too
+        if current is not None:
+            calls.call_end(current)
+            current = None
         os.chdir("..")
     worker.stdin.close()
     worker.wait()
@@ -163,9 +176,11 @@ DRIVER = textwrap.dedent(r'''
 ''')
 
 
-def generate(seed: int, two: bool = True) -> list[list]:
+def generate(seed: int, two: bool = True, calls: bool = False) -> list[list]:
     """A sequence of operations over a few names, mostly ones that can succeed; with ``two``,
-    about a third of them made by a second process (its own descriptors, its own unit)."""
+    about a third of them made by a second process (its own descriptors, its own unit); with
+    ``calls``, the driver's ops fall into tool calls (one ends and the next begins every few
+    operations, while descriptors stay open across them)."""
     rnd = random.Random(seed)
     ops: list[list] = [["mkdir", "d"]]
     n = 0
@@ -215,6 +230,10 @@ def generate(seed: int, two: bool = True) -> list[list]:
             ops.append(["make", rnd.choice(FILES), token()])
         if two and rnd.random() < 0.35:  # made by the second writer
             ops[start:] = [["@1", *op] for op in ops[start:]]
+        if calls and rnd.random() < 0.25:
+            ops.append(["call", f"k{seed}.{len(ops)}"])
+    if calls:
+        ops.insert(1, ["call", f"k{seed}.0"])
     return ops
 
 
@@ -238,15 +257,19 @@ def tree_at(root) -> dict:
 def run_and_check(make_mount, tmp_path, plan: list[dict], *, min_exact: int, extra=(),
                   env=None):
     """Run ``plan`` (cases of operations) through the driver on a fresh mount (``extra``: its
-    options; ``env``: the daemon's environment), then compare every exact state with the tree
-    as it stood (see the module's docstring)."""
+    options; ``env``: the daemon's environment; a plan with calls runs as an agent under
+    ``overlayrec run``), then compare every exact state with the tree as it stood (see the
+    module's docstring)."""
     m = make_mount(extra_args=extra, env=env).mount()
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
     out = tmp_path / "marks.json"
-    r = subprocess.run([sys.executable, str(driver), str(tmp_path / "plan.json"), str(out)],
-                       cwd=m.ws, capture_output=True, text=True, timeout=300 * SLOW)
+    argv = [sys.executable, str(driver), str(tmp_path / "plan.json"), str(out)]
+    if any(op[0] == "call" for case in plan for op in case["ops"]):
+        argv = [sys.executable, "-m", "overlayrec", "run", "-w", m.ws, "--session", "h", "--",
+                *argv]
+    r = subprocess.run(argv, cwd=m.ws, capture_output=True, text=True, timeout=300 * SLOW)
     assert r.returncode == 0, r.stderr
     marks = json.loads(out.read_text())
     m.umount()
@@ -310,6 +333,33 @@ def run_and_check(make_mount, tmp_path, plan: list[dict], *, min_exact: int, ext
 def test_every_exact_state_is_the_tree_as_it_stood(make_mount, tmp_path):
     plan = [{"dir": f"c{seed}", "ops": generate(seed)} for seed in range(SEED, SEED + CASES)]
     run_and_check(make_mount, tmp_path, plan, min_exact=5 * CASES * len(FILES))
+
+
+def test_every_state_across_calls(make_mount, tmp_path):
+    """The driver as an agent whose operations fall into tool calls: each call's end seals its
+    epochs while descriptors stay open, and the writes through them after it (the driver's
+    belong to the call they were opened in, the worker's to the session) start epochs anew."""
+    n = max(4, CASES // 2)
+    plan = [{"dir": f"c{seed}", "ops": generate(seed, calls=True)}
+            for seed in range(SEED + 3000, SEED + 3000 + n)]
+    m = run_and_check(make_mount, tmp_path, plan, min_exact=5 * n * len(FILES))
+    seals = [e for e in m.events(seals=True) if e["op"] == "seal"]
+    assert len(seals) > n, len(seals)
+    calls = {e.get("unit") for e in m.events() if str(e.get("unit")).startswith("call:h:k")}
+    assert len(calls) >= 2 * n, calls  # the driver's changes are the calls
+
+
+def test_a_descriptor_opened_in_a_call_that_ended(make_mount, tmp_path):
+    """The agent opens a file in one call and writes it twice in the next: the writes belong
+    to the first call (the call it was opened in), which has ended and whose end sealed
+    nothing of this run, so the state between the two writes is not exact (it read the
+    second write's content as the first's)."""
+    ops = [["mkdir", "d"], ["call", "k1"], ["open", 0, "a", "trunc"], ["call", "k2"],
+           ["write", 0, "<1>"], ["mkdir", "e"], ["write", 0, "<2>"], ["close", 0],
+           ["mkdir", "z"]]
+    m = run_and_check(make_mount, tmp_path, [{"dir": "c", "ops": ops}], min_exact=12)
+    writes = [e for e in m.events() if e["op"] == "write" and e["path"] == "c/a"]
+    assert [w["unit"] for w in writes] == ["call:h:k1"], writes
 
 
 def test_every_state_with_record_data(make_mount, tmp_path):

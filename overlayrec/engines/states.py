@@ -844,7 +844,11 @@ class States:
                 (summary.get("writes", 2) <= 1 or summary["end"] < after):
             return False  # the run's only write was the event, or it was released before
         end = self._unit_ends().get(e.get("unit") or "")
-        return end is None or end > after
+        if end is not None and e["seq"] < end:
+            return end > after  # its unit's end sealed the path: the run ended there
+        # a run not ended by its unit's end: still going, or begun through a descriptor opened
+        # in a call that had ended (its writes belong to that call; no end seals them)
+        return True
 
     def _alias_run(self, alias: dict) -> dict | None:
         """The write an ``alias`` event was committed with (the next event of its source, in
