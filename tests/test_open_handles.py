@@ -30,7 +30,7 @@ import subprocess
 import sys
 import textwrap
 
-from conftest import SLOW, needs_fuse
+from conftest import SLOW, needs_fuse, overlayrec
 from overlayrec.engines.replay import replay
 from overlayrec.engines.states import States, Tree
 from overlayrec.journal import Journal
@@ -234,6 +234,41 @@ def generate(seed: int, two: bool = True, calls: bool = False) -> list[list]:
             ops.append(["call", f"k{seed}.{len(ops)}"])
     if calls:
         ops.insert(1, ["call", f"k{seed}.0"])
+        # a last call of the driver's own, writing only through descriptors it opened: its
+        # revert has the snapshot taken as it began to agree with (revert_last_calls)
+        ops.append(["call", f"k{seed}.last"])
+        mine: list[int] = []
+        for _ in range(rnd.randrange(3, 8)):
+            kind = rnd.choice(("open", "write", "write", "pwrite", "ftruncate", "close",
+                               "rename", "unlink", "make", "chmod", "truncate", "link",
+                               "exchange", "renamedir"))
+            h = rnd.randrange(3)
+            if kind in ("write", "pwrite", "ftruncate", "close") and h not in mine:
+                kind = "open"
+            if kind == "open":
+                mine.append(h)
+                ops.append(["open", h, rnd.choice(FILES), rnd.choice(("trunc", "append",
+                                                                      "rdwr"))])
+            elif kind == "write":
+                ops.append(["write", h, token()])
+            elif kind == "pwrite":
+                ops.append(["pwrite", h, token(), rnd.choice((0, 3))])
+            elif kind == "ftruncate":
+                ops.append(["ftruncate", h, rnd.choice((0, 2))])
+            elif kind == "close":
+                ops.append(["close", h])
+            elif kind == "renamedir":
+                ops.append(["rename", *rnd.sample(DIRS, 2)])
+            elif kind in ("rename", "link", "exchange"):
+                ops.append([kind, *rnd.sample(FILES, 2)])
+            elif kind == "unlink":
+                ops.append(["unlink", rnd.choice(FILES)])
+            elif kind == "chmod":
+                ops.append(["chmod", rnd.choice(FILES), rnd.choice((0o600, 0o644, 0o755))])
+            elif kind == "truncate":
+                ops.append(["truncate", rnd.choice(FILES), rnd.choice((0, 1))])
+            else:
+                ops.append(["make", rnd.choice(FILES), token()])
     return ops
 
 
@@ -254,8 +289,49 @@ def tree_at(root) -> dict:
     return tree
 
 
+def revert_last_calls(m, plan: list[dict], marks: list[dict]) -> int:
+    """Revert each case's last call, where it is the driver's alone (no operation of the
+    worker in it, no write through a descriptor opened before it): the case's tree must then
+    be the snapshot taken as the call began, or, when the revert refuses (a conflict), stay
+    the snapshot at its end; ``unrevert`` brings back the end.  The reverts made."""
+    made = 0
+    for case in plan:
+        ops, dir_ = case["ops"], case["dir"]
+        snaps = [mk["tree"] for mk in marks if mk["case"] == dir_]
+        assert len(snaps) == len(ops)
+        at = max((i for i, op in enumerate(ops) if op[0] == "call"), default=None)
+        if at is None or at == len(ops) - 1:
+            continue
+        opened, own = set(), True
+        for op in ops[at + 1:]:
+            if op[0] == "@1" or (op[0] in ("write", "pwrite", "ftruncate")
+                                 and op[1] not in opened):
+                own = False
+            elif op[0] == "open":
+                opened.add(op[1])
+        if not own:
+            continue
+        begin, end = snaps[at], snaps[-1]
+        if begin == end:
+            continue  # the call changed nothing (or put everything back)
+        where = os.path.join(m.ws, dir_)
+        assert tree_at(where) == end
+        r = overlayrec("revert", m.ws, "--session", "h", "--call", ops[at][1], "--yes",
+                       check=False)
+        if r.returncode == 0:
+            assert tree_at(where) == begin, (dir_, ops[at][1], r.stdout, r.stderr)
+            u = overlayrec("unrevert", "-w", m.ws, "--yes", check=False)
+            assert u.returncode == 0, (dir_, u.stdout, u.stderr)
+            made += 1
+        else:
+            assert r.returncode == 1 and "conflict" in (r.stdout + r.stderr).lower() or \
+                "changed" in r.stderr or "unrecorded" in r.stderr, (dir_, r.stdout, r.stderr)
+        assert tree_at(where) == end, (dir_, ops[at][1])
+    return made
+
+
 def run_and_check(make_mount, tmp_path, plan: list[dict], *, min_exact: int, extra=(),
-                  env=None):
+                  env=None, reverts=False):
     """Run ``plan`` (cases of operations) through the driver on a fresh mount (``extra``: its
     options; ``env``: the daemon's environment; a plan with calls runs as an agent under
     ``overlayrec run``), then compare every exact state with the tree as it stood (see the
@@ -272,6 +348,8 @@ def run_and_check(make_mount, tmp_path, plan: list[dict], *, min_exact: int, ext
     r = subprocess.run(argv, cwd=m.ws, capture_output=True, text=True, timeout=300 * SLOW)
     assert r.returncode == 0, r.stderr
     marks = json.loads(out.read_text())
+    if reverts:
+        m.reverted = revert_last_calls(m, plan, marks)
     m.umount()
 
     j = Journal(m.state, readonly=True)
@@ -308,6 +386,14 @@ def run_and_check(make_mount, tmp_path, plan: list[dict], *, min_exact: int, ext
                     want = ("file", data.encode("latin-1"), mode)
                     assert (st.kind, st.data, st.mode & 0o7777) == want, \
                         (i, mark["op"], path, point, st, want)
+        # what moved with each directory rename: the one sweep (States._moved_sets) names
+        # what mapping every name to the rename's point does (States.candidates)
+        moved = states._moved_sets()
+        for r in states.renames():
+            for d in ([r["src"], r["dst"]] if r.get("flags", 0) & 2 else [r["src"]]):
+                at = r["seq"] - 1
+                want = {c for c in states.candidates(at) if c.startswith(d + "/")}
+                assert moved.get((d, at), set()) == want, (r, d)
         # the replay reader too, at a dozen points: what it writes, where it calls it exact
         compared = 0
         for point in sorted(random.Random(len(marks)).sample(sorted(last), min(12, len(last)))):
@@ -338,11 +424,14 @@ def test_every_exact_state_is_the_tree_as_it_stood(make_mount, tmp_path):
 def test_every_state_across_calls(make_mount, tmp_path):
     """The driver as an agent whose operations fall into tool calls: each call's end seals its
     epochs while descriptors stay open, and the writes through them after it (the driver's
-    belong to the call they were opened in, the worker's to the session) start epochs anew."""
+    belong to the call they were opened in, the worker's to the session) start epochs anew.
+    Each case's last call, where it is the driver's own, is reverted and unreverted against
+    the snapshots (``revert_last_calls``)."""
     n = max(4, CASES // 2)
     plan = [{"dir": f"c{seed}", "ops": generate(seed, calls=True)}
             for seed in range(SEED + 3000, SEED + 3000 + n)]
-    m = run_and_check(make_mount, tmp_path, plan, min_exact=5 * n * len(FILES))
+    m = run_and_check(make_mount, tmp_path, plan, min_exact=5 * n * len(FILES), reverts=True)
+    assert m.reverted >= n // 4, m.reverted
     seals = [e for e in m.events(seals=True) if e["op"] == "seal"]
     assert len(seals) > n, len(seals)
     calls = {e.get("unit") for e in m.events() if str(e.get("unit")).startswith("call:h:k")}

@@ -360,6 +360,48 @@ def _under(name: str, d: str) -> bool:
     return name.startswith(d + "/")
 
 
+def _span(names: list[str], d: str) -> tuple[int, int]:
+    """The range of the sorted ``names`` beneath ``d`` ("0" follows "/")."""
+    return bisect.bisect_left(names, d + "/"), bisect.bisect_left(names, d + "0")
+
+
+def _beneath(names: list[str], d: str) -> list[str]:
+    lo, hi = _span(names, d)
+    return names[lo:hi]
+
+
+def _add_sorted(names: list[str], more: list[str]) -> None:
+    """Add ``more`` to the sorted ``names``: a few one by one (a sort of the whole list, even
+    of one run and a short tail, costs more than that)."""
+    if len(more) < 64:
+        for c in more:
+            bisect.insort(names, c)
+    elif more:
+        names.extend(more)
+        names.sort()
+
+
+def _move(names: list[str], a: str, b: str, exchange: bool) -> list[str]:
+    """The sorted ``names`` after a rename of directory ``a`` to ``b`` (what ``_fwd`` does to
+    each; ``_back`` is the same with ``a`` and ``b`` swapped): the names beneath ``a`` now
+    beneath ``b``; those beneath ``b`` gone, or beneath ``a`` for an exchange."""
+    if a == b:
+        return names
+    lo_a, hi_a = _span(names, a)
+    lo_b, hi_b = _span(names, b)
+    if lo_a == hi_a and lo_b == hi_b:
+        return names
+    moved = [b + c[len(a):] for c in names[lo_a:hi_a]]
+    swapped = [a + c[len(b):] for c in names[lo_b:hi_b]] if exchange else []
+    for lo, hi in sorted(((lo_a, hi_a), (lo_b, hi_b)), reverse=True):
+        del names[lo:hi]
+    for block, d in ((moved, b), (swapped, a)):
+        if block:
+            at = bisect.bisect_left(names, d + "/")
+            names[at:at] = block
+    return names
+
+
 class States:
     """Answers state(path, after_seq) for one journal and one tree."""
 
@@ -377,8 +419,10 @@ class States:
         self._ends: dict[str, int] | None = None
         self._renames: list[dict] | None = None
         self._rseqs: list[int] = []
+        self._rindex: dict[str, list[int]] = {}
         self._universe: list[tuple[str, float]] | None = None
         self._candidates: dict[float, set[str]] = {}
+        self._moved_by: dict[tuple[str, int], set[str]] | None = None
         self._names: list[str] | None = None
         self._preloaded = False
         self._sigs: dict[tuple, State] = {}
@@ -513,15 +557,41 @@ class States:
         if self._renames is None:
             self._renames = self.j.dir_renames()
             self._rseqs = [r["seq"] for r in self._renames]
+            # each directory's renames (as source or target), by index: a name's renames are
+            # found through its ancestors, not by reading every rename (a session that
+            # renames thousands of directories, as installers do, made that quadratic)
+            self._rindex = {}
+            for i, r in enumerate(self._renames):
+                self._rindex.setdefault(r["src"], []).append(i)
+                if r["dst"] != r["src"]:
+                    self._rindex.setdefault(r["dst"], []).append(i)
         return self._renames
+
+    def _touching(self, name: str, lo: int, hi: int, last: bool = False) -> int | None:
+        """The index of the first (``last``: the last) directory rename in ``renames()[lo:hi]``
+        whose source or target is an ancestor of ``name``; None when there is none."""
+        idx = self._rindex
+        best = None
+        pos = name.find("/")
+        while pos != -1:
+            got = idx.get(name[:pos])
+            if got:
+                if last:
+                    k = bisect.bisect_left(got, hi) - 1
+                    if k >= 0 and got[k] >= lo and (best is None or got[k] > best):
+                        best = got[k]
+                else:
+                    k = bisect.bisect_left(got, lo)
+                    if k < len(got) and got[k] < hi and (best is None or got[k] < best):
+                        best = got[k]
+            pos = name.find("/", pos + 1)
+        return best
 
     def _next_move(self, path: str, after: int) -> dict | None:
         """The first directory rename after ``after`` that moves or replaces an ancestor."""
         rs = self.renames()
-        for r in rs[bisect.bisect_right(self._rseqs, after):]:
-            if _under(path, r["src"]) or _under(path, r["dst"]):
-                return r
-        return None
+        i = self._touching(path, bisect.bisect_right(self._rseqs, after), len(rs))
+        return None if i is None else rs[i]
 
     def _beyond(self, path: str, r: dict | None) -> State:
         """The state of ``path`` after all of its own events up to ``r`` (a rename of an
@@ -536,21 +606,19 @@ class States:
         directory renames between; None when it cannot exist there."""
         rs = self.renames()
         if to >= at:
-            lo = bisect.bisect_right(self._rseqs, at)
-            for r in rs[lo:]:
-                if r["seq"] > to:
-                    break
-                name = _fwd(name, r)
+            lo, hi = bisect.bisect_right(self._rseqs, at), bisect.bisect_right(self._rseqs, to)
+            while (i := self._touching(name, lo, hi)) is not None:
+                name = _fwd(name, rs[i])
                 if name is None:
                     return None
+                lo = i + 1
         else:
-            hi = bisect.bisect_right(self._rseqs, at)
-            for r in reversed(rs[:hi]):
-                if r["seq"] <= to:
-                    break
-                name = _back(name, r)
+            lo, hi = bisect.bisect_right(self._rseqs, to), bisect.bisect_right(self._rseqs, at)
+            while (i := self._touching(name, lo, hi, last=True)) is not None:
+                name = _back(name, rs[i])
                 if name is None:
                     return None
+                hi = i
         return name
 
     def _universe_names(self) -> list[tuple[str, float]]:
@@ -598,8 +666,54 @@ class States:
 
     def descendants(self, d: str, at: int) -> list[str]:
         """The paths beneath directory ``d`` that held something at point ``at``."""
-        return sorted(c for c in self.candidates(at)
-                      if _under(c, d) and self.state(c, at).present)
+        moved = self._moved_sets().get((d, at))
+        got = moved if moved is not None else (c for c in self.candidates(at) if _under(c, d))
+        return sorted(c for c in got if self.state(c, at).present)
+
+    def _moved_sets(self) -> dict[tuple[str, int], set[str]]:
+        """``candidates(at)`` beneath each directory a rename moves, just before it (what
+        ``moved_with`` and ``all_names`` ask), for every rename at once.
+
+        One sweep up the renames carries the names valid before each (mapped forward), one
+        down carries those valid after (mapped back); each rename moves only the names beneath
+        its two directories, a range of the sorted names.  Mapping every name to each rename's
+        point instead was names x renames (minutes for a session that renames thousands of
+        directories, as installers do)."""
+        if self._moved_by is not None:
+            return self._moved_by
+        rs = self.renames()
+        n = len(rs)
+        by_interval: list[list[str]] = [[] for _ in range(n + 1)]
+        for name, valid in self._universe_names():
+            by_interval[n if valid == INF else bisect.bisect_right(self._rseqs, valid)] \
+                .append(name)
+        raw = sorted(name for name, _ in self._universe_names())
+        sides = [[r["src"], r["dst"]] if r.get("flags", 0) & 2 else [r["src"]] for r in rs]
+        out: dict[tuple[str, int], set[str]] = {}
+
+        def take(names: list[str], k: int) -> None:
+            for d in sides[k]:
+                got = out.setdefault((d, rs[k]["seq"] - 1), set())
+                for c in _beneath(names, d):
+                    got.add(c)
+                    parent = c.rpartition("/")[0]
+                    while parent != d and parent not in got:
+                        got.add(parent)
+                        parent = parent.rpartition("/")[0]
+
+        fwd: list[str] = []
+        for k in range(n):  # names valid before rename k, as named just before it
+            _add_sorted(fwd, by_interval[k])
+            take(fwd, k)
+            take(raw, k)
+            fwd = _move(fwd, rs[k]["src"], rs[k]["dst"], bool(rs[k].get("flags", 0) & 2))
+        back: list[str] = []
+        for k in range(n - 1, -1, -1):  # names valid after it, named back to just before it
+            _add_sorted(back, by_interval[k + 1])
+            back = _move(back, rs[k]["dst"], rs[k]["src"], bool(rs[k].get("flags", 0) & 2))
+            take(back, k)
+        self._moved_by = out
+        return out
 
     def all_names(self) -> list[str]:
         """Every name a path had at some point of the record: the paths the events name, and
@@ -634,13 +748,15 @@ class States:
         name, t = path, at
         rs = self.renames()
         hi = len(rs) if t == INF else bisect.bisect_right(self._rseqs, t)
-        for r in reversed(rs[:hi]):
+        while (i := self._touching(name, 0, hi, last=True)) is not None:
+            r = rs[i]
             if _under(name, r["dst"]) or (r.get("flags", 0) & 2 and _under(name, r["src"])):
                 out.append((name, r["seq"], t))
                 name, t = _back(name, r), r["seq"] - 1
                 if name is None:
                     return out
-            elif _under(name, r["src"]):
+                hi = i
+            else:  # beneath the source
                 out.append((name, r["seq"], t))  # new here: earlier holders moved away
                 return out
         out.append((name, 0, t))
