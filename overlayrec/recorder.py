@@ -22,6 +22,7 @@ once more (``_roomy``).
 """
 from __future__ import annotations
 
+import bisect
 import errno
 import fcntl
 import functools
@@ -35,6 +36,7 @@ from . import underlay
 from .attribution import Attribution
 from .calls import Calls
 from .journal import Journal, JournalError, preimage
+from .journal.renames import RenameIndex
 from .journal.schema import UNMOUNTED
 from .secrets import Secrets, META_NAMES
 
@@ -1244,17 +1246,18 @@ class Recorder:
             for p in open_paths:
                 self.epochs[p] = Epoch("recovered")
             recovered = self.seal()
-        renames = j.dir_renames()
+        renames = RenameIndex(j.dir_renames())
         checked = drifted = 0
         events = []
         for path, seq in list(j.seals()):
             if j.last_seq_for_path(path) != seq:
                 continue  # changed again after this seal: not the end of its chain
             name = path
-            for r in renames:
-                if r["seq"] <= seq or name is None:
-                    continue
-                name = _moved_name(name, r)
+            lo = bisect.bisect_right(renames.seqs, seq)
+            while name is not None and (i := renames.touching(
+                    name, lo, len(renames.seqs), itself=True)) is not None:
+                name = _moved_name(name, renames.renames[i])
+                lo = i + 1
             if name is None or (name != path and (j.last_seq_for_path(name) or 0) > seq):
                 continue
             checked += 1

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 from . import state
 from .journal import Journal, JournalError
+from .journal.renames import RenameIndex
 from .journal.store import WRITER_LOCK, compact, hold_lock
 
 log = logging.getLogger(__name__)
@@ -516,7 +517,7 @@ def _stale_seals(j: Journal, cut: int) -> list[str]:
     event on the path, or a directory rename of an ancestor, also below the cut (both about
     to be dropped).  Their ``seals`` entries go with the cut; otherwise the path would read
     as still holding what was sealed (a directory renamed away would come back)."""
-    renames = [r for r in j.dir_renames() if r["seq"] < cut]
+    renames = RenameIndex([r for r in j.dir_renames() if r["seq"] < cut])
     out = []
     for path, s in j.seals():
         if s >= cut:
@@ -525,11 +526,9 @@ def _stale_seals(j: Journal, cut: int) -> list[str]:
         if last is not None and s < last < cut:
             out.append(path)
             continue
-        for r in renames:
-            if r["seq"] > s and (path.startswith(r["src"] + "/") or
-                                 path.startswith(r["dst"] + "/")):
-                out.append(path)
-                break
+        if renames.touching(path, bisect.bisect_right(renames.seqs, s),
+                            len(renames.seqs)) is not None:
+            out.append(path)
     return out
 
 

@@ -115,3 +115,27 @@ def run(seed: int, tmp_path) -> None:
 @pytest.mark.parametrize("seed", range(int(os.environ.get("OVERLAYREC_PATH_CASES", "40"))))
 def test_what_moved_with_each_directory_rename(seed, tmp_path):
     run(seed, tmp_path)
+
+
+def test_rename_index_finds_what_a_scan_finds():
+    """``RenameIndex.touching`` against reading every rename: the first and the last rename
+    of a range whose source or target is an ancestor of a name (or, ``itself``, the name)."""
+    from overlayrec.journal.renames import RenameIndex
+    rnd = random.Random(7)
+    names = ["a", "a/b", "a/b/c", "a/bc", "ab", "b", "b/a", "a/b/c/d", "c", "c/a/b"]
+    for _ in range(200):
+        rs = [{"seq": 10 * i + rnd.randrange(9) + 1, "src": rnd.choice(names),
+               "dst": rnd.choice(names)} for i in range(rnd.randrange(0, 12))]
+        idx = RenameIndex(rs)
+        for name in names + ["a/b/c/d/e", "zz/y"]:
+            for itself in (False, True):
+                def hits(r):
+                    return any(name.startswith(d + "/") or (itself and name == d)
+                               for d in (r["src"], r["dst"]))
+                for lo in range(len(rs) + 1):
+                    for hi in range(lo, len(rs) + 1):
+                        found = [i for i in range(lo, hi) if hits(rs[i])]
+                        assert idx.touching(name, lo, hi, itself=itself) == \
+                            (found[0] if found else None)
+                        assert idx.touching(name, lo, hi, last=True, itself=itself) == \
+                            (found[-1] if found else None)

@@ -31,6 +31,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 from ..journal import Journal, preimage
+from ..journal.renames import RenameIndex
 from ..journal.schema import MARK_OPS, is_dir_rename
 from ..secrets import Secrets, placeholder
 from ..underlay import kind_of
@@ -419,7 +420,7 @@ class States:
         self._ends: dict[str, int] | None = None
         self._renames: list[dict] | None = None
         self._rseqs: list[int] = []
-        self._rindex: dict[str, list[int]] = {}
+        self._rindex = RenameIndex([])
         self._universe: list[tuple[str, float]] | None = None
         self._candidates: dict[float, set[str]] = {}
         self._moved_by: dict[tuple[str, int], set[str]] | None = None
@@ -557,35 +558,14 @@ class States:
         if self._renames is None:
             self._renames = self.j.dir_renames()
             self._rseqs = [r["seq"] for r in self._renames]
-            # each directory's renames (as source or target), by index: a name's renames are
-            # found through its ancestors, not by reading every rename (a session that
-            # renames thousands of directories, as installers do, made that quadratic)
-            self._rindex = {}
-            for i, r in enumerate(self._renames):
-                self._rindex.setdefault(r["src"], []).append(i)
-                if r["dst"] != r["src"]:
-                    self._rindex.setdefault(r["dst"], []).append(i)
+            # each directory's renames, so a name's are found through its ancestors
+            self._rindex = RenameIndex(self._renames)
         return self._renames
 
     def _touching(self, name: str, lo: int, hi: int, last: bool = False) -> int | None:
         """The index of the first (``last``: the last) directory rename in ``renames()[lo:hi]``
         whose source or target is an ancestor of ``name``; None when there is none."""
-        idx = self._rindex
-        best = None
-        pos = name.find("/")
-        while pos != -1:
-            got = idx.get(name[:pos])
-            if got:
-                if last:
-                    k = bisect.bisect_left(got, hi) - 1
-                    if k >= 0 and got[k] >= lo and (best is None or got[k] > best):
-                        best = got[k]
-                else:
-                    k = bisect.bisect_left(got, lo)
-                    if k < len(got) and got[k] < hi and (best is None or got[k] < best):
-                        best = got[k]
-            pos = name.find("/", pos + 1)
-        return best
+        return self._rindex.touching(name, lo, hi, last=last)
 
     def _next_move(self, path: str, after: int) -> dict | None:
         """The first directory rename after ``after`` that moves or replaces an ancestor."""
