@@ -1287,7 +1287,9 @@ def turns(workspace, sid, churn, as_json, state_dir):
     sd = _state_dir_for(ws, state_dir)
     j = Journal(sd, readonly=True)
     try:
-        parts = _listing("turns", j, ws, sd, ["turns", sid, churn, as_json],
+        # the times are shown in the local zone: a question of its own in another
+        parts = _listing("turns", j, ws, sd, ["turns", sid, churn, as_json,
+                                              os.environ.get("TZ"), list(time.tzname)],
                          lambda rows: _turn_lines(rows, churn, as_json),
                          _Progress("turns", not as_json), sid=sid)
     finally:

@@ -177,6 +177,12 @@ def test_kept_answers_are_the_fresh_ones(make_mount, tmp_path):
         j.close()
     last = agree(m)
     assert "idle" in last[json.dumps(["calls"])][1]
+    # the turns' times are shown in the local zone: another zone is another question
+    shown = {}
+    for tz in ("UTC", "Asia/Tokyo", "UTC"):
+        r = overlayrec("turns", m.ws, "--state-dir", m.state, env=dict(os.environ, TZ=tz))
+        shown.setdefault(tz, set()).add(r.stdout)
+    assert len(shown["UTC"]) == 1 and shown["UTC"] != shown["Asia/Tokyo"], shown
 
 
 def test_generation_moves_with_records(tmp_path):
