@@ -1455,7 +1455,7 @@ def _emit(parts) -> None:
 
 def _answers(sd: str, j, tree):
     from .engines.answers import Answers
-    return Answers(state.StateDir(sd).answers, j, tree.stat_unnoted)
+    return Answers(state.StateDir(sd).answers, j, tree.stats_unnoted)
 
 
 def _reads():

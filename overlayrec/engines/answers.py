@@ -66,8 +66,9 @@ def _lstat_abs(path: str) -> os.stat_result | None:
 
 
 class Answers:
-    """The kept answers of one state dir, for the journal ``j`` as it stands.  ``lstat(key)``
-    stats a live file as Tree noted it (a path beneath the root, or an attic entry)."""
+    """The kept answers of one state dir, for the journal ``j`` as it stands.  ``lstat(keys)``
+    stats live files as Tree noted them (paths beneath the root, attic entries among them):
+    a dict of each key's lstat, None for one absent."""
 
     def __init__(self, kept_dir: str, j, lstat):
         self.dir = kept_dir
@@ -92,8 +93,10 @@ class Answers:
                 doc.get("journal") != self.ident or doc.get("question") != question:
             return None
         try:
-            for key, sig in doc["reads"]:
-                if stat_sig(_lstat_abs(key) if key.startswith("/") else self.lstat(key)) != sig:
+            reads = doc["reads"]
+            live = self.lstat([key for key, _ in reads if not key.startswith("/")])
+            for key, sig in reads:
+                if stat_sig(_lstat_abs(key) if key.startswith("/") else live[key]) != sig:
                     return None
             parts = [(int(s), str(t)) for s, t in doc["parts"]]
         except (KeyError, TypeError, ValueError):

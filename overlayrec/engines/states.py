@@ -189,9 +189,32 @@ class Tree:
         finally:
             os.close(dfd)
 
-    def stat_unnoted(self, rel: str) -> os.stat_result | None:
-        """``lstat``, not noted in ``reads`` (a kept answer's check of what it read)."""
-        return self._lstat(rel)
+    def stats_unnoted(self, rels) -> dict[str, os.stat_result | None]:
+        """``lstat`` of each of ``rels``, not noted in ``reads`` (a kept answer's check of what
+        it read): each directory is reached once for all its names."""
+        by_parent: dict[str, list[str]] = {}
+        for rel in rels:
+            by_parent.setdefault(rel.rpartition("/")[0] if rel else None, []).append(rel)
+        out: dict[str, os.stat_result | None] = {}
+        for parent, group in by_parent.items():
+            if parent is None:  # the root itself
+                out[""] = os.fstat(self.root_fd)
+                continue
+            try:
+                dfd, _ = self._open_parent(group[0])
+            except OSError:
+                out.update((rel, None) for rel in group)
+                continue
+            try:
+                for rel in group:
+                    try:
+                        out[rel] = os.stat(rel.rpartition("/")[2], dir_fd=dfd,
+                                           follow_symlinks=False)
+                    except (FileNotFoundError, NotADirectoryError):
+                        out[rel] = None
+            finally:
+                os.close(dfd)
+        return out
 
     def walk(self, rel: str, skip=()) -> list[str]:
         """Every path beneath directory ``rel`` (not itself), following no symlink; the
