@@ -194,7 +194,10 @@ def test_names_follow_renames_and_links_without_fds(make_mount):
         run(m, f"mv d02/s0/f001 d00/s1/g; mv d02/s0/f002 d02/s1/f003; {pressure};"
                " echo w >> d00/s1/g; echo w >> d02/s1/f003")
         assert run(m, "cat d00/s1/g d02/s1/f003")[0] == "d02/s0/f001\nw\nd02/s0/f002\nw\n"
-        assert events_for(m, "write", "d00/s1/g") and events_for(m, "write", "d02/s1/f003")
+        assert events_for(m, "write", "d00/s1/g") and events_for(m, "write", "d02/s1/f003"), \
+            [(e["seq"], e["op"], e["path"], e.get("path2"), e.get("ref")) for e in
+             m.events(failed=True) if e["op"] in ("write", "rename", "failed", "alias") and
+             str(e["path"]).startswith(("d00/s1/g", "d02/"))][-12:]  # (once seen flaky)
         # RENAME_EXCHANGE of two directories
         run(m, f"{shlex.quote(sys.executable)} -c 'import ctypes;"
                " l = ctypes.CDLL(None, use_errno=True);"
