@@ -22,7 +22,6 @@ once more (``_roomy``).
 """
 from __future__ import annotations
 
-import bisect
 import errno
 import fcntl
 import functools
@@ -1253,7 +1252,7 @@ class Recorder:
             if j.last_seq_for_path(path) != seq:
                 continue  # changed again after this seal: not the end of its chain
             name = path
-            lo = bisect.bisect_right(renames.seqs, seq)
+            lo = renames.upto(seq)
             while name is not None and (i := renames.touching(
                     name, lo, len(renames.seqs), itself=True)) is not None:
                 name = _moved_name(name, renames.renames[i])

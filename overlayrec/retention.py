@@ -526,8 +526,7 @@ def _stale_seals(j: Journal, cut: int) -> list[str]:
         if last is not None and s < last < cut:
             out.append(path)
             continue
-        if renames.touching(path, bisect.bisect_right(renames.seqs, s),
-                            len(renames.seqs)) is not None:
+        if renames.touching(path, renames.upto(s), len(renames.seqs)) is not None:
             out.append(path)
     return out
 

@@ -117,6 +117,30 @@ def private_dir(path: str) -> str:
     return path
 
 
+def replace_private(path: str, data: bytes) -> bool:
+    """Put ``data`` at ``path`` (0600, in a 0700 directory made as needed) whole or not at all:
+    a temp file of this process, renamed over it.  False when the state dir cannot take it
+    (``path`` is then as it was)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        private_dir(os.path.dirname(path))
+        fd = open_private(tmp)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        return True
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        return False
+
+
 def open_private(path: str, flags: int = os.O_WRONLY | os.O_CREAT | os.O_TRUNC) -> int:
     """An fd on the regular file ``path``, made 0600 whatever the umask (an existing one of ours
     is brought to 0600); a symlink is never followed."""

@@ -176,6 +176,34 @@ DRIVER = textwrap.dedent(r'''
 ''')
 
 
+def _op(rnd: random.Random, kind: str, h: int, token, swap=FILES + DIRS) -> list:
+    """One operation of ``kind`` (through handle ``h``; ``token()`` names written data;
+    an exchange is of two of ``swap``)."""
+    if kind == "open":
+        return ["open", h, rnd.choice(FILES), rnd.choice(("trunc", "append", "rdwr"))]
+    if kind in ("write", "pwrite"):
+        return [kind, h, token()] + ([rnd.choice((0, 3))] if kind == "pwrite" else [])
+    if kind == "ftruncate":
+        return ["ftruncate", h, rnd.choice((0, 2))]
+    if kind == "close":
+        return ["close", h]
+    if kind in ("rename", "link"):
+        return [kind, *rnd.sample(FILES, 2)]
+    if kind == "renamedir":
+        return ["rename", *rnd.sample(DIRS, 2)]
+    if kind in ("unlink", "mkdir", "rmdir"):
+        return [kind, rnd.choice(DIRS if kind != "unlink" else FILES)]
+    if kind == "chmod":
+        return ["chmod", rnd.choice(FILES), rnd.choice((0o600, 0o644, 0o755))]
+    if kind == "symlink":  # to a file, to a directory, up and out of a directory, nowhere
+        return ["symlink", rnd.choice(("a", "d", "../b", "gone")), rnd.choice(FILES)]
+    if kind == "exchange":
+        return ["exchange", *rnd.sample(swap, 2)]
+    if kind == "truncate":
+        return ["truncate", rnd.choice(FILES), rnd.choice((0, 1))]
+    return ["make", rnd.choice(FILES), token()]
+
+
 def generate(seed: int, two: bool = True, calls: bool = False) -> list[list]:
     """A sequence of operations over a few names, mostly ones that can succeed; with ``two``,
     about a third of them made by a second process (its own descriptors, its own unit); with
@@ -196,38 +224,7 @@ def generate(seed: int, two: bool = True, calls: bool = False) -> list[list]:
                             "renamedir", "unlink", "mkdir", "make", "link", "chmod", "symlink",
                             "rmdir", "exchange", "truncate"),
                            (4, 6, 2, 1, 2, 4, 2, 2, 1, 2, 1, 1, 1, 1, 1, 1))[0]
-        if kind == "open":
-            ops.append(["open", h, rnd.choice(FILES), rnd.choice(("trunc", "append", "rdwr"))])
-        elif kind == "write":
-            ops.append(["write", h, token()])
-        elif kind == "pwrite":
-            ops.append(["pwrite", h, token(), rnd.choice((0, 3))])
-        elif kind == "ftruncate":
-            ops.append(["ftruncate", h, rnd.choice((0, 2))])
-        elif kind == "close":
-            ops.append(["close", h])
-        elif kind == "rename":
-            ops.append(["rename", *rnd.sample(FILES, 2)])
-        elif kind == "renamedir":
-            ops.append(["rename", *rnd.sample(DIRS, 2)])
-        elif kind == "unlink":
-            ops.append(["unlink", rnd.choice(FILES)])
-        elif kind == "mkdir":
-            ops.append(["mkdir", rnd.choice(DIRS)])
-        elif kind == "link":
-            ops.append(["link", *rnd.sample(FILES, 2)])
-        elif kind == "chmod":
-            ops.append(["chmod", rnd.choice(FILES), rnd.choice((0o600, 0o644, 0o755))])
-        elif kind == "symlink":  # to a file, to a directory, up and out of a directory, nowhere
-            ops.append(["symlink", rnd.choice(("a", "d", "../b", "gone")), rnd.choice(FILES)])
-        elif kind == "rmdir":
-            ops.append(["rmdir", rnd.choice(DIRS)])
-        elif kind == "exchange":
-            ops.append(["exchange", *rnd.sample(FILES + DIRS, 2)])
-        elif kind == "truncate":
-            ops.append(["truncate", rnd.choice(FILES), rnd.choice((0, 1))])
-        else:
-            ops.append(["make", rnd.choice(FILES), token()])
+        ops.append(_op(rnd, kind, h, token))
         if two and rnd.random() < 0.35:  # made by the second writer
             ops[start:] = [["@1", *op] for op in ops[start:]]
         if calls and rnd.random() < 0.25:
@@ -247,28 +244,7 @@ def generate(seed: int, two: bool = True, calls: bool = False) -> list[list]:
                 kind = "open"
             if kind == "open":
                 mine.append(h)
-                ops.append(["open", h, rnd.choice(FILES), rnd.choice(("trunc", "append",
-                                                                      "rdwr"))])
-            elif kind == "write":
-                ops.append(["write", h, token()])
-            elif kind == "pwrite":
-                ops.append(["pwrite", h, token(), rnd.choice((0, 3))])
-            elif kind == "ftruncate":
-                ops.append(["ftruncate", h, rnd.choice((0, 2))])
-            elif kind == "close":
-                ops.append(["close", h])
-            elif kind == "renamedir":
-                ops.append(["rename", *rnd.sample(DIRS, 2)])
-            elif kind in ("rename", "link", "exchange"):
-                ops.append([kind, *rnd.sample(FILES, 2)])
-            elif kind == "unlink":
-                ops.append(["unlink", rnd.choice(FILES)])
-            elif kind == "chmod":
-                ops.append(["chmod", rnd.choice(FILES), rnd.choice((0o600, 0o644, 0o755))])
-            elif kind == "truncate":
-                ops.append(["truncate", rnd.choice(FILES), rnd.choice((0, 1))])
-            else:
-                ops.append(["make", rnd.choice(FILES), token()])
+            ops.append(_op(rnd, kind, h, token, swap=FILES))
     return ops
 
 

@@ -27,7 +27,7 @@ import os
 
 import xxhash
 
-from ..state import open_private, private_dir
+from ..state import replace_private
 
 VERSION = 1
 KEEP = 64                 # answers kept per state dir (the oldest used is removed first)
@@ -115,24 +115,8 @@ class Answers:
         data = json.dumps({"version": VERSION, "journal": self.ident, "question": question,
                            "reads": sorted(reads.files.items()), "parts": parts},
                           separators=(",", ":")).encode()  # ASCII: lone surrogates escaped
-        path = self._path(question)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        try:
-            private_dir(self.dir)
-            fd = open_private(tmp)
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
+        if replace_private(self._path(question), data):
             self._trim()
-        except OSError:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
 
     def _trim(self) -> None:
         names = [n for n in os.listdir(self.dir) if n.endswith(".json")]

@@ -31,7 +31,7 @@ except ImportError:
 
 from ..journal import Journal
 from ..journal.schema import CONTROL_OPS, MARK_OPS
-from ..state import open_private, private_dir
+from ..state import replace_private
 from ..views import (call_fields, call_unit, calls_of, file_events, turn_fields,
                      turn_record_fields)
 from .diff import net_of
@@ -83,24 +83,9 @@ class Kept:
         that cannot take it is no error: the listing is made all the same."""
         if not self.changed:
             return
-        tmp = f"{self.path}.{os.getpid()}.tmp"
         data = json.dumps({"version": VERSION, "journal": self.ident, "upto": self.last,
                            "rows": self.rows}, separators=(",", ":")).encode()
-        try:
-            private_dir(os.path.dirname(self.path))
-            fd = open_private(tmp)
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-            finally:
-                os.close(fd)
-            os.replace(tmp, self.path)
-        except OSError:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+        if not replace_private(self.path, data):
             return
         try:
             os.unlink(os.path.join(os.path.dirname(os.path.dirname(self.path)), LEGACY))

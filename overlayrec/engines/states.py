@@ -121,6 +121,10 @@ class Tree:
         # mounted (a daemon serves it): a file in a write run changes with no event
         self.served = False
 
+    def _note(self, rel: str, st: os.stat_result | None) -> None:
+        if self.reads is not None:
+            self.reads.note(rel, st)
+
     @classmethod
     def at(cls, path: str) -> "Tree":
         return cls(os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
@@ -143,22 +147,19 @@ class Tree:
         directory, for a caller that wants both."""
         if rel == "":  # the workspace root itself
             st = os.fstat(self.root_fd)
-            if self.reads is not None:
-                self.reads.note(rel, st)
+            self._note(rel, st)
             return state_of_stat(st, lambda: b""), st
         try:
             dfd, name = self._open_parent(rel)
         except OSError:
-            if self.reads is not None:
-                self.reads.note(rel, None)
+            self._note(rel, None)
             return ABSENT, None
         try:
             try:
                 st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
             except FileNotFoundError:
                 st = None
-            if self.reads is not None:
-                self.reads.note(rel, st)
+            self._note(rel, st)
             if st is None:
                 return ABSENT, None
             if stat.S_ISREG(st.st_mode) and self.secrets is not None and \
@@ -171,8 +172,7 @@ class Tree:
 
     def lstat(self, rel: str) -> os.stat_result | None:
         st = self._lstat(rel)
-        if self.reads is not None:
-            self.reads.note(rel, st)
+        self._note(rel, st)
         return st
 
     def _lstat(self, rel: str) -> os.stat_result | None:
@@ -231,14 +231,13 @@ class Tree:
         try:
             fd = self._open_dir(rel)
         except OSError:
-            if self.reads is not None:
-                self.reads.note(rel, None)
+            self._note(rel, None)
             return out
         stack = [(fd, rel)]
         while stack:
             fd, base = stack.pop()
             if self.reads is not None:  # a directory's ctime moves when its entries change
-                self.reads.note(base, os.fstat(fd))
+                self._note(base, os.fstat(fd))
             entries = []  # (name, is a directory, lstat or None)
             try:
                 with os.scandir(fd) as it:
@@ -441,9 +440,7 @@ class States:
         self._chain_seqs: dict[str, tuple[list[dict], list[int]]] = {}
         self._cache: dict[tuple, State] = {}
         self._ends: dict[str, int] | None = None
-        self._renames: list[dict] | None = None
-        self._rseqs: list[int] = []
-        self._rindex = RenameIndex([])
+        self._rindex: RenameIndex | None = None  # the directory renames, by directory
         self._universe: list[tuple[str, float]] | None = None
         self._candidates: dict[float, set[str]] = {}
         self._moved_by: dict[tuple[str, int], set[str]] | None = None
@@ -578,23 +575,20 @@ class States:
     # -- path history ---------------------------------------------------------------------------
     def renames(self) -> list[dict]:
         """Every directory rename, in order (``{"seq","src","dst","flags"}``)."""
-        if self._renames is None:
-            self._renames = self.j.dir_renames()
-            self._rseqs = [r["seq"] for r in self._renames]
-            # each directory's renames, so a name's are found through its ancestors
-            self._rindex = RenameIndex(self._renames)
-        return self._renames
+        return self._index().renames
 
-    def _touching(self, name: str, lo: int, hi: int, last: bool = False) -> int | None:
-        """The index of the first (``last``: the last) directory rename in ``renames()[lo:hi]``
-        whose source or target is an ancestor of ``name``; None when there is none."""
-        return self._rindex.touching(name, lo, hi, last=last)
+    def _index(self) -> RenameIndex:
+        """The directory renames indexed by directory: a name's are found through its
+        ancestors."""
+        if self._rindex is None:
+            self._rindex = RenameIndex(self.j.dir_renames())
+        return self._rindex
 
     def _next_move(self, path: str, after: int) -> dict | None:
         """The first directory rename after ``after`` that moves or replaces an ancestor."""
-        rs = self.renames()
-        i = self._touching(path, bisect.bisect_right(self._rseqs, after), len(rs))
-        return None if i is None else rs[i]
+        idx = self._index()
+        i = idx.touching(path, idx.upto(after), len(idx.renames))
+        return None if i is None else idx.renames[i]
 
     def _beyond(self, path: str, r: dict | None) -> State:
         """The state of ``path`` after all of its own events up to ``r`` (a rename of an
@@ -607,17 +601,18 @@ class States:
     def map_name(self, name: str, at: float, to: float) -> str | None:
         """What ``name`` (valid at point ``at``) is called at point ``to``, through the
         directory renames between; None when it cannot exist there."""
-        rs = self.renames()
+        idx = self._index()
+        rs = idx.renames
         if to >= at:
-            lo, hi = bisect.bisect_right(self._rseqs, at), bisect.bisect_right(self._rseqs, to)
-            while (i := self._touching(name, lo, hi)) is not None:
+            lo, hi = idx.upto(at), idx.upto(to)
+            while (i := idx.touching(name, lo, hi)) is not None:
                 name = _fwd(name, rs[i])
                 if name is None:
                     return None
                 lo = i + 1
         else:
-            lo, hi = bisect.bisect_right(self._rseqs, to), bisect.bisect_right(self._rseqs, at)
-            while (i := self._touching(name, lo, hi, last=True)) is not None:
+            lo, hi = idx.upto(to), idx.upto(at)
+            while (i := idx.touching(name, lo, hi, last=True)) is not None:
                 name = _back(name, rs[i])
                 if name is None:
                     return None
@@ -630,7 +625,7 @@ class States:
         if self._universe is None:
             seen: set[tuple[str, int]] = set()
             out: list[tuple[str, float]] = []
-            rseqs = self._rseqs if self.renames() else []
+            rseqs = self._index().seqs
             for path in self.j.paths():
                 if not rseqs:
                     out.append((path, INF))
@@ -688,8 +683,7 @@ class States:
         n = len(rs)
         by_interval: list[list[str]] = [[] for _ in range(n + 1)]
         for name, valid in self._universe_names():
-            by_interval[n if valid == INF else bisect.bisect_right(self._rseqs, valid)] \
-                .append(name)
+            by_interval[n if valid == INF else self._index().upto(valid)].append(name)
         raw = sorted(name for name, _ in self._universe_names())
         sides = [[r["src"], r["dst"]] if r.get("flags", 0) & 2 else [r["src"]] for r in rs]
         out: dict[tuple[str, int], set[str]] = {}
@@ -750,8 +744,8 @@ class States:
         out = []
         name, t = path, at
         rs = self.renames()
-        hi = len(rs) if t == INF else bisect.bisect_right(self._rseqs, t)
-        while (i := self._touching(name, 0, hi, last=True)) is not None:
+        hi = len(rs) if t == INF else self._index().upto(t)
+        while (i := self._index().touching(name, 0, hi, last=True)) is not None:
             r = rs[i]
             if _under(name, r["dst"]) or (r.get("flags", 0) & 2 and _under(name, r["src"])):
                 out.append((name, r["seq"], t))

@@ -24,6 +24,10 @@ class RenameIndex:
             if r["dst"] != r["src"]:
                 self._by_dir.setdefault(r["dst"], []).append(i)
 
+    def upto(self, seq: float) -> int:
+        """How many renames are at or before ``seq``: the index of the first one after it."""
+        return bisect.bisect_right(self.seqs, seq)
+
     def touching(self, name: str, lo: int, hi: int, *, last: bool = False,
                  itself: bool = False) -> int | None:
         """The index of the first (``last``: the last) rename in ``renames[lo:hi]`` whose
