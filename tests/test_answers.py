@@ -2,9 +2,9 @@
 what was kept, and that answer is always the one made afresh.
 
 A recorded session (two calls in a turn: writes, a directory renamed with files beneath, an
-unlink, a large file), then changes of every kind a kept answer must notice: the daemon's own
+unlink, a large file, a fifo, a hard link, a file at a path near 4,000 bytes), then changes of every kind a kept answer must notice: the daemon's own
 events, an edit made while unmounted that keeps the size and puts the mtime back, a chmod
-while unmounted, a file held open and written twice (an open epoch, whose writes are no
+while unmounted, a symlink planted on the way to recorded files, a file held open and written twice (an open epoch, whose writes are no
 events), a new session whose one call changes nothing (a record written without an event
 moves the journal's generation: the unit test below).  At each step every question is asked
 with the answers kept so far, then with none, and the two must be the same; asked once more,
@@ -23,9 +23,12 @@ from conftest import needs_fuse, overlayrec
 
 from overlayrec.journal import Journal
 
+LONG = "/".join(["p" * 200] * 19)  # a path of 3,819 bytes, its file's near 4,000
+
 AGENT = textwrap.dedent(r'''
     import os, subprocess
     from overlayrec import client
+    LONG = %r
     def sh(cmd):
         subprocess.run(["bash", "-c", cmd], check=True)
     with client.connect() as c:
@@ -36,10 +39,11 @@ AGENT = textwrap.dedent(r'''
         c.call_end("c1")
         c.call_begin("c2", "Bash", summary="moves and removes")
         sh("mv d moved && printf 'y\\n' >> moved/e/x.txt && rm gone.txt && "
-           "printf 'three\\n' >> a.txt")
+           "printf 'three\\n' >> a.txt && mkfifo pipe && ln a.txt hard.txt && "
+           "mkdir -p " + LONG + " && printf 'deep\\n' > " + LONG + "/f")
         c.call_end("c2")
         c.turn_end()
-''')
+''' % LONG)
 
 QUESTIONS = [
     ["diff", "--session", "s", "--turn", "1", "--stat"],
@@ -105,6 +109,7 @@ def test_kept_answers_are_the_fresh_ones(make_mount, tmp_path):
     first = agree(m)
     stat = first[json.dumps(QUESTIONS[0])][1]
     assert "a.txt" in stat and "moved/e/x.txt" in stat and "gone.txt" in stat, stat
+    assert "hard.txt" in stat and "/f " in stat, stat
 
     # unmounted: a.txt edited in place, its size kept and its mtime put back (only its ctime
     # says so), then b.txt's mode: each is drift, and every answer that read them is made again
@@ -119,6 +124,12 @@ def test_kept_answers_are_the_fresh_ones(make_mount, tmp_path):
     os.chmod(os.path.join(m.ws, "b.txt"), 0o755)  # git shows the x bit
     third = agree(m)
     assert "b.txt" in third[json.dumps(["diff", "--drift"])][1]
+    # a symlink planted on the way: moved/ is now a link to a copy elsewhere (the record's
+    # files are no longer reachable without following it)
+    os.rename(os.path.join(m.ws, "moved"), os.path.join(m.ws, "elsewhere"))
+    os.symlink("elsewhere", os.path.join(m.ws, "moved"))
+    fourth = agree(m)
+    assert fourth != third
 
     # mounted again: a file held open and written twice, asked between the writes; the answers
     # that read its open epoch are not kept (its writes are no events)

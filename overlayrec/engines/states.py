@@ -230,8 +230,8 @@ class Tree:
         out: list[tuple[str, os.stat_result | None]] = []
         try:
             fd = self._open_dir(rel)
-        except OSError:
-            self._note(rel, None)
+        except OSError:  # not there, or not a directory (a symlink is not followed)
+            self._note(rel, self._lstat(rel))
             return out
         stack = [(fd, rel)]
         while stack:
