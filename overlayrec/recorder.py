@@ -1130,14 +1130,60 @@ class Recorder:
     @_roomy
     @_undoable
     def chmod(self, fd: int, mode: int, actor: dict) -> None:
+        st = os.fstat(fd)
+        if stat.S_IMODE(mode) == stat.S_IMODE(st.st_mode) and \
+                (held := self._unchanging("chmod", fd, st, actor, mode=mode)):
+            with held:
+                underlay.chmod_fd(fd, mode)
+            return
         with self._mutation(self._meta_event("chmod", fd, actor, mode=mode), actor):
             underlay.chmod_fd(fd, mode)
 
     @_roomy
     @_undoable
     def chown(self, fd: int, uid: int, gid: int, actor: dict) -> None:
+        st = os.fstat(fd)
+        if uid in (-1, st.st_uid) and gid in (-1, st.st_gid) and \
+                (held := self._unchanging("chown", fd, st, actor, uid=uid, gid=gid)):
+            with held:
+                underlay.chown_fd(fd, uid, gid)
+            return
         with self._mutation(self._meta_event("chown", fd, actor, uid=uid, gid=gid), actor):
             underlay.chown_fd(fd, uid, gid)
+
+    def _unchanging(self, op: str, fd: int, st: os.stat_result, actor: dict, **kw):
+        """For a chmod to the mode the file has or a chown to the owner it has (``st``: its
+        stat now): a context in which to make it, its event held for the next commit
+        (Journal.hold_event), or None when it must be an event of its own.
+
+        Tar, ``sed -i`` and the formatter pattern make one such change a file.  It changes
+        nothing the record holds, so nothing is lost when it is not written ahead: held only
+        when no setuid or setgid bit is there for the kernel to clear, the inode has this one
+        name (no alias to follow), and the path's epoch is the unit's own with its metadata
+        saved (no pre-image owed).  The path's next write starts a new run, as after any
+        event on it (``Epoch.last``)."""
+        setid = stat.S_ISUID | stat.S_ISGID
+        if not self.journal.hold_notes or (st.st_mode | kw.get("mode", 0)) & setid or \
+                (st.st_nlink != 1 and not stat.S_ISDIR(st.st_mode)):
+            return None
+        path = self.rel(fd)
+        unit = self.units.unit_of(actor)
+        ep = self.epochs.get(path)
+        if ep is None or ep.unit != unit or not ep.meta_saved:
+            return None
+        ev = {"op": op, "path": path, **unit_fields(unit), **kw, "actor": actor["key"]}
+        return self._held_change(ev, ep, actor)
+
+    @contextmanager
+    def _held_change(self, ev: dict, ep: Epoch, actor: dict):
+        seq = self.journal.hold_event(ev, actor)
+        last, ep.last = ep.last, seq
+        try:
+            yield seq
+        except OSError:  # refused: it did not happen, and its event goes
+            self.journal.unhold_event(seq)
+            ep.last = last
+            raise
 
     @_roomy
     @_undoable

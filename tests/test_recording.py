@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import stat
 
+import pytest
+
 from conftest import needs_fuse, needs_root, overlayrec
 
 pytestmark = needs_fuse
@@ -374,6 +376,92 @@ def test_xattr_and_owner_pre_images(make_mount):
     assert ch["epoch"] and ch["pre"]["xattrs"] == {"user.k": b"v1".hex(), "user.new": b"n".hex()}
     assert (ch["pre"]["uid"], ch["pre"]["gid"]) == (1234, 5678)
     assert os.getxattr(p, "user.k") == b"v1" and os.stat(p).st_uid == 0
+
+
+def test_a_change_that_changes_nothing_is_recorded_in_order(make_mount):
+    """A chmod to the mode a file has and a chown to the owner it has (tar, sed -i and the
+    formatter pattern make one a file) ride with the next commit instead of one of their own:
+    still recorded, in the order things happened, the path's next write starts a new run
+    after them (so the state there is exact), and a refused one leaves no event."""
+    from overlayrec.engines.states import States, Tree
+    m = make_mount()
+    m.mount()
+    m.py("import os\n"
+         "os.umask(0o022)\n"
+         "fd = os.open('f', os.O_WRONLY | os.O_CREAT, 0o644)\n"
+         "os.write(fd, b'A')\n"
+         "os.fchmod(fd, 0o644)\n"                       # nothing changes: held
+         "os.write(fd, b'B')\n"                         # a new run: its own event
+         "os.fchown(fd, os.getuid(), os.getgid())\n"    # nothing changes: held
+         "os.write(fd, b'C')\n"
+         "os.close(fd)\n"
+         "os.mkdir('d', 0o755)\n"
+         "os.chmod('d', 0o755)\n"                       # a directory's too
+         "os.chmod('f', 0o600)\n"                       # a change: an event of its own
+         "os.chmod('f', 0o4600)\n"                      # a setuid bit: never held
+         "os.chmod('f', 0o4600)\n")
+    m.umount()
+    evs = [e for e in m.events() if e["path"] in ("f", "d")]
+    assert [(e["op"], e["path"], e.get("mode")) for e in evs] == [
+        ("create", "f", 0o100644 if evs[0]["mode"] > 0o7777 else 0o644),
+        ("write", "f", None), ("chmod", "f", 0o644), ("write", "f", None),
+        ("chown", "f", None), ("write", "f", None),
+        ("mkdir", "d", evs[6].get("mode")), ("chmod", "d", 0o755),
+        ("chmod", "f", 0o600), ("chmod", "f", 0o4600), ("chmod", "f", 0o4600)], evs
+    assert [e["seq"] for e in evs] == sorted(e["seq"] for e in evs)
+    assert [e["t"] for e in evs] == sorted(e["t"] for e in evs)
+    assert all("pre" not in e for e in evs[1:6])  # the create saved all there was
+    j = m.journal()
+    try:
+        states = States(j, Tree.at(m.ws))
+        # within one epoch the writes after the create carry no pre-image, so a reader may
+        # call these points inexact; what it calls exact must be what was there
+        for ev, content in ((evs[2], b"A"), (evs[4], b"AB")):
+            st = states.state("f", ev["seq"])
+            assert not st.exact or (st.kind == "file" and st.data == content), (ev, st)
+        end = states.state("f", evs[-1]["seq"])
+        assert end.exact and end.data == b"ABC" and end.mode & 0o7777 == 0o4600, end
+    finally:
+        j.close()
+
+
+@needs_root  # the immutable flag
+def test_a_refused_change_that_changes_nothing_leaves_no_event(make_mount):
+    """A held chmod the underlay refuses did not happen: no event, and no gap in the seqs."""
+    import array
+    import fcntl
+    m = make_mount()
+    under = os.open(m.ws, os.O_RDONLY | os.O_DIRECTORY)  # the underlay, beneath the mount
+    try:
+        m.mount()
+        p = os.path.join(m.ws, "g")
+        with open(p, "wb") as f:  # this process's epoch, its metadata saved by the create
+            f.write(b"x")
+        os.chmod(p, 0o640)
+        fd = os.open("g", os.O_RDONLY, dir_fd=under)
+        flags = array.array("l", [0])
+        fs_ioc_getflags, fs_ioc_setflags, immutable = 0x80086601, 0x40086602, 0x10
+        try:
+            fcntl.ioctl(fd, fs_ioc_getflags, flags, True)
+            fcntl.ioctl(fd, fs_ioc_setflags, array.array("l", [flags[0] | immutable]))
+        except OSError as e:
+            os.close(fd)
+            pytest.skip(f"the underlay has no immutable flag: {e}")
+        try:
+            with pytest.raises(PermissionError):
+                os.chmod(p, 0o640)  # nothing would change: held, then refused
+        finally:
+            fcntl.ioctl(fd, fs_ioc_setflags, array.array("l", [flags[0]]))
+            os.close(fd)
+        os.chmod(p, 0o600)
+        m.umount()
+    finally:
+        os.close(under)
+    evs = m.events(failed=True)
+    assert [(e["op"], e.get("mode")) for e in evs if e.get("path") == "g"][1:] == \
+        [("write", None), ("chmod", 0o640), ("chmod", 0o600)], evs
+    seqs = [e["seq"] for e in evs]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), seqs  # no gap where it was
 
 
 def test_thousands_of_files_created_and_removed(make_mount):

@@ -6,10 +6,14 @@ changes the underlay only after ``append`` returned never changes it unrecorded.
 not fsynced by default (they reach the page cache, which a killed daemon cannot lose);
 ``durable=True`` syncs every commit, for power loss.
 
-Two things ride with the next commit instead of one of their own: a small blob (``hold_blob``,
-the content store's, for the event its caller commits next) and, in the daemon
-(``hold_notes``), a handle's extents note, a summary readers go without and never a pre-image
-(``flush`` commits it a few milliseconds later when nothing else commits first).
+Three things ride with the next commit instead of one of their own: a small blob
+(``hold_blob``, the content store's, for the event its caller commits next) and, in the daemon
+(``hold_notes``), a handle's extents note, a summary readers go without and never a pre-image,
+and an event that changes nothing (``hold_event``: a chmod to the mode the file has, a chown to
+the owner it has), which has no pre-image to lose and no state for a reader to miss.  ``flush``
+commits them a few milliseconds later when nothing else commits first.  A held event has its
+seq when it is held, and every commit puts the held events first, so the journal's order is
+the order things happened, with no gap a reader could see.
 
 A commit that cannot be made (the state dir's filesystem is full, a quota, an I/O error) raises
 JournalError with the errno the filesystem operation that needed it should fail with; the
@@ -133,6 +137,8 @@ class Journal:
         self.hold_notes = False  # the daemon's writer: extents notes wait for the next commit
         self.on_held = None      # called when a note starts waiting (the daemon's wake-up)
         self._held: list[tuple[bytes, bytes]] = []  # extents notes (key, value) not committed
+        self._held_events: list[dict] = []  # hold_event: events that change nothing, seq given
+        self._held_actors: list[dict] = []  # ... and their actors the table may not have
         if not readonly and not self._renames_indexed():
             self._index_renames()
 
@@ -217,7 +223,7 @@ class Journal:
 
         MDB_MAP_FULL grows the map and runs body again in a new transaction (body only puts, so
         it can run twice); any other failure is a JournalError carrying the errno to answer."""
-        held, blobs = self._held, self._held_blobs
+        held, blobs, events = self._held, self._held_blobs, self._held_events
         for _ in range(16):
             try:
                 with self.env.begin(write=True) as txn:
@@ -225,11 +231,17 @@ class Journal:
                         self._put_blobs(txn, blobs)
                     for k, v in held:
                         txn.put(k, v, db=self.dbs["extents"])
+                    if events:  # before the body: their seqs are lower than any it gives
+                        self._put_actors(txn, self._held_actors)
+                        for ev in events:
+                            self._put_event(txn, ev)
                     out = body(txn)
                 if blobs:
                     self._held_blobs = {}
                 if held:
                     self._held = []
+                if events:
+                    self._held_events, self._held_actors = [], []
                 self._commits += 1
                 if self._commits % _TRIM_EVERY == 0:
                     self.trim_map()
@@ -437,23 +449,50 @@ class Journal:
     # -- held notes ---------------------------------------------------------------------------
     @property
     def held(self) -> int:
-        """How many extents notes wait for the next commit."""
-        return len(self._held)
+        """How many extents notes and events wait for the next commit."""
+        return len(self._held) + len(self._held_events)
 
     def flush(self) -> None:
         """Commit what waits (JournalError when it cannot be: it waits on)."""
-        if self._held or self._held_blobs:
+        if self._held or self._held_blobs or self._held_events:
             self._write(lambda txn: None)
 
     def _settle(self) -> None:
-        """Before this process reads extents notes: those held are committed (when they cannot
-        be, the read sees the journal as committed, and they stay held).  Held blobs need no
-        settling: ``blob`` looks at them first."""
-        if self._held:
+        """Before this process reads extents notes or events: those held are committed (when
+        they cannot be, the read sees the journal as committed, and they stay held).  Held blobs
+        need no settling: ``blob`` looks at them first."""
+        if self._held or self._held_events:
             try:
                 self.flush()
             except JournalError as e:
-                log.warning("cannot commit %d held note(s) before a read: %s", len(self._held), e)
+                log.warning("cannot commit %d held note(s) before a read: %s", self.held, e)
+
+    def hold_event(self, event: dict, actor: dict) -> int:
+        """An event that changes nothing in the record (no pre-image, no state differs after
+        it): with ``hold_notes``, its seq now and its commit with the next one; else committed
+        now.  Its seq either way.  JournalError when too many wait and they cannot be
+        committed (the caller then leaves the underlay alone, as after ``append``)."""
+        if not self.hold_notes:
+            return self.append(event, actor)
+        if len(self._held_events) >= _HELD_MAX:
+            self.flush()
+        event["seq"] = self.reserve_seq()
+        event.setdefault("t", time.time_ns())
+        first = not self.held
+        self._held_events.append(event)
+        if actor["key"] not in self._known_actors:
+            self._held_actors.append(actor)
+        if first and self.on_held is not None:
+            self.on_held()
+        return event["seq"]
+
+    def unhold_event(self, seq: int) -> None:
+        """The change held event ``seq`` named was refused by the underlay: it did not
+        happen, so neither did the event (its seq goes back when none was given after it)."""
+        if self._held_events and self._held_events[-1]["seq"] == seq:
+            self._held_events.pop()
+            if self._next_seq == seq + 1:
+                self._next_seq = seq
 
     def _renames_indexed(self) -> bool:
         """Does ``renames`` hold exactly the directory renames that held (schema)?"""
@@ -695,6 +734,7 @@ class Journal:
             return txn.stat(self.dbs["events"])["entries"]
 
     def last_seq(self) -> int:
+        self._settle()  # a writer's held events first: a seq it names is one readers see
         return self._load_next_seq() - 1
 
     def generation(self) -> int:
@@ -891,12 +931,12 @@ class Journal:
             return 0
 
     def close(self) -> None:
-        if self._held:
+        if self._held or self._held_events:
             try:
                 self.flush()
             except JournalError as e:
-                log.error("closing the journal: %d extents note(s) could not be committed: %s",
-                          len(self._held), e)
+                log.error("closing the journal: %d held note(s) and event(s) could not be "
+                          "committed: %s", self.held, e)
         self.env.close()
         self._release_lock()
 
