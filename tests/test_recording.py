@@ -425,6 +425,40 @@ def test_a_change_that_changes_nothing_is_recorded_in_order(make_mount):
         j.close()
 
 
+def test_a_held_change_ends_a_write_run(make_mount):
+    """A write run, a chmod that changes nothing (held), more writes through the same
+    descriptor, then another process's append: the state at the chmod is what was there then,
+    never what the later writes made."""
+    from overlayrec.engines.states import States, Tree
+    m = make_mount()
+    with open(os.path.join(m.ws, "h"), "wb") as f:
+        f.write(b"0")
+    os.chmod(os.path.join(m.ws, "h"), 0o644)
+    m.mount()
+    m.py("import os, subprocess\n"
+         "fd = os.open('h', os.O_WRONLY | os.O_APPEND)\n"
+         "os.write(fd, b'A')\n"
+         "os.fchmod(fd, 0o644)\n"                              # held
+         "os.write(fd, b'B')\n"
+         "os.write(fd, b'C')\n"
+         "subprocess.run(['sh', '-c', 'printf D >> h'], check=True)\n"  # another unit
+         "os.close(fd)\n")
+    m.umount()
+    evs = [e for e in m.events() if e["path"] == "h"]
+    assert [e["op"] for e in evs] == ["write", "chmod", "write", "write"], evs
+    j = m.journal()
+    try:
+        states = States(j, Tree.at(m.ws))
+        # the write after the chmod is an event of its own: the run before it ended there,
+        # so the other process's pre-image (0ABC) is not taken for the state at the chmod
+        for ev, content in zip(evs, (b"0A", b"0A", b"0ABC", b"0ABCD")):
+            st = states.state("h", ev["seq"])
+            assert not st.exact or st.data == content, (ev, st)
+        assert states.state("h", evs[-1]["seq"]).exact
+    finally:
+        j.close()
+
+
 @needs_root  # the immutable flag
 def test_a_refused_change_that_changes_nothing_leaves_no_event(make_mount):
     """A held chmod the underlay refuses did not happen: no event, and no gap in the seqs."""
