@@ -142,6 +142,9 @@ class _StateDirStore:
             except OSError as e:
                 e.in_state_dir = True
                 raise
+        # made once per name, not per call (a pre-image's store is on every change's path):
+        # the next lookup finds it here and __getattr__ is not asked again
+        setattr(self, name, call)
         return call
 
 
