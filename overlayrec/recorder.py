@@ -123,6 +123,26 @@ def _roomy(fn):
     return wrapper
 
 
+class _Mutation:
+    """``Recorder._mutation``'s context (a class, not a generator: every change enters one):
+    entering commits the event and gives its seq; an OSError from the body is noted as the
+    event's ``failed`` and goes on."""
+    __slots__ = ("rec", "ev", "actor", "seq")
+
+    def __init__(self, rec: "Recorder", ev: dict, actor: dict):
+        self.rec, self.ev, self.actor = rec, ev, actor
+
+    def __enter__(self) -> int:
+        self.ev["actor"] = self.actor["key"]
+        self.seq = self.rec._append(self.ev, self.actor)
+        return self.seq
+
+    def __exit__(self, typ, e, tb) -> bool:
+        if typ is not None and issubclass(typ, OSError):
+            self.rec._note_failed(self.seq, self.ev.get("path"), e.errno, self.actor["key"])
+        return False
+
+
 class _StateDirStore:
     """The content store, with its OSErrors marked as the state dir's (``in_state_dir``): a
     full state dir on another filesystem is no reason to drop the workspace's attic."""
@@ -630,19 +650,12 @@ class Recorder:
             log.warning("cannot journal that event %d failed (%s): kept to journal later", seq, e)
             self._unjournaled.append(note)
 
-    @contextmanager
-    def _mutation(self, ev: dict, actor: dict):
+    def _mutation(self, ev: dict, actor: dict) -> "_Mutation":
         """Journal ``ev``, then let the caller change the underlay; a refusal is noted.
 
         JournalError from the commit reaches the caller before the underlay is touched (write-
         ahead: the body never runs); the filesystem layer answers its errno."""
-        ev["actor"] = actor["key"]
-        seq = self._append(ev, actor)
-        try:
-            yield seq
-        except OSError as e:
-            self._note_failed(seq, ev.get("path"), e.errno, actor["key"])
-            raise
+        return _Mutation(self, ev, actor)
 
     def _event(self, op: str, path: str, actor: dict, unit: str, **kw) -> tuple[dict, Epoch, bool]:
         ep, new = self._epoch(path, unit)

@@ -200,13 +200,13 @@ def test_a_full_state_dir_elsewhere_drops_nothing_and_a_reclaim_is_journaled_lat
         actor = rec.attribution.actor(os.getpid())
         unlink(rec, w, "big")
         [kept] = attic_entries(w)
-        real = j.append_many
+        real = j._write
 
-        def full(events, actors):
+        def full(body):  # every commit refused, as by a full filesystem
             raise JournalError("journal write failed: no space", errno.ENOSPC)
         dfd = os.open(w, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            monkeypatch.setattr(j, "append_many", full)
+            monkeypatch.setattr(j, "_write", full)
             monkeypatch.setattr(rec, "_shares_fs", lambda: False)
             with pytest.raises(JournalError):
                 rec.mkdir(dfd, "d", 0o755, os.getuid(), os.getgid(), actor)
@@ -217,7 +217,7 @@ def test_a_full_state_dir_elsewhere_drops_nothing_and_a_reclaim_is_journaled_lat
                 rec.mkdir(dfd, "d", 0o755, os.getuid(), os.getgid(), actor)
             assert attic_entries(w) == [] and not (ws / "d").exists()
 
-            monkeypatch.setattr(j, "append_many", real)  # room again
+            monkeypatch.setattr(j, "_write", real)  # room again
             rec.mkdir(dfd, "d", 0o755, os.getuid(), os.getgid(), actor)
         finally:
             os.close(dfd)

@@ -301,18 +301,18 @@ def test_a_refused_commit_leaves_no_half_epoch(tmp_path, monkeypatch):
     try:
         rec = Recorder(j, root_fd, Attribution())
         actor = rec.attribution.actor(os.getpid())
-        real = j.append_many
+        real = j._write
 
-        def full(events, actors):
+        def full(body):  # every commit refused, as by a full filesystem
             raise JournalError("journal write failed: no space", errno.ENOSPC)
-        monkeypatch.setattr(j, "append_many", full)
+        monkeypatch.setattr(j, "_write", full)
         with pytest.raises(JournalError) as refused:
             rec.truncate(opath, 0, actor, open_fd=rw)
         assert refused.value.errno == errno.ENOSPC
         assert (ws / "f").read_bytes() == b"the old content"  # write-ahead: not made
         assert "f" not in rec.epochs
 
-        monkeypatch.setattr(j, "append_many", real)  # space freed
+        monkeypatch.setattr(j, "_write", real)  # space freed
         rec.truncate(opath, 0, actor, open_fd=rw)
         assert (ws / "f").read_bytes() == b""
         evs = [e for e in j.events() if e.get("path") == "f"]

@@ -323,7 +323,25 @@ class Journal:
 
     def append(self, event: dict, actor: dict | None = None) -> int:
         """Commit one event (and its actor, the first time it is seen); returns its seq."""
-        return self.append_many([event], [actor] if actor else [])[0]
+        if "seq" in event or (actor is not None and actor["key"] not in self._known_actors):
+            return self.append_many([event], [actor] if actor else [])[0]
+        # the daemon's every change: append_many's work for one event of a known actor
+        seq = self._next_seq
+        self._next_seq = seq + 1
+        event["seq"] = seq
+        timed_here = "t" not in event
+        if timed_here:
+            event["t"] = time.time_ns()
+        try:
+            self._write(lambda txn: self._put_event(txn, event))
+        except JournalError:  # as append_many: the seq goes back, the event can come again
+            if self._next_seq == seq + 1:
+                self._next_seq = seq
+            del event["seq"]
+            if timed_here:
+                del event["t"]
+            raise
+        return seq
 
     def append_many(self, events: list[dict], actors: list[dict]) -> list[int]:
         """Commit events (and the actors not seen before) in one transaction; their seqs.
@@ -375,11 +393,12 @@ class Journal:
 
     def _put_event(self, txn, ev: dict) -> None:
         """One event, with its path keys and its place in the rename or seal index."""
+        dbs = self.dbs
         k = seq_key(ev["seq"])
-        txn.put(k, _dumps(ev), db=self.dbs["events"])
+        txn.put(k, _dumps(ev), db=dbs["events"])
         for p in (ev.get("path"), ev.get("path2")):
             if p is not None:
-                txn.put(path_key(p, ev["seq"]), schema.path_value(p), db=self.dbs["paths"])
+                txn.put(*schema.path_item(p, k), db=dbs["paths"])
         if schema.is_dir_rename(ev):
             txn.put(k, _dumps(_rename_record(ev)), db=self.dbs["renames"])
         elif ev["op"] == "failed":  # a refused rename moved nothing: out of path history
