@@ -64,3 +64,26 @@ def test_without_the_switch_every_change_is_journaled(make_mount):
         ops = {e["op"] for e in m.events()}
         assert {"mkdir", "create", "write", "rename", "symlink", "link", "chmod", "utimens",
                 "truncate", "unlink", "rmdir"} <= ops, ops
+
+
+def test_bench_recorder_runs_both_sides(tmp_path):
+    """tools/bench-recorder drives the Recorder and the UnrecordedRecorder through every
+    workload (no FUSE); its figures are the bench's to read, so only that each was made is
+    checked here."""
+    import json
+    import subprocess
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, os.path.join(repo, "tools", "bench-recorder"),
+                        "--files", "20", "--runs", "1", "--json", "--dir", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert set(out["results"]) == {"tar", "rewrite", "unlink"}
+    for cell in out["results"].values():
+        assert len(cell["samples"]["recording"]) == len(cell["samples"]["not"]) == 1
+        assert cell["recording_us"] > 0 and cell["not_us"] > 0
+    assert os.listdir(tmp_path) == []  # its runs' directories are gone
+    bad = subprocess.run([sys.executable, os.path.join(repo, "tools", "bench-recorder"),
+                          "--only", "nope"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown workload 'nope'" in bad.stderr
