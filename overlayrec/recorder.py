@@ -1146,31 +1146,21 @@ class Recorder:
     @_roomy
     @_undoable
     def chmod(self, fd: int, mode: int, actor: dict) -> None:
-        st = os.fstat(fd)
-        if stat.S_IMODE(mode) == stat.S_IMODE(st.st_mode) and \
-                (held := self._unchanging("chmod", fd, st, actor, mode=mode)):
-            with held:
-                underlay.chmod_fd(fd, mode)
-            return
-        with self._mutation(self._meta_event("chmod", fd, actor, mode=mode), actor):
+        with self._unchanging("chmod", fd, actor, mode=mode) or \
+                self._mutation(self._meta_event("chmod", fd, actor, mode=mode), actor):
             underlay.chmod_fd(fd, mode)
 
     @_roomy
     @_undoable
     def chown(self, fd: int, uid: int, gid: int, actor: dict) -> None:
-        st = os.fstat(fd)
-        if uid in (-1, st.st_uid) and gid in (-1, st.st_gid) and \
-                (held := self._unchanging("chown", fd, st, actor, uid=uid, gid=gid)):
-            with held:
-                underlay.chown_fd(fd, uid, gid)
-            return
-        with self._mutation(self._meta_event("chown", fd, actor, uid=uid, gid=gid), actor):
+        with self._unchanging("chown", fd, actor, uid=uid, gid=gid) or \
+                self._mutation(self._meta_event("chown", fd, actor, uid=uid, gid=gid), actor):
             underlay.chown_fd(fd, uid, gid)
 
-    def _unchanging(self, op: str, fd: int, st: os.stat_result, actor: dict, **kw):
-        """For a chmod to the mode the file has or a chown to the owner it has (``st``: its
-        stat now): a context in which to make it, its event held for the next commit
-        (Journal.hold_event), or None when it must be an event of its own.
+    def _unchanging(self, op: str, fd: int, actor: dict, **kw):
+        """For a chmod to the mode the file has (``mode``) or a chown to the owner it has
+        (``uid``, ``gid``; -1: unchanged): a context in which to make it, its event held for
+        the next commit (Journal.hold_event), or None when it must be an event of its own.
 
         Tar, ``sed -i`` and the formatter pattern make one such change a file.  It changes
         nothing the record holds, so nothing is lost when it is not written ahead: held only
@@ -1178,10 +1168,16 @@ class Recorder:
         name (no alias to follow), and the path's epoch is the unit's own with its metadata
         saved (no pre-image owed).  The path's next write starts a new run, as after any
         event on it (``Epoch.last``)."""
+        if not self.journal.hold_notes:
+            return None
+        st = os.fstat(fd)
         setid = stat.S_ISUID | stat.S_ISGID
-        if not self.journal.hold_notes or (st.st_mode | kw.get("mode", 0)) & setid or \
+        if (st.st_mode | kw.get("mode", 0)) & setid or \
                 (st.st_nlink != 1 and not stat.S_ISDIR(st.st_mode)):
             return None
+        if "mode" in kw and stat.S_IMODE(kw["mode"]) != stat.S_IMODE(st.st_mode) or \
+                kw.get("uid", -1) not in (-1, st.st_uid) or kw.get("gid", -1) not in (-1, st.st_gid):
+            return None  # a change
         path = self.rel(fd)
         unit = self.units.unit_of(actor)
         ep = self.epochs.get(path)

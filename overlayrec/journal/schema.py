@@ -248,23 +248,22 @@ def path_prefixes(path: str) -> list[tuple[bytes, bytes]]:
     return out
 
 
-def path_key(path: str, seq: int) -> bytes:
-    return path_prefix(path) + seq_key(seq)
-
-
 def path_item(path: str, key: bytes) -> tuple[bytes, bytes]:
     """(path_key, path_value) of ``path`` for the event whose ``seq_key`` is ``key``: the
     path encoded once (every event puts one or two)."""
-    raw = path.encode("utf-8", "surrogateescape")
-    if len(raw) > PATH_KEY_MAX or raw[:1] == b"\xff":
-        return b"\xff" + xxhash.xxh3_128_digest(raw) + b"\0" + key, raw
-    return raw + b"\0" + key, b""
+    raw = _path_bytes(path)
+    if not _digest_form(raw):
+        return raw + b"\0" + key, b""
+    return b"\xff" + xxhash.xxh3_128_digest(raw) + b"\0" + key, raw
+
+
+def path_key(path: str, seq: int) -> bytes:
+    return path_item(path, seq_key(seq))[0]
 
 
 def path_value(path: str) -> bytes:
     """The value of a ``paths`` key: b"" when the key holds the path, else the path."""
-    raw = _path_bytes(path)
-    return raw if _digest_form(raw) else b""
+    return path_item(path, b"")[1]
 
 
 def seal_key(path: str) -> bytes:

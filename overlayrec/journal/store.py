@@ -46,7 +46,7 @@ from . import schema
 from .content import ContentStore, RecordContent
 from ..state import private_dir
 from ..underlay import madvise_dontneed
-from .schema import JournalError, seq_key, key_seq, path_key, path_key_split
+from .schema import JournalError, seq_key, key_seq, path_key_split
 
 
 
@@ -323,61 +323,59 @@ class Journal:
 
     def append(self, event: dict, actor: dict | None = None) -> int:
         """Commit one event (and its actor, the first time it is seen); returns its seq."""
-        if "seq" in event or (actor is not None and actor["key"] not in self._known_actors):
-            return self.append_many([event], [actor] if actor else [])[0]
-        # the daemon's every change: append_many's work for one event of a known actor
-        seq = self._next_seq
-        self._next_seq = seq + 1
-        event["seq"] = seq
-        timed_here = "t" not in event
-        if timed_here:
-            event["t"] = time.time_ns()
+        if actor is not None and actor["key"] not in self._known_actors:
+            return self.append_many([event], [actor])[0]
+        # the daemon's every change: one event of a known actor, without append_many's lists
+        assigned: list[tuple[dict, bool]] = []
+        self._stamp(event, assigned)
         try:
             self._write(lambda txn: self._put_event(txn, event))
-        except JournalError:  # as append_many: the seq goes back, the event can come again
-            if self._next_seq == seq + 1:
-                self._next_seq = seq
-            del event["seq"]
-            if timed_here:
-                del event["t"]
+        except JournalError:
+            self._unstamp(assigned)
             raise
-        return seq
+        return event["seq"]
 
     def append_many(self, events: list[dict], actors: list[dict]) -> list[int]:
         """Commit events (and the actors not seen before) in one transaction; their seqs.
         JournalError (with ``errno``) when the commit cannot be made: then nothing of it is in
         the journal."""
         added: list[str] = []
-        assigned: list[tuple[dict, bool]] = []  # events given their seq here (and their time?)
+        assigned: list[tuple[dict, bool]] = []
 
         def body(txn) -> list[int]:
-            seqs = []
             added[:] = self._put_actors(txn, actors)
             for ev in events:
-                if "seq" not in ev:
-                    ev["seq"] = self.reserve_seq()
-                    assigned.append((ev, "t" not in ev))
-                ev.setdefault("t", time.time_ns())
+                self._stamp(ev, assigned)
                 self._put_event(txn, ev)
-                seqs.append(ev["seq"])
-            return seqs
+            return [ev["seq"] for ev in events]
 
         try:
             seqs = self._write(body)
         except JournalError:
-            # not committed: the seqs given here go back (nothing was reserved meanwhile), and
-            # the events can be appended again later in their place in the order
-            if assigned and self._next_seq == assigned[-1][0]["seq"] + 1:
-                self._next_seq = assigned[0][0]["seq"]
-            for ev, timed_here in assigned:
-                del ev["seq"]
-                if timed_here:
-                    ev.pop("t", None)
+            self._unstamp(assigned)
             raise
         if len(self._known_actors) + len(added) > _KNOWN_ACTORS:
             self._known_actors.clear()  # the table answers for the forgotten ones
         self._known_actors.update(added)  # only once committed
         return seqs
+
+    def _stamp(self, ev: dict, assigned: list[tuple[dict, bool]]) -> None:
+        """Give ``ev`` its seq (when it has none) and time; what was given here is noted in
+        ``assigned`` (the event, and whether its time was), for ``_unstamp``."""
+        if "seq" not in ev:
+            ev["seq"] = self.reserve_seq()
+            assigned.append((ev, "t" not in ev))
+        ev.setdefault("t", time.time_ns())
+
+    def _unstamp(self, assigned: list[tuple[dict, bool]]) -> None:
+        """A commit that failed: the seqs given here go back (nothing was reserved meanwhile),
+        and the events can be appended again later in their place in the order."""
+        if assigned and self._next_seq == assigned[-1][0]["seq"] + 1:
+            self._next_seq = assigned[0][0]["seq"]
+        for ev, timed_here in assigned:
+            del ev["seq"]
+            if timed_here:
+                ev.pop("t", None)
 
     def _put_actors(self, txn, actors) -> list[str]:
         """Put the actors the table may not have; the keys put."""
@@ -400,12 +398,12 @@ class Journal:
             if p is not None:
                 txn.put(*schema.path_item(p, k), db=dbs["paths"])
         if schema.is_dir_rename(ev):
-            txn.put(k, _dumps(_rename_record(ev)), db=self.dbs["renames"])
+            txn.put(k, _dumps(_rename_record(ev)), db=dbs["renames"])
         elif ev["op"] == "failed":  # a refused rename moved nothing: out of path history
-            txn.delete(seq_key(ev["ref"]), db=self.dbs["renames"])
+            txn.delete(seq_key(ev["ref"]), db=dbs["renames"])
         elif ev["op"] == "seal":
             txn.put(schema.seal_key(ev["path"]), k + ev["path"].encode("utf-8", "surrogateescape"),
-                    db=self.dbs["seals"])
+                    db=dbs["seals"])
 
     # -- small blobs --------------------------------------------------------------------------
     def hold_blob(self, digest: str, data: bytes) -> None:
@@ -495,8 +493,7 @@ class Journal:
             return self.append(event, actor)
         if len(self._held_events) >= _HELD_MAX:
             self.flush()
-        event["seq"] = self.reserve_seq()
-        event.setdefault("t", time.time_ns())
+        self._stamp(event, [])  # never taken back: unhold_event discards the event whole
         first = not self.held
         self._held_events.append(event)
         if actor["key"] not in self._known_actors:
