@@ -459,6 +459,56 @@ def test_a_held_change_ends_a_write_run(make_mount):
         j.close()
 
 
+def test_changes_that_change_nothing_on_other_shapes(make_mount):
+    """Held changes on a fifo, on a file at a path near 4,000 bytes, and on a file whose
+    directory was renamed since: each recorded under the name it had then, in order, with no
+    gap in the seqs; a hard-linked file's is an event of its own (its other name follows)."""
+    from overlayrec.engines.states import States, Tree
+    m = make_mount()
+    m.mount()
+    deep = "/".join(["d" * 200] * 19)  # 3,818 bytes of directories
+    m.py("import os\n"
+         "os.umask(0o022)\n"
+         "os.mkfifo('p', 0o644)\n"
+         "os.chmod('p', 0o644)\n"
+         f"os.makedirs({deep!r})\n"
+         f"long = {deep!r} + '/' + 'f' * 150\n"
+         "with open(long, 'w') as f:\n"
+         "    f.write('x')\n"
+         "os.chmod(long, 0o644)\n"
+         "os.makedirs('top/sub')\n"
+         "with open('top/sub/g', 'w') as f:\n"
+         "    f.write('y')\n"
+         "os.rename('top', 'moved')\n"
+         "os.chmod('moved/sub/g', 0o644)\n"
+         "os.chown('moved/sub/g', os.getuid(), os.getgid())\n"
+         "with open('h', 'w') as f:\n"
+         "    f.write('z')\n"
+         "os.link('h', 'h2')\n"
+         "os.chmod('h', 0o644)\n")
+    long = deep + "/" + "f" * 150
+    m.umount()
+    evs = m.events()
+    seqs = [e["seq"] for e in m.events(failed=True, seals=True)]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), seqs
+    def ops(path):
+        return [(e["op"], e.get("mode")) for e in evs if e["path"] == path]
+    assert ops("p") == [("mknod", ops("p")[0][1]), ("chmod", 0o644)], ops("p")
+    assert ops(long) == [("create", ops(long)[0][1]), ("write", None), ("chmod", 0o644)]
+    assert [op for op, _ in ops("moved/sub/g")] == ["chmod", "chown"], evs[-8:]
+    assert [op for op, _ in ops("h")][-1] == "chmod"
+    j = m.journal()
+    try:
+        states = States(j, Tree.at(m.ws))
+        end = evs[-1]["seq"]
+        for path, kind in (("p", "fifo"), (long, "file"), ("moved/sub/g", "file"),
+                           ("h", "file"), ("h2", "file")):
+            st = states.state(path, end)
+            assert st.exact and st.kind == kind and st.mode & 0o7777 == 0o644, (path, st)
+    finally:
+        j.close()
+
+
 @needs_root  # the immutable flag
 def test_a_refused_change_that_changes_nothing_leaves_no_event(make_mount):
     """A held chmod the underlay refuses did not happen: no event, and no gap in the seqs."""
