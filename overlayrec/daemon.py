@@ -25,7 +25,7 @@ from .calls import Calls
 from .control import ControlServer
 from .fs import Operations
 from .journal import Journal, JournalError
-from .recorder import Recorder, UnrecordedRecorder
+from .recorder import Recorder, UnrecordedRecorder, time_mutations
 from . import retention, secrets, state
 
 log = logging.getLogger("overlayrec")
@@ -290,15 +290,23 @@ def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other
         state.write_registry(ws, state_dir)
     except (state.StateError, OSError) as e:  # a convenience: --state-dir still finds it
         log.warning("registry entry not written: %s", e)
+    # OVERLAYREC_BENCH_TIMES=FILE: a bench switch, as OVERLAYREC_BENCH_NORECORD: the
+    # recorder's time by mutation and the daemon's CPU time while serving, one JSON line
+    # appended to FILE at unmount (docs/bench.md)
+    times_file = os.environ.get("OVERLAYREC_BENCH_TIMES")
+    times = time_mutations(recorder) if times_file else None
     log.info("mounted %s (state dir %s)", ws, state_dir)
     tell("ready")
     os.umask(0)
+    cpu0 = _cpu_seconds()
     try:
         trio.run(_serve, control)
     except BaseException:
         log.exception("serve loop failed")
         raise
     finally:
+        if times is not None:  # serving only: not the unmount's sealing
+            _write_times(times_file, recorder, times, _cpu_seconds() - cpu0)
         try:
             pyfuse3.close(unmount=True)
             try:
@@ -316,6 +324,22 @@ def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other
                     pass
             log.info("unmounted %s", ws)
     return 0
+
+
+def _cpu_seconds() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def _write_times(path: str, recorder, times: dict, cpu: float) -> None:
+    """OVERLAYREC_BENCH_TIMES's line: never a reason for the unmount to fail."""
+    line = {"recorder": type(recorder).__name__, "pid": os.getpid(), "cpu_s": cpu,
+            "mutations": {k: {"calls": n, "seconds": t} for k, (n, t) in times.items() if n}}
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+    except OSError as e:
+        log.warning("OVERLAYREC_BENCH_TIMES: cannot write %s: %s", path, e)
 
 
 def main(argv=None) -> int:

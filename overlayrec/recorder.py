@@ -28,6 +28,7 @@ import functools
 import logging
 import os
 import stat
+import time
 from contextlib import contextmanager
 from typing import Callable
 
@@ -1380,6 +1381,38 @@ def _moved_name(name: str, r: dict) -> str | None:
     if name.startswith(dst + "/"):
         return src + name[len(dst):] if r.get("flags", 0) & underlay.RENAME_EXCHANGE else None
     return name
+
+
+MUTATIONS = ("create", "mkdir", "mknod", "symlink", "link", "unlink", "rmdir", "rename", "write",
+             "truncate", "chmod", "chown", "utimens", "setxattr", "removexattr")
+
+
+def time_mutations(recorder: Recorder) -> dict[str, list]:
+    """A bench switch, not a user feature (``OVERLAYREC_BENCH_TIMES``, read by the daemon):
+    wrap ``recorder``'s mutations, as the filesystem layer calls them, so that each counts its
+    calls and the seconds spent in it.  Returns the counts, ``{method: [calls, seconds]}``,
+    kept current.  A mutation's time is the recorder's whole part of a request: its event,
+    pre-image and commit, and the underlay's change itself (which norecord makes too).  The
+    journal's write transactions are counted too, as ``commit`` (part of the mutations' time,
+    and the flushes of held notes and events)."""
+    times: dict[str, list] = {}
+
+    def timed(name: str, fn):
+        cell = times.setdefault(name, [0, 0.0])
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                cell[0] += 1
+                cell[1] += time.perf_counter() - t
+        return call
+    for name in MUTATIONS:
+        setattr(recorder, name, timed(name, getattr(recorder, name)))
+    recorder.journal._write = timed("commit", recorder.journal._write)
+    return times
 
 
 class UnrecordedRecorder(Recorder):

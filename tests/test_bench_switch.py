@@ -1,6 +1,8 @@
 """OVERLAYREC_BENCH_NORECORD=1, tools/bench's norecord setup (a bench switch, not a user
 feature): with it the mount makes every change and journals none; without it (unset, or any
-other value) the same changes are journaled as always."""
+other value) the same changes are journaled as always.  OVERLAYREC_BENCH_TIMES=FILE (another
+bench switch): the daemon appends the recorder's time by mutation to FILE at unmount, and
+records as always."""
 from __future__ import annotations
 
 import os
@@ -26,12 +28,15 @@ rmdir d/e
 """
 
 
-def _run(make_mount, value):
+def _run(make_mount, value, times=None):
     env = dict(os.environ)
     env.pop("OVERLAYREC_BENCH_NORECORD", None)
+    env.pop("OVERLAYREC_BENCH_TIMES", None)
     if value is not None:
         env["OVERLAYREC_BENCH_NORECORD"] = value
-    m = make_mount(env=env, sub=f"m{value}")
+    if times is not None:
+        env["OVERLAYREC_BENCH_TIMES"] = times
+    m = make_mount(env=env, sub=f"m{value}{'t' if times else ''}")
     m.mount()
     try:
         m.sh(SCRIPT)
@@ -66,10 +71,42 @@ def test_without_the_switch_every_change_is_journaled(make_mount):
                 "truncate", "unlink", "rmdir"} <= ops, ops
 
 
+@needs_fuse
+def test_bench_times_counts_the_recorder_and_records_as_always(make_mount, tmp_path):
+    """Each setup's line counts the mutations the script made through the mount; with
+    recording, every commit of the journal, and the same events as without the switch."""
+    import json
+    times = str(tmp_path / "times.jsonl")
+    plain = _run(make_mount, None)[0]
+    timed = _run(make_mount, None, times)
+    norec = _run(make_mount, "1", times)
+    assert timed[1:] == (["a", "b"], (0, 10), 0o600) and norec[1:] == timed[1:]
+    with open(times) as f:
+        lines = [json.loads(line) for line in f]
+    assert [d["recorder"] for d in lines] == ["Recorder", "UnrecordedRecorder"]
+
+    def shape(m):  # the events without what differs from run to run
+        return [(e["op"], e.get("path"), e.get("path2")) for e in m.events()
+                if "path" in e and e["op"] not in ("seal",)]
+    assert shape(timed[0]) == shape(plain)
+    for d in lines:
+        calls = {k: v["calls"] for k, v in d["mutations"].items()}
+        # mkdir d, d/e; creates of a, .a.tmp, b; one rename; link h; symlink s; rmdir e
+        assert calls["mkdir"] == 2 and calls["rename"] == 1 and calls["rmdir"] == 1
+        assert calls["link"] == 1 and calls["symlink"] == 1 and calls["chmod"] == 1
+        assert calls["unlink"] == 2 and calls["create"] >= 3
+        assert all(v["seconds"] > 0 for v in d["mutations"].values())
+        assert d["cpu_s"] > sum(v["seconds"] for k, v in d["mutations"].items()
+                                if k != "commit")
+    commits = lines[0]["mutations"]["commit"]["calls"]
+    assert commits >= len(shape(plain)) // 2 and "commit" not in lines[1]["mutations"]
+
+
 def test_bench_recorder_runs_both_sides(tmp_path):
     """tools/bench-recorder drives the Recorder and the UnrecordedRecorder through every
-    workload (no FUSE); its figures are the bench's to read, so only that each was made is
-    checked here."""
+    workload (no FUSE); its times are the bench's to read, so only that each was made is
+    checked here.  Its commit counts are exact: a tar file's chown to the owner it has and a
+    rewrite's chmod to the mode it has ride with the next commit (docs/design.md)."""
     import json
     import subprocess
     import sys
@@ -83,6 +120,9 @@ def test_bench_recorder_runs_both_sides(tmp_path):
     for cell in out["results"].values():
         assert len(cell["samples"]["recording"]) == len(cell["samples"]["not"]) == 1
         assert cell["recording_us"] > 0 and cell["not_us"] > 0
+        assert 0 < cell["commit_us"] < cell["recording_us"]
+    assert {w: c["commits_per_file"] for w, c in out["results"].items()} == \
+        {"tar": 4.0, "rewrite": 3.0, "unlink": 1.0}
     assert os.listdir(tmp_path) == []  # its runs' directories are gone
     bad = subprocess.run([sys.executable, os.path.join(repo, "tools", "bench-recorder"),
                           "--only", "nope"], capture_output=True, text=True, timeout=60)
