@@ -127,3 +127,33 @@ def test_bench_recorder_runs_both_sides(tmp_path):
     bad = subprocess.run([sys.executable, os.path.join(repo, "tools", "bench-recorder"),
                           "--only", "nope"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "unknown workload 'nope'" in bad.stderr
+
+
+@needs_fuse
+def test_bench_times_flag_reports_each_setup(tmp_path):
+    """tools/bench --times: each overlayrec setup's run reports the daemon's CPU time, the part
+    in the recorder, and the journal's commits (none without recording)."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "bench.json"
+    base = tempfile.mkdtemp(prefix="ob", dir="/tmp")  # short: the control socket's path
+    try:
+        r = subprocess.run([sys.executable, os.path.join(repo, "tools", "bench"), "--quick",
+                            "--only", "create-files", "--setups", "norecord,overlayrec",
+                            "--times", "--dir", base, "--json", str(out)],
+                           capture_output=True, text=True, timeout=300)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    runs = json.loads(out.read_text())["setup_runs"]
+    times = {s: runs[s][0]["recorder_times"] for s in ("norecord", "overlayrec")}
+    for t in times.values():
+        assert t["mutations"]["create"]["calls"] == 500  # --quick: 500 files
+        assert t["cpu_s"] > t["recorder_s"] > 0
+    assert times["norecord"]["commits"] == 0
+    assert times["overlayrec"]["commits"] >= 500 and times["overlayrec"]["commit_s"] > 0
+    assert "in the recorder" in r.stdout and "journal commits" in r.stdout
