@@ -51,10 +51,12 @@ def _visible(p: str) -> bool:
 def select(j: Journal, states: States, *, call: str | None = None, turn: int | str | None = None,
            session: str | None = None, since: int | None = None, until: int | None = None,
            glob: str | None = None) -> Side:
-    from ..retention import dropped_selection
-    why = dropped_selection(j, call=call, turn=turn, session=session, since=since, until=until)
-    if why:
-        raise SelectionError(why)
+    if j.cut:  # only a gc's cut drops anything (retention and its logging: imported then)
+        from ..retention import dropped_selection
+        why = dropped_selection(j, call=call, turn=turn, session=session, since=since,
+                                until=until)
+        if why:
+            raise SelectionError(why)
     last = j.last_seq()
     keep = (lambda p: fnmatch.fnmatchcase(p, glob)) if glob else None
     if call is not None:
