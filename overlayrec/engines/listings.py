@@ -161,7 +161,8 @@ def call_rows(j: Journal, states: States, kept_dir: str, sid: str | None = None,
             done += 1
             if progress is not None and (done % 100 == 0 or done == len(todo)):
                 progress(done, len(todo))
-        rows.append(_whole({**c, **fields}))
+        c.update(fields)  # the call's record, decoded for this listing alone, is its row
+        rows.append(_whole(c))
     for k in kept.values():
         k.save()
     return rows
