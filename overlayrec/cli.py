@@ -81,7 +81,7 @@ def _without_cycle_gc(fn):
     """For a reader that builds its whole answer at once (``calls``, ``turns``, ``diff``):
     Python's cycle collector held off while it runs.  The answer is some hundred thousand
     dicts, lists and strings, none of them in a cycle, and each collection walks again all
-    that survived the last ones: a tenth of a listing's time."""
+    that survived the last ones (some 10 ms of ``calls`` on 10,000 rows)."""
     import functools
 
     @functools.wraps(fn)
