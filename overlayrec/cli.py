@@ -980,30 +980,19 @@ def session_end(name, as_json):
 
 # -- hooks ----------------------------------------------------------------------------------------
 
-class _Hooks(click.Group):
-    """One subcommand per agent in the registry (overlayrec/agents/), made when asked for:
-    each imports its agent's module, which no other command needs."""
-
-    def list_commands(self, ctx) -> list[str]:
-        return _agent_names()
-
-    def get_command(self, ctx, name: str):
-        return _hook_command_for(name) if name in _agent_names() else None
-
-
-@main.group(cls=_Hooks)
+@main.group()
 def hook():
     """Agent hook adapters (run by the agent on each hook event, JSON on stdin)."""
 
 
-def _hook_command_for(name: str) -> click.Command:
+def _hook_command_for(name: str):
     from . import agents
     mod = agents.get(name)
     events = ", ".join(mod.EVENTS)
 
-    @click.command(name=name, help=f"{name}: {events}.\n\nReads the hook's JSON on stdin. "
-                   "Silent on success (but for the answer the agent expects on stdout); exits 0 "
-                   "even when nothing is mounted, so it never breaks the agent.")
+    @hook.command(name=name, help=f"{name}: {events}.\n\nReads the hook's JSON on stdin. "
+                  "Silent on success (but for the answer the agent expects on stdout); exits 0 "
+                  "even when nothing is mounted, so it never breaks the agent.")
     def _hook():
         sys.exit(agents.run_hook(name))
     return _hook
@@ -1012,6 +1001,10 @@ def _hook_command_for(name: str) -> click.Command:
 def _agent_names() -> list[str]:
     from . import agents
     return agents.names()
+
+
+for _name in _agent_names():  # one subcommand per agent in the registry (overlayrec/agents/)
+    _hook_command_for(_name)
 
 
 @main.command(name="install-hooks")
