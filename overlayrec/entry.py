@@ -3,6 +3,7 @@
 Agent hooks run on every tool call, so `overlayrec hook AGENT` skips the CLI framework and goes
 straight to the agent registry (no click, no LMDB: a few milliseconds instead of ~100).
 """
+import gc
 import sys
 
 
@@ -11,5 +12,8 @@ def main():
     if len(args) == 2 and args[0] == "hook" and not args[1].startswith("-"):
         from .agents import run_hook
         sys.exit(run_hook(args[1]))
+    # the CLI's imports make tens of thousands of objects and no garbage: the cycle collector
+    # only walks them over and over (~4 ms of every command's start); cli.main turns it back on
+    gc.disable()
     from .cli import main as cli_main
     cli_main()

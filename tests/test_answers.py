@@ -208,3 +208,23 @@ def test_generation_moves_with_records(tmp_path):
         assert j.generation() > g1
     finally:
         j.close()
+
+
+def test_kept_answer_with_undecodable_names(tmp_path):
+    """An answer naming a path of bytes that are not UTF-8 (held as lone surrogates) is kept
+    and read back as it was made (orjson takes no lone surrogate: the standard module does)."""
+    from overlayrec.engines.answers import Answers, Reads
+    j = Journal(str(tmp_path / "sd"), workspace=str(tmp_path))
+    try:
+        kept = tmp_path / "answers"
+        kept.mkdir()
+        answers = Answers(str(kept), j, lambda keys: {k: None for k in keys})
+        name = os.fsdecode(b"caf\xe9.txt")
+        reads = Reads()
+        reads.note(name, None)
+        for question, parts in ((["calls", name], [(1, f"{name}\n"), (2, "warned\n")]),
+                                (["calls", "plain"], [(1, "caf\u00e9 \u2028 ok\n")])):
+            answers.put(question, parts, reads)
+            assert answers.get(question) == parts
+    finally:
+        j.close()

@@ -51,10 +51,12 @@ def _visible(p: str) -> bool:
 def select(j: Journal, states: States, *, call: str | None = None, turn: int | str | None = None,
            session: str | None = None, since: int | None = None, until: int | None = None,
            glob: str | None = None) -> Side:
-    from ..retention import dropped_selection
-    why = dropped_selection(j, call=call, turn=turn, session=session, since=since, until=until)
-    if why:
-        raise SelectionError(why)
+    if j.cut:  # only a gc's cut drops anything (retention and its logging: imported then)
+        from ..retention import dropped_selection
+        why = dropped_selection(j, call=call, turn=turn, session=session, since=since,
+                                until=until)
+        if why:
+            raise SelectionError(why)
     last = j.last_seq()
     keep = (lambda p: fnmatch.fnmatchcase(p, glob)) if glob else None
     if call is not None:
@@ -65,23 +67,23 @@ def select(j: Journal, states: States, *, call: str | None = None, turn: int | s
         if len({c["session"] for c in calls}) > 1:
             raise SelectionError(f"call {call} exists in several sessions: say --session")
         unit = f"call:{calls[0]['session']}:{call}"
-        return side_of(states, [e for e in file_events(j, calls[0].get("begin_seq") or 1)
-                                if e.get("unit") == unit], keep=keep)
+        return _selected(states, [e for e in file_events(j, calls[0].get("begin_seq") or 1)
+                                  if e.get("unit") == unit], keep=keep)
     if turn is not None:
         t = _find_turn(j, turn, session)
         sid = t["session"]
         lo, hi = t["begin_seq"], t["end_seq"] or last
-        return side_of(states, [e for e in file_events(j, lo, hi)
-                                if _unit_session(e.get("unit")) == sid], (lo, hi), keep=keep)
+        return _selected(states, [e for e in file_events(j, lo, hi)
+                                  if _unit_session(e.get("unit")) == sid], (lo, hi), keep=keep)
     if session is not None:
         rec = j.record("sessions", session.encode())
         if rec is None:
             raise SelectionError(f"no session {session}")
-        return side_of(states, [e for e in file_events(j)
-                                if _unit_session(e.get("unit")) == session], keep=keep)
+        return _selected(states, [e for e in file_events(j)
+                                  if _unit_session(e.get("unit")) == session], keep=keep)
     lo = since if since is not None else 1
     hi = until if until is not None else last
-    return side_of(states, file_events(j, lo, hi), (lo - 1, hi), keep=keep)
+    return _selected(states, file_events(j, lo, hi), (lo - 1, hi), keep=keep)
 
 
 def drift_side(states: States, glob: str | None = None) -> Side:
@@ -115,6 +117,14 @@ def _find_turn(j: Journal, turn, session: str | None) -> dict:
         if t["index"] == n:
             return t
     raise SelectionError(f"no turn {n}")
+
+
+def _selected(states: States, events: list[dict], bounds: tuple[int, int] | None = None, *,
+              keep=None) -> Side:
+    """side_of for select(): the journal remembers the selection's events first, since the
+    states look each up again (``Journal.event``), a second decoding of every one."""
+    states.j.remember_events(events)
+    return side_of(states, events, bounds, keep=keep)
 
 
 def spans_of(states: States, events: list[dict], bounds: tuple[int, int] | None = None, *,

@@ -34,7 +34,6 @@ from ..journal.schema import CONTROL_OPS, MARK_OPS
 from ..state import replace_private
 from ..views import (call_fields, call_unit, calls_of, file_events, turn_fields,
                      turn_record_fields)
-from .diff import net_of
 from .states import States
 
 VERSION = 2
@@ -122,14 +121,15 @@ def shards(j: Journal, kept_dir: str, names) -> dict[str, Kept]:
 def _calls_shards(calls: list[dict]) -> list[str]:
     """The shard of each call's row: its session (hashed: any id makes a file name) and
     turn."""
-    tags: dict[str, str] = {}
+    names: dict[tuple, str] = {}  # (session, turn) -> its shard: a name made once
     out = []
     for c in calls:
-        sid = c["session"]
-        tag = tags.get(sid)
-        if tag is None:
-            tag = tags[sid] = xxhash.xxh64_hexdigest(sid.encode())
-        out.append(f"calls-{tag}-{c.get('turn') or 0}")
+        key = (c["session"], c.get("turn") or 0)
+        name = names.get(key)
+        if name is None:
+            tag = xxhash.xxh64_hexdigest(key[0].encode())
+            name = names[key] = f"calls-{tag}-{key[1]}"
+        out.append(name)
     return out
 
 
@@ -147,6 +147,7 @@ def call_rows(j: Journal, states: States, kept_dir: str, sid: str | None = None,
     net = None
     if todo:
         lo = min(c.get("begin_seq") or 1 for c in todo)
+        from .diff import net_of  # rows to compute: only then
         net = net_of(states, preload=lo <= j.cut + 1 or not any(k.rows for k in kept.values()))
         for e in file_events(j, lo):
             by_unit.setdefault(e.get("unit") or "", []).append(e)
@@ -161,7 +162,8 @@ def call_rows(j: Journal, states: States, kept_dir: str, sid: str | None = None,
             done += 1
             if progress is not None and (done % 100 == 0 or done == len(todo)):
                 progress(done, len(todo))
-        rows.append(_whole({**c, **fields}))
+        c.update(fields)  # the call's record, decoded for this listing alone, is its row
+        rows.append(_whole(c))
     for k in kept.values():
         k.save()
     return rows
@@ -179,6 +181,7 @@ def turn_rows(j: Journal, states: States, kept_dir: str, sid: str | None = None,
     todo = [t for t in turns if kept.get(_turn_key(t), same_bounds(t)) is None]
     net = None
     if todo:
+        from .diff import net_of  # rows to compute: only then
         net = net_of(states, preload=len(todo) > len(turns) // 2 or not kept.rows)
     actors: dict = {}
     rows = []

@@ -924,6 +924,14 @@ class Journal:
             self._kept_seq = {e["seq"]: e for e in self._kept}
         return self._kept
 
+    def remember_events(self, events: list[dict]) -> None:
+        """Answer ``event(seq)`` for these events (as ``events()`` gave them) from memory too:
+        a reader that holds a range's events and then looks them up one by one (a diff's
+        states) decodes each once."""
+        kept = self._kept_seq
+        for e in events:
+            kept.setdefault(e["seq"], e)
+
     def forget_events(self) -> None:
         """Read ``events()`` from the journal again (what keep_events() kept is let go)."""
         self._kept = None
