@@ -201,3 +201,42 @@ def test_a_reader_that_cannot_commit_says_so(tmp_path, monkeypatch):
         assert [e["op"] for e in r.events()] == ["create", "unlink", "chmod"]
     finally:
         r.close()
+
+
+def test_the_workspace_roots_seal_is_committed(tmp_path):
+    """A call that changed the workspace root (chmod -R over it) ends with a seal of "" (the
+    root's path); LMDB takes no empty key, so it has one of its own.  That seal used to fail
+    its commit, leaving the call's paths unsealed; written ahead, it would have kept every
+    later record out of LMDB."""
+    sd = str(tmp_path / "state")
+    j = writer(sd)
+    try:
+        j.append(ev("chmod", "", mode=0o755, pre={"kind": "dir", "mode": 0o700}), ACTOR)
+        seals = j.append_many([{"op": "seal", "path": p, "pre": {"kind": "dir", "mode": 0o755},
+                                "actor": "overlayrec"} for p in ("", "a")], [])
+        j.append(ev("chmod", "a", mode=0o600), ACTOR)
+        j.flush()
+        assert j.held == 0
+        assert (j.seal_seq(""), j.seal_seq("a")) == tuple(seals)
+        assert sorted(j.seals()) == [("", seals[0]), ("a", seals[1])]
+    finally:
+        j.close()
+    assert other(sd, "[r.seal_seq(''), r.last_seq()]") == [seals[0], seals[1] + 1]
+
+
+def test_a_record_takes_the_extents_notes_held_before_it(tmp_path):
+    """A reader that sees an event sees every write run that ended before it as ended: the
+    extents notes held then go with the event's record (docs/design.md)."""
+    sd = str(tmp_path / "state")
+    j = writer(sd)
+    try:
+        s1 = j.append(ev("write", "a", offset=0, length=1), ACTOR)
+        j.put_extents(s1, {"writes": 2, "bytes": 2, "lo": 0, "hi": 2, "end": s1})
+        assert other(sd, f"r.extents({s1})") is None  # held: nothing came after it yet
+        s2 = j.append(ev("write", "b", offset=0, length=1), ACTOR)
+        assert other(sd, f"[r.extents({s1})['writes'], r.last_seq()]") == [2, s2]
+        j.put_extents(s1, {"writes": 3, "bytes": 3, "lo": 0, "hi": 3, "end": s1})
+        j.flush()
+        assert other(sd, f"r.extents({s1})['writes']") == 3  # the later note wins
+    finally:
+        j.close()

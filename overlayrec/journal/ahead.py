@@ -18,7 +18,8 @@ in order, each whole in one transaction.  Applying one twice puts the same keys 
 
 The file is ``journal/ahead.log`` (0600).  A record is its payload's length and CRC-32
 (``<II``), then the payload: a JSON header (the events, the actors the journal may not have
-yet, and the length of each blob) followed by the blobs' bytes.  A record that is short or
+yet, the extents notes held before them, and the length of each blob) followed by the
+blobs' bytes.  A record that is short or
 whose CRC does not match ends the log: a write cut off by a ``kill -9`` never reached the
 underlay (its change came after it).  Only the journal's one writer (the daemon, or a gc
 holding the writer lock) empties the file, once everything in it is in LMDB.
@@ -36,11 +37,14 @@ _JSON_LEN = struct.Struct("<I")
 
 
 class Batch:
-    """What one record holds: events (in seq order), actors, small blobs by digest."""
-    __slots__ = ("events", "actors", "blobs")
+    """What one record holds: events (in seq order), actors, small blobs by digest, and the
+    extents notes held before them (seq, summary)."""
+    __slots__ = ("events", "actors", "blobs", "notes")
 
-    def __init__(self, events: list[dict], actors: list[dict], blobs: dict[str, bytes]):
+    def __init__(self, events: list[dict], actors: list[dict], blobs: dict[str, bytes],
+                 notes: list | None = None):
         self.events, self.actors, self.blobs = events, actors, blobs
+        self.notes = notes or []
 
     @property
     def last_seq(self) -> int:
@@ -50,7 +54,7 @@ class Batch:
 def encode(batch: Batch, dumps: Callable[[object], bytes]) -> bytes:
     """A record of ``batch``; ``dumps`` is the journal's own JSON encoder (it keeps a path's
     undecodable bytes)."""
-    head = dumps({"e": batch.events, "a": batch.actors,
+    head = dumps({"e": batch.events, "a": batch.actors, "x": batch.notes,
                    "b": [[d, len(data)] for d, data in batch.blobs.items()]})
     payload = b"".join([_JSON_LEN.pack(len(head)), head, *batch.blobs.values()])
     return _HEAD.pack(len(payload), zlib.crc32(payload)) + payload
@@ -63,7 +67,7 @@ def decode(payload: bytes, loads: Callable[[bytes], object]) -> Batch:
     for digest, size in head["b"]:
         blobs[digest] = payload[at:at + size]
         at += size
-    return Batch(head["e"], head["a"], blobs)
+    return Batch(head["e"], head["a"], blobs, head["x"])
 
 
 class AheadLog:

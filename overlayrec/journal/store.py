@@ -160,27 +160,30 @@ class Journal:
             self._index_renames()
 
     # -- the environment and its map ------------------------------------------------------------
-    def _open_env(self, size_map: bool = True) -> None:
-        """Open LMDB: read only, or writable (``size_map``: as the writer, whose open may size
-        the map and the file; a reader applying the log ahead leaves both as they are)."""
+    def _open_env(self) -> None:
         path, readonly = self._path, self.readonly
         data = os.path.join(path, "data.mdb")
         try:
             size = os.stat(data).st_size
         except FileNotFoundError:
             size = 0
-        if readonly or not size_map:
+        if readonly:
             # address space only: whatever the writer grows the map to meanwhile is mapped
             map_size = max(schema.READ_MAP_SIZE, _round_up(2 * size, schema.MAP_STEP))
         else:
             map_size = schema.MAP_SIZE  # LMDB raises it to what the data holds; sized below
-        self.env = lmdb.open(
-            path, map_size=map_size, max_dbs=len(schema.DBS) + 1,
-            subdir=True, readonly=readonly, lock=True,
-            sync=self._durable, metasync=self._durable, writemap=False,
-            map_async=False, max_readers=256)
+        # a reader's environment is writable where it can be: it commits what the writer wrote
+        # ahead (module ahead) before it reads; where it cannot write, it opens read only
+        self._env_writable = True
         try:
-            if not readonly and size_map:
+            self.env = self._lmdb_open(map_size, readonly=False)
+        except lmdb.Error as e:
+            if not readonly or _lmdb_errno(e) not in (errno.EACCES, errno.EROFS, errno.EPERM):
+                raise
+            self.env = self._lmdb_open(map_size, readonly=True)
+            self._env_writable = False
+        try:
+            if not readonly:
                 self._size_map(data, size)
             self.dbs = {}
             for name in schema.DBS:
@@ -191,6 +194,13 @@ class Journal:
         except BaseException:
             self.env.close()
             raise
+
+    def _lmdb_open(self, map_size: int, readonly: bool):
+        return lmdb.open(
+            self._path, map_size=map_size, max_dbs=len(schema.DBS) + 1,
+            subdir=True, readonly=readonly, lock=True,
+            sync=self._durable, metasync=self._durable, writemap=False,
+            map_async=False, max_readers=256)
 
     def _used(self) -> int:
         """Bytes of data.mdb the last commit uses (LMDB never touches a page past them)."""
@@ -272,6 +282,8 @@ class Journal:
                 if self._commits % _TRIM_EVERY == 0:
                     self.trim_map()
                 return out
+            except lmdb.MapResizedError:  # another process grew the map: take its size
+                self.env.set_mapsize(0)
             except lmdb.MapFullError:
                 try:
                     self._grow()
@@ -422,7 +434,10 @@ class Journal:
         seen: set[str] = set()
         new = [a for a in self._held_actors + actors
                if a["key"] not in self._known_actors and not (a["key"] in seen or seen.add(a["key"]))]
-        batch = Batch(self._held_events + events, new, self._held_blobs)
+        # the extents notes held so far go too: a reader that sees these events sees the runs
+        # that ended before them as ended (docs/design.md, "A release ends a write run")
+        notes = [[key_seq(k), _loads(v)] for k, v in self._held]
+        batch = Batch(self._held_events + events, new, self._held_blobs, notes)
         try:
             self._ahead.append(encode_batch(batch, _dumps), self._durable)
         except OSError as e:
@@ -432,6 +447,7 @@ class Journal:
         first = not self.held
         self._pending.append(batch)
         self._held_events, self._held_actors, self._held_blobs = [], [], {}
+        self._held = []
         if len(self._known_actors) + len(new) > _KNOWN_ACTORS:
             self._known_actors.clear()
         self._known_actors.update(a["key"] for a in new)
@@ -458,6 +474,8 @@ class Journal:
                 txn.put(akey, _dumps(a), db=self.dbs["actors"])
         for ev in batch.events:
             self._put_event(txn, ev)
+        for seq, summary in batch.notes:
+            txn.put(seq_key(seq), _dumps(summary), db=self.dbs["extents"])
 
     def _empty_ahead(self) -> None:
         try:
@@ -466,37 +484,29 @@ class Journal:
             log.warning("cannot empty the log ahead of the journal: %s", e)
 
     def _catch_up(self) -> None:
-        """At open: the records of the log ahead that LMDB does not hold yet (a daemon killed
-        before it committed them) are committed now: by the writer, which then empties the
-        log; by a reader, through a writable environment of its own for that one commit, so
-        that it never answers without them (the daemon may be serving meanwhile: the log is
-        left to it)."""
-        todo = [b for b in self._ahead.batches() if b.last_seq >= self._next_seq]
+        """The records of the log ahead that LMDB does not hold yet are committed now: at the
+        writer's open (a daemon killed before it committed them), which then empties the log;
+        at a reader's open and at each of its ``last_seq`` (the daemon may be serving: the
+        log stays its), so that a reader never answers without an event that was written
+        before it asked."""
+        nxt = self._load_next_seq()
+        todo = [b for b in self._ahead.batches() if b.last_seq >= nxt]
         if not todo:
             if self._owner and self._ahead.size():
                 self._empty_ahead()
             return
-        if self._owner:
+        try:
+            if not self._env_writable:
+                raise JournalError("this process cannot write the journal", errno.EACCES)
             self._pending = todo
             self.flush()
-        else:
-            self.env.close()
-            self.readonly = False
-            try:
-                self._open_env(size_map=False)
-                self._pending = todo
-                self.flush()
-            except (lmdb.Error, JournalError) as e:
-                code = e.errno if isinstance(e, JournalError) else _lmdb_errno(e)
-                n = sum(len(b.events) for b in todo)
-                raise JournalError(f"cannot read the journal in {self.state_dir}: its last {n} "
-                                   f"event(s), written ahead, cannot be committed ({e})",
-                                   code) from None
-            finally:
-                self._pending = []
-                self.readonly = True
-                self.env.close()
-                self._open_env()
+        except JournalError as e:
+            n = sum(len(b.events) for b in todo)
+            raise JournalError(f"cannot read the journal in {self.state_dir}: its last {n} "
+                               f"event(s), written ahead, cannot be committed ({e})",
+                               e.errno) from None
+        finally:
+            self._pending = []
         self.load_cut()
         self._next_seq = self._load_next_seq()
 
@@ -881,6 +891,8 @@ class Journal:
             return txn.stat(self.dbs["events"])["entries"]
 
     def last_seq(self) -> int:
+        if self.readonly:  # what the writer wrote ahead since: a seq named here can be read
+            self._catch_up()
         self._settle()  # a writer's held events first: a seq it names is one readers see
         return self._load_next_seq() - 1
 
