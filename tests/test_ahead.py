@@ -189,7 +189,7 @@ def test_a_reader_that_cannot_commit_says_so(tmp_path, monkeypatch):
     import lmdb
     real = Journal._put_event
 
-    def refuse(self, txn, e):
+    def refuse(self, txn, e, raw=None):
         raise lmdb.DiskError("no room")
     monkeypatch.setattr(Journal, "_put_event", refuse)
     with pytest.raises(JournalError) as e:

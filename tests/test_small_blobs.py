@@ -158,11 +158,11 @@ def test_a_failed_commit_keeps_what_was_written_ahead(tmp_path, monkeypatch):
         real = j._put_event
         calls = []
 
-        def refuse_once(txn, e):
+        def refuse_once(txn, e, raw=None):
             if not calls:
                 calls.append(e["seq"])
                 raise lmdb.DiskError("no room")
-            return real(txn, e)
+            return real(txn, e, raw)
         monkeypatch.setattr(j, "_put_event", refuse_once)
         with pytest.raises(JournalError):
             j.flush()

@@ -38,25 +38,38 @@ _JSON_LEN = struct.Struct("<I")
 
 class Batch:
     """What one record holds: events (in seq order), actors, small blobs by digest, and the
-    extents notes held before them (seq, summary)."""
-    __slots__ = ("events", "actors", "blobs", "notes")
+    extents notes held before them (seq, summary).  ``raws``: each event's JSON as the
+    writer encoded it (what LMDB then stores, byte for byte), None for a batch read back."""
+    __slots__ = ("events", "actors", "blobs", "notes", "raws")
 
     def __init__(self, events: list[dict], actors: list[dict], blobs: dict[str, bytes],
-                 notes: list | None = None):
+                 notes: list | None = None, raws: list[bytes] | None = None):
         self.events, self.actors, self.blobs = events, actors, blobs
         self.notes = notes or []
+        self.raws = raws
 
     @property
     def last_seq(self) -> int:
         return self.events[-1]["seq"] if self.events else 0
 
 
+_BARE = b'],"a":[],"x":[],"b":[]}'  # the rest of a record of events alone: the most common
+
+
 def encode(batch: Batch, dumps: Callable[[object], bytes]) -> bytes:
     """A record of ``batch``; ``dumps`` is the journal's own JSON encoder (it keeps a path's
-    undecodable bytes)."""
-    head = dumps({"e": batch.events, "a": batch.actors, "x": batch.notes,
-                   "b": [[d, len(data)] for d, data in batch.blobs.items()]})
-    payload = b"".join([_JSON_LEN.pack(len(head)), head, *batch.blobs.values()])
+    undecodable bytes).  Each event is encoded once: the same bytes go to LMDB."""
+    if batch.raws is None:
+        batch.raws = [dumps(ev) for ev in batch.events]
+    if batch.actors or batch.notes or batch.blobs:
+        rest = b"".join((b'],"a":', dumps(batch.actors), b',"x":', dumps(batch.notes), b',"b":',
+                         dumps([[d, len(data)] for d, data in batch.blobs.items()]), b"}"))
+    else:
+        rest = _BARE
+    head = b'{"e":[' + b",".join(batch.raws) + rest
+    payload = _JSON_LEN.pack(len(head)) + head
+    if batch.blobs:
+        payload += b"".join(batch.blobs.values())
     return _HEAD.pack(len(payload), zlib.crc32(payload)) + payload
 
 
@@ -77,18 +90,19 @@ class AheadLog:
         self.path = os.path.join(journal_dir, NAME)
         self._loads = loads
         self._fd: int | None = None
+        self._end = 0  # the file's length, as this writer made it
 
     def _open(self) -> int:
         if self._fd is None:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
                                0o600)
+            self._end = os.fstat(self._fd).st_size
         return self._fd
 
     def append(self, record: bytes, durable: bool) -> None:
         """One record at the end, synced when ``durable``.  OSError when it cannot be made
         whole: then the file is cut back to where it was, so no part of it stays."""
         fd = self._open()
-        end = os.lseek(fd, 0, os.SEEK_END)
         try:
             if os.write(fd, record) != len(record):
                 raise OSError(28, "No space left on device")  # a short write: the disk is full
@@ -96,10 +110,11 @@ class AheadLog:
                 os.fdatasync(fd)
         except OSError:
             try:
-                os.ftruncate(fd, end)
+                os.ftruncate(fd, self._end)
             except OSError:
                 pass  # a reader stops at the torn record; the writer's next open cuts it
             raise
+        self._end += len(record)
 
     def batches(self) -> Iterator[Batch]:
         """The whole records in the file, in order (none when there is no file)."""
@@ -127,6 +142,7 @@ class AheadLog:
         """Everything in the file is in LMDB: start it again (the writer only)."""
         if self._fd is not None:
             os.ftruncate(self._fd, 0)
+            self._end = 0
         elif self.size():
             os.truncate(self.path, 0)
 

@@ -362,7 +362,7 @@ class Journal:
     def append(self, event: dict, actor: dict | None = None) -> int:
         """Commit one event (and its actor, the first time it is seen); returns its seq."""
         if self.hold_notes and self._ahead_room():
-            return self._write_ahead([event], [actor] if actor is not None else [])[0]
+            return self._write_ahead([event], [actor] if actor is not None else [])[0]["seq"]
         if actor is not None and actor["key"] not in self._known_actors:
             return self.append_many([event], [actor])[0]
         # the daemon's every change: one event of a known actor, without append_many's lists
@@ -380,7 +380,7 @@ class Journal:
         JournalError (with ``errno``) when the commit cannot be made: then nothing of it is in
         the journal."""
         if self.hold_notes and self._ahead_room():
-            return self._write_ahead(events, actors)
+            return [ev["seq"] for ev in self._write_ahead(events, actors)]
         added: list[str] = []
         assigned: list[tuple[dict, bool]] = []
 
@@ -419,41 +419,50 @@ class Journal:
             if timed_here:
                 ev.pop("t", None)
 
-    def _write_ahead(self, events: list[dict], actors: list[dict]) -> list[int]:
+    def _write_ahead(self, events: list[dict], actors: list[dict]) -> list[dict]:
         """``append``/``append_many`` while the daemon serves (``hold_notes``): the events (the
-        held ones first, as a commit puts them) and their blobs and new actors are one record
-        of the log ahead, written before the caller changes the underlay; LMDB's commit
-        follows with the next one (module ahead).  JournalError (with the errno) when the
-        record cannot be written: then nothing of it is in the journal, and nothing waits
-        that did not wait before."""
+        held ones first, as a commit puts them) and their blobs, new actors and the extents
+        notes held so far are one record of the log ahead, written before the caller changes
+        the underlay; LMDB's commit follows with the next one (module ahead).  Returns the
+        events, stamped.  JournalError (with the errno) when the record cannot be written:
+        then nothing of it is in the journal, and nothing waits that did not wait before."""
         if len(self._pending) >= _HELD_MAX:
             self.flush()  # LMDB must keep up: a journal that cannot commit refuses here
         assigned: list[tuple[dict, bool]] = []
         for ev in events:
             self._stamp(ev, assigned)
-        seen: set[str] = set()
-        new = [a for a in self._held_actors + actors
-               if a["key"] not in self._known_actors and not (a["key"] in seen or seen.add(a["key"]))]
-        # the extents notes held so far go too: a reader that sees these events sees the runs
-        # that ended before them as ended (docs/design.md, "A release ends a write run")
-        notes = [[key_seq(k), _loads(v)] for k, v in self._held]
-        batch = Batch(self._held_events + events, new, self._held_blobs, notes)
+        known = self._known_actors
+        new = [a for a in (self._held_actors + actors if self._held_actors else actors)
+               if a["key"] not in known]
+        if len(new) > 1:
+            new = list({a["key"]: a for a in new}.values())
+        held = self._held
+        # the notes go too: a reader that sees these events sees the write runs that ended
+        # before them as ended (docs/design.md, "A release ends a write run")
+        notes = [[key_seq(k), _loads(v)] for k, v in held] if held else []
+        first = not (held or self._held_events or self._pending)
+        batch = Batch(self._held_events + events if self._held_events else events, new,
+                      self._held_blobs, notes)
         try:
             self._ahead.append(encode_batch(batch, _dumps), self._durable)
         except OSError as e:
             self._unstamp(assigned)
             code = e.errno if e.errno in _PASSED_ERRNOS else errno.EIO
             raise JournalError(f"journal write failed: {e.strerror or e}", code) from None
-        first = not self.held
         self._pending.append(batch)
-        self._held_events, self._held_actors, self._held_blobs = [], [], {}
-        self._held = []
-        if len(self._known_actors) + len(new) > _KNOWN_ACTORS:
-            self._known_actors.clear()
-        self._known_actors.update(a["key"] for a in new)
+        if self._held_events:
+            self._held_events, self._held_actors = [], []
+        if self._held_blobs:
+            self._held_blobs = {}
+        if held:
+            self._held = []
+        if new:
+            if len(known) + len(new) > _KNOWN_ACTORS:
+                known.clear()
+            known.update(a["key"] for a in new)
         if first and self.on_held is not None:
             self.on_held()
-        return [ev["seq"] for ev in events]
+        return events
 
     def _ahead_room(self) -> bool:
         """May events be written ahead now: is there room for all that may wait to fit into
@@ -472,8 +481,8 @@ class Journal:
             akey = a["key"].encode()
             if txn.get(akey, db=self.dbs["actors"]) is None:
                 txn.put(akey, _dumps(a), db=self.dbs["actors"])
-        for ev in batch.events:
-            self._put_event(txn, ev)
+        for ev, raw in zip(batch.events, batch.raws or [None] * len(batch.events)):
+            self._put_event(txn, ev, raw)
         for seq, summary in batch.notes:
             txn.put(seq_key(seq), _dumps(summary), db=self.dbs["extents"])
 
@@ -522,11 +531,12 @@ class Journal:
             added.append(a["key"])
         return added
 
-    def _put_event(self, txn, ev: dict) -> None:
-        """One event, with its path keys and its place in the rename or seal index."""
+    def _put_event(self, txn, ev: dict, raw: bytes | None = None) -> None:
+        """One event (``raw``: its JSON, when it was encoded already), with its path keys and
+        its place in the rename or seal index."""
         dbs = self.dbs
         k = seq_key(ev["seq"])
-        txn.put(k, _dumps(ev), db=dbs["events"])
+        txn.put(k, raw if raw is not None else _dumps(ev), db=dbs["events"])
         for p in (ev.get("path"), ev.get("path2")):
             if p is not None:
                 txn.put(*schema.path_item(p, k), db=dbs["paths"])
