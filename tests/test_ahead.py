@@ -240,3 +240,37 @@ def test_a_record_takes_the_extents_notes_held_before_it(tmp_path):
         assert other(sd, f"r.extents({s1})['writes']") == 3  # the later note wins
     finally:
         j.close()
+
+
+LONG_READER = """
+import json, sys
+from overlayrec.journal import Journal
+r = Journal(sys.argv[1], readonly=True)
+for line in sys.stdin:
+    n = r.last_seq()
+    print(json.dumps([n, [e["seq"] for e in r.events()]]), flush=True)
+r.close()
+"""
+
+
+def test_a_reader_kept_open_sees_what_was_written_ahead_since(tmp_path):
+    """A reader that stays open (a test harness, a tool polling the journal) and asks
+    ``last_seq`` again sees every event written before it asked, with the events to read."""
+    sd = str(tmp_path / "state")
+    j = writer(sd)
+    reader = subprocess.Popen([sys.executable, "-c", LONG_READER, sd], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        def ask():
+            reader.stdin.write("?\n")
+            reader.stdin.flush()
+            return json.loads(reader.stdout.readline())
+        s1 = j.append(ev("create", "a", pre={"kind": "absent"}), ACTOR)
+        assert ask() == [s1, [s1]]
+        s2 = j.append(ev("chmod", "a", mode=0o600), ACTOR)
+        assert j.held == 2  # nothing committed by the writer yet
+        assert ask() == [s2, [s1, s2]]
+    finally:
+        reader.stdin.close()
+        reader.wait(timeout=60 * SLOW)
+        j.close()
