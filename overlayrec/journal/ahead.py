@@ -13,8 +13,8 @@ later, or before any read of this process.
 Whoever opens the journal first applies the records LMDB does not hold yet: the daemon at its
 start (after a ``kill -9``), and a reader in another process at its open, so no reader ever
 answers without an event that was written ahead (``Journal._catch_up``).  A record is known
-to be in LMDB when its last event's seq is below the journal's next seq: records are applied
-in order, each whole in one transaction.  Applying one twice puts the same keys and values.
+to be in LMDB when its highest seq is below the journal's next seq: records are applied in
+order, each whole in one transaction.  Applying one twice puts the same keys and values.
 
 The file is ``journal/ahead.log`` (0600).  A record is its payload's length and CRC-32
 (``<II``), then the payload: a JSON header (the events, the actors the journal may not have
@@ -50,7 +50,9 @@ class Batch:
 
     @property
     def last_seq(self) -> int:
-        return self.events[-1]["seq"] if self.events else 0
+        """The highest seq in the record (an event named by a seq reserved earlier, for its
+        attic entry, may follow events stamped after the reservation)."""
+        return max((ev["seq"] for ev in self.events), default=0)
 
 
 _BARE = b'],"a":[],"x":[],"b":[]}'  # the rest of a record of events alone: the most common
