@@ -99,14 +99,16 @@ def test_bench_times_counts_the_recorder_and_records_as_always(make_mount, tmp_p
         assert d["cpu_s"] > sum(v["seconds"] for k, v in d["mutations"].items()
                                 if k != "commit")
     commits = lines[0]["mutations"]["commit"]["calls"]
-    assert commits >= len(shape(plain)) // 2 and "commit" not in lines[1]["mutations"]
+    assert commits >= 1 and "commit" not in lines[1]["mutations"]
 
 
 def test_bench_recorder_runs_both_sides(tmp_path):
     """tools/bench-recorder drives the Recorder and the UnrecordedRecorder through every
     workload (no FUSE); its times are the bench's to read, so only that each was made is
-    checked here.  Its commit counts are exact: a tar file's chown to the owner it has and a
-    rewrite's chmod to the mode it has ride with the next commit (docs/design.md)."""
+    checked here.  Its counts are exact: each change is a record written ahead, but a tar
+    file's chown to the owner it has and a rewrite's chmod to the mode it has ride with the
+    next (docs/design.md); the records are committed to LMDB in batches, the last one at the
+    end of the run."""
     import json
     import subprocess
     import sys
@@ -121,7 +123,8 @@ def test_bench_recorder_runs_both_sides(tmp_path):
         assert len(cell["samples"]["recording"]) == len(cell["samples"]["not"]) == 1
         assert cell["recording_us"] > 0 and cell["not_us"] > 0
         assert 0 < cell["commit_us"] < cell["recording_us"]
-    assert {w: c["commits_per_file"] for w, c in out["results"].items()} == \
+        assert 0 < cell["commits_per_file"] < cell["ahead_per_file"]
+    assert {w: c["ahead_per_file"] for w, c in out["results"].items()} == \
         {"tar": 4.0, "rewrite": 3.0, "unlink": 1.0}
     assert os.listdir(tmp_path) == []  # its runs' directories are gone
     bad = subprocess.run([sys.executable, os.path.join(repo, "tools", "bench-recorder"),
@@ -155,5 +158,5 @@ def test_bench_times_flag_reports_each_setup(tmp_path):
         assert t["mutations"]["create"]["calls"] == 500  # --quick: 500 files
         assert t["cpu_s"] > t["recorder_s"] > 0
     assert times["norecord"]["commits"] == 0
-    assert times["overlayrec"]["commits"] >= 500 and times["overlayrec"]["commit_s"] > 0
+    assert times["overlayrec"]["commits"] >= 1 and times["overlayrec"]["commit_s"] > 0
     assert "in the recorder" in r.stdout and "journal commits" in r.stdout

@@ -8,6 +8,7 @@ keeps what is held; a held blob is never swept; the daemon commits a held note o
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -72,13 +73,17 @@ def test_a_held_note_is_committed_with_the_next_commit(tmp_path):
         s2 = j.append(ev("write", "f", offset=0, length=3), ACTOR)
         j.put_extents(s2, {"writes": 1, "bytes": 3, "lo": 0, "hi": 3, "end": s2})
         j.put_extents(s1, {"writes": 0, "bytes": 0, "lo": 0, "hi": 0, "end": s2})
-        assert woken == [1] and j.held == 2  # woken once, when the first started waiting
-        assert [e["seq"] for e in committed(tmp_path)] == [s1, s2]  # events: committed ahead
-        assert other(tmp_path, f"r.extents({s2})") is None
-        s3 = j.append(ev("chmod", "f", mode=0o600), ACTOR)
-        assert j.held == 0
+        # woken once, when the first started waiting: two events written ahead, two notes
+        assert woken == [1] and j.held == 4
+        # the events were written ahead: a reader's open commits them (module ahead)
+        assert [e["seq"] for e in committed(tmp_path)] == [s1, s2]
+        assert other(tmp_path, f"r.extents({s2})") is None  # the notes wait for the next
+        s3 = j.append(ev("chmod", "f", mode=0o600), ACTOR)  # ... which takes them along
+        assert j.held == 3 and woken == [1]
         assert other(tmp_path, f"[r.extents({s2})['end'], r.extents({s1})['writes']]") == [s2, 0]
         assert [e["seq"] for e in committed(tmp_path)] == [s1, s2, s3]
+        j.flush()  # the daemon's, 5 ms after the first started waiting
+        assert j.held == 0
     finally:
         j.close()
 
@@ -110,31 +115,64 @@ def test_without_hold_notes_a_note_commits_at_once(tmp_path):
         j.close()
 
 
-def test_a_failed_commit_keeps_held_notes_and_blobs(tmp_path, monkeypatch):
+def test_a_failed_write_ahead_keeps_held_notes_and_blobs(tmp_path, monkeypatch):
+    """The log ahead cannot take the record (a full disk): the append is refused with the
+    errno, its seq goes back, and what waited (the note, the blob) waits on."""
     j = writer(tmp_path)
     try:
         s = j.append(ev("write", "f", offset=0, length=1), ACTOR)
         j.put_extents(s, {"writes": 1, "bytes": 1, "lo": 0, "hi": 1, "end": s})
         digest = j.content.put_bytes(b"the old bytes")
-        real = j._put_event
+        real = j._ahead.append
         calls = []
 
-        def refuse_once(txn, e):
+        def refuse_once(record, durable):
             if not calls:
-                calls.append(e["seq"])
-                raise lmdb.DiskError("no room")
-            return real(txn, e)
-        monkeypatch.setattr(j, "_put_event", refuse_once)
-        with pytest.raises(JournalError):
+                calls.append(record)
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real(record, durable)
+        monkeypatch.setattr(j._ahead, "append", refuse_once)
+        with pytest.raises(JournalError) as refused:
             j.append(ev("unlink", "f", pre={"kind": "file", "blob": digest}), ACTOR)
-        assert j.held == 1 and [e["seq"] for e in committed(tmp_path)] == [s]
+        assert refused.value.errno == errno.ENOSPC
+        assert j.held == 2 and [e["seq"] for e in committed(tmp_path)] == [s]
         assert other(tmp_path, f"[r.extents({s}), blob({digest!r})]") == [None, None]
         assert j.content.get(digest) == b"the old bytes"  # held, still the writer's
         seq = j.append(ev("unlink", "f", pre={"kind": "file", "blob": digest}), ACTOR)
         assert seq == s + 1  # the refused event's seq went back, and is given again
         assert [e["seq"] for e in committed(tmp_path)] == [s, seq]
-        assert other(tmp_path, f"[r.extents({s})['writes'], blob({digest!r})]") == \
-            [1, "the old bytes"]
+        assert other(tmp_path, f"blob({digest!r})") == "the old bytes"
+        j.flush()
+        assert other(tmp_path, f"r.extents({s})['writes']") == 1
+    finally:
+        j.close()
+
+
+def test_a_failed_commit_keeps_what_was_written_ahead(tmp_path, monkeypatch):
+    """LMDB cannot take the records written ahead now: the flush says so, they wait on (a
+    reader still sees them: it commits them itself), and the next flush commits them."""
+    j = writer(tmp_path)
+    try:
+        digest = j.content.put_bytes(b"the old bytes")
+        s = j.append(ev("unlink", "f", pre={"kind": "file", "blob": digest}), ACTOR)
+        real = j._put_event
+        calls = []
+
+        def refuse_once(txn, e, raw=None):
+            if not calls:
+                calls.append(e["seq"])
+                raise lmdb.DiskError("no room")
+            return real(txn, e, raw)
+        monkeypatch.setattr(j, "_put_event", refuse_once)
+        with pytest.raises(JournalError):
+            j.flush()
+        assert calls == [s] and j.held == 1
+        assert os.path.getsize(j._ahead.path) > 0  # still written ahead
+        assert other(tmp_path, f"[[e['seq'] for e in r.events()], blob({digest!r})]") == \
+            [[s], "the old bytes"]
+        j.flush()
+        assert j.held == 0 and os.path.getsize(j._ahead.path) == 0
+        assert [e["seq"] for e in committed(tmp_path)] == [s]
     finally:
         j.close()
 

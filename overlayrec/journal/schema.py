@@ -88,7 +88,8 @@ Sub-databases of the LMDB environment:
               at its next writable open, and read-only readers scan.
 ``seals``     seal_key(path) -> seq (8-byte big-endian) of the latest ``seal`` event of that path,
               followed by the path (utf-8).  The key is the path itself when it fits an LMDB
-              key, else ``b"\xff"`` + its xxh3-128 digest.
+              key (the workspace root's, "", is ``b"/"``), else ``b"\xff"`` + its xxh3-128
+              digest.
 ``dropped``   session id utf-8 -> JSON ``{"id","dropped_t","why","begin_seq","end_seq",
               "started","ended","calls": [call id, ...],"turns": n}``: each session a gc
               dropped, written with the cut (step 1), so that a later request for it is refused
@@ -266,8 +267,14 @@ def path_value(path: str) -> bytes:
     return path_item(path, b"")[1]
 
 
+ROOT_SEAL_KEY = b"/"  # the workspace root's path is "": LMDB takes no empty key, and no
+                      # relative path is "/"
+
+
 def seal_key(path: str) -> bytes:
     raw = path.encode("utf-8", "surrogateescape")
+    if not raw:
+        return ROOT_SEAL_KEY
     if len(raw) <= MAX_KEY:
         return raw
     return b"\xff" + xxhash.xxh3_128_digest(raw)

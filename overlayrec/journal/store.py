@@ -43,6 +43,7 @@ except ImportError:
     orjson = None
 
 from . import schema
+from .ahead import AheadLog, Batch, encode as encode_batch
 from .content import ContentStore, RecordContent
 from ..state import private_dir
 from ..underlay import madvise_dontneed
@@ -73,6 +74,11 @@ _KNOWN_ACTORS = 4096
 _TRIM_EVERY = 32
 # extents notes a writer holds at most: past it, the next note commits at once
 _HELD_MAX = 256
+# the log ahead is used while the state dir has this much free (looked at every few ms):
+# what waits there must always fit into LMDB, so near a full disk every event is committed
+# to LMDB at once, as without the log, and a full disk refuses the change itself
+_AHEAD_ROOM = 64 << 20
+_ROOM_EVERY = 0.005
 
 
 def _dumps(obj) -> bytes:
@@ -107,6 +113,11 @@ class Journal:
             raise JournalError(f"cannot open a journal in {os.fsencode(state_dir)!r}: "
                                "not a UTF-8 path") from None
         self._path, self._durable = path, durable
+        self._ahead = AheadLog(path, _loads)  # the log ahead of LMDB (module ahead)
+        self._pending: list[Batch] = []  # written ahead, not committed to LMDB yet
+        self._owner = not readonly  # the one writer (writer lock): only it empties the log
+        self._room_at = float("-inf")  # when the state dir's free space was last looked at
+        self._room = False
         if readonly and not os.path.exists(os.path.join(path, "data.mdb")):
             raise JournalError(f"no journal in {state_dir}")
         self._compact_lock = None
@@ -139,6 +150,12 @@ class Journal:
         self._held: list[tuple[bytes, bytes]] = []  # extents notes (key, value) not committed
         self._held_events: list[dict] = []  # hold_event: events that change nothing, seq given
         self._held_actors: list[dict] = []  # ... and their actors the table may not have
+        try:
+            self._catch_up()
+        except BaseException:
+            self.env.close()
+            self._release_lock()
+            raise
         if not readonly and not self._renames_indexed():
             self._index_renames()
 
@@ -155,11 +172,16 @@ class Journal:
             map_size = max(schema.READ_MAP_SIZE, _round_up(2 * size, schema.MAP_STEP))
         else:
             map_size = schema.MAP_SIZE  # LMDB raises it to what the data holds; sized below
-        self.env = lmdb.open(
-            path, map_size=map_size, max_dbs=len(schema.DBS) + 1,
-            subdir=True, readonly=readonly, lock=True,
-            sync=self._durable, metasync=self._durable, writemap=False,
-            map_async=False, max_readers=256)
+        # a reader's environment is writable where it can be: it commits what the writer wrote
+        # ahead (module ahead) before it reads; where it cannot write, it opens read only
+        self._env_writable = True
+        try:
+            self.env = self._lmdb_open(map_size, readonly=False)
+        except lmdb.Error as e:
+            if not readonly or _lmdb_errno(e) not in (errno.EACCES, errno.EROFS, errno.EPERM):
+                raise
+            self.env = self._lmdb_open(map_size, readonly=True)
+            self._env_writable = False
         try:
             if not readonly:
                 self._size_map(data, size)
@@ -172,6 +194,13 @@ class Journal:
         except BaseException:
             self.env.close()
             raise
+
+    def _lmdb_open(self, map_size: int, readonly: bool):
+        return lmdb.open(
+            self._path, map_size=map_size, max_dbs=len(schema.DBS) + 1,
+            subdir=True, readonly=readonly, lock=True,
+            sync=self._durable, metasync=self._durable, writemap=False,
+            map_async=False, max_readers=256)
 
     def _used(self) -> int:
         """Bytes of data.mdb the last commit uses (LMDB never touches a page past them)."""
@@ -224,9 +253,12 @@ class Journal:
         MDB_MAP_FULL grows the map and runs body again in a new transaction (body only puts, so
         it can run twice); any other failure is a JournalError carrying the errno to answer."""
         held, blobs, events = self._held, self._held_blobs, self._held_events
+        pending = self._pending
         for _ in range(16):
             try:
                 with self.env.begin(write=True) as txn:
+                    for batch in pending:  # written ahead: before all else, in their order
+                        self._put_batch(txn, batch)
                     if blobs:
                         self._put_blobs(txn, blobs)
                     for k, v in held:
@@ -242,10 +274,16 @@ class Journal:
                     self._held = []
                 if events:
                     self._held_events, self._held_actors = [], []
+                if pending:
+                    self._pending = []
+                    if self._owner:  # all it wrote ahead is in LMDB now
+                        self._empty_ahead()
                 self._commits += 1
                 if self._commits % _TRIM_EVERY == 0:
                     self.trim_map()
                 return out
+            except lmdb.MapResizedError:  # another process grew the map: take its size
+                self.env.set_mapsize(0)
             except lmdb.MapFullError:
                 try:
                     self._grow()
@@ -301,12 +339,12 @@ class Journal:
                                         db=db))
 
     def meta(self, key: str) -> str | None:
-        with self.env.begin(db=self.dbs["meta"]) as txn:
+        with self._read(db=self.dbs["meta"]) as txn:
             v = txn.get(key.encode())
         return v.decode("utf-8", "surrogateescape") if v is not None else None
 
     def _load_next_seq(self) -> int:
-        with self.env.begin(db=self.dbs["events"]) as txn:
+        with self._read(db=self.dbs["events"]) as txn:
             cur = txn.cursor()
             return key_seq(cur.key()) + 1 if cur.last() else 1
 
@@ -323,6 +361,8 @@ class Journal:
 
     def append(self, event: dict, actor: dict | None = None) -> int:
         """Commit one event (and its actor, the first time it is seen); returns its seq."""
+        if self.hold_notes and self._ahead_room():
+            return self._write_ahead([event], [actor] if actor is not None else [])[0]["seq"]
         if actor is not None and actor["key"] not in self._known_actors:
             return self.append_many([event], [actor])[0]
         # the daemon's every change: one event of a known actor, without append_many's lists
@@ -339,6 +379,8 @@ class Journal:
         """Commit events (and the actors not seen before) in one transaction; their seqs.
         JournalError (with ``errno``) when the commit cannot be made: then nothing of it is in
         the journal."""
+        if self.hold_notes and self._ahead_room():
+            return [ev["seq"] for ev in self._write_ahead(events, actors)]
         added: list[str] = []
         assigned: list[tuple[dict, bool]] = []
 
@@ -377,6 +419,106 @@ class Journal:
             if timed_here:
                 ev.pop("t", None)
 
+    def _write_ahead(self, events: list[dict], actors: list[dict]) -> list[dict]:
+        """``append``/``append_many`` while the daemon serves (``hold_notes``): the events (the
+        held ones first, as a commit puts them) and their blobs, new actors and the extents
+        notes held so far are one record of the log ahead, written before the caller changes
+        the underlay; LMDB's commit follows with the next one (module ahead).  Returns the
+        events, stamped.  JournalError (with the errno) when the record cannot be written:
+        then nothing of it is in the journal, and nothing waits that did not wait before."""
+        if len(self._pending) >= _HELD_MAX:
+            self.flush()  # LMDB must keep up: a journal that cannot commit refuses here
+        assigned: list[tuple[dict, bool]] = []
+        for ev in events:
+            self._stamp(ev, assigned)
+        known = self._known_actors
+        new = [a for a in (self._held_actors + actors if self._held_actors else actors)
+               if a["key"] not in known]
+        if len(new) > 1:
+            new = list({a["key"]: a for a in new}.values())
+        held = self._held
+        # the notes go too: a reader that sees these events sees the write runs that ended
+        # before them as ended (docs/design.md, "A release ends a write run")
+        notes = [[key_seq(k), _loads(v)] for k, v in held] if held else []
+        first = not (held or self._held_events or self._pending)
+        batch = Batch(self._held_events + events if self._held_events else events, new,
+                      self._held_blobs, notes)
+        try:
+            self._ahead.append(encode_batch(batch, _dumps), self._durable)
+        except OSError as e:
+            self._unstamp(assigned)
+            code = e.errno if e.errno in _PASSED_ERRNOS else errno.EIO
+            raise JournalError(f"journal write failed: {e.strerror or e}", code) from None
+        self._pending.append(batch)
+        if self._held_events:
+            self._held_events, self._held_actors = [], []
+        if self._held_blobs:
+            self._held_blobs = {}
+        if held:
+            self._held = []
+        if new:
+            if len(known) + len(new) > _KNOWN_ACTORS:
+                known.clear()
+            known.update(a["key"] for a in new)
+        if first and self.on_held is not None:
+            self.on_held()
+        return events
+
+    def _ahead_room(self) -> bool:
+        """May events be written ahead now: is there room for all that may wait to fit into
+        LMDB (``_AHEAD_ROOM``)?  Looked at once every ``_ROOM_EVERY`` seconds at most."""
+        now = time.monotonic()
+        if now - self._room_at >= _ROOM_EVERY:
+            self._room_at = now
+            self._room = _free_bytes(self._path) >= _AHEAD_ROOM
+        return self._room
+
+    def _put_batch(self, txn, batch: Batch) -> None:
+        """One record of the log ahead into LMDB (twice gives the same keys and values)."""
+        if batch.blobs:
+            self._put_blobs(txn, batch.blobs)
+        for a in batch.actors:  # put whatever the writer remembers: it remembered them early
+            akey = a["key"].encode()
+            if txn.get(akey, db=self.dbs["actors"]) is None:
+                txn.put(akey, _dumps(a), db=self.dbs["actors"])
+        for ev, raw in zip(batch.events, batch.raws or [None] * len(batch.events)):
+            self._put_event(txn, ev, raw)
+        for seq, summary in batch.notes:
+            txn.put(seq_key(seq), _dumps(summary), db=self.dbs["extents"])
+
+    def _empty_ahead(self) -> None:
+        try:
+            self._ahead.empty()
+        except OSError as e:  # applied again at the next open, harmlessly
+            log.warning("cannot empty the log ahead of the journal: %s", e)
+
+    def _catch_up(self) -> None:
+        """The records of the log ahead that LMDB does not hold yet are committed now: at the
+        writer's open (a daemon killed before it committed them), which then empties the log;
+        at a reader's open and at each of its ``last_seq`` (the daemon may be serving: the
+        log stays its), so that a reader never answers without an event that was written
+        before it asked."""
+        nxt = self._load_next_seq()
+        todo = [b for b in self._ahead.batches() if b.last_seq >= nxt]
+        if not todo:
+            if self._owner and self._ahead.size():
+                self._empty_ahead()
+            return
+        try:
+            if not self._env_writable:
+                raise JournalError("this process cannot write the journal", errno.EACCES)
+            self._pending = todo
+            self.flush()
+        except JournalError as e:
+            n = sum(len(b.events) for b in todo)
+            raise JournalError(f"cannot read the journal in {self.state_dir}: its last {n} "
+                               f"event(s), written ahead, cannot be committed ({e})",
+                               e.errno) from None
+        finally:
+            self._pending = []
+        self.load_cut()
+        self._next_seq = self._load_next_seq()
+
     def _put_actors(self, txn, actors) -> list[str]:
         """Put the actors the table may not have; the keys put."""
         added = []
@@ -389,11 +531,12 @@ class Journal:
             added.append(a["key"])
         return added
 
-    def _put_event(self, txn, ev: dict) -> None:
-        """One event, with its path keys and its place in the rename or seal index."""
+    def _put_event(self, txn, ev: dict, raw: bytes | None = None) -> None:
+        """One event (``raw``: its JSON, when it was encoded already), with its path keys and
+        its place in the rename or seal index."""
         dbs = self.dbs
         k = seq_key(ev["seq"])
-        txn.put(k, _dumps(ev), db=dbs["events"])
+        txn.put(k, raw if raw is not None else _dumps(ev), db=dbs["events"])
         for p in (ev.get("path"), ev.get("path2")):
             if p is not None:
                 txn.put(*schema.path_item(p, k), db=dbs["paths"])
@@ -423,10 +566,13 @@ class Journal:
         held = self._held_blobs.get(digest)
         if held is not None:
             return held
+        for batch in self._pending:  # written ahead
+            if digest in batch.blobs:
+                return batch.blobs[digest]
         if self.dbs["blobs"] is None:  # a journal older than the table
             return None
         try:
-            with self.env.begin(db=self.dbs["blobs"]) as txn:
+            with self._read(db=self.dbs["blobs"]) as txn:
                 return txn.get(digest.encode())
         except lmdb.Error as e:
             raise JournalError(f"journal in {self.state_dir} is corrupt: {e}") from None
@@ -435,7 +581,7 @@ class Journal:
         """(digest, bytes) of every blob ``blobs`` holds."""
         if self.dbs["blobs"] is None:
             return
-        with self.env.begin(db=self.dbs["blobs"]) as txn:
+        with self._read(db=self.dbs["blobs"]) as txn:
             for k, v in txn.cursor(db=self.dbs["blobs"]):
                 yield k.decode("ascii", "replace"), len(v)
 
@@ -445,8 +591,11 @@ class Journal:
         writer's, for an event not committed yet."""
         if self.dbs["blobs"] is None:
             return 0, 0
+        # before blob_sizes' read, which commits them (those written ahead are named by
+        # their events, which the caller's keep has seen: its reads committed them too)
+        held = set(self._held_blobs)
         names = [dg for dg in only] if only is not None else [dg for dg, _ in self.blob_sizes()]
-        gone = [dg for dg in names if dg not in keep and dg not in self._held_blobs]
+        gone = [dg for dg in names if dg not in keep and dg not in held]
         n = size = 0
         db = self.dbs["blobs"]
         for i in range(0, len(gone), batch):
@@ -466,19 +615,20 @@ class Journal:
     # -- held notes ---------------------------------------------------------------------------
     @property
     def held(self) -> int:
-        """How many extents notes and events wait for the next commit."""
-        return len(self._held) + len(self._held_events)
+        """How many extents notes, events and records written ahead wait for the next
+        commit."""
+        return len(self._held) + len(self._held_events) + len(self._pending)
 
     def flush(self) -> None:
         """Commit what waits (JournalError when it cannot be: it waits on)."""
-        if self._held or self._held_blobs or self._held_events:
+        if self._held or self._held_blobs or self._held_events or self._pending:
             self._write(lambda txn: None)
 
     def _settle(self) -> None:
         """Before this process reads extents notes or events: those held are committed (when
         they cannot be, the read sees the journal as committed, and they stay held).  Held blobs
         need no settling: ``blob`` looks at them first."""
-        if self._held or self._held_events:
+        if self._held or self._held_events or self._pending:
             try:
                 self.flush()
             except JournalError as e:
@@ -514,7 +664,7 @@ class Journal:
         """Does ``renames`` hold exactly the directory renames that held (schema)?"""
         if self.dbs["renames"] is None:
             return False
-        with self.env.begin(db=self.dbs["meta"]) as txn:
+        with self._read(db=self.dbs["meta"]) as txn:
             return txn.get(b"renames_indexed") == schema.RENAMES_INDEXED
 
     def _scan_renames(self) -> list[dict]:
@@ -548,7 +698,7 @@ class Journal:
         out = []
         if self.dbs[db] is None:
             return out
-        with self.env.begin(db=self.dbs[db]) as txn:
+        with self._read(db=self.dbs[db]) as txn:
             cur = txn.cursor()
             if cur.set_range(prefix):
                 for k, v in cur:
@@ -564,7 +714,7 @@ class Journal:
     def record(self, db: str, key: bytes) -> dict | None:
         if self.dbs[db] is None:
             return None
-        with self.env.begin(db=self.dbs[db]) as txn:
+        with self._read(db=self.dbs[db]) as txn:
             v = txn.get(key)
         r = _loads(v) if v is not None else None
         if r is not None and self._dropped and db in _SESSION_DBS and \
@@ -584,20 +734,20 @@ class Journal:
         """Every session a gc dropped (table ``dropped``), in key order."""
         if self.dbs.get("dropped") is None:
             return []
-        with self.env.begin(db=self.dbs["dropped"]) as txn:
+        with self._read(db=self.dbs["dropped"]) as txn:
             return [_loads(v) for _, v in txn.cursor()]
 
     def dropped_session(self, sid: str) -> dict | None:
         if self.dbs.get("dropped") is None:
             return None
-        with self.env.begin(db=self.dbs["dropped"]) as txn:
+        with self._read(db=self.dbs["dropped"]) as txn:
             v = txn.get(sid.encode("utf-8", "surrogateescape"))
         return _loads(v) if v is not None else None
 
     def pins(self) -> dict[str, dict]:
         if self.dbs.get("pins") is None:
             return {}
-        with self.env.begin(db=self.dbs["pins"]) as txn:
+        with self._read(db=self.dbs["pins"]) as txn:
             return {k.decode("utf-8", "surrogateescape"): _loads(v) for k, v in txn.cursor()}
 
     def set_pin(self, sid: str, pinned: bool) -> None:
@@ -612,7 +762,7 @@ class Journal:
         """The seq of ``path``'s latest seal (table ``seals``), or None."""
         if self.dbs.get("seals") is None:
             return None
-        with self.env.begin(db=self.dbs["seals"]) as txn:
+        with self._read(db=self.dbs["seals"]) as txn:
             v = txn.get(schema.seal_key(path))
         if v is None or v[8:].decode("utf-8", "surrogateescape") != path:
             return None
@@ -620,7 +770,7 @@ class Journal:
 
     def scan_raw(self, since: int = 1, until: int | None = None):
         """(seq, raw event bytes) from ``since`` on, whatever the cut (the gc's own scans)."""
-        with self.env.begin(db=self.dbs["events"]) as txn:
+        with self._read(db=self.dbs["events"]) as txn:
             cur = txn.cursor()
             if not cur.set_range(seq_key(since)):
                 return
@@ -718,7 +868,7 @@ class Journal:
         used_pages = 2  # the two meta pages
         st = self.env.stat()  # the main table (it names the others)
         used_pages += st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
-        with self.env.begin() as txn:
+        with self._read() as txn:
             for handle in self.dbs.values():
                 if handle is None:
                     continue
@@ -737,8 +887,9 @@ class Journal:
         reaches the daemon after the writer's close anyway): with ``hold_notes``, it waits for
         the next commit."""
         if self.hold_notes and len(self._held) < _HELD_MAX:
+            first = not self.held
             self._held.append((seq_key(seq), _dumps(summary)))
-            if len(self._held) == 1 and self.on_held is not None:
+            if first and self.on_held is not None:
                 self.on_held()
             return
         handle, value = self.dbs["extents"], _dumps(summary)
@@ -746,17 +897,27 @@ class Journal:
 
     # -- reading --------------------------------------------------------------------------------
     def count(self) -> int:
-        with self.env.begin(db=self.dbs["events"]) as txn:
+        with self._read(db=self.dbs["events"]) as txn:
             return txn.stat(self.dbs["events"])["entries"]
 
     def last_seq(self) -> int:
+        if self.readonly:  # what the writer wrote ahead since: a seq named here can be read
+            self._catch_up()
         self._settle()  # a writer's held events first: a seq it names is one readers see
         return self._load_next_seq() - 1
+
+    def _read(self, db=None):
+        """A read transaction that sees what this process wrote ahead (committed first)."""
+        if self._pending:
+            self._settle()
+        return self.env.begin(db=db)
 
     def generation(self) -> int:
         """LMDB's last committed write transaction: it moves with every change to the journal
         (an event, a call's or turn's record, a meta key), so an answer made from the journal
         as it stood at one generation holds while the generation is the same."""
+        if self._pending:
+            self._settle()
         return self.env.info()["last_txnid"]
 
     def event(self, seq: int) -> dict | None:
@@ -765,7 +926,7 @@ class Journal:
         if kept is not None:
             return kept
         try:
-            with self.env.begin(db=self.dbs["events"]) as txn:
+            with self._read(db=self.dbs["events"]) as txn:
                 v = txn.get(seq_key(seq))
         except lmdb.Error as e:
             raise JournalError(f"journal in {self.state_dir} is corrupt: {e}") from None
@@ -812,7 +973,7 @@ class Journal:
 
     def _read_events(self, since: int, until: int | None) -> Iterator[dict]:
         try:
-            with self.env.begin(db=self.dbs["events"]) as txn:
+            with self._read(db=self.dbs["events"]) as txn:
                 cur = txn.cursor()
                 if not cur.set_range(seq_key(since)):
                     return
@@ -842,7 +1003,7 @@ class Journal:
     def seqs_for_path(self, path: str) -> list[int]:
         """The seqs of every event naming ``path``, ascending (whatever form its keys have)."""
         out = []
-        with self.env.begin(db=self.dbs["paths"]) as txn:
+        with self._read(db=self.dbs["paths"]) as txn:
             cur = txn.cursor()
             for prefix, value in schema.path_prefixes(path):
                 if cur.set_range(prefix):
@@ -861,7 +1022,7 @@ class Journal:
         its digest)."""
         last = None
         long_seen: set[str] = set()
-        with self.env.begin(db=self.dbs["paths"]) as txn:
+        with self._read(db=self.dbs["paths"]) as txn:
             for k, v in txn.cursor():
                 p = path_key_split(k, v)[0]
                 if p == last:
@@ -878,7 +1039,7 @@ class Journal:
         if not self._renames_indexed():
             return [dict(_rename_record(ev), seq=ev["seq"]) for ev in self._scan_renames()]
         out = []
-        with self.env.begin(db=self.dbs["renames"]) as txn:
+        with self._read(db=self.dbs["renames"]) as txn:
             cur = txn.cursor()
             if cur.set_range(seq_key(self.cut)):
                 for k, v in cur:
@@ -889,14 +1050,14 @@ class Journal:
         """(path, seq of its latest seal), every sealed path."""
         if self.dbs["seals"] is None:
             return
-        with self.env.begin(db=self.dbs["seals"]) as txn:
+        with self._read(db=self.dbs["seals"]) as txn:
             for _, v in txn.cursor():
                 yield v[8:].decode("utf-8", "surrogateescape"), key_seq(v[:8])
 
     def last_seq_for_path(self, path: str) -> int | None:
         """The seq of the last event naming ``path``, or None."""
         best = None
-        with self.env.begin(db=self.dbs["paths"]) as txn:
+        with self._read(db=self.dbs["paths"]) as txn:
             cur = txn.cursor()
             for prefix, value in schema.path_prefixes(path):
                 # the last key of the prefix: step back from the first key past it
@@ -918,13 +1079,13 @@ class Journal:
         return best
 
     def actor(self, key: str) -> dict | None:
-        with self.env.begin(db=self.dbs["actors"]) as txn:
+        with self._read(db=self.dbs["actors"]) as txn:
             v = txn.get(key.encode())
         return _loads(v) if v is not None else None
 
     def extents(self, seq: int) -> dict | None:
         self._settle()
-        with self.env.begin(db=self.dbs["extents"]) as txn:
+        with self._read(db=self.dbs["extents"]) as txn:
             v = txn.get(seq_key(seq))
         return _loads(v) if v is not None else None
 
@@ -955,12 +1116,13 @@ class Journal:
             return 0
 
     def close(self) -> None:
-        if self._held or self._held_events:
+        if self._held or self._held_events or self._pending:
             try:
                 self.flush()
             except JournalError as e:
                 log.error("closing the journal: %d held note(s) and event(s) could not be "
                           "committed: %s", self.held, e)
+        self._ahead.close()
         self.env.close()
         self._release_lock()
 

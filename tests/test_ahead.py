@@ -1,0 +1,276 @@
+"""The log ahead of LMDB (overlayrec.journal.ahead): while the daemon serves, each event is a
+record there before its change, and its LMDB commit follows a few milliseconds later.  What a
+killed writer left there is committed by whoever opens the journal next, reader or writer, so
+no reader answers without it; a record cut off by the kill is not an event; near a full disk
+the log is not used."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from overlayrec.journal import Journal, JournalError, store
+from overlayrec.journal.ahead import NAME, AheadLog, Batch, decode, encode
+
+from conftest import SLOW
+
+ACTOR = {"key": "7:7", "pid": 7, "start": 7, "uid": 0}
+ODD = "dir/\udcff-undecodable"  # a path whose bytes are not UTF-8 (surrogateescape)
+
+
+def ev(op: str, path: str, **kw) -> dict:
+    return {"op": op, "path": path, "actor": ACTOR["key"], **kw}
+
+
+def writer(sd: str) -> Journal:
+    j = Journal(sd)
+    j.hold_notes = True  # as the daemon serves
+    return j
+
+
+def other(sd: str, expr: str):
+    """``expr`` over the journal opened read-only as ``r`` in another process (LMDB opens an
+    environment once per process); its JSON value."""
+    code = ("import json, sys\n"
+            "from overlayrec.journal import Journal\n"
+            "r = Journal(sys.argv[1], readonly=True)\n"
+            f"out = {expr}\n"
+            "r.close()\n"
+            "print(json.dumps(out))\n")
+    out = subprocess.run([sys.executable, "-c", code, sd], capture_output=True, text=True,
+                         check=True, timeout=60 * SLOW)
+    return json.loads(out.stdout)
+
+
+def ahead_size(sd: str) -> int:
+    try:
+        return os.path.getsize(os.path.join(sd, "journal", NAME))
+    except FileNotFoundError:
+        return 0
+
+
+def test_a_record_reads_back_as_written(tmp_path):
+    batch = Batch([ev("create", ODD, seq=3, t=1), ev("write", "a", seq=4, t=2)],
+                  [ACTOR], {"d1": b"\0\1blob", "d2": b""})
+    rec = encode(batch, store._dumps)
+    back = decode(rec[8:], store._loads)
+    assert (back.events, back.actors, back.blobs) == (batch.events, batch.actors, batch.blobs)
+    assert back.last_seq == 4
+
+
+def test_a_cut_off_or_damaged_record_ends_the_log(tmp_path):
+    log = AheadLog(str(tmp_path), store._loads)
+    for seq in (1, 2, 3):
+        log.append(encode(Batch([ev("chmod", "f", seq=seq, mode=0o600)], [], {}),
+                          store._dumps), durable=False)
+    log.close()
+    assert [b.last_seq for b in log.batches()] == [1, 2, 3]
+    size = os.path.getsize(log.path)
+    os.truncate(log.path, size - 3)  # the last write cut off by a kill
+    assert [b.last_seq for b in log.batches()] == [1, 2]
+    with open(log.path, "r+b") as f:  # a byte of the second record's payload flipped
+        data = bytearray(f.read())
+        first = 8 + int.from_bytes(data[:4], "little")
+        data[first + 8 + 5] ^= 0xFF
+        f.seek(0)
+        f.write(data)
+    assert [b.last_seq for b in log.batches()] == [1]
+
+
+def test_a_write_that_fails_leaves_no_part_behind(tmp_path, monkeypatch):
+    log = AheadLog(str(tmp_path), store._loads)
+    log.append(encode(Batch([ev("chmod", "f", seq=1, mode=0o600)], [], {}), store._dumps),
+               durable=False)
+    size = os.path.getsize(log.path)
+    real = os.write
+    monkeypatch.setattr(os, "write", lambda fd, data: real(fd, data[:5]))  # a full disk
+    with pytest.raises(OSError):
+        log.append(encode(Batch([ev("chmod", "f", seq=2, mode=0o644)], [], {}), store._dumps),
+                   durable=False)
+    monkeypatch.setattr(os, "write", real)
+    assert os.path.getsize(log.path) == size
+    log.close()
+
+
+KILLED_WRITER = """
+import os, sys
+from overlayrec.journal import Journal
+j = Journal(sys.argv[1])
+j.hold_notes = True
+actor = {"key": "7:7", "pid": 7, "start": 7, "uid": 0}
+digest = j.content.put_bytes(b"the old bytes")
+j.append({"op": "create", "path": "new", "actor": "7:7", "pre": {"kind": "absent"}}, actor)
+j.append({"op": "unlink", "path": "old", "actor": "7:7",
+          "pre": {"kind": "file", "blob": digest}}, actor)
+j.append({"op": "chmod", "path": sys.argv[2], "actor": "7:7", "mode": 384}, actor)
+print(j.held, digest, flush=True)
+os._exit(0)  # as a kill -9: nothing flushed, nothing closed
+"""
+
+
+def test_what_a_killed_writer_wrote_ahead_is_read_and_then_committed(tmp_path):
+    sd = str(tmp_path / "state")
+    Journal(sd).close()
+    out = subprocess.run([sys.executable, "-c", KILLED_WRITER, sd, ODD], capture_output=True,
+                         text=True, check=True, timeout=60 * SLOW).stdout.split()
+    held, digest = int(out[0]), out[1]
+    assert held == 3 and ahead_size(sd) > 0  # in the log only: LMDB had no commit
+    # a reader (another process, the daemon may be serving): it commits them and sees them,
+    # and leaves the log to its writer
+    seen = other(sd, f"[[e['op'], e['path'], e['seq']] for e in r.events()] + "
+                     f"[r.blob({digest!r}).decode(), r.last_seq()]")
+    assert seen == [["create", "new", 1], ["unlink", "old", 2], ["chmod", ODD, 3],
+                    "the old bytes", 3]
+    assert ahead_size(sd) > 0
+    # the next writer (the daemon's next mount): the log is emptied, the seqs go on
+    j = writer(sd)
+    try:
+        assert ahead_size(sd) == 0
+        assert j.append(ev("write", "new", offset=0, length=1), ACTOR) == 4
+    finally:
+        j.close()
+    assert ahead_size(sd) == 0
+    assert other(sd, "[e['seq'] for e in r.events()]") == [1, 2, 3, 4]
+
+
+def test_a_killed_writer_found_by_a_writer_first(tmp_path):
+    sd = str(tmp_path / "state")
+    Journal(sd).close()
+    subprocess.run([sys.executable, "-c", KILLED_WRITER, sd, "f"], capture_output=True,
+                   text=True, check=True, timeout=60 * SLOW)
+    j = Journal(sd)
+    try:
+        assert [e["op"] for e in j.events()] == ["create", "unlink", "chmod"]
+        assert ahead_size(sd) == 0 and j.held == 0
+    finally:
+        j.close()
+
+
+def test_events_go_to_lmdb_at_once_near_a_full_disk(tmp_path, monkeypatch):
+    sd = str(tmp_path / "state")
+    j = writer(sd)
+    try:
+        s1 = j.append(ev("create", "a", pre={"kind": "absent"}), ACTOR)
+        assert j.held == 1 and ahead_size(sd) > 0  # room: written ahead
+        monkeypatch.setattr(store, "_free_bytes", lambda path: store._AHEAD_ROOM - 1)
+        monkeypatch.setattr(j, "_room_at", float("-inf"))  # looked at again now
+        s2 = j.append(ev("chmod", "a", mode=0o600), ACTOR)
+        assert j.held == 0 and ahead_size(sd) == 0  # committed, the earlier one first
+        assert other(sd, "[e['seq'] for e in r.events()]") == [s1, s2]
+    finally:
+        j.close()
+
+
+def test_durable_syncs_each_record(tmp_path, monkeypatch):
+    synced = []
+    real = os.fdatasync
+    monkeypatch.setattr(os, "fdatasync", lambda fd: (synced.append(fd), real(fd)))
+    j = Journal(str(tmp_path / "state"), durable=True)
+    j.hold_notes = True
+    try:
+        before = len(synced)
+        j.append(ev("create", "a", pre={"kind": "absent"}), ACTOR)
+        j.append(ev("chmod", "a", mode=0o600), ACTOR)
+        assert len(synced) - before == 2
+    finally:
+        j.close()
+
+
+def test_a_reader_that_cannot_commit_says_so(tmp_path, monkeypatch):
+    """What was written ahead cannot be committed by this reader: it refuses to answer
+    without it (an answer missing changes that happened would be wrong), in one line."""
+    sd = str(tmp_path / "state")
+    Journal(sd).close()
+    subprocess.run([sys.executable, "-c", KILLED_WRITER, sd, "f"], capture_output=True,
+                   text=True, check=True, timeout=60 * SLOW)
+    import lmdb
+    real = Journal._put_event
+
+    def refuse(self, txn, e, raw=None):
+        raise lmdb.DiskError("no room")
+    monkeypatch.setattr(Journal, "_put_event", refuse)
+    with pytest.raises(JournalError) as e:
+        Journal(sd, readonly=True)
+    assert "written ahead" in str(e.value) and "\n" not in str(e.value)
+    monkeypatch.setattr(Journal, "_put_event", real)
+    r = Journal(sd, readonly=True)
+    try:
+        assert [e["op"] for e in r.events()] == ["create", "unlink", "chmod"]
+    finally:
+        r.close()
+
+
+def test_the_workspace_roots_seal_is_committed(tmp_path):
+    """A call that changed the workspace root (chmod -R over it) ends with a seal of "" (the
+    root's path); LMDB takes no empty key, so it has one of its own.  That seal used to fail
+    its commit, leaving the call's paths unsealed; written ahead, it would have kept every
+    later record out of LMDB."""
+    sd = str(tmp_path / "state")
+    j = writer(sd)
+    try:
+        j.append(ev("chmod", "", mode=0o755, pre={"kind": "dir", "mode": 0o700}), ACTOR)
+        seals = j.append_many([{"op": "seal", "path": p, "pre": {"kind": "dir", "mode": 0o755},
+                                "actor": "overlayrec"} for p in ("", "a")], [])
+        j.append(ev("chmod", "a", mode=0o600), ACTOR)
+        j.flush()
+        assert j.held == 0
+        assert (j.seal_seq(""), j.seal_seq("a")) == tuple(seals)
+        assert sorted(j.seals()) == [("", seals[0]), ("a", seals[1])]
+    finally:
+        j.close()
+    assert other(sd, "[r.seal_seq(''), r.last_seq()]") == [seals[0], seals[1] + 1]
+
+
+def test_a_record_takes_the_extents_notes_held_before_it(tmp_path):
+    """A reader that sees an event sees every write run that ended before it as ended: the
+    extents notes held then go with the event's record (docs/design.md)."""
+    sd = str(tmp_path / "state")
+    j = writer(sd)
+    try:
+        s1 = j.append(ev("write", "a", offset=0, length=1), ACTOR)
+        j.put_extents(s1, {"writes": 2, "bytes": 2, "lo": 0, "hi": 2, "end": s1})
+        assert other(sd, f"r.extents({s1})") is None  # held: nothing came after it yet
+        s2 = j.append(ev("write", "b", offset=0, length=1), ACTOR)
+        assert other(sd, f"[r.extents({s1})['writes'], r.last_seq()]") == [2, s2]
+        j.put_extents(s1, {"writes": 3, "bytes": 3, "lo": 0, "hi": 3, "end": s1})
+        j.flush()
+        assert other(sd, f"r.extents({s1})['writes']") == 3  # the later note wins
+    finally:
+        j.close()
+
+
+LONG_READER = """
+import json, sys
+from overlayrec.journal import Journal
+r = Journal(sys.argv[1], readonly=True)
+for line in sys.stdin:
+    n = r.last_seq()
+    print(json.dumps([n, [e["seq"] for e in r.events()]]), flush=True)
+r.close()
+"""
+
+
+def test_a_reader_kept_open_sees_what_was_written_ahead_since(tmp_path):
+    """A reader that stays open (a test harness, a tool polling the journal) and asks
+    ``last_seq`` again sees every event written before it asked, with the events to read."""
+    sd = str(tmp_path / "state")
+    j = writer(sd)
+    reader = subprocess.Popen([sys.executable, "-c", LONG_READER, sd], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        def ask():
+            reader.stdin.write("?\n")
+            reader.stdin.flush()
+            return json.loads(reader.stdout.readline())
+        s1 = j.append(ev("create", "a", pre={"kind": "absent"}), ACTOR)
+        assert ask() == [s1, [s1]]
+        s2 = j.append(ev("chmod", "a", mode=0o600), ACTOR)
+        assert j.held == 2  # nothing committed by the writer yet
+        assert ask() == [s2, [s1, s2]]
+    finally:
+        reader.stdin.close()
+        reader.wait(timeout=60 * SLOW)
+        j.close()
