@@ -365,11 +365,21 @@ def _check_secrets(patterns) -> None:
         raise Fail(str(e)) from None
 
 
+SOCKET_PATH_MAX = 107  # sockaddr_un.sun_path: 108 bytes with its NUL
+
+
 def _spawn_daemon(ws: str, sd: str, *, durable=False, allow_other=False, timeout=30.0,
                   record_data=False, secret=(), no_default_secrets=False,
                   max_bytes=None) -> int:
     """Start the daemon in its own process and wait until the mount is ready; its pid."""
     import subprocess
+    sock = os.path.join(sd, "control.sock")
+    if len(os.fsencode(sock)) > SOCKET_PATH_MAX:
+        # the hooks reach the daemon by this path (nc -U, the client): it must fit as it is
+        raise Fail(f"the state dir's path is too long for its control socket "
+                   f"({len(os.fsencode(sock))} bytes with /control.sock; a unix socket's path "
+                   f"holds {SOCKET_PATH_MAX}): use --state-dir (or XDG_STATE_HOME) with a "
+                   f"shorter path")
     r, w = os.pipe()
     cmd = [sys.executable, "-m", "overlayrec.daemon", "--workspace", ws, "--state-dir", sd,
            "--ready-fd", str(w)]

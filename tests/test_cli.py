@@ -48,6 +48,17 @@ def test_state_dir_inside_workspace_is_refused(tmp_path):
     assert not is_mounted(str(ws))
 
 
+def test_a_state_dir_too_deep_for_its_socket_is_refused(tmp_path):
+    """The control socket's path must fit a unix socket's address (the hooks connect to it by
+    that path): a deeper state dir is refused before anything is made, saying what to do."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    sd = tmp_path / ("s" * (120 - len(str(tmp_path))))
+    r = overlayrec("mount", str(ws), "--state-dir", str(sd), check=False)
+    one_line_error(r, "too long for its control socket")
+    assert "--state-dir" in r.stderr and not is_mounted(str(ws))
+
+
 def test_umount_of_unmounted_workspace(tmp_path):
     one_line_error(overlayrec("umount", str(tmp_path), check=False), "not mounted")
 
