@@ -147,7 +147,7 @@ class Journal:
         self._map_real: str | None = None
         self.hold_notes = False  # the daemon's writer: extents notes wait for the next commit
         self.on_held = None      # called when a note starts waiting (the daemon's wake-up)
-        self._held: list[tuple[bytes, bytes]] = []  # extents notes (key, value) not committed
+        self._held: list[tuple[int, dict]] = []  # extents notes (seq, summary) not committed
         self._held_events: list[dict] = []  # hold_event: events that change nothing, seq given
         self._held_actors: list[dict] = []  # ... and their actors the table may not have
         try:
@@ -261,8 +261,8 @@ class Journal:
                         self._put_batch(txn, batch)
                     if blobs:
                         self._put_blobs(txn, blobs)
-                    for k, v in held:
-                        txn.put(k, v, db=self.dbs["extents"])
+                    if held:
+                        self._put_notes(txn, held)
                     if events:  # before the body: their seqs are lower than any it gives
                         self._put_actors(txn, self._held_actors)
                         for ev in events:
@@ -439,7 +439,7 @@ class Journal:
         held = self._held
         # the notes go too: a reader that sees these events sees the write runs that ended
         # before them as ended (docs/design.md, "A release ends a write run")
-        notes = [[key_seq(k), _loads(v)] for k, v in held] if held else []
+        notes = held
         first = not (held or self._held_events or self._pending)
         batch = Batch(self._held_events + events if self._held_events else events, new,
                       self._held_blobs, notes)
@@ -477,14 +477,17 @@ class Journal:
         """One record of the log ahead into LMDB (twice gives the same keys and values)."""
         if batch.blobs:
             self._put_blobs(txn, batch.blobs)
-        for a in batch.actors:  # put whatever the writer remembers: it remembered them early
-            akey = a["key"].encode()
-            if txn.get(akey, db=self.dbs["actors"]) is None:
-                txn.put(akey, _dumps(a), db=self.dbs["actors"])
+        self._put_actors(txn, batch.actors, known=())  # the writer remembered them early
         for ev, raw in zip(batch.events, batch.raws or [None] * len(batch.events)):
             self._put_event(txn, ev, raw)
-        for seq, summary in batch.notes:
-            txn.put(seq_key(seq), _dumps(summary), db=self.dbs["extents"])
+        if batch.notes:
+            self._put_notes(txn, batch.notes)
+
+    def _put_notes(self, txn, notes) -> None:
+        """Extents notes, (seq, summary) each, in order (a later one of a seq wins)."""
+        db = self.dbs["extents"]
+        for seq, summary in notes:
+            txn.put(seq_key(seq), _dumps(summary), db=db)
 
     def _empty_ahead(self) -> None:
         try:
@@ -519,11 +522,13 @@ class Journal:
         self.load_cut()
         self._next_seq = self._load_next_seq()
 
-    def _put_actors(self, txn, actors) -> list[str]:
-        """Put the actors the table may not have; the keys put."""
+    def _put_actors(self, txn, actors, known=None) -> list[str]:
+        """Put the actors the table may not have (not those in ``known``: by default the ones
+        this writer stored already); the keys put."""
+        known = self._known_actors if known is None else known
         added = []
         for a in actors:
-            if a["key"] in self._known_actors:
+            if a["key"] in known:
                 continue
             akey = a["key"].encode()
             if txn.get(akey, db=self.dbs["actors"]) is None:
@@ -888,7 +893,7 @@ class Journal:
         the next commit."""
         if self.hold_notes and len(self._held) < _HELD_MAX:
             first = not self.held
-            self._held.append((seq_key(seq), _dumps(summary)))
+            self._held.append((seq, summary))
             if first and self.on_held is not None:
                 self.on_held()
             return
