@@ -274,3 +274,72 @@ def test_a_reader_kept_open_sees_what_was_written_ahead_since(tmp_path):
         reader.stdin.close()
         reader.wait(timeout=60 * SLOW)
         j.close()
+
+
+SHAPES_WRITER = """
+import os, stat, sys
+from overlayrec.attribution import Attribution
+from overlayrec.fs import Handle
+from overlayrec.journal import Journal
+from overlayrec.recorder import Recorder
+ws, sd, kill = sys.argv[1], sys.argv[2], sys.argv[3] == "kill"
+j = Journal(sd)
+j.hold_notes = True  # as the daemon serves: every event written ahead, committed later
+root = os.open(ws, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+rec = Recorder(j, root, Attribution())
+actor = rec.attribution.actor(os.getpid())
+uid, gid = os.geteuid(), os.getegid()
+def sub(path):
+    return os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=root)
+rec.mkdir(root, "d", 0o755, uid, gid, actor)
+d = sub("d")
+for name in ("a", "b"):
+    fd = rec.create(d, name, os.O_WRONLY, 0o644, uid, gid, actor)
+    rec.write(Handle(fd, None, actor, rec.units.unit_of(actor), rec), 0, name.encode() * 3)
+    os.close(fd)
+rec.mknod(d, "fifo", stat.S_IFIFO | 0o600, 0, uid, gid, actor)
+src = os.open("a", os.O_PATH | os.O_NOFOLLOW, dir_fd=d)
+rec.link(src, d, "hard", actor)
+os.close(src)
+rec.symlink(root, "to-d", "d", uid, gid, actor)
+deep = root
+for part in ["p" * 240] * 16:  # a path of about 3,900 bytes
+    rec.mkdir(deep, part, 0o755, uid, gid, actor)
+    deep = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=deep)
+fd = rec.create(deep, "long", os.O_WRONLY, 0o644, uid, gid, actor)
+os.close(fd)
+rec.rename(root, "d", root, "moved", 0, actor)  # a directory with files beneath
+rec.unlink(sub("moved"), "b", actor)
+print(j.held, flush=True)
+if kill:
+    os._exit(0)  # as a kill -9: everything still only in the log ahead
+j.close()
+"""
+
+
+def test_every_shape_written_ahead_reads_as_if_committed(tmp_path):
+    """A directory renamed with files beneath, a fifo, a hard link, a symlink to a directory
+    and a path near 4,000 bytes, all only in the log ahead when the writer dies: a reader
+    sees the same events, paths, renames and link names as after a clean close."""
+    out = {}
+    for how in ("kill", "close"):
+        ws, sd = tmp_path / f"ws-{how}", str(tmp_path / f"state-{how}")
+        ws.mkdir()
+        r = subprocess.run([sys.executable, "-c", SHAPES_WRITER, str(ws), sd, how],
+                           capture_output=True, text=True, timeout=60 * SLOW)
+        assert r.returncode == 0, r.stderr
+        assert int(r.stdout) > 10  # written ahead, not committed by the writer
+        if how == "kill":
+            assert ahead_size(sd) > 0
+        out[how] = other(sd, "[[[e['op'], e.get('path'), e.get('path2')] for e in r.events()"
+                             " if e['op'] != 'seal'], [[x['src'], x['dst']] for x in "
+                             "r.dir_renames()], r.seqs_for_path('moved/a'), "
+                             "r.seqs_for_path('d/hard'), r.last_seq()]")
+    assert out["kill"] == out["close"]
+    events, renames = out["kill"][0], out["kill"][1]
+    ops = [e[0] for e in events]
+    assert {"mkdir", "create", "write", "mknod", "link", "symlink", "rename", "unlink"} <= \
+        set(ops)
+    assert renames == [["d", "moved"]]
+    long = [e for e in events if e[1] and e[1].endswith("/long")]
+    assert len(long) == 1 and len(long[0][1].encode()) > 3800
