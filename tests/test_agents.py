@@ -322,15 +322,30 @@ def test_hook_without_a_mount_exits_0_and_answers_as_the_agent_expects(tmp_path,
 
 # -- under `overlayrec run`, through a real mount -------------------------------------------------
 
+def broken_nc(tmp_path) -> str:
+    """A directory with an `nc` that cannot deliver (a netcat without -U, say), for PATH."""
+    bindir = tmp_path / "bin-nc"
+    bindir.mkdir()
+    nc = bindir / "nc"
+    nc.write_text("#!/bin/sh\necho \"nc: invalid option -- 'U'\" >&2\nexit 1\n")
+    nc.chmod(0o755)
+    return str(bindir)
+
+
 @needs_fuse
-@pytest.mark.parametrize("name", sorted(PROGRAM))
-def test_agent_hooks_under_run_record_turns_and_calls(make_mount, tmp_path, name):
+@pytest.mark.parametrize("name,nc", [(n, "nc") for n in sorted(PROGRAM)]
+                         + [("claude-code", "broken nc"), ("cursor", "broken nc")])
+def test_agent_hooks_under_run_record_turns_and_calls(make_mount, tmp_path, name, nc):
+    """Every call recorded; with an `nc` that fails, each hook's JSON reaches the daemon
+    through the Python client instead: none is lost."""
     m = make_mount().mount()
     home = tmp_path / "home"
     (home / ".cursor").mkdir(parents=True)
     user_cursor = b'{\n    "version": 1,\n    "hooks": {}\n}'  # the user's own, 4 spaces
     (home / ".cursor" / "hooks.json").write_bytes(user_cursor)
     env = run_env(home)
+    if nc == "broken nc":
+        env["PATH"] = broken_nc(tmp_path) + os.pathsep + env["PATH"]
     r = overlayrec("run", "-w", m.ws, "--session", "run1", "--", fake_agent(tmp_path, name),
                    env=env, cwd=m.ws)
     assert "warning" not in r.stderr, r.stderr

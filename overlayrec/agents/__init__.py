@@ -71,7 +71,11 @@ def hook_command(name: str, event: str | None = None) -> str:
     (OVERLAYREC_SOCKET set) and with `nc` installed, the hook's JSON goes straight to the
     daemon's socket: no interpreter starts.  Otherwise this interpreter runs without site (-S:
     half the start-up) with the package's directory on its path.  Either way a missing mount
-    or any failure exits 0, and stdout carries only the agent's expected answer."""
+    or any failure exits 0, and stdout carries only the agent's expected answer.
+
+    The payload is read once into the shell, so that when `nc` fails (another netcat without
+    ``-U``/``-N``, a refused connection) the same JSON goes to the Python client: a call's
+    begin or end is never dropped because the fast path could not deliver it."""
     import shlex
     mod = get(name)
     where = os.path.dirname(os.path.dirname(_HERE))
@@ -80,8 +84,10 @@ def hook_command(name: str, event: str | None = None) -> str:
     py = f"{shlex.quote(sys.executable)} -S -c {shlex.quote(code)} hook {name}"
     said = mod.answer(event)
     say = f"printf '%s\\n' {shlex.quote(said)}; " if said is not None else ""
+    # $(cat) drops trailing newlines only, which JSON does not need; printf keeps the rest
     fast = ('if [ -S "${OVERLAYREC_SOCKET:-}" ] && command -v nc >/dev/null; then '
-            f'nc -UN "$OVERLAYREC_SOCKET" >/dev/null 2>&1; {say}exit 0; fi; ')
+            'p=$(cat); if printf %s "$p" | nc -UN "$OVERLAYREC_SOCKET" >/dev/null 2>&1; '
+            f'then {say}exit 0; fi; printf %s "$p" | {py}; exit 0; fi; ')
     return "sh -c " + shlex.quote(fast + "exec " + py) + f" # overlayrec hook {name}"
 
 
