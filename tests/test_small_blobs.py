@@ -266,6 +266,56 @@ def test_the_daemon_commits_a_held_note_without_another_change(make_mount):
     assert note is not None and note["bytes"] == 3 and note["writes"] == 1
 
 
+def test_what_waits_is_committed_when_idle_and_under_requests_that_never_stop(monkeypatch):
+    """The daemon's committer (daemon._commit_held_notes) commits what waits once the loop is
+    idle; a loop that is never idle (a task always runnable, as under a stream of requests)
+    still gets it committed, within COMMIT_EVERY, not only when the stream ends."""
+    import trio
+
+    from overlayrec import daemon
+
+    class Waiting:  # what the committer sees of the journal
+        def __init__(self):
+            self.hold_notes, self.on_held, self.held, self.flushes = False, None, 0, 0
+
+        def hold(self):
+            first = not self.held
+            self.held += 1
+            if first:
+                self.on_held()
+
+        def flush(self):
+            self.held, self.flushes = 0, self.flushes + 1
+            self.flushed.set()
+
+    async def main(busy: bool) -> tuple[int, int]:
+        j = Waiting()
+        j.flushed = trio.Event()
+        async with trio.open_nursery() as nursery:
+            await nursery.start(daemon._commit_held_notes, j)
+            assert j.hold_notes
+            j.hold()
+            spins = 0
+            if busy:  # never idle: always a task to run; ends once committed, or after 5 s
+                end = trio.current_time() + 5
+                while j.held and trio.current_time() < end:
+                    spins += 1
+                    await trio.lowlevel.checkpoint()
+            else:
+                with trio.move_on_after(5):  # blocked, as the daemon between requests
+                    await j.flushed.wait()
+            nursery.cancel_scope.cancel()
+        assert not j.hold_notes and j.on_held is None  # let go when the daemon stops
+        return j.flushes, spins
+
+    with monkeypatch.context() as mp:
+        mp.setattr(daemon, "COMMIT_EVERY", 3600.0)  # idle: only the idle wait can commit it
+        flushes, _ = trio.run(main, False)
+    assert flushes == 1
+    flushes, spins = trio.run(main, True)
+    assert flushes == 1 and spins > 0, "committed only when the stream ended"
+
+
 @needs_fuse
 def test_kill_9_after_rewrites_loses_no_pre_image(make_mount):
     """The rewrite pattern (temp file written, chmodded, renamed over the original), then the
