@@ -29,7 +29,6 @@ import logging
 import os
 import stat
 import time
-from contextlib import contextmanager
 from typing import Callable
 
 from . import underlay
@@ -43,6 +42,7 @@ from .secrets import Secrets, META_NAMES
 log = logging.getLogger(__name__)
 
 ATTIC_NAME = ".overlayrec-attic"
+_ATTIC_SLASH = ATTIC_NAME + "/"
 WHOLE_FILE_LIMIT = 4 << 20  # files up to this size are saved whole at an epoch's first change
 # An unlinked or renamed-over regular file of at most this size is copied into the content
 # store instead of being kept by a link in the attic: lock files, editor and build temp files
@@ -141,6 +141,27 @@ class _Mutation:
     def __exit__(self, typ, e, tb) -> bool:
         if typ is not None and issubclass(typ, OSError):
             self.rec._note_failed(self.seq, self.ev.get("path"), e.errno, self.actor["key"])
+        return False
+
+
+class _Held:
+    """``Recorder._held_change``'s context (a class, not a generator, as ``_Mutation``):
+    entering holds the event and gives its seq; an OSError from the body takes it back, since
+    the change did not happen."""
+    __slots__ = ("journal", "ev", "ep", "actor", "seq", "last")
+
+    def __init__(self, journal: Journal, ev: dict, ep: "Epoch", actor: dict):
+        self.journal, self.ev, self.ep, self.actor = journal, ev, ep, actor
+
+    def __enter__(self) -> int:
+        self.seq = self.journal.hold_event(self.ev, self.actor)
+        self.last, self.ep.last = self.ep.last, self.seq
+        return self.seq
+
+    def __exit__(self, typ, e, tb) -> bool:
+        if typ is not None and issubclass(typ, OSError):
+            self.journal.unhold_event(self.seq)
+            self.ep.last = self.last
         return False
 
 
@@ -305,6 +326,8 @@ class Recorder:
         knob = os.environ.get("OVERLAYREC_TEST_SMALL_PREIMAGE", "").strip()
         self.small_preimage = int(knob) if knob else SMALL_PREIMAGE
         self.root_path = underlay.fd_path(root_fd)
+        self._root_slash = self.root_path.rstrip("/") + "/"  # rel's prefix, made once
+        self._root_cut = len(self._root_slash)
         self._euid, self._egid = os.geteuid(), os.getegid()
         self.epochs: dict[str, Epoch] = {}
         # bumped by every rename, unlink and rmdir: an open handle's file may have another
@@ -521,13 +544,13 @@ class Recorder:
                 # path, so it is journaled in the hidden attic's namespace, as for an inode
                 # the attic keeps, never as a change of its old name (which another may hold)
                 return f"{ATTIC_NAME}/{self.attic_prefix}gone.{st.st_ino}"
-        if p == self.root_path:
-            return ""
-        if p.startswith(self.root_path + "/"):
-            rel = p[len(self.root_path) + 1:]
-            if (gone or rel.split("/", 1)[0] == ATTIC_NAME) and self.names:
+        if p.startswith(self._root_slash):
+            rel = p[self._root_cut:]
+            if self.names and (gone or rel == ATTIC_NAME or rel.startswith(_ATTIC_SLASH)):
                 return self._live_name(fd) or rel
             return rel
+        if p == self.root_path:
+            return ""
         return p  # outside the root (cannot happen through the mount): keep it visible
 
     def _live_name(self, fd: int) -> str | None:
@@ -1187,16 +1210,8 @@ class Recorder:
         ev = {"op": op, "path": path, **unit_fields(unit), **kw, "actor": actor["key"]}
         return self._held_change(ev, ep, actor)
 
-    @contextmanager
-    def _held_change(self, ev: dict, ep: Epoch, actor: dict):
-        seq = self.journal.hold_event(ev, actor)
-        last, ep.last = ep.last, seq
-        try:
-            yield seq
-        except OSError:  # refused: it did not happen, and its event goes
-            self.journal.unhold_event(seq)
-            ep.last = last
-            raise
+    def _held_change(self, ev: dict, ep: Epoch, actor: dict) -> "_Held":
+        return _Held(self.journal, ev, ep, actor)
 
     @_roomy
     @_undoable

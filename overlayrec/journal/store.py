@@ -432,8 +432,12 @@ class Journal:
         for ev in events:
             self._stamp(ev, assigned)
         known = self._known_actors
-        new = [a for a in (self._held_actors + actors if self._held_actors else actors)
-               if a["key"] not in known]
+        if self._held_actors:
+            new = [a for a in self._held_actors + actors if a["key"] not in known]
+        elif len(actors) == 1:  # nearly every append: the actor is known
+            new = actors if actors[0]["key"] not in known else []
+        else:
+            new = [a for a in actors if a["key"] not in known]
         if len(new) > 1:
             new = list({a["key"]: a for a in new}.values())
         held = self._held
