@@ -33,7 +33,7 @@ import fcntl
 import json
 import os
 import time
-from typing import Iterator
+from collections.abc import Iterator  # (not typing: ~4 ms of a reader's start)
 
 import lmdb
 
