@@ -155,7 +155,7 @@ def listing(kind: str, j, ws: str, sd: str, question: list, render,
     try:
         if states is None:
             parts = render(views.turn_rows(j, **kw) if kind == "turns"
-                           else views.call_rows(j, **kw))
+                           else [(r, r) for r in views.call_rows(j, **kw)])
             parts.insert(0, (2, NO_NET + "\n"))  # said once the listing is made
             return parts
         answers = answers_of(sd, j, states.tree)
@@ -165,7 +165,7 @@ def listing(kind: str, j, ws: str, sd: str, question: list, render,
             kept = state.StateDir(sd).listings
             rows = (listings.turn_rows(j, states, kept, progress=progress, **kw)
                     if kind == "turns"
-                    else listings.call_rows(j, states, kept, progress=progress, **kw))
+                    else listings.call_pairs(j, states, kept, progress=progress, **kw))
             parts = render(rows)
             answers.put(question, parts, states.tree.reads)
         return parts
@@ -234,19 +234,34 @@ _CALL_LINE = "%-14.14s %3s %-24.24s %-10.10s %4d files  %-40.40s  %s"
 _UNDER_CALL = " " * 20  # its paths' line
 
 
-def call_lines(rows: list[dict], churn: bool, as_json: bool) -> Parts:
-    from .views import fold
+def call_lines(pairs: list[tuple[dict, dict]], churn: bool, as_json: bool) -> Parts:
+    """The lines of ``calls``: one a call, and its paths under it (views.fold's, written out
+    here: 10,000 calls).  ``pairs``: listings.call_pairs's (a call's record, its row's other
+    fields)."""
     out = []
-    files = "touched_files" if churn else "files"
-    for r in rows:
-        if as_json:
-            out.append(json.dumps(r))
-            continue
-        out.append(_CALL_LINE % (r["session"], str(r["turn"] or "-"), r["id"], r["tool"],
-                                 r[files], r["summary"] or "", ", ".join(r["processes"][:4])))
-        paths = fold(r, touched=churn, first=6)
-        if paths:
-            out.append(_UNDER_CALL + paths)
+    if as_json:
+        for c, fields in pairs:
+            row = {**c, **fields}  # as listings.call_rows merges them (no key is in both)
+            if row.get("touched") is None:
+                row["touched"] = row["paths"]
+            out.append(json.dumps(row))
+        return text_of_lines(out)
+    line, under = _CALL_LINE, _UNDER_CALL
+    for c, f in pairs:
+        if churn:
+            paths, n, n_git = f["touched"], f["touched_files"], f["touched_git"]
+            if paths is None:
+                paths = f["paths"]
+        else:
+            paths, n, n_git = f["paths"], f["files"], f["git_changes"]
+        out.append(line % (c["session"], str(c["turn"] or "-"), c["id"], c["tool"], n,
+                           c["summary"] or "", ", ".join(f["processes"][:4])))
+        own = paths[:n]
+        text = ", ".join(own[:6]) + (" ..." if len(own) > 6 else "")
+        if n_git:
+            text += (" " if text else "") + f"+ {n_git} under .git/"
+        if text:
+            out.append(under + text)
     return text_of_lines(out)
 
 
