@@ -105,8 +105,13 @@ def _read_at(dfd: int, name: str, st: os.stat_result) -> bytes:
     if stat.S_ISLNK(st.st_mode):
         return os.fsencode(os.readlink(name, dir_fd=dfd))
     fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
-    with os.fdopen(fd, "rb") as f:
-        return f.read()
+    try:  # to its end, as a file object's read() (without one: a diff reads 1,000 of these)
+        chunks = []
+        while chunk := os.read(fd, max(st.st_size + 1, 1 << 16) if not chunks else 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 class Tree:
@@ -849,8 +854,11 @@ class States:
                 return State("file", pre.get("mode", 0o644), b"", exact=False, withheld=True,
                              **facts(pre))
             if "blob" in pre:
+                # State(..., **facts(pre)) without the dict, as _sig_of: a diff's side is
+                # mostly these
                 return State("file", pre.get("mode", 0o644), self.j.content.get(pre["blob"]),
-                             **facts(pre))
+                             True, pre.get("uid"), pre.get("gid"), 0, False,
+                             pre.get("ino") or 0, pre.get("nlink") or 1)
             return State("file", pre.get("mode", 0o644), b"", exact=False, **facts(pre))
         if kind == "symlink":
             return State("symlink", 0o120000, os.fsencode(pre.get("target") or ""), **facts(pre))
