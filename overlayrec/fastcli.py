@@ -88,9 +88,9 @@ def parse(args: list[str]) -> tuple[str, dict] | None:
             if workspace is not None:
                 return None  # click: "unexpected extra argument"
             workspace = arg
+        params["workspace"] = _convert("path", "." if workspace is None else workspace)
     except _NotPlain:
         return None
-    params["workspace"] = _convert("path", "." if workspace is None else workspace)
     return cmd, params
 
 

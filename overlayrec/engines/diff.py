@@ -142,7 +142,7 @@ def _selected(states: States, events: list[dict], bounds: tuple[int, int] | None
     """side_of for select(): the journal remembers the selection's events first, since the
     states look each up again (``Journal.event``), a second decoding of every one."""
     states.j.remember_events(events)
-    return side_of(states, events, bounds, keep=keep)
+    return side_of(states, events, bounds, keep=keep, read_ahead=True)
 
 
 def spans_of(states: States, events: list[dict], bounds: tuple[int, int] | None = None, *,
@@ -163,15 +163,18 @@ def spans_of(states: States, events: list[dict], bounds: tuple[int, int] | None 
 
 
 def side_of(states: States, events: list[dict], bounds: tuple[int, int] | None = None, *,
-            keep=None) -> Side:
+            keep=None, read_ahead: bool = False) -> Side:
     """The Side of one unit whose events are already at hand (grouped per unit in one pass
     over the journal, as the listings do), as select() makes it: without ``bounds``, each path
     from just before its first event to just after its last (a call, a session, an actor);
     with ``bounds`` (lo, hi), every path from lo to hi (a turn, a range).  ``keep(path)``: only
-    the paths it accepts."""
+    the paths it accepts.  ``read_ahead``: the live files the after side reads are read a
+    directory at a time first (States.read_live_ahead; ``states`` a States, not a stand-in such
+    as export's)."""
     spans, writers = spans_of(states, events, bounds, keep=keep)
     before = {p: states.state(p, lo) for p, (lo, _) in spans.items()}
-    states.read_live_ahead((p, hi) for p, (_, hi) in spans.items())
+    if read_ahead:
+        states.read_live_ahead((p, hi) for p, (_, hi) in spans.items())
     after = {p: states.state(p, hi) for p, (_, hi) in spans.items()}
     return Side(before, after, writers)
 
