@@ -254,7 +254,8 @@ def call_lines(pairs: list[tuple[dict, dict]], churn: bool, as_json: bool) -> Pa
                 paths = f["paths"]
         else:
             paths, n, n_git = f["paths"], f["files"], f["git_changes"]
-        out.append(line % (c["session"], str(c["turn"] or "-"), c["id"], c["tool"], n,
+        # (%s formats as str() does)
+        out.append(line % (c["session"], c["turn"] or "-", c["id"], c["tool"], n,
                            c["summary"] or "", ", ".join(f["processes"][:4])))
         own = paths[:n]
         text = ", ".join(own[:6]) + (" ..." if len(own) > 6 else "")
