@@ -30,9 +30,7 @@ if TYPE_CHECKING:
     import subprocess
 
 
-def _one_line(msg: str) -> str:
-    """``msg`` on one line: the line breaks in it (a path, an id as given) shown escaped."""
-    return re.sub("[\n\r\v\f\x1c-\x1e\x85\u2028\u2029]", lambda m: repr(m.group())[1:-1], msg)
+_one_line = readers.one_line
 
 
 def _shown(value: str, limit: int = 60) -> str:
@@ -55,9 +53,7 @@ class Usage(click.UsageError):
         click.echo(f"overlayrec: usage: {_one_line(self.format_message())}{where}", err=True)
 
 
-def _os_error_text(e: OSError) -> str:
-    name = os.fsdecode(e.filename) if isinstance(e.filename, (str, bytes)) else None
-    return f"{name + ': ' if name else ''}{e.strerror or e}"
+_os_error_text = readers.os_error_text
 
 
 def _failure(e: Exception) -> click.ClickException:
@@ -1229,8 +1225,6 @@ def _listing_net(j, ws: str | None, sd: str, quiet: bool = False):
     return (net_of(states) if states is not None else None), close
 
 
-_Progress = readers.Progress
-
 
 @main.command()
 @click.argument("workspace", type=PATH, default=".")
@@ -1315,8 +1309,6 @@ def diff(workspace, call_id, turn_sel, sid, since, until, drift, fmt, binary, gl
                               binary, glob, by_writer, as_json, state_dir))
 
 
-_Parts = readers.Parts
-_emit = readers.emit
 _left_out_lines = readers.left_out_lines
 
 

@@ -166,7 +166,6 @@ def run(args: list[str]) -> int | None:
         import errno
         if e.errno == errno.EPIPE:
             return 1
-        from .cli import Fail, _os_error_text
-        Fail(_os_error_text(e)).show()
+        readers.say_error(readers.os_error_text(e))
         return 1
     return 0

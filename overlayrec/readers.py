@@ -21,6 +21,22 @@ class Refusal(Exception):
     """A reader cannot answer: one line for the user (cli shows it, exit 1)."""
 
 
+def one_line(msg: str) -> str:
+    """``msg`` on one line: the line breaks in it (a path, an id as given) shown escaped."""
+    import re
+    return re.sub("[\n\r\v\f\x1c-\x1e\x85\u2028\u2029]", lambda m: repr(m.group())[1:-1], msg)
+
+
+def os_error_text(e: OSError) -> str:
+    name = os.fsdecode(e.filename) if isinstance(e.filename, (str, bytes)) else None
+    return f"{name + ': ' if name else ''}{e.strerror or e}"
+
+
+def say_error(msg: str) -> None:
+    """An error's one line on stderr, as cli's Fail shows it."""
+    emit([(2, f"overlayrec: error: {one_line(msg)}\n")])
+
+
 def state_dir_for(ws: str, state_dir: str | None) -> str:
     """The state dir a reading command looks at: the one named, or the workspace's; refused
     (StateError) when another user could have changed it (docs/storage.md)."""
