@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from . import state
+from . import readers, state
 from .journal import Journal, JournalError
 from .journal.schema import CONTROL_OPS, MARK_OPS
 from .state import StateError
@@ -30,9 +30,7 @@ if TYPE_CHECKING:
     import subprocess
 
 
-def _one_line(msg: str) -> str:
-    """``msg`` on one line: the line breaks in it (a path, an id as given) shown escaped."""
-    return re.sub("[\n\r\v\f\x1c-\x1e\x85\u2028\u2029]", lambda m: repr(m.group())[1:-1], msg)
+_one_line = readers.one_line
 
 
 def _shown(value: str, limit: int = 60) -> str:
@@ -55,15 +53,13 @@ class Usage(click.UsageError):
         click.echo(f"overlayrec: usage: {_one_line(self.format_message())}{where}", err=True)
 
 
-def _os_error_text(e: OSError) -> str:
-    name = os.fsdecode(e.filename) if isinstance(e.filename, (str, bytes)) else None
-    return f"{name + ': ' if name else ''}{e.strerror or e}"
+_os_error_text = readers.os_error_text
 
 
 def _failure(e: Exception) -> click.ClickException:
     """The one line an exception a command let through comes out as."""
     import lmdb
-    if isinstance(e, (StateError, JournalError)):
+    if isinstance(e, (StateError, JournalError, readers.Refusal)):
         return Fail(str(e))
     if isinstance(e, lmdb.Error):
         return Fail(f"the journal cannot be read: {e}")
@@ -103,7 +99,7 @@ def _guard(fn):
     def wrapper(*a, **kw):
         try:
             return fn(*a, **kw)
-        except (StateError, JournalError) as e:
+        except (StateError, JournalError, readers.Refusal) as e:
             raise Fail(str(e)) from None
         except OSError as e:
             if e.errno == errno.EPIPE:
@@ -290,11 +286,8 @@ def _mib(n: int) -> str:
 
 
 def _state_dir_for(ws: str, state_dir: str | None) -> str:
-    """The state dir a reading command looks at: the one named, or the workspace's; refused
-    (StateError) when another user could have changed it (docs/storage.md)."""
-    if state_dir:
-        return state.check_state_dir_private(os.path.realpath(state_dir))
-    return state.find_state_dir(ws)
+    """readers.state_dir_for: the state dir a reading command looks at."""
+    return readers.state_dir_for(ws, state_dir)
 
 
 def _daemon_pid(sd: str) -> tuple[int | None, dict | None, str | None]:
@@ -759,9 +752,7 @@ def _print_storage(docs: list[dict]) -> None:
             click.echo("\t".join(_one_line(str(v)).replace("\t", "\\t") for v in row))
 
 
-def _fmt_time(ns: int) -> str:
-    t = ns / 1e9
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) + f".{int(ns % 10**9 / 1e6):03d}"
+_fmt_time = readers.fmt_time
 
 
 @main.command(name="log")
@@ -1225,83 +1216,14 @@ def _print_summary(sd: str, sid: str) -> None:
 
 # -- listings -------------------------------------------------------------------------------------
 
-_NO_NET = ("overlayrec: warning: the workspace cannot be read: listing every path written, not "
-           "the net changes")
-
-
 def _listing_net(j, ws: str | None, sd: str, quiet: bool = False):
     """(net, close) for the listings (views' ``net``: which paths a unit left changed), read
     from the live tree; (None, close) when the tree cannot be read: they then list every path
     written."""
     from .engines.diff import net_of
-    states, close = _listing_states(j, ws, sd, quiet)
+    states, close = readers.listing_states(j, ws, sd, quiet)
     return (net_of(states) if states is not None else None), close
 
-
-def _listing_states(j, ws: str | None, sd: str, quiet: bool = False):
-    """(States, close) over the live tree for a listing; (None, close) when the tree cannot be
-    read (then warned, unless ``quiet``)."""
-    from .engines.states import States
-    try:
-        if not ws:
-            raise Fail("the journal names no workspace")
-        tree = _tree_for(ws, sd)
-    except (Fail, OSError):
-        if not quiet:
-            click.echo(_NO_NET, err=True)
-        return None, lambda: None
-    return States(j, tree), lambda: os.close(tree.root_fd)
-
-
-class _Progress:
-    """``n/total`` on a terminal's stderr for work that turns out long (shown once a second
-    has passed, on one line, wiped at the end); nothing when stderr is no terminal."""
-
-    def __init__(self, what: str, on: bool = True):
-        self.what, self.on = what, on and sys.stderr.isatty()
-        self.start, self.width = time.monotonic(), 0
-
-    def __call__(self, n: int, total: int) -> None:
-        if self.on and (self.width or time.monotonic() - self.start >= 1.0):
-            line = f"overlayrec: {self.what} {n}/{total}"
-            self.width = len(line)
-            click.echo("\r" + line, nl=False, err=True)
-
-    def done(self) -> None:
-        if self.width:
-            click.echo("\r" + " " * self.width + "\r", nl=False, err=True)
-
-
-def _listing(kind: str, j, ws: str, sd: str, question: list, render,
-             progress: _Progress | None = None, **kw) -> list:
-    """The answer of ``turns`` or ``calls``: ``render(rows)`` of its rows (engines.listings:
-    settled rows kept between runs), kept whole for the same question of the same record
-    (engines.answers).  When the tree cannot be read, the rows carry every path written, not
-    the net changes, and say so."""
-    from . import views
-    from .engines import listings
-    states, close = _listing_states(j, ws, sd, quiet=True)
-    try:
-        if states is None:
-            parts = render(views.turn_rows(j, **kw) if kind == "turns"
-                           else views.call_rows(j, **kw))
-            parts.insert(0, (2, _NO_NET + "\n"))  # said once the listing is made
-            return parts
-        answers = _answers(sd, j, states.tree)
-        parts = answers.get(question)
-        if parts is None:
-            states.tree.reads = _reads()
-            kept = state.StateDir(sd).listings
-            rows = (listings.turn_rows(j, states, kept, progress=progress, **kw)
-                    if kind == "turns"
-                    else listings.call_rows(j, states, kept, progress=progress, **kw))
-            parts = render(rows)
-            answers.put(question, parts, states.tree.reads)
-        return parts
-    finally:
-        close()
-        if progress is not None:
-            progress.done()
 
 
 @main.command()
@@ -1317,34 +1239,7 @@ def turns(workspace, sid, churn, as_json, state_dir):
     """One row per turn: index, time, files changed (net: the state differs between the turn's
     begin and end), the first paths and a count of those under .git/, the prompt's first line,
     and who else wrote in the workspace during it."""
-    ws = state.resolve_workspace(workspace, must_exist=False)
-    sd = _state_dir_for(ws, state_dir)
-    j = Journal(sd, readonly=True)
-    try:
-        # the times are shown in the local zone: a question of its own in another
-        parts = _listing("turns", j, ws, sd, ["turns", sid, churn, as_json,
-                                              os.environ.get("TZ"), list(time.tzname)],
-                         lambda rows: _turn_lines(rows, churn, as_json),
-                         _Progress("turns", not as_json), sid=sid)
-    finally:
-        j.close()
-    _emit(parts)
-
-
-def _turn_lines(rows: list[dict], churn: bool, as_json: bool) -> _Parts:
-    from .views import fold
-    out = []
-    for r in rows:
-        if as_json:
-            out.append(json.dumps(r))
-            continue
-        paths = fold(r, touched=churn)
-        prompt = (r["prompt"] or "").splitlines()[0][:50] if r["prompt"] else ""
-        shared = f"  [shared with {', '.join(r['others'])}]" if r["others"] else ""
-        out.append(f"{r['session']:<14.14} {r['index']:>3} {_fmt_time(r['begin_t'])} "
-                   f"{r['touched_files' if churn else 'files']:>4} files  {paths:<40}  "
-                   f"{prompt}{shared}")
-    return _text_of_lines(out)
+    readers.emit(readers.turns(workspace, sid, churn, as_json, state_dir))
 
 
 @main.command()
@@ -1361,47 +1256,7 @@ def calls(workspace, sid, turn_index, churn, as_json, state_dir):
     """One row per call: tool, files changed (net: the state differs between just before the
     call's first change and just after its last), summary, the processes it ran; under it the
     paths, the workspace's own first and those under .git/ as a count."""
-    ws = state.resolve_workspace(workspace, must_exist=False)
-    sd = _state_dir_for(ws, state_dir)
-    j = Journal(sd, readonly=True)
-    try:
-        parts = _listing("calls", j, ws, sd, ["calls", sid, turn_index, churn, as_json],
-                         lambda rows: _call_lines(rows, churn, as_json),
-                         _Progress("calls", not as_json), sid=sid, turn=turn_index)
-    finally:
-        j.close()
-    _emit(parts)
-
-
-def _text_of_lines(lines: list[str]) -> _Parts:
-    """Lines as one text for stdout: one echo per line costs more than the listing on 10k rows,
-    and a newline added after the join would copy megabytes once more."""
-    parts = _Parts()
-    if lines:
-        lines.append("")
-        parts.out("\n".join(lines))
-    return parts
-
-
-# a call's line; %-formatting: a quarter less time than the f-string's specs on 10k rows
-_CALL_LINE = "%-14.14s %3s %-24.24s %-10.10s %4d files  %-40.40s  %s"
-_UNDER_CALL = " " * 20  # its paths' line
-
-
-def _call_lines(rows: list[dict], churn: bool, as_json: bool) -> _Parts:
-    from .views import fold
-    out = []
-    files = "touched_files" if churn else "files"
-    for r in rows:
-        if as_json:
-            out.append(json.dumps(r))
-            continue
-        out.append(_CALL_LINE % (r["session"], str(r["turn"] or "-"), r["id"], r["tool"],
-                                 r[files], r["summary"] or "", ", ".join(r["processes"][:4])))
-        paths = fold(r, touched=churn, first=6)
-        if paths:
-            out.append(_UNDER_CALL + paths)
-    return _text_of_lines(out)
+    readers.emit(readers.calls(workspace, sid, turn_index, churn, as_json, state_dir))
 
 
 # -- diffs ----------------------------------------------------------------------------------------
@@ -1414,17 +1269,11 @@ def _open_journal_and_tree(workspace: str, state_dir: str | None):
 
 
 def _tree_for(ws: str, sd: str):
-    """The live tree: beneath the mount via the daemon's fd, or the workspace itself."""
-    from .engines.states import Tree
-    if state.fuse_mount_at(ws) and not state.is_dead_mount(ws):
-        from . import client
-        try:
-            tree = Tree(client.underlay_fd(os.path.join(sd, "control.sock")))
-        except client.ClientError as e:
-            raise Fail(str(e)) from None
-        tree.served = True
-        return tree
-    return Tree.at(ws)
+    """readers.tree_for: the live tree, beneath the mount or the workspace itself."""
+    try:
+        return readers.tree_for(ws, sd)
+    except readers.Refusal as e:
+        raise Fail(str(e)) from None
 
 
 @main.command()
@@ -1456,142 +1305,19 @@ def diff(workspace, call_id, turn_sel, sid, since, until, drift, fmt, binary, gl
 
     The diff is made by git (diff-tree of two trees in a private object store), so renames,
     binary files, modes and symlinks read as git shows them, and git apply takes it."""
-    if sum(x is not None for x in (call_id, turn_sel)) + (since is not None) + drift > 1:
-        raise Fail("choose one of --call, --turn, --since, --drift")
-    if call_id is None and turn_sel is None and since is None and sid is None and not drift:
-        raise Fail("say what to diff: --call ID, --turn N, --session S, --since SEQ or --drift")
-    ws, sd, j, tree = _open_journal_and_tree(workspace, state_dir)
-    try:
-        # the same question of the same record: the answer kept last time (engines.answers)
-        answers = _answers(sd, j, tree)
-        question = ["diff", call_id, turn_sel, sid, since, until, drift, fmt, binary, glob,
-                    by_writer, as_json]
-        parts = answers.get(question)
-        if parts is None:
-            parts = _Parts()
-            tree.reads = _reads()
-            _diff_answer(parts, sd, j, tree, call_id, turn_sel, sid, since, until, drift, fmt,
-                         binary, glob, by_writer, as_json)
-            answers.put(question, parts, tree.reads)
-    finally:
-        os.close(tree.root_fd)
-        j.close()
-    _emit(parts)
+    readers.emit(readers.diff(workspace, call_id, turn_sel, sid, since, until, drift, fmt,
+                              binary, glob, by_writer, as_json, state_dir))
 
 
-class _Parts(list):
-    """A command's output as it will be shown: (1, text) for stdout, (2, text) for stderr, in
-    order (kept whole by engines.answers)."""
-
-    def out(self, text: str) -> None:
-        if text:
-            self.append((1, text))
-
-    def err(self, line: str) -> None:
-        self.append((2, line + "\n"))
-
-
-def _emit(parts) -> None:
-    for stream, text in parts:
-        click.echo(text, nl=False, err=stream == 2)
+_left_out_lines = readers.left_out_lines
 
 
 def _answers(sd: str, j, tree):
-    from .engines.answers import Answers
-    return Answers(state.StateDir(sd).answers, j, tree.stats_unnoted)
-
-
-def _reads():
-    from .engines.answers import Reads
-    return Reads()
-
-
-def _diff_answer(parts: _Parts, sd, j, tree, call_id, turn_sel, sid, since, until, drift, fmt,
-                 binary, glob, by_writer, as_json) -> None:
-    """The diff command's answer, into ``parts``."""
-    from .engines.diff import SelectionError
-    from .engines.gitdiff import GitError
-    try:
-        _diff_parts(parts, sd, j, tree, call_id, turn_sel, sid, since, until, drift, fmt,
-                    binary, glob, by_writer, as_json)
-    except (SelectionError, GitError) as e:
-        raise Fail(str(e)) from None
-
-
-def _diff_parts(parts: _Parts, sd, j, tree, call_id, turn_sel, sid, since, until, drift, fmt,
-                binary, glob, by_writer, as_json) -> None:
-    from .engines.diff import select, changed, drift_side
-    from .engines.gitdiff import ObjectStore, git_refuses
-    from .engines.states import States, ABSENT as tree_absent
-    states = States(j, tree)
-    side = drift_side(states, glob) if drift else \
-        select(j, states, call=call_id, turn=turn_sel, session=sid, since=since,
-               until=until, glob=glob)
-    moved_on = sorted(p for p, s in side.after.items() if s.drifted)
-    if moved_on:
-        parts.err(f"overlayrec: {len(moved_on)} path(s) here changed later outside the record "
-                  f"(drift: {', '.join(moved_on[:3])}{' ...' if len(moved_on) > 3 else ''}); "
-                  "`overlayrec diff --drift` shows how")
-    withheld = sorted(p for p in changed(side)
-                      if side.before.get(p, tree_absent).withheld
-                      or side.after.get(p, tree_absent).withheld)
-    if withheld and not as_json:  # the patch shows a placeholder line for each
-        parts.err(f"overlayrec: {len(withheld)} secret path(s) changed, content not kept: "
-                  f"{', '.join(withheld[:5])}{' ...' if len(withheld) > 5 else ''}")
-    store = ObjectStore(sd)
-    # git holds no .git/ path: they are left out, and said so (_left_out_lines)
-    left_out = [p for p in changed(side) if git_refuses(p)]
-    groups = [(None, sorted(side.before))]
-    if by_writer:
-        units = sorted({u for us in side.writers.values() for u in us})
-        groups = [(u, sorted(p for p, us in side.writers.items()
-                             if u in us and not git_refuses(p))) for u in units]
-        groups = [(u, ps) for u, ps in groups if ps]
-    a, b = store.trees(side.before, side.after)
-    if as_json:  # it names the trees: kept while the object store that holds them is there
-        tree.reads.note_abs(os.path.join(state.StateDir(sd).git, "objects"))
-        status = {}
-        for line in store.diff(a, b, "name-status").splitlines():
-            fields = line.split("\t")
-            status[fields[-1]] = {"status": fields[0],
-                                  "from": fields[1] if len(fields) > 2 else None}
-        nums = {}
-        for line in store.diff(a, b, "numstat").splitlines():
-            add, dele, p = line.split("\t", 2)
-            p = p.split(" => ")[-1].rstrip("}") if " => " in p else p
-            nums[p] = (None if add == "-" else int(add), None if dele == "-" else int(dele))
-        files = [{"path": p, **st, "added": nums.get(p, (None, None))[0],
-                  "deleted": nums.get(p, (None, None))[1],
-                  "writers": sorted(side.writers.get(p, set())
-                                    | side.writers.get(st.get("from") or "", set()))}
-                 for p, st in sorted(status.items())]
-        parts.out(json.dumps({"from_tree": a, "to_tree": b, "files": files,
-                              "inexact": sorted(p for p, s in
-                                                {**side.before, **side.after}.items()
-                                                if not s.exact),
-                              "withheld": withheld,
-                              "git_left_out": len(left_out), "git_left_out_paths": left_out,
-                              "git_warnings": store.warnings}) + "\n")
-    else:
-        for unit, paths in groups:
-            out = store.diff(a, b, fmt, paths=paths if unit else None, binary=binary)
-            if unit and out:
-                parts.out(f"# {unit}\n")
-            parts.out(out)
-    for line in _left_out_lines(len(left_out), store):
-        parts.err(line)
-
-
-def _left_out_lines(n: int, store, what: str = "shown") -> list[str]:
-    """How many changes under .git/ a diff or an export left out (git holds no .git/ path;
-    replay restores them), and whatever else git warned about: lines for stderr."""
-    from .engines.gitdiff import left_out_note
-    return ([left_out_note(n, what)] if n else []) + \
-        [f"overlayrec: git: {w}" for w in store.warnings]
+    return readers.answers_of(sd, j, tree)
 
 
 def _say_left_out(n: int, store, what: str = "shown") -> None:
-    """On stderr: _left_out_lines."""
+    """On stderr: readers.left_out_lines."""
     for line in _left_out_lines(n, store, what):
         click.echo(line, err=True)
 

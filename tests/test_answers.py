@@ -7,8 +7,9 @@ events, an edit made while unmounted that keeps the size and puts the mtime back
 while unmounted, a symlink planted on the way to recorded files, a file held open and written twice (an open epoch, whose writes are no
 events), a new session whose one call changes nothing (a record written without an event
 moves the journal's generation: the unit test below).  At each step every question is asked
-with the answers kept so far, then with none, and the two must be the same; asked once more,
-nothing changed, the kept answer must be the one used (its file is not written again).
+with the answers kept so far, then with none, and the two must be the same, and the same
+through click's commands as through fastcli; asked once more, nothing changed, the kept answer
+must be the one used (its file is not written again).
 """
 from __future__ import annotations
 
@@ -64,6 +65,16 @@ def ask(m, q) -> tuple:
     return r.returncode, r.stdout, r.stderr
 
 
+# the CLI through click itself: the plain command lines above go through fastcli otherwise
+BY_CLICK = "import sys; from overlayrec.cli import main; main(sys.argv[1:], 'overlayrec')"
+
+
+def ask_click(m, q) -> tuple:
+    r = subprocess.run([sys.executable, "-c", BY_CLICK, q[0], m.ws, "--state-dir", m.state,
+                        *q[1:]], capture_output=True, text=True, timeout=120)
+    return r.returncode, r.stdout, r.stderr
+
+
 def kept_files(m) -> dict:
     d = os.path.join(m.state, "answers")
     if not os.path.isdir(d):
@@ -84,6 +95,10 @@ def agree(m, *, kept_again=True) -> dict:
         fresh[key] = ask(m, q)
         assert fresh[key] == before[key], (q, before[key], fresh[key])
         assert fresh[key][0] == 0, (q, fresh[key])
+    # click's commands answer as fastcli did, made afresh; what they keep fastcli reads back
+    shutil.rmtree(os.path.join(m.state, "answers"), ignore_errors=True)
+    for q in QUESTIONS:
+        assert ask_click(m, q) == fresh[json.dumps(q)], q
     files = kept_files(m)
     if kept_again:
         assert len(files) == len(QUESTIONS), files

@@ -139,3 +139,98 @@ def test_trees_of_long_paths_and_other_kinds_are_gits(tmp_path):
     # p's content moved from a/b/c (git names the rename); the symlink l is gone, dir is one
     assert sorted(listed.splitlines()) == sorted(
         ["A\ta", f"M\t{deep}", "A\tdir", "D\tl", "R100\ta/b/c\tp"])
+
+
+def _pack_everything(store: ObjectStore) -> None:
+    """Every object of the store into one pack, the loose ones removed (git repack packs only
+    what a ref reaches, and nothing here does)."""
+    names = subprocess.run(["git", "cat-file", "--batch-all-objects",
+                            "--batch-check=%(objectname)"], env=store.env, capture_output=True,
+                           check=True).stdout
+    subprocess.run(["git", "pack-objects", "-q",
+                    os.path.join(store.git_dir, "objects", "pack", "pack")], input=names,
+                   env=store.env, capture_output=True, check=True)
+    subprocess.run(["git", "prune-packed"], env=store.env, check=True)
+
+
+def _fast_imports(monkeypatch) -> list:
+    """The fast-import streams started from now on (one entry each)."""
+    from overlayrec.engines import gitdiff
+    started = []
+    real = gitdiff.FastImport.__init__
+
+    def counting(self, *a, **kw):
+        started.append(1)
+        real(self, *a, **kw)
+    monkeypatch.setattr(gitdiff.FastImport, "__init__", counting)
+    return started
+
+
+def test_trees_the_store_holds_are_not_written_again(tmp_path, monkeypatch):
+    """The same sides asked again (a turn's --stat, then its patch): the trees' names are
+    computed, found in the store (loose, or in a pack through its index) and not written
+    again; the diff is the same."""
+    r = random.Random(5)
+    before, after = _random_side(r, 20), _random_side(r, 20)
+    first = ObjectStore(str(tmp_path))
+    a, b = first.trees(before, after)
+    want = first.diff(a, b, "patch")
+    started = _fast_imports(monkeypatch)
+    again = ObjectStore(str(tmp_path))
+    assert again.trees(before, after) == [a, b] and started == []
+    assert again.diff(a, b, "patch") == want and started == []
+    # packed: every object in one pack, none loose
+    _pack_everything(first)
+    objects = os.path.join(first.git_dir, "objects")
+    assert not any(len(d) == 2 for d in os.listdir(objects))
+    packed = ObjectStore(str(tmp_path))
+    assert packed.trees(before, after) == [a, b] and started == []
+    assert packed.diff(a, b, "patch") == want
+    # a side never written is written
+    other = {"new.txt": State("file", 0o644, b"new\n")}
+    assert ObjectStore(str(tmp_path)).trees(other)[0] != EMPTY_TREE and started == [1]
+
+
+def test_a_tree_held_without_what_it_names_is_written_again(tmp_path, monkeypatch):
+    """A tree the store holds whose blob git cannot find (an alternate's, gone since): the diff
+    fails once, the sides are written through fast-import after all, and the diff is made."""
+    before = {"f.txt": State("file", 0o644, b"before\n")}
+    after = {"f.txt": State("file", 0o644, b"after\n")}
+    first = ObjectStore(str(tmp_path))
+    a, b = first.trees(before, after)
+    want = first.diff(a, b, "stat")
+    from overlayrec.engines.gitdiff import blob_id
+    gone = blob_id(b"after\n")
+    os.unlink(os.path.join(first.git_dir, "objects", gone[:2], gone[2:]))
+    started = _fast_imports(monkeypatch)
+    again = ObjectStore(str(tmp_path))
+    assert again.trees(before, after) == [a, b] and started == []
+    assert again.diff(a, b, "stat") == want and started == [1]
+    assert os.path.exists(os.path.join(first.git_dir, "objects", gone[:2], gone[2:]))
+
+
+def test_pack_index_lookup_is_gits(tmp_path):
+    """_pack_index_holds against git's own index of a pack: every object it lists is found,
+    names beside them are not, and a file that is no index of version 2 holds nothing."""
+    from overlayrec.engines.gitdiff import _pack_index_holds
+    store = ObjectStore(str(tmp_path))
+    r = random.Random(3)
+    store.trees(*[_random_side(r, 25) for _ in range(10)])
+    _pack_everything(store)
+    pack_dir = os.path.join(store.git_dir, "objects", "pack")
+    idx = next(os.path.join(pack_dir, n) for n in os.listdir(pack_dir) if n.endswith(".idx"))
+    listed = subprocess.run(["git", "show-index"], stdin=open(idx, "rb"), capture_output=True,
+                            check=True).stdout.decode().split()[1::3]
+    assert len(listed) > 50
+    for name in listed:
+        raw = bytes.fromhex(name)
+        assert _pack_index_holds(idx, raw)
+        near = (int.from_bytes(raw, "big") ^ 1).to_bytes(20, "big")
+        assert _pack_index_holds(idx, near) == (near.hex() in listed)
+    assert not _pack_index_holds(idx, b"\0" * 20) or "00" * 20 in listed
+    assert not _pack_index_holds(idx, b"\xff" * 20) or "ff" * 20 in listed
+    junk = tmp_path / "junk.idx"
+    junk.write_bytes(b"not an index")
+    assert not _pack_index_holds(str(junk), bytes.fromhex(listed[0]))
+    (tmp_path / "empty.idx").write_bytes(b"")
+    assert not _pack_index_holds(str(tmp_path / "empty.idx"), bytes.fromhex(listed[0]))

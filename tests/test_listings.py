@@ -459,13 +459,13 @@ def test_listings_say_how_far_they_are(make_mount, tmp_path):
 
 
 def test_progress_shows_long_work_on_a_terminal_only(capsys):
-    from overlayrec import cli
-    quick = cli._Progress("calls")
+    from overlayrec.readers import Progress
+    quick = Progress("calls")
     quick.on = True   # as on a terminal
     quick(100, 300)
     quick.done()
     assert capsys.readouterr().err == ""   # under a second: nothing said
-    slow = cli._Progress("calls")
+    slow = Progress("calls")
     slow.on, slow.start = True, slow.start - 2
     slow(100, 300)
     slow(300, 300)
@@ -473,7 +473,7 @@ def test_progress_shows_long_work_on_a_terminal_only(capsys):
     err = capsys.readouterr().err
     line = "overlayrec: calls 300/300"
     assert err == f"\roverlayrec: calls 100/300\r{line}\r{' ' * len(line)}\r"
-    piped = cli._Progress("calls")   # stderr is no terminal under pytest
+    piped = Progress("calls")   # stderr is no terminal under pytest
     piped.start -= 2
     piped(1, 2)
     piped.done()

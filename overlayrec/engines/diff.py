@@ -10,7 +10,7 @@ import fnmatch
 from dataclasses import dataclass
 
 from ..journal import Journal
-from ..journal.schema import is_dir_rename
+from ..journal.schema import CONTROL_OPS, MARK_OPS, is_dir_rename
 from ..views import file_events as _tree_events, unit_session as _unit_session
 from .states import States, State
 
@@ -29,6 +29,24 @@ class Side:
 def file_events(j: Journal, lo: int = 1, hi: int | None = None) -> list[dict]:
     """Events that change a path (not control events, not failed ones)."""
     return [e for e in _tree_events(j, lo, hi) if e.get("path") is not None]
+
+
+def _selection_events(j: Journal, lo: int = 1, hi: int | None = None) -> list[dict]:
+    """file_events, the journal remembering the seals among the events read too: the states
+    look up each path's chain, and the seals of a call's or turn's paths lie in its range (a
+    unit's end seals what it wrote).  Each was decoded here and again by Journal.event: a turn
+    of 1,000 paths, 1,000 decodes."""
+    failed, evs, marks = set(), [], []
+    for e in j.events(lo, hi):
+        op = e["op"]
+        if op == "failed":
+            failed.add(e["ref"])
+        elif op in MARK_OPS:
+            marks.append(e)
+        elif op not in CONTROL_OPS:
+            evs.append(e)
+    j.remember_events(marks)
+    return [e for e in evs if e["seq"] not in failed and e.get("path") is not None]
 
 
 def _paths(e: dict) -> list[str]:
@@ -67,23 +85,23 @@ def select(j: Journal, states: States, *, call: str | None = None, turn: int | s
         if len({c["session"] for c in calls}) > 1:
             raise SelectionError(f"call {call} exists in several sessions: say --session")
         unit = f"call:{calls[0]['session']}:{call}"
-        return _selected(states, [e for e in file_events(j, calls[0].get("begin_seq") or 1)
+        return _selected(states, [e for e in _selection_events(j, calls[0].get("begin_seq") or 1)
                                   if e.get("unit") == unit], keep=keep)
     if turn is not None:
         t = _find_turn(j, turn, session)
         sid = t["session"]
         lo, hi = t["begin_seq"], t["end_seq"] or last
-        return _selected(states, [e for e in file_events(j, lo, hi)
+        return _selected(states, [e for e in _selection_events(j, lo, hi)
                                   if _unit_session(e.get("unit")) == sid], (lo, hi), keep=keep)
     if session is not None:
         rec = j.record("sessions", session.encode())
         if rec is None:
             raise SelectionError(f"no session {session}")
-        return _selected(states, [e for e in file_events(j)
+        return _selected(states, [e for e in _selection_events(j)
                                   if _unit_session(e.get("unit")) == session], keep=keep)
     lo = since if since is not None else 1
     hi = until if until is not None else last
-    return _selected(states, file_events(j, lo, hi), (lo - 1, hi), keep=keep)
+    return _selected(states, _selection_events(j, lo, hi), (lo - 1, hi), keep=keep)
 
 
 def drift_side(states: States, glob: str | None = None) -> Side:
@@ -124,7 +142,7 @@ def _selected(states: States, events: list[dict], bounds: tuple[int, int] | None
     """side_of for select(): the journal remembers the selection's events first, since the
     states look each up again (``Journal.event``), a second decoding of every one."""
     states.j.remember_events(events)
-    return side_of(states, events, bounds, keep=keep)
+    return side_of(states, events, bounds, keep=keep, read_ahead=True)
 
 
 def spans_of(states: States, events: list[dict], bounds: tuple[int, int] | None = None, *,
@@ -145,14 +163,18 @@ def spans_of(states: States, events: list[dict], bounds: tuple[int, int] | None 
 
 
 def side_of(states: States, events: list[dict], bounds: tuple[int, int] | None = None, *,
-            keep=None) -> Side:
+            keep=None, read_ahead: bool = False) -> Side:
     """The Side of one unit whose events are already at hand (grouped per unit in one pass
     over the journal, as the listings do), as select() makes it: without ``bounds``, each path
     from just before its first event to just after its last (a call, a session, an actor);
     with ``bounds`` (lo, hi), every path from lo to hi (a turn, a range).  ``keep(path)``: only
-    the paths it accepts."""
+    the paths it accepts.  ``read_ahead``: the live files the after side reads are read a
+    directory at a time first (States.read_live_ahead; ``states`` a States, not a stand-in such
+    as export's)."""
     spans, writers = spans_of(states, events, bounds, keep=keep)
     before = {p: states.state(p, lo) for p, (lo, _) in spans.items()}
+    if read_ahead:
+        states.read_live_ahead((p, hi) for p, (_, hi) in spans.items())
     after = {p: states.state(p, hi) for p, (_, hi) in spans.items()}
     return Side(before, after, writers)
 

@@ -77,6 +77,9 @@ class ObjectStore:
         self.left_out: set[str] = set()   # paths git refuses, filtered out before git saw them
         self.warnings: list[str] = []     # what git said on stderr when it succeeded
         self._entries: dict[str, dict] = {EMPTY_TREE: {}}  # trees made here: path -> (mode, id)
+        # trees named here but not written, the store holding them already (trees): written
+        # should git not find what they name after all (a blob only the alternate held)
+        self._unwritten: list[dict[str, tuple[str, str]]] = []
 
     def _git(self, *args, input=None, env=None, git_dir=True) -> str:
         cmd = ["git", *args]
@@ -142,24 +145,52 @@ class ObjectStore:
                 names.append(None)
         if not todo:
             return names
+        named_sides = []
+        for i, entries in todo:
+            named = {p: (mode, blob_id(data), data) for p, (mode, data) in entries.items()}
+            names[i], flat = _tree_name({p: (mode, sha) for p, (mode, sha, _) in named.items()})
+            self._entries[names[i]] = flat
+            named_sides.append(named)
+        # the same sides asked again (a turn's --stat, then its patch or --json): the trees
+        # are in the store already, and so is what they name, written by the same stream
+        if all(self._holds(names[i]) for i, _ in todo):
+            self._unwritten.extend(named_sides)
+        else:
+            self._write_trees(named_sides)
+        return names
+
+    def _write_trees(self, sides: list[dict[str, tuple[str, str, bytes]]]) -> None:
+        """Write each side (path -> (mode, blob id, content)) as a tree, with its blobs, through
+        one ``git fast-import`` stream: as the root of a commit on a ref of this process's that
+        the stream deletes again at its end (fast-import writes trees only as a commit's)."""
         ref = f"refs/overlayrec/tree-{os.getpid()}"
         who = {"name": "overlayrec", "email": "overlayrec", "date": "0 +0000"}
         fi = FastImport(self, marks=False, prefix="overlayrec-tree-")
         try:
-            for i, entries in todo:
-                named = {p: (mode, fi.named_blob(data)) for p, (mode, data) in entries.items()}
+            for named in sides:
+                for _, sha, data in named.values():
+                    fi.known_blob(sha, data)
                 fi.reset(ref)
                 fi.commit(ref, who, who, "", None,
                           [f"M {mode} {sha} ".encode() + quote_path(p)
-                           for p, (mode, sha) in named.items()])
-                names[i], flat = _tree_name(named)
-                self._entries[names[i]] = flat
+                           for p, (mode, sha, _) in named.items()])
             fi.reset(ref)   # no "from": the ref is deleted when the stream ends
         except BaseException:
             fi.cleanup()
             raise
         fi.close()
-        return names
+
+    def _holds(self, name: str) -> bool:
+        """Does the store itself (not an alternate) hold object ``name``, loose or packed?"""
+        objects = os.path.join(self.git_dir, "objects")
+        if os.path.exists(os.path.join(objects, name[:2], name[2:])):
+            return True
+        try:
+            idxs = [n for n in os.listdir(os.path.join(objects, "pack")) if n.endswith(".idx")]
+        except OSError:
+            return False
+        raw = bytes.fromhex(name)
+        return any(_pack_index_holds(os.path.join(objects, "pack", n), raw) for n in idxs)
 
     def _tree_by_index(self, entries: dict[str, tuple[str, bytes]]) -> str:
         """The tree of these entries made by ``git update-index`` and ``write-tree`` in a
@@ -177,6 +208,18 @@ class ObjectStore:
 
     def diff(self, a: str, b: str, fmt: str, paths: list[str] | None = None,
              binary: bool = False) -> str:
+        try:
+            return self._diff(a, b, fmt, paths, binary)
+        except GitError:
+            if not self._unwritten:
+                raise
+        # a tree not written (trees) names what git cannot find now: written after all
+        sides, self._unwritten = self._unwritten, []
+        self._write_trees(sides)
+        return self._diff(a, b, fmt, paths, binary)
+
+    def _diff(self, a: str, b: str, fmt: str, paths: list[str] | None,
+              binary: bool) -> str:
         args = ["diff-tree", "-r", "-M" if self._renames_apply(a, b, paths) else "--no-renames",
                 "--no-commit-id", "--root"]
         args += {"patch": ["-p"], "stat": ["--stat"], "numstat": ["--numstat"],
@@ -270,6 +313,36 @@ def _tree_name(entries: dict[str, tuple[str, str]]) -> tuple[str, dict]:
     return write(root, ""), flat
 
 
+def _pack_index_holds(path: str, name: bytes) -> bool:
+    """Does the pack index (version 2) at ``path`` list the object ``name`` (20 bytes)?  Its
+    fan-out table gives the range of the sorted names that begin with the same byte; a
+    bisection of that range finds it.  An index of another version, or unreadable: no."""
+    import mmap
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            if m[:8] != b"\xfftOc\x00\x00\x00\x02" or len(m) < 8 + 1024:
+                return False
+            first = name[0]
+            lo = int.from_bytes(m[8 + 4 * (first - 1):12 + 4 * (first - 1)], "big") \
+                if first else 0
+            hi = int.from_bytes(m[8 + 4 * first:12 + 4 * first], "big")
+            base = 8 + 1024
+            if base + 20 * hi > len(m):
+                return False
+            while lo < hi:
+                mid = (lo + hi) // 2
+                got = m[base + 20 * mid:base + 20 * mid + 20]
+                if got == name:
+                    return True
+                if got < name:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            return False
+    except (OSError, ValueError):
+        return False
+
+
 def _name(s: str) -> str:
     """An ident name as git commit-tree writes it: without newlines and angle brackets."""
     return "".join(ch for ch in s if ch not in "\n<>").strip()
@@ -351,7 +424,10 @@ class FastImport:
     def named_blob(self, data: bytes) -> str:
         """This content as a blob without a mark (once per stream): its object name, computed
         here.  git skips writing it when the store's packs hold it already."""
-        name = blob_id(data)
+        return self.known_blob(blob_id(data), data)
+
+    def known_blob(self, name: str, data: bytes) -> str:
+        """named_blob of content whose object name ``name`` is known already."""
         if name not in self.named:
             self.named.add(name)
             self._write(b"blob\ndata %d\n" % len(data) + data + b"\n")

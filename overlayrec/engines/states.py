@@ -105,8 +105,13 @@ def _read_at(dfd: int, name: str, st: os.stat_result) -> bytes:
     if stat.S_ISLNK(st.st_mode):
         return os.fsencode(os.readlink(name, dir_fd=dfd))
     fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
-    with os.fdopen(fd, "rb") as f:
-        return f.read()
+    try:  # to its end, as a file object's read() (without one: a diff reads 1,000 of these)
+        chunks = []
+        while chunk := os.read(fd, max(st.st_size + 1, 1 << 16) if not chunks else 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 class Tree:
@@ -120,6 +125,7 @@ class Tree:
         self.reads = None  # engines.answers.Reads: what a kept answer depends on, when set
         # mounted (a daemon serves it): a file in a write run changes with no event
         self.served = False
+        self._ahead: dict[str, tuple[State, os.stat_result | None]] = {}  # read_ahead
 
     def _note(self, rel: str, st: os.stat_result | None) -> None:
         if self.reads is not None:
@@ -145,6 +151,11 @@ class Tree:
     def state_stat(self, rel: str) -> tuple[State, os.stat_result | None]:
         """``state`` and the lstat it was read with (None when absent): one walk to the
         directory, for a caller that wants both."""
+        if self._ahead:
+            got = self._ahead.pop(rel, None)
+            if got is not None:
+                self._note(rel, got[1])
+                return got
         if rel == "":  # the workspace root itself
             st = os.fstat(self.root_fd)
             self._note(rel, st)
@@ -155,20 +166,46 @@ class Tree:
             self._note(rel, None)
             return ABSENT, None
         try:
-            try:
-                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-            except FileNotFoundError:
-                st = None
-            self._note(rel, st)
-            if st is None:
-                return ABSENT, None
-            if stat.S_ISREG(st.st_mode) and self.secrets is not None and \
-                    self.secrets.match(rel):
-                return state_of_stat(st, lambda: placeholder(None)).but(exact=False,
-                                                                        withheld=True), st
-            return state_of_stat(st, lambda: _read_at(dfd, name, st)), st
+            got = self._state_in(dfd, name, rel)
+            self._note(rel, got[1])
+            return got
         finally:
             os.close(dfd)
+
+    def _state_in(self, dfd: int, name: str, rel: str) -> tuple[State, os.stat_result | None]:
+        """state_stat of ``rel``, named ``name`` in its directory ``dfd``."""
+        try:
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except FileNotFoundError:
+            return ABSENT, None
+        if stat.S_ISREG(st.st_mode) and self.secrets is not None and self.secrets.match(rel):
+            return state_of_stat(st, lambda: placeholder(None)).but(exact=False,
+                                                                    withheld=True), st
+        return state_of_stat(st, lambda: _read_at(dfd, name, st)), st
+
+    def read_ahead(self, rels) -> None:
+        """Read the state of each of ``rels`` now, a directory at a time, for state_stat to
+        give (once each, noted then): a diff's side of 1,000 live files walked from the root
+        once per directory, not once per file.  A path that cannot be read so (its directory
+        unreachable, a read that fails) is left to state_stat, which says why in its turn."""
+        by_parent: dict[str, list[tuple[str, str]]] = {}
+        for rel in rels:
+            parent, _, name = rel.rpartition("/")
+            if name not in ("", ".", ".."):
+                by_parent.setdefault(parent, []).append((rel, name))
+        for group in by_parent.values():
+            try:
+                dfd, _ = self._open_parent(group[0][0])
+            except OSError:
+                continue
+            try:
+                for rel, name in group:
+                    try:
+                        self._ahead[rel] = self._state_in(dfd, name, rel)
+                    except OSError:
+                        pass
+            finally:
+                os.close(dfd)
 
     def lstat(self, rel: str) -> os.stat_result | None:
         st = self._lstat(rel)
@@ -531,6 +568,20 @@ class States:
             got = self._chain_seqs[path] = (chain, [e["seq"] for e in chain])
         return got[1]
 
+    def read_live_ahead(self, asks) -> None:
+        """For ``state(path, at)`` of each of ``asks`` (path, at) about to be asked: the live
+        states it will read (the end of a chain with no event after ``at``) read ahead, a
+        directory at a time (Tree.read_ahead).  Only where no directory was ever renamed (a
+        rename may bring the end from another name) and every chain is whole."""
+        if self.floor is not None or self.renames():
+            return
+        want = []
+        for path, at in asks:
+            chain = self.chain_on(path)
+            if path and (not chain or chain[-1]["seq"] <= at):
+                want.append(path)
+        self.tree.read_ahead(want)
+
     def preload(self) -> None:
         """Fill every path's chain from one pass over the journal, for a reader that will ask
         about most of the paths (a listing): one decode per event instead of one per path."""
@@ -587,6 +638,8 @@ class States:
     def _next_move(self, path: str, after: int) -> dict | None:
         """The first directory rename after ``after`` that moves or replaces an ancestor."""
         idx = self._index()
+        if not idx.renames:  # (most records: two states of every path a diff shows)
+            return None
         i = idx.touching(path, idx.upto(after), len(idx.renames))
         return None if i is None else idx.renames[i]
 
@@ -744,6 +797,8 @@ class States:
         out = []
         name, t = path, at
         rs = self.renames()
+        if not rs:  # one name all along
+            return [(name, 0, t)]
         hi = len(rs) if t == INF else self._index().upto(t)
         while (i := self._index().touching(name, 0, hi, last=True)) is not None:
             r = rs[i]
@@ -799,8 +854,11 @@ class States:
                 return State("file", pre.get("mode", 0o644), b"", exact=False, withheld=True,
                              **facts(pre))
             if "blob" in pre:
+                # State(..., **facts(pre)) without the dict, as _sig_of: a diff's side is
+                # mostly these
                 return State("file", pre.get("mode", 0o644), self.j.content.get(pre["blob"]),
-                             **facts(pre))
+                             True, pre.get("uid"), pre.get("gid"), 0, False,
+                             pre.get("ino") or 0, pre.get("nlink") or 1)
             return State("file", pre.get("mode", 0o644), b"", exact=False, **facts(pre))
         if kind == "symlink":
             return State("symlink", 0o120000, os.fsencode(pre.get("target") or ""), **facts(pre))

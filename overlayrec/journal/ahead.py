@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 import struct
 import zlib
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator  # (not typing: ~4 ms of a reader's start)
 
 NAME = "ahead.log"
 _HEAD = struct.Struct("<II")  # payload length, CRC-32 of the payload

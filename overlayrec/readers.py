@@ -1,0 +1,402 @@
+"""The readers' answers (``turns``, ``calls``, ``diff``): made from the journal and the live
+tree, kept whole for the next time (engines.answers), and written out.  No click here: cli.py's
+commands call these, and so does entry.py's way in for a plain command line (fastcli), which
+spares those readers click's import (some 25 ms of every one).
+
+A failure the user is told of in one line (exit 1) is a ``Refusal``; cli turns it into its
+``Fail``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from . import state
+from .journal import Journal
+
+
+class Refusal(Exception):
+    """A reader cannot answer: one line for the user (cli shows it, exit 1)."""
+
+
+def one_line(msg: str) -> str:
+    """``msg`` on one line: the line breaks in it (a path, an id as given) shown escaped."""
+    import re
+    return re.sub("[\n\r\v\f\x1c-\x1e\x85\u2028\u2029]", lambda m: repr(m.group())[1:-1], msg)
+
+
+def os_error_text(e: OSError) -> str:
+    name = os.fsdecode(e.filename) if isinstance(e.filename, (str, bytes)) else None
+    return f"{name + ': ' if name else ''}{e.strerror or e}"
+
+
+def say_error(msg: str) -> None:
+    """An error's one line on stderr, as cli's Fail shows it."""
+    emit([(2, f"overlayrec: error: {one_line(msg)}\n")])
+
+
+def state_dir_for(ws: str, state_dir: str | None) -> str:
+    """The state dir a reading command looks at: the one named, or the workspace's; refused
+    (StateError) when another user could have changed it (docs/storage.md)."""
+    if state_dir:
+        return state.check_state_dir_private(os.path.realpath(state_dir))
+    return state.find_state_dir(ws)
+
+
+def fmt_time(ns: int) -> str:
+    t = ns / 1e9
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) + f".{int(ns % 10**9 / 1e6):03d}"
+
+
+class Parts(list):
+    """A command's output as it will be shown: (1, text) for stdout, (2, text) for stderr, in
+    order (kept whole by engines.answers)."""
+
+    def out(self, text: str) -> None:
+        if text:
+            self.append((1, text))
+
+    def err(self, line: str) -> None:
+        self.append((2, line + "\n"))
+
+
+def emit(parts) -> None:
+    """Write ``parts`` as click.echo(text, nl=False) would, without importing click where
+    that changes nothing: a text stream of a real encoding (click rewraps an ASCII one) and no
+    escape character (click strips ANSI codes when the stream is no terminal)."""
+    for stream, text in parts:
+        f = sys.stderr if stream == 2 else sys.stdout
+        if f is None or "\x1b" in text or not _plain_stream(f):
+            import click
+            click.echo(text, nl=False, err=stream == 2)
+            continue
+        f.write(text)
+        f.flush()
+
+
+def _plain_stream(f) -> bool:
+    """Would click.echo write to ``f`` as it is (click's _force_correct_text_writer)?"""
+    encoding = getattr(f, "encoding", None)
+    if not encoding or getattr(f, "errors", None) is None or not hasattr(f, "write"):
+        return False
+    import codecs
+    try:
+        return codecs.lookup(encoding).name != "ascii"
+    except LookupError:
+        return True
+
+
+def _echo_err(text: str) -> None:
+    sys.stderr.write(text)
+    sys.stderr.flush()
+
+
+# -- the live tree ----------------------------------------------------------------------------
+
+def tree_for(ws: str, sd: str):
+    """The live tree: beneath the mount via the daemon's fd, or the workspace itself."""
+    from .engines.states import Tree
+    if state.fuse_mount_at(ws) and not state.is_dead_mount(ws):
+        from . import client
+        try:
+            tree = Tree(client.underlay_fd(os.path.join(sd, "control.sock")))
+        except client.ClientError as e:
+            raise Refusal(str(e)) from None
+        tree.served = True
+        return tree
+    return Tree.at(ws)
+
+
+def answers_of(sd: str, j, tree):
+    from .engines.answers import Answers
+    return Answers(state.StateDir(sd).answers, j, tree.stats_unnoted)
+
+
+def new_reads():
+    from .engines.answers import Reads
+    return Reads()
+
+
+# -- listings ---------------------------------------------------------------------------------
+
+NO_NET = ("overlayrec: warning: the workspace cannot be read: listing every path written, not "
+          "the net changes")
+
+
+def listing_states(j, ws: str | None, sd: str, quiet: bool = False):
+    """(States, close) over the live tree for a listing; (None, close) when the tree cannot be
+    read (then warned, unless ``quiet``)."""
+    from .engines.states import States
+    try:
+        if not ws:
+            raise Refusal("the journal names no workspace")
+        tree = tree_for(ws, sd)
+    except (Refusal, OSError):
+        if not quiet:
+            _echo_err(NO_NET + "\n")
+        return None, lambda: None
+    return States(j, tree), lambda: os.close(tree.root_fd)
+
+
+class Progress:
+    """``n/total`` on a terminal's stderr for work that turns out long (shown once a second
+    has passed, on one line, wiped at the end); nothing when stderr is no terminal."""
+
+    def __init__(self, what: str, on: bool = True):
+        self.what, self.on = what, on and sys.stderr.isatty()
+        self.start, self.width = time.monotonic(), 0
+
+    def __call__(self, n: int, total: int) -> None:
+        if self.on and (self.width or time.monotonic() - self.start >= 1.0):
+            line = f"overlayrec: {self.what} {n}/{total}"
+            self.width = len(line)
+            _echo_err("\r" + line)
+
+    def done(self) -> None:
+        if self.width:
+            _echo_err("\r" + " " * self.width + "\r")
+
+
+def listing(kind: str, j, ws: str, sd: str, question: list, render,
+            progress: Progress | None = None, **kw) -> list:
+    """The answer of ``turns`` or ``calls``: ``render(rows)`` of its rows (engines.listings:
+    settled rows kept between runs), kept whole for the same question of the same record
+    (engines.answers).  When the tree cannot be read, the rows carry every path written, not
+    the net changes, and say so."""
+    from . import views
+    from .engines import listings
+    states, close = listing_states(j, ws, sd, quiet=True)
+    try:
+        if states is None:
+            parts = render(views.turn_rows(j, **kw) if kind == "turns"
+                           else [(r, r) for r in views.call_rows(j, **kw)])
+            parts.insert(0, (2, NO_NET + "\n"))  # said once the listing is made
+            return parts
+        answers = answers_of(sd, j, states.tree)
+        parts = answers.get(question)
+        if parts is None:
+            states.tree.reads = new_reads()
+            kept = state.StateDir(sd).listings
+            rows = (listings.turn_rows(j, states, kept, progress=progress, **kw)
+                    if kind == "turns"
+                    else listings.call_pairs(j, states, kept, progress=progress, **kw))
+            parts = render(rows)
+            answers.put(question, parts, states.tree.reads)
+        return parts
+    finally:
+        close()
+        if progress is not None:
+            progress.done()
+
+
+def turns(workspace, sid, churn, as_json, state_dir) -> Parts:
+    """The answer of ``overlayrec turns``."""
+    ws = state.resolve_workspace(workspace, must_exist=False)
+    sd = state_dir_for(ws, state_dir)
+    j = Journal(sd, readonly=True)
+    try:
+        # the times are shown in the local zone: a question of its own in another
+        return listing("turns", j, ws, sd, ["turns", sid, churn, as_json,
+                                            os.environ.get("TZ"), list(time.tzname)],
+                       lambda rows: turn_lines(rows, churn, as_json),
+                       Progress("turns", not as_json), sid=sid)
+    finally:
+        j.close()
+
+
+def turn_lines(rows: list[dict], churn: bool, as_json: bool) -> Parts:
+    from .views import fold
+    out = []
+    for r in rows:
+        if as_json:
+            out.append(json.dumps(r))
+            continue
+        paths = fold(r, touched=churn)
+        prompt = (r["prompt"] or "").splitlines()[0][:50] if r["prompt"] else ""
+        shared = f"  [shared with {', '.join(r['others'])}]" if r["others"] else ""
+        out.append(f"{r['session']:<14.14} {r['index']:>3} {fmt_time(r['begin_t'])} "
+                   f"{r['touched_files' if churn else 'files']:>4} files  {paths:<40}  "
+                   f"{prompt}{shared}")
+    return text_of_lines(out)
+
+
+def calls(workspace, sid, turn_index, churn, as_json, state_dir) -> Parts:
+    """The answer of ``overlayrec calls``."""
+    ws = state.resolve_workspace(workspace, must_exist=False)
+    sd = state_dir_for(ws, state_dir)
+    j = Journal(sd, readonly=True)
+    try:
+        return listing("calls", j, ws, sd, ["calls", sid, turn_index, churn, as_json],
+                       lambda rows: call_lines(rows, churn, as_json),
+                       Progress("calls", not as_json), sid=sid, turn=turn_index)
+    finally:
+        j.close()
+
+
+def text_of_lines(lines: list[str]) -> Parts:
+    """Lines as one text for stdout: one echo per line costs more than the listing on 10k rows,
+    and a newline added after the join would copy megabytes once more."""
+    parts = Parts()
+    if lines:
+        lines.append("")
+        parts.out("\n".join(lines))
+    return parts
+
+
+# a call's line; %-formatting: a quarter less time than the f-string's specs on 10k rows
+_CALL_LINE = "%-14.14s %3s %-24.24s %-10.10s %4d files  %-40.40s  %s"
+_UNDER_CALL = " " * 20  # its paths' line
+
+
+def call_lines(pairs: list[tuple[dict, dict]], churn: bool, as_json: bool) -> Parts:
+    """The lines of ``calls``: one a call, and its paths under it (views.fold's, written out
+    here: 10,000 calls).  ``pairs``: listings.call_pairs's (a call's record, its row's other
+    fields)."""
+    out = []
+    if as_json:
+        for c, fields in pairs:
+            row = {**c, **fields}  # as listings.call_rows merges them (no key is in both)
+            if row.get("touched") is None:
+                row["touched"] = row["paths"]
+            out.append(json.dumps(row))
+        return text_of_lines(out)
+    line, under = _CALL_LINE, _UNDER_CALL
+    for c, f in pairs:
+        if churn:
+            paths, n, n_git = f["touched"], f["touched_files"], f["touched_git"]
+            if paths is None:
+                paths = f["paths"]
+        else:
+            paths, n, n_git = f["paths"], f["files"], f["git_changes"]
+        # (%s formats as str() does)
+        out.append(line % (c["session"], c["turn"] or "-", c["id"], c["tool"], n,
+                           c["summary"] or "", ", ".join(f["processes"][:4])))
+        own = paths[:n]
+        text = ", ".join(own[:6]) + (" ..." if len(own) > 6 else "")
+        if n_git:
+            text += (" " if text else "") + f"+ {n_git} under .git/"
+        if text:
+            out.append(under + text)
+    return text_of_lines(out)
+
+
+# -- diffs ------------------------------------------------------------------------------------
+
+def diff(workspace, call_id, turn_sel, sid, since, until, drift, fmt, binary, glob, by_writer,
+         as_json, state_dir) -> Parts:
+    """The answer of ``overlayrec diff``."""
+    if sum(x is not None for x in (call_id, turn_sel)) + (since is not None) + drift > 1:
+        raise Refusal("choose one of --call, --turn, --since, --drift")
+    if call_id is None and turn_sel is None and since is None and sid is None and not drift:
+        raise Refusal("say what to diff: --call ID, --turn N, --session S, --since SEQ or "
+                      "--drift")
+    ws = state.resolve_workspace(workspace, must_exist=False)
+    sd = state_dir_for(ws, state_dir)
+    j = Journal(sd, readonly=True)
+    try:
+        tree = tree_for(ws, sd)
+    except BaseException:
+        j.close()
+        raise
+    try:
+        # the same question of the same record: the answer kept last time (engines.answers)
+        answers = answers_of(sd, j, tree)
+        question = ["diff", call_id, turn_sel, sid, since, until, drift, fmt, binary, glob,
+                    by_writer, as_json]
+        parts = answers.get(question)
+        if parts is None:
+            parts = Parts()
+            tree.reads = new_reads()
+            diff_answer(parts, sd, j, tree, call_id, turn_sel, sid, since, until, drift, fmt,
+                        binary, glob, by_writer, as_json)
+            answers.put(question, parts, tree.reads)
+    finally:
+        os.close(tree.root_fd)
+        j.close()
+    return parts
+
+
+def diff_answer(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until, drift, fmt,
+                binary, glob, by_writer, as_json) -> None:
+    """The diff command's answer, into ``parts``."""
+    from .engines.diff import SelectionError
+    from .engines.gitdiff import GitError
+    try:
+        _diff_parts(parts, sd, j, tree, call_id, turn_sel, sid, since, until, drift, fmt,
+                    binary, glob, by_writer, as_json)
+    except (SelectionError, GitError) as e:
+        raise Refusal(str(e)) from None
+
+
+def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until, drift, fmt,
+                binary, glob, by_writer, as_json) -> None:
+    from .engines.diff import select, changed, drift_side
+    from .engines.gitdiff import ObjectStore, git_refuses
+    from .engines.states import States, ABSENT as tree_absent
+    states = States(j, tree)
+    side = drift_side(states, glob) if drift else \
+        select(j, states, call=call_id, turn=turn_sel, session=sid, since=since,
+               until=until, glob=glob)
+    moved_on = sorted(p for p, s in side.after.items() if s.drifted)
+    if moved_on:
+        parts.err(f"overlayrec: {len(moved_on)} path(s) here changed later outside the record "
+                  f"(drift: {', '.join(moved_on[:3])}{' ...' if len(moved_on) > 3 else ''}); "
+                  "`overlayrec diff --drift` shows how")
+    withheld = sorted(p for p in changed(side)
+                      if side.before.get(p, tree_absent).withheld
+                      or side.after.get(p, tree_absent).withheld)
+    if withheld and not as_json:  # the patch shows a placeholder line for each
+        parts.err(f"overlayrec: {len(withheld)} secret path(s) changed, content not kept: "
+                  f"{', '.join(withheld[:5])}{' ...' if len(withheld) > 5 else ''}")
+    store = ObjectStore(sd)
+    # git holds no .git/ path: they are left out, and said so (left_out_lines)
+    left_out = [p for p in changed(side) if git_refuses(p)]
+    groups = [(None, sorted(side.before))]
+    if by_writer:
+        units = sorted({u for us in side.writers.values() for u in us})
+        groups = [(u, sorted(p for p, us in side.writers.items()
+                             if u in us and not git_refuses(p))) for u in units]
+        groups = [(u, ps) for u, ps in groups if ps]
+    a, b = store.trees(side.before, side.after)
+    if as_json:  # it names the trees: kept while the object store that holds them is there
+        tree.reads.note_abs(os.path.join(state.StateDir(sd).git, "objects"))
+        status = {}
+        for line in store.diff(a, b, "name-status").splitlines():
+            fields = line.split("\t")
+            status[fields[-1]] = {"status": fields[0],
+                                  "from": fields[1] if len(fields) > 2 else None}
+        nums = {}
+        for line in store.diff(a, b, "numstat").splitlines():
+            add, dele, p = line.split("\t", 2)
+            p = p.split(" => ")[-1].rstrip("}") if " => " in p else p
+            nums[p] = (None if add == "-" else int(add), None if dele == "-" else int(dele))
+        files = [{"path": p, **st, "added": nums.get(p, (None, None))[0],
+                  "deleted": nums.get(p, (None, None))[1],
+                  "writers": sorted(side.writers.get(p, set())
+                                    | side.writers.get(st.get("from") or "", set()))}
+                 for p, st in sorted(status.items())]
+        parts.out(json.dumps({"from_tree": a, "to_tree": b, "files": files,
+                              "inexact": sorted(p for p, s in
+                                                {**side.before, **side.after}.items()
+                                                if not s.exact),
+                              "withheld": withheld,
+                              "git_left_out": len(left_out), "git_left_out_paths": left_out,
+                              "git_warnings": store.warnings}) + "\n")
+    else:
+        for unit, paths in groups:
+            out = store.diff(a, b, fmt, paths=paths if unit else None, binary=binary)
+            if unit and out:
+                parts.out(f"# {unit}\n")
+            parts.out(out)
+    for line in left_out_lines(len(left_out), store):
+        parts.err(line)
+
+
+def left_out_lines(n: int, store, what: str = "shown") -> list[str]:
+    """How many changes under .git/ a diff or an export left out (git holds no .git/ path;
+    replay restores them), and whatever else git warned about: lines for stderr."""
+    from .engines.gitdiff import left_out_note
+    return ([left_out_note(n, what)] if n else []) + \
+        [f"overlayrec: git: {w}" for w in store.warnings]
