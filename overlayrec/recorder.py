@@ -1182,16 +1182,19 @@ class Recorder:
             underlay.chown_fd(fd, uid, gid)
 
     def _unchanging(self, op: str, fd: int, actor: dict, **kw):
-        """For a chmod to the mode the file has (``mode``) or a chown to the owner it has
-        (``uid``, ``gid``; -1: unchanged): a context in which to make it, its event held for
-        the next commit (Journal.hold_event), or None when it must be an event of its own.
+        """For a chmod to the mode the file has (``mode``), a chown to the owner it has
+        (``uid``, ``gid``; -1: unchanged) or a utimens (``op``): a context in which to make
+        it, its event held for the next commit (Journal.hold_event), or None when it must be
+        an event of its own.
 
-        Tar, ``sed -i`` and the formatter pattern make one such change a file.  It changes
-        nothing the record holds, so nothing is lost when it is not written ahead: held only
-        when no setuid or setgid bit is there for the kernel to clear, the inode has this one
-        name (no alias to follow), and the path's epoch is the unit's own with its metadata
-        saved (no pre-image owed).  The path's next write starts a new run, as after any
-        event on it (``Epoch.last``)."""
+        Tar, ``sed -i`` and the formatter pattern make one such change a file, tar a utimens
+        too.  None changes what the record reconstructs (a state is a kind, a mode, an owner
+        and content: times are not part of it, engines.states), so no reader's answer differs
+        while it waits and nothing is lost when it is not written ahead: held only when no
+        setuid or setgid bit is there for the kernel to clear, the inode has this one name
+        (no alias to follow), and the path's epoch is the unit's own with its metadata saved
+        (no pre-image owed).  The path's next write starts a new run, as after any event on
+        it (``Epoch.last``)."""
         if not self.journal.hold_notes:
             return None
         st = os.fstat(fd)
@@ -1199,9 +1202,10 @@ class Recorder:
         if (st.st_mode | kw.get("mode", 0)) & setid or \
                 (st.st_nlink != 1 and not stat.S_ISDIR(st.st_mode)):
             return None
-        if "mode" in kw and stat.S_IMODE(kw["mode"]) != stat.S_IMODE(st.st_mode) or \
-                kw.get("uid", -1) not in (-1, st.st_uid) or kw.get("gid", -1) not in (-1, st.st_gid):
-            return None  # a change
+        if op != "utimens" and (
+                "mode" in kw and stat.S_IMODE(kw["mode"]) != stat.S_IMODE(st.st_mode) or
+                kw.get("uid", -1) not in (-1, st.st_uid) or kw.get("gid", -1) not in (-1, st.st_gid)):
+            return None  # a change of the state
         path = self.rel(fd)
         unit = self.units.unit_of(actor)
         ep = self.epochs.get(path)
@@ -1216,8 +1220,9 @@ class Recorder:
     @_roomy
     @_undoable
     def utimens(self, fd: int, atime_ns, mtime_ns, is_symlink: bool, actor: dict) -> None:
-        with self._mutation(self._meta_event("utimens", fd, actor, atime_ns=atime_ns,
-                                             mtime_ns=mtime_ns), actor):
+        with self._unchanging("utimens", fd, actor, atime_ns=atime_ns, mtime_ns=mtime_ns) or \
+                self._mutation(self._meta_event("utimens", fd, actor, atime_ns=atime_ns,
+                                                mtime_ns=mtime_ns), actor):
             underlay.utimens_fd(fd, atime_ns, mtime_ns, is_symlink)
 
     @_roomy

@@ -343,3 +343,56 @@ def test_every_shape_written_ahead_reads_as_if_committed(tmp_path):
     assert renames == [["d", "moved"]]
     long = [e for e in events if e[1] and e[1].endswith("/long")]
     assert len(long) == 1 and len(long[0][1].encode()) > 3800
+
+
+def test_a_utimens_that_owes_no_pre_image_waits_for_the_next_record(tmp_path):
+    """A utimens changes nothing a reader reconstructs (a state has no times): in an epoch
+    that saved the path's metadata already (a file this unit made, tar's pattern) it is held
+    for the next record, not written ahead on its own; on a path whose first change it is
+    (its pre-image owed), or on a file with a second name (an alias to follow), it is written
+    ahead.  Either way the record holds every event, in order, with the same fields."""
+    from overlayrec.attribution import Attribution
+    from overlayrec.fs import Handle
+    from overlayrec.recorder import Recorder
+    ws, sd = tmp_path / "ws", str(tmp_path / "state")
+    ws.mkdir()
+    (ws / "old").write_bytes(b"before")
+    j = writer(sd)
+    root = os.open(ws, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        rec = Recorder(j, root, Attribution())
+        actor = rec.attribution.actor(os.getpid())
+        uid, gid = os.geteuid(), os.getegid()
+        records = []
+        rec.journal._ahead.append = (lambda append: lambda record, durable: (
+            records.append(record), append(record, durable))[1])(rec.journal._ahead.append)
+        fd = rec.create(root, "new", os.O_WRONLY, 0o600, uid, gid, actor)
+        rec.write(Handle(fd, None, actor, rec.units.unit_of(actor), rec), 0, b"data")
+        before = len(records)
+        rec.utimens(fd, None, 1_700_000_000_000_000_000, False, actor)
+        assert len(records) == before and len(j._held_events) == 1  # no record of its own
+        rec.chmod(fd, 0o644, actor)  # a change of the state: its record carries the utimens
+        assert len(records) == before + 1 and not j._held_events
+        assert b'"op":"utimens"' in records[-1]
+        os.close(fd)
+        old = os.open("old", os.O_PATH | os.O_NOFOLLOW, dir_fd=root)
+        rec.utimens(old, None, 1_600_000_000_000_000_000, False, actor)  # its pre-image owed
+        assert len(records) == before + 2
+        os.link("old", "other", src_dir_fd=root, dst_dir_fd=root)
+        rec.utimens(old, None, 1_600_000_000_000_000_001, False, actor)  # two names now
+        assert len(records) == before + 3
+        os.close(old)
+        j.flush()
+        evs = [e for e in j.events() if e["path"] in ("new", "old")]
+        assert [(e["op"], e["path"]) for e in evs] == [
+            ("create", "new"), ("write", "new"), ("utimens", "new"), ("chmod", "new"),
+            ("utimens", "old"), ("utimens", "old")], evs
+        assert [e["seq"] for e in evs] == sorted(e["seq"] for e in evs)
+        held = evs[2]
+        assert "pre" not in held and held["mtime_ns"] == 1_700_000_000_000_000_000 and \
+            held["atime_ns"] is None and held["actor"] == actor["key"]
+        assert evs[4]["pre"]["size"] == 6  # the first change of "old" took its pre-image
+        assert os.stat(ws / "new").st_mtime_ns == 1_700_000_000_000_000_000
+    finally:
+        os.close(root)
+        j.close()
