@@ -12,8 +12,10 @@ else:
 * the same cache settings: entry and attribute timeouts of 300 s, negative entries cached,
   ``keep_cache`` on every open, no writeback cache, FLUSH answered ENOSYS (the kernel stops
   sending it), READDIRPLUS with attributes, ``default_permissions``, no ".." lookups;
-* the same serving: one worker task (``pyfuse3.main(min_tasks=1, max_tasks=1)``), file I/O
-  through fds reopened from /proc/self/fd (O_WRONLY widened to O_RDWR as overlayrec does).
+* the same serving: one worker task (``pyfuse3.main(min_tasks=1, max_tasks=1)``) with
+  overlayrec's way of running pyfuse3's request loop under trio (``overlayrec.serving``: the
+  floor is FUSE in Python as overlayrec serves it), file I/O through fds reopened from
+  /proc/self/fd (O_WRONLY widened to O_RDWR as overlayrec does).
 
 No fd bound (the fd limit is raised to the hard limit instead), no attribution, no hidden
 names, no journal.
@@ -33,6 +35,10 @@ import sys
 
 import pyfuse3
 import trio
+
+# the serving of this checkout's overlayrec (the floor serves as the daemon does)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from overlayrec import serving  # noqa: E402
 
 TIMEOUT = 300.0
 _STRIP = os.O_CREAT | os.O_EXCL | os.O_NOCTTY | os.O_APPEND | os.O_NOFOLLOW | \
@@ -389,6 +395,7 @@ async def _serve() -> None:
                     pyfuse3.terminate()
                     return
         nursery.start_soon(on_signal)
+        serving.install()
         await pyfuse3.main(min_tasks=1, max_tasks=1)
         nursery.cancel_scope.cancel()
 
