@@ -116,9 +116,10 @@ async def _commit_held_notes(journal, task_status=trio.TASK_STATUS_IGNORED) -> N
     """Commit what waits in the journal once the daemon is idle, NOTE_DELAY after its last
     request, or every COMMIT_EVERY under a stream of requests.
 
-    Waiting for idle costs the run loop nothing per request (trio's own idle check), where a
-    sleep of NOTE_DELAY after every first note was a deadline set, expired and cancelled 200
-    times a second under load: some 8% of the daemon's CPU on an untar (docs/bench.md)."""
+    Waiting for idle is trio's own check on each pass of the run loop, where a sleep of
+    NOTE_DELAY after every first note was a deadline set, expired and cancelled 200 times a
+    second under load, each with a small commit: an untar makes about 100 commits, not 600 to
+    1,000 (the daemon's CPU the same within noise; docs/bench.md, seventh pass)."""
     woken = trio.Event()
 
     def wake():
