@@ -84,14 +84,6 @@ class _Facade(types.ModuleType):
         return getattr(trio, name)
 
 
-def install() -> None:
-    """Serve pyfuse3's request loop with the stand-in (before ``pyfuse3.main``)."""
-    facade = _Facade("trio")
-    facade.Lock = _Lock  # type: ignore[attr-defined]
-    facade.lowlevel = _Lowlevel(_Readable())  # type: ignore[attr-defined]
-    pyfuse3.trio = facade  # type: ignore[attr-defined]
-
-
 class _Lowlevel(types.ModuleType):
     """trio.lowlevel, but for wait_readable."""
 
@@ -103,5 +95,14 @@ class _Lowlevel(types.ModuleType):
         return getattr(trio.lowlevel, name)
 
 
+def install() -> None:
+    """Serve pyfuse3's request loop with the stand-in (before ``pyfuse3.main``)."""
+    facade = _Facade("trio")
+    facade.Lock = _Lock  # type: ignore[attr-defined]
+    facade.lowlevel = _Lowlevel(_Readable())  # type: ignore[attr-defined]
+    pyfuse3.trio = facade  # type: ignore[attr-defined]
+
+
 def uninstall() -> None:
+    """pyfuse3 on trio itself again (the tests' way back)."""
     pyfuse3.trio = sys.modules["trio"]  # type: ignore[attr-defined]
