@@ -285,9 +285,7 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB" if n < 10 << 30 else f"{n / (1 << 30):.0f} GiB"
 
 
-def _state_dir_for(ws: str, state_dir: str | None) -> str:
-    """readers.state_dir_for: the state dir a reading command looks at."""
-    return readers.state_dir_for(ws, state_dir)
+_state_dir_for = readers.state_dir_for  # the state dir a reading command looks at
 
 
 def _daemon_pid(sd: str) -> tuple[int | None, dict | None, str | None]:

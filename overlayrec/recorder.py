@@ -145,9 +145,9 @@ class _Mutation:
 
 
 class _Held:
-    """``Recorder._held_change``'s context (a class, not a generator, as ``_Mutation``):
-    entering holds the event and gives its seq; an OSError from the body takes it back, since
-    the change did not happen."""
+    """A held change's context (``Recorder._unchanging``; a class, not a generator, as
+    ``_Mutation``): entering holds the event and gives its seq; an OSError from the body takes
+    it back, since the change did not happen."""
     __slots__ = ("journal", "ev", "ep", "actor", "seq", "last")
 
     def __init__(self, journal: Journal, ev: dict, ep: "Epoch", actor: dict):
@@ -1145,9 +1145,11 @@ class Recorder:
             underlay.truncate_fd(fd, size)
 
     # -- metadata -------------------------------------------------------------------------------
-    def _meta_event(self, op: str, fd: int, actor: dict, **kw) -> dict:
-        path = self.rel(fd)
-        unit = self.units.unit_of(actor)
+    def _meta_event(self, op: str, fd: int, actor: dict, where: tuple | None = None,
+                    **kw) -> dict:
+        """The event of a metadata change, with the pre-image its epoch still owes; ``where``:
+        the (path, unit) of the fd when the caller has them already."""
+        path, unit = where or (self.rel(fd), self.units.unit_of(actor))
         ev, ep, new = self._event(op, path, actor, unit, **kw)
         if not ep.meta_saved:
             st = os.fstat(fd)
@@ -1170,22 +1172,30 @@ class Recorder:
     @_roomy
     @_undoable
     def chmod(self, fd: int, mode: int, actor: dict) -> None:
-        with self._unchanging("chmod", fd, actor, mode=mode) or \
-                self._mutation(self._meta_event("chmod", fd, actor, mode=mode), actor):
+        with self._meta_change("chmod", fd, actor, mode=mode):
             underlay.chmod_fd(fd, mode)
 
     @_roomy
     @_undoable
     def chown(self, fd: int, uid: int, gid: int, actor: dict) -> None:
-        with self._unchanging("chown", fd, actor, uid=uid, gid=gid) or \
-                self._mutation(self._meta_event("chown", fd, actor, uid=uid, gid=gid), actor):
+        with self._meta_change("chown", fd, actor, uid=uid, gid=gid):
             underlay.chown_fd(fd, uid, gid)
 
-    def _unchanging(self, op: str, fd: int, actor: dict, **kw):
+    def _meta_change(self, op: str, fd: int, actor: dict, **kw):
+        """The context in which to make a chmod, chown or utimens: its event held
+        (``_unchanging``), else written ahead with the pre-image its epoch owes."""
+        held, where = self._unchanging(op, fd, actor, **kw)
+        if held is not None:
+            return held
+        return self._mutation(self._meta_event(op, fd, actor, where, **kw), actor)
+
+    def _unchanging(self, op: str, fd: int, actor: dict, **kw) -> tuple["_Held | None",
+                                                                          tuple | None]:
         """For a chmod to the mode the file has (``mode``), a chown to the owner it has
         (``uid``, ``gid``; -1: unchanged) or a utimens (``op``): a context in which to make
         it, its event held for the next commit (Journal.hold_event), or None when it must be
-        an event of its own.
+        an event of its own; with the (path, unit) of ``fd`` when it looked them up (None
+        otherwise), so that the event of its own does not look them up again.
 
         Tar, ``sed -i`` and the formatter pattern make one such change a file, tar a utimens
         too.  None changes what the record reconstructs (a state is a kind, a mode, an owner
@@ -1196,33 +1206,28 @@ class Recorder:
         (no pre-image owed).  The path's next write starts a new run, as after any event on
         it (``Epoch.last``)."""
         if not self.journal.hold_notes:
-            return None
+            return None, None
         st = os.fstat(fd)
         setid = stat.S_ISUID | stat.S_ISGID
         if (st.st_mode | kw.get("mode", 0)) & setid or \
                 (st.st_nlink != 1 and not stat.S_ISDIR(st.st_mode)):
-            return None
+            return None, None
         if op != "utimens" and (
                 "mode" in kw and stat.S_IMODE(kw["mode"]) != stat.S_IMODE(st.st_mode) or
                 kw.get("uid", -1) not in (-1, st.st_uid) or kw.get("gid", -1) not in (-1, st.st_gid)):
-            return None  # a change of the state
+            return None, None  # a change of the state
         path = self.rel(fd)
         unit = self.units.unit_of(actor)
         ep = self.epochs.get(path)
         if ep is None or ep.unit != unit or not ep.meta_saved:
-            return None
+            return None, (path, unit)
         ev = {"op": op, "path": path, **unit_fields(unit), **kw, "actor": actor["key"]}
-        return self._held_change(ev, ep, actor)
-
-    def _held_change(self, ev: dict, ep: Epoch, actor: dict) -> "_Held":
-        return _Held(self.journal, ev, ep, actor)
+        return _Held(self.journal, ev, ep, actor), None
 
     @_roomy
     @_undoable
     def utimens(self, fd: int, atime_ns, mtime_ns, is_symlink: bool, actor: dict) -> None:
-        with self._unchanging("utimens", fd, actor, atime_ns=atime_ns, mtime_ns=mtime_ns) or \
-                self._mutation(self._meta_event("utimens", fd, actor, atime_ns=atime_ns,
-                                                mtime_ns=mtime_ns), actor):
+        with self._meta_change("utimens", fd, actor, atime_ns=atime_ns, mtime_ns=mtime_ns):
             underlay.utimens_fd(fd, atime_ns, mtime_ns, is_symlink)
 
     @_roomy

@@ -19,6 +19,13 @@ from overlayrec import serving
 from conftest import needs_fuse
 
 
+async def _spin(ran: list[int]) -> None:
+    """Another task, always runnable: ``ran[0]`` counts the passes of the run loop it saw."""
+    while True:
+        ran[0] += 1
+        await trio.lowlevel.checkpoint()
+
+
 def test_a_waiting_request_is_read_without_a_pass_but_never_more_than_burst_in_a_row(
         monkeypatch):
     a, b = socket.socketpair()
@@ -35,13 +42,8 @@ def test_a_waiting_request_is_read_without_a_pass_but_never_more_than_burst_in_a
         readable = serving._Readable()
         ran = [0]
 
-        async def other():
-            while True:
-                ran[0] += 1
-                await trio.lowlevel.checkpoint()
-
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(other)
+            nursery.start_soon(_spin, ran)
             await trio.lowlevel.checkpoint()  # the other task is under way
             b.send(b"x")  # a request waits, and stays (nothing reads it)
             for _ in range(3 * (serving.BURST + 1)):
@@ -75,11 +77,6 @@ def test_the_readers_lock_is_free_without_a_checkpoint_and_waited_for_when_held(
         lock = serving._Lock()
         ran = [0]
 
-        async def other():
-            while True:
-                ran[0] += 1
-                await trio.lowlevel.checkpoint()
-
         async def holder(task_status=trio.TASK_STATUS_IGNORED):
             async with lock:
                 task_status.started()
@@ -88,7 +85,7 @@ def test_the_readers_lock_is_free_without_a_checkpoint_and_waited_for_when_held(
                 order.append("let go")
 
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(other)
+            nursery.start_soon(_spin, ran)
             await trio.lowlevel.checkpoint()
             before = ran[0]
             async with lock:  # free: no pass through the run loop

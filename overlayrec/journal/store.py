@@ -452,11 +452,10 @@ class Journal:
             new = [a for a in actors if a["key"] not in known]
         if len(new) > 1:
             new = list({a["key"]: a for a in new}.values())
-        held = self._held
         # the notes go too: a reader that sees these events sees the write runs that ended
         # before them as ended (docs/design.md, "A release ends a write run")
-        notes = held
-        first = not (held or self._held_events or self._pending)
+        notes = self._held
+        first = not (notes or self._held_events or self._pending)
         batch = Batch(self._held_events + events if self._held_events else events, new,
                       self._held_blobs, notes)
         try:
@@ -470,7 +469,7 @@ class Journal:
             self._held_events, self._held_actors = [], []
         if self._held_blobs:
             self._held_blobs = {}
-        if held:
+        if notes:
             self._held = []
         if new:
             if len(known) + len(new) > _KNOWN_ACTORS:
