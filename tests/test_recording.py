@@ -511,6 +511,84 @@ def test_changes_that_change_nothing_on_other_shapes(make_mount):
         j.close()
 
 
+def test_utimens_held_or_not_on_other_shapes(make_mount):
+    """A utimens is held where its epoch owes no pre-image, written ahead otherwise; either way
+    each is recorded under the name the path had then, in order with no gap in the seqs, and
+    the times are the ones asked: on a fifo, a symlink to a directory (the link itself), a
+    file at a path near 4,000 bytes, a file whose directory was renamed with it beneath, a
+    hard-linked file (its other name follows), and a file edited while unmounted (its drift
+    comes first, then the utimens with its pre-image)."""
+    from overlayrec.engines.states import States, Tree
+    m = make_mount()
+    with open(os.path.join(m.ws, "edited"), "w") as f:
+        f.write("before")
+    m.mount()
+    m.sh("touch edited")  # recorded and sealed: the unmounted edit below is drift
+    m.umount()
+    with open(os.path.join(m.ws, "edited"), "a") as f:
+        f.write(", edited while unmounted")
+    m.mount()
+    deep = "/".join(["d" * 200] * 19)  # 3,818 bytes of directories
+    t = 1_600_000_000_000_000_000
+    m.py("import os\n"
+         f"t = {t}\n"
+         "os.mkfifo('p', 0o644)\n"
+         "os.utime('p', ns=(t, t))\n"
+         "os.mkdir('dir')\n"
+         "os.symlink('dir', 'link')\n"
+         "os.utime('link', ns=(t, t + 1), follow_symlinks=False)\n"
+         f"os.makedirs({deep!r})\n"
+         f"long = {deep!r} + '/' + 'f' * 150\n"
+         "with open(long, 'w') as f:\n"
+         "    f.write('x')\n"
+         "os.utime(long, ns=(t, t + 2))\n"
+         "os.makedirs('top/sub')\n"
+         "with open('top/sub/g', 'w') as f:\n"
+         "    f.write('y')\n"
+         "os.rename('top', 'moved')\n"
+         "os.utime('moved/sub/g', ns=(t, t + 3))\n"
+         "with open('h', 'w') as f:\n"
+         "    f.write('z')\n"
+         "os.link('h', 'h2')\n"
+         "os.utime('h', ns=(t, t + 4))\n"
+         "os.utime('edited', ns=(t, t + 5))\n")
+    long = deep + "/" + "f" * 150
+    m.umount()
+    for path, mtime in (("link", t + 1), (long, t + 2), ("moved/sub/g", t + 3), ("h2", t + 4),
+                        ("edited", t + 5), ("p", t)):
+        assert os.lstat(os.path.join(m.ws, path)).st_mtime_ns == mtime, path
+    evs = m.events()
+    seqs = [e["seq"] for e in m.events(failed=True, seals=True)]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), seqs
+
+    def ops(path):
+        return [e["op"] for e in evs if e["path"] == path]
+    assert ops("p") == ["mknod", "utimens"], ops("p")
+    assert ops("link") == ["symlink", "utimens"], ops("link")
+    assert ops(long) == ["create", "write", "utimens"], ops(long)
+    assert ops("moved/sub/g") == ["utimens"], evs[-8:]
+    assert ops("h")[-1] == "utimens" and ops("h2")[-1] == "alias", (ops("h"), ops("h2"))
+    edited = [e for e in evs if e["path"] == "edited"]
+    assert [e["op"] for e in edited][-2:] == ["drift", "utimens"], edited
+    assert edited[-1]["pre"]["size"] == len("before, edited while unmounted")
+    for path, mtime in (("p", t), ("link", t + 1), (long, t + 2), ("moved/sub/g", t + 3),
+                        ("h", t + 4), ("edited", t + 5)):
+        last = [e for e in evs if e["path"] == path and e["op"] == "utimens"][-1]
+        assert last["mtime_ns"] == mtime, (path, last)
+    j = m.journal()
+    try:
+        states = States(j, Tree.at(m.ws))
+        end = evs[-1]["seq"]
+        for path, kind, data in (("p", "fifo", b""), ("link", "symlink", b"dir"),
+                                 (long, "file", b"x"), ("moved/sub/g", "file", b"y"),
+                                 ("h", "file", b"z"), ("h2", "file", b"z"),
+                                 ("edited", "file", b"before, edited while unmounted")):
+            st = states.state(path, end)
+            assert st.exact and st.kind == kind and st.data == data, (path, st)
+    finally:
+        j.close()
+
+
 @needs_root  # the immutable flag
 def test_a_refused_change_that_changes_nothing_leaves_no_event(make_mount):
     """A held chmod the underlay refuses did not happen: no event, and no gap in the seqs."""
