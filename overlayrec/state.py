@@ -294,8 +294,12 @@ def state_home() -> str:
 
 
 def workspace_id(ws: str) -> str:
-    import hashlib  # not at module level: hooks import this module on every tool call
-    h = hashlib.sha256(ws.encode("utf-8", "surrogateescape")).hexdigest()[:12]
+    try:  # CPython's own SHA-256: hashlib would load OpenSSL (some 4 ms of every reader and
+        # hook that finds its state dir) to hash one path
+        from _sha256 import sha256
+    except ImportError:
+        from hashlib import sha256
+    h = sha256(ws.encode("utf-8", "surrogateescape")).hexdigest()[:12]
     return f"{os.path.basename(ws) or 'root'}-{h}"
 
 

@@ -568,3 +568,16 @@ def test_a_registry_entry_naming_another_users_dir_gets_nothing_signalled(sessio
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_a_workspace_keeps_its_state_dir_name():
+    """A workspace's default state dir and registry entry are named by its basename and the
+    first 12 hex digits of the SHA-256 of its path (surrogate-escaped bytes): the name must
+    not change from one version to the next (computed without hashlib's OpenSSL since), or a
+    recorded workspace would lose its record."""
+    import hashlib
+    for ws, want in (("/home/u/proj", "proj-"), ("/", "root-"), ("/w/x\udcff y", "x\udcff y-")):
+        digest = hashlib.sha256(ws.encode("utf-8", "surrogateescape")).hexdigest()[:12]
+        assert state.workspace_id(ws) == want + digest
+    # as sha256sum says: printf %s /home/u/proj | sha256sum
+    assert state.workspace_id("/home/u/proj") == "proj-9c09f8055a26"
