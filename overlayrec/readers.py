@@ -42,7 +42,15 @@ def state_dir_for(ws: str, state_dir: str | None) -> str:
     (StateError) when another user could have changed it (docs/storage.md)."""
     if state_dir:
         return state.check_state_dir_private(os.path.realpath(state_dir))
-    return state.find_state_dir(ws)
+    sd = state.find_state_dir(ws)
+    if not os.path.exists(os.path.join(sd, "journal", "data.mdb")):
+        # (a workspace removed since keeps its record, and readers answer from it) one never
+        # recorded is most often a mistyped path: say so, not only where no journal is
+        if not os.path.lexists(ws):
+            raise state.StateError(f"workspace {ws}: no such directory, and no record of it "
+                                   f"(no journal in {sd})")
+        raise state.StateError(f"workspace {ws} is not recorded (no journal in {sd})")
+    return sd
 
 
 def fmt_time(ns: int) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 
 import pytest
@@ -66,6 +67,39 @@ def test_umount_of_unmounted_workspace(tmp_path):
 def test_log_without_a_journal(tmp_path):
     one_line_error(overlayrec("log", str(tmp_path), "--state-dir", str(tmp_path / "st"),
                               check=False), "no journal")
+
+
+@pytest.mark.parametrize("args", [["calls"], ["turns"], ["diff", "--turn", "1"], ["log"],
+                                  ["gc", "--dry-run"], ["du"]])
+def test_a_reader_names_a_missing_workspace_or_one_never_recorded(tmp_path, args):
+    """A mistyped workspace path is said to be one (a removed workspace's record is still read:
+    only a path that neither exists nor has a record gets this), and a plain directory is said
+    to be unrecorded, each in one line, before any journal is looked for."""
+    env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "xdg"))
+    missing = tmp_path / "no" / "such"
+    r = overlayrec(*args, str(missing), check=False, env=env)
+    one_line_error(r, f"workspace {missing}: no such directory", "no journal in")
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    one_line_error(overlayrec(*args, str(plain), check=False, env=env),
+                   f"workspace {plain} is not recorded", "no journal in")
+    assert not (tmp_path / "xdg" / "overlayrec").exists() or \
+        not any(p.name.startswith(("such-", "plain-"))
+                for p in (tmp_path / "xdg" / "overlayrec").iterdir())  # nothing made
+
+
+@needs_fuse
+def test_a_removed_workspace_is_still_read_from_its_record(tmp_path):
+    """The other side of the missing-workspace error: a workspace recorded, then removed, is
+    no mistyped path; its record answers."""
+    env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "xdg"))
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    overlayrec("run", "-w", str(ws), "--", "sh", "-c", "echo hi > a", env=env, timeout=120)
+    assert not is_mounted(str(ws))
+    shutil.rmtree(ws)  # its file and the attic overlayrec left in it
+    r = overlayrec("log", str(ws), env=env)
+    assert [l.split()[-1] for l in r.stdout.splitlines() if " write " in l] == ["a"], r.stdout
 
 
 def test_status_of_a_plain_directory(tmp_path):
