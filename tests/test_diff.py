@@ -176,3 +176,88 @@ def test_replay_blame_and_show(make_mount, tmp_path):
     assert f"event {seq}:" in shown and "call:d:c3" in shown and "+later" in shown
     r = overlayrec("show", "99999", "-w", m.ws, check=False)
     assert r.returncode == 1 and "no event 99999" in r.stderr
+
+
+RUNS = textwrap.dedent(r'''
+    import os, sys
+    from overlayrec import client
+    BIG = b"".join(b"line %05d of a file written in pieces\n" % i for i in range(4000))
+    with client.connect() as c:
+        c.turn_begin(prompt="runs")
+        c.call_begin("many", "Write")  # a file made in several writes, then closed
+        fd = os.open("many.txt", os.O_WRONLY | os.O_CREAT, 0o644)
+        for i in range(0, len(BIG), 40000):
+            os.write(fd, BIG[i:i + 40000])
+        os.close(fd)
+        c.call_end("many")
+        c.call_begin("tar", "Bash")  # tar's order: the data, then the mode
+        fd = os.open("tarred.txt", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, b"first piece\n")
+        os.write(fd, b"second piece\n")
+        os.fchmod(fd, 0o644)
+        os.close(fd)
+        c.call_end("tar")
+        c.call_begin("late", "Bash")  # a descriptor of this call writes on after its end
+        late = os.open("late.txt", os.O_WRONLY | os.O_CREAT, 0o644)
+        c.call_end("late")
+        c.call_begin("next", "Edit")
+        os.write(late, b"one\n")
+        os.write(late, b"two\n")
+        os.close(late)
+        c.call_end("next")
+        c.call_begin("open", "Bash")  # still open when the record is read
+        still = os.open("open.txt", os.O_WRONLY | os.O_CREAT, 0o644)
+        os.write(still, b"a\n")
+        os.write(still, b"b\n")
+        c.call_end("open")
+        c.turn_end()
+        sys.stdout.write("written\n")
+        sys.stdout.flush()
+        sys.stdin.readline()  # the test reads the record now, then lets this end
+        os.close(still)
+''')
+
+
+def test_a_calls_diff_and_revert_read_a_file_once_its_writes_were_done(make_mount, tmp_path):
+    """A write run's later writes are no events, so the point just after a call's last event
+    on a path can fall inside a run still writing: a file made in several writes, or written
+    and then chmodded (tar's order), or written through the call's descriptor after its end.
+    The call's diff and its revert read such a path where the run's release says its writes
+    were done: exact, the file's whole content; a run not released yet stays inexact."""
+    m = make_mount().mount()
+    agent = tmp_path / "agent.py"
+    agent.write_text(RUNS)
+    p = subprocess.Popen([sys.executable, "-m", "overlayrec", "run",
+                          "-w", m.ws, "--", sys.executable, str(agent)],
+                         cwd=m.ws, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline() == "written\n"
+        for call, name in (("many", "many.txt"), ("tar", "tarred.txt"), ("late", "late.txt")):
+            js = json.loads(overlayrec("diff", m.ws, "--call", call, "--json").stdout)
+            assert [(f["path"], f["status"]) for f in js["files"]] == [(name, "A")], js
+            assert js["inexact"] == [], (call, js)
+            with open(os.path.join(m.ws, name), "rb") as f:
+                lines = f.read().count(b"\n")
+            assert js["files"][0]["added"] == lines, (call, js)
+            # blame's run says the same of what it left
+            runs = [json.loads(line) for line in
+                    overlayrec("blame", name, "-w", m.ws, "--json").stdout.splitlines()]
+            assert [(r["unit"].split(":")[-1], r["after"]["size"], r["after"]["exact"])
+                    for r in runs] == [(call, os.path.getsize(os.path.join(m.ws, name)),
+                                        True)], runs
+        js = json.loads(overlayrec("diff", m.ws, "--call", "open", "--json").stdout)
+        assert js["inexact"] == ["open.txt"], js  # its writes may go on: said so
+        # (its revert needs no more: the call's end sealed what it left, and a write after
+        # that would be an event of its own)
+        r = overlayrec("revert", m.ws, "--call", "open", "--json")
+        assert json.loads(r.stdout)["steps"] == [
+            {"path": "open.txt", "action": "delete", "conflict": None}], r.stdout
+    finally:
+        p.stdin.write("\n")
+        p.stdin.close()
+        assert p.wait(timeout=60) == 0
+    # the late descriptor's writes are its call's: reverting the call removes the file
+    r = overlayrec("revert", m.ws, "--call", "late", "--yes", "--json", check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert not os.path.exists(os.path.join(m.ws, "late.txt"))
+    assert os.path.exists(os.path.join(m.ws, "many.txt"))

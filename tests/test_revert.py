@@ -71,6 +71,26 @@ def test_revert_and_unrevert_every_kind_of_change(make_mount, tmp_path):
     assert tree_of(m.ws) == before
 
 
+def test_a_file_renamed_then_its_directory_moved_away_and_back(make_mount, tmp_path):
+    """Found by the history model: a call renames d/x to d/b, makes d/a, then renames d away
+    and back.  No event names d/b between its rename and the directory's move, so what it held
+    is followed through the move (it was taken as changed unsaved: the revert was refused,
+    ``unrecorded``).  The revert gives the tree before, and the unrevert the tree after."""
+    m = setup_ws(make_mount, tmp_path, {"d/x": b"d/x.2\n", "a": b"a.1\n"})
+    m.mount()
+    before = tree_of(m.ws)
+    run_call(m, tmp_path, "echo e > e && mv d/x d/b && echo a > d/a && mv d b && mv b d")
+    after = tree_of(m.ws)
+    js = json.loads(overlayrec("revert", m.ws, "--call", "c1", "--json").stdout)
+    assert sorted((st["path"], st["action"], st["conflict"]) for st in js["steps"]) == [
+        ("d/a", "delete", None), ("d/b", "delete", None), ("d/x", "create", None),
+        ("e", "delete", None)], js
+    overlayrec("revert", m.ws, "--call", "c1", "--yes")
+    assert tree_of(m.ws) == before
+    overlayrec("unrevert", "-w", m.ws, "--yes")
+    assert tree_of(m.ws) == after
+
+
 def test_a_conflict_refuses_the_whole_revert(make_mount, tmp_path):
     m = setup_ws(make_mount, tmp_path)
     m.mount()

@@ -142,7 +142,7 @@ def _selected(states: States, events: list[dict], bounds: tuple[int, int] | None
     """side_of for select(): the journal remembers the selection's events first, since the
     states look each up again (``Journal.event``), a second decoding of every one."""
     states.j.remember_events(events)
-    return side_of(states, events, bounds, keep=keep, read_ahead=True)
+    return side_of(states, events, bounds, keep=keep, read_ahead=True, settle=bounds is None)
 
 
 def spans_of(states: States, events: list[dict], bounds: tuple[int, int] | None = None, *,
@@ -163,19 +163,24 @@ def spans_of(states: States, events: list[dict], bounds: tuple[int, int] | None 
 
 
 def side_of(states: States, events: list[dict], bounds: tuple[int, int] | None = None, *,
-            keep=None, read_ahead: bool = False) -> Side:
+            keep=None, read_ahead: bool = False, settle: bool = False) -> Side:
     """The Side of one unit whose events are already at hand (grouped per unit in one pass
     over the journal, as the listings do), as select() makes it: without ``bounds``, each path
     from just before its first event to just after its last (a call, a session, an actor);
     with ``bounds`` (lo, hi), every path from lo to hi (a turn, a range).  ``keep(path)``: only
     the paths it accepts.  ``read_ahead``: the live files the after side reads are read a
     directory at a time first (States.read_live_ahead; ``states`` a States, not a stand-in such
-    as export's)."""
+    as export's).  ``settle``: a path's after side is read where the writes of a run still
+    writing at its last event were done (States.settle; a States too)."""
     spans, writers = spans_of(states, events, bounds, keep=keep)
     before = {p: states.state(p, lo) for p, (lo, _) in spans.items()}
     if read_ahead:
         states.read_live_ahead((p, hi) for p, (_, hi) in spans.items())
     after = {p: states.state(p, hi) for p, (_, hi) in spans.items()}
+    if settle:
+        for p, st in after.items():
+            if not st.exact and st.kind == "file":
+                after[p] = states.state(p, states.settle(p, spans[p][1]))
     return Side(before, after, writers)
 
 

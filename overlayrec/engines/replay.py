@@ -533,7 +533,8 @@ def blame(j: Journal, states: States, path: str, at: int | None = None) -> list[
             r["actors"].append(e["actor"])
     for r in runs:
         before = states.state(r.pop("first_name"), r["first_seq"] - 1)
-        after = states.state(r["name"], r["last_seq"])
+        # what the run left: once a write run still writing at its last event was done
+        after = states.state(r["name"], states.settle(r["name"], r["last_seq"]))
         r["before"] = {"kind": before.kind, "size": len(before.data)}
         r["after"] = {"kind": after.kind, "size": len(after.data), "exact": after.exact}
         for side, s in (("before", before), ("after", after)):

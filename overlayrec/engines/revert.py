@@ -131,6 +131,9 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
         end = ends.get(last_unit[p])
         if end and end > last and not any(last < s <= end for s in others.get(p, [])):
             last = end
+        # or, for a run still writing then (written through a descriptor after its unit's
+        # end), once its release was noted
+        last = states.settle(p, last)
         expected = states.state(p, last)
         if target.same(expected):
             continue  # made and unmade inside the selection (a temp file): nothing to do

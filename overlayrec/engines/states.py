@@ -1021,6 +1021,38 @@ class States:
         # in a call that had ended (its writes belong to that call; no end seals them)
         return True
 
+    def settle(self, path: str, after: int) -> int:
+        """The point at which to read what the changes up to ``after`` left in ``path``:
+        ``after`` itself, or a later point when ``after`` falls inside a write run (its later
+        writes are no events) whose release was noted (extents ``end``) before the path's
+        next event and before any move of a directory of it: the first point after that
+        release, where the same content is exact.  A call's diff and a revert read a path there
+        (the call's last event on it may be the run's first write, or a chmod the run wrote
+        on after): the content is the same, taken once the writes were done.  ``after`` when
+        no such point is known (the run still open, or released after the path's next event,
+        or the name moved since)."""
+        if self.renames() or self.state(path, after).exact:
+            return after
+        run = None
+        for e in reversed(self.events_on(path)):
+            if e["seq"] > after:
+                continue
+            if e["op"] == "write" and "data" not in e:
+                run = e
+                break
+            if e["op"] == "alias" or self.starts_epoch(e, path):
+                return after  # another name's run, or an epoch with no run in it
+        if run is None:
+            return after
+        summary = self.j.extents(run["seq"])
+        if summary is None or not isinstance(summary.get("end"), int):
+            return after
+        point = summary["end"] + 1
+        nxt = next((e["seq"] for e in self.chain_on(path) if e["seq"] > after), None)
+        if point <= after or (nxt is not None and nxt <= point):
+            return after
+        return point if self.state(path, point).exact else after
+
     def _alias_run(self, alias: dict) -> dict | None:
         """The write an ``alias`` event was committed with (the next event of its source, in
         the same commit) when that write began a run; None for any other change.  (A journal
@@ -1220,15 +1252,19 @@ class States:
         same epoch too), or what the new name holds at the end of its history."""
         new = e["path2"] if e.get("path") == path else e["path"]
         move = self._next_move(new, e["seq"])
+        unsaved = False  # changed under the new name with nothing saved first
         for f in self.chain_on(new):
             if f["seq"] <= e["seq"]:
                 continue
             if move is not None and f["seq"] > move["seq"]:
+                # nothing under the new name before a directory of it moved: the inode is
+                # followed to where that took it, as past the name's last event
                 break
             pre = self.pre_for(f, new)
             if pre is None:
                 if f["op"] in ("write", "truncate"):
-                    break  # changed unsaved (a journal from before the rename rule): inexact
+                    unsaved = True  # (a journal from before the rename rule): inexact
+                    break
                 continue
             if "blob" in pre:
                 return State("file", 0, self.j.content.get(pre["blob"]))
@@ -1240,7 +1276,7 @@ class States:
                 s = self.state(new, f["seq"] - 1, forward=False)
                 return State("file", 0, s.data, s.exact, drifted=s.drifted) \
                     if s.kind == "file" else s
-        else:
+        if not unsaved:
             s = self._beyond(new, move)
             return State("file", 0, s.data, s.exact, drifted=s.drifted) \
                 if s.kind == "file" else s
