@@ -1025,12 +1025,12 @@ class States:
         """The point at which to read what the changes up to ``after`` left in ``path``:
         ``after`` itself, or a later point when ``after`` falls inside a write run (its later
         writes are no events) whose release was noted (extents ``end``) before the path's
-        next event and before any move of a directory of it: the first point after that
-        release, where the same content is exact.  A call's diff and a revert read a path there
-        (the call's last event on it may be the run's first write, or a chmod the run wrote
-        on after): the content is the same, taken once the writes were done.  ``after`` when
-        no such point is known (the run still open, or released after the path's next event,
-        or the name moved since)."""
+        next event: the first point after that release, where the same content is exact.  A
+        call's diff and a revert read a path there (the call's last event on it may be the
+        run's first write, or a chmod the run wrote on after): the content is the same, taken
+        once the writes were done.  ``after`` when no such point is known (the run still open,
+        or released after the path's next event), and in a record with directory renames (a
+        name's runs may lie under its earlier names: not followed here)."""
         if self.renames() or self.state(path, after).exact:
             return after
         run = None
