@@ -261,3 +261,62 @@ def test_a_calls_diff_and_revert_read_a_file_once_its_writes_were_done(make_moun
     assert r.returncode == 0, r.stdout + r.stderr
     assert not os.path.exists(os.path.join(m.ws, "late.txt"))
     assert os.path.exists(os.path.join(m.ws, "many.txt"))
+
+
+SHAPES = textwrap.dedent(r'''
+    import os, sys
+    from overlayrec import client
+    PIECE = b"".join(b"row %04d\n" % i for i in range(5000))  # 45,000 bytes
+    deep = "/".join(["d" * 200] * 19)  # a path of some 3,900 bytes
+    os.makedirs(deep)
+    with client.connect() as c:
+        c.turn_begin(prompt="shapes")
+        c.call_begin("shapes", "Bash")
+        for name in (deep + "/long.txt", "linked.txt"):
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT, 0o644)
+            for i in range(0, len(PIECE), 15000):
+                os.write(fd, PIECE[i:i + 15000])
+            os.close(fd)
+        os.link("linked.txt", "alias.txt")  # a second name, then more pieces through it
+        fd = os.open("alias.txt", os.O_WRONLY | os.O_APPEND)
+        os.write(fd, b"through the alias\n")
+        os.write(fd, b"again\n")
+        os.close(fd)
+        os.mkfifo("pipe")
+        c.call_end("shapes")
+        c.turn_end()
+''')
+
+
+def test_a_calls_reads_once_done_hold_for_other_shapes(make_mount, tmp_path):
+    """The reads of a call's writes once done (States.settle) on other shapes: a ~3,900-byte
+    path, a file written in pieces then hard-linked and written in pieces through its second
+    name, a fifo, and an edit made while unmounted afterwards.  Wherever the diff calls a file
+    exact its content is the tree's at the call's end; the revert says the unmounted edit is
+    the user's (changed), never unrecorded."""
+    m = make_mount().mount()
+    agent = tmp_path / "agent.py"
+    agent.write_text(SHAPES)
+    overlayrec("run", "-w", m.ws, "--", sys.executable, str(agent), cwd=m.ws)
+    deep = "/".join(["d" * 200] * 19)
+    at_end = {}
+    for name in (deep + "/long.txt", "linked.txt", "alias.txt"):
+        with open(os.path.join(m.ws, name), "rb") as f:
+            at_end[name] = f.read()
+    js = json.loads(overlayrec("diff", m.ws, "--call", "shapes", "--json").stdout)
+    got = {f["path"]: f for f in js["files"]}
+    assert set(at_end) <= set(got), sorted(got)
+    for name, data in at_end.items():
+        if name not in js["inexact"]:
+            assert got[name]["added"] == data.count(b"\n"), (name, got[name])
+    assert deep + "/long.txt" not in js["inexact"] and "pipe" not in js["inexact"], js
+    m.umount()
+    with open(os.path.join(m.ws, deep, "long.txt"), "ab") as f:
+        f.write(b"edited while unmounted\n")
+    m.mount()
+    again = json.loads(overlayrec("diff", m.ws, "--call", "shapes", "--json").stdout)
+    assert again["files"] == js["files"] and again["inexact"] == js["inexact"]  # the record's
+    r = overlayrec("revert", m.ws, "--call", "shapes", "--json", check=False)
+    steps = {st["path"]: st["conflict"] for st in json.loads(r.stdout)["steps"]}
+    assert steps[deep + "/long.txt"] == "changed", steps
+    assert "unrecorded" not in steps.values(), steps
