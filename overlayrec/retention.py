@@ -660,7 +660,10 @@ def gc_steps(j: Journal, sd: str, policy: Policy, out: dict, *, live=(), attic_f
                      "; ".join(sorted({r["why"] for r in drop})), p["cut"])
             _fault("after-cut")
         else:
-            j.put_meta("gc", json.dumps({"cut": j.cut, "step": 3, "t": now}))
+            # nothing to drop; below the cut still, a seal may have been superseded since the
+            # last gc (its path sealed anew above the cut): step 2 takes such seals away
+            j.put_meta("gc", json.dumps({"cut": j.cut, "step": 2 if j.cut > 1 else 3,
+                                         "t": now}))
         yield
         yield from finish(j, sd, attic_fd, out, drop_attic)
         rounds += 1

@@ -374,3 +374,25 @@ def test_daemon_keeps_a_budget_set_at_mount(make_mount, tmp_path):
         consistent(m)
     finally:
         m.umount()
+
+
+def test_a_seal_below_the_cut_superseded_later_goes_with_the_next_gc(make_mount, tmp_path):
+    """A path's latest seal kept below the cut, then sealed anew (its name used again after
+    the gc): the old seal is no longer the latest, and the next gc takes it away even when
+    it drops nothing (the record below the cut holds only each path's latest seal)."""
+    m = make_mount()
+    try:
+        snaps = record(m, tmp_path, 2)
+        out = gc(m, "--keep-last", "1")  # through the daemon, mounted
+        assert out["dropped"] == ["s1"]
+        # d1/g.txt was sealed in s1 (below the cut); s2 moved d1 away: make the name again
+        m.sh("mkdir d1 && echo again > d1/g.txt")
+        m.umount()
+        out = gc(m)  # drops nothing
+        assert out["dropped"] == []
+        consistent(m)
+        m.mount()
+        want = dict(snaps[2], **{"d1": ("dir", 0o755), "d1/g.txt": ("file", b"again\n", 0o644)})
+        assert tree(m.ws) == want
+    finally:
+        m.umount()
