@@ -52,7 +52,9 @@ Knobs (environment): OVERLAYREC_MODEL_CASES (default 400) and
 OVERLAYREC_MODEL_UNMOUNTED_CASES (default max(24, CASES/16)) set the numbers of cases;
 OVERLAYREC_MODEL_CHECKS (default ``diff,replay,export,revert,listing``) the readers checked, to look at
 one at a time; OVERLAYREC_MODEL_OPS a comma list of the operation kinds generated (default all);
-OVERLAYREC_MODEL_SHRINK=0 skips shrinking (a quicker first look at a failure).  A failing
+OVERLAYREC_MODEL_SHRINK=0 skips shrinking (a quicker first look at a failure);
+OVERLAYREC_MODEL_RANDOM=1 explores other cases than CI's fixed ones (with pytest's
+``--hypothesis-seed=N`` to repeat a run).  A failing
 case can be pinned with ``@example(seed=..., raw=..., which=...)`` from hypothesis' report.
 """
 from __future__ import annotations
@@ -95,6 +97,7 @@ CHECKS = set((os.environ.get("OVERLAYREC_MODEL_CHECKS") or
               "diff,replay,export,revert,listing").split(","))
 PHASES = tuple(Phase) if os.environ.get("OVERLAYREC_MODEL_SHRINK", "1") != "0" else \
     tuple(p for p in Phase if p is not Phase.shrink)
+FIXED = not os.environ.get("OVERLAYREC_MODEL_RANDOM")  # CI: the same cases every run
 if os.environ.get("OVERLAYREC_MODEL_EXPLICIT") == "1":    # only the pinned @example cases
     PHASES = (Phase.explicit,)
 
@@ -1249,7 +1252,7 @@ def _label(plan: Plan) -> None:
 
 
 @pytest.mark.timeout(int((900 + 6 * CASES) * SLOW))  # the whole run, not one case
-@settings(max_examples=CASES, deadline=None, derandomize=True, database=None, phases=PHASES,
+@settings(max_examples=CASES, deadline=None, derandomize=FIXED, database=None, phases=PHASES,
           suppress_health_check=list(HealthCheck))
 @given(seed=st.sampled_from([1, 2, 0]), raw=st.lists(SEGMENT, min_size=1, max_size=4),
        which=st.integers(0, 7))
@@ -1435,7 +1438,7 @@ def unmounted_env(umask):
 
 
 @pytest.mark.timeout(int((300 + 15 * UNMOUNTED_CASES) * SLOW))
-@settings(max_examples=UNMOUNTED_CASES, deadline=None, derandomize=True, database=None,
+@settings(max_examples=UNMOUNTED_CASES, deadline=None, derandomize=FIXED, database=None,
           phases=PHASES, suppress_health_check=list(HealthCheck))
 @given(seed=st.sampled_from([1, 2]), raw=st.lists(SEGMENT, max_size=2),
        last=st.lists(STEP, max_size=4), edit=st.sampled_from(EDITS), i=st.integers(0, 1 << 12))

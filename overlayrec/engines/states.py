@@ -27,8 +27,8 @@ import bisect
 import errno
 import os
 import stat
+from collections import namedtuple
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
 
 from ..journal import Journal, preimage
 from ..journal.renames import RenameIndex
@@ -39,21 +39,28 @@ from ..underlay import kind_of
 ATTIC = ".overlayrec-attic"
 
 
-@dataclass(frozen=True)
-class State:
-    """What a path held at one point: the one type every reader compares, writes and prints."""
-    kind: str                 # absent | file | dir | symlink | fifo | socket | device
-    mode: int = 0             # permission bits (S_IMODE); 0o120000 for a symlink
-    data: bytes = b""         # file content, or a symlink's target
-    exact: bool = True        # False: the record cannot say exactly (see module doc)
-    uid: int | None = None    # owner, where the record knows it
-    gid: int | None = None
-    rdev: int = 0             # device number (kind "device"); ``block``: a block device
-    block: bool = False
-    ino: int = 0              # the inode at that point (0: unknown); with nlink > 1 it groups
-    nlink: int = 1            # the paths of one hard-link group
-    drifted: bool = False     # the live path no longer holds what the record sealed
-    withheld: bool = False    # a secret path's file: ``data`` is a placeholder, never content
+_Fields = namedtuple("_Fields", (
+    "kind",      # absent | file | dir | symlink | fifo | socket | device
+    "mode",      # permission bits (S_IMODE); 0o120000 for a symlink
+    "data",      # file content, or a symlink's target
+    "exact",     # False: the record cannot say exactly (see module doc)
+    "uid",       # owner, where the record knows it
+    "gid",
+    "rdev",      # device number (kind "device"); ``block``: a block device
+    "block",
+    "ino",       # the inode at that point (0: unknown); with nlink > 1 it groups
+    "nlink",     # the paths of one hard-link group
+    "drifted",   # the live path no longer holds what the record sealed
+    "withheld",  # a secret path's file: ``data`` is a placeholder, never content
+), defaults=(0, b"", True, None, None, 0, False, 0, 1, False, False))
+
+
+class State(_Fields):
+    """What a path held at one point: the one type every reader compares, writes and prints.
+    Immutable (a tuple: the readers share one State among their answers), compared and hashed
+    field by field; a tuple and not a frozen dataclass, whose constructor costs five times as
+    much: a diff of a turn makes thousands."""
+    __slots__ = ()
 
     @property
     def present(self) -> bool:
@@ -61,7 +68,7 @@ class State:
 
     def but(self, **kw) -> "State":
         """A copy with some fields changed."""
-        return replace(self, **kw)
+        return self._replace(**kw)
 
     def same(self, other: "State", *, owner: bool = True) -> bool:
         """Does ``other`` hold the same thing: kind, content or target, mode and (where both
