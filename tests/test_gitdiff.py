@@ -234,3 +234,18 @@ def test_pack_index_lookup_is_gits(tmp_path):
     assert not _pack_index_holds(str(junk), bytes.fromhex(listed[0]))
     (tmp_path / "empty.idx").write_bytes(b"")
     assert not _pack_index_holds(str(tmp_path / "empty.idx"), bytes.fromhex(listed[0]))
+
+
+def test_blob_names_are_gits_on_either_sha1(monkeypatch):
+    """A reader hashes with CPython's own SHA-1 first (hashlib's OpenSSL is slow to load) and
+    with OpenSSL's once a quarter MiB was hashed: the names are git's on both sides."""
+    from overlayrec.engines import gitdiff
+    monkeypatch.setattr(gitdiff, "_hashed", 0)
+    monkeypatch.setattr(gitdiff, "_sha1", None)
+    used = []
+    for data in (b"", b"one\n", os.urandom(100_000), os.urandom(300_000), b"two\n"):
+        want = subprocess.run(["git", "hash-object", "--stdin", "--no-filters"], input=data,
+                              capture_output=True, check=True).stdout.decode().strip()
+        assert gitdiff.blob_id(data) == want, len(data)
+        used.append(gitdiff._sha1.__module__)
+    assert used[0] == "_sha1" and used[-1] == "_hashlib", used  # both were used
