@@ -822,10 +822,13 @@ class Journal:
         self._write(body)
         self.load_cut()
 
-    def delete_below(self, cut: int, start: int = 1, batch: int = 2000) -> int | None:
+    def delete_below(self, cut: int, start: int = 1, batch: int = 2000,
+                     kept: set[int] | frozenset = frozenset()) -> int | None:
         """Step 2 of a gc, one transaction: delete up to ``batch`` events below ``cut`` from
         ``start`` on, with their ``paths`` keys, ``renames`` and ``extents`` rows, keeping the
-        seals ``seals`` points at.  Returns the seq to go on from, None when done."""
+        seals ``seals`` points at.  ``kept``: seqs of such seals, known to the caller (passed
+        over without decoding them: a gc that drops nothing passes over every one).  Returns
+        the seq to go on from, None when done."""
         dbs = self.dbs
 
         def body(txn):
@@ -843,6 +846,11 @@ class Journal:
                     return None
                 if n >= batch:
                     return seq
+                if seq in kept:
+                    n += 1
+                    if not cur.next():
+                        return None
+                    continue
                 ev = _loads(cur.value())
                 if ev.get("op") == "seal" and ev.get("path") is not None:
                     sk = schema.seal_key(ev["path"])
