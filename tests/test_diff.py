@@ -9,6 +9,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from conftest import needs_fuse, overlayrec
 
 pytestmark = needs_fuse
@@ -218,13 +220,19 @@ RUNS = textwrap.dedent(r'''
 ''')
 
 
-def test_a_calls_diff_and_revert_read_a_file_once_its_writes_were_done(make_mount, tmp_path):
+@pytest.mark.parametrize("renamed", [False, True], ids=["plain", "dir-renamed-elsewhere"])
+def test_a_calls_diff_and_revert_read_a_file_once_its_writes_were_done(make_mount, tmp_path,
+                                                                       renamed):
     """A write run's later writes are no events, so the point just after a call's last event
     on a path can fall inside a run still writing: a file made in several writes, or written
     and then chmodded (tar's order), or written through the call's descriptor after its end.
     The call's diff and its revert read such a path where the run's release says its writes
-    were done: exact, the file's whole content; a run not released yet stays inexact."""
+    were done: exact, the file's whole content; a run not released yet stays inexact.  So in a
+    record that holds a directory rename too (an installer's unpacked directory moved into
+    place), for the paths no such rename moved."""
     m = make_mount().mount()
+    if renamed:
+        m.sh("mkdir -p unpack/pkg && echo code > unpack/pkg/mod.py && mv unpack installed")
     agent = tmp_path / "agent.py"
     agent.write_text(RUNS)
     p = subprocess.Popen([sys.executable, "-m", "overlayrec", "run",

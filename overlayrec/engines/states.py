@@ -1036,9 +1036,13 @@ class States:
         call's diff and a revert read a path there (the call's last event on it may be the
         run's first write, or a chmod the run wrote on after): the content is the same, taken
         once the writes were done.  ``after`` when no such point is known (the run still open,
-        or released after the path's next event), and in a record with directory renames (a
-        name's runs may lie under its earlier names: not followed here)."""
-        if self.renames() or self.state(path, after).exact:
+        or released after the path's next event), and for a path a directory rename ever
+        moved or replaced an ancestor of (its runs may lie under its earlier names: not
+        followed here); the other paths of a record with directory renames are settled."""
+        if self.state(path, after).exact:
+            return after
+        rs = self.renames()
+        if rs and self._index().touching(path, 0, len(rs), itself=True) is not None:
             return after
         run = None
         for e in reversed(self.events_on(path)):
