@@ -220,7 +220,7 @@ RUNS = textwrap.dedent(r'''
 ''')
 
 
-@pytest.mark.parametrize("renamed", [False, True], ids=["plain", "dir-renamed-elsewhere"])
+@pytest.mark.parametrize("renamed", ["no", "elsewhere", "before"])
 def test_a_calls_diff_and_revert_read_a_file_once_its_writes_were_done(make_mount, tmp_path,
                                                                        renamed):
     """A write run's later writes are no events, so the point just after a call's last event
@@ -229,18 +229,24 @@ def test_a_calls_diff_and_revert_read_a_file_once_its_writes_were_done(make_moun
     The call's diff and its revert read such a path where the run's release says its writes
     were done: exact, the file's whole content; a run not released yet stays inexact.  So in a
     record that holds a directory rename too (an installer's unpacked directory moved into
-    place), for the paths no such rename moved."""
+    place): elsewhere in the tree, or of the very directory the calls then write in."""
     m = make_mount().mount()
-    if renamed:
+    at = ""
+    if renamed == "elsewhere":
         m.sh("mkdir -p unpack/pkg && echo code > unpack/pkg/mod.py && mv unpack installed")
+    elif renamed == "before":
+        m.sh("mkdir -p unpack && echo code > unpack/mod.py && mv unpack work")
+        at = "work/"
     agent = tmp_path / "agent.py"
     agent.write_text(RUNS)
     p = subprocess.Popen([sys.executable, "-m", "overlayrec", "run",
                           "-w", m.ws, "--", sys.executable, str(agent)],
-                         cwd=m.ws, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                         cwd=os.path.join(m.ws, at), stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout.readline() == "written\n"
         for call, name in (("many", "many.txt"), ("tar", "tarred.txt"), ("late", "late.txt")):
+            name = at + name
             js = json.loads(overlayrec("diff", m.ws, "--call", call, "--json").stdout)
             assert [(f["path"], f["status"]) for f in js["files"]] == [(name, "A")], js
             assert js["inexact"] == [], (call, js)
@@ -254,12 +260,12 @@ def test_a_calls_diff_and_revert_read_a_file_once_its_writes_were_done(make_moun
                     for r in runs] == [(call, os.path.getsize(os.path.join(m.ws, name)),
                                         True)], runs
         js = json.loads(overlayrec("diff", m.ws, "--call", "open", "--json").stdout)
-        assert js["inexact"] == ["open.txt"], js  # its writes may go on: said so
+        assert js["inexact"] == [at + "open.txt"], js  # its writes may go on: said so
         # (its revert needs no more: the call's end sealed what it left, and a write after
         # that would be an event of its own)
         r = overlayrec("revert", m.ws, "--call", "open", "--json")
         assert json.loads(r.stdout)["steps"] == [
-            {"path": "open.txt", "action": "delete", "conflict": None}], r.stdout
+            {"path": at + "open.txt", "action": "delete", "conflict": None}], r.stdout
     finally:
         p.stdin.write("\n")
         p.stdin.close()
@@ -267,8 +273,8 @@ def test_a_calls_diff_and_revert_read_a_file_once_its_writes_were_done(make_moun
     # the late descriptor's writes are its call's: reverting the call removes the file
     r = overlayrec("revert", m.ws, "--call", "late", "--yes", "--json", check=False)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert not os.path.exists(os.path.join(m.ws, "late.txt"))
-    assert os.path.exists(os.path.join(m.ws, "many.txt"))
+    assert not os.path.exists(os.path.join(m.ws, at + "late.txt"))
+    assert os.path.exists(os.path.join(m.ws, at + "many.txt"))
 
 
 SHAPES = textwrap.dedent(r'''

@@ -277,3 +277,23 @@ def test_an_empty_file_renamed_then_written_held_nothing_before(make_mount, tmp_
         assert out["inexact"] == [], out
         got = {k: v[1] for k, v in tree(str(dest)).items()}
         assert got == want, (e, got)
+
+
+def test_blame_follows_a_directory_rename_only_for_what_it_moved(make_mount):
+    """A directory rename carries what was beneath it then: blame of a file it moved lists
+    the move and the file's runs under its earlier name; blame of a file made beneath the new
+    name afterwards lists only its own making (the rename moved nothing of it)."""
+    m = make_mount().mount()
+    m.sh("mkdir unpack && echo old > unpack/old.txt && echo gone > unpack/new.txt && "
+         "rm unpack/new.txt")
+    m.sh("mv unpack work")
+    m.sh("echo new > work/new.txt")
+
+    def ops(name):
+        runs = [json.loads(line) for line in
+                overlayrec("blame", name, "-w", m.ws, "--json").stdout.splitlines()]
+        return [op for r in reversed(runs) for op in r["ops"]]
+    moved = ops("work/old.txt")
+    assert "moved with unpack/ -> work/" in moved and moved[0] == "create", moved
+    made = ops("work/new.txt")
+    assert made == ["create", "write"], made

@@ -503,13 +503,17 @@ def blame(j: Journal, states: States, path: str, at: int | None = None) -> list[
             if r["seq"] > hi:
                 break
             src, dst = r["src"], r["dst"]
+            # a rename of a directory carries only what was beneath it then: a name made
+            # there later (or never) was not moved, and its earlier holder is another file
             if name.startswith(src + "/"):
-                steps.setdefault(r["seq"], (j.event(r["seq"]), name,
-                                            f"moved away with {src}/ -> {dst}/"))
+                if states.state(name, r["seq"] - 1).present:
+                    steps.setdefault(r["seq"], (j.event(r["seq"]), name,
+                                                f"moved away with {src}/ -> {dst}/"))
             elif name.startswith(dst + "/"):
-                ev = j.event(r["seq"])
-                steps[r["seq"]] = (ev, name, f"moved with {src}/ -> {dst}/")
-                gather(src + name[len(dst):], r["seq"] - 1)
+                old = src + name[len(dst):]
+                if states.state(old, r["seq"] - 1).present:
+                    steps[r["seq"]] = (j.event(r["seq"]), name, f"moved with {src}/ -> {dst}/")
+                    gather(old, r["seq"] - 1)
 
     gather(path, at if at is not None else float("inf"))
     steps = list(steps.values())

@@ -1036,13 +1036,10 @@ class States:
         call's diff and a revert read a path there (the call's last event on it may be the
         run's first write, or a chmod the run wrote on after): the content is the same, taken
         once the writes were done.  ``after`` when no such point is known (the run still open,
-        or released after the path's next event), and for a path a directory rename ever
-        moved or replaced an ancestor of (its runs may lie under its earlier names: not
-        followed here); the other paths of a record with directory renames are settled."""
+        or released after the path's next event), and when a directory rename moved or
+        replaced an ancestor of the path after the run began, up to that point (the name then
+        held another file, or the run went on under another name: not followed here)."""
         if self.state(path, after).exact:
-            return after
-        rs = self.renames()
-        if rs and self._index().touching(path, 0, len(rs), itself=True) is not None:
             return after
         run = None
         for e in reversed(self.events_on(path)):
@@ -1062,6 +1059,12 @@ class States:
         nxt = next((e["seq"] for e in self.chain_on(path) if e["seq"] > after), None)
         if point <= after or (nxt is not None and nxt <= point):
             return after
+        rs = self.renames()
+        if rs:  # the name's own events are the file's only since the last move of the name
+            idx = self._index()
+            i = idx.touching(path, 0, idx.upto(point), last=True, itself=True)
+            if i is not None and rs[i]["seq"] > run["seq"]:
+                return after
         return point if self.state(path, point).exact else after
 
     def _alias_run(self, alias: dict) -> dict | None:
