@@ -113,7 +113,7 @@ def carry_out(ws: str, sd: str, plan: Plan, content, *, unreverts: str | None = 
             c.request("revert_begin", id=plan.id)
             try:
                 delay = float(os.environ.get("OVERLAYREC_TEST_REVERT_DELAY", "0"))
-                for s in order([s for s in plan.steps if not s.conflict]):
+                for s in order([s for s in plan.steps if not s.conflict], root_fd):
                     done.append((s.path, apply_step(root_fd, s, made)))
                     if delay:  # tests interrupt a revert half way
                         time.sleep(delay)

@@ -91,6 +91,25 @@ def test_a_file_renamed_then_its_directory_moved_away_and_back(make_mount, tmp_p
     assert tree_of(m.ws) == after
 
 
+def test_a_name_made_anew_joins_its_group_written_in_place(make_mount, tmp_path):
+    """Found by the history model: ``a``, ``b`` and ``c`` are one inode; a call appends
+    through ``b`` and renames another file over ``a``.  The revert writes the content back into
+    the inode ``b`` and ``c`` still share, and must link ``a`` to it again: made first (in path
+    order), ``a`` got an inode of its own, apart from the group."""
+    m = setup_ws(make_mount, tmp_path, {"b": b"v1\n", "other": b"other\n"})
+    m.mount()
+    m.sh("ln b a && ln b c")  # through the mount (links made outside it are not known)
+    before = tree_of(m.ws)
+    run_call(m, tmp_path, "echo v2 >> b && mv other a")
+    after = tree_of(m.ws)
+    overlayrec("revert", m.ws, "--call", "c1", "--yes")
+    assert tree_of(m.ws) == before
+    a, b, c = (os.lstat(os.path.join(m.ws, n)) for n in "abc")
+    assert a.st_ino == b.st_ino == c.st_ino and b.st_nlink == 3, (a, b, c)
+    overlayrec("unrevert", "-w", m.ws, "--yes")
+    assert tree_of(m.ws) == after
+
+
 def test_a_conflict_refuses_the_whole_revert(make_mount, tmp_path):
     m = setup_ws(make_mount, tmp_path)
     m.mount()

@@ -84,7 +84,9 @@ class _Build:
         self.root_fd = root_fd
         self.secrets = secrets  # secret paths: never copied from the live tree
         self.dirs: dict[str, tuple[State, tuple | None]] = {}  # rel -> (its state, times)
-        self.groups: dict[int, tuple[str, State]] = {}  # inode at the point -> (path, state)
+        # inode at the point -> the paths written holding it: (path, state), one per content
+        # (a name answered inexactly may hold another content than the group's other names)
+        self.groups: dict[int, list[tuple[str, State]]] = {}
         self.live: dict[int, str] = {}         # live inode (nlink > 1) -> its copy's path
         self.copied: dict[str, int] = {}       # a live copy (nlink > 1) -> the live inode
         self.not_made: dict[str, dict] = {}
@@ -140,9 +142,12 @@ class _Build:
         under = rel + "/"
         for d in [d for d in self.dirs if d == rel or d.startswith(under)]:
             del self.dirs[d]
-        for m, at in ((self.groups, lambda v: v[0]), (self.live, lambda v: v)):
-            for k in [k for k, v in m.items() if at(v) == rel or at(v).startswith(under)]:
-                del m[k]
+        for k in [k for k, v in self.live.items() if v == rel or v.startswith(under)]:
+            del self.live[k]
+        for k, holders in list(self.groups.items()):
+            holders[:] = [h for h in holders if h[0] != rel and not h[0].startswith(under)]
+            if not holders:
+                del self.groups[k]
         for p in [p for p in self.copied if p == rel or p.startswith(under)]:
             del self.copied[p]
         self.not_made.pop(rel, None)
@@ -295,7 +300,7 @@ class _Build:
                     os.close(fd)
                 self.meta(dfd, name, rel, s)
                 self.not_made.pop(rel, None)
-                self.groups.setdefault(link_key(s), (rel, s))
+                self._hold(rel, s)
                 return
             if st is not None:
                 self.forget(rel)
@@ -323,19 +328,28 @@ class _Build:
                     return
             self.meta(dfd, name, rel, s)
             if link_key(s):
-                self.groups.setdefault(link_key(s), (rel, s))
+                self._hold(rel, s)
         finally:
             os.close(dfd)
+
+    def _hold(self, rel: str, s: State) -> None:
+        """``rel``, just written holding ``s``, is where the other names of its inode that hold
+        the same content are linked to (unless one already is)."""
+        holders = self.groups.setdefault(link_key(s), [])
+        if not any(linked(s, h[1]) for h in holders):
+            holders.append((rel, s))
 
     def _join(self, s: State, rel: str, dfd: int, name: str) -> bool:
         """Link ``name`` to its hard-link group if a path of it is already here: one written
         from the record, or a live copy untouched by the record that holds the same inode (and
         so held it at the point too)."""
-        made = self.groups.get(link_key(s))
-        if made is not None:
-            first = made[0]
-            if not linked(s, made[1]):
+        holders = self.groups.get(link_key(s))
+        made = None
+        if holders:
+            made = next((h for h in holders if linked(s, h[1])), None)
+            if made is None:  # each holds another content (one of them was answered inexactly)
                 return False
+            first = made[0]
         else:
             # only a path linked at the point: a live copy may share the inode with it only
             # because the attic holds a second name of it today
@@ -347,8 +361,11 @@ class _Build:
         if made is None:  # the live copy has today's mode and owner; the point's are in s
             self.meta(dfd, name, rel, s)
         # written from the record: the group's holder from now on
-        self.groups[link_key(s)] = (rel, s if made is None else made[1].but(
-            nlink=max(s.nlink, made[1].nlink)))
+        holders = self.groups.setdefault(link_key(s), [])
+        if made is not None:
+            holders.remove(made)
+        holders.append((rel, s if made is None else made[1].but(
+            nlink=max(s.nlink, made[1].nlink))))
         return True
 
     def finish(self, root_state: State | None) -> None:

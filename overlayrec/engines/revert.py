@@ -469,6 +469,25 @@ def apply_step(root_fd: int, step: Step, made: dict | None = None) -> str:
         os.close(dfd)
 
 
+def _holds_group_inode(root_fd: int, step: Step) -> bool:
+    """Does the live path of ``step`` hold its target's inode, linked (a step apply_step may
+    write in place)?"""
+    t = step.target
+    if not (t.kind == "file" and link_key(t) and t.nlink > 1 and step.in_place):
+        return False
+    try:
+        dfd, name = _parent(root_fd, step.path, create=False)
+    except OSError:
+        return False
+    try:
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except OSError:
+        return False
+    finally:
+        os.close(dfd)
+    return stat.S_ISREG(st.st_mode) and st.st_ino == t.ino and st.st_nlink > 1
+
+
 def _write_in_place(dfd: int, name: str, t: State) -> str | None:
     """When the path still holds the target's own inode and that inode has other links (a
     hard-link group whose content was changed through one of its names), the content goes
@@ -529,12 +548,17 @@ def _link_to(root_fd: int, first: tuple, dfd: int, tmp: str) -> bool:
         os.close(sfd)
 
 
-def order(steps: list[Step]) -> list[Step]:
+def order(steps: list[Step], root_fd: int | None = None) -> list[Step]:
     """Removals first (deepest first: a directory the revert turns back into a file must be
     emptied before), then directories to create (shallow first), then files, then the modes
-    of directories that would not let their owner fill them (deepest first)."""
+    of directories that would not let their owner fill them (deepest first).  With
+    ``root_fd``, the files whose live path still holds their hard-link group's inode come
+    first: written in place, that inode is what the group's other names are linked to (one
+    made before would hold an inode of its own, and stay apart from the group)."""
     mk = sorted([s for s in steps if s.target.kind == "dir"], key=lambda s: s.path.count("/"))
     files = [s for s in steps if s.target.present and s.target.kind != "dir"]
+    if root_fd is not None:
+        files.sort(key=lambda s: not _holds_group_inode(root_fd, s))
     rm = sorted([s for s in steps if not s.target.present], key=lambda s: -s.path.count("/"))
     late = [DirMode(s.path, s.target, s.expected) for s in reversed(mk) if _blocks(s.target.mode)]
     return rm + mk + files + late
