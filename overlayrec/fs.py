@@ -250,6 +250,13 @@ class Operations(pyfuse3.Operations):
                 else:
                     os.close(fd)
             if inode.parent is not parent or inode.name != name:
+                if stat.S_ISREG(st.st_mode) and st.st_nlink > 1 and inode.parent is not None:
+                    # another hard link (or the file moved outside us): the recorder checks
+                    try:
+                        self.recorder.seen_linked(st, (self._fd(inode.parent), inode.name),
+                                                  (self._fd(parent), name))
+                    except OSError:
+                        pass  # a directory gone meanwhile: nothing to learn
                 self._relink(inode, parent, name)  # another hard link, or moved outside us
         else:
             ino = st.st_ino

@@ -795,6 +795,40 @@ class Recorder:
             if ep is not None:
                 self.unsealed.setdefault(n, ep.unit)
 
+    def seen_linked(self, st: os.stat_result, first: tuple[int, str],
+                    second: tuple[int, str]) -> None:
+        """The fs layer reached one inode (``st``) by two names, each ``(parent_fd, name)``: a
+        hard link made outside the mount (before it, or around it).  When both names hold it
+        still, they are known from now on as a link made through the mount is (a change
+        through one journals ``alias`` events on the other, a secret stays withheld under
+        both).  A link is found so only once both names were looked up: a change through one
+        before that is not seen on the other (a revert refuses such a name: engines.revert)."""
+        if not stat.S_ISREG(st.st_mode) or self.nlink(st) < 2:
+            return
+        key = (st.st_dev, st.st_ino)
+        try:
+            paths = []
+            for parent_fd, name in (first, second):
+                got = underlay.lstat_at(parent_fd, name)
+                if (got.st_dev, got.st_ino) != key:
+                    return  # moved away meanwhile: not two names of it
+                paths.append(self.child(parent_fd, name))
+        except OSError:
+            return
+        known = self.names.get(key, ())
+        if all(p in known for p in paths) or paths[0] == paths[1]:
+            return
+        try:
+            self._carry_secret(paths[0], paths[1])
+            self._carry_secret(paths[1], paths[0])
+        except JournalError as e:  # withheld in this mount still (the names are in memory)
+            log.warning("cannot store that %s and %s are one secret inode: %s", *paths, e)
+        self._named(st, *paths)
+        for n in self.names.get(key, ()):  # the next change captures afresh (as after ``link``)
+            ep = self.epochs.pop(n, None)
+            if ep is not None:
+                self.unsealed.setdefault(n, ep.unit)
+
     # -- removals -------------------------------------------------------------------------------
     @_roomy
     @_undoable
@@ -1476,6 +1510,9 @@ class UnrecordedRecorder(Recorder):
 
     def link(self, src_fd, parent_fd, name, actor):
         underlay.link_fd(src_fd, parent_fd, name, root_fd=self.root_fd, rel=self.rel(src_fd))
+
+    def seen_linked(self, st, first, second):
+        pass
 
     def unlink(self, parent_fd, name, actor):
         os.unlink(name, dir_fd=parent_fd)

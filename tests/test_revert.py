@@ -110,6 +110,31 @@ def test_a_name_made_anew_joins_its_group_written_in_place(make_mount, tmp_path)
     assert tree_of(m.ws) == after
 
 
+def test_a_hard_link_made_outside_the_mount_is_known_once_both_names_were_seen(make_mount,
+                                                                               tmp_path):
+    """``sub/a`` and ``sub/b`` were linked before the record.  Once the mount has seen both
+    names (a listing of ``sub``) it knows them as a link made through it: a call's append
+    through ``b`` is journaled on ``a`` too, and the revert of the call (which also renamed
+    another file over ``a``) gives back the tree before, the two names one inode again.  (The
+    record said the call wrote ``a`` only, and the revert left ``b`` appended.)"""
+    m = setup_ws(make_mount, tmp_path, {"sub/b": b"v1\n", "sub/other": b"other\n"})
+    os.link(os.path.join(m.ws, "sub/b"), os.path.join(m.ws, "sub/a"))
+    before = tree_of(m.ws)
+    m.mount()
+    m.sh("ls sub > /dev/null")
+    run_call(m, tmp_path, "cd sub && echo v2 >> b && mv other a")
+    after = tree_of(m.ws)
+    js = json.loads(overlayrec("revert", m.ws, "--call", "c1", "--json").stdout)
+    assert {st["path"]: st["conflict"] for st in js["steps"]} == \
+        {"sub/a": None, "sub/b": None, "sub/other": None}, js
+    overlayrec("revert", m.ws, "--call", "c1", "--yes")
+    assert tree_of(m.ws) == before
+    a, b = (os.lstat(os.path.join(m.ws, "sub", n)) for n in "ab")
+    assert a.st_ino == b.st_ino and b.st_nlink == 2, (a, b)
+    overlayrec("unrevert", "-w", m.ws, "--yes")
+    assert tree_of(m.ws) == after
+
+
 def test_a_conflict_refuses_the_whole_revert(make_mount, tmp_path):
     m = setup_ws(make_mount, tmp_path)
     m.mount()
