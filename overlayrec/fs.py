@@ -255,8 +255,8 @@ class Operations(pyfuse3.Operations):
                     try:
                         self.recorder.seen_linked(st, (self._fd(inode.parent), inode.name),
                                                   (self._fd(parent), name))
-                    except OSError:
-                        pass  # a directory gone meanwhile: nothing to learn
+                    except (OSError, pyfuse3.FUSEError):
+                        pass  # its old directory gone meanwhile (ESTALE): nothing to learn
                 self._relink(inode, parent, name)  # another hard link, or moved outside us
         else:
             ino = st.st_ino

@@ -1318,6 +1318,16 @@ def _label(plan: Plan) -> None:
     ("call", 0, [("own", "rename", 68, 3887, "x"), ("own", "write", 0, 0, "x")]),
     ("call", 0, [("own", "mkfifo", 907, 0, "x"), ("O", "rename", 3550, 188, "x"),
                  ("own", "write", 0, 0, "x"), ("own", "rename", 1041, 4075, "x")])])
+@example(seed=1, which=5, raw=[  # a link whose inode was last named in a directory since removed
+    ("call", 0, [("own", "write", 37, 1413, "x"), ("own", "mkdir", 956, 1988, "x"),
+                 ("own", "mkfifo", 631, 3289, "x")]),
+    ("call", 0, [("own", "append", 219, 2961, "x"), ("own", "rename", 479, 1865, "x"),
+                 ("own", "move2", 313, 76, "x"), ("own", "delete", 267, 2262, "x"),
+                 ("own", "mkfifo", 2196, 102, "x")]),
+    ("call", 0, [("own", "append", 132, 4096, "x"), ("own", "rmdir", 326, 0, "x"),
+                 ("own", "write", 277, 0, "x"), ("own", "write", 0, 0, "x"),
+                 ("own", "move2", 394, 0, "x")]),
+    ("late", 0, [("own", "link", 535, 0, "x")])])
 def test_every_reader_agrees_with_the_model(model_env, seed, raw, which):
     plan = make_plan(seed, raw)
     note(plan.describe())
