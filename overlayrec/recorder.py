@@ -787,10 +787,13 @@ class Recorder:
         except OSError:
             return
         self._named(st, source, ev["path"])
-        # the inode now has a name it had not when the source's epoch began: the next change
-        # through the source must capture afresh, so that it is journaled on the new name too
-        # (an ``alias`` event with what that name held just before)
-        for n in self.names.get((st.st_dev, st.st_ino), ()):
+        self._capture_afresh((st.st_dev, st.st_ino))
+
+    def _capture_afresh(self, key: tuple[int, int]) -> None:
+        """The inode ``key`` has a name it had not when its names' epochs began: the next change
+        through any of them must capture afresh, so that it is journaled on the new name too
+        (an ``alias`` event with what that name held just before)."""
+        for n in self.names.get(key, ()):
             ep = self.epochs.pop(n, None)
             if ep is not None:
                 self.unsealed.setdefault(n, ep.unit)
@@ -802,7 +805,7 @@ class Recorder:
         still, they are known from now on as a link made through the mount is (a change
         through one journals ``alias`` events on the other, a secret stays withheld under
         both).  A link is found so only once both names were looked up: a change through one
-        before that is not seen on the other (a revert refuses such a name: engines.revert)."""
+        before that is not seen on the other (design.md, "Known limits")."""
         if not stat.S_ISREG(st.st_mode) or self.nlink(st) < 2:
             return
         key = (st.st_dev, st.st_ino)
@@ -824,10 +827,7 @@ class Recorder:
         except JournalError as e:  # withheld in this mount still (the names are in memory)
             log.warning("cannot store that %s and %s are one secret inode: %s", *paths, e)
         self._named(st, *paths)
-        for n in self.names.get(key, ()):  # the next change captures afresh (as after ``link``)
-            ep = self.epochs.pop(n, None)
-            if ep is not None:
-                self.unsealed.setdefault(n, ep.unit)
+        self._capture_afresh(key)
 
     # -- removals -------------------------------------------------------------------------------
     @_roomy

@@ -557,11 +557,11 @@ def finish(j: Journal, sd: str, attic_fd: int | None, out: dict, drop_attic=None
     if g.get("step", 2) <= 2:
         start, batch = 1, int(os.environ.get("OVERLAYREC_TEST_GC_BATCH", BATCH))
         # the latest seals below the cut now: no seal below it becomes one later (new events
-        # lie above it), so these are passed over undecoded, and any other is deleted
+        # lie above it), so these stay, and any other event below it goes
         kept = {seq for _, seq in j.seals() if seq < cut}
         deleted = 0
         while start is not None:
-            nxt = j.delete_below(cut, start, batch, kept)
+            nxt = j.delete_below(cut, kept, start, batch)
             deleted += batch if nxt is not None else 0
             start = nxt
             if nxt is not None:

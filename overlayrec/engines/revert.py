@@ -485,6 +485,11 @@ def _holds_group_inode(root_fd: int, step: Step) -> bool:
         return False
     finally:
         os.close(dfd)
+    return _in_live_group(st, t)
+
+
+def _in_live_group(st: os.stat_result, t: State) -> bool:
+    """Does the live file ``st`` hold the target's own inode, linked still?"""
     return stat.S_ISREG(st.st_mode) and st.st_ino == t.ino and st.st_nlink > 1
 
 
@@ -497,7 +502,7 @@ def _write_in_place(dfd: int, name: str, t: State) -> str | None:
         st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
     except FileNotFoundError:
         return None
-    if not stat.S_ISREG(st.st_mode) or st.st_ino != t.ino or st.st_nlink < 2:
+    if not _in_live_group(st, t):
         return None
     try:
         fd = os.open(name, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,

@@ -822,17 +822,15 @@ class Journal:
         self._write(body)
         self.load_cut()
 
-    def delete_below(self, cut: int, start: int = 1, batch: int = 2000,
-                     kept: set[int] | frozenset = frozenset()) -> int | None:
+    def delete_below(self, cut: int, kept: set[int], start: int = 1,
+                     batch: int = 2000) -> int | None:
         """Step 2 of a gc, one transaction: delete up to ``batch`` events below ``cut`` from
-        ``start`` on, with their ``paths`` keys, ``renames`` and ``extents`` rows, keeping the
-        seals ``seals`` points at.  ``kept``: seqs of such seals, known to the caller (passed
-        over without decoding them: a gc that drops nothing passes over every one).  Returns
-        the seq to go on from, None when done."""
+        ``start`` on, with their ``paths`` keys, ``renames`` and ``extents`` rows, but those
+        of ``kept`` (the seqs of the seals ``seals`` points at below the cut, passed over
+        without decoding them).  Returns the seq to go on from, None when done."""
         dbs = self.dbs
 
         def body(txn):
-            seals: dict[bytes, int] = {}
             cur = txn.cursor(db=dbs["events"])
             n = 0
             if not cur.set_range(seq_key(start)):
@@ -852,16 +850,6 @@ class Journal:
                         return None
                     continue
                 ev = _loads(cur.value())
-                if ev.get("op") == "seal" and ev.get("path") is not None:
-                    sk = schema.seal_key(ev["path"])
-                    if sk not in seals:
-                        v = txn.get(sk, db=dbs["seals"])
-                        seals[sk] = key_seq(v[:8]) if v else -1
-                    if seals[sk] == seq:
-                        n += 1
-                        if not cur.next():
-                            return None
-                        continue
                 for p in (ev.get("path"), ev.get("path2")):
                     if p is not None:
                         for prefix, _ in schema.path_prefixes(p):
