@@ -1,7 +1,7 @@
 """overlayrec.serving, the stand-in pyfuse3 finds as ``trio``: a request already waiting is
 read without a pass through trio's run loop, but never more than BURST in a row (the other
-tasks, the control socket among them, still run under a stream of requests); nothing waiting
-is trio's own wait; the readers' lock is taken without a checkpoint when free and waited for
+tasks, the control socket among them, still run under a stream of requests); under a stream
+the next request is polled for up to SPIN; nothing waiting is trio's own wait; the readers' lock is taken without a checkpoint when free and waited for
 when not; everything else is trio's.  The daemon serves with it in every mounted test."""
 from __future__ import annotations
 
@@ -19,24 +19,31 @@ from overlayrec import serving
 from conftest import needs_fuse
 
 
+_CHECKPOINT = trio.lowlevel.checkpoint  # trio's own, whatever a test puts in its place
+
+
 async def _spin(ran: list[int]) -> None:
     """Another task, always runnable: ``ran[0]`` counts the passes of the run loop it saw."""
     while True:
         ran[0] += 1
-        await trio.lowlevel.checkpoint()
+        await _CHECKPOINT()
 
 
 def test_a_waiting_request_is_read_without_a_pass_but_never_more_than_burst_in_a_row(
         monkeypatch):
     a, b = socket.socketpair()
     passes = []  # how many times another task ran, as seen before each wait
-    waits = []  # the waits that went to trio's own (a pass through the run loop each)
-    real = trio.lowlevel.wait_readable
+    checkpoints = []  # the waits done when each pass through the run loop was given
+    waits = []  # the waits that went to trio's own
+    real_wait, real_checkpoint = trio.lowlevel.wait_readable, trio.lowlevel.checkpoint
 
-    async def counted(fd):
+    async def counted_wait(fd):
         waits.append(len(passes))
-        await real(fd)
-    monkeypatch.setattr(trio.lowlevel, "wait_readable", counted)
+        await real_wait(fd)
+
+    async def counted_checkpoint():
+        checkpoints.append(len(passes) - 1)
+        await real_checkpoint()
 
     async def main():
         readable = serving._Readable()
@@ -44,9 +51,11 @@ def test_a_waiting_request_is_read_without_a_pass_but_never_more_than_burst_in_a
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_spin, ran)
-            await trio.lowlevel.checkpoint()  # the other task is under way
+            await real_checkpoint()  # the other task is under way
+            monkeypatch.setattr(trio.lowlevel, "wait_readable", counted_wait)
+            monkeypatch.setattr(trio.lowlevel, "checkpoint", counted_checkpoint)
             b.send(b"x")  # a request waits, and stays (nothing reads it)
-            for _ in range(3 * (serving.BURST + 1)):
+            for _ in range(3 * serving.BURST + 1):
                 passes.append(ran[0])
                 await readable(a.fileno())
             passes.append(ran[0])
@@ -54,6 +63,7 @@ def test_a_waiting_request_is_read_without_a_pass_but_never_more_than_burst_in_a
             with trio.move_on_after(0.05) as scope:  # nothing waits: trio's own wait
                 await readable(a.fileno())
             assert scope.cancelled_caught
+            monkeypatch.undo()
             nursery.cancel_scope.cancel()
 
     try:
@@ -61,13 +71,93 @@ def test_a_waiting_request_is_read_without_a_pass_but_never_more_than_burst_in_a
     finally:
         a.close()
         b.close()
-    # BURST waits in a row return at once, then one is trio's own: a pass through the run
-    # loop, where the other task runs (in that pass or the next: trio orders a batch at
-    # random); the last is trio's own as nothing waits
-    k = serving.BURST + 1
-    assert waits == [k, 2 * k, 3 * k, 3 * k + 1], waits
-    assert passes[:k] == [passes[0]] * k, passes  # the first BURST: the other task never ran
+    # BURST waits in a row return at once, then the next one gives the run loop a pass first,
+    # where the other task runs (in that pass or the next: trio orders a batch at random);
+    # the last is trio's own as nothing waits
+    k = serving.BURST
+    assert checkpoints == [k, 2 * k, 3 * k], checkpoints
+    assert waits == [3 * k + 2], waits
+    assert passes[:k + 1] == [passes[0]] * (k + 1), passes  # the first BURST: it never ran
     assert passes[-1] > passes[0], passes
+
+
+class _Clock:
+    """A stand-in for time.perf_counter, and a poll on a request that comes at ``ready``:
+    each poll takes 10 us of this clock, and trio's wait lasts until the request is there."""
+
+    def __init__(self):
+        self.now = 100.0
+        self.ready = 0.0
+        self.polls = self.waits = 0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def poll(self, timeout):
+        assert timeout == 0, "a poll with a timeout lets the CPU go idle"
+        self.polls += 1
+        self.now += 10e-6
+        return [(0, 1)] if self.now >= self.ready else []
+
+    async def wait_readable(self, fd):
+        self.waits += 1
+        self.now = max(self.now, self.ready)
+
+    def request_in(self, seconds: float) -> None:
+        self.ready = self.now + seconds
+        self.polls = self.waits = 0
+
+
+def test_under_a_stream_the_next_request_is_polled_for_and_a_slower_one_is_waited_for(
+        monkeypatch):
+    """Polling for up to SPIN keeps the daemon's CPU from going idle between a stream's
+    requests (docs/bench.md, "Serving, second pass"); a request slower than SPIN is waited for
+    in trio, and the polling stays off until the requests come faster again."""
+    clock = _Clock()
+    monkeypatch.setattr(serving, "SPIN", 200e-6)
+    monkeypatch.setattr(serving.time, "perf_counter", clock)
+    monkeypatch.setattr(trio.lowlevel, "wait_readable", clock.wait_readable)
+    seen = []
+
+    async def main():
+        readable = serving._Readable()
+        readable._polls[7] = clock
+        for gap in (50e-6, 100e-6, 150e-6, 1e-3, 100e-6, 100e-6, 300e-6, 300e-6, 0.0):
+            clock.request_in(gap)
+            await readable(7)
+            seen.append((clock.waits, clock.polls))
+
+    trio.run(main)
+    assert seen == [
+        (1, 1),    # the first: not a stream yet, waited for (after the one look)
+        (0, 10),   # 50 us came, now a stream: polled for, found after 100 us
+        (0, 15),   # and again
+        (1, 21),   # 1 ms: polled for 200 us (20 polls after the look), then waited for
+        (1, 1),    # no longer a stream: waited for at once
+        (0, 10),   # 100 us came within SPIN: a stream again
+        (1, 21),   # 300 us: slower than SPIN, waited for after polling
+        (1, 1),    # and the next not polled for
+        (0, 1),    # a request already there is read at the first look
+    ], seen
+
+
+def test_no_polling_when_spin_is_zero(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(serving, "SPIN", 0.0)
+    monkeypatch.setattr(serving.time, "perf_counter", clock)
+    monkeypatch.setattr(trio.lowlevel, "wait_readable", clock.wait_readable)
+    seen = []
+
+    async def main():
+        readable = serving._Readable()
+        readable._polls[7] = clock
+        for gap in (50e-6, 50e-6, 50e-6):
+            clock.request_in(gap)
+            await readable(7)
+            seen.append((clock.waits, clock.polls))
+
+    trio.run(main)
+    assert seen == [(1, 1)] * 3, seen
 
 
 def test_the_readers_lock_is_free_without_a_checkpoint_and_waited_for_when_held():
