@@ -16,6 +16,8 @@ A case passes only when every reader agrees with the model:
 
 * ``diff``: the patch of each call that ran alone, applied with ``git apply`` to the tree before
   the call, gives the tree after it (files and symlinks, with the executable bit: what git holds);
+* ``diff --since A --until B`` between calls' begins and ends, applied to the tree at A,
+  gives the tree at B, whatever wrote in between (a turn's diff is such a range);
 * ``replay --full`` at every unit boundary (each switch of writer, each call's begin and end)
   gives the model's tree at that point: kinds, full modes, contents, targets, fifos, hard-link
   groups;
@@ -50,7 +52,7 @@ the call.
 
 Knobs (environment): OVERLAYREC_MODEL_CASES (default 400) and
 OVERLAYREC_MODEL_UNMOUNTED_CASES (default max(24, CASES/16)) set the numbers of cases;
-OVERLAYREC_MODEL_CHECKS (default ``diff,replay,export,revert,listing``) the readers checked, to look at
+OVERLAYREC_MODEL_CHECKS (default ``diff,range,replay,export,revert,listing``) the readers checked, to look at
 one at a time; OVERLAYREC_MODEL_OPS a comma list of the operation kinds generated (default all);
 OVERLAYREC_MODEL_SHRINK=0 skips shrinking (a quicker first look at a failure);
 OVERLAYREC_MODEL_RANDOM=1 explores other cases than CI's fixed ones (with pytest's
@@ -95,7 +97,7 @@ CASES = int(os.environ.get("OVERLAYREC_MODEL_CASES", "400"))
 UNMOUNTED_CASES = int(os.environ.get("OVERLAYREC_MODEL_UNMOUNTED_CASES", str(max(24, CASES // 16))))
 PER_MOUNT = int(os.environ.get("OVERLAYREC_MODEL_CASES_PER_MOUNT", "50"))
 CHECKS = set((os.environ.get("OVERLAYREC_MODEL_CHECKS") or
-              "diff,replay,export,revert,listing").split(","))
+              "diff,range,replay,export,revert,listing").split(","))
 PHASES = tuple(Phase) if os.environ.get("OVERLAYREC_MODEL_SHRINK", "1") != "0" else \
     tuple(p for p in Phase if p is not Phase.shrink)
 FIXED = not os.environ.get("OVERLAYREC_MODEL_RANDOM")  # CI: the same cases every run
@@ -1050,6 +1052,31 @@ def check_diff(rec, j, states, case, plan, ids, work) -> None:
                       f"give the tree after it:\n{d}\npatch:\n{patch}"
 
 
+def check_range(rec, j, states, case, plan, exact: dict, which: int, work) -> None:
+    """``diff --since A --until B`` between two points where the record is exact (calls'
+    begins and ends), whatever wrote in between (other calls, outside writes, late writes,
+    intruders), applied to the tree at A gives the tree at B: the whole case, and one pair of
+    neighbouring points (chosen by ``which``).  A turn's diff is such a range."""
+    seqs = sorted(exact)
+    if len(seqs) < 2:
+        return
+    pairs = {(seqs[0], seqs[-1])}
+    k = which % (len(seqs) - 1)
+    pairs.add((seqs[k], seqs[k + 1]))
+    store = ObjectStore(rec.m.state)
+    for lo, hi in sorted(pairs):
+        side = select(j, states, since=lo + 1, until=hi, glob=f"{case}/*")
+        patch = store.diff(store.tree(side.before), store.tree(side.after), "patch", binary=True)
+        got = git_apply(os.path.join(work, f"apply-{lo}-{hi}"),
+                        git_view(plan.states[exact[lo]], case),
+                        patch.encode("utf-8", "surrogateescape"))
+        want = git_view(plan.states[exact[hi]], case)
+        d = view_diff(want, got)
+        assert not d, f"diff --since {lo + 1} --until {hi} applied to the tree at seq {lo} " \
+                      f"(after operation {exact[lo]}) does not give the tree at seq {hi} " \
+                      f"(after operation {exact[hi]}):\n{d}\npatch:\n{patch}"
+
+
 def check_listing(rec, j, case, plan, ids, tree) -> None:
     """``calls`` (its net, from stored hashes: States.sig) names for each call exactly the
     paths whose full states differ between the call's two points, as ``diff`` has them."""
@@ -1373,6 +1400,9 @@ def run_case(model_env, plan: Plan, which: int) -> tuple[list[AssertionError], s
                     ("replay", lambda: check_replay(rec, j, states, tree, case, plan,
                                                     points.items(), work, boundaries)),
                     ("export", lambda: check_export(rec, j, states, case, plan, ids)),
+                    ("range", lambda: check_range(rec, j, states, case, plan,
+                                                  {s: points[s] for s in boundaries}, which,
+                                                  work)),
                     ("listing", lambda: check_listing(rec, j, case, plan, ids, tree))):
                 if name in CHECKS:
                     try:
