@@ -51,9 +51,21 @@ import trio
 
 # requests read without a pass through trio's run loop, at most, before one
 BURST = 8
+
+
+def _spin_from_env(default_us: float = 50.0) -> float:
+    """SPIN in seconds: OVERLAYREC_SPIN_US (microseconds, for a bench; 0: never poll), the
+    default when it is unset or not a number from 0 to 10,000 (a longer polling would hold
+    the run loop's other tasks up for as long)."""
+    try:
+        us = float(os.environ.get("OVERLAYREC_SPIN_US", default_us))
+    except ValueError:
+        return default_us / 1e6
+    return us / 1e6 if 0 <= us <= 10_000 else default_us / 1e6
+
+
 # seconds to keep polling for the next request of a stream before parking in trio's wait
-# (OVERLAYREC_SPIN_US, microseconds, for a bench; 0: never)
-SPIN = float(os.environ.get("OVERLAYREC_SPIN_US", "50")) / 1e6
+SPIN = _spin_from_env()
 
 
 class _Lock:

@@ -233,3 +233,12 @@ def test_the_control_socket_is_served_under_requests_that_never_stop(make_mount)
         for b in busy:
             b.kill()
             b.wait()
+
+
+def test_spin_from_the_environment(monkeypatch):
+    for value, want in (("0", 0.0), ("120", 120e-6), ("-5", 50e-6), ("fast", 50e-6),
+                        ("nan", 50e-6), ("inf", 50e-6), ("10000", 0.01), ("10001", 50e-6)):
+        monkeypatch.setenv("OVERLAYREC_SPIN_US", value)
+        assert serving._spin_from_env() == want, value
+    monkeypatch.delenv("OVERLAYREC_SPIN_US")
+    assert serving._spin_from_env() == 50e-6
