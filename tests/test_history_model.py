@@ -1354,6 +1354,13 @@ LINKED_GROUP = [
     ("call", 0, [("own", "rename", 68, 3887, "x"), ("own", "write", 0, 0, "x")]),
     ("call", 0, [("own", "mkfifo", 907, 0, "x"), ("O", "rename", 3550, 188, "x"),
                  ("own", "write", 0, 0, "x"), ("own", "rename", 1041, 4075, "x")])])
+@example(seed=0, which=0, raw=[("call", 3, [("own", "write", 0, 33, "z")]),
+                               ("call", 4, [("late", "rename", 735, 441, "y")]),
+                               ("outside", 1, [("own", "mkdir", 0, 161, "x"),
+                                               ("own", "mkdir", 270, 445, "z"),
+                                               ("late", "link", 504, 208, "z"),
+                                               ("own", "mkdir", 0, 161, "x"),
+                                               ("own", "rename", 0, 0, "x")])])
 @example(seed=2, which=0, raw=[  # a directory renamed over a symlink to itself (git apply's order)
     ("call", 0, [("own", "move2", 59, 821, "x"), ("own", "symlink", 0, 2837, "x"),
                  ("own", "write", 0, 0, "x")]),

@@ -110,6 +110,27 @@ def test_a_name_made_anew_joins_its_group_written_in_place(make_mount, tmp_path)
     assert tree_of(m.ws) == after
 
 
+def test_unrevert_links_a_name_again_to_its_partner_in_a_directory_renamed_since(make_mount,
+                                                                                 tmp_path):
+    """Found by the history model: a call makes ``b``; then, outside any call, ``b`` is linked
+    as ``x/a`` and ``x`` renamed to ``d``.  The revert of the call removes ``b`` (``d/a`` keeps
+    the inode); its unrevert must link ``b`` to ``d/a`` again.  The partner was looked for
+    among the recorded names only, and ``d/a`` is one no event names (it got it from the
+    directory's rename): ``b`` came back as a copy, apart from ``d/a``."""
+    m = setup_ws(make_mount, tmp_path, {})
+    m.mount()
+    run_call(m, tmp_path, "echo z > a && mv a b")
+    m.sh("mkdir x && ln b x/a && mv x d")
+    linked = tree_of(m.ws)
+    overlayrec("revert", m.ws, "--call", "c1", "--yes")
+    assert not os.path.lexists(os.path.join(m.ws, "b"))
+    assert os.lstat(os.path.join(m.ws, "d/a")).st_nlink == 1
+    overlayrec("unrevert", "-w", m.ws, "--yes")
+    assert tree_of(m.ws) == linked
+    b, da = (os.lstat(os.path.join(m.ws, n)) for n in ("b", "d/a"))
+    assert b.st_ino == da.st_ino and b.st_nlink == 2, (b, da)
+
+
 def test_a_hard_link_made_outside_the_mount_is_known_once_both_names_were_seen(make_mount,
                                                                                tmp_path):
     """``sub/a`` and ``sub/b`` were linked before the record.  Once the mount has seen both

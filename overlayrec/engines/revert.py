@@ -31,7 +31,7 @@ from ..journal import Journal
 from ..secrets import PLACEHOLDER
 from ..underlay import O_PATH, Escape, resolve_beneath
 from .diff import SelectionError, file_events, touched, _find_turn, _visible
-from .states import ATTIC, States, State, Tree
+from .states import ATTIC, INF, States, State, Tree
 
 
 @dataclass
@@ -162,7 +162,10 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
 
     def candidates() -> set[str]:  # asked only when a hard-linked target needs them
         if not names:
-            names.append((linkish | set(j.paths())) - {s.path for s in plan.steps})
+            # the recorded names, and what they are called now: a name linked before its
+            # directory was renamed holds the inode under the directory's new name
+            names.append((linkish | set(j.paths()) | states.candidates(INF))
+                         - {s.path for s in plan.steps})
         return names[0]
     _find_partners(plan, live, candidates)
     _joined_since(plan, live, candidates)
