@@ -108,13 +108,11 @@ class _Clock:
         self.polls = self.waits = 0
 
 
-def test_under_a_stream_the_next_request_is_polled_for_and_a_slower_one_is_waited_for(
-        monkeypatch):
-    """Polling for up to SPIN keeps the daemon's CPU from going idle between a stream's
-    requests (docs/bench.md, "Serving, second pass"); a request slower than SPIN is waited for
-    in trio, and the polling stays off until the requests come faster again."""
+def _serve(monkeypatch, spin: float, gaps) -> list[tuple[int, int]]:
+    """Requests coming ``gaps`` apart, each read through one ``_Readable`` with SPIN ``spin``
+    on the fake clock: (trio waits, polls) for each."""
     clock = _Clock()
-    monkeypatch.setattr(serving, "SPIN", 200e-6)
+    monkeypatch.setattr(serving, "SPIN", spin)
     monkeypatch.setattr(serving.time, "perf_counter", clock)
     monkeypatch.setattr(trio.lowlevel, "wait_readable", clock.wait_readable)
     seen = []
@@ -122,12 +120,22 @@ def test_under_a_stream_the_next_request_is_polled_for_and_a_slower_one_is_waite
     async def main():
         readable = serving._Readable()
         readable._polls[7] = clock
-        for gap in (50e-6, 100e-6, 150e-6, 1e-3, 100e-6, 100e-6, 300e-6, 300e-6, 0.0):
+        for gap in gaps:
             clock.request_in(gap)
             await readable(7)
             seen.append((clock.waits, clock.polls))
 
     trio.run(main)
+    return seen
+
+
+def test_under_a_stream_the_next_request_is_polled_for_and_a_slower_one_is_waited_for(
+        monkeypatch):
+    """Polling for up to SPIN keeps the daemon's CPU from going idle between a stream's
+    requests (docs/bench.md, "Serving, second pass"); a request slower than SPIN is waited for
+    in trio, and the polling stays off until the requests come faster again."""
+    seen = _serve(monkeypatch, 200e-6,
+                  (50e-6, 100e-6, 150e-6, 1e-3, 100e-6, 100e-6, 300e-6, 300e-6, 0.0))
     assert seen == [
         (1, 1),    # the first: not a stream yet, waited for (after the one look)
         (0, 10),   # 50 us came, now a stream: polled for, found after 100 us
@@ -142,21 +150,7 @@ def test_under_a_stream_the_next_request_is_polled_for_and_a_slower_one_is_waite
 
 
 def test_no_polling_when_spin_is_zero(monkeypatch):
-    clock = _Clock()
-    monkeypatch.setattr(serving, "SPIN", 0.0)
-    monkeypatch.setattr(serving.time, "perf_counter", clock)
-    monkeypatch.setattr(trio.lowlevel, "wait_readable", clock.wait_readable)
-    seen = []
-
-    async def main():
-        readable = serving._Readable()
-        readable._polls[7] = clock
-        for gap in (50e-6, 50e-6, 50e-6):
-            clock.request_in(gap)
-            await readable(7)
-            seen.append((clock.waits, clock.polls))
-
-    trio.run(main)
+    seen = _serve(monkeypatch, 0.0, (50e-6, 50e-6, 50e-6))
     assert seen == [(1, 1)] * 3, seen
 
 

@@ -162,10 +162,9 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
 
     def candidates() -> set[str]:  # asked only when a hard-linked target needs them
         if not names:
-            # the recorded names, and what they are called now: a name linked before its
-            # directory was renamed holds the inode under the directory's new name
-            names.append((linkish | set(j.paths()) | states.candidates(INF))
-                         - {s.path for s in plan.steps})
+            # the recorded names, and what they are called now (candidates: a name linked
+            # before its directory was renamed holds the inode under the directory's new name)
+            names.append((linkish | states.candidates(INF)) - {s.path for s in plan.steps})
         return names[0]
     _find_partners(plan, live, candidates)
     _joined_since(plan, live, candidates)
