@@ -83,11 +83,17 @@ def _pidfd(pid: int) -> int | None:
         return None
 
 
-def _exited(pidfd: int) -> bool:
-    """A pidfd polls readable once its process has exited."""
-    p = select.poll()  # not select(): the daemon holds fds far above FD_SETSIZE
+def _watch(pidfd: int) -> select.poll:
+    """A poller of ``pidfd``, kept with it: asked on every request of its process, so made
+    once (not select(): the daemon holds fds far above FD_SETSIZE)."""
+    p = select.poll()
     p.register(pidfd, select.POLLIN)
-    return bool(p.poll(0))
+    return p
+
+
+def _exited(watch: select.poll) -> bool:
+    """A pidfd polls readable once its process has exited."""
+    return bool(watch.poll(0))
 
 
 # Threads whose actors are cached (least recently used dropped first): the cache serves the
@@ -112,7 +118,8 @@ class Attribution:
     def __init__(self, own_pid: int | None = None):
         # tid -> (start time, actor), least recently used first, at most CACHED of them
         self._by_tid: dict[int, tuple[int, dict]] = {}
-        self._live: dict[int, tuple[int, dict]] = {}  # pid -> (pidfd, actor), main threads only
+        # pid -> (pidfd, actor, its poller), main threads only
+        self._live: dict[int, tuple[int, dict, select.poll]] = {}
         self._cached = CACHED
         self._sweep_at = SWEEP  # _live's size at which the exited are let go (_evict)
         self.own_pid = own_pid or os.getpid()
@@ -122,7 +129,7 @@ class Attribution:
             return UNKNOWN
         live = self._live.get(tid)
         if live is not None:
-            if not _exited(live[0]):
+            if not _exited(live[2]):
                 return live[1]
             os.close(live[0])
             del self._live[tid]
@@ -136,7 +143,7 @@ class Attribution:
                 if st is not None and st[0] == actor["start"]:
                     if len(self._live) >= self._sweep_at:
                         self._evict()
-                    self._live[tid] = (fd, actor)
+                    self._live[tid] = (fd, actor, _watch(fd))
                 else:
                     os.close(fd)
         return actor
@@ -145,8 +152,8 @@ class Attribution:
         """Let the pidfds of exited processes go (their actors stay in the tid cache, as the
         last process known there).  The next sweep waits until twice as many as the living
         are held, so a crowd of running writers costs no sweep per new process."""
-        for pid, (fd, actor) in list(self._live.items()):
-            if _exited(fd):
+        for pid, (fd, actor, watch) in list(self._live.items()):
+            if _exited(watch):
                 os.close(fd)
                 del self._live[pid]
                 self._keep(pid, actor)

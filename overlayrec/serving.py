@@ -14,7 +14,7 @@ replaceable (``pyfuse3.asyncio.enable`` swaps in an asyncio layer the same way).
 puts a thin stand-in there, trio itself for everything but two things:
 
 - ``Lock``: taken without a checkpoint when it is free (the daemon serves with one worker
-  task, so it always is), waited for as trio's own when it is not;
+  task, so it always is), waited for in a trio parking lot when it is not;
 - ``lowlevel.wait_readable``: returns at once when the fd already polls readable; when it
   does not, and the last request came soon after the wait for it began (a stream: ``tar``,
   ``rm -r``, a formatter), it polls again for up to ``SPIN`` seconds before it parks in
@@ -69,20 +69,25 @@ SPIN = _spin_from_env()
 
 
 class _Lock:
-    """trio.Lock, taken without a checkpoint when free."""
-    __slots__ = ("_lock",)
+    """A lock for pyfuse3's readers: a flag when free (the daemon serves with one worker task,
+    so it always is), a trio ParkingLot to wait in when not.  trio.Lock's bookkeeping (its
+    owner task, the parking lot's breakers: some 1.5 us a request, taken and given back on
+    every request) buys error checks for misuse pyfuse3 never makes."""
+    __slots__ = ("_held", "_lot")
 
     def __init__(self):
-        self._lock = trio.Lock()
+        self._held = False
+        self._lot = trio.lowlevel.ParkingLot()
 
     async def __aenter__(self) -> None:
-        try:
-            self._lock.acquire_nowait()
-        except trio.WouldBlock:
-            await self._lock.acquire()
+        while self._held:
+            await self._lot.park()  # woken by a release; another may have taken it first
+        self._held = True
 
     async def __aexit__(self, *exc) -> bool:
-        self._lock.release()
+        self._held = False
+        if self._lot:
+            self._lot.unpark()
         return False
 
 

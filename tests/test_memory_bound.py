@@ -197,7 +197,7 @@ def test_attribution_keeps_a_bounded_number_of_processes(monkeypatch):
     # a request served after its process exited is still its own, for the recent ones
     for pid, key in seen[-10:]:
         assert a.actor(pid)["key"] == key
-    for fd, _ in a._live.values():
+    for fd, *_ in a._live.values():
         os.close(fd)
 
 

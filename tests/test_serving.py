@@ -184,6 +184,35 @@ def test_the_readers_lock_is_free_without_a_checkpoint_and_waited_for_when_held(
     assert order == ["held", "let go", "taken"]
 
 
+def test_the_readers_lock_is_held_by_one_task_at_a_time_and_survives_a_cancelled_waiter():
+    inside, most, done = [0], [0], []
+
+    async def main():
+        lock = serving._Lock()
+
+        async def worker(i):
+            for _ in range(5):
+                async with lock:
+                    inside[0] += 1
+                    most[0] = max(most[0], inside[0])
+                    await trio.sleep(0.001)  # held across passes of the run loop
+                    inside[0] -= 1
+            done.append(i)
+
+        with trio.fail_after(5):
+            async with lock:
+                with trio.move_on_after(0.01):  # a waiter cancelled while it waits
+                    async with trio.open_nursery() as waiting:
+                        waiting.start_soon(lock.__aenter__)
+                        await trio.sleep(1)
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+                    nursery.start_soon(worker, i)
+
+    trio.run(main)
+    assert most[0] == 1 and sorted(done) == [0, 1, 2], (most, done)
+
+
 def test_install_gives_pyfuse3_trio_but_for_the_lock_and_the_wait():
     try:
         serving.install()
