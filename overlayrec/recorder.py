@@ -882,7 +882,12 @@ class Recorder:
     @_undoable
     def rename(self, pfd: int, name: str, npfd: int, nname: str, flags: int, actor: dict) -> None:
         self.name_changes += 1
-        path, path2 = self.child(pfd, name), self.child(npfd, nname)
+        path = self.child(pfd, name)
+        if npfd == pfd:  # within one directory (an editor's, a formatter's): its name once
+            parent = path.rpartition("/")[0]
+            path2 = f"{parent}/{nname}" if parent else nname
+        else:
+            path2 = self.child(npfd, nname)
         unit = self.units.unit_of(actor)
         ev, ep, new = self._event("rename", path, actor, unit, path2=path2)
         if flags:
