@@ -2,7 +2,8 @@
 feature): with it the mount makes every change and journals none; without it (unset, or any
 other value) the same changes are journaled as always.  OVERLAYREC_BENCH_TIMES=FILE (another
 bench switch): the daemon appends the recorder's time by mutation to FILE at unmount, and
-records as always."""
+records as always.  OVERLAYREC_BENCH_PROFILE=PREFIX (a third): SIGUSR1 starts a CPU-clock
+profile of the daemon, SIGUSR2 writes it (tools/bench --profile)."""
 from __future__ import annotations
 
 import os
@@ -160,3 +161,41 @@ def test_bench_times_flag_reports_each_setup(tmp_path):
     assert times["norecord"]["commits"] == 0
     assert times["overlayrec"]["commits"] >= 1 and times["overlayrec"]["commit_s"] > 0
     assert "in the recorder" in r.stdout and "journal commits" in r.stdout
+
+
+@needs_fuse
+def test_bench_profile_writes_a_profile_per_workload_and_its_layers(tmp_path):
+    """tools/bench --profile: the daemon (OVERLAYREC_BENCH_PROFILE) profiles each selected
+    workload between the bench's SIGUSR1 and SIGUSR2; each file is a cProfile of the daemon's
+    handlers, and the layers' shares add up to what was profiled, recording's own layers
+    (the recorder's, the journal's) weighing more with recording than without."""
+    import json
+    import pstats
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out, prof = tmp_path / "bench.json", tmp_path / "prof"
+    base = tempfile.mkdtemp(prefix="ob", dir="/tmp")  # short: the control socket's path
+    try:
+        r = subprocess.run([sys.executable, os.path.join(repo, "tools", "bench"), "--quick",
+                            "--only", "create-files", "--setups", "norecord,overlayrec",
+                            "--profile", str(prof), "--dir", base, "--json", str(out)],
+                           capture_output=True, text=True, timeout=300)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert sorted(os.listdir(prof)) == ["norecord.r1.create-files.pstats",
+                                        "overlayrec.r1.create-files.pstats"]
+    for name in os.listdir(prof):
+        names = {(os.path.basename(f), fn) for f, _, fn in pstats.Stats(str(prof / name)).stats}
+        assert ("fs.py", "create") in names and ("recorder.py", "create") in names, name
+    cells = json.loads(out.read_text())["results"]["create-files"]
+    shares = {s: cells[s]["profiles"][0] for s in ("norecord", "overlayrec")}
+    for s in shares.values():
+        layers = [s[k] for k in ("serving", "fs", "recorder", "journal", "syscalls", "other")]
+        assert abs(sum(layers) - s["total"]) < 1e-6 and s["fs"] > 0 and s["serving"] > 0
+    own = {k: (v["recorder"] + v["journal"]) / v["total"] for k, v in shares.items()}
+    assert own["overlayrec"] > own["norecord"] and shares["norecord"]["journal"] == 0
+    assert "profile (CPU)" in r.stdout and "overlayrec create-files" in r.stdout
