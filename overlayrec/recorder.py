@@ -953,23 +953,28 @@ class Recorder:
         (the empty directory it replaced had held them once; an exchange moves the other side's
         to ``path``): their epochs end too, or the next change there would be taken as inside
         an epoch of an object that has gone, and journaled without its pre-image."""
+        if path == path2:
+            return  # onto itself: nothing moved
         src, dst = path + "/", path2 + "/"
+        beneath = (src, dst)  # the paths that move or go (one C call a path: these maps hold
+        # every path written since its unit's last seal, tens of thousands in a long session)
 
         def moved(p: str) -> str | None:
             if p.startswith(src):
                 return path2 + p[len(path):]
-            if p.startswith(dst):
-                return path + p[len(path2):] if exchange else None
-            return p
+            return path + p[len(path2):] if exchange else None  # beneath dst
         ended: dict[str, str] = {}
-        for p in [p for p in self.epochs if moved(p) != p]:
+        for p in [p for p in self.epochs if p.startswith(beneath)]:
             unit = self.epochs.pop(p).unit
-            if moved(p) is not None:
-                ended[moved(p)] = unit
-        owed = {p: self.unsealed.pop(p) for p in [p for p in self.unsealed if moved(p) != p]}
+            q = moved(p)
+            if q is not None:
+                ended[q] = unit
+        owed = {p: self.unsealed.pop(p) for p in [p for p in self.unsealed
+                                                  if p.startswith(beneath)]}
         for p, unit in owed.items():
-            if moved(p) is not None:
-                self.unsealed[moved(p)] = unit
+            q = moved(p)
+            if q is not None:
+                self.unsealed[q] = unit
         self.unsealed.update(ended)
 
     def _end_runs(self, st: os.stat_result, name: str) -> None:
