@@ -56,6 +56,7 @@ class Batch:
 
 
 _BARE = b'],"a":[],"x":[],"b":[]}'  # the rest of a record of events alone: the most common
+_BLOBS_ONLY = b'],"a":[],"x":[],"b":'
 
 
 def encode(batch: Batch, dumps: Callable[[object], bytes]) -> bytes:
@@ -63,9 +64,11 @@ def encode(batch: Batch, dumps: Callable[[object], bytes]) -> bytes:
     undecodable bytes).  Each event is encoded once: the same bytes go to LMDB."""
     if batch.raws is None:
         batch.raws = [dumps(ev) for ev in batch.events]
-    if batch.actors or batch.notes or batch.blobs:
+    if batch.actors or batch.notes:
         rest = b"".join((b'],"a":', dumps(batch.actors), b',"x":', dumps(batch.notes), b',"b":',
                          dumps([[d, len(data)] for d, data in batch.blobs.items()]), b"}"))
+    elif batch.blobs:  # a small pre-image's record (an unlink, a rename over): the blobs alone
+        rest = _BLOBS_ONLY + dumps([[d, len(data)] for d, data in batch.blobs.items()]) + b"}"
     else:
         rest = _BARE
     head = b'{"e":[' + b",".join(batch.raws) + rest
