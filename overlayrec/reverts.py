@@ -105,9 +105,9 @@ def carry_out(ws: str, sd: str, plan: Plan, content, *, unreverts: str | None = 
     save(sd, rec)  # the plan is on disk before the first change
     root_fd = os.open(ws, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     done: list[tuple[str, str]] = []
-    # hard-link groups: the first path of each made holds the inode (or a live path outside
-    # the plan that still holds it)
-    made = dict(plan.partners)
+    # hard-link groups, by recorded inode: the first path made of each holds the group's
+    # inode (or a live path outside the plan that still holds it)
+    made = {key: [partner] for key, partner in plan.partners.items()}
     try:
         with client.Client(state.StateDir(sd).control_sock) as c:
             c.request("revert_begin", id=plan.id)

@@ -264,6 +264,26 @@ def test_apply_step_makes_every_kind_with_mode_and_owner(tmp_path):
         os.close(root)
 
 
+def test_one_recorded_inode_taken_in_two_states_is_two_groups(tmp_path):
+    """A plan takes each path at its own point: ``b`` and ``c`` before a chmod of their inode,
+    ``a`` after it.  ``b`` and ``c`` are one group again and ``a`` a file of its own (an inode
+    cannot hold two modes), whichever of them is made first."""
+    root = os.open(tmp_path, os.O_PATH | os.O_DIRECTORY)
+    made = {}
+    before = State("file", 0o644, b"x", ino=7, nlink=2)
+    steps = [Step("a", before.but(mode=0o755, nlink=3), ABSENT), Step("b", before, ABSENT),
+             Step("c", before, ABSENT)]
+    try:
+        results = {s.path: apply_step(root, s, made) for s in order(steps)}
+        assert results == {"a": "restored", "b": "restored",
+                           "c": "restored (hard link to b)"}, results
+        a, b, c = (os.lstat(tmp_path / n) for n in "abc")
+        assert b.st_ino == c.st_ino != a.st_ino and (a.st_nlink, b.st_nlink) == (1, 2)
+        assert (stat.S_IMODE(a.st_mode), stat.S_IMODE(b.st_mode)) == (0o755, 0o644)
+    finally:
+        os.close(root)
+
+
 def test_a_node_that_cannot_be_made_is_a_failure_not_a_skip(tmp_path):
     root = os.open(tmp_path, os.O_PATH | os.O_DIRECTORY)
     try:

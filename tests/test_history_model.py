@@ -1376,6 +1376,15 @@ LINKED_GROUP = [
                  ("own", "write", 277, 0, "x"), ("own", "write", 0, 0, "x"),
                  ("own", "move2", 394, 0, "x")]),
     ("late", 0, [("own", "link", 535, 0, "x")])])
+@example(seed=1, which=0, raw=[  # an inode chmodded by one call, linked by another: two groups
+    ("late", 0, [("own", "swap", 125, 0, "x"), ("own", "write", 0, 0, "x"),
+                 ("own", "write", 0, 0, "x")]),
+    ("call", 0, [("own", "link", 0, 151, "x"), ("own", "through", 0, 0, "x"),
+                 ("own", "chmod", 830, 66, "x"), ("own", "move2", 252, 619, "x"),
+                 ("own", "swap", 512, 0, "x")]),
+    ("call", 0, [("own", "link", 4096, 151, "x"), ("own", "through", 0, 0, "x"),
+                 ("own", "chmod", 830, 0, "x"), ("own", "move2", 0, 619, "x"),
+                 ("late", "swap", 0, 0, "x")])])
 def test_every_reader_agrees_with_the_model(model_env, seed, raw, which):
     plan = make_plan(seed, raw)
     note(plan.describe())

@@ -131,6 +131,72 @@ def test_unrevert_links_a_name_again_to_its_partner_in_a_directory_renamed_since
     assert b.st_ino == da.st_ino and b.st_nlink == 2, (b, da)
 
 
+TWO_CALLS = textwrap.dedent(r'''
+    import subprocess, sys
+    from overlayrec import client
+    first, between, late = sys.argv[1:4]
+    with client.connect() as c:
+        c.call_begin("c0", "Bash")
+        # c0's process lives on after its call: what it does later is still c0's
+        p = subprocess.Popen(["bash", "-c", first + " && echo ok && read _ && " + late],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert p.stdout.readline() == "ok\n"
+        c.call_end("c0")
+        c.call_begin("c1", "Bash")
+        subprocess.run(["bash", "-c", between], check=True)
+        c.call_end("c1")
+        p.communicate("\n")
+        assert p.returncode == 0
+''')
+
+
+def test_a_name_taken_before_its_inode_was_linked_and_chmodded_is_not_linked_back(make_mount,
+                                                                                  tmp_path):
+    """Found by the history model: a call c0 chmods ``d/x``; a call c1 links ``d/x`` as
+    ``d/e``; then c0 renames ``d`` to ``b``.  Reverting c0 puts ``d/x`` back as it was before
+    the chmod (0644, one name) and ``d/e`` as it was before the rename (c1's link, 0755).  The
+    two targets are one inode taken at two points with the same content, and were taken as one
+    hard-link group: ``d/x`` came back 0755 and linked to ``d/e``.  A group's names hold one
+    state (mode and owner too), or they were not one group then."""
+    m = setup_ws(make_mount, tmp_path, {"d/x": b"x\n"})
+    (tmp_path / "calls.py").write_text(TWO_CALLS)
+    m.mount()
+    before = tree_of(m.ws)
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", sys.executable,
+               str(tmp_path / "calls.py"), "chmod 755 d/x", "ln d/x d/e", "mv d b", cwd=m.ws)
+    after = tree_of(m.ws)
+    bx, be = (os.lstat(os.path.join(m.ws, "b", n)) for n in "xe")
+    assert bx.st_ino == be.st_ino and bx.st_mode & 0o777 == 0o755, (bx, be)
+    js = json.loads(overlayrec("revert", m.ws, "--call", "c0", "--json").stdout)
+    assert not [s for s in js["steps"] if s["conflict"]], js
+    overlayrec("revert", m.ws, "--call", "c0", "--yes")
+    x, e = (os.lstat(os.path.join(m.ws, "d", n)) for n in "xe")
+    assert (x.st_mode & 0o777, x.st_nlink) == (0o644, 1), x
+    assert (e.st_mode & 0o777, e.st_nlink) == (0o755, 1), e  # c1's name, kept as c1 left it
+    assert not os.path.lexists(os.path.join(m.ws, "b"))
+    assert tree_of(m.ws) == {**before, "d/e": after["b/e"]}
+    overlayrec("unrevert", "-w", m.ws, "--yes")
+    assert tree_of(m.ws) == after
+    bx, be = (os.lstat(os.path.join(m.ws, "b", n)) for n in "xe")
+    assert bx.st_ino == be.st_ino and bx.st_nlink == 2, (bx, be)
+
+
+def test_a_partner_chmodded_since_is_not_linked_to(make_mount, tmp_path):
+    """``a`` and ``b`` are one inode; a call removes ``a``; then the user chmods ``b``.  The
+    revert gives ``a`` back as it was (0644): not linked to ``b``, whose inode now has another
+    mode (it was, and ``a`` came back 0755)."""
+    m = setup_ws(make_mount, tmp_path, {"b": b"v1\n"})
+    m.mount()
+    m.sh("ln b a")  # through the mount (links made outside it are not known)
+    before = tree_of(m.ws)
+    run_call(m, tmp_path, "rm a")
+    m.sh("chmod 755 b")
+    overlayrec("revert", m.ws, "--call", "c1", "--yes")
+    a, b = (os.lstat(os.path.join(m.ws, n)) for n in "ab")
+    assert (a.st_mode & 0o777, a.st_nlink, b.st_mode & 0o777) == (0o644, 1, 0o755), (a, b)
+    assert tree_of(m.ws) == {**before, "b": ("file", 0o755, b"v1\n")}
+
+
 def test_a_hard_link_made_outside_the_mount_is_known_once_both_names_were_seen(make_mount,
                                                                                tmp_path):
     """``sub/a`` and ``sub/b`` were linked before the record.  Once the mount has seen both

@@ -237,7 +237,7 @@ def _find_partners(plan: Plan, live: Tree, candidates) -> None:
         for name in sorted(names):
             st = live.lstat(name)
             if st is not None and st.st_ino == t.ino and stat.S_ISREG(st.st_mode) and \
-                    live.state(name).data == t.data:
+                    live.state(name).same(t):  # chmodded since: a name of another group
                 plan.partners[link_key(t)] = (name, st.st_ino, t)
                 break
 
@@ -364,9 +364,11 @@ def linked(a: State, b: State) -> bool:
     """Were ``a`` and ``b`` (each at its own point) one hard-link group?  The same inode, and
     one of them saw it linked: a group's paths are each taken at their own point (in a plan,
     just before the first change to each), and a path taken after another of its group was
-    unlinked counts one link less."""
+    unlinked counts one link less.  And they hold one state (content, mode, owner): one inode
+    taken at two moments between which it was written or chmodded is two things to put back,
+    which one inode cannot hold."""
     return link_key(a) != 0 and link_key(a) == link_key(b) and max(a.nlink, b.nlink) > 1 and \
-        a.data == b.data  # one inode taken at two moments between which it was written
+        a.same(b)
 
 
 FAILED = "failed: "
@@ -386,8 +388,9 @@ class DirMode(Step):
 def apply_step(root_fd: int, step: Step, made: dict | None = None) -> str:
     """Make ``step.path`` hold ``step.target``; returns what was done (``failed(...)`` tells
     a path it could not make whole).  ``made``, shared by the steps of one plan, maps the
-    inode of a target to the path made for it (and that target): the other paths of a
-    hard-link group (see ``linked``) are linked to it, not copied.  Raises ``Escape`` (naming
+    inode of a target to the paths made for it, one (path, inode made, target) for each group
+    of that inode (see ``linked``): the other paths of a group are linked to its path, not
+    copied.  Raises ``Escape`` (naming
     ``step.path``) when the path cannot be reached without following a symlink."""
     t = step.target
     try:
@@ -424,18 +427,18 @@ def apply_step(root_fd: int, step: Step, made: dict | None = None) -> str:
             # a mode that would stop the directory being filled comes last (a DirMode step)
             problem = set_meta(dfd, name, t, t.mode | 0o700 if _blocks(t.mode) else t.mode)
             return FAILED + problem if problem else "dir"
+        first = _holder(made, t)
         if t.kind == "file" and link_key(t) and t.nlink > 1 and step.in_place:
             # only a target that was itself linked then shares its inode: writing into an
             # inode linked since would change names the revert does not own
             done = _write_in_place(dfd, name, t)
             if done is not None:
-                if made is not None:
-                    made.setdefault(link_key(t), (step.path, t.ino, t))
+                if first is None and made is not None:
+                    made.setdefault(link_key(t), []).append((step.path, t.ino, t))
                 return done
         tmp = temp_name(name, f"overlayrec-revert-{os.getpid()}")
         _remove(dfd, tmp)
-        first = made.get(link_key(t)) if made is not None else None
-        if first is not None and linked(t, first[2]) and _link_to(root_fd, first, dfd, tmp):
+        if first is not None and _link_to(root_fd, first, dfd, tmp):
             _replace(dfd, tmp, name)
             return f"restored (hard link to {first[0]})"
         problem = None
@@ -463,12 +466,20 @@ def apply_step(root_fd: int, step: Step, made: dict | None = None) -> str:
             _remove(dfd, tmp)
             raise
         _replace(dfd, tmp, name)
-        if made is not None and link_key(t) and link_key(t) not in made:
+        if made is not None and link_key(t) and first is None:
             st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-            made[link_key(t)] = (step.path, st.st_ino, t)
+            made.setdefault(link_key(t), []).append((step.path, st.st_ino, t))
         return FAILED + "restored, but " + problem if problem else "restored"
     finally:
         os.close(dfd)
+
+
+def _holder(made: dict | None, t: State) -> tuple | None:
+    """The path already made (or a partner) holding ``t``'s group: one inode of the record may
+    stand for several groups, one for each state it was taken in (see ``linked``)."""
+    if made is None or not link_key(t):
+        return None
+    return next((h for h in made.get(link_key(t), ()) if linked(t, h[2])), None)
 
 
 def _holds_group_inode(root_fd: int, step: Step) -> bool:
