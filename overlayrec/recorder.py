@@ -1277,8 +1277,13 @@ class Recorder:
     @_roomy
     @_undoable
     def setxattr(self, fd: int, name: str, value: bytes, actor: dict) -> None:
-        with self._mutation(self._meta_event("setxattr", fd, actor, name=name, size=len(value)),
-                            actor):
+        kw = {}
+        if name == underlay.ACL_ACCESS:
+            # an access ACL sets the mode's permission bits (``sed -i`` copies one onto its
+            # temp file): the mode after, for a reader replaying forward (engines.states)
+            kw["mode"] = underlay.acl_mode(value, os.fstat(fd))
+        with self._mutation(self._meta_event("setxattr", fd, actor, name=name, size=len(value),
+                                             **kw), actor):
             os.setxattr(underlay.proc_path(fd), name, value)
 
     @_roomy

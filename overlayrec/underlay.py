@@ -348,3 +348,33 @@ def list_xattrs(fd: int, is_symlink: bool) -> dict[str, bytes]:
     except OSError:
         pass
     return out
+
+
+ACL_ACCESS = "system.posix_acl_access"
+_ACL_USER_OBJ, _ACL_GROUP_OBJ, _ACL_MASK, _ACL_OTHER = 0x01, 0x04, 0x10, 0x20
+
+
+def acl_mode(value: bytes, st: os.stat_result) -> int | None:
+    """The mode (``st_mode`` bits, without the type) the kernel leaves on ``st``'s file when
+    this process sets its access ACL to ``value``: the ACL's owner, mask (or group) and other
+    entries become the permission bits (``posix_acl_equiv_mode``), and the set-group-ID bit
+    goes unless this process is in the file's group or privileged
+    (``posix_acl_update_mode``).  An empty ACL removes it and leaves the mode alone.  None
+    when ``value`` is no ACL the kernel would take (then the change fails)."""
+    mode = stat.S_IMODE(st.st_mode)
+    if len(value) < 4 or (len(value) - 4) % 8 or int.from_bytes(value[:4], "little") != 2:
+        return None
+    if len(value) == 4:
+        return mode
+    perms = {}
+    for off in range(4, len(value), 8):
+        tag, perm = int.from_bytes(value[off:off + 2], "little"), value[off + 2] & 0o7
+        perms[tag] = perm
+    if not {_ACL_USER_OBJ, _ACL_GROUP_OBJ, _ACL_OTHER} <= perms.keys():
+        return None
+    group = perms.get(_ACL_MASK, perms[_ACL_GROUP_OBJ])
+    mode = mode & 0o7000 | perms[_ACL_USER_OBJ] << 6 | group << 3 | perms[_ACL_OTHER]
+    if mode & stat.S_ISGID and os.geteuid() != 0 and st.st_gid != os.getegid() and \
+            st.st_gid not in os.getgroups():
+        mode &= ~stat.S_ISGID
+    return mode

@@ -143,3 +143,53 @@ def test_without_record_data_points_inside_a_run_are_marked_inexact(make_mount, 
     finally:
         os.close(fd)
         j.close()
+
+
+def _acl(*entries) -> bytes:
+    """An access ACL as the kernel takes it in ``system.posix_acl_access``."""
+    return (2).to_bytes(4, "little") + b"".join(
+        tag.to_bytes(2, "little") + perm.to_bytes(2, "little") + ident.to_bytes(4, "little")
+        for tag, perm, ident in entries)
+
+
+def test_replay_between_metadata_changes_of_a_new_file(make_mount, tmp_path):
+    """``sed -i`` makes its temp file 0600, chowns it, and sets the original's access ACL on it
+    before writing it: an ACL sets the mode's permission bits.  A point between those changes
+    is replayed forward from the file's creation; it gave 0600 after the ACL (and, after a
+    chown, the replayer's own owner), marked exact.  Each point is checked against an lstat
+    the writer took right after each change."""
+    m = make_mount()
+    m.mount()
+    owner = os.geteuid() == 0  # only root may give a file away
+    script = textwrap.dedent(f'''
+        import json, os
+        ACL = "system.posix_acl_access"
+        seen = []
+        def note():
+            st = os.lstat("f")
+            seen.append([stat_mode(st), st.st_uid, st.st_gid])
+        def stat_mode(st):
+            return st.st_mode & 0o7777
+        os.close(os.open("f", os.O_CREAT | os.O_WRONLY, 0o600)); note()
+        os.setxattr("f", ACL, bytes.fromhex({_acl((1, 7, 0), (4, 5, 0), (0x20, 4, 0)).hex()!r}))
+        note()
+        if {owner}:
+            os.chown("f", 1234, 4321); note()
+        os.setxattr("f", ACL, bytes.fromhex({_acl((1, 6, 0), (2, 7, 1234), (4, 7, 0), (0x10, 4, 0),
+                                                   (0x20, 0, 0)).hex()!r}))
+        note()
+        print(json.dumps(seen))
+    ''')
+    seen = json.loads(m.py(script).stdout)
+    assert [s[0] for s in seen] == ([0o600, 0o754, 0o754, 0o640] if owner else
+                                    [0o600, 0o754, 0o640]), seen  # what the kernel did
+    seqs = [e["seq"] for e in m.events() if e.get("path") == "f"]
+    assert len(seqs) == len(seen), m.events()
+    for k, (seq, (mode, uid, gid)) in enumerate(zip(seqs, seen)):
+        out = tmp_path / f"at{k}"
+        js = json.loads(overlayrec("replay", m.ws, "--at", str(seq), "--to", str(out),
+                                   "--json").stdout)
+        st = os.lstat(out / "f")
+        assert "f" not in js["inexact"] and stat.S_IMODE(st.st_mode) == mode, (k, seq, js, st)
+        if owner and k >= 2:
+            assert (st.st_uid, st.st_gid) == (uid, gid) == (1234, 4321), (k, st)

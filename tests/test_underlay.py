@@ -65,3 +65,34 @@ def test_utimens_fd_of_a_gone_fd_raises_oserror(tmp_path):
     os.close(fd)
     with pytest.raises(OSError):
         underlay.utimens_fd(fd, T1, T1, False)
+
+
+def _acl(*entries) -> bytes:
+    return (2).to_bytes(4, "little") + b"".join(
+        tag.to_bytes(2, "little") + perm.to_bytes(2, "little") + ident.to_bytes(4, "little")
+        for tag, perm, ident in entries)
+
+
+@pytest.mark.parametrize("start, acl", [
+    (0o600, _acl((1, 7, 0), (4, 5, 0), (0x20, 4, 0))),                      # equivalent to 0754
+    (0o644, _acl((1, 6, 0), (2, 7, 4321), (4, 7, 0), (0x10, 4, 0), (0x20, 0, 0))),  # mask
+    (0o2755, _acl((1, 5, 0), (4, 1, 0), (0x20, 1, 0))),                     # set-id bits kept
+    (0o640, _acl()),                                                        # empty: removed
+    (0o640, _acl((1, 6, 0), (0x20, 4, 0))),                                 # no group: refused
+    (0o640, b"\x01\x00\x00\x00"),                                           # not version 2
+], ids=["equivalent", "mask", "set-id", "empty", "no-group", "version-1"])
+def test_acl_mode_is_the_mode_the_kernel_leaves(tmp_path, start, acl):
+    f = tmp_path / "f"
+    f.write_text("x")
+    try:
+        os.setxattr(f, underlay.ACL_ACCESS, _acl((1, 6, 0), (4, 4, 0), (0x20, 4, 0)))
+    except OSError:
+        pytest.skip("no ACLs on this filesystem")
+    os.chmod(f, start)
+    try:
+        os.setxattr(f, underlay.ACL_ACCESS, acl)
+    except OSError as e:
+        assert underlay.acl_mode(acl, os.lstat(f)) is None, e  # the kernel refused it too
+        return
+    got = underlay.acl_mode(acl, os.stat_result((start | 0o100000,) + tuple(os.lstat(f))[1:]))
+    assert got == os.lstat(f).st_mode & 0o7777, (oct(got), oct(os.lstat(f).st_mode))

@@ -34,7 +34,7 @@ from ..journal import Journal, preimage
 from ..journal.renames import RenameIndex
 from ..journal.schema import MARK_OPS, is_dir_rename
 from ..secrets import Secrets, placeholder
-from ..underlay import kind_of
+from ..underlay import ACL_ACCESS, kind_of
 
 ATTIC = ".overlayrec-attic"
 
@@ -1223,7 +1223,17 @@ class States:
                 facts_of = ABSENT
             elif op == "chmod":
                 mode = e["mode"]
-            elif op in ("chown", "utimens", "setxattr", "removexattr"):
+            elif op == "chown":
+                if kind != "dir" and mode & (stat.S_ISUID | stat.S_ISGID):
+                    return None  # the kernel drops set-id bits by rules of its version
+                facts_of = facts_of.but(
+                    uid=facts_of.uid if e.get("uid", -1) == -1 else e["uid"],
+                    gid=facts_of.gid if e.get("gid", -1) == -1 else e["gid"])
+            elif op == "setxattr" and e.get("name") == ACL_ACCESS:
+                if e.get("mode") is None:
+                    return None  # recorded before the event said the mode an ACL leaves
+                mode = e["mode"]
+            elif op in ("utimens", "setxattr", "removexattr"):
                 pass
             elif op in ("unlink", "rmdir"):
                 kind, mode, data = "absent", 0, bytearray()

@@ -41,6 +41,9 @@ Sub-databases of the LMDB environment:
               ``path2`` (a rename's target).  A later event may only add facets to an epoch's
               pre-image (``pre`` with ``"facet"``).  ``failed`` events name a seq whose operation
               the underlay refused after the event was written (the write-ahead order).
+              A ``setxattr`` of ``system.posix_acl_access`` carries ``mode``: the mode the ACL
+              leaves (its permission bits come from the ACL; null for a value the kernel
+              refuses); one written before that field existed replays forward inexact.
               ``seal`` events change nothing: their ``pre`` is what the path held when an epoch
               ended (a unit's end, unmount), with ``hash`` (and ``blob`` where the content was
               kept).  The chain of a path ends at its last seal, not at the live tree.
