@@ -135,8 +135,12 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
         # end), once its release was noted
         last = states.settle(p, last)
         expected = states.state(p, last)
-        if target.same(expected):
-            continue  # made and unmade inside the selection (a temp file): nothing to do
+        if target.same(expected) and (target.exact and expected.exact or
+                                      target.withheld and expected.withheld):
+            # made and unmade inside the selection (a temp file): nothing to do.  Not when a
+            # side is a guess (a secret's placeholder names the event that last changed it):
+            # two guesses alike say nothing of what the path held
+            continue
         step = Step(p, target, expected)
         if live.symlink_on_the_way(p) and live.blocker(p) not in made_dirs:
             # a directory on its way is now a symlink (or a file) the plan does not itself

@@ -1137,6 +1137,13 @@ class States:
         end = self._beyond(path, move)
         return end if exact else end.but(exact=False)
 
+    def _attic_as_left(self, pre: dict) -> bool:
+        """Does the attic entry of ``pre`` still have the size and mtime its inode had when
+        it left the path?"""
+        st = self.tree.lstat(f"{ATTIC}/{pre['attic']}")
+        return st is not None and st.st_size == pre.get("size") and \
+            st.st_mtime_ns == pre.get("mtime_ns")
+
     def _from_pre(self, path: str, e: dict, pre: dict, later: list[dict],
                   move: dict | None) -> State:
         kind = pre["kind"]
@@ -1149,7 +1156,12 @@ class States:
                 (e["op"] == "rename" and e.get("path") == path):
             data = self.tree.attic(pre["attic"])
             if data is not None:
-                return State("file", mode, data, **facts(pre))
+                s = State("file", mode, data, **facts(pre))
+                # an inode that kept other names when it left this one (content past the
+                # whole-file limit is not copied then): a write through those since changed
+                # the attic's copy too, which its size and mtime tell
+                return s if pre.get("nlink", 1) < 2 or self._attic_as_left(pre) else \
+                    s.but(exact=False)
             # the entry is gone (dropped to free space: a ``reclaim`` marker; or removed by
             # hand): nothing else holds that inode's content, so never guess it
             return State("file", mode, b"", exact=False, **facts(pre))
