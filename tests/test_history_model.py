@@ -59,6 +59,9 @@ OVERLAYREC_MODEL_RANDOM=1 explores other cases than CI's fixed ones (with pytest
 ``--hypothesis-seed=N`` to repeat a run); OVERLAYREC_MODEL_KEEP=1 keeps the workspaces and
 records of the last mount (each case's ``caseN`` directory) for a look after a failure.  A failing
 case can be pinned with ``@example(seed=..., raw=..., which=...)`` from hypothesis' report.
+The recorder's OVERLAYREC_TEST_WHOLE_FILE_LIMIT=2 and OVERLAYREC_TEST_SMALL_PREIMAGE=-1 keep every
+file as a large one (ranges, the attic): the readers may then say inexact or unrecorded where
+the model is exact, and are checked wherever they do not (``LARGE``).
 """
 from __future__ import annotations
 
