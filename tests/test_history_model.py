@@ -62,6 +62,7 @@ case can be pinned with ``@example(seed=..., raw=..., which=...)`` from hypothes
 The recorder's OVERLAYREC_TEST_WHOLE_FILE_LIMIT=2 and OVERLAYREC_TEST_SMALL_PREIMAGE=-1 keep every
 file as a large one (ranges, the attic): the readers may then say inexact or unrecorded where
 the model is exact, and are checked wherever they do not (``LARGE``).
+OVERLAYREC_MODEL_MOUNT_ARGS adds arguments to the mount (``--record-data``).
 """
 from __future__ import annotations
 
@@ -110,6 +111,9 @@ FIXED = not os.environ.get("OVERLAYREC_MODEL_RANDOM")  # CI: the same cases ever
 # may then be inexact where the model is exact (an alias of a change to a linked file past the
 # whole-file limit keeps no content: docs/design.md): a reader may call a path inexact (diff,
 # replay, export) or refuse it (revert: ``unrecorded``), and must be right wherever it is not.
+# OVERLAYREC_MODEL_MOUNT_ARGS: more arguments of the mount (``--record-data``: every write's
+# data journaled, so the readers replay forward, exact at every event)
+MOUNT_ARGS = tuple(os.environ.get("OVERLAYREC_MODEL_MOUNT_ARGS", "").split())
 LARGE = any(os.environ.get(k) for k in ("OVERLAYREC_TEST_WHOLE_FILE_LIMIT",
                                         "OVERLAYREC_TEST_SMALL_PREIMAGE"))
 KEEP = os.environ.get("OVERLAYREC_MODEL_KEEP") == "1"  # the records, for a look after a failure
@@ -900,7 +904,7 @@ class Recorder:
         for n in ("ctl.in", "ctl.out"):
             if not os.path.exists(os.path.join(self.ctl, n)):
                 os.mkfifo(os.path.join(self.ctl, n))
-        self.m = Mount(os.path.join(base, "m"))
+        self.m = Mount(os.path.join(base, "m"), extra_args=MOUNT_ARGS)
         self.run = None
         self.j: Journal | None = None
 
