@@ -403,3 +403,23 @@ def test_a_linked_entry_written_through_its_other_name_is_not_exact_any_more(mak
     m.sh("echo five >> a")
     data, vague = replay_b("r2")
     assert vague, data  # the attic's copy changed with a: never given as exact
+
+
+@needs_fuse
+@pytest.mark.timeout(int(120 * SLOW))
+def test_a_write_through_a_descriptor_left_open_is_not_what_the_name_held(make_mount,
+                                                                          tmp_path):
+    """A process holds ``f`` open, ``f`` is removed (its inode goes to the attic: a file past
+    SMALL_PREIMAGE), then the process writes through its descriptor: an event on the attic's
+    path.  Replay before the removal read the entry as it is now and gave ``f`` the later
+    write, marked exact; it is the entry as the removal left it."""
+    m = make_mount(env=dict(os.environ, OVERLAYREC_TEST_SMALL_PREIMAGE="-1"))
+    m.mount()
+    m.sh("printf 'original\\n' > f && exec 3>>f && rm f && echo later >&3")
+    evs = m.events()
+    rm = next(e for e in evs if e["op"] == "unlink")
+    assert "attic" in rm["pre"], rm  # this test's case
+    assert any(e["op"] == "write" and e["path"].startswith(ATTIC) for e in evs), evs
+    js = json.loads(overlayrec("replay", m.ws, "--at", str(rm["seq"] - 1), "--to",
+                               str(tmp_path / "r"), "--json").stdout)
+    assert (tmp_path / "r" / "f").read_bytes() == b"original\n" and "f" not in js["inexact"]

@@ -345,10 +345,6 @@ class Tree:
                 return sub
         return None
 
-    def attic(self, name: str) -> bytes | None:
-        s = self.state(f"{ATTIC}/{name}")
-        return s.data if s.kind in ("file", "symlink") else None
-
 
 def facts(pre: dict) -> dict:
     """The State fields a stored pre-image or seal gives besides kind, mode and content."""
@@ -1154,14 +1150,17 @@ class States:
         mode = pre.get("mode", 0o644)
         if "attic" in pre and e["op"] in ("unlink", "rename") and not \
                 (e["op"] == "rename" and e.get("path") == path):
-            data = self.tree.attic(pre["attic"])
+            # as the entry was just after the event: a write through a descriptor still open
+            # on the file lands on the entry later, an event of its own on the attic's path
+            kept = self.state(f"{ATTIC}/{pre['attic']}", e["seq"])
+            data = kept.data if kept.kind in ("file", "symlink") else None
             if data is not None:
-                s = State("file", mode, data, **facts(pre))
+                s = State("file", mode, data, kept.exact, **facts(pre))
                 # an inode that kept other names when it left this one (content past the
                 # whole-file limit is not copied then): a write through those since changed
                 # the attic's copy too, which its size and mtime tell
-                return s if pre.get("nlink", 1) < 2 or self._attic_as_left(pre) else \
-                    s.but(exact=False)
+                return s if not s.exact or pre.get("nlink", 1) < 2 or \
+                    self._attic_as_left(pre) else s.but(exact=False)
             # the entry is gone (dropped to free space: a ``reclaim`` marker; or removed by
             # hand): nothing else holds that inode's content, so never guess it
             return State("file", mode, b"", exact=False, **facts(pre))
