@@ -342,6 +342,9 @@ class Recorder:
         self.unsealed: dict[str, str] = {}
         self.attic_fd = self._open_attic()
         self.attic_links: dict[tuple[int, int], int] = {}
+        # the entry a renamed-over inode was linked to (this daemon's): a descriptor still open
+        # on it is named there, not by the name it lost (rel)
+        self.attic_names: dict[tuple[int, int], str] = {}
         # the filesystem's own name for an object (its inode table's parent/name chain), asked
         # when the kernel cannot name an fd: an absolute path past PATH_MAX
         self.namer: Callable[[os.stat_result], str | None] | None = None
@@ -442,6 +445,8 @@ class Recorder:
 
     def _drop_attic(self, name: str, key: tuple[int, int]) -> None:
         os.unlink(name, dir_fd=self.attic_fd)
+        if self.attic_names.get(key) == name:
+            del self.attic_names[key]
         n = self.attic_links.get(key, 0) - 1
         if n > 0:
             self.attic_links[key] = n
@@ -524,7 +529,8 @@ class Recorder:
     def rel(self, fd: int) -> str:
         """The workspace-relative path of an fd's object, as the kernel names it now.  An fd
         opened by a name that has since gone (unlinked into the attic, or renamed over) while
-        the inode lives on under another hard link is named by that other link."""
+        the inode lives on under another hard link is named by that other link; one renamed
+        over and kept in the attic, by its attic entry; never by the name it lost."""
         try:
             p = underlay.fd_path(fd)
         except OSError as e:
@@ -538,11 +544,19 @@ class Recorder:
         if gone:
             p = p[:-10]
             st = os.fstat(fd)
-            if st.st_nlink == 0 and stat.S_ISREG(st.st_mode):
-                # no name holds it (a small file unlinked or renamed over: its pre-image is in
-                # the content store): what is done through an fd still open on it changes no
-                # path, so it is journaled in the hidden attic's namespace, as for an inode
-                # the attic keeps, never as a change of its old name (which another may hold)
+            if stat.S_ISREG(st.st_mode):
+                # the fd's name is gone, never to be journaled as changed: another file may
+                # hold it now.  A small file unlinked or renamed over (its pre-image is in the
+                # content store) has no name left: what is done through the fd changes no
+                # path, and goes to the hidden attic's namespace.  A larger one renamed over
+                # lives on in the attic (linked there first), or under another hard link.
+                if st.st_nlink:
+                    live = self._live_name(fd) if self.names else None
+                    if live is not None:
+                        return live
+                    kept = self.attic_names.get((st.st_dev, st.st_ino))
+                    if kept is not None:
+                        return f"{ATTIC_NAME}/{kept}"
                 return f"{ATTIC_NAME}/{self.attic_prefix}gone.{st.st_ino}"
         if p.startswith(self._root_slash):
             rel = p[self._root_cut:]
@@ -922,6 +936,7 @@ class Recorder:
                 os.link(nname, pre2["attic"], src_dir_fd=npfd, dst_dir_fd=self.attic_fd,
                         follow_symlinks=False)
                 self.attic_links[attic_key] = self.attic_links.get(attic_key, 0) + 1
+                self.attic_names[attic_key] = pre2["attic"]
             try:
                 underlay.renameat2(pfd, name, npfd, nname, flags)
             except OSError:

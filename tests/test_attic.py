@@ -423,3 +423,29 @@ def test_a_write_through_a_descriptor_left_open_is_not_what_the_name_held(make_m
     js = json.loads(overlayrec("replay", m.ws, "--at", str(rm["seq"] - 1), "--to",
                                str(tmp_path / "r"), "--json").stdout)
     assert (tmp_path / "r" / "f").read_bytes() == b"original\n" and "f" not in js["inexact"]
+
+
+@needs_fuse
+@pytest.mark.timeout(int(120 * SLOW))
+def test_a_file_renamed_over_while_held_open_is_changed_in_the_attic(make_mount, tmp_path):
+    """Found by test_open_handles with every pre-image in the attic: a process holds ``a``
+    open, ``c`` is renamed over ``a`` (the old inode is linked into the attic first, so the
+    descriptor's name reads "a (deleted)"), then the process truncates and writes through its
+    descriptor.  Those were journaled as changes of ``a``, the name another file holds now:
+    replay before the rename gave ``a`` the later content.  They are changes of the attic's
+    entry."""
+    m = make_mount(env=dict(os.environ, OVERLAYREC_TEST_SMALL_PREIMAGE="-1"))
+    m.mount()
+    m.py("import os\n"
+         "open('a', 'w').write('old\\n'); open('c', 'w').write('new\\n')\n"
+         "fd = os.open('a', os.O_WRONLY | os.O_APPEND)\n"
+         "os.rename('c', 'a'); os.ftruncate(fd, 2); os.write(fd, b'xy')\n")
+    evs = m.events()
+    rn = next(e for e in evs if e["op"] == "rename")
+    later = [(e["op"], e["path"]) for e in evs if e["seq"] > rn["seq"]]
+    assert later == [("truncate", f"{ATTIC}/{rn['pre2']['attic']}"),
+                     ("write", f"{ATTIC}/{rn['pre2']['attic']}")], later
+    js = json.loads(overlayrec("replay", m.ws, "--at", str(rn["seq"] - 1), "--to",
+                               str(tmp_path / "r"), "--json").stdout)
+    assert (tmp_path / "r" / "a").read_bytes() == b"old\n" and "a" not in js["inexact"]
+    assert open(os.path.join(m.ws, "a")).read() == "new\n"
