@@ -453,6 +453,18 @@ def test_every_state_with_range_pre_images(make_mount, tmp_path):
                   env=dict(os.environ, OVERLAYREC_TEST_WHOLE_FILE_LIMIT="8"))
 
 
+def test_every_state_as_of_large_files(make_mount, tmp_path):
+    """Every file kept as one of 4 MiB and more is: content range by range (the whole-file
+    limit at 8 bytes) and every unlinked or renamed-over inode in the attic (SMALL_PREIMAGE
+    below 0), where descriptors still open on it go on writing."""
+    n = max(4, CASES // 2)
+    plan = [{"dir": f"c{seed}", "ops": generate(seed)}
+            for seed in range(SEED + 3000, SEED + 3000 + n)]
+    run_and_check(make_mount, tmp_path, plan, min_exact=4 * n * len(FILES),
+                  env=dict(os.environ, OVERLAYREC_TEST_WHOLE_FILE_LIMIT="8",
+                           OVERLAYREC_TEST_SMALL_PREIMAGE="-1"))
+
+
 def test_two_handles_on_one_file(make_mount, tmp_path):
     """A process writing one file through two descriptors: a write through the first after
     the second's events starts a run of its own (an event), so the state after the second's
