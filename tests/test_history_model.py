@@ -108,14 +108,14 @@ CHECKS = set((os.environ.get("OVERLAYREC_MODEL_CHECKS") or
 PHASES = tuple(Phase) if os.environ.get("OVERLAYREC_MODEL_SHRINK", "1") != "0" else \
     tuple(p for p in Phase if p is not Phase.shrink)
 FIXED = not os.environ.get("OVERLAYREC_MODEL_RANDOM")  # CI: the same cases every run
+# OVERLAYREC_MODEL_MOUNT_ARGS: more arguments of the mount (``--record-data``: every write's
+# data journaled, so the readers replay forward, exact at every event)
+MOUNT_ARGS = tuple(os.environ.get("OVERLAYREC_MODEL_MOUNT_ARGS", "").split())
 # With the recorder's OVERLAYREC_TEST_WHOLE_FILE_LIMIT (or _SMALL_PREIMAGE) set small, every
 # file is kept as a large one is (content range by range, pre-images in the attic).  The record
 # may then be inexact where the model is exact (an alias of a change to a linked file past the
 # whole-file limit keeps no content: docs/design.md): a reader may call a path inexact (diff,
 # replay, export) or refuse it (revert: ``unrecorded``), and must be right wherever it is not.
-# OVERLAYREC_MODEL_MOUNT_ARGS: more arguments of the mount (``--record-data``: every write's
-# data journaled, so the readers replay forward, exact at every event)
-MOUNT_ARGS = tuple(os.environ.get("OVERLAYREC_MODEL_MOUNT_ARGS", "").split())
 LARGE_KNOBS = {"OVERLAYREC_TEST_WHOLE_FILE_LIMIT": "2", "OVERLAYREC_TEST_SMALL_PREIMAGE": "-1"}
 ENV_LARGE = any(os.environ.get(k) for k in LARGE_KNOBS)
 LARGE = ENV_LARGE  # the case being checked is recorded so (set by run_case)
