@@ -97,8 +97,9 @@ def test_bench_times_counts_the_recorder_and_records_as_always(make_mount, tmp_p
         assert calls["link"] == 1 and calls["symlink"] == 1 and calls["chmod"] == 1
         assert calls["unlink"] == 2 and calls["create"] >= 3
         assert all(v["seconds"] > 0 for v in d["mutations"].values())
-        assert d["cpu_s"] > sum(v["seconds"] for k, v in d["mutations"].items()
-                                if k != "commit")
+        # the daemon's CPU was measured; not compared with the mutations' seconds, which are
+        # wall time: on a loaded machine they exceed the CPU (a full suite failed so)
+        assert isinstance(d["cpu_s"], float) and d["cpu_s"] > 0
     commits = lines[0]["mutations"]["commit"]["calls"]
     assert commits >= 1 and "commit" not in lines[1]["mutations"]
 
