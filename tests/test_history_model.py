@@ -1280,6 +1280,10 @@ STEP = st.tuples(st.sampled_from(["own"] * 6 + ["O", "late"]), st.sampled_from(K
                  st.integers(0, 1 << 12), st.integers(0, 1 << 12), st.sampled_from("xyz"))
 SEGMENT = st.tuples(st.sampled_from(["call", "call", "call", "outside", "late"]),
                     st.integers(0, 7), st.lists(STEP, min_size=1, max_size=5))
+# one generated case of every_reader (and of its large-file run): a plan's seed and segments,
+# and which call is reverted
+CASE = dict(seed=st.sampled_from([1, 2, 0]), raw=st.lists(SEGMENT, min_size=1, max_size=4),
+            which=st.integers(0, 7))
 
 
 class ModelEnv:
@@ -1377,8 +1381,7 @@ LINKED_GROUP = [
 @pytest.mark.timeout(int((900 + 6 * CASES) * SLOW))  # the whole run, not one case
 @settings(max_examples=CASES, deadline=None, derandomize=FIXED, database=None, phases=PHASES,
           suppress_health_check=list(HealthCheck))
-@given(seed=st.sampled_from([1, 2, 0]), raw=st.lists(SEGMENT, min_size=1, max_size=4),
-       which=st.integers(0, 7))
+@given(**CASE)
 # Cases that once failed, pinned so they run first every time.
 @example(seed=2, which=0, raw=[
     ("call", 0, [("own", "write", 0, 0, "x"), ("own", "write", 0, 0, "x"),
@@ -1475,8 +1478,7 @@ def check_case(model_env, seed, raw, which) -> None:
 @pytest.mark.timeout(int((900 + 6 * LARGE_CASES) * SLOW))
 @settings(max_examples=LARGE_CASES, deadline=None, derandomize=FIXED, database=None,
           phases=PHASES, suppress_health_check=list(HealthCheck))
-@given(seed=st.sampled_from([1, 2, 0]), raw=st.lists(SEGMENT, min_size=1, max_size=4),
-       which=st.integers(0, 7))
+@given(**CASE)
 def test_every_reader_with_large_files(large_env, seed, raw, which):
     """The same cases recorded with every file kept as a large one is (content range by
     range, pre-images in the attic: LARGE_KNOBS): where a reader does not say it cannot know,
