@@ -427,7 +427,8 @@ def test_a_write_through_a_descriptor_left_open_is_not_what_the_name_held(make_m
 
 @needs_fuse
 @pytest.mark.timeout(int(120 * SLOW))
-def test_a_file_renamed_over_while_held_open_is_changed_in_the_attic(make_mount, tmp_path):
+@pytest.mark.parametrize("sub", ["", "/".join(["x" * 200] * 19)], ids=["top", "path-3800"])
+def test_a_file_renamed_over_while_held_open_is_changed_in_the_attic(make_mount, tmp_path, sub):
     """Found by test_open_handles with every pre-image in the attic: a process holds ``a``
     open, ``c`` is renamed over ``a`` (the old inode is linked into the attic first, so the
     descriptor's name reads "a (deleted)"), then the process truncates and writes through its
@@ -437,9 +438,13 @@ def test_a_file_renamed_over_while_held_open_is_changed_in_the_attic(make_mount,
     m = make_mount(env=dict(os.environ, OVERLAYREC_TEST_SMALL_PREIMAGE="-1"))
     m.mount()
     m.py("import os\n"
-         "open('a', 'w').write('old\\n'); open('c', 'w').write('new\\n')\n"
-         "fd = os.open('a', os.O_WRONLY | os.O_APPEND)\n"
-         "os.rename('c', 'a'); os.ftruncate(fd, 2); os.write(fd, b'xy')\n")
+         f"os.makedirs({sub!r} or '.', exist_ok=True); d = os.open({sub!r} or '.', os.O_PATH)\n"
+         "def at(n, fl): return os.open(n, fl | os.O_CREAT, 0o644, dir_fd=d)\n"
+         "os.write(at('a', os.O_WRONLY), b'old\\n'); os.write(at('c', os.O_WRONLY), b'new\\n')\n"
+         "fd = at('a', os.O_WRONLY | os.O_APPEND)\n"
+         "os.rename('c', 'a', src_dir_fd=d, dst_dir_fd=d); os.ftruncate(fd, 2)\n"
+         "os.write(fd, b'xy')\n")
+    a = f"{sub}/a" if sub else "a"
     evs = m.events()
     rn = next(e for e in evs if e["op"] == "rename")
     later = [(e["op"], e["path"]) for e in evs if e["seq"] > rn["seq"]]
@@ -447,5 +452,10 @@ def test_a_file_renamed_over_while_held_open_is_changed_in_the_attic(make_mount,
                      ("write", f"{ATTIC}/{rn['pre2']['attic']}")], later
     js = json.loads(overlayrec("replay", m.ws, "--at", str(rn["seq"] - 1), "--to",
                                str(tmp_path / "r"), "--json").stdout)
-    assert (tmp_path / "r" / "a").read_bytes() == b"old\n" and "a" not in js["inexact"]
-    assert open(os.path.join(m.ws, "a")).read() == "new\n"
+    assert (tmp_path / "r" / a).read_bytes() == b"old\n" and a not in js["inexact"]
+    fd = os.open(m.ws, os.O_PATH)
+    try:  # read relative to the workspace: its absolute path may pass PATH_MAX
+        with open(os.open(a, os.O_RDONLY, dir_fd=fd), "rb") as f:
+            assert f.read() == b"new\n"
+    finally:
+        os.close(fd)
