@@ -92,6 +92,10 @@ async def _serve(control: ControlServer) -> None:
                     log.exception("checking implicit calls for exited processes failed")
         nursery.start_soon(end_exited_calls)
         await nursery.start(_commit_held_notes, control.calls.journal)
+        if isinstance(control.recorder, Recorder) and \
+                not isinstance(control.recorder, UnrecordedRecorder) and \
+                os.environ.get("OVERLAYREC_TEST_COPY_SMALL_NOW") != "1":
+            await nursery.start(_settle_small, control.recorder)
         if control.max_bytes is not None:
             nursery.start_soon(_keep_budget, control)
         # every handler runs to completion without awaiting, so more worker tasks cannot overlap
@@ -145,6 +149,63 @@ async def _commit_held_notes(journal, task_status=trio.TASK_STATUS_IGNORED) -> N
     finally:
         journal.hold_notes = False
         journal.on_held = None
+
+
+# small pre-images kept by the attic (Recorder.settle_small) go into the store once the daemon
+# has been idle this long, a batch of at most SETTLE_BATCH seconds at a time (a request that
+# comes meanwhile waits that long at most); under requests that never leave it idle, batch
+# after batch between requests while this many wait (the attic's entries and the daemon's
+# list of them stay bounded)
+SETTLE_IDLE = 0.02
+SETTLE_BATCH = 0.01
+SETTLE_WAITING = 20_000
+
+
+async def _settle_small(recorder, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Copy the small pre-images the attic keeps into the content store when the daemon is
+    idle (docs/design.md, "The attic"): what an ``rm -rf`` or a formatter's renames over
+    their files would copy on the request path."""
+    woken = trio.Event()
+
+    def wake():
+        woken.set()
+    recorder.on_kept_later = wake
+    recorder.later = True
+    # a test knob: how long idle before copying (3600: not while mounted, for tests of readers
+    # meeting pre-images the attic keeps still)
+    idle_for = float(os.environ.get("OVERLAYREC_TEST_SETTLE_IDLE", "").strip() or SETTLE_IDLE)
+    task_status.started()
+    failed_logged = float("-inf")
+    try:
+        if recorder.to_store:  # left by an earlier daemon
+            woken.set()
+        while True:
+            await woken.wait()
+            woken = trio.Event()
+            while recorder.to_store:
+                if len(recorder.to_store) < SETTLE_WAITING:  # else: at once, between requests
+                    idle = False
+                    with trio.move_on_after(1.0):  # to look at the count again
+                        await trio.testing.wait_all_tasks_blocked(idle_for)
+                        idle = True
+                    if not idle:
+                        continue
+                try:
+                    recorder.settle_small(SETTLE_BATCH)
+                except (JournalError, OSError) as e:  # the state dir full: they wait, readable,
+                    # in the attic, never reclaimed
+                    if time.monotonic() - failed_logged > 60:
+                        failed_logged = time.monotonic()
+                        log.warning("cannot copy %d small pre-image(s) into the store now: %s",
+                                    len(recorder.to_store), e)
+                    await trio.sleep(1.0)
+                except Exception:  # must not take the mount down: they wait in the attic
+                    log.exception("copying small pre-images into the store failed")
+                    await trio.sleep(1.0)
+                await trio.sleep(0)
+    finally:
+        recorder.later = False
+        recorder.on_kept_later = None
 
 
 _writer_lock: int | None = None

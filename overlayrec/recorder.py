@@ -7,11 +7,12 @@ Every mutating operation the filesystem layer receives is carried out here, in t
 2. commit the event (with that pre-image) to the journal;
 3. only then change the underlay, and journal a ``failed`` note if the underlay refused.
 
-Pre-images cost what the change costs: an unlinked or renamed-over file larger than
-SMALL_PREIMAGE moves to the *attic* by rename or hard link (no copy), a smaller one is copied
-into the content store (so lock-file churn costs nothing in the workspace); content is copied
-into the store only before it is overwritten or cut, whole for small files and range by range
-for large ones, so an append to a huge log copies nothing.
+Pre-images cost what the change costs: an unlinked or renamed-over file moves to the *attic*
+by rename or hard link (no copy); one of at most SMALL_PREIMAGE bytes is then copied into the
+content store when the daemon is idle and its attic entry dropped (``settle_small``), so
+lock-file churn costs the workspace nothing and an ``rm -rf`` copies nothing while it runs.
+Content is copied into the store only before it is overwritten or cut, whole for small files
+and range by range for large ones, so an append to a huge log copies nothing.
 
 The attic is a directory in the underlay's root (same filesystem, so hard links work) that the
 filesystem layer hides; its extra links are subtracted from ``st_nlink`` so link counts read as
@@ -48,8 +49,8 @@ WHOLE_FILE_LIMIT = 4 << 20  # files up to this size are saved whole at an epoch'
 # store instead of being kept by a link in the attic: lock files, editor and build temp files
 # and nearly every source file are below it, so their churn costs the workspace nothing (the
 # store keeps one blob per distinct content, often already there from an earlier capture), and
-# such pre-images are never dropped to free space.  The bound keeps the copy an unlink now
-# makes cheap (``rm -rf`` of a tree of them copies each); larger files still cost no copy.
+# such pre-images are never dropped to free space.  The bound keeps the copy cheap (``rm -rf``
+# of a tree of them copies each, when the daemon is idle); larger files cost no copy.
 SMALL_PREIMAGE = 256 << 10
 # The attic's own files, so that git and backup tools pass it by when the workspace is
 # unmounted (as virtual environments and .pytest_cache do): never attic entries.
@@ -348,6 +349,13 @@ class Recorder:
         # the filesystem's own name for an object (its inode table's parent/name chain), asked
         # when the kernel cannot name an fd: an absolute path past PATH_MAX
         self.namer: Callable[[os.stat_result], str | None] | None = None
+        # small pre-images kept by the attic until the daemon is idle (settle_small): entry
+        # name -> (seq, "pre" or "pre2", size, mtime_ns).  Only the daemon, which settles
+        # them, sets ``later``; OVERLAYREC_TEST_COPY_SMALL_NOW=1 (a test and bench switch)
+        # copies them on the request path as before.
+        self.to_store: dict[str, tuple[int, str, int, int]] = {}
+        self.later = False
+        self.on_kept_later: Callable[[], None] | None = None
         self._count_attic()
 
     # -- attic ----------------------------------------------------------------------------------
@@ -443,6 +451,88 @@ class Recorder:
             os.close(fd)
         return True
 
+    def _small_later(self, st: os.stat_result) -> bool:
+        """Is this file, about to lose its name, a small pre-image the attic keeps for now
+        (``settle_small`` copies it into the store when the daemon is idle)?  A file with
+        other names is not: a write through one of them would change the entry."""
+        return self.later and st.st_nlink == 1 and 0 < st.st_size <= self.small_preimage \
+            and stat.S_ISREG(st.st_mode) \
+            and (st.st_dev, st.st_ino) not in self.attic_links
+
+    def _kept_later(self, name: str, seq: int, which: str, pre: dict) -> None:
+        first = not self.to_store
+        self.to_store[name] = (seq, which, pre["size"], pre["mtime_ns"])
+        if first and self.on_kept_later is not None:
+            self.on_kept_later()
+
+    def settle_small(self, budget: float | None = None) -> int:
+        """Copy small pre-images the attic keeps for now (``to_store``) into the content
+        store, oldest first, for at most ``budget`` seconds (None: all): each event's
+        pre-image then names the blob instead of the entry (one commit for all), and the
+        entries are dropped.  An entry changed since (an event on its attic path, another
+        link, another size or mtime) or unreadable stays in the attic, where readers read it
+        through its own chain.  Returns how many wait still.  JournalError when the journal
+        cannot take the change now, OSError (ENOSPC, EDQUOT) when the store cannot: the
+        entries wait (and stay readable, and are not reclaimed) for the next try."""
+        deadline = None if budget is None else time.monotonic() + budget
+        done: list[tuple[int, str, str, str]] = []
+        taken: dict[str, tuple[tuple[int, str, int, int], tuple[int, int]]] = {}
+        try:
+            for name in list(self.to_store):
+                if deadline is not None and done and time.monotonic() >= deadline:
+                    break
+                waiting = self.to_store.pop(name)
+                seq, which, size, mtime_ns = waiting
+                try:
+                    digest, key = self._copy_entry(name, size, mtime_ns)
+                except OSError:  # no room in the store now: it waits, with the rest
+                    self.to_store[name] = waiting
+                    raise
+                if digest is not None:
+                    done.append((seq, which, name, digest))
+                    taken[name] = (waiting, key)
+            if done:
+                self.journal.store_preimages(done)
+        except BaseException:
+            for name, (waiting, _) in taken.items():  # not journaled: they wait for a next try
+                self.to_store[name] = waiting
+            raise
+        for name, (_, key) in taken.items():
+            try:
+                self._drop_attic(name, key)
+            except FileNotFoundError:
+                pass
+            except OSError as e:  # its blob is in the record: a gc sweeps the entry
+                log.warning("cannot drop attic entry %s, copied into the store: %s", name, e)
+        return len(self.to_store)
+
+    def _copy_entry(self, name: str, size: int, mtime_ns: int) -> tuple[str | None, tuple]:
+        """The blob of attic entry ``name`` (None when it is not the pre-image as kept)."""
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                         dir_fd=self.attic_fd)
+        except OSError:
+            return None, ()
+        try:
+            st = os.fstat(fd)
+            key = (st.st_dev, st.st_ino)
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_size != size or \
+                    st.st_mtime_ns != mtime_ns or self.attic_links.get(key) != 1:
+                return None, ()
+            digest = self._save_whole(fd, size)
+            st = os.fstat(fd)  # nothing writes it meanwhile (the daemon serves no request)
+            if st.st_size != size or st.st_mtime_ns != mtime_ns:
+                return None, ()
+            return digest, key
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            log.warning("cannot copy attic entry %s into the store (the attic keeps it): %s",
+                        name, e)
+            return None, ()
+        finally:
+            os.close(fd)
+
     def _drop_attic(self, name: str, key: tuple[int, int]) -> None:
         os.unlink(name, dir_fd=self.attic_fd)
         if self.attic_names.get(key) == name:
@@ -489,7 +579,8 @@ class Recorder:
                 st = underlay.lstat_at(self.attic_fd, name)
             except OSError:
                 continue
-            if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_blocks:
+            if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_blocks and \
+                    name not in self.to_store:  # a small pre-image: the store's, never dropped
                 entries.append((int(seq), name, st))
         entries.sort()
         vfs = os.statvfs(self.root_fd)
@@ -630,6 +721,10 @@ class Recorder:
         self.epochs[path] = ep
         # the new epoch's pre-image is where the last one ended: no seal owed for it
         self.unsealed.pop(path, None)
+        if self.to_store and path.startswith(_ATTIC_SLASH):
+            # written through a descriptor left open on the removed file: the entry is no
+            # longer the pre-image alone, and stays in the attic (read through its own chain)
+            self.to_store.pop(path[len(_ATTIC_SLASH):], None)
         return ep, True
 
     def _restore(self, undo: dict[str, tuple | None]) -> None:
@@ -860,7 +955,8 @@ class Recorder:
             ev["pre"] = pre
             with self._mutation(ev, actor):
                 os.unlink(name, dir_fd=parent_fd)  # a secret: no attic, no copy, really gone
-        elif self._keep_small(parent_fd, name, st, pre):
+        elif not (later := self._small_later(st)) and \
+                self._keep_small(parent_fd, name, st, pre):
             ev["pre"] = pre
             with self._mutation(ev, actor):
                 os.unlink(name, dir_fd=parent_fd)  # its content is in the store: really gone
@@ -875,6 +971,8 @@ class Recorder:
                 os.rename(name, pre["attic"], src_dir_fd=parent_fd, dst_dir_fd=self.attic_fd)
             k = (st.st_dev, st.st_ino)
             self.attic_links[k] = self.attic_links.get(k, 0) + 1
+            if later:
+                self._kept_later(pre["attic"], seq, "pre", pre)
         if self.names:
             self.names.unname(path)
         ep.content_saved = ep.meta_saved = True
@@ -917,9 +1015,11 @@ class Recorder:
         seq = self.journal.reserve_seq()
         ev["seq"] = seq
         attic_key = None
+        later = False
         if st2 is not None and not flags & underlay.RENAME_EXCHANGE and not stat.S_ISDIR(st2.st_mode) \
                 and not (st.st_dev == st2.st_dev and st.st_ino == st2.st_ino) \
-                and not withheld2 and not self._keep_small(npfd, nname, st2, pre2):
+                and not withheld2 and ((later := self._small_later(st2)) or
+                                       not self._keep_small(npfd, nname, st2, pre2)):
             # the renamed-over inode survives by a hard link in the attic, taken before the rename
             pre2["attic"] = self.attic_prefix + str(seq)
             attic_key = (st2.st_dev, st2.st_ino)
@@ -946,6 +1046,8 @@ class Recorder:
                     except OSError as e:
                         log.warning("cannot drop attic entry %s: %s", pre2["attic"], e)
                 raise
+        if later:
+            self._kept_later(pre2["attic"], seq, "pre2", pre2)
         exchange = bool(flags & underlay.RENAME_EXCHANGE)
         if self.names:
             self.names.rename(path, path2, stat.S_ISDIR(st.st_mode), exchange)
@@ -1393,6 +1495,7 @@ class Recorder:
             for p in open_paths:
                 self.epochs[p] = Epoch("recovered")
             recovered = self.seal()
+        self._find_small_kept()
         renames = RenameIndex(j.dir_renames())
         checked = drifted = 0
         events = []
@@ -1426,8 +1529,44 @@ class Recorder:
         j.put_meta("sealed", "0")
         return {"recovered": recovered, "drifted": drifted, "checked": checked}
 
+    def _find_small_kept(self) -> None:
+        """At mount: the small pre-images an earlier daemon left in the attic (killed before
+        it was idle, or the journal full then) wait to go into the store (``to_store``)."""
+        if self.small_preimage <= 0:
+            return
+        dfd = underlay.open_dir(self.attic_fd)
+        try:
+            names = os.listdir(dfd)
+        finally:
+            os.close(dfd)
+        for name in names:
+            seq = name[len(self.attic_prefix):]
+            if not name.startswith(self.attic_prefix) or not seq.isdigit():
+                continue
+            try:
+                st = underlay.lstat_at(self.attic_fd, name)
+            except OSError:
+                continue
+            if not (stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and
+                    0 < st.st_size <= self.small_preimage):
+                continue
+            ev = self.journal.event(int(seq))
+            for which in ("pre", "pre2"):
+                pre = (ev or {}).get(which)
+                if isinstance(pre, dict) and pre.get("attic") == name and \
+                        pre.get("nlink", 1) == 1 and self.journal.seqs_for_path(
+                            f"{ATTIC_NAME}/{name}") == []:
+                    self.to_store[name] = (int(seq), which, pre.get("size", -1),
+                                           pre.get("mtime_ns", -1))
+
     def close_record(self) -> None:
-        """At unmount: seal every open epoch and mark the record cleanly closed."""
+        """At unmount: the small pre-images the attic keeps go into the store, every open
+        epoch is sealed, and the record is marked cleanly closed."""
+        try:
+            self.settle_small()
+        except (JournalError, OSError) as e:  # the attic keeps them: the next mount tries again
+            log.warning("cannot copy %d small pre-image(s) into the store now: %s",
+                        len(self.to_store), e)
         self.seal()
         self.journal.put_meta("sealed", "1")
 

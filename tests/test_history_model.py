@@ -65,6 +65,9 @@ the model is exact, and are checked wherever they do not (``LARGE``).  CI runs
 OVERLAYREC_MODEL_LARGE_CASES (default max(24, CASES/5)) cases so (test_every_reader_with_large_files);
 with the knobs in the environment, every test of the module does.
 OVERLAYREC_MODEL_MOUNT_ARGS adds arguments to the mount (``--record-data``).
+The daemon copies small pre-images from the attic into the store when it is idle: CI also runs
+OVERLAYREC_MODEL_LARGE_CASES cases with OVERLAYREC_TEST_SETTLE_IDLE=3600 (none copied while
+mounted: every reader meets them in the attic; test_every_reader_with_pre_images_held).
 """
 from __future__ import annotations
 
@@ -119,6 +122,9 @@ MOUNT_ARGS = tuple(os.environ.get("OVERLAYREC_MODEL_MOUNT_ARGS", "").split())
 LARGE_KNOBS = {"OVERLAYREC_TEST_WHOLE_FILE_LIMIT": "2", "OVERLAYREC_TEST_SMALL_PREIMAGE": "-1"}
 ENV_LARGE = any(os.environ.get(k) for k in LARGE_KNOBS)
 LARGE = ENV_LARGE  # the case being checked is recorded so (set by run_case)
+# the daemon copies no small pre-image from the attic into the store while mounted: readers
+# read them all from the attic, and must be exact there (test_every_reader_with_pre_images_held)
+HELD_KNOBS = {"OVERLAYREC_TEST_SETTLE_IDLE": "3600"}
 # test_every_reader_with_large_files: fewer cases, the same readers
 LARGE_CASES = int(os.environ.get("OVERLAYREC_MODEL_LARGE_CASES", str(max(24, CASES // 5))))
 KEEP = os.environ.get("OVERLAYREC_MODEL_KEEP") == "1"  # the records, for a look after a failure
@@ -1289,8 +1295,10 @@ CASE = dict(seed=st.sampled_from([1, 2, 0]), raw=st.lists(SEGMENT, min_size=1, m
 class ModelEnv:
     """One mount at a time, replaced every PER_MOUNT cases; a directory per case."""
 
-    def __init__(self, large: bool = False):
+    def __init__(self, large: bool = False, knobs: dict | None = None):
         self.large = large  # every file kept as a large one (LARGE_KNOBS on the mount)
+        # the recorder's knobs on the mount, checked to reach the daemon
+        self.knobs = {**(LARGE_KNOBS if large else {}), **(knobs or {})}
         self.base = tempfile.mkdtemp(prefix="overlayrec-history-", dir="/var/tmp")
         os.chmod(self.base, 0o755)
         self.counter = itertools.count()
@@ -1308,13 +1316,13 @@ class ModelEnv:
             self.rec = None
         if self.rec is None:
             self.rec = Recorder(os.path.join(self.base, f"mount{next(self.mounts)}"), SESSION,
-                                dict(os.environ, **LARGE_KNOBS) if self.large else None)
+                                dict(os.environ, **self.knobs) if self.knobs else None)
             self.rec.m.mount()
-            if self.large:  # the knobs reached the daemon, or this would test nothing new
+            if self.knobs:  # the knobs reached the daemon, or this would test nothing new
                 st = json.loads(overlayrec("status", self.rec.m.ws, "--json").stdout)
                 with open(f"/proc/{st['daemon_pid']}/environ", "rb") as f:
                     env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-                assert all(env.get(k.encode()) == v.encode() for k, v in LARGE_KNOBS.items())
+                assert all(env.get(k.encode()) == v.encode() for k, v in self.knobs.items())
             self.rec.start_session(SESSION)
             self.cases_here = 0
         self.cases_here += 1
@@ -1348,6 +1356,15 @@ def model_env(umask):
 @pytest.fixture(scope="module")
 def large_env(umask):
     e = ModelEnv(large=True)
+    try:
+        yield e
+    finally:
+        e.close()
+
+
+@pytest.fixture(scope="module")
+def held_env(umask):
+    e = ModelEnv(knobs=HELD_KNOBS)
     try:
         yield e
     finally:
@@ -1484,6 +1501,17 @@ def test_every_reader_with_large_files(large_env, seed, raw, which):
     range, pre-images in the attic: LARGE_KNOBS): where a reader does not say it cannot know,
     it agrees with the model."""
     check_case(large_env, seed, raw, which)
+
+
+@pytest.mark.timeout(int((900 + 6 * LARGE_CASES) * SLOW))
+@settings(max_examples=LARGE_CASES, deadline=None, derandomize=FIXED, database=None,
+          phases=PHASES, suppress_health_check=list(HealthCheck))
+@given(**CASE)
+def test_every_reader_with_pre_images_held(held_env, seed, raw, which):
+    """The same cases with the daemon copying no small pre-image into the store while mounted
+    (HELD_KNOBS): every removed or renamed-over file is read from its attic entry, and every
+    reader agrees with the model as exactly as when the copy is made."""
+    check_case(held_env, seed, raw, which)
 
 
 def run_case(model_env, plan: Plan, which: int) -> tuple[list[AssertionError], str | None]:

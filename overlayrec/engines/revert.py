@@ -202,7 +202,8 @@ def _attic_gone(j: Journal, states: States, path: str) -> str | None:
     for e in states.chain_on(path):
         pre = states.pre_for(e, path)
         if pre and "attic" in pre and "blob" not in pre and \
-                states.tree.lstat(f"{ATTIC}/{pre['attic']}") is None:
+                states.tree.lstat(f"{ATTIC}/{pre['attic']}") is None and \
+                states.stored_since(e, path) is None:
             gone.add(pre["attic"])
     if not gone:
         return None

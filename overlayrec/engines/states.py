@@ -188,7 +188,10 @@ class Tree:
         if stat.S_ISREG(st.st_mode) and self.secrets is not None and self.secrets.match(rel):
             return state_of_stat(st, lambda: placeholder(None)).but(exact=False,
                                                                     withheld=True), st
-        return state_of_stat(st, lambda: _read_at(dfd, name, st)), st
+        try:
+            return state_of_stat(st, lambda: _read_at(dfd, name, st)), st
+        except FileNotFoundError:  # gone between the lstat and the read: absent now
+            return ABSENT, None
 
     def read_ahead(self, rels) -> None:
         """Read the state of each of ``rels`` now, a directory at a time, for state_stat to
@@ -1133,6 +1136,15 @@ class States:
         end = self._beyond(path, move)
         return end if exact else end.but(exact=False)
 
+    def stored_since(self, e: dict, path: str) -> dict | None:
+        """The pre-image of ``path`` in event ``e`` as the journal holds it now, when it
+        names a blob where ``e`` (as this reader read it) named an attic entry: the daemon
+        copies small pre-images from the attic into the store when it is idle, then drops
+        the entry (Recorder.settle_small)."""
+        fresh = self.j.event(e["seq"], fresh=True)
+        pre = self.pre_for(fresh, path) if fresh is not None else None
+        return pre if pre is not None and "blob" in pre and "attic" not in pre else None
+
     def _attic_as_left(self, pre: dict) -> bool:
         """Does the attic entry of ``pre`` still have the size and mtime its inode had when
         it left the path?"""
@@ -1161,6 +1173,9 @@ class States:
                 # the attic's copy too, which its size and mtime tell
                 return s if not s.exact or pre.get("nlink", 1) < 2 or \
                     self._attic_as_left(pre) else s.but(exact=False)
+            stored = self.stored_since(e, path)
+            if stored is not None:  # copied into the store after this reader read the event
+                return self.sealed_state(stored)
             # the entry is gone (dropped to free space: a ``reclaim`` marker; or removed by
             # hand): nothing else holds that inode's content, so never guess it
             return State("file", mode, b"", exact=False, **facts(pre))

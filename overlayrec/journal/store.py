@@ -270,7 +270,7 @@ class Journal:
             try:
                 with self.env.begin(write=True) as txn:
                     for batch in pending:  # written ahead: before all else, in their order
-                        self._put_batch(txn, batch)
+                        self._put_batch(txn, batch, self._owner)
                     if blobs:
                         self._put_blobs(txn, blobs)
                     if held:
@@ -488,13 +488,17 @@ class Journal:
             self._room = _free_bytes(self._path) >= _AHEAD_ROOM
         return self._room
 
-    def _put_batch(self, txn, batch: Batch) -> None:
-        """One record of the log ahead into LMDB (twice gives the same keys and values)."""
+    def _put_batch(self, txn, batch: Batch, owner: bool = True) -> None:
+        """One record of the log ahead into LMDB (twice gives the same keys and values).  Not
+        the ``owner`` (a reader catching up): an event LMDB holds already is left as it is,
+        since the writer may have changed it since (``store_preimages``)."""
         if batch.blobs:
             self._put_blobs(txn, batch.blobs)
         self._put_actors(txn, batch.actors, known=())  # the writer remembered them early
+        events = self.dbs["events"]
         for ev, raw in zip(batch.events, batch.raws or [None] * len(batch.events)):
-            self._put_event(txn, ev, raw)
+            if owner or txn.get(seq_key(ev["seq"]), db=events) is None:
+                self._put_event(txn, ev, raw)
         if batch.notes:
             self._put_notes(txn, batch.notes)
 
@@ -573,6 +577,30 @@ class Journal:
         """Keep a small blob (``blobs``) with the next commit: the one of the event that names
         it, which its caller makes next.  A digest the table has already is not written again."""
         self._held_blobs[digest] = data
+
+    def store_preimages(self, items: list[tuple[int, str, str, str]]) -> None:
+        """Pre-images the attic kept for a while, now in the content store: for each
+        ``(seq, "pre" or "pre2", attic entry, blob digest)`` the event's pre-image names the
+        blob and no longer the entry, all in one commit (with what waits before it: the
+        events themselves may still be written ahead).  An event that no longer names the
+        entry (dropped by retention since) is left alone.  The same content as before, so no
+        reader's answer changes; a reader that read the event before this commit and then
+        finds the entry gone asks the journal again (``event(seq, fresh=True)``)."""
+        def body(txn):
+            db = self.dbs["events"]
+            for seq, which, name, digest in items:
+                k = seq_key(seq)
+                raw = txn.get(k, db=db)
+                if raw is None:
+                    continue
+                ev = _loads(raw)
+                pre = ev.get(which)
+                if not isinstance(pre, dict) or pre.get("attic") != name:
+                    continue
+                del pre["attic"]
+                pre["blob"] = digest
+                txn.put(k, _dumps(ev), db=db)
+        self._write(body)
 
     def _put_blobs(self, txn, blobs: dict[str, bytes]) -> None:
         db = self.dbs["blobs"]
@@ -938,11 +966,14 @@ class Journal:
             self._settle()
         return self.env.info()["last_txnid"]
 
-    def event(self, seq: int) -> dict | None:
-        """Event ``seq``, or None; JournalError when its record is not an event."""
-        kept = self._kept_seq.get(seq)  # keep_events()
+    def event(self, seq: int, fresh: bool = False) -> dict | None:
+        """Event ``seq``, or None; JournalError when its record is not an event.  ``fresh``:
+        as the journal holds it now, not as this reader kept it (``keep_events``)."""
+        kept = None if fresh else self._kept_seq.get(seq)  # keep_events()
         if kept is not None:
             return kept
+        if fresh:
+            self._settle()
         try:
             with self._read(db=self.dbs["events"]) as txn:
                 v = txn.get(seq_key(seq))
