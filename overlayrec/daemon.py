@@ -163,8 +163,8 @@ SETTLE_WAITING = 20_000
 
 async def _settle_small(recorder, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Copy the small pre-images the attic keeps into the content store when the daemon is
-    idle (docs/design.md, "The attic"): what an ``rm -rf`` or a formatter's renames over
-    their files would copy on the request path."""
+    idle (docs/design.md, "The attic"): what an ``rm -rf`` would otherwise copy on the
+    request path."""
     woken = trio.Event()
 
     def wake():

@@ -8,9 +8,10 @@ Every mutating operation the filesystem layer receives is carried out here, in t
 3. only then change the underlay, and journal a ``failed`` note if the underlay refused.
 
 Pre-images cost what the change costs: an unlinked or renamed-over file moves to the *attic*
-by rename or hard link (no copy); one of at most SMALL_PREIMAGE bytes is then copied into the
-content store when the daemon is idle and its attic entry dropped (``settle_small``), so
-lock-file churn costs the workspace nothing and an ``rm -rf`` copies nothing while it runs.
+by rename or hard link (no copy).  One of at most SMALL_PREIMAGE bytes is copied into the
+content store instead (so lock-file churn costs the workspace nothing): a renamed-over one
+before its event, an unlinked one when the daemon is idle, its attic entry then dropped
+(``settle_small``), so an ``rm -rf`` copies nothing while it runs.
 Content is copied into the store only before it is overwritten or cut, whole for small files
 and range by range for large ones, so an append to a huge log copies nothing.
 
@@ -349,8 +350,8 @@ class Recorder:
         # the filesystem's own name for an object (its inode table's parent/name chain), asked
         # when the kernel cannot name an fd: an absolute path past PATH_MAX
         self.namer: Callable[[os.stat_result], str | None] | None = None
-        # small pre-images kept by the attic until the daemon is idle (settle_small): entry
-        # name -> (seq, "pre" or "pre2", size, mtime_ns).  Only the daemon, which settles
+        # small pre-images of unlinked files kept by the attic until the daemon is idle
+        # (settle_small): entry name -> (seq, "pre", size, mtime_ns).  Only the daemon, which settles
         # them, sets ``later``; OVERLAYREC_TEST_COPY_SMALL_NOW=1 (a test and bench switch)
         # copies them on the request path as before.
         self.to_store: dict[str, tuple[int, str, int, int]] = {}
@@ -452,7 +453,7 @@ class Recorder:
         return True
 
     def _small_later(self, st: os.stat_result) -> bool:
-        """Is this file, about to lose its name, a small pre-image the attic keeps for now
+        """Is this file, about to be unlinked, a small pre-image the attic keeps for now
         (``settle_small`` copies it into the store when the daemon is idle)?  A file with
         other names is not: a write through one of them would change the entry."""
         return self.later and st.st_nlink == 1 and 0 < st.st_size <= self.small_preimage \
@@ -1015,11 +1016,13 @@ class Recorder:
         seq = self.journal.reserve_seq()
         ev["seq"] = seq
         attic_key = None
-        later = False
+        # a small file renamed over is copied now, not kept by the attic until the daemon is
+        # idle as an unlinked one is: its link into the attic, the event's rewrite and the
+        # entry's unlink cost more than the copy, and the rename frees nothing the unlink's
+        # deferral would (tools/bench, overlayrec-copynow: docs/bench.md, tenth pass)
         if st2 is not None and not flags & underlay.RENAME_EXCHANGE and not stat.S_ISDIR(st2.st_mode) \
                 and not (st.st_dev == st2.st_dev and st.st_ino == st2.st_ino) \
-                and not withheld2 and ((later := self._small_later(st2)) or
-                                       not self._keep_small(npfd, nname, st2, pre2)):
+                and not withheld2 and not self._keep_small(npfd, nname, st2, pre2):
             # the renamed-over inode survives by a hard link in the attic, taken before the rename
             pre2["attic"] = self.attic_prefix + str(seq)
             attic_key = (st2.st_dev, st2.st_ino)
@@ -1046,8 +1049,6 @@ class Recorder:
                     except OSError as e:
                         log.warning("cannot drop attic entry %s: %s", pre2["attic"], e)
                 raise
-        if later:
-            self._kept_later(pre2["attic"], seq, "pre2", pre2)
         exchange = bool(flags & underlay.RENAME_EXCHANGE)
         if self.names:
             self.names.rename(path, path2, stat.S_ISDIR(st.st_mode), exchange)

@@ -1509,8 +1509,8 @@ def test_every_reader_with_large_files(large_env, seed, raw, which):
 @given(**CASE)
 def test_every_reader_with_pre_images_held(held_env, seed, raw, which):
     """The same cases with the daemon copying no small pre-image into the store while mounted
-    (HELD_KNOBS): every removed or renamed-over file is read from its attic entry, and every
-    reader agrees with the model as exactly as when the copy is made."""
+    (HELD_KNOBS): every removed file is read from its attic entry, and every reader agrees
+    with the model as exactly as when the copy is made."""
     check_case(held_env, seed, raw, which)
 
 

@@ -29,15 +29,14 @@ def only(events, op, path=None):
     return got
 
 
-def once_copied(m, op: str, path: str, which: str = "pre") -> dict:
-    """The pre-image of the last ``op`` event on ``path`` once the daemon, idle, has copied
-    it from the attic into the store (a small file unlinked or renamed over)."""
+def once_copied(m, path: str) -> dict:
+    """The pre-image of the last unlink of ``path``, a small file, once the daemon, idle, has
+    copied it from the attic into the store."""
     deadline = time.monotonic() + 20 * SLOW
     while True:
-        ev = [e for e in m.events() if e["op"] == op and
-              e["path2" if which == "pre2" else "path"] == path][-1]
-        if "blob" in ev[which] or time.monotonic() > deadline:
-            return ev[which]
+        pre = [e for e in m.events() if e["op"] == "unlink" and e["path"] == path][-1]["pre"]
+        if "blob" in pre or time.monotonic() > deadline:
+            return pre
         time.sleep(0.05)
 
 
@@ -75,10 +74,8 @@ def test_sed_in_place_is_create_write_rename_over(make_mount):
     ren = only(evs, "rename")[-1]
     assert ren["path2"] == "src/mod.py" and ren["path"].startswith("src/sed")
     assert ren["pre2"]["kind"] == "file" and ren["pre2"]["size"] == 12
-    # a small file renamed over: its pre-image is a blob, not an attic entry (SMALL_PREIMAGE),
-    # once the daemon has been idle a moment
-    pre2 = once_copied(m, "rename", "src/mod.py", "pre2")
-    assert "attic" not in pre2 and m.blob(pre2["blob"]) == b"x = 1\ny = 2\n"
+    # a small file renamed over: its pre-image is a blob, not an attic entry (SMALL_PREIMAGE)
+    assert "attic" not in ren["pre2"] and m.blob(ren["pre2"]["blob"]) == b"x = 1\ny = 2\n"
     assert all(os.path.basename(m.actor(e["actor"])["argv"][0]) == "sed"
                for e in evs if e["path"].startswith("src/sed"))
 
@@ -123,7 +120,7 @@ def test_create_unlink_and_attic(make_mount):
     assert not os.path.exists(os.path.join(m.ws, ".overlayrec-attic"))
     # a small file: its pre-image is a blob and the unlink really unlinks (SMALL_PREIMAGE),
     # once the daemon has been idle a moment
-    pre = once_copied(m, "unlink", "gone.txt")
+    pre = once_copied(m, "gone.txt")
     assert "attic" not in pre and m.blob(pre["blob"]) == b"precious"
     m.umount()
     assert sorted(os.listdir(os.path.join(m.ws, ".overlayrec-attic"))) == \

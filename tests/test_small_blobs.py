@@ -25,7 +25,7 @@ from overlayrec.attribution import Attribution
 from overlayrec.fs import Handle
 from overlayrec.journal import Journal, JournalError
 from overlayrec.journal.schema import INLINE_BLOB
-from overlayrec.recorder import ATTIC_NAME as ATTIC, Recorder, is_attic_entry
+from overlayrec.recorder import Recorder
 
 from conftest import SLOW, needs_fuse, overlayrec
 
@@ -319,9 +319,8 @@ def test_what_waits_is_committed_when_idle_and_under_requests_that_never_stop(mo
 @needs_fuse
 def test_kill_9_after_rewrites_loses_no_pre_image(make_mount):
     """The rewrite pattern (temp file written, chmodded, renamed over the original), then the
-    daemon killed at once: every original's content is in the record, committed with its
-    rename: kept by the attic (the daemon copies small pre-images into the store when idle)
-    or already a small blob in the journal.  The next mount copies what the attic kept."""
+    daemon killed at once: every original's content is in the record (a small blob in the
+    journal), committed with its rename."""
     m = make_mount()
     originals = {f"f{i}": os.urandom(300 + i) for i in range(40)}
     for name, data in originals.items():
@@ -340,18 +339,7 @@ def test_kill_9_after_rewrites_loses_no_pre_image(make_mount):
     renames = [e for e in m.events() if e["op"] == "rename"]
     assert sorted(e["path2"] for e in renames) == sorted(originals)
     for e in renames:
-        pre = e["pre2"]
-        if "blob" in pre:
-            assert "attic" not in pre and m.blob(pre["blob"]) == originals[e["path2"]]
-        else:
-            with open(os.path.join(m.ws, ATTIC, pre["attic"]), "rb") as f:
-                assert f.read() == originals[e["path2"]]
-    m.mount()  # the next daemon finds what the attic kept, and copies it
-    m.umount()
-    renames = [e for e in m.events() if e["op"] == "rename"]
-    for e in renames:
-        assert "attic" not in e["pre2"] and m.blob(e["pre2"]["blob"]) == originals[e["path2"]]
-    assert not [n for n in os.listdir(os.path.join(m.ws, ATTIC)) if is_attic_entry(n)]
+        assert m.blob(e["pre2"]["blob"]) == originals[e["path2"]]
 
 
 CALL = r'''
