@@ -261,3 +261,25 @@ def test_a_store_without_room_leaves_them_waiting_and_never_reclaimed(tmp_path, 
         for e in j.events():
             if e["op"] == "unlink":
                 assert j.content.get(e["pre"]["blob"]) == e["path"].encode() * 100
+
+
+@pytest.mark.timeout(int(30 * SLOW))
+def test_a_file_gone_between_its_lstat_and_its_read_is_absent(tmp_path, monkeypatch):
+    """The daemon drops an entry (or a process removes a file) between a reader's lstat of it
+    and its read: the reader sees it absent, as it now is, and goes on (no traceback)."""
+    from overlayrec.engines import states
+    (tmp_path / "f").write_bytes(b"here\n")
+    root_fd = os.open(tmp_path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        tree = states.Tree(root_fd)
+        assert tree.state("f").data == b"here\n"
+        real = states._read_at
+
+        def gone(dfd, name, st):
+            os.unlink(name, dir_fd=dfd)
+            return real(dfd, name, st)
+        monkeypatch.setattr(states, "_read_at", gone)
+        got, st = tree.state_stat("f")
+        assert got == states.ABSENT and st is None
+    finally:
+        os.close(root_fd)
