@@ -92,8 +92,7 @@ async def _serve(control: ControlServer) -> None:
                     log.exception("checking implicit calls for exited processes failed")
         nursery.start_soon(end_exited_calls)
         await nursery.start(_commit_held_notes, control.calls.journal)
-        if isinstance(control.recorder, Recorder) and \
-                not isinstance(control.recorder, UnrecordedRecorder) and \
+        if not isinstance(control.recorder, UnrecordedRecorder) and \
                 os.environ.get("OVERLAYREC_TEST_COPY_SMALL_NOW") != "1":
             await nursery.start(_settle_small, control.recorder)
         if control.max_bytes is not None:

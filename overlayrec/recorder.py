@@ -351,12 +351,14 @@ class Recorder:
         # when the kernel cannot name an fd: an absolute path past PATH_MAX
         self.namer: Callable[[os.stat_result], str | None] | None = None
         # small pre-images of unlinked files kept by the attic until the daemon is idle
-        # (settle_small): entry name -> (seq, "pre", size, mtime_ns).  Only the daemon, which settles
-        # them, sets ``later``; OVERLAYREC_TEST_COPY_SMALL_NOW=1 (a test and bench switch)
-        # copies them on the request path as before.
-        self.to_store: dict[str, tuple[int, str, int, int]] = {}
+        # (settle_small): entry name -> (seq, size, mtime_ns).  Only the daemon, which
+        # settles them, sets ``later``; OVERLAYREC_TEST_COPY_SMALL_NOW=1 (a test and bench
+        # switch) copies them on the request path as before.
+        self.to_store: dict[str, tuple[int, int, int]] = {}
         self.later = False
         self.on_kept_later: Callable[[], None] | None = None
+        # this journal's small single-link entries found at start (_find_small_kept's)
+        self._small_found: list[str] = []
         self._count_attic()
 
     # -- attic ----------------------------------------------------------------------------------
@@ -424,6 +426,11 @@ class Recorder:
                 if not stat.S_ISDIR(st.st_mode):
                     k = (st.st_dev, st.st_ino)
                     self.attic_links[k] = self.attic_links.get(k, 0) + 1
+                if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and \
+                        0 < st.st_size <= self.small_preimage and \
+                        name.startswith(self.attic_prefix) and \
+                        name[len(self.attic_prefix):].isdigit():
+                    self._small_found.append(name)
         finally:
             os.close(dfd)
 
@@ -460,9 +467,9 @@ class Recorder:
             and stat.S_ISREG(st.st_mode) \
             and (st.st_dev, st.st_ino) not in self.attic_links
 
-    def _kept_later(self, name: str, seq: int, which: str, pre: dict) -> None:
+    def _kept_later(self, name: str, seq: int, pre: dict) -> None:
         first = not self.to_store
-        self.to_store[name] = (seq, which, pre["size"], pre["mtime_ns"])
+        self.to_store[name] = (seq, pre["size"], pre["mtime_ns"])
         if first and self.on_kept_later is not None:
             self.on_kept_later()
 
@@ -476,21 +483,21 @@ class Recorder:
         cannot take the change now, OSError (ENOSPC, EDQUOT) when the store cannot: the
         entries wait (and stay readable, and are not reclaimed) for the next try."""
         deadline = None if budget is None else time.monotonic() + budget
-        done: list[tuple[int, str, str, str]] = []
-        taken: dict[str, tuple[tuple[int, str, int, int], tuple[int, int]]] = {}
+        done: list[tuple[int, str, str]] = []
+        taken: dict[str, tuple[tuple[int, int, int], tuple[int, int]]] = {}
         try:
             for name in list(self.to_store):
                 if deadline is not None and done and time.monotonic() >= deadline:
                     break
                 waiting = self.to_store.pop(name)
-                seq, which, size, mtime_ns = waiting
+                seq, size, mtime_ns = waiting
                 try:
                     digest, key = self._copy_entry(name, size, mtime_ns)
                 except OSError:  # no room in the store now: it waits, with the rest
                     self.to_store[name] = waiting
                     raise
                 if digest is not None:
-                    done.append((seq, which, name, digest))
+                    done.append((seq, name, digest))
                     taken[name] = (waiting, key)
             if done:
                 self.journal.store_preimages(done)
@@ -973,7 +980,7 @@ class Recorder:
             k = (st.st_dev, st.st_ino)
             self.attic_links[k] = self.attic_links.get(k, 0) + 1
             if later:
-                self._kept_later(pre["attic"], seq, "pre", pre)
+                self._kept_later(pre["attic"], seq, pre)
         if self.names:
             self.names.unname(path)
         ep.content_saved = ep.meta_saved = True
@@ -1533,32 +1540,13 @@ class Recorder:
     def _find_small_kept(self) -> None:
         """At mount: the small pre-images an earlier daemon left in the attic (killed before
         it was idle, or the journal full then) wait to go into the store (``to_store``)."""
-        if self.small_preimage <= 0:
-            return
-        dfd = underlay.open_dir(self.attic_fd)
-        try:
-            names = os.listdir(dfd)
-        finally:
-            os.close(dfd)
-        for name in names:
-            seq = name[len(self.attic_prefix):]
-            if not name.startswith(self.attic_prefix) or not seq.isdigit():
-                continue
-            try:
-                st = underlay.lstat_at(self.attic_fd, name)
-            except OSError:
-                continue
-            if not (stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and
-                    0 < st.st_size <= self.small_preimage):
-                continue
-            ev = self.journal.event(int(seq))
-            for which in ("pre", "pre2"):
-                pre = (ev or {}).get(which)
-                if isinstance(pre, dict) and pre.get("attic") == name and \
-                        pre.get("nlink", 1) == 1 and self.journal.seqs_for_path(
-                            f"{ATTIC_NAME}/{name}") == []:
-                    self.to_store[name] = (int(seq), which, pre.get("size", -1),
-                                           pre.get("mtime_ns", -1))
+        for name in self._small_found:  # listed by _count_attic
+            seq = int(name[len(self.attic_prefix):])
+            pre = preimage.naming_entry(self.journal.event(seq), name)
+            if pre is not None and pre.get("nlink", 1) == 1 and \
+                    self.journal.seqs_for_path(f"{ATTIC_NAME}/{name}") == []:
+                self.to_store[name] = (seq, pre.get("size", -1), pre.get("mtime_ns", -1))
+        self._small_found = []
 
     def close_record(self) -> None:
         """At unmount: the small pre-images the attic keeps go into the store, every open

@@ -1344,31 +1344,27 @@ def umask():
     os.umask(old)
 
 
-@pytest.fixture(scope="module")
-def model_env(umask):
-    e = ModelEnv()
+def _model_env(**kw):
+    e = ModelEnv(**kw)
     try:
         yield e
     finally:
         e.close()
+
+
+@pytest.fixture(scope="module")
+def model_env(umask):
+    yield from _model_env()
 
 
 @pytest.fixture(scope="module")
 def large_env(umask):
-    e = ModelEnv(large=True)
-    try:
-        yield e
-    finally:
-        e.close()
+    yield from _model_env(large=True)
 
 
 @pytest.fixture(scope="module")
 def held_env(umask):
-    e = ModelEnv(knobs=HELD_KNOBS)
-    try:
-        yield e
-    finally:
-        e.close()
+    yield from _model_env(knobs=HELD_KNOBS)
 
 
 def _label(plan: Plan) -> None:

@@ -197,7 +197,7 @@ def test_a_reader_that_read_the_event_before_the_copy_reads_the_store(tmp_path):
         with open(os.path.join(ws, "a"), "wb") as f:
             f.write(b"the old bytes\n")
         unlink(rec, ws, "a")
-        (seq, which, *_), = rec.to_store.values()
+        (seq, *_), = rec.to_store.values()
         assert "attic" in j.event(seq)["pre"]
         j.keep_events()  # as a listing or a diff does: the events decoded once, now
         root_fd = os.open(ws, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)

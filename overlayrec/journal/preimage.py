@@ -84,3 +84,13 @@ def matches(seal: dict, st: os.stat_result | None, target=None, digest=None) -> 
     if seal.get("hash") is None or digest is None or st.st_size != seal.get("size"):
         return False
     return digest() == seal["hash"]
+
+
+def naming_entry(ev: dict | None, name: str) -> dict | None:
+    """The pre-image of event ``ev`` kept by attic entry ``name`` (an unlink's, or a rename's
+    of the file it renamed over), or None."""
+    for which in ("pre", "pre2"):
+        pre = (ev or {}).get(which)
+        if isinstance(pre, dict) and pre.get("attic") == name:
+            return pre
+    return None

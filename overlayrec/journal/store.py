@@ -42,7 +42,7 @@ try:  # three times the standard decoder's speed; what it cannot take, the stand
 except ImportError:
     orjson = None
 
-from . import schema
+from . import preimage, schema
 from .ahead import AheadLog, Batch, encode as encode_batch
 from .content import ContentStore, RecordContent
 from ..state import private_dir
@@ -580,22 +580,22 @@ class Journal:
 
     def store_preimages(self, items: list[tuple[int, str, str, str]]) -> None:
         """Pre-images the attic kept for a while, now in the content store: for each
-        ``(seq, "pre" or "pre2", attic entry, blob digest)`` the event's pre-image names the
-        blob and no longer the entry, all in one commit (with what waits before it: the
+        ``(seq, attic entry, blob digest)`` the event's pre-image names the blob and no longer
+        the entry, all in one commit (with what waits before it: the
         events themselves may still be written ahead).  An event that no longer names the
         entry (dropped by retention since) is left alone.  The same content as before, so no
         reader's answer changes; a reader that read the event before this commit and then
         finds the entry gone asks the journal again (``event(seq, fresh=True)``)."""
         def body(txn):
             db = self.dbs["events"]
-            for seq, which, name, digest in items:
+            for seq, name, digest in items:
                 k = seq_key(seq)
                 raw = txn.get(k, db=db)
                 if raw is None:
                     continue
                 ev = _loads(raw)
-                pre = ev.get(which)
-                if not isinstance(pre, dict) or pre.get("attic") != name:
+                pre = preimage.naming_entry(ev, name)
+                if pre is None:
                     continue
                 del pre["attic"]
                 pre["blob"] = digest
@@ -972,8 +972,6 @@ class Journal:
         kept = None if fresh else self._kept_seq.get(seq)  # keep_events()
         if kept is not None:
             return kept
-        if fresh:
-            self._settle()
         try:
             with self._read(db=self.dbs["events"]) as txn:
                 v = txn.get(seq_key(seq))
