@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import time
 
 import pytest
@@ -283,3 +284,83 @@ def test_a_file_gone_between_its_lstat_and_its_read_is_absent(tmp_path, monkeypa
         assert got == states.ABSENT and st is None
     finally:
         os.close(root_fd)
+
+
+def kinds_of(root: str) -> dict:
+    """Every path beneath root but the attic and .git: a fifo by its kind and mode (never
+    opened), a symlink by its target, a file by its mode and content."""
+    out = {}
+    for d, dirs, files in os.walk(root):
+        dirs[:] = [x for x in dirs if not (d == root and x in (ATTIC, ".git"))]
+        for n in dirs + files:
+            p = os.path.join(d, n)
+            st = os.lstat(p)
+            rel = os.path.relpath(p, root)
+            if stat.S_ISLNK(st.st_mode):
+                out[rel] = ("link", os.readlink(p))
+            elif stat.S_ISDIR(st.st_mode):
+                out[rel] = ("dir", stat.S_IMODE(st.st_mode))
+            elif stat.S_ISFIFO(st.st_mode):
+                out[rel] = ("fifo", stat.S_IMODE(st.st_mode))
+            else:
+                with open(p, "rb") as f:
+                    out[rel] = ("file", stat.S_IMODE(st.st_mode), f.read())
+    return out
+
+
+DEEP = "/".join(["x" * 200] * 18)  # 3,617 bytes of directories
+
+
+@needs_fuse
+@pytest.mark.timeout(int(180 * SLOW))
+def test_waiting_pre_images_beneath_a_renamed_directory_a_long_path_and_other_kinds(
+        make_mount, tmp_path):
+    """Files removed at a 3,617-byte depth and in a directory renamed afterwards, beside a
+    fifo, a symlink and one name of a hard-linked file removed: the small files wait in the
+    attic (the linked one and the other kinds never do), and replay and revert give the tree
+    the test saw, while they wait and after the unmount copied them."""
+    m = make_mount()
+    m.env = dict(os.environ, **HOLD)
+    os.makedirs(os.path.join(m.ws, DEEP))
+    os.makedirs(os.path.join(m.ws, "m"))
+    for rel, data in ((f"{DEEP}/f", b"deep\n"), ("m/g", b"g\n"), ("t", b"t\n"),
+                      ("h1", b"linked\n")):
+        with open(os.path.join(m.ws, rel), "wb") as f:
+            f.write(data)
+    os.link(os.path.join(m.ws, "h1"), os.path.join(m.ws, "h2"))
+    os.mkfifo(os.path.join(m.ws, "p"), 0o640)
+    os.symlink("t", os.path.join(m.ws, "s"))
+    before = kinds_of(m.ws)
+    under = underlay_of(m.ws)
+    m.mount()
+    try:
+        run_session(m, "s", f"rm {DEEP}/f m/g; mv m m2; rm p s h1 t")
+        after = kinds_of(m.ws)
+        evs = m.events()
+        first = min(e["seq"] for e in evs if e["op"] == "unlink")
+        kept = removals(evs)
+        for p in (f"{DEEP}/f", "m/g", "t"):
+            assert "attic" in kept[p] and "blob" not in kept[p], (p, kept[p])
+        assert "blob" in kept["h1"] and "attic" not in kept["h1"]  # another name: copied now
+        assert kept["p"]["kind"] == "fifo" and kept["s"]["kind"] == "symlink"
+        assert len(entries(m.ws, under)) == 5  # the three files, the fifo, the symlink
+        out = tmp_path / "r1"
+        overlayrec("replay", m.ws, "--at", str(first - 1), "--to", str(out), "--full")
+        assert kinds_of(str(out)) == before
+        overlayrec("revert", m.ws, "--session", "s", "--yes")
+        assert kinds_of(m.ws) == before
+        overlayrec("unrevert", "-w", m.ws, "--yes")
+        assert kinds_of(m.ws) == after
+    finally:
+        m.umount()
+        os.close(under)
+    kept = removals(m.events())
+    for p in (f"{DEEP}/f", "m/g", "t"):
+        assert "blob" in kept[p] and "attic" not in kept[p], (p, kept[p])
+    # only the fifo and the symlink stay, as they always have (removed by the session, and
+    # again by the unrevert)
+    left = {stat.S_IFMT(os.lstat(os.path.join(m.ws, ATTIC, n)).st_mode) for n in entries(m.ws)}
+    assert left == {stat.S_IFIFO, stat.S_IFLNK}, left
+    out = tmp_path / "r2"
+    overlayrec("replay", m.ws, "--at", str(first - 1), "--to", str(out), "--full")
+    assert kinds_of(str(out)) == before
