@@ -17,6 +17,8 @@ import signal
 import sys
 import time
 
+# before pyfuse3, whose replies to OPENDIR it shapes: the kernel keeps listings (dircache)
+from . import dircache  # isort: skip
 import pyfuse3
 import trio
 import trio.testing  # wait_all_tasks_blocked: the run loop's own idle check (_commit_held_notes)
@@ -370,7 +372,8 @@ def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other
     # OVERLAYREC_BENCH_PROFILE=PREFIX: another bench switch (tools/bench --profile)
     if os.environ.get("OVERLAYREC_BENCH_PROFILE"):
         _profile_on_signals(os.environ["OVERLAYREC_BENCH_PROFILE"])
-    log.info("mounted %s (state dir %s)", ws, state_dir)
+    log.info("mounted %s (state dir %s)%s", ws, state_dir,
+             "" if dircache.active else ", the kernel does not cache listings (dircache)")
     tell("ready")
     os.umask(0)
     cpu0 = _cpu_seconds()

@@ -27,7 +27,7 @@ import time
 
 import pyfuse3
 
-from . import underlay
+from . import dircache, underlay
 from .journal import JournalError
 from .recorder import ATTIC_NAME, Recorder
 
@@ -117,7 +117,7 @@ class Handle:
 class DirHandle:
     __slots__ = ("inode", "names")
 
-    def __init__(self, inode: Inode, names: list[str]):
+    def __init__(self, inode: Inode, names: list[str] | None):
         self.inode = inode
         self.names = names
 
@@ -700,23 +700,32 @@ class Operations(pyfuse3.Operations):
     @_errno_boundary
     async def opendir(self, inode, ctx):
         i = self._inode(inode)
-        dfd = underlay.open_dir(self._fd(i))
-        try:
-            names = os.listdir(dfd)
-        finally:
-            os.close(dfd)
-        if inode == pyfuse3.ROOT_INODE:
-            names = [n for n in names if n != ATTIC_NAME]
         fh = self._next_fh
         self._next_fh += 1
-        self.handles[fh] = DirHandle(i, names)
+        # listed at the first READDIRPLUS: a listing the kernel keeps (dircache) sends none
+        self.handles[fh] = DirHandle(i, None)
         i.nopen += 1
+        dircache.next_dir()  # last: its flag must go with this opendir's reply
         return fh
+
+    def _names(self, d: DirHandle) -> list[str]:
+        """The names ``d``'s reads list, read once, at its first read, and kept: the offsets
+        the kernel resumes at index them."""
+        if d.names is None:
+            dfd = underlay.open_dir(self._fd(d.inode))
+            try:
+                names = os.listdir(dfd)
+            finally:
+                os.close(dfd)
+            if d.inode.fuse_ino == pyfuse3.ROOT_INODE:
+                names = [n for n in names if n != ATTIC_NAME]
+            d.names = names
+        return d.names
 
     @_errno_boundary
     async def readdir(self, fh, start_id, token):
         d = self.handles[fh]
-        names = d.names
+        names = self._names(d)
         # ids 0 and 1 are "." and "..": listed as natively, with no lookup count (the kernel
         # takes no reference on them from readdirplus)
         # (".." carries the directory's own number: nothing reads d_ino of "..", and walking

@@ -11,7 +11,9 @@ else:
   stats; an entry gets its fd when it is used), with the (st_dev, st_ino) check on a reopen;
 * the same cache settings: entry and attribute timeouts of 300 s, negative entries cached,
   ``keep_cache`` on every open, no writeback cache, FLUSH answered ENOSYS (the kernel stops
-  sending it), READDIRPLUS with attributes, ``default_permissions``, no ".." lookups;
+  sending it), READDIRPLUS with attributes, listings kept by the kernel (``cache_readdir`` on
+  every opendir, overlayrec.dircache; a directory listed at its first read),
+  ``default_permissions``, no ".." lookups;
 * the same serving: one worker task (``pyfuse3.main(min_tasks=1, max_tasks=1)``) with
   overlayrec's way of running pyfuse3's request loop under trio (``overlayrec.serving``: the
   floor is FUSE in Python as overlayrec serves it), file I/O through fds reopened from
@@ -33,11 +35,13 @@ import signal
 import stat
 import sys
 
-import pyfuse3
-import trio
-
-# the serving of this checkout's overlayrec (the floor serves as the daemon does)
+# the serving of this checkout's overlayrec (the floor serves as the daemon does), and its
+# listings kept by the kernel (overlayrec.dircache: imported before pyfuse3, as the daemon does)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from overlayrec import dircache  # noqa: E402  isort: skip
+
+import pyfuse3  # noqa: E402
+import trio  # noqa: E402
 from overlayrec import serving  # noqa: E402
 
 TIMEOUT = 300.0
@@ -320,19 +324,23 @@ class Floor(pyfuse3.Operations):
     @_boundary
     async def opendir(self, inode, ctx):
         i = self.inodes[inode]
-        dfd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self._fd(i))
-        try:
-            names = os.listdir(dfd)
-        finally:
-            os.close(dfd)
         fh = self.next_fh
         self.next_fh += 1
-        self.dirs[fh] = (i, names)
+        self.dirs[fh] = [i, None]  # listed at the first read, as the daemon does
+        dircache.next_dir()
         return fh
 
     @_boundary
     async def readdir(self, fh, start_id, token):
-        parent, names = self.dirs[fh]
+        d = self.dirs[fh]
+        parent, names = d
+        if names is None:
+            dfd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC,
+                          dir_fd=self._fd(parent))
+            try:
+                names = d[1] = os.listdir(dfd)
+            finally:
+                os.close(dfd)
         for idx in range(start_id, 2):
             a = pyfuse3.EntryAttributes()
             a.st_ino = parent.ino
