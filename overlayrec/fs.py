@@ -41,6 +41,9 @@ _STRIP = os.O_CREAT | os.O_EXCL | os.O_NOCTTY | os.O_APPEND | os.O_NOFOLLOW | \
 _COLLISION_BASE = 1 << 62
 _MIN_FD_HIGH = 64  # never fewer O_PATH fds kept than this, whatever the fd limit
 _NO_NAMES: frozenset[bytes] = frozenset()
+# what a file an O_EXCL create made cannot have: the kernel asks for it before every write
+# (to drop it), and a capability is only ever set by a setxattr, which forgets this
+_NEW_FILE: frozenset[bytes] = frozenset({b"security.capability"})
 
 
 class Inode:
@@ -559,6 +562,8 @@ class Operations(pyfuse3.Operations):
         except BaseException:
             os.close(fd)
             raise
+        if flags & os.O_EXCL and not inode.no_xattr:
+            inode.no_xattr = _NEW_FILE
         return self._file_info(fd, inode, actor), self._attr(inode, st)
 
     # -- removals and renames -------------------------------------------------------------------

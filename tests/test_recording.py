@@ -392,6 +392,41 @@ def test_xattr_and_owner_pre_images(make_mount):
     assert os.getxattr(p, "user.k") == b"v1" and os.stat(p).st_uid == 0
 
 
+@needs_root  # a file capability is set by root only
+def test_a_write_drops_a_capability_set_after_an_exclusive_create(make_mount):
+    """A file an O_EXCL create made cannot hold a capability, so the kernel's question before
+    each write is answered without the underlay (fs.create); a capability set afterwards is
+    asked for again, and a write drops it as natively: the kernel's removexattr is journaled,
+    between the setxattr and the write."""
+    # VFS_CAP_REVISION_2 with the effective flag, CAP_NET_RAW (13) permitted
+    cap = (0x02000001).to_bytes(4, "little") + (1 << 13).to_bytes(4, "little") + bytes(12)
+    code = ("import os\n"
+            "fd = os.open('f', os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o755)\n"
+            "os.write(fd, b'a')\n"
+            f"os.setxattr('f', 'security.capability', {cap!r})\n"
+            "assert os.getxattr('f', 'security.capability')\n"
+            "os.write(fd, b'b')\n"
+            "os.close(fd)\n"
+            "try:\n"
+            "    os.getxattr('f', 'security.capability')\n"
+            "    print('kept')\n"
+            "except OSError as e:\n"
+            "    print(e.errno)\n")
+    m = make_mount()
+    native = os.path.join(m.base, "native")
+    os.makedirs(native)
+    import subprocess
+    import sys
+    want = subprocess.run([sys.executable, "-c", code], cwd=native, capture_output=True,
+                          text=True, check=True).stdout
+    m.mount()
+    got = m.py(code).stdout
+    assert got == want == "61\n"  # ENODATA: the write dropped it
+    evs = [(e["op"], e.get("name")) for e in m.events() if e["path"] == "f"]
+    i = evs.index(("setxattr", "security.capability"))
+    assert ("removexattr", "security.capability") in evs[i + 1:], evs
+
+
 def test_a_change_that_changes_nothing_is_recorded_in_order(make_mount):
     """A chmod to the mode a file has, a chown to the owner it has (tar, sed -i and the
     formatter pattern make one a file) and tar's utimens ride with the next commit instead of
