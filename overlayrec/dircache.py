@@ -9,10 +9,14 @@ directory).  Nothing changes the underlay behind the kernel while mounted (the s
 the 300 s entry and attribute timeouts the daemon has always given), so the listing it keeps
 is the listing the daemon would give.
 
-The bits live in OPENDIR's reply, which pyfuse3 makes from the request's own file info.
-``_dircache.c`` (built with the package) provides ``fuse_reply_open``; loaded here with
-RTLD_GLOBAL before pyfuse3 is imported, it is the one pyfuse3 binds to, and it sets the two
-bits on the reply that follows ``next_dir()``.  So this module must be imported before
+``_dircache.c`` (built with the package), loaded here with RTLD_GLOBAL before pyfuse3 is
+imported, provides two libfuse functions pyfuse3 then binds to.  Through ``fuse_session_new``
+it learns at INIT whether the kernel can open directories itself (Linux 5.1+): then the
+daemon answers OPENDIR with ENOSYS once, the kernel sends no OPENDIR or RELEASEDIR again and
+keeps every listing it reads, and each READDIRPLUS names its directory by inode
+(``by_inode``, ``BY_INODE``), which pyfuse3 alone does not pass on.  Otherwise it sets the
+two bits on the OPENDIR reply that follows ``next_dir()`` (``fuse_reply_open``), pyfuse3
+having no way to.  So this module must be imported before
 pyfuse3 (``overlayrec.daemon`` imports it first); imported later, or with the library not
 built, or with ``OVERLAYREC_TEST_NO_DIRCACHE=1`` (a bench switch), it loads nothing and
 ``next_dir`` does nothing: listings are then read from the daemon every time, as before.
@@ -63,5 +67,18 @@ def _nothing() -> None:
     pass
 
 
+def _never() -> int:
+    return 0
+
+
 #: call as the last step of a successful opendir: its reply lets the kernel cache the listing
 next_dir = _lib.overlayrec_cache_next_dir if _lib is not None else _nothing
+
+#: true once the kernel's INIT has shown that it opens directories itself when OPENDIR answers
+#: ENOSYS (Linux 5.1+): it then keeps every listing, and READDIRPLUS and FSYNCDIR name their
+#: directory by inode, ``BY_INODE | ino``, in place of a handle
+by_inode = _lib.overlayrec_dircache_by_inode if _lib is not None else _never
+
+#: the file handle's bit that marks an inode number (set by the library, never by the daemon,
+#: whose handles count up from 1)
+BY_INODE = 1 << 63

@@ -17,6 +17,7 @@ except the root, which FUSE calls 1, and the rare collision, which gets a number
 """
 from __future__ import annotations
 
+import bisect
 import errno
 import functools
 import logging
@@ -41,6 +42,7 @@ _STRIP = os.O_CREAT | os.O_EXCL | os.O_NOCTTY | os.O_APPEND | os.O_NOFOLLOW | \
 _COLLISION_BASE = 1 << 62
 _MIN_FD_HIGH = 64  # never fewer O_PATH fds kept than this, whatever the fd limit
 _NO_NAMES: frozenset[bytes] = frozenset()
+_LISTINGS_KEPT = 256  # listings begun by readers that have not read them to the end
 # what a file an O_EXCL create made cannot have: the kernel asks for it before every write
 # (to drop it), and a capability is only ever set by a setxattr, which forgets this
 _NEW_FILE: frozenset[bytes] = frozenset({b"security.capability"})
@@ -117,12 +119,26 @@ class Handle:
         self.lo, self.hi = min(self.lo, off), max(self.hi, off + length)
 
 
+def _cookie(name: str) -> int:
+    """Where a name is in its directory's listing: the offset the kernel resumes after it.
+    The same in every listing of the directory while the daemon runs, as ext4's hash order
+    is: a reader whose listing is made again half-way through (a directory the kernel
+    opened itself is listed by inode, dircache), or whose directory gained or lost a name
+    meanwhile, resumes after the last name it got, and no other name is listed twice or
+    skipped.  Above 2: offsets 1 and 2 follow "." and ".."."""
+    return (hash(name) & _COOKIE_BITS) + 3
+
+
+_COOKIE_BITS = (1 << 62) - 1
+
+
 class DirHandle:
-    __slots__ = ("inode", "names")
+    __slots__ = ("inode", "names", "cookies")
 
     def __init__(self, inode: Inode, names: list[str] | None):
         self.inode = inode
         self.names = names
+        self.cookies: list[int] = []
 
 
 _REFUSALS_LOGGED_EVERY = 10.0  # seconds: a full state dir refuses every change, logged sparingly
@@ -181,6 +197,8 @@ class Operations(pyfuse3.Operations):
         self.inodes: dict[int, Inode] = {}
         self.by_key: dict[tuple[int, int], int] = {}
         self.handles: dict[int, Handle | DirHandle] = {}
+        # listings of directories the kernel opened itself, by inode (_dir)
+        self.listings: dict[int, DirHandle] = {}
         self._next_fh = 1
         self._next_collision = _COLLISION_BASE
         # the inodes holding an O_PATH fd, oldest first (the root's is never closed: not here)
@@ -704,6 +722,11 @@ class Operations(pyfuse3.Operations):
     # -- directories ----------------------------------------------------------------------------
     @_errno_boundary
     async def opendir(self, inode, ctx):
+        if dircache.by_inode():
+            # the kernel can open directories itself: told so (once), it keeps their listings
+            # and names the directory by inode in each read (dircache)
+            log.info("directories are opened by the kernel, their listings kept (dircache)")
+            raise pyfuse3.FUSEError(errno.ENOSYS)
         i = self._inode(inode)
         fh = self._next_fh
         self._next_fh += 1
@@ -714,8 +737,8 @@ class Operations(pyfuse3.Operations):
         return fh
 
     def _names(self, d: DirHandle) -> list[str]:
-        """The names ``d``'s reads list, read once, at its first read, and kept: the offsets
-        the kernel resumes at index them."""
+        """The names ``d``'s reads list, in the order of their cookies (``d.cookies``), read at
+        its first read and kept."""
         if d.names is None:
             dfd = underlay.open_dir(self._fd(d.inode))
             try:
@@ -724,12 +747,30 @@ class Operations(pyfuse3.Operations):
                 os.close(dfd)
             if d.inode.fuse_ino == pyfuse3.ROOT_INODE:
                 names = [n for n in names if n != ATTIC_NAME]
-            d.names = names
+            names.sort(key=_cookie)
+            d.names, d.cookies = names, [_cookie(n) for n in names]
         return d.names
+
+    def _dir(self, fh: int, start_id: int) -> DirHandle:
+        """The listing a READDIRPLUS continues: its handle's, or for a directory the kernel
+        opened itself (dircache.BY_INODE) the one a read from offset 0 began, kept until it has
+        all been sent (another reader's read from 0 begins it anew: the offsets are cookies,
+        so a reader half-way through resumes after the last name it got)."""
+        if not fh & dircache.BY_INODE:
+            return self.handles[fh]
+        ino = fh ^ dircache.BY_INODE
+        d = None if start_id == 0 else self.listings.get(ino)
+        if d is None:
+            d = DirHandle(self._inode(ino), None)
+            self.listings.pop(ino, None)
+            if len(self.listings) >= _LISTINGS_KEPT:  # readers that stopped half-way
+                del self.listings[next(iter(self.listings))]
+            self.listings[ino] = d
+        return d
 
     @_errno_boundary
     async def readdir(self, fh, start_id, token):
-        d = self.handles[fh]
+        d = self._dir(fh, start_id)
         names = self._names(d)
         # ids 0 and 1 are "." and "..": listed as natively, with no lookup count (the kernel
         # takes no reference on them from readdirplus)
@@ -743,19 +784,23 @@ class Operations(pyfuse3.Operations):
                 return
         parent = d.inode
         pfd = self._fd(parent)
-        for idx in range(max(start_id, 2), len(names) + 2):
-            name = names[idx - 2]
+        cookies = d.cookies
+        for at in range(bisect.bisect_right(cookies, start_id), len(names)):
+            name = names[at]
             try:
                 # a stat, no fd: an entry gets an O_PATH fd when it is used (most never are)
                 st = underlay.lstat_at(pfd, name)
             except FileNotFoundError:
                 continue  # gone since opendir
             inode = self._remember(-1, st, parent, name)
-            if not pyfuse3.readdir_reply(token, os.fsencode(name), self._attr(inode, st), idx + 1):
+            if not pyfuse3.readdir_reply(token, os.fsencode(name), self._attr(inode, st),
+                                         cookies[at]):
                 inode.nlookup -= 1  # not sent: the kernel holds no reference to it
                 if inode.nlookup <= 0:
                     self._forget([(inode.fuse_ino, 0)])
                 return
+        if fh & dircache.BY_INODE:  # all sent: the next read is at the end, or a new reading
+            self.listings.pop(fh ^ dircache.BY_INODE, None)
 
     @_errno_boundary
     async def releasedir(self, fh):
@@ -765,8 +810,11 @@ class Operations(pyfuse3.Operations):
 
     @_errno_boundary
     async def fsyncdir(self, fh, datasync):
-        d = self.handles[fh]
-        dfd = underlay.open_dir(self._fd(d.inode))
+        if fh & dircache.BY_INODE:
+            i = self._inode(fh ^ dircache.BY_INODE)
+        else:
+            i = self.handles[fh].inode
+        dfd = underlay.open_dir(self._fd(i))
         try:
             os.fsync(dfd)
         finally:

@@ -151,3 +151,40 @@ def test_the_library_is_built_and_loads_before_pyfuse3():
                                         if k != "OVERLAYREC_TEST_NO_DIRCACHE"})
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "True"
+
+
+@needs_fuse
+@pytest.mark.timeout(int(120 * SLOW))
+def test_a_reader_half_way_through_a_large_directory_resumes_where_it_was(make_mount):
+    """A directory of more names than one READDIRPLUS carries, read a little by one reader;
+    names are added through the mount, another reader lists the whole directory (which begins
+    the daemon's listing of it anew when the kernel opened it itself), and the first reader
+    reads on: every name that was there throughout is listed to it exactly once."""
+    m = make_mount()
+    d = os.path.join(m.ws, "big")
+    os.makedirs(d)
+    old = {f"entry-{i:05d}-{'x' * 40}" for i in range(1500)}
+    for n in old:
+        open(os.path.join(d, n), "w").close()
+    m.mount()
+    try:
+        with os.scandir(d) as it:
+            first = [next(it).name for _ in range(5)]
+            new = {f"added-{i:03d}" for i in range(200)}
+            for n in new:
+                open(os.path.join(d, n), "w").close()
+            assert set(os.listdir(d)) == old | new  # the other reader, from offset 0
+            rest = [e.name for e in it]
+        got = first + rest
+        assert len([n for n in got if n in old]) == len(old)
+        assert set(got) >= old and set(got) <= old | new
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)  # FSYNCDIR of a directory the kernel opened itself
+        finally:
+            os.close(fd)
+    finally:
+        m.umount()
+    with open(os.path.join(m.state, "daemon.log")) as f:
+        log = f.read()
+    assert "directories are opened by the kernel" in log  # Linux 5.1+: the mode tested here

@@ -11,8 +11,9 @@ else:
   stats; an entry gets its fd when it is used), with the (st_dev, st_ino) check on a reopen;
 * the same cache settings: entry and attribute timeouts of 300 s, negative entries cached,
   ``keep_cache`` on every open, no writeback cache, FLUSH answered ENOSYS (the kernel stops
-  sending it), READDIRPLUS with attributes, listings kept by the kernel (``cache_readdir`` on
-  every opendir, overlayrec.dircache; a directory listed at its first read),
+  sending it), READDIRPLUS with attributes, listings kept by the kernel (directories opened by the
+  kernel itself, or ``cache_readdir`` on every opendir: overlayrec.dircache; a directory
+  listed at its first read),
   ``default_permissions``, no ".." lookups;
 * the same serving: one worker task (``pyfuse3.main(min_tasks=1, max_tasks=1)``) with
   overlayrec's way of running pyfuse3's request loop under trio (``overlayrec.serving``: the
@@ -27,6 +28,7 @@ once mounted, serves in the foreground until ``fusermount3 -u WORKSPACE`` or SIG
 """
 from __future__ import annotations
 
+import bisect
 import ctypes
 import errno
 import os
@@ -49,6 +51,7 @@ _STRIP = os.O_CREAT | os.O_EXCL | os.O_NOCTTY | os.O_APPEND | os.O_NOFOLLOW | \
     getattr(os, "O_DIRECT", 0)
 O_PATH = getattr(os, "O_PATH", 0o10000000)
 _COLLISION_BASE = 1 << 62
+_COOKIE_BITS = (1 << 62) - 1
 _libc = ctypes.CDLL("libc.so.6", use_errno=True)
 
 
@@ -323,6 +326,8 @@ class Floor(pyfuse3.Operations):
     # -- directories
     @_boundary
     async def opendir(self, inode, ctx):
+        if dircache.by_inode():  # the kernel opens directories itself, as the daemon lets it
+            raise pyfuse3.FUSEError(errno.ENOSYS)
         i = self.inodes[inode]
         fh = self.next_fh
         self.next_fh += 1
@@ -332,13 +337,20 @@ class Floor(pyfuse3.Operations):
 
     @_boundary
     async def readdir(self, fh, start_id, token):
-        d = self.dirs[fh]
+        if fh & dircache.BY_INODE:  # a listing by inode, begun at offset 0, as the daemon's
+            key = fh
+            d = None if start_id == 0 else self.dirs.get(key)
+            if d is None:
+                d = self.dirs[key] = [self.inodes[fh ^ dircache.BY_INODE], None]
+        else:
+            d = self.dirs[fh]
         parent, names = d
-        if names is None:
+        if names is None:  # in cookie order (the offsets, as the daemon's: stable by name)
             dfd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC,
                           dir_fd=self._fd(parent))
             try:
-                names = d[1] = os.listdir(dfd)
+                names = sorted((((hash(n) & _COOKIE_BITS) + 3, n) for n in os.listdir(dfd)))
+                d[1] = names
             finally:
                 os.close(dfd)
         for idx in range(start_id, 2):
@@ -348,24 +360,26 @@ class Floor(pyfuse3.Operations):
             if not pyfuse3.readdir_reply(token, b"." if idx == 0 else b"..", a, idx + 1):
                 return
         pfd = self._fd(parent)
-        for idx in range(max(start_id, 2), len(names) + 2):
-            name = names[idx - 2]
+        for at in range(bisect.bisect_right(names, (start_id, "\U0010ffff")), len(names)):
+            cookie, name = names[at]
             try:
                 st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
             except FileNotFoundError:
                 continue
             inode = self._remember(-1, st, parent, name)
-            if not pyfuse3.readdir_reply(token, os.fsencode(name), self._attr(inode, st), idx + 1):
+            if not pyfuse3.readdir_reply(token, os.fsencode(name), self._attr(inode, st), cookie):
                 inode.nlookup -= 1
                 return
+        if fh & dircache.BY_INODE:
+            self.dirs.pop(fh, None)
 
     async def releasedir(self, fh):
         self.dirs.pop(fh, None)
 
     @_boundary
     async def fsyncdir(self, fh, datasync):
-        dfd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC,
-                      dir_fd=self._fd(self.dirs[fh][0]))
+        i = self.inodes[fh ^ dircache.BY_INODE] if fh & dircache.BY_INODE else self.dirs[fh][0]
+        dfd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self._fd(i))
         try:
             os.fsync(dfd)
         finally:
