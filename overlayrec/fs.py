@@ -747,8 +747,8 @@ class Operations(pyfuse3.Operations):
                 os.close(dfd)
             if d.inode.fuse_ino == pyfuse3.ROOT_INODE:
                 names = [n for n in names if n != ATTIC_NAME]
-            names.sort(key=_cookie)
-            d.names, d.cookies = names, [_cookie(n) for n in names]
+            pairs = sorted(zip(map(_cookie, names), names))
+            d.cookies, d.names = [c for c, _ in pairs], [n for _, n in pairs]
         return d.names
 
     def _dir(self, fh: int, start_id: int) -> DirHandle:
