@@ -17,7 +17,7 @@ import signal
 import sys
 import time
 
-# before pyfuse3, whose replies to OPENDIR it shapes: the kernel keeps listings (dircache)
+# before pyfuse3, which then binds to its two libfuse functions: the kernel keeps listings
 from . import dircache  # isort: skip
 import pyfuse3
 import trio
