@@ -77,7 +77,10 @@ next_dir = _lib.overlayrec_cache_next_dir if _lib is not None else _nothing
 #: true once the kernel's INIT has shown that it opens directories itself when OPENDIR answers
 #: ENOSYS (Linux 5.1+): it then keeps every listing, and READDIRPLUS and FSYNCDIR name their
 #: directory by inode, ``BY_INODE | ino``, in place of a handle
-by_inode = _lib.overlayrec_dircache_by_inode if _lib is not None else _never
+#: (``OVERLAYREC_TEST_DIRCACHE_BY_HANDLE=1``, a test switch: as on a kernel before 5.1, the
+#: daemon opens directories and the reply to OPENDIR lets the kernel keep the listing)
+by_inode = _lib.overlayrec_dircache_by_inode \
+    if _lib is not None and not os.environ.get("OVERLAYREC_TEST_DIRCACHE_BY_HANDLE") else _never
 
 #: the file handle's bit that marks an inode number (set by the library, never by the daemon,
 #: whose handles count up from 1)
