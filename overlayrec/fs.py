@@ -42,7 +42,9 @@ _STRIP = os.O_CREAT | os.O_EXCL | os.O_NOCTTY | os.O_APPEND | os.O_NOFOLLOW | \
 _COLLISION_BASE = 1 << 62
 _MIN_FD_HIGH = 64  # never fewer O_PATH fds kept than this, whatever the fd limit
 _NO_NAMES: frozenset[bytes] = frozenset()
-_LISTINGS_KEPT = 256  # listings begun by readers that have not read them to the end
+# listings begun by readers that have not read them to the end: at most so many, and names
+_LISTINGS_KEPT = 64
+_LISTED_NAMES_KEPT = 200_000
 # what a file an O_EXCL create made cannot have: the kernel asks for it before every write
 # (to drop it), and a capability is only ever set by a setxattr, which forgets this
 _NEW_FILE: frozenset[bytes] = frozenset({b"security.capability"})
@@ -759,11 +761,14 @@ class Operations(pyfuse3.Operations):
         if not fh & dircache.BY_INODE:
             return self.handles[fh]
         ino = fh ^ dircache.BY_INODE
+        i = self._inode(ino)
         d = None if start_id == 0 else self.listings.get(ino)
-        if d is None:
-            d = DirHandle(self._inode(ino), None)
+        if d is None or d.inode is not i:  # (an inode number the table has given again)
+            d = DirHandle(i, None)
             self.listings.pop(ino, None)
-            if len(self.listings) >= _LISTINGS_KEPT:  # readers that stopped half-way
+            # readers that stopped half-way: the oldest listings go first
+            while self.listings and (len(self.listings) >= _LISTINGS_KEPT or sum(
+                    len(k.names or ()) for k in self.listings.values()) > _LISTED_NAMES_KEPT):
                 del self.listings[next(iter(self.listings))]
             self.listings[ino] = d
         return d
