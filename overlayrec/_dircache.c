@@ -27,9 +27,8 @@
 #include <dlfcn.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <fuse3/fuse_lowlevel.h>
-
 #include <string.h>
+#include <fuse3/fuse_lowlevel.h>
 
 typedef int (*reply_open_fn)(fuse_req_t, const struct fuse_file_info *);
 typedef struct fuse_session *(*session_new_fn)(struct fuse_args *,
