@@ -4,15 +4,17 @@ reads itself until a change through the mount drops what it kept.
 To see whether a listing came from the kernel or from the daemon, a test changes the underlay
 behind the mount (through a descriptor of the workspace opened before the mount, the
 directory's mtime put back): the daemon would list that change, a listing the kernel kept
-does not.  Nothing in overlayrec changes the
-underlay that way while mounted; every change through the mount must drop the kept listing,
-so that what a process lists is the directory as it is.
+does not.  Nothing in overlayrec changes the underlay that way while mounted; every change
+through the mount must drop the kept listing, so that what a process lists is the directory
+as it is.
 """
 from __future__ import annotations
 
 import ctypes
 import os
 import stat
+import subprocess
+import sys
 
 import pytest
 
@@ -148,8 +150,6 @@ def test_the_switch_leaves_every_listing_to_the_daemon(make_mount):
 def test_the_library_is_built_and_loads_before_pyfuse3():
     """A checkout set up by tools/setup has the library; the daemon finds and loads it (it is
     imported before pyfuse3 in a fresh interpreter, as the daemon does)."""
-    import subprocess
-    import sys
     code = ("import overlayrec.dircache as d, sys; "
             "assert 'pyfuse3' not in sys.modules; print(d.active)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
