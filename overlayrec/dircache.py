@@ -16,10 +16,11 @@ daemon answers OPENDIR with ENOSYS once, the kernel sends no OPENDIR or RELEASED
 keeps every listing it reads, and each READDIRPLUS names its directory by inode
 (``by_inode``, ``BY_INODE``), which pyfuse3 alone does not pass on.  Otherwise it sets the
 two bits on the OPENDIR reply that follows ``next_dir()`` (``fuse_reply_open``), pyfuse3
-having no way to.  So this module must be imported before
-pyfuse3 (``overlayrec.daemon`` imports it first); imported later, or with the library not
-built, or with ``OVERLAYREC_TEST_NO_DIRCACHE=1`` (a bench switch), it loads nothing and
-``next_dir`` does nothing: listings are then read from the daemon every time, as before.
+having no way to.  So this module must be imported before pyfuse3 (``overlayrec.daemon``
+imports it first); imported later, or with the library not built, or with
+``OVERLAYREC_TEST_NO_DIRCACHE=1`` (a bench switch), it loads nothing, ``by_inode`` is false
+and ``next_dir`` does nothing: listings are then read from the daemon every time, as before.
+docs/design.md, "The kernel keeps directory listings", says more.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def _library() -> str | None:
 def _load():
     """The loaded library, or None (see the module's docstring for when)."""
     if os.environ.get(_SWITCH) or "pyfuse3" in sys.modules:
-        return None  # pyfuse3 bound to libfuse already: our reply_open would never be called
+        return None  # pyfuse3 bound to libfuse already: the library would never be called
     path = _library()
     if path is None:
         return None
