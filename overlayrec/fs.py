@@ -755,8 +755,8 @@ class Operations(pyfuse3.Operations):
 
     def _dir(self, fh: int, start_id: int) -> DirHandle:
         """The listing a READDIRPLUS continues: its handle's, or for a directory the kernel
-        opened itself (dircache.BY_INODE) the one a read from offset 0 began, kept until it has
-        all been sent (another reader's read from 0 begins it anew: the offsets are cookies,
+        opened itself (dircache.BY_INODE) the one a read from offset 0 began, kept until a read
+        past its end (another reader's read from 0 begins it anew: the offsets are cookies,
         so a reader half-way through resumes after the last name it got)."""
         if not fh & dircache.BY_INODE:
             return self.handles[fh]
@@ -787,10 +787,15 @@ class Operations(pyfuse3.Operations):
             a.st_mode = stat.S_IFDIR
             if not pyfuse3.readdir_reply(token, b"." if idx == 0 else b"..", a, idx + 1):
                 return
+        cookies = d.cookies
+        start = bisect.bisect_right(cookies, start_id)
+        if start >= len(names) and start_id >= 2 and fh & dircache.BY_INODE:
+            # the reader has it all and asks past the end: its reading is over
+            self.listings.pop(fh ^ dircache.BY_INODE, None)
+            return
         parent = d.inode
         pfd = self._fd(parent)
-        cookies = d.cookies
-        for at in range(bisect.bisect_right(cookies, start_id), len(names)):
+        for at in range(start, len(names)):
             name = names[at]
             try:
                 # a stat, no fd: an entry gets an O_PATH fd when it is used (most never are)
@@ -804,8 +809,6 @@ class Operations(pyfuse3.Operations):
                 if inode.nlookup <= 0:
                     self._forget([(inode.fuse_ino, 0)])
                 return
-        if fh & dircache.BY_INODE:  # all sent: the next read is at the end, or a new reading
-            self.listings.pop(fh ^ dircache.BY_INODE, None)
 
     @_errno_boundary
     async def releasedir(self, fh):
