@@ -49,7 +49,8 @@ def check_own_files(ws: str) -> None:
 
 
 def tree_of(root: str) -> dict:
-    """Every path beneath root but the attic and .git: kind, mode, content or target."""
+    """Every path beneath root but the attic and .git: kind, mode, content or target (a fifo
+    by its kind and mode: never opened)."""
     out = {}
     for d, dirs, files in os.walk(root):
         dirs[:] = [x for x in dirs if not (d == root and x in (ATTIC, ".git"))]
@@ -61,6 +62,8 @@ def tree_of(root: str) -> dict:
                 out[rel] = ("link", os.readlink(p))
             elif stat.S_ISDIR(st.st_mode):
                 out[rel] = ("dir", stat.S_IMODE(st.st_mode))
+            elif stat.S_ISFIFO(st.st_mode):
+                out[rel] = ("fifo", stat.S_IMODE(st.st_mode))
             else:
                 with open(p, "rb") as f:
                     out[rel] = ("file", stat.S_IMODE(st.st_mode), f.read())

@@ -286,28 +286,6 @@ def test_a_file_gone_between_its_lstat_and_its_read_is_absent(tmp_path, monkeypa
         os.close(root_fd)
 
 
-def kinds_of(root: str) -> dict:
-    """Every path beneath root but the attic and .git: a fifo by its kind and mode (never
-    opened), a symlink by its target, a file by its mode and content."""
-    out = {}
-    for d, dirs, files in os.walk(root):
-        dirs[:] = [x for x in dirs if not (d == root and x in (ATTIC, ".git"))]
-        for n in dirs + files:
-            p = os.path.join(d, n)
-            st = os.lstat(p)
-            rel = os.path.relpath(p, root)
-            if stat.S_ISLNK(st.st_mode):
-                out[rel] = ("link", os.readlink(p))
-            elif stat.S_ISDIR(st.st_mode):
-                out[rel] = ("dir", stat.S_IMODE(st.st_mode))
-            elif stat.S_ISFIFO(st.st_mode):
-                out[rel] = ("fifo", stat.S_IMODE(st.st_mode))
-            else:
-                with open(p, "rb") as f:
-                    out[rel] = ("file", stat.S_IMODE(st.st_mode), f.read())
-    return out
-
-
 DEEP = "/".join(["x" * 200] * 18)  # 3,617 bytes of directories
 
 
@@ -330,12 +308,12 @@ def test_waiting_pre_images_beneath_a_renamed_directory_a_long_path_and_other_ki
     os.link(os.path.join(m.ws, "h1"), os.path.join(m.ws, "h2"))
     os.mkfifo(os.path.join(m.ws, "p"), 0o640)
     os.symlink("t", os.path.join(m.ws, "s"))
-    before = kinds_of(m.ws)
+    before = tree_of(m.ws)
     under = underlay_of(m.ws)
     m.mount()
     try:
         run_session(m, "s", f"rm {DEEP}/f m/g; mv m m2; rm p s h1 t")
-        after = kinds_of(m.ws)
+        after = tree_of(m.ws)
         evs = m.events()
         first = min(e["seq"] for e in evs if e["op"] == "unlink")
         kept = removals(evs)
@@ -346,11 +324,11 @@ def test_waiting_pre_images_beneath_a_renamed_directory_a_long_path_and_other_ki
         assert len(entries(m.ws, under)) == 5  # the three files, the fifo, the symlink
         out = tmp_path / "r1"
         overlayrec("replay", m.ws, "--at", str(first - 1), "--to", str(out), "--full")
-        assert kinds_of(str(out)) == before
+        assert tree_of(str(out)) == before
         overlayrec("revert", m.ws, "--session", "s", "--yes")
-        assert kinds_of(m.ws) == before
+        assert tree_of(m.ws) == before
         overlayrec("unrevert", "-w", m.ws, "--yes")
-        assert kinds_of(m.ws) == after
+        assert tree_of(m.ws) == after
     finally:
         m.umount()
         os.close(under)
@@ -363,4 +341,4 @@ def test_waiting_pre_images_beneath_a_renamed_directory_a_long_path_and_other_ki
     assert left == {stat.S_IFIFO, stat.S_IFLNK}, left
     out = tmp_path / "r2"
     overlayrec("replay", m.ws, "--at", str(first - 1), "--to", str(out), "--full")
-    assert kinds_of(str(out)) == before
+    assert tree_of(str(out)) == before
