@@ -196,3 +196,45 @@ def test_a_reader_half_way_through_a_large_directory_resumes_where_it_was(make_m
         log = f.read()
     # which mode served (Linux 5.1+ opens directories itself)
     assert ("directories are opened by the kernel" in log) == (mode == "by-inode")
+
+
+@needs_fuse
+@pytest.mark.timeout(int(120 * SLOW))
+@pytest.mark.parametrize("mode", MODES)
+def test_deep_and_moved_directories_list_as_they_are(make_mount, mode):
+    """Beyond the first shapes: a directory 3,600 bytes deep (the daemon reaches it through
+    its inode table, past what one path lookup takes), and a directory renamed with files
+    beneath, listed before and after the rename and after changes beneath its new name."""
+    deep = "/".join(["y" * 200] * 18)
+    m = make_mount(env=dict(os.environ, **MODES[mode]))
+    under = os.open(m.ws, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    subprocess.run(["mkdir", "-p", deep, "top/mid/low"], cwd=m.ws, check=True)
+    for p in ("top/a", "top/mid/b", "top/mid/low/c"):
+        open(os.path.join(m.ws, p), "w").close()
+    m.mount()
+    try:
+        # the deep directory: listed, a name added and one removed through the mount
+        code = ("import os\n"
+                f"os.chdir({deep!r})\n"
+                "print(sorted(os.listdir('.')))\n"
+                "open('f1', 'w').close(); open('f2', 'w').close()\n"
+                "print(sorted(os.listdir('.')))\n"
+                "os.unlink('f1')\n"
+                "print(sorted(os.listdir('.')))\n")
+        out = m.py(code).stdout.split("\n")
+        assert out[:3] == ["[]", "['f1', 'f2']", "['f2']"], out
+        # a directory renamed with files beneath: what each level lists, before and after
+        levels = ("top", "top/mid", "top/mid/low")
+        before = {p: listing(os.path.join(m.ws, p)) for p in levels}
+        os.rename(os.path.join(m.ws, "top"), os.path.join(m.ws, "moved"))
+        moved = {p: listing(os.path.join(m.ws, "moved" + p[3:])) for p in levels}
+        assert moved == before
+        os.rename(os.path.join(m.ws, "moved/mid/b"), os.path.join(m.ws, "moved/mid/low/b"))
+        for p in levels:
+            q = "moved" + p[3:]
+            assert listing(os.path.join(m.ws, q)) == underlay_listing(under, q), q
+        assert not os.path.exists(os.path.join(m.ws, "top"))
+    finally:
+        m.umount()
+        os.close(under)
+    assert sorted(os.listdir(os.path.join(m.ws, deep))) == ["f2"]
