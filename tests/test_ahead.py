@@ -257,6 +257,25 @@ def test_a_record_takes_the_extents_notes_held_before_it(tmp_path):
         j.close()
 
 
+def test_a_record_keeps_only_its_own_blobs(tmp_path):
+    """A small pre-image held after a record was written ahead goes with the next record, not
+    into the records already waiting for LMDB's commit (they were written without it)."""
+    sd = str(tmp_path / "state")
+    j = writer(sd)
+    try:
+        j.append(ev("create", "a"), ACTOR)
+        j.hold_blob("d" * 32, b"the pre-image")
+        j.append(ev("rename", "b", path2="a", pre2={"kind": "file", "blob": "d" * 32}), ACTOR)
+        waiting = j._pending
+        assert [dict(b.blobs) for b in waiting] == [{}, {"d" * 32: b"the pre-image"}]
+        read = list(AheadLog(os.path.join(sd, "journal"), store._loads).batches())
+        assert [b.blobs for b in read] == [{}, {"d" * 32: b"the pre-image"}]
+        j.flush()
+        assert j.blob("d" * 32) == b"the pre-image"
+    finally:
+        j.close()
+
+
 LONG_READER = """
 import json, sys
 from overlayrec.journal import Journal

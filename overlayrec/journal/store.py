@@ -33,7 +33,8 @@ import fcntl
 import json
 import os
 import time
-from collections.abc import Iterator  # (not typing: ~4 ms of a reader's start)
+from collections.abc import Iterator, Mapping  # (not typing: ~4 ms of a reader's start)
+from types import MappingProxyType
 
 import lmdb
 
@@ -74,6 +75,7 @@ _KNOWN_ACTORS = 4096
 _TRIM_EVERY = 32
 # extents notes a writer holds at most: past it, the next note commits at once
 _HELD_MAX = 256
+_NO_BLOBS: Mapping[str, bytes] = MappingProxyType({})  # a record's blobs when it has none
 # the log ahead is used while the state dir has this much free (looked at every few ms):
 # what waits there must always fit into LMDB, so near a full disk every event is committed
 # to LMDB at once, as without the log, and a full disk refuses the change itself
@@ -454,10 +456,12 @@ class Journal:
             new = list({a["key"]: a for a in new}.values())
         # the notes go too: a reader that sees these events sees the write runs that ended
         # before them as ended (docs/design.md, "A release ends a write run")
-        notes = self._held
+        notes, blobs = self._held, self._held_blobs
         first = not (notes or self._held_events or self._pending)
+        # a record without blobs gets none of its own: not the journal's empty dict, which the
+        # next small pre-image fills (and every record waiting with it would then put again)
         batch = Batch(self._held_events + events if self._held_events else events, new,
-                      self._held_blobs, notes)
+                      blobs if blobs else _NO_BLOBS, notes)
         try:
             self._ahead.append(encode_batch(batch, _dumps), self._durable)
         except OSError as e:
@@ -467,7 +471,7 @@ class Journal:
         self._pending.append(batch)
         if self._held_events:
             self._held_events, self._held_actors = [], []
-        if self._held_blobs:
+        if blobs:
             self._held_blobs = {}
         if notes:
             self._held = []
