@@ -1612,8 +1612,9 @@ def revert(workspace, call_id, turn_sel, sid, since, glob, yes, force, cont, as_
 @click.option("--state-dir", type=PATH)
 @_guard
 def unrevert(revert_id, workspace, yes, force, as_json, state_dir):
-    """Undo a revert (the newest one not yet undone by default), with the same checks; an
-    interrupted revert is rolled back the same way.  Reverts stack; unrevert peels them."""
+    """Undo a revert (by default the newest one not yet undone), with the same checks; an
+    interrupted revert is rolled back the same way.  Reverts stack; unreverts peel them, newest
+    first.  An unrevert is undone only when REVERT_ID names it."""
     from . import reverts
     ws = state.resolve_workspace(workspace)
     sd = _state_dir_for(ws, state_dir)

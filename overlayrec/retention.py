@@ -155,13 +155,6 @@ def read_plans(sd: str) -> list[dict]:
     return state.saved_reverts(sd)
 
 
-def _undoable(r: dict, every: list[dict]) -> bool:
-    """Could ``overlayrec unrevert`` still undo revert ``r`` (reverts.to_undo's rule)?"""
-    return not r.get("unreverted_by") and not r.get("unreverts_done") \
-        and r.get("status") in ("done", "running") \
-        and not any(o.get("unreverts") == r["id"] and o.get("status") == "done" for o in every)
-
-
 @dataclass
 class Sess:
     id: str
@@ -382,7 +375,7 @@ def make_plan(j: Journal, sd: str, policy: Policy, scan: Scan, *, live=(),
     needs = INF
     for r in every:
         pending = r.get("status") == "running"
-        if not (pending or _undoable(r, every)):
+        if not (pending or state.revert_undoable(r, every)):
             continue
         need = _needs_from(r, plans, scan, by_id, calls_of, {r["id"]})
         if need == INF:

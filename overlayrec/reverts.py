@@ -42,17 +42,18 @@ def pending(sd: str) -> dict | None:
 
 
 def to_undo(sd: str, revert_id: str | None) -> dict:
-    """The revert an unrevert undoes: the one named, or the newest not yet undone."""
+    """The revert an unrevert undoes: the one named, or the newest not yet undone that is not
+    itself a finished unrevert.  So unreverts peel the stack of reverts, newest first: the
+    second does not undo the first (it is the newest revert record, and undoing it would put
+    back what the first took away).  A finished unrevert is undone only by its id."""
     every = plans(sd)
     if revert_id is not None:
         found = [r for r in every if r["id"] == revert_id]
         if not found:
             raise RevertError(f"no revert {revert_id}")
         return found[0]
-    candidates = [r for r in every if not r.get("unreverted_by") and not r.get("unreverts_done")
-                  and r.get("status") in ("done", "running")
-                  and not any(o.get("unreverts") == r["id"] and o.get("status") == "done"
-                              for o in every)]
+    candidates = [r for r in every if state.revert_undoable(r, every)
+                  and not (r.get("unreverts") and r.get("status") == "done")]
     if not candidates:
         raise RevertError("no revert to undo")
     return candidates[-1]

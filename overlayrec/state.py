@@ -629,3 +629,12 @@ def saved_reverts(sd: str) -> list[dict]:
                 continue
     out.sort(key=lambda r: r.get("created", 0))
     return out
+
+
+def revert_undoable(r: dict, every: list[dict]) -> bool:
+    """Can an unrevert still undo revert record ``r`` (``every``: all of them, saved_reverts)?
+    By its id whenever this holds; by default also, unless ``r`` is itself a finished unrevert
+    (``reverts.to_undo``).  Retention keeps what such a revert reaches into."""
+    return not r.get("unreverted_by") and not r.get("unreverts_done") \
+        and r.get("status") in ("done", "running") \
+        and not any(o.get("unreverts") == r["id"] and o.get("status") == "done" for o in every)

@@ -71,6 +71,46 @@ def test_revert_and_unrevert_every_kind_of_change(make_mount, tmp_path):
     assert tree_of(m.ws) == before
 
 
+CALL_N = textwrap.dedent(r'''
+    import subprocess, sys
+    from overlayrec import client
+    with client.connect() as c:
+        c.call_begin(sys.argv[1], "Bash")
+        subprocess.run(["bash", "-c", sys.argv[2]], check=True)
+        c.call_end(sys.argv[1])
+''')
+
+
+def test_unrevert_peels_stacked_reverts_newest_first(make_mount, tmp_path):
+    """Three calls reverted one after another, newest first, then ``unrevert`` three times:
+    each undoes the next revert down the stack, and a fourth finds none left.  Found by hand:
+    the second unrevert undid the first one (an unrevert is itself a revert, and it was the
+    newest not undone), so the tree went back and forth between two states.  Naming an
+    unrevert still undoes it."""
+    m = setup_ws(make_mount, tmp_path)
+    (tmp_path / "calln.py").write_text(CALL_N)
+    m.mount()
+    trees = [tree_of(m.ws)]
+    for i, script in enumerate(["echo two >> a.txt",
+                                "mkdir -p new && echo n > new/f && mv mv.txt new/",
+                                "rm k.txt && chmod 755 mode.sh && rm -r olddir"], 1):
+        overlayrec("run", "-w", m.ws, "--session", f"s{i}", "--", sys.executable,
+                   str(tmp_path / "calln.py"), f"c{i}", script, cwd=m.ws)
+        trees.append(tree_of(m.ws))
+    assert len({repr(t) for t in trees}) == 4
+    for i in (3, 2, 1):
+        overlayrec("revert", m.ws, "--call", f"c{i}", "--yes")
+        assert tree_of(m.ws) == trees[i - 1], i
+    unreverts = []
+    for i in (1, 2, 3):
+        unreverts.append(overlayrec("unrevert", "-w", m.ws, "--yes").stdout.split()[-1])
+        assert tree_of(m.ws) == trees[i], i
+    r = overlayrec("unrevert", "-w", m.ws, "--yes", check=False)
+    assert r.returncode != 0 and r.stderr.strip().endswith("no revert to undo"), r.stderr
+    overlayrec("unrevert", unreverts[-1], "-w", m.ws, "--yes")  # named: that unrevert undone
+    assert tree_of(m.ws) == trees[2]
+
+
 def test_a_file_renamed_then_its_directory_moved_away_and_back(make_mount, tmp_path):
     """Found by the history model: a call renames d/x to d/b, makes d/a, then renames d away
     and back.  No event names d/b between its rename and the directory's move, so what it held
