@@ -638,3 +638,36 @@ def revert_undoable(r: dict, every: list[dict]) -> bool:
     return not r.get("unreverted_by") and not r.get("unreverts_done") \
         and r.get("status") in ("done", "running") \
         and not any(o.get("unreverts") == r["id"] and o.get("status") == "done" for o in every)
+
+
+_CODE: str | None = None
+
+
+def code_ident() -> str:
+    """What names the code of this process, for what readers keep in the state dir (answers,
+    listing rows): a hash of the name, size and mtime of every module of the package.  An
+    upgrade or an edit changes it, so an answer the code before made is made again, never
+    given as this code's (a fixed reader would otherwise repeat its old answer until the
+    record changed)."""
+    global _CODE
+    if _CODE is None:
+        _CODE = package_ident(os.path.dirname(os.path.abspath(__file__)))
+    return _CODE
+
+
+def package_ident(root: str) -> str:
+    """code_ident of the package at ``root``: its .py and .so files, bytecode caches aside."""
+    import xxhash
+    h = xxhash.xxh64()
+    for d, dirs, files in os.walk(root):
+        dirs[:] = sorted(x for x in dirs if x != "__pycache__")
+        for name in sorted(files):
+            if name.endswith((".py", ".so")):
+                path = os.path.join(d, name)
+                try:
+                    st = os.stat(path)
+                except OSError:
+                    continue
+                h.update(f"{os.path.relpath(path, root)}\0{st.st_size}\0{st.st_mtime_ns}\n"
+                         .encode("utf-8", "surrogateescape"))
+    return h.hexdigest()

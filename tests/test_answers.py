@@ -243,3 +243,44 @@ def test_kept_answer_with_undecodable_names(tmp_path):
             assert answers.get(question) == parts
     finally:
         j.close()
+
+
+def test_what_other_code_kept_is_made_again(tmp_path, monkeypatch):
+    """A kept answer and kept listing rows name the code that made them (state.code_ident):
+    after an upgrade, or an edit of any module, the readers answer afresh instead of giving
+    back what the readers before them kept (a fixed reader would otherwise repeat its old
+    answer until the record changed)."""
+    from overlayrec import state
+    from overlayrec.engines import answers as answers_mod, listings
+    # the ident follows every module's name, size and mtime, bytecode caches aside
+    pkg = tmp_path / "pkg"
+    (pkg / "sub" / "__pycache__").mkdir(parents=True)
+    (pkg / "a.py").write_text("x = 1\n")
+    (pkg / "sub" / "b.py").write_text("y = 2\n")
+    first = state.package_ident(str(pkg))
+    (pkg / "sub" / "__pycache__" / "b.cpython-311.pyc").write_bytes(b"\0")
+    assert state.package_ident(str(pkg)) == first
+    os.utime(pkg / "sub" / "b.py", ns=(1, 1))
+    assert state.package_ident(str(pkg)) != first
+    assert state.code_ident() == state.package_ident(os.path.dirname(state.__file__))
+
+    j = Journal(str(tmp_path / "sd"), workspace=str(tmp_path))
+    try:
+        j.append({"op": "create", "path": "a", "actor": "1:1"},
+                 {"key": "1:1", "pid": 1, "start": 1, "uid": 0})
+        kept = tmp_path / "answers"
+        kept.mkdir()
+        made = answers_mod.Answers(str(kept), j, lambda keys: {k: None for k in keys})
+        made.put(["calls"], [(1, "old readers' answer\n")], answers_mod.Reads())
+        rows_dir = tmp_path / "listings"
+        rows_dir.mkdir()
+        rows = listings.shards(j, str(rows_dir), ["turns"])["turns"]
+        rows.put("turn:s:1", {"paths": ["a"], "touched": ["a"]}, settled=True)
+        rows.save()
+        assert answers_mod.Answers(str(kept), j, lambda keys: {}).get(["calls"]) is not None
+        assert listings.shards(j, str(rows_dir), ["turns"])["turns"].get("turn:s:1")
+        monkeypatch.setattr(state, "_CODE", "other code")
+        assert answers_mod.Answers(str(kept), j, lambda keys: {}).get(["calls"]) is None
+        assert listings.shards(j, str(rows_dir), ["turns"])["turns"].get("turn:s:1") is None
+    finally:
+        j.close()

@@ -1,10 +1,11 @@
 """A reader's answer kept for the next time the same question is asked (``diff``, ``turns``,
 ``calls``): its output, and the live files it read.
 
-An answer is a function of the journal and of the live files it read (the end of a sealed
-chain, an attic entry, a directory listed).  The journal's creation time, retention cut and
-generation (LMDB's last write transaction: every event, record and meta key moves it) name
-what it holds.  A live file's lstat names what it held: its inode, mode, size, mtime and
+An answer is a function of the journal, of the live files it read (the end of a sealed
+chain, an attic entry, a directory listed) and of the code that made it.  The journal's
+creation time, retention cut and generation (LMDB's last write transaction: every event,
+record and meta key moves it) name what it holds; ``state.code_ident`` names the code (an
+upgrade's readers answer afresh, not with what the readers before them kept).  A live file's lstat names what it held: its inode, mode, size, mtime and
 ctime (ctime moves on every change, and no caller can set it).  So a kept answer is given
 again while the journal's generation is the same and every file it read stats as it did;
 otherwise the question is answered again, and that answer kept.
@@ -32,7 +33,7 @@ try:  # a listing's answer is megabytes: some ten times the standard module's sp
 except ImportError:
     orjson = None
 
-from ..state import replace_private
+from ..state import code_ident, replace_private
 
 VERSION = 1
 KEEP = 64                 # answers kept per state dir (the oldest used is removed first)
@@ -96,8 +97,9 @@ class Answers:
 
     def __init__(self, kept_dir: str, j, lstat):
         self.dir = kept_dir
-        # read before the answer is made: a change committed meanwhile makes a newer one
-        self.ident = [j.meta("created"), j.cut, j.generation()]
+        # read before the answer is made: a change committed meanwhile makes a newer one; and
+        # made by this code: an upgrade's or an edit's readers answer afresh
+        self.ident = [j.meta("created"), j.cut, j.generation(), code_ident()]
         self.lstat = lstat
 
     def _path(self, question: list) -> str:

@@ -13,7 +13,8 @@ the calls in one file per (session, turn).  ``calls --turn N`` and ``turns`` the
 hundred rows, not every call's paths (10,000 calls were 5 MB of JSON, 60 ms to decode).
 
 The files are derived and private to this module: each names the journal it was made from
-(its creation time and retention cut) and is rebuilt when it does not fit; a failed event that
+(its creation time and retention cut) and the code that made it (``state.code_ident``: an
+upgrade computes its rows afresh), and is rebuilt when it does not fit; a failed event that
 refers to an event it saw throws it away; removing them costs only time.  A reader that cannot
 write them (a read-only state dir) lists all the same.
 """
@@ -31,7 +32,7 @@ except ImportError:
 
 from ..journal import Journal
 from ..journal.schema import CONTROL_OPS, MARK_OPS
-from ..state import replace_private
+from ..state import code_ident, replace_private
 from ..views import (call_fields, call_unit, calls_of, file_events, turn_fields,
                      turn_record_fields)
 from .states import States
@@ -109,7 +110,7 @@ def _load(path: str, ident: list, last: int) -> dict | None:
 def shards(j: Journal, kept_dir: str, names) -> dict[str, Kept]:
     """The kept shards ``names`` (file names without ".json") of the journal ``j``; the events
     since the oldest of them are decoded once for all."""
-    ident, last = [j.meta("created"), j.cut], j.last_seq()
+    ident, last = [j.meta("created"), j.cut, code_ident()], j.last_seq()
     docs = {n: _load(os.path.join(kept_dir, n + ".json"), ident, last) for n in names}
     lo = min((d["upto"] for d in docs.values() if d is not None), default=last)
     fresh = [e for e in j.events(lo + 1, last)
