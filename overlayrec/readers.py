@@ -352,7 +352,8 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
         parts.err(f"overlayrec: {len(moved_on)} path(s) here changed later outside the record "
                   f"(drift: {', '.join(moved_on[:3])}{' ...' if len(moved_on) > 3 else ''}); "
                   "`overlayrec diff --drift` shows how")
-    withheld = sorted(p for p in changed(side)
+    every = changed(side)
+    withheld = sorted(p for p in every
                       if side.before.get(p, tree_absent).withheld
                       or side.after.get(p, tree_absent).withheld)
     if withheld and not as_json:  # the patch shows a placeholder line for each
@@ -360,7 +361,11 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
                   f"{', '.join(withheld[:5])}{' ...' if len(withheld) > 5 else ''}")
     store = ObjectStore(sd)
     # git holds no .git/ path: they are left out, and said so (left_out_lines)
-    left_out = [p for p in changed(side) if git_refuses(p)]
+    left_out = [p for p in every if git_refuses(p)]
+    # nor a fifo, a socket, a device, an empty directory, a directory's mode, a file's mode
+    # bits but x, an owner: such changes are said too, or the patch would disagree with the
+    # listings (which count them) without a word
+    unshown = not_in_patch(side, [p for p in every if not git_refuses(p)])
     groups = [(None, sorted(side.before))]
     if by_writer:
         units = sorted({u for us in side.writers.values() for u in us})
@@ -391,6 +396,8 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
                                                 if not s.exact),
                               "withheld": withheld,
                               "git_left_out": len(left_out), "git_left_out_paths": left_out,
+                              "not_in_patch": [{"path": p, "change": what}
+                                               for p, what in unshown],
                               "git_warnings": store.warnings}) + "\n")
     else:
         for unit, paths in groups:
@@ -398,8 +405,65 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
             if unit and out:
                 parts.out(f"# {unit}\n")
             parts.out(out)
+    if unshown and not as_json:
+        parts.err(unshown_line(unshown))
     for line in left_out_lines(len(left_out), store):
         parts.err(line)
+
+
+def _git_entry(s) -> tuple | None:
+    """What a git tree holds of a State: a file's content and its x bit, a symlink's target;
+    nothing of any other kind, nor of modes and owners beyond that."""
+    if s.kind == "file":
+        return ("100755" if s.mode & 0o111 else "100644", s.data)
+    if s.kind == "symlink":
+        return ("120000", s.data)
+    return None
+
+
+def not_in_patch(side, paths: list[str]) -> list[tuple[str, str]]:
+    """The changed ``paths`` of a Side (``engines.diff.changed``) whose change a git patch
+    cannot show, each with a few words of what it was.  A directory made or removed with files
+    that the patch shows is shown by them (but for the mode of one made: git applies 0755)."""
+    from .engines.states import ABSENT
+    hidden, shown_under = [], set()
+    for p in paths:
+        b, a = side.before.get(p, ABSENT), side.after.get(p, ABSENT)
+        if _git_entry(b) != _git_entry(a):
+            parent = p.rpartition("/")[0]
+            while parent and parent not in shown_under:
+                shown_under.add(parent)
+                parent = parent.rpartition("/")[0]
+        else:
+            hidden.append((p, b, a))
+    out = []
+    for p, b, a in hidden:
+        if b.kind != a.kind:
+            what = (f"{a.kind} made" if b.kind == "absent" else f"{b.kind} removed"
+                    if a.kind == "absent" else f"{b.kind} -> {a.kind}")
+            if "dir" in (b.kind, a.kind) and "absent" in (b.kind, a.kind):
+                if p not in shown_under:
+                    what = "empty " + what.replace("dir", "directory")
+                elif a.kind == "dir" and a.mode != 0o755:  # git apply makes it 0755 (umask 022)
+                    what = f"directory made, mode {a.mode:04o}"
+                else:
+                    continue
+        elif b.mode != a.mode and b.kind != "symlink":
+            what = f"mode {b.mode:04o} -> {a.mode:04o}"
+        elif (b.uid, b.gid) != (a.uid, a.gid):
+            what = f"owner {b.uid}:{b.gid} -> {a.uid}:{a.gid}"
+        else:
+            what = "changed"
+        out.append((p, what))
+    return out
+
+
+def unshown_line(unshown: list[tuple[str, str]]) -> str:
+    """The stderr line that says what a patch could not show (``not_in_patch``)."""
+    some = ", ".join(f"{p} ({what})" for p, what in unshown[:4])
+    more = f" and {len(unshown) - 4} more" if len(unshown) > 4 else ""
+    return (f"overlayrec: {len(unshown)} change(s) a git patch cannot show: {some}{more}; "
+            "`overlayrec replay` restores them")
 
 
 def left_out_lines(n: int, store, what: str = "shown") -> list[str]:

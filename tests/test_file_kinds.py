@@ -316,3 +316,38 @@ def test_a_saved_plan_keeps_every_state_field():
                 x.pop(k, None)
     old = plan_from_json(d, blobs.__getitem__)
     assert old.steps[1].target == State("file", 0o4755, b"x")
+
+
+@needs_fuse
+@pytest.mark.timeout(240)
+def test_a_diff_says_what_its_patch_cannot_show(make_mount, tmp_path):
+    """git holds files and symlinks, and of a mode only the x bit: a fifo, a socket, a
+    directory's mode and a file's other mode bits are in no patch.  The diff says which
+    changes it left out, on stderr and in --json, so it agrees with the listings, which count
+    them; and its patch, applied to the tree before, gives the tree after but for exactly
+    those paths."""
+    m, snaps = record(make_mount, tmp_path)
+    base = tmp_path / "base"
+    overlayrec("replay", m.ws, "--at", "before:call:c1", "--to", str(base), "--full")
+    import subprocess
+    subprocess.run(["git", "init", "-q", str(base)], check=True)
+    expected = {"c1": [("p", "fifo made"), ("ro", "directory made, mode 0555"),
+                       ("sock", "socket made")],
+                "c2": [("d", "mode 0775 -> 0755")],
+                "c3": [("e.txt", "mode 0644 -> 0600")]}
+    for cid, unshown in expected.items():
+        r = overlayrec("diff", m.ws, "--call", cid, "--binary")
+        said = [line for line in r.stderr.splitlines() if "cannot show" in line]
+        assert said == [f"overlayrec: {len(unshown)} change(s) a git patch cannot show: "
+                        + ", ".join(f"{p} ({what})" for p, what in unshown)
+                        + "; `overlayrec replay` restores them"], r.stderr
+        js = json.loads(overlayrec("diff", m.ws, "--call", cid, "--json").stdout)
+        assert [(e["path"], e["change"]) for e in js["not_in_patch"]] == unshown
+        if cid == "c1":
+            if r.stdout:
+                subprocess.run(["git", "apply", "--binary", "-"], input=r.stdout.encode(),
+                               cwd=base, check=True)
+            got = {p: v for p, v in shape(snap(str(base))).items() if not p.startswith(".git")}
+            want = shape(snaps["after:call:c1"])
+            assert sorted(p for p in got.keys() | want.keys()
+                          if got.get(p) != want.get(p)) == [p for p, _ in unshown]
