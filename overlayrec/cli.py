@@ -1320,11 +1320,19 @@ def _say_left_out(n: int, store, what: str = "shown") -> None:
         click.echo(line, err=True)
 
 
+def _beneath(path: str, top: str) -> bool:
+    """Is ``path`` (which need not exist yet) ``top`` or beneath it, symlinks resolved?"""
+    parent, name = os.path.split(os.path.abspath(path))
+    real, top = os.path.join(os.path.realpath(parent), name), os.path.realpath(top)
+    return real == top or real.startswith(top.rstrip(os.sep) + os.sep)
+
+
 @main.command()
 @click.argument("workspace", default=".")
 @click.option("--at", "at", required=True, help="SEQ, a time (ISO 8601 or @epoch), turn:N, "
               "call:ID, or before:/after: either.")
-@click.option("--to", "dest", required=True, type=_NewPath(), help="A new directory.")
+@click.option("--to", "dest", required=True, type=_NewPath(),
+              help="A new directory, outside the workspace.")
 @click.option("--full", is_flag=True, help="The whole workspace as it stood, not just the "
               "recorded paths (the live tree rolled back through the journal).")
 @click.option("--state-dir", type=PATH)
@@ -1345,6 +1353,11 @@ def replay(workspace, at, dest, full, state_dir, as_json):
             raise Fail(f"{dest} exists and is not empty")
     ws, sd, j, tree = _open_journal_and_tree(workspace, state_dir)
     try:
+        # the tree as it stood, written into the workspace itself, would be a change to it
+        # (drift, or the mount's own record) and a copy inside the copy at the next replay
+        if _beneath(dest, ws):
+            raise Fail(f"{dest} is inside the workspace {ws}: replay writes a new directory "
+                       "outside it")
         point = resolve_point(j, at)
         # built beside dest and renamed into place when complete: a failure leaves no dest
         full_from = f"/proc/self/fd/{tree.root_fd}" if full else None

@@ -193,3 +193,29 @@ def test_replay_between_metadata_changes_of_a_new_file(make_mount, tmp_path):
         assert "f" not in js["inexact"] and stat.S_IMODE(st.st_mode) == mode, (k, seq, js, st)
         if owner and k >= 2:
             assert (st.st_uid, st.st_gid) == (uid, gid) == (1234, 4321), (k, st)
+
+
+def test_replay_refuses_a_directory_inside_the_workspace(make_mount, tmp_path):
+    """The tree as it stood, written into the workspace itself, would be a change to it (drift
+    while unmounted, the mount's own record while mounted): refused with one line, nothing
+    written, mounted or not; a sibling whose name begins like the workspace's is fine."""
+    m = make_mount()
+    with open(os.path.join(m.ws, "a.txt"), "w") as f:
+        f.write("a\n")
+    m.mount()
+    m.sh("echo b > b.txt")
+    def names():
+        return sorted(n for n in os.listdir(m.ws) if n != ".overlayrec-attic")
+    before = names()
+    for mounted in (True, False):
+        if not mounted:
+            m.umount()
+        for dest in (os.path.join(m.ws, "then"), os.path.join(m.ws, "sub", "then")):
+            r = overlayrec("replay", m.ws, "--at", "1", "--to", dest, check=False)
+            assert r.returncode == 1 and r.stderr.strip() == (
+                f"overlayrec: error: {dest} is inside the workspace {m.ws}: replay writes a new "
+                "directory outside it"), r.stderr
+        assert names() == before
+    out = m.ws.rstrip("/") + "-then"
+    overlayrec("replay", m.ws, "--at", "1", "--to", out)
+    assert os.path.isdir(out)
