@@ -200,3 +200,14 @@ def test_two_workspaces_push_a_third_fetches_and_reads(make_mount, tmp_path):
     finally:
         for m in (a, b):
             m.umount()
+
+
+def test_a_remote_git_refuses_is_one_line(tmp_path):
+    """git's reason, not its advice: a fetch from (or push to) a remote that is no repository
+    fails with one line that says so, and makes nothing but the empty bare repository."""
+    missing = str(tmp_path / "no" / "such.git")
+    r = overlayrec("fetch", missing, "--into", str(tmp_path / "recs.git"), check=False)
+    assert r.returncode == 1, r
+    assert r.stderr.count("\n") == 1 and "\\n" not in r.stderr, r.stderr
+    assert r.stderr == (f"overlayrec: error: git fetch from {missing} failed: '{missing}' does "
+                        "not appear to be a git repository\n")

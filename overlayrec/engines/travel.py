@@ -56,6 +56,17 @@ def _user_env(git_dir: str) -> dict:
     return dict(os.environ, GIT_DIR=git_dir)
 
 
+def _git_says(stderr: bytes) -> str:
+    """git's reason, for a one-line error: its first ``fatal:`` or ``error:`` line (git adds
+    advice on the lines after), else its first line."""
+    lines = [ln.strip() for ln in stderr.decode(errors="replace").splitlines() if ln.strip()]
+    for ln in lines:
+        for tag in ("fatal: ", "error: "):
+            if ln.startswith(tag):
+                return ln[len(tag):]
+    return lines[0] if lines else ""
+
+
 def push(git_dir: str, prefix: str, remote: str, origin: str) -> dict:
     """Send every ref under ``prefix`` to ``remote`` beneath ``ORIGINS/<origin>/``: git sends
     only the objects the remote lacks and moves only the refs that changed."""
@@ -64,8 +75,7 @@ def push(git_dir: str, prefix: str, remote: str, origin: str) -> dict:
                        env=_user_env(git_dir))
     out = r.stdout.decode("utf-8", "surrogateescape")
     if r.returncode != 0:
-        raise GitError(f"git push to {remote} failed: "
-                       + (r.stderr.decode(errors="replace").strip() or out.strip()))
+        raise GitError(f"git push to {remote} failed: {_git_says(r.stderr) or out.strip()}")
     new, updated, same = [], [], 0
     for line in out.splitlines():
         parts = line.split("\t")
@@ -93,7 +103,7 @@ def fetch(remote: str, into: str) -> dict:
     if not os.path.exists(os.path.join(into, "HEAD")):
         r = subprocess.run(["git", "init", "-q", "--bare", into], capture_output=True)
         if r.returncode != 0:
-            raise GitError(f"git init {into} failed: {r.stderr.decode(errors='replace').strip()}")
+            raise GitError(f"git init {into} failed: {_git_says(r.stderr)}")
     r = subprocess.run(["git", "fetch", "--no-write-fetch-head", "--porcelain", remote,
                         f"+{ORIGINS}/*:{ORIGINS}/*"], capture_output=True, env=_user_env(into))
     if r.returncode != 0 and b"porcelain" in r.stderr:   # a git before 2.41: no --porcelain
@@ -101,8 +111,7 @@ def fetch(remote: str, into: str) -> dict:
                             f"+{ORIGINS}/*:{ORIGINS}/*"], capture_output=True,
                            env=_user_env(into))
     if r.returncode != 0:
-        raise GitError(f"git fetch from {remote} failed: "
-                       f"{r.stderr.decode(errors='replace').strip()}")
+        raise GitError(f"git fetch from {remote} failed: {_git_says(r.stderr)}")
     recs = Records(into)
     return {"into": into, "origins": sorted({o for o, _ in recs.sessions}),
             "sessions": len(recs.sessions)}
