@@ -83,7 +83,7 @@ class Inode:
 
 class Handle:
     __slots__ = ("fd", "inode", "actor", "unit", "_path", "_named_at", "write_seq", "epoch",
-                 "writes", "lo", "hi", "nbytes", "recorder", "flags")
+                 "writes", "lo", "hi", "nbytes", "last_at", "recorder", "flags")
 
     def __init__(self, fd: int, inode: Inode, actor: dict | None, unit: str | None,
                  recorder: Recorder):
@@ -99,6 +99,7 @@ class Handle:
         self.epoch = None
         self.writes = self.nbytes = 0
         self.lo = self.hi = 0
+        self.last_at = 0  # the last seq handed out when the run's last write was made
 
     @property
     def path(self) -> str:
@@ -112,13 +113,18 @@ class Handle:
             self._named_at = changes
         return self._path
 
-    def reset_extent(self, off: int, length: int) -> None:
+    def reset_extent(self, off: int, length: int, at: int) -> None:
+        """A new run begins with this write (its event was journaled: ``at``, the last seq
+        handed out)."""
         self.writes, self.nbytes, self.lo, self.hi = 1, length, off, off + length
+        self.last_at = at
 
-    def note_write(self, off: int, length: int) -> None:
+    def note_write(self, off: int, length: int, at: int) -> None:
+        """A later write of the run, made when ``at`` was the last seq handed out."""
         self.writes += 1
         self.nbytes += length
         self.lo, self.hi = min(self.lo, off), max(self.hi, off + length)
+        self.last_at = at
 
 
 def _cookie(name: str) -> int:
@@ -698,11 +704,14 @@ class Operations(pyfuse3.Operations):
         h = self.handles.pop(fh)
         try:
             if h.write_seq is not None:
-                # also marks the run ended: readers know no unseen write follows ``end``
+                # also marks the run ended: readers know no unseen write follows ``end``, the
+                # point of its last write.  Not of the release, which the kernel sends on its
+                # own time: a call's end (another socket) can come first and seal the path,
+                # and the run would then seem to write on after the seal (inexact)
                 try:
                     self.recorder.journal.put_extents(h.write_seq, {
                         "writes": h.writes, "bytes": h.nbytes, "lo": h.lo, "hi": h.hi,
-                        "end": self.recorder.journal.last_reserved()})
+                        "end": h.last_at})
                 except JournalError as e:  # a summary, not a pre-image: lost, and said so
                     log.warning("extents of event %d not journaled: %s", h.write_seq, e)
         finally:

@@ -1261,14 +1261,14 @@ class Recorder:
                 ev = ev or {"path": handle.path, **unit_fields(handle.unit)}
                 self._alias_again(handle.path, handle.fd, handle.unit)
             elif ev is None:
-                handle.note_write(off, length)
+                handle.note_write(off, length, self.journal.last_reserved())
                 return None
         ev["op"] = "write"
         ev["offset"], ev["length"] = off, length
         ev["actor"] = handle.actor["key"]
         handle.write_seq = self._append(ev, handle.actor)
         handle.epoch = self.epochs.get(handle.path)
-        handle.reset_extent(off, length)
+        handle.reset_extent(off, length, self.journal.last_reserved())
         return handle.write_seq
 
     @_roomy

@@ -101,8 +101,9 @@ Sub-databases of the LMDB environment:
               the retention policy says.
 ``extents``   seq -> JSON ``{"writes": n, "bytes": n, "lo": off, "hi": end, "end": seq}``: what the
               writes through the handle of write event ``seq`` did, summarised at its release
-              (not write-ahead: no pre-image in it); ``end``: the last seq handed out at release,
-              so a reader knows no write of that run came after it.
+              (not write-ahead: no pre-image in it); ``end``: the last seq handed out when the
+              run's last write was made, so a reader knows no write of that run came after it
+              (journals before 2026-12 have the last seq at release: later, never wrong).
 ``blobs``     digest (32 ascii hex digits) -> the blob's bytes: the content store's small blobs
               (at most ``INLINE_BLOB`` bytes), committed in the transaction of the event that
               first names them, so a small pre-image costs no file of its own.  A digest names
