@@ -5,10 +5,11 @@ An answer is a function of the journal, of the live files it read (the end of a 
 chain, an attic entry, a directory listed) and of the code that made it.  The journal's
 creation time, retention cut and generation (LMDB's last write transaction: every event,
 record and meta key moves it) name what it holds; ``state.code_ident`` names the code (an
-upgrade's readers answer afresh, not with what the readers before them kept).  A live file's lstat names what it held: its inode, mode, size, mtime and
-ctime (ctime moves on every change, and no caller can set it).  So a kept answer is given
-again while the journal's generation is the same and every file it read stats as it did;
-otherwise the question is answered again, and that answer kept.
+upgrade's readers answer afresh, not with what the readers before them kept).  A live file's
+lstat names what it held: its inode, mode, size, mtime and ctime (ctime moves on every change,
+and no caller can set it).  So a kept answer is given again while the journal's generation and
+the code are the same and every file it read stats as it did; otherwise the question is
+answered again, and that answer kept.
 
 An answer that read a live file at the end of an unsealed chain, while the workspace is mounted,
 is not kept: that may be an open epoch's, and the writes of a run inside an epoch are no
