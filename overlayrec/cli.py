@@ -491,12 +491,15 @@ def _detach(cmd: list[str], timeout: float = 15.0) -> str | None:
 @main.command()
 @click.argument("workspace", default=".")  # not click.Path: it would stat a hung mount
 @click.option("--json", "as_json", is_flag=True, help="One JSON object.")
+@click.option("--state-dir", type=PATH, help="The state dir the workspace was mounted with "
+              "(default: the one the registry names, else the workspace's default).")
 @_guard
-def status(workspace, as_json):
+def status(workspace, as_json, state_dir):
     """Say whether WORKSPACE is mounted, by which daemon, where its journal is and how much it holds."""
     ws = os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(workspace))),
                       os.path.basename(os.path.abspath(workspace)))
-    sd = state.find_state_dir(ws)
+    sd = state.check_state_dir_private(os.path.realpath(state_dir)) if state_dir \
+        else state.find_state_dir(ws)
     _warn_low_space(sd)
     pid = state.verify_daemon(state.daemon_info(sd), sd)[0]
     in_table = bool(state.fuse_mount_at(ws))

@@ -170,6 +170,23 @@ def test_sigterm_and_sigint_unmount_cleanly(make_mount):
 
 
 @needs_fuse
+def test_status_takes_the_state_dir_a_mount_was_given(make_mount, tmp_path):
+    """A workspace mounted with --state-dir is found through the registry; where the registry
+    does not name it (another XDG_STATE_HOME, a registry removed), ``status --state-dir`` reads
+    that state dir, as every reader does."""
+    m = make_mount().mount()
+    m.sh("echo a > a.txt")
+    m.umount()
+    env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "elsewhere"))
+    bare = json.loads(overlayrec("status", m.ws, "--json", env=env).stdout)
+    assert bare["events"] is None and bare["state_dir"] != m.state
+    named = json.loads(overlayrec("status", m.ws, "--json", "--state-dir", m.state,
+                                  env=env).stdout)
+    assert named["state_dir"] == os.path.realpath(m.state) and named["events"] > 0, named
+    assert named["mounted"] is False
+
+
+@needs_fuse
 def test_status_names_processes_that_hold_the_underlay(make_mount):
     import subprocess
     import sys
