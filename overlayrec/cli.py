@@ -1104,7 +1104,7 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
             _stop_daemon(ws)
         raise Fail(str(e)) from None
     here = os.path.realpath(os.getcwd()) if os.path.exists(os.getcwd()) else ws
-    cwd = here if here == ws or here.startswith(ws + "/") else ws  # re-entered by path
+    cwd = here if _beneath(here, ws) else ws  # re-entered by path
     env = dict(os.environ, OVERLAYREC_SOCKET=sock, OVERLAYREC_SESSION=sid, OVERLAYREC_WORKSPACE=ws)
     argv, env, unwire = _wire_agent(list(cmd), env, cwd, no_hooks)
     try:
