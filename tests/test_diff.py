@@ -278,12 +278,14 @@ def test_a_calls_diff_and_revert_read_a_file_once_its_writes_were_done(make_moun
 
 
 LATE_RELEASE = textwrap.dedent(r'''
-    import os, time
+    import os, sys, time
     from overlayrec import client
+    d = sys.argv[1]  # the file's directory
+    os.makedirs(d, exist_ok=True)
     with client.connect() as c:
         c.turn_begin(prompt="a late release")
         c.call_begin("w", "Write")
-        fd = os.open("w.txt", os.O_WRONLY | os.O_CREAT, 0o644)
+        fd = os.open(os.path.join(d, "w.txt"), os.O_WRONLY | os.O_CREAT, 0o644)
         for i in range(5):
             os.write(fd, b"piece %d\n" % i)
         child = os.fork()
@@ -296,31 +298,45 @@ LATE_RELEASE = textwrap.dedent(r'''
         c.call_begin("x", "Edit")
         with open("x.txt", "w") as f:
             f.write("x\n")
+        if len(sys.argv) > 2:  # and moves the directory with the file beneath
+            os.rename(d.split("/")[0], sys.argv[2])
         c.call_end("x")
         c.turn_end()
 ''')
 
 
-def test_a_release_after_the_calls_end_leaves_the_call_exact(make_mount, tmp_path):
+@pytest.mark.parametrize("shape", ["plain", "moved", "deep"])
+def test_a_release_after_the_calls_end_leaves_the_call_exact(make_mount, tmp_path, shape):
     """The kernel sends a file's release on its own time, and a call's end comes by another
     socket: under load the end can come first and seal the path while the write run is still
     open.  The run's note says where its last write was, not where its release came, so the
     call's diff, blame and revert read the file as exact.  (It read as inexact: the test above
-    failed so, now and then, under load; a child holding the file open makes it certain.)"""
+    failed so, now and then, under load; a child holding the file open makes it certain.)
+    Also for a file whose directory the next call moves away with it beneath ("moved"), and
+    one some 3,900 bytes deep ("deep")."""
     m = make_mount().mount()
     agent = tmp_path / "agent.py"
     agent.write_text(LATE_RELEASE)
-    overlayrec("run", "-w", m.ws, "--", sys.executable, str(agent), cwd=m.ws)
+    d = {"plain": ".", "moved": "src", "deep": "/".join(["d" * 200] * 19)}[shape]
+    args = [d, "dst"] if shape == "moved" else [d]
+    overlayrec("run", "-w", m.ws, "--", sys.executable, str(agent), *args, cwd=m.ws)
+    name = os.path.normpath(os.path.join(d, "w.txt"))
     js = json.loads(overlayrec("diff", m.ws, "--call", "w", "--json").stdout)
-    assert [(f["path"], f["status"], f["added"]) for f in js["files"]] == [("w.txt", "A", 5)]
+    assert [(f["path"], f["status"], f["added"]) for f in js["files"]] == [(name, "A", 5)]
     assert js["inexact"] == [], js
+    out = tmp_path / "then"
+    overlayrec("replay", m.ws, "--at", "after:call:w", "--to", str(out), "--full")
+    with open(os.path.join(out, name), "rb") as f:
+        assert f.read() == b"".join(b"piece %d\n" % i for i in range(5))
+    if shape == "moved":  # the next call moved it: reverting this one is a conflict
+        return
     runs = [json.loads(line) for line in
-            overlayrec("blame", "w.txt", "-w", m.ws, "--json").stdout.splitlines()]
+            overlayrec("blame", name, "-w", m.ws, "--json").stdout.splitlines()]
     assert [(r["unit"].split(":")[-1], r["after"]["size"], r["after"]["exact"])
             for r in runs] == [("w", 40, True)], runs
     r = overlayrec("revert", m.ws, "--call", "w", "--json")
     assert json.loads(r.stdout)["steps"] == [
-        {"path": "w.txt", "action": "delete", "conflict": None}], r.stdout
+        {"path": name, "action": "delete", "conflict": None}], r.stdout
 
 
 SHAPES = textwrap.dedent(r'''
