@@ -351,3 +351,29 @@ def test_a_diff_says_what_its_patch_cannot_show(make_mount, tmp_path):
             want = shape(snaps["after:call:c1"])
             assert sorted(p for p in got.keys() | want.keys()
                           if got.get(p) != want.get(p)) == [p for p, _ in unshown]
+
+
+@needs_fuse
+@pytest.mark.timeout(240)
+def test_a_renamed_directory_names_what_its_patch_cannot_move(make_mount, tmp_path):
+    """A directory renamed with a fifo and an empty directory beneath: the patch moves its file
+    and symlink, and the diff names the fifo and the empty directory under both names."""
+    m = make_mount().mount()
+    agent = tmp_path / "agent.py"
+    agent.write_text(textwrap.dedent(r'''
+        import subprocess, sys
+        from overlayrec import client
+        with client.connect() as c:
+            for cid, sh in (("c1", "mkdir -p box/empty && mkfifo box/p && echo f > box/f && "
+                                   "ln -s f box/l"), ("c2", "mv box crate")):
+                c.call_begin(cid, "Bash")
+                subprocess.run(["bash", "-c", sh], check=True)
+                c.call_end(cid)
+    '''))
+    overlayrec("run", "-w", m.ws, "--", sys.executable, str(agent), cwd=m.ws)
+    r = overlayrec("diff", m.ws, "--call", "c2", "--name-status")
+    assert r.stdout.splitlines() == ["R100\tbox/f\tcrate/f", "R100\tbox/l\tcrate/l"], r.stdout
+    assert r.stderr.splitlines() == [
+        "overlayrec: 4 change(s) a git patch cannot show: box/empty (empty directory removed), "
+        "box/p (fifo removed), crate/empty (empty directory made), crate/p (fifo made); "
+        "`overlayrec replay` restores them"], r.stderr
