@@ -331,28 +331,64 @@ def make_node(dfd: int, name: str, t: State) -> None:
         raise ValueError(f"not a node kind: {t.kind}")
 
 
-def set_meta(dfd: int, name: str, t: State, mode: int | None = None) -> str | None:
+def set_meta(dfd: int, name: str, t: State, mode: int | None = None,
+             carried: list[str] | None = None) -> str | None:
     """Give ``name`` (never followed) the owner the record knows (where it differs from what
     it has) and then its mode (``mode`` or ``t.mode``; not for a symlink): chown first, since
-    it clears set-id bits.  Returns what could not be done (an owner the caller may not give),
-    or None."""
+    it clears set-id bits.  Returns what could not be done (an owner the caller may not give,
+    and ``carried``: the attributes ``_carry_xattrs`` could not keep), or None."""
     from ..underlay import chmod_fd, chown_fd
     fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
     try:
         st = os.fstat(fd)
-        problem = None
+        problems = list(carried or ())
         uid = -1 if t.uid is None or t.uid == st.st_uid else t.uid
         gid = -1 if t.gid is None or t.gid == st.st_gid else t.gid
         if uid != -1 or gid != -1:
             try:
                 chown_fd(fd, uid, gid)
             except PermissionError as e:
-                problem = f"owner {t.uid}:{t.gid} not set ({os.strerror(e.errno)})"
+                problems.insert(0, f"owner {t.uid}:{t.gid} not set ({os.strerror(e.errno)})")
         if not stat.S_ISLNK(st.st_mode):
             chmod_fd(fd, stat.S_IMODE(t.mode if mode is None else mode))
-        return problem
+        return "; ".join(problems) or None
     finally:
         os.close(fd)
+
+
+def _carry_xattrs(dfd: int, name: str, tmp: str, t: State) -> list[str]:
+    """The extended attributes of the live file ``name`` (an access ACL, a file capability,
+    ``user.*``) put on ``tmp``, the file about to replace it.  Attributes are no part of a
+    recorded state (docs/design.md), so a file put back keeps those its name holds: without
+    this, reverting a call that only chmodded a file would strip what the user had set on it.
+    Set before the mode (``set_meta`` after it), as ``cp -a`` does: an ACL's bits then follow
+    the mode the record knows.  Returns what could not be kept, in words."""
+    from ..underlay import list_xattrs, proc_path
+    if t.kind != "file":
+        return []
+    try:
+        src = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+    except OSError:
+        return []
+    try:
+        if not stat.S_ISREG(os.fstat(src).st_mode):
+            return []
+        attrs = list_xattrs(src, False)
+    finally:
+        os.close(src)
+    if not attrs:
+        return []
+    lost = []
+    dst = os.open(tmp, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+    try:
+        for key, value in sorted(attrs.items()):
+            try:
+                os.setxattr(proc_path(dst), key, value)
+            except OSError as e:
+                lost.append(f"attribute {key} not kept ({os.strerror(e.errno)})")
+    finally:
+        os.close(dst)
+    return lost
 
 
 def _blocks(mode: int) -> bool:
@@ -466,7 +502,7 @@ def apply_step(root_fd: int, step: Step, made: dict | None = None) -> str:
         else:
             return FAILED + f"cannot make a {t.kind}"
         try:
-            problem = set_meta(dfd, tmp, t)
+            problem = set_meta(dfd, tmp, t, carried=_carry_xattrs(dfd, name, tmp, t))
         except BaseException:
             _remove(dfd, tmp)
             raise
