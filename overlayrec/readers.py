@@ -426,7 +426,7 @@ def not_in_patch(side, paths: list[str]) -> list[tuple[str, str]]:
     cannot show, each with a few words of what it was.  A directory made or removed with files
     that the patch shows is shown by them (but for the mode of one made: git applies 0755)."""
     from .engines.states import ABSENT
-    hidden, shown_under = [], set()
+    hidden, shown_under, partly = [], set(), {}
     for p in paths:
         b, a = side.before.get(p, ABSENT), side.after.get(p, ABSENT)
         if _git_entry(b) != _git_entry(a):
@@ -434,9 +434,12 @@ def not_in_patch(side, paths: list[str]) -> list[tuple[str, str]]:
             while parent and parent not in shown_under:
                 shown_under.add(parent)
                 parent = parent.rpartition("/")[0]
+            left = _left_out_of_file(b, a)
+            if left:
+                partly[p] = left
         else:
             hidden.append((p, b, a))
-    out = []
+    out = list(partly.items())
     for p, b, a in hidden:
         if b.kind != a.kind:
             what = (f"{a.kind} made" if b.kind == "absent" else f"{b.kind} removed"
@@ -455,7 +458,25 @@ def not_in_patch(side, paths: list[str]) -> list[tuple[str, str]]:
         else:
             what = "changed"
         out.append((p, what))
-    return out
+    return sorted(out, key=lambda pw: pw[0])
+
+
+def _left_out_of_file(b, a) -> str | None:
+    """What a patch showing a file's change (its content, its x bit, its kind) leaves out:
+    git holds a file's mode as 0644 or 0755 and no owner, and applies a file it makes with one
+    of those two."""
+    if a.kind != "file":
+        return None
+    if b.kind == "file":
+        if b.mode != a.mode and not {b.mode, a.mode} <= {0o644, 0o755}:
+            return f"mode {b.mode:04o} -> {a.mode:04o}"
+        if (b.uid, b.gid) != (a.uid, a.gid):
+            return f"owner {b.uid}:{b.gid} -> {a.uid}:{a.gid}"
+        return None
+    if a.mode not in (0o644, 0o755):
+        made = "file made" if b.kind == "absent" else f"{b.kind} -> file"
+        return f"{made}, mode {a.mode:04o}"
+    return None
 
 
 def unshown_line(unshown: list[tuple[str, str]]) -> str:

@@ -377,3 +377,50 @@ def test_a_renamed_directory_names_what_its_patch_cannot_move(make_mount, tmp_pa
         "overlayrec: 4 change(s) a git patch cannot show: box/empty (empty directory removed), "
         "box/p (fifo removed), crate/empty (empty directory made), crate/p (fifo made); "
         "`overlayrec replay` restores them"], r.stderr
+
+
+@needs_fuse
+@pytest.mark.timeout(240)
+def test_a_diff_names_the_mode_a_files_patch_leaves_out(make_mount, tmp_path):
+    """A patch that shows a file's content also shows its x bit, but no other mode bit: a
+    set-id bit set with the x bit, a mode narrowed with an edit, a file made 0600 (git applies
+    0644).  Each is named on stderr; a plain edit with ``chmod +x`` is not.  Found by hand:
+    ``chmod 4755`` with an edit was shown as 100755 and the set-id bit named nowhere."""
+    from test_replay import tree_of
+    m = make_mount()
+    for name in ("g.txt", "h.txt", "u.txt", "x.sh"):
+        with open(os.path.join(m.ws, name), "w") as f:
+            f.write(f"{name}\n")
+    m.mount()
+    agent = tmp_path / "agent.py"
+    agent.write_text(textwrap.dedent(r'''
+        import subprocess, sys
+        from overlayrec import client
+        with client.connect() as c:
+            c.call_begin("c1", "Bash")
+            subprocess.run(["bash", "-c", sys.argv[1]], check=True)
+            c.call_end("c1")
+    '''))
+    base = tmp_path / "base"
+    import shutil
+    shutil.copytree(m.ws, base, symlinks=True)
+    overlayrec("run", "-w", m.ws, "--", sys.executable, str(agent),
+               "printf x >> g.txt && chmod 4755 g.txt && (umask 077 && echo s > s.txt) && "
+               "printf y >> h.txt && chmod 600 h.txt && echo z >> u.txt && chmod 744 u.txt && "
+               "echo q >> x.sh && chmod +x x.sh", cwd=m.ws)
+    after = tree_of(m.ws)
+    unshown = [("g.txt", "mode 0644 -> 4755"), ("h.txt", "mode 0644 -> 0600"),
+               ("s.txt", "file made, mode 0600"), ("u.txt", "mode 0644 -> 0744")]
+    r = overlayrec("diff", m.ws, "--call", "c1", "--binary")
+    assert r.stderr.splitlines() == [
+        "overlayrec: 4 change(s) a git patch cannot show: "
+        + ", ".join(f"{p} ({what})" for p, what in unshown)
+        + "; `overlayrec replay` restores them"], r.stderr
+    js = json.loads(overlayrec("diff", m.ws, "--call", "c1", "--json").stdout)
+    assert [(e["path"], e["change"]) for e in js["not_in_patch"]] == unshown
+    import subprocess
+    subprocess.run(["git", "apply", "--binary", "-"], input=r.stdout.encode(), cwd=base,
+                   check=True)
+    got = tree_of(str(base))
+    assert sorted(p for p in got.keys() | after.keys() if got.get(p) != after.get(p)) == \
+        [p for p, _ in unshown]
