@@ -332,6 +332,7 @@ def mount(workspace, state_dir, foreground, allow_other, durable, record_data, s
         raise Fail(f"{ws} holds a dead mount; clear it with: overlayrec umount {ws}")
     if state.fuse_mount_at(ws):
         raise Fail(f"{ws} is already mounted")
+    _refuse_nested(ws)
     _check_secrets(secret)
     sd = state.check_state_dir(ws, state_dir or state.default_state_dir(ws))
     state.make_state_dir(sd)
@@ -345,6 +346,14 @@ def mount(workspace, state_dir, foreground, allow_other, durable, record_data, s
                         record_data=record_data, secret=secret,
                         no_default_secrets=no_default_secrets, max_bytes=max_bytes)
     click.echo(f"mounted {ws} (daemon pid {pid}, journal {os.path.join(sd, 'journal')})")
+
+
+def _refuse_nested(ws: str) -> None:
+    """A mount inside another overlayrec mount would record its changes twice, the outer
+    record blaming the inner daemon for all of them (an outside process): refused."""
+    outer = state.overlayrec_mount_containing(ws)
+    if outer is not None and outer != ws:
+        raise Fail(f"{ws} is inside the overlayrec mount {outer}, which records it already")
 
 
 def _check_secrets(patterns) -> None:
@@ -496,8 +505,9 @@ def _detach(cmd: list[str], timeout: float = 15.0) -> str | None:
 @_guard
 def status(workspace, as_json, state_dir):
     """Say whether WORKSPACE is mounted, by which daemon, where its journal is and how much it holds."""
-    ws = os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(workspace))),
-                      os.path.basename(os.path.abspath(workspace)))
+    ws = state.recorded_at_or_above(
+        os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(workspace))),
+                     os.path.basename(os.path.abspath(workspace))))
     sd = state.check_state_dir_private(os.path.realpath(state_dir)) if state_dir \
         else state.find_state_dir(ws)
     _warn_low_space(sd)
@@ -778,7 +788,7 @@ def log_cmd(workspace, glob, limit, call_id, turn_index, sid, actor, since, unti
     from .views import unit_session, command_name
     from .engines.replay import resolve_point
     from .engines.diff import SelectionError
-    ws = state.resolve_workspace(workspace, must_exist=False)
+    ws = state.resolve_workspace(workspace, must_exist=False, upward=True)
     sd = _state_dir_for(ws, state_dir)
     _warn_low_space(sd)
     j = Journal(sd, readonly=True)
@@ -1080,6 +1090,13 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
     import subprocess
     from . import client
     ws = state.resolve_workspace(workspace)
+    outer = state.overlayrec_mount_containing(ws)
+    if outer is not None and outer != ws:
+        # a directory inside a recorded workspace: the run joins it (a second mount inside
+        # the first would record every change twice, the outer record blaming our daemon)
+        click.echo(f"overlayrec: {ws} is inside the workspace {outer}: recording there",
+                   err=True)
+        ws = outer
     mounted_here = False
     if state.is_dead_mount(ws):
         raise Fail(f"{ws} holds a dead mount; clear it with: overlayrec umount {ws}")
@@ -1264,7 +1281,7 @@ def calls(workspace, sid, turn_index, churn, as_json, state_dir):
 
 def _open_journal_and_tree(workspace: str, state_dir: str | None):
     """What the engines read: (workspace, state dir, journal read-only, live tree)."""
-    ws = state.resolve_workspace(workspace, must_exist=False)
+    ws = state.resolve_workspace(workspace, must_exist=False, upward=True)
     sd = _state_dir_for(ws, state_dir)
     return ws, sd, Journal(sd, readonly=True), _tree_for(ws, sd)
 
@@ -1403,9 +1420,15 @@ def blame(path, workspace, at, state_dir, as_json):
     from .engines.diff import SelectionError
     from .engines.replay import blame as do_blame, resolve_point
     from .engines.states import States
-    ws = state.resolve_workspace(workspace, must_exist=False)
-    rel = os.path.relpath(os.path.abspath(path), ws) if os.path.isabs(path) else \
-        os.path.normpath(path)
+    ws = state.resolve_workspace(workspace, must_exist=False, upward=True)
+    # a relative path is the cwd's, as git takes it, when the cwd is in the workspace
+    # (`blame app.py` in src/); from elsewhere, the workspace's
+    try:
+        here = os.path.realpath(os.getcwd())
+    except OSError:
+        here = ""
+    base = here if os.path.isabs(path) or _beneath(here, ws) else ws
+    rel = os.path.relpath(os.path.normpath(os.path.join(base, path)), ws)
     if rel.startswith(".."):
         raise Fail(f"{path} is outside the workspace {ws}")
     _, sd, j, tree = _open_journal_and_tree(ws, state_dir)
@@ -1603,7 +1626,7 @@ def revert(workspace, call_id, turn_sel, sid, since, glob, yes, force, cont, as_
     Previews by default; every path is checked first (changed since, interleaved with another
     writer, unrecorded) and one conflict refuses the whole revert unless --force."""
     from . import reverts
-    ws = state.resolve_workspace(workspace)
+    ws = state.resolve_workspace(workspace, upward=True)
     sd = _state_dir_for(ws, state_dir)
     if cont:
         rec = reverts.pending(sd)
@@ -1632,7 +1655,7 @@ def unrevert(revert_id, workspace, yes, force, as_json, state_dir):
     interrupted revert is rolled back the same way.  Reverts stack; unreverts peel them, newest
     first.  An unrevert is undone only when REVERT_ID names it."""
     from . import reverts
-    ws = state.resolve_workspace(workspace)
+    ws = state.resolve_workspace(workspace, upward=True)
     sd = _state_dir_for(ws, state_dir)
     try:
         target = reverts.to_undo(sd, revert_id)
@@ -1669,7 +1692,7 @@ def gc(workspace, keep_last, keep_within, max_bytes, dry_run, as_json, state_dir
     Without a rule nothing is dropped (an interrupted gc is finished, orphans swept).  Mounted,
     the daemon runs it; see docs/retention.md."""
     from . import retention
-    ws = state.resolve_workspace(workspace, must_exist=False)
+    ws = state.resolve_workspace(workspace, must_exist=False, upward=True)
     sd = _state_dir_for(ws, state_dir)
     policy = retention.Policy(keep_last, keep_within, max_bytes)
     if state.fuse_mount_at(ws) and not state.is_dead_mount(ws):
@@ -1720,7 +1743,7 @@ def gc(workspace, keep_last, keep_within, max_bytes, dry_run, as_json, state_dir
 
 def _pin(session_id: str, workspace: str, state_dir, pinned: bool) -> None:
     from . import retention
-    ws = state.resolve_workspace(workspace, must_exist=False)
+    ws = state.resolve_workspace(workspace, must_exist=False, upward=True)
     sd = _state_dir_for(ws, state_dir)
     if state.fuse_mount_at(ws) and not state.is_dead_mount(ws):
         from . import client

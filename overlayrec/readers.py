@@ -201,7 +201,7 @@ def listing(kind: str, j, ws: str, sd: str, question: list, render,
 
 def turns(workspace, sid, churn, as_json, state_dir) -> Parts:
     """The answer of ``overlayrec turns``."""
-    ws = state.resolve_workspace(workspace, must_exist=False)
+    ws = state.resolve_workspace(workspace, must_exist=False, upward=True)
     sd = state_dir_for(ws, state_dir)
     j = Journal(sd, readonly=True)
     try:
@@ -232,7 +232,7 @@ def turn_lines(rows: list[dict], churn: bool, as_json: bool) -> Parts:
 
 def calls(workspace, sid, turn_index, churn, as_json, state_dir) -> Parts:
     """The answer of ``overlayrec calls``."""
-    ws = state.resolve_workspace(workspace, must_exist=False)
+    ws = state.resolve_workspace(workspace, must_exist=False, upward=True)
     sd = state_dir_for(ws, state_dir)
     j = Journal(sd, readonly=True)
     try:
@@ -300,7 +300,7 @@ def diff(workspace, call_id, turn_sel, sid, since, until, drift, fmt, binary, gl
     if call_id is None and turn_sel is None and since is None and sid is None and not drift:
         raise Refusal("say what to diff: --call ID, --turn N, --session S, --since SEQ or "
                       "--drift")
-    ws = state.resolve_workspace(workspace, must_exist=False)
+    ws = state.resolve_workspace(workspace, must_exist=False, upward=True)
     sd = state_dir_for(ws, state_dir)
     j = Journal(sd, readonly=True)
     try:

@@ -274,8 +274,14 @@ def check_state_dir_private(sd: str) -> str:
     return sd
 
 
-def resolve_workspace(path: str, must_exist: bool = True) -> str:
+def resolve_workspace(path: str, must_exist: bool = True, upward: bool = False) -> str:
+    """``path`` as a workspace: resolved, and (``must_exist``) a directory.  ``upward`` (the
+    reading commands): the recorded workspace at or above it, so that a command run in a
+    subdirectory reads the workspace around it, as git finds its repository from anywhere in
+    it."""
     ws = os.path.realpath(os.path.abspath(path))
+    if upward:
+        ws = recorded_at_or_above(ws)
     if must_exist:
         try:
             st = os.stat(ws)
@@ -287,6 +293,26 @@ def resolve_workspace(path: str, must_exist: bool = True) -> str:
         if not _s.S_ISDIR(st.st_mode):
             raise StateError(f"workspace {path}: not a directory")
     return ws
+
+
+def recorded_at_or_above(path: str) -> str:
+    """The nearest recorded workspace at or above the resolved ``path``: an overlayrec mount
+    point, or a directory the registry names or whose default state dir holds a journal;
+    ``path`` itself when none is (its readers then say it is not recorded)."""
+    def known(p: str) -> bool:
+        return os.path.exists(registry_path(p)) or \
+            os.path.exists(os.path.join(default_state_dir(p), "journal", "data.mdb"))
+    if known(path):  # the common case: named as it is (no mount table read)
+        return path
+    mount = overlayrec_mount_containing(path)
+    p = path
+    while True:
+        if p == mount or known(p):
+            return p
+        up = os.path.dirname(p)
+        if up == p:
+            return path
+        p = up
 
 
 def state_home() -> str:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
+import textwrap
 import time
 
 import pytest
@@ -212,3 +214,45 @@ def test_status_names_processes_that_hold_the_underlay(make_mount):
     finally:
         early.kill()
         early.wait()
+
+
+@needs_fuse
+def test_a_subdirectory_reads_and_records_its_workspace(make_mount, tmp_path):
+    """Run in a subdirectory of the workspace (where agents and users work), the readers read
+    the workspace around it, as git finds its repository, mounted or not; blame takes a path
+    relative to that directory; `run` records into the mount around it, and `mount` refuses a
+    mount inside a mount.  Found by hand: every reader said "workspace .../src is not
+    recorded", `status` said "not mounted" inside a mount, and `mount` of a subdirectory
+    stacked a second daemon under the first, whose record then blamed it for every change."""
+    m = make_mount()
+    os.makedirs(os.path.join(m.ws, "src"))
+    with open(os.path.join(m.ws, "src", "app.py"), "w") as f:
+        f.write("one\n")
+    m.mount()
+    src = os.path.join(m.ws, "src")
+    agent = tmp_path / "agent.py"
+    agent.write_text(textwrap.dedent(r'''
+        import subprocess
+        from overlayrec import client
+        with client.connect() as c:
+            c.call_begin("c1", "Bash")
+            subprocess.run(["bash", "-c", "echo two >> app.py"], check=True)
+            c.call_end("c1")
+    '''))
+    r = overlayrec("run", "--", sys.executable, str(agent), cwd=src)
+    assert "inside the workspace" in r.stderr
+    assert [line for line in open("/proc/self/mountinfo") if f" {src} " in line] == []
+    r = overlayrec("mount", src, check=False)
+    assert r.returncode != 0 and r.stderr.strip() == (
+        f"overlayrec: error: {src} is inside the overlayrec mount {m.ws}, which records it "
+        "already"), r.stderr
+    for mounted in (True, False):
+        if not mounted:
+            m.umount()
+        assert overlayrec("calls", cwd=src).stdout.split()[2] == "c1"
+        diff = overlayrec("diff", "--call", "c1", "--name-status", cwd=src).stdout
+        assert diff == "M\tsrc/app.py\n", diff
+        blame = overlayrec("blame", "app.py", cwd=src).stdout
+        assert "call:" in blame and "c1" in blame, blame
+        status = overlayrec("status", cwd=src).stdout
+        assert status.startswith(f"{m.ws}: {'mounted' if mounted else 'not mounted'}"), status
