@@ -505,6 +505,7 @@ def _detach(cmd: list[str], timeout: float = 15.0) -> str | None:
 @_guard
 def status(workspace, as_json, state_dir):
     """Say whether WORKSPACE is mounted, by which daemon, where its journal is and how much it holds."""
+    from .views import shown
     ws = state.recorded_at_or_above(
         os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(workspace))),
                      os.path.basename(os.path.abspath(workspace))))
@@ -563,7 +564,8 @@ def status(workspace, as_json, state_dir):
                    "(`overlayrec storage` says where)")
     if drifted:
         click.echo(f"  drifted: {len(drifted)} path(s) differ from the record's end (changed "
-                   f"while unmounted or around the mount): {', '.join(drifted[:5])}"
+                   "while unmounted or around the mount): "
+                   f"{', '.join(map(shown, drifted[:5]))}"
                    + (" ..." if len(drifted) > 5 else ""))
     if pending:
         click.echo(f"  pending revert {pending[-1]}: finish it with `overlayrec revert "
@@ -785,7 +787,7 @@ _fmt_time = readers.fmt_time
 def log_cmd(workspace, glob, limit, call_id, turn_index, sid, actor, since, until, ops, outside,
             follow, as_json, state_dir):
     """The recorded events, newest last: time, actor (pid and command), operation and path."""
-    from .views import unit_session, command_name
+    from .views import unit_session, command_name, one_line, shown
     from .engines.replay import resolve_point
     from .engines.diff import SelectionError
     ws = state.resolve_workspace(workspace, must_exist=False, upward=True)
@@ -856,16 +858,16 @@ def log_cmd(workspace, glob, limit, call_id, turn_index, sid, actor, since, unti
             if as_json:
                 click.echo(json.dumps(dict(ev, actor=a or {"key": key}), ensure_ascii=False))
                 return
-            where = ev.get("path") or ""
+            where = shown(ev.get("path") or "")
             if ev["op"] in CONTROL_OPS:
-                where = " ".join(f"{k}={ev[k]}" for k in ("session", "turn", "call", "tool",
-                                                          "status", "revert")
-                                 if ev.get(k) is not None)
+                where = one_line(" ".join(f"{k}={ev[k]}" for k in ("session", "turn", "call",
+                                                                   "tool", "status", "revert")
+                                          if ev.get(k) is not None))
             if ev.get("path2") is not None:
-                where += f" -> {ev['path2']}"
+                where += f" -> {shown(ev['path2'])}"
             note = f"  (failed: {os.strerror(ev['failed_errno'])})" if "failed_errno" in ev else ""
             click.echo(f"{ev['seq']:>6} {_fmt_time(ev['t'])} {a['pid'] if a else '?':>7} "
-                       f"{command_name(a):<12.12} {ev['op']:<11} {where}{note}")
+                       f"{one_line(command_name(a)):<12.12} {ev['op']:<11} {where}{note}")
 
         rows, last = [], lo - 1
         for ev in j.events(lo, hi):
@@ -1418,6 +1420,7 @@ def blame(path, workspace, at, state_dir, as_json):
     """The history of one path, newest first: each run of changes with its call, turn,
     session or outside actor, the processes, the time and the size.  Deleted paths work."""
     from .engines.diff import SelectionError
+    from .views import one_line, shown
     from .engines.replay import blame as do_blame, resolve_point
     from .engines.states import States
     ws = state.resolve_workspace(workspace, must_exist=False, upward=True)
@@ -1445,10 +1448,11 @@ def blame(path, workspace, at, state_dir, as_json):
         if as_json:
             click.echo(json.dumps(r))
             continue
-        procs = "; ".join(f"{p['pid']} {' '.join(p['argv'] or [])[:60]}" for p in r["processes"])
-        named = f" (as {r['name']})" if r.get("name") else ""
+        procs = "; ".join(f"{p['pid']} {one_line(' '.join(p['argv'] or [])[:60])}"
+                          for p in r["processes"])
+        named = f" (as {shown(r['name'])})" if r.get("name") else ""
         click.echo(f"{_fmt_time(r['t_first'])} seq {r['first_seq']}-{r['last_seq']} "
-                   f"{r['unit']}{named}: {', '.join(r['ops'])}  "
+                   f"{r['unit']}{named}: {one_line(', '.join(r['ops']))}  "
                    f"{r['before']['kind']} {r['before']['size']}B -> "
                    f"{r['after']['kind']} {r['after']['size']}B  [{procs}]")
 
@@ -1462,6 +1466,7 @@ def blame(path, workspace, at, state_dir, as_json):
 def show(seq, workspace, state_dir, as_json):
     """One event in full: what, who (process and unit), its pre-image, and its diff."""
     from .engines.gitdiff import ObjectStore
+    from .views import shown
     from .engines.states import States
     ws, sd, j, tree = _open_journal_and_tree(workspace, state_dir)
     try:
@@ -1483,7 +1488,7 @@ def show(seq, workspace, state_dir, as_json):
     if as_json:
         click.echo(json.dumps({"event": ev, "actor": actor, "diff": diff_text}))
         return
-    click.echo(f"event {seq}: {ev['op']} {' -> '.join(paths)}")
+    click.echo(f"event {seq}: {ev['op']} {' -> '.join(map(shown, paths))}")
     click.echo(f"  time:    {_fmt_time(ev['t'])}")
     click.echo(f"  unit:    {ev.get('unit') or '-'}" + (" (after its call ended)"
                                                         if ev.get("after_end") else ""))
@@ -1532,6 +1537,7 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
     """Plan, check, confirm and carry out a revert (overlayrec.reverts) through the mount,
     mounting it for the occasion when it is not."""
     from . import reverts
+    from .views import shown
     from .engines.diff import SelectionError
     from .engines.states import States, Tree
     from .journal import ContentStore
@@ -1557,21 +1563,21 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
             except SelectionError as e:
                 raise Fail(str(e)) from None
             conflicts = plan.conflicts
-            shown = reverts.preview(plan)
+            preview = reverts.preview(plan)
             if as_json and not (yes and (not conflicts or force)):
-                click.echo(json.dumps(shown))
+                click.echo(json.dumps(preview))
             elif not as_json:
                 for s in plan.steps:
                     mark = f"  CONFLICT ({s.conflict}" + (f": {s.note}" if s.note else "") \
                         + ")" if s.conflict else ""
-                    click.echo(f"  {reverts.describe(s):<8} {s.path}{mark}")
+                    click.echo(f"  {reverts.describe(s):<8} {shown(s.path)}{mark}")
             if not plan.steps:
                 click.echo("nothing to revert")
                 return
             noted = sorted({s.note for s in conflicts if s.note})
             if conflicts and not force:
                 raise Fail("conflicts, nothing reverted: " + reverts.conflict_summary(plan)
-                           + "".join(f" ({n}: " + ", ".join(s.path for s in conflicts
+                           + "".join(f" ({n}: " + ", ".join(shown(s.path) for s in conflicts
                                                             if s.note == n) + ")"
                                      for n in noted))
             if not yes:
@@ -1587,7 +1593,7 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
                 raise Fail(str(e)) from None
             done, bad = rec["done"], rec["failed"]
             if as_json:
-                click.echo(json.dumps(dict(shown, done=done, status="done", failed=bad)))
+                click.echo(json.dumps(dict(preview, done=done, status="done", failed=bad)))
             else:
                 click.echo(f"reverted {len({p for p, _ in done})} path(s) as revert {plan.id}"
                            + (f"; {len(conflicts)} conflicting path(s) left alone"

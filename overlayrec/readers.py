@@ -215,14 +215,14 @@ def turns(workspace, sid, churn, as_json, state_dir) -> Parts:
 
 
 def turn_lines(rows: list[dict], churn: bool, as_json: bool) -> Parts:
-    from .views import fold
+    from .views import fold, one_line
     out = []
     for r in rows:
         if as_json:
             out.append(json.dumps(r))
             continue
         paths = fold(r, touched=churn)
-        prompt = (r["prompt"] or "").splitlines()[0][:50] if r["prompt"] else ""
+        prompt = one_line((r["prompt"] or "").splitlines()[0][:50]) if r["prompt"] else ""
         shared = f"  [shared with {', '.join(r['others'])}]" if r["others"] else ""
         out.append(f"{r['session']:<14.14} {r['index']:>3} {fmt_time(r['begin_t'])} "
                    f"{r['touched_files' if churn else 'files']:>4} files  {paths:<40}  "
@@ -270,6 +270,7 @@ def call_lines(pairs: list[tuple[dict, dict]], churn: bool, as_json: bool) -> Pa
                 row["touched"] = row["paths"]
             out.append(json.dumps(row))
         return text_of_lines(out)
+    from .views import one_line, shown
     line, under = _CALL_LINE, _UNDER_CALL
     for c, f in pairs:
         if churn:
@@ -279,10 +280,11 @@ def call_lines(pairs: list[tuple[dict, dict]], churn: bool, as_json: bool) -> Pa
         else:
             paths, n, n_git = f["paths"], f["files"], f["git_changes"]
         # (%s formats as str() does)
-        out.append(line % (c["session"], c["turn"] or "-", c["id"], c["tool"], n,
-                           c["summary"] or "", ", ".join(f["processes"][:4])))
+        out.append(line % (c["session"], c["turn"] or "-", one_line(c["id"]), one_line(c["tool"]), n,
+                           one_line(c["summary"] or ""),
+                           one_line(", ".join(f["processes"][:4]))))
         own = paths[:n]
-        text = ", ".join(own[:6]) + (" ..." if len(own) > 6 else "")
+        text = ", ".join(map(shown, own[:6])) + (" ..." if len(own) > 6 else "")
         if n_git:
             text += (" " if text else "") + f"+ {n_git} under .git/"
         if text:
@@ -481,7 +483,8 @@ def _left_out_of_file(b, a) -> str | None:
 
 def unshown_line(unshown: list[tuple[str, str]]) -> str:
     """The stderr line that says what a patch could not show (``not_in_patch``)."""
-    some = ", ".join(f"{p} ({what})" for p, what in unshown[:4])
+    from .views import shown
+    some = ", ".join(f"{shown(p)} ({what})" for p, what in unshown[:4])
     more = f" and {len(unshown) - 4} more" if len(unshown) > 4 else ""
     return (f"overlayrec: {len(unshown)} change(s) a git patch cannot show: {some}{more}; "
             "`overlayrec replay` restores them")

@@ -7,6 +7,38 @@ from .journal import Journal
 from .journal.schema import CONTROL_OPS, MARK_OPS
 
 
+_ESCAPES = {7: "a", 8: "b", 9: "t", 10: "n", 11: "v", 12: "f", 13: "r", 34: '"', 92: "\\"}
+
+
+def _escaped(text: str, quotes: bool) -> str:
+    out = []
+    for ch in text:
+        o = ord(ch)
+        if quotes and o in _ESCAPES or not quotes and o < 32 and o in _ESCAPES:
+            out.append("\\" + _ESCAPES[o])
+        elif ch.isprintable():
+            out.append(ch)
+        else:  # a control character, a bidi mark, or a byte that was not UTF-8
+            out.extend(f"\\{b:03o}" for b in ch.encode("utf-8", "surrogateescape"))
+    return "".join(out)
+
+
+def shown(path: str) -> str:
+    """A path for a terminal, as git prints one: as it is, or C-quoted (``"new\\nline"``,
+    octal for other bytes) when it holds a control character, a double quote, a backslash,
+    an invisible or bidi mark, or bytes that are not UTF-8.  A name then can neither break a
+    listing's rows nor send the terminal an escape sequence."""
+    if path.isprintable() and '"' not in path and "\\" not in path:
+        return path
+    return '"' + _escaped(path, True) + '"'
+
+
+def one_line(text: str) -> str:
+    """Free text (a call's summary, a prompt's first line) on one line of a terminal: control
+    characters and invisible marks escaped, nothing quoted."""
+    return text if text.isprintable() else _escaped(text, False)
+
+
 def unit_session(unit: str | None) -> str | None:
     """The session a unit key belongs to (None for an outside actor)."""
     if not unit:
@@ -103,7 +135,7 @@ def fold(row: dict, touched: bool = False, first: int = 3) -> str:
     key, own_n, git_n = ("touched", "touched_files", "touched_git") if touched else \
         ("paths", "files", "git_changes")
     own = row[key][:row[own_n]]
-    text = ", ".join(own[:first]) + (" ..." if len(own) > first else "")
+    text = ", ".join(map(shown, own[:first])) + (" ..." if len(own) > first else "")
     if row[git_n]:
         text += (" " if text else "") + f"+ {row[git_n]} under .git/"
     return text

@@ -256,3 +256,38 @@ def test_a_subdirectory_reads_and_records_its_workspace(make_mount, tmp_path):
         assert "call:" in blame and "c1" in blame, blame
         status = overlayrec("status", cwd=src).stdout
         assert status.startswith(f"{m.ws}: {'mounted' if mounted else 'not mounted'}"), status
+
+
+@needs_fuse
+def test_names_with_control_characters_stay_on_their_line(make_mount, tmp_path):
+    """A file's name may hold a newline, a tab or an escape sequence (an agent's script or a
+    repository can make one).  Every listing shows it C-quoted as git does, on its row, and
+    never sends the terminal the escape; so are a call's summary and a process's name.  Found
+    by hand: `calls`, `log`, `revert`'s preview and `show` printed names raw, a newline broke
+    the rows and an ESC reached the terminal."""
+    m = make_mount().mount()
+    agent = tmp_path / "agent.py"
+    agent.write_text(textwrap.dedent(r'''
+        import subprocess
+        from overlayrec import client
+        with client.connect() as c:
+            c.call_begin("c1", "Bash", summary="make\nodd \x1b[2Jnames")
+            subprocess.run(["bash", "-c", "printf a > $'new\\nline'; printf b > $'\\e[31mred'"],
+                           check=True)
+            c.call_end("c1")
+    '''))
+    overlayrec("run", "--", sys.executable, str(agent), cwd=m.ws)
+    names = ['"new\\nline"', '"\\033[31mred"']
+    calls = overlayrec("calls", cwd=m.ws).stdout
+    assert calls.splitlines()[1].split() == [f"{names[1]},", names[0]], calls
+    assert "make\\nodd \\033[2Jnames" in calls.splitlines()[0], calls
+    log = [line for line in overlayrec("log", cwd=m.ws).stdout.splitlines() if " create " in line]
+    assert [line.split()[-1] for line in log] == names, log
+    preview = overlayrec("revert", "--call", "c1", cwd=m.ws).stdout
+    assert [line.split()[-1] for line in preview.splitlines() if "delete" in line] == \
+        sorted(names), preview
+    seq = log[0].split()[0]
+    assert overlayrec("show", seq, cwd=m.ws).stdout.splitlines()[0] == \
+        f"event {seq}: create {names[0]}"
+    for out in (calls, "\n".join(log), preview):
+        assert "\x1b" not in out
