@@ -334,7 +334,7 @@ def mount(workspace, state_dir, foreground, allow_other, durable, record_data, s
         raise Fail(f"{ws} is already mounted")
     _refuse_nested(ws)
     _check_secrets(secret)
-    sd = state.check_state_dir(ws, state_dir or state.default_state_dir(ws))
+    sd = state.check_state_dir(ws, _mount_state_dir(ws, state_dir))
     state.make_state_dir(sd)
     _put_back_agent_settings()
     if foreground:
@@ -346,6 +346,23 @@ def mount(workspace, state_dir, foreground, allow_other, durable, record_data, s
                         record_data=record_data, secret=secret,
                         no_default_secrets=no_default_secrets, max_bytes=max_bytes)
     click.echo(f"mounted {ws} (daemon pid {pid}, journal {os.path.join(sd, 'journal')})")
+
+
+def _mount_state_dir(ws: str, state_dir: str | None) -> str:
+    """The state dir a mount of ``ws`` records into: the one named, or the one the record of
+    ``ws`` is in already (the registry names it: an earlier ``--state-dir``), else the default.
+    Mounting without repeating an earlier ``--state-dir`` began a new, empty record and pointed
+    every reader at it, the old one left where nothing named it any more.  Naming another
+    state dir than the one holding the record says so."""
+    known = state.find_state_dir(ws)
+    if not state_dir:
+        return known
+    if os.path.exists(os.path.join(known, "journal", "data.mdb")) and \
+            os.path.realpath(state_dir) != os.path.realpath(known):
+        click.echo(f"overlayrec: warning: the record of {ws} is in {known}; this mount "
+                   f"records into {state_dir}, and the readers read that one from now on",
+                   err=True)
+    return state_dir
 
 
 def _refuse_nested(ws: str) -> None:
@@ -1104,7 +1121,7 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
         raise Fail(f"{ws} holds a dead mount; clear it with: overlayrec umount {ws}")
     if not state.fuse_mount_at(ws):
         _check_secrets(secret)
-        sd = state.check_state_dir(ws, state_dir or state.default_state_dir(ws))
+        sd = state.check_state_dir(ws, _mount_state_dir(ws, state_dir))
         state.make_state_dir(sd)
         _spawn_daemon(ws, sd, record_data=record_data, secret=secret,
                       no_default_secrets=no_default_secrets, max_bytes=max_bytes)

@@ -291,3 +291,40 @@ def test_names_with_control_characters_stay_on_their_line(make_mount, tmp_path):
         f"event {seq}: create {names[0]}"
     for out in (calls, "\n".join(log), preview):
         assert "\x1b" not in out
+
+
+@needs_fuse
+def test_a_mount_without_its_earlier_state_dir_records_into_the_same_record(make_mount,
+                                                                            tmp_path):
+    """Mounted once with --state-dir, a workspace mounted again without it (or run, or a
+    revert mounting it for the occasion) goes on recording into that record.  Found by hand:
+    the second mount began a new, empty record in the default place and pointed the readers at
+    it, so `calls` showed nothing and a revert said "no call c1", the old record named by
+    nothing.  Naming another state dir still works, and says where the record was."""
+    env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "xdg"))
+    m = make_mount(env=env)
+    with open(os.path.join(m.ws, "f.txt"), "w") as f:
+        f.write("one\n")
+    m.mount()
+    with open(os.path.join(m.ws, "f.txt"), "a") as f:
+        f.write("two\n")
+    m.umount()
+    overlayrec("mount", m.ws, env=env)
+    try:
+        with open(os.path.join(m.ws, "f.txt"), "a") as f:
+            f.write("three\n")
+        status = overlayrec("status", m.ws, env=env).stdout
+        assert f"journal: {os.path.join(m.state, 'journal')}" in status, status
+    finally:
+        m.umount()
+    log = overlayrec("log", m.ws, "--op", "write", env=env).stdout.splitlines()
+    assert len(log) == 2, log
+    from overlayrec.state import workspace_id
+    assert not os.path.exists(tmp_path / "xdg" / "overlayrec" / workspace_id(m.ws))
+    other = str(tmp_path / "other")
+    r = overlayrec("mount", m.ws, "--state-dir", other, env=env)
+    m.umount()
+    assert r.stderr.strip() == (
+        f"overlayrec: warning: the record of {m.ws} is in {m.state}; this mount records into "
+        f"{other}, and the readers read that one from now on"), r.stderr
+    assert overlayrec("log", m.ws, "--op", "write", env=env).stdout == ""
