@@ -537,7 +537,10 @@ def status(workspace, as_json, state_dir):
     mounted = in_table and not dead
     events = None
     journal_path = os.path.join(sd, "journal")
-    if os.path.exists(os.path.join(journal_path, "data.mdb")):
+    recorded = os.path.exists(os.path.join(journal_path, "data.mdb"))
+    if not (in_table or recorded or os.path.lexists(ws)):  # a mistyped path, most often
+        raise Fail(f"workspace {workspace}: no such directory, and no record of it")
+    if recorded:
         j = Journal(sd, readonly=True)
         try:
             events = j.count()

@@ -328,3 +328,26 @@ def test_a_mount_without_its_earlier_state_dir_records_into_the_same_record(make
         f"overlayrec: warning: the record of {m.ws} is in {m.state}; this mount records into "
         f"{other}, and the readers read that one from now on"), r.stderr
     assert overlayrec("log", m.ws, "--op", "write", env=env).stdout == ""
+
+
+def test_a_mistyped_workspace_and_an_empty_range_are_errors(tmp_path):
+    """`status` of a path that is neither a directory nor recorded says so and fails (it said
+    "not mounted" and succeeded); `diff --since 5 --until 2` says the range is empty (it
+    printed nothing and succeeded)."""
+    env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "xdg"))
+    missing = str(tmp_path / "no" / "such")
+    r = overlayrec("status", missing, check=False, env=env)
+    assert (r.returncode, r.stdout, r.stderr) == (
+        1, "", f"overlayrec: error: workspace {missing}: no such directory, and no record "
+               "of it\n")
+    assert overlayrec("status", str(tmp_path), env=env).stdout.startswith(
+        f"{tmp_path}: not mounted")
+
+
+@needs_fuse
+def test_an_inverted_range_is_refused(mounted):
+    with open(os.path.join(mounted.ws, "a"), "w") as f:
+        f.write("a\n")
+    r = overlayrec("diff", mounted.ws, "--since", "5", "--until", "2", check=False)
+    assert (r.returncode, r.stdout, r.stderr) == (
+        1, "", "overlayrec: error: --until 2 is before --since 5: nothing between\n")

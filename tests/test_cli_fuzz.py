@@ -551,8 +551,10 @@ def test_bytes_that_are_not_utf8_come_back_as_given(worlds):
     env = dict(_env(w), PYTHONIOENCODING="utf-8:strict")
     run = lambda *args: subprocess.run([sys.executable, "-m", "overlayrec", *args], env=env,
                                        cwd=w.here, capture_output=True, timeout=60 * SLOW)
-    r = run("status", os.fsencode(w.ws) + b"\xff")
-    assert r.returncode == 0 and os.fsencode(w.ws) + b"\xff: not mounted" in r.stdout, r
+    here = os.fsencode(w.here) + b"/ws\xff"  # a directory (a missing one is an error)
+    os.makedirs(here, exist_ok=True)
+    r = run("status", here)
+    assert r.returncode == 0 and here + b": not mounted" in r.stdout, r
     r = run("turns", w.ws, "--session", b"\xff")
     assert r.returncode == 2 and r.stderr.startswith(b"overlayrec: usage: "), r
     assert r.stderr.count(b"\n") == 1 and b"not UTF-8" in r.stderr, r

@@ -101,6 +101,8 @@ def select(j: Journal, states: States, *, call: str | None = None, turn: int | s
                                   if _unit_session(e.get("unit")) == session], keep=keep)
     lo = since if since is not None else 1
     hi = until if until is not None else last
+    if hi < lo - 1:
+        raise SelectionError(f"--until {until} is before --since {since}: nothing between")
     return _selected(states, _selection_events(j, lo, hi), (lo - 1, hi), keep=keep)
 
 
