@@ -211,3 +211,49 @@ def test_a_remote_git_refuses_is_one_line(tmp_path):
     assert r.stderr.count("\n") == 1 and "\\n" not in r.stderr, r.stderr
     assert r.stderr == (f"overlayrec: error: git fetch from {missing} failed: '{missing}' does "
                         "not appear to be a git repository\n")
+
+
+ODD_IDS = ["a b", "x:y", "x..y", "x.lock", "../../up", "t~1^2", "-dash", "q?*[", "\u00e9t\u00e9",
+           "new\nline", "@{x}", "end/", "50%"]
+
+AGENT_ODD = textwrap.dedent(r'''
+    import subprocess, sys, json
+    from overlayrec import client
+    with client.connect() as c:
+        c.turn_begin(prompt="odd ids")
+        for i, cid in enumerate(json.loads(sys.argv[1])):
+            c.call_begin(cid, "Bash")
+            subprocess.run(["bash", "-c", f"echo {i} > f{i}"], check=True)
+            c.call_end(cid)
+        c.turn_end()
+''')
+
+
+def test_sessions_and_calls_any_git_ref_would_refuse_are_exported(make_mount, tmp_path):
+    """A session's name and a call's id come from the user and the agent: a space, ``..``,
+    ``:``, ``~``, a slash, a newline.  git refuses them in a ref name; the export writes them
+    ``%XX``-encoded, one-to-one, and the readers of fetched records find them by their own
+    names.  Found by hand: one such id made the whole export fail (fast-import: "Branch name
+    doesn't conform to GIT standards")."""
+    m = make_mount().mount()
+    path = tmp_path / "agent.py"
+    path.write_text(AGENT_ODD)
+    session = "s/../x y"
+    overlayrec("run", "-w", m.ws, "--state-dir", m.state, "--session", session, "--",
+               sys.executable, str(path), json.dumps(ODD_IDS), cwd=m.ws)
+    remote = tmp_path / "remote.git"
+    subprocess.run(["git", "init", "-q", "--bare", str(remote)], check=True)
+    overlayrec("export", "git", m.ws, "--state-dir", m.state, "--push", str(remote),
+               "--origin", "here")
+    names = list(refs(remote))
+    assert len([n for n in names if "/calls/" in n]) == len(ODD_IDS), names
+    for n in names:
+        subprocess.run(["git", "check-ref-format", n], check=True)
+    clone = tmp_path / "fetched"
+    overlayrec("fetch", str(remote), "--into", str(clone))
+    assert overlayrec("records", "list", "--git", str(clone)).stdout.split()[1:5] == \
+        ["s/../x", "y", "1", "turn(s),"]
+    seen = seen_on_origin(m, session, ODD_IDS)
+    assert read_fetched(clone, "here", session, ODD_IDS) == seen
+    for i, cid in enumerate(ODD_IDS):
+        assert f"+++ b/f{i}\n" in seen[(cid, "patch")], cid

@@ -35,6 +35,29 @@ from .diff import file_events, touched, side_of, _visible
 from .gitdiff import FastImport, GitError, ObjectStore, git_refuses, quote_path
 from .states import States, State
 
+_REF_SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
+
+
+def ref_part(name: str) -> str:
+    """A session's name or a call's id as one component of a git ref name: as it is when git
+    takes it (letters, digits, ``_``, ``-`` and dots where git allows them), else each byte
+    outside ``[A-Za-z0-9_-]`` written ``%XX``.  An id from an agent or a ``--session`` may hold
+    a space, ``..``, ``:``, ``~``, a slash or a newline, which git refuses in a ref (and which
+    made the whole export fail).  One-to-one: a name kept as it is holds no ``%``."""
+    if name and all(c in _REF_SAFE or c == "." for c in name) and ".." not in name and \
+            not name.startswith(".") and not name.endswith((".", ".lock")):
+        return name
+    return "".join(chr(b) if chr(b) in _REF_SAFE else f"%{b:02X}"
+                   for b in name.encode("utf-8", "surrogateescape"))
+
+
+def from_ref_part(part: str) -> str:
+    """The name ``ref_part`` wrote as ``part``."""
+    if "%" not in part:
+        return part
+    from urllib.parse import unquote_to_bytes
+    return unquote_to_bytes(part).decode("utf-8", "surrogateescape")
+
 
 def _ident(name: str, email: str, t_ns: int) -> dict:
     return {"name": name, "email": email, "date": f"{t_ns // 10**9} +0000"}
@@ -247,11 +270,12 @@ class Exporter:
             msg = (f"session {sid}: the workspace before it\n\n"
                    f"Overlayrec-Session: {sid}\nOverlayrec-Seq: ..{point}\n")
             t0 = points[0][3].get("begin_t") or 0
-            self.fi.reset(self._refname(f"{sid}/head"))   # a root commit, whatever was there
+            # a root commit, whatever was there
+            self.fi.reset(self._refname(f"{ref_part(sid)}/head"))
             st["head"] = self._commit(sid, st, _ident(f"agent (session {sid})",
                                                       "agent@overlayrec.invalid", t0), msg, t0)
             self._live_base = st["head"]
-            self._ref(f"{sid}/base", st["head"])
+            self._ref(f"{ref_part(sid)}/base", st["head"])
         for n, (seq, _, kind, rec) in enumerate(points):
             if kind == "call":
                 begin = rec.get("begin_seq") or seq
@@ -261,13 +285,13 @@ class Exporter:
                 self._advance(point, seq, paths)
                 st["head"] = self._commit(sid, st, *self._call_message(sid, rec, point, seq))
                 st["calls"][rec["id"]] = st["head"]
-                self._ref(f"{sid}/calls/{rec['id']}", st["head"])
+                self._ref(f"{ref_part(sid)}/calls/{ref_part(rec['id'])}", st["head"])
             else:
                 if seq > point and self._changed(point, seq):
                     self._advance(point, seq, paths)
                 st["head"] = self._commit(sid, st, *self._turn_message(sid, rec, point, seq))
                 st["turns"][str(rec["index"])] = st["head"]
-                self._ref(f"{sid}/turns/{rec['index']}", st["head"])
+                self._ref(f"{ref_part(sid)}/turns/{rec['index']}", st["head"])
             point = seq
             st["point"] = point
             if progress:
@@ -410,7 +434,7 @@ class Exporter:
     # -- commits --------------------------------------------------------------------------------
     def _commit(self, sid, st, author: dict, message: str, t_ns: int) -> str:
         committer = _ident("overlayrec", "overlayrec@localhost", t_ns)
-        m = self.fi.commit(self._refname(f"{sid}/head"), author, committer, message, st["head"],
+        m = self.fi.commit(self._refname(f"{ref_part(sid)}/head"), author, committer, message, st["head"],
                            self.pending)
         self.pending = []
         self.written += 1
@@ -557,8 +581,8 @@ class Exporter:
         msg = (f"session {sid}: the sides of its diffs\n\nOverlayrec-Session: {sid}\n"
                f"Overlayrec-Seq: ..{horizon}\n")
         if not st.get("sides"):
-            self.fi.reset(self._refname(f"{sid}/sides"))   # a root commit, whatever was there
-        st["sides"] = self.fi.commit(self._refname(f"{sid}/sides"), who, who, msg,
+            self.fi.reset(self._refname(f"{ref_part(sid)}/sides"))   # a root commit, whatever was there
+        st["sides"] = self.fi.commit(self._refname(f"{ref_part(sid)}/sides"), who, who, msg,
                                      st.get("sides"), changes)
 
 

@@ -21,7 +21,7 @@ import secrets
 import socket
 import subprocess
 
-from .export import side_key
+from .export import from_ref_part, side_key
 from .gitdiff import EMPTY_TREE, GitError, ObjectStore
 
 ORIGINS = "refs/overlayrec/origins"
@@ -152,19 +152,23 @@ class Records:
             names[name[len(ORIGINS) + 1:]] = sha
         # (origin, session) -> its refs; a session is known by its head
         self.sessions: dict[tuple[str, str], dict] = {}
+        # (the session's and the calls' parts of a ref are written by export.ref_part)
+        parts = {}
         for rest in names:
             if rest.endswith("/head"):
-                origin, _, sid = rest[:-len("/head")].partition("/")
-                if sid:
+                origin, _, part = rest[:-len("/head")].partition("/")
+                if part:
+                    sid = from_ref_part(part)
+                    parts[(origin, sid)] = part
                     self.sessions[(origin, sid)] = {"head": names[rest], "calls": {},
                                                     "turns": {}}
         for (origin, sid), s in self.sessions.items():
-            pre = f"{origin}/{sid}/"
+            pre = f"{origin}/{parts[(origin, sid)]}/"
             s["base"] = names.get(pre + "base")
             s["sides"] = names.get(pre + "sides")
             for rest, sha in names.items():
                 if rest.startswith(pre + "calls/"):
-                    s["calls"][rest[len(pre + "calls/"):]] = sha
+                    s["calls"][from_ref_part(rest[len(pre + "calls/"):])] = sha
                 elif rest.startswith(pre + "turns/") and rest[len(pre + "turns/"):].isdigit():
                     s["turns"][int(rest[len(pre + "turns/"):])] = sha
 
