@@ -343,6 +343,9 @@ class Recorder:
         # by a directory rename): sealed with their unit
         self.unsealed: dict[str, str] = {}
         self.attic_fd = self._open_attic()
+        # a file of another filesystem mounted inside the workspace cannot go to the attic
+        # (a rename or a link across filesystems fails): _copy_elsewhere
+        self.attic_dev = os.fstat(self.attic_fd).st_dev
         self.attic_links: dict[tuple[int, int], int] = {}
         # the entry a renamed-over inode was linked to (this daemon's): a descriptor still open
         # on it is named there, not by the name it lost (rel)
@@ -458,6 +461,28 @@ class Recorder:
         finally:
             os.close(fd)
         return True
+
+    def _copy_elsewhere(self, dirfd: int, name: str, st: os.stat_result, pre: dict) -> None:
+        """A file of another filesystem mounted inside the workspace (``st_dev`` not the
+        attic's), about to lose ``name``: the attic cannot keep it by a rename or a link (the
+        kernel refuses either across filesystems, and the unlink or rename would fail), so its
+        content goes into the store now, whatever its size.  One the daemon may not read is
+        marked ``unkept``: its state before is then never taken as exact."""
+        if not stat.S_ISREG(st.st_mode):
+            return
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                         dir_fd=dirfd)
+        except PermissionError:
+            pre["unkept"] = True
+            return
+        try:
+            if st.st_size <= self.whole_file_limit:
+                pre["blob"] = self._save_whole(fd, st.st_size)
+            else:
+                pre["ranges"] = [[0, st.st_size, self.content.put_range(fd, 0, st.st_size)]]
+        finally:
+            os.close(fd)
 
     def _small_later(self, st: os.stat_result) -> bool:
         """Is this file, about to be unlinked, a small pre-image the attic keeps for now
@@ -963,6 +988,11 @@ class Recorder:
             ev["pre"] = pre
             with self._mutation(ev, actor):
                 os.unlink(name, dir_fd=parent_fd)  # a secret: no attic, no copy, really gone
+        elif st.st_dev != self.attic_dev:
+            self._copy_elsewhere(parent_fd, name, st, pre)
+            ev["pre"] = pre
+            with self._mutation(ev, actor):
+                os.unlink(name, dir_fd=parent_fd)  # its content is in the store: really gone
         elif not (later := self._small_later(st)) and \
                 self._keep_small(parent_fd, name, st, pre):
             ev["pre"] = pre
@@ -1028,12 +1058,15 @@ class Recorder:
         # entry's unlink cost more than the copy, and the rename frees nothing the unlink's
         # deferral would (tools/bench, overlayrec-copynow: docs/bench.md, tenth pass)
         if st2 is not None and not flags & underlay.RENAME_EXCHANGE and not stat.S_ISDIR(st2.st_mode) \
-                and not (st.st_dev == st2.st_dev and st.st_ino == st2.st_ino) \
-                and not withheld2 and not self._keep_small(npfd, nname, st2, pre2):
-            # the renamed-over inode survives by a hard link in the attic, taken before the rename
-            pre2["attic"] = self.attic_prefix + str(seq)
-            attic_key = (st2.st_dev, st2.st_ino)
-            self._keep_if_linked(npfd, nname, st2, pre2)
+                and not (st.st_dev == st2.st_dev and st.st_ino == st2.st_ino) and not withheld2:
+            if st2.st_dev != self.attic_dev:
+                self._copy_elsewhere(npfd, nname, st2, pre2)
+            elif not self._keep_small(npfd, nname, st2, pre2):
+                # the renamed-over inode survives by a hard link in the attic, taken before
+                # the rename
+                pre2["attic"] = self.attic_prefix + str(seq)
+                attic_key = (st2.st_dev, st2.st_ino)
+                self._keep_if_linked(npfd, nname, st2, pre2)
         ev["pre2"] = pre2
         ep2, new2 = self._epoch(path2, unit)
         if new2:

@@ -462,3 +462,45 @@ def test_a_file_renamed_over_while_held_open_is_changed_in_the_attic(make_mount,
             assert f.read() == b"new\n"
     finally:
         os.close(fd)
+
+
+@needs_fuse
+@needs_root
+@pytest.mark.timeout(int(180 * SLOW))
+def test_a_filesystem_mounted_inside_the_workspace_is_recorded_without_an_attic(make_mount,
+                                                                                tmp_path):
+    """A directory of the workspace that is another filesystem (a tmpfs for a cache, a bind
+    mount in a container): the attic cannot take its files (a rename or a link across
+    filesystems fails), so an unlink and a rename over copy the content first, whatever its
+    size.  Found by hand: `rm sub/f` and `mv` out of it failed with EXDEV through the mount,
+    the user's workspace broken.  Every call's revert then puts back the tree before it."""
+    m = make_mount()
+    sub = os.path.join(m.ws, "sub")
+    with tmpfs(sub, "64m"):
+        try:
+            for name, data in (("a.txt", b"a\n"), ("b.txt", b"b\n"),
+                               ("big.bin", os.urandom(5 << 20))):
+                with open(os.path.join(sub, name), "wb") as f:
+                    f.write(data)
+            with open(os.path.join(m.ws, "top.txt"), "w") as f:
+                f.write("top\n")
+            m.mount()
+            trees = [tree_of(m.ws)]
+            for i, script in enumerate([
+                    "echo more >> sub/a.txt && rm sub/b.txt && echo new > sub/new.txt",
+                    "mv sub/a.txt moved.txt && mv top.txt sub/top.txt",
+                    "sed -i s/new/NEW/ sub/new.txt && mkdir sub/d && echo x > sub/d/x && "
+                    "mv sub/d sub/e",
+                    "head -c 100 /dev/zero > sub/big2 && mv sub/big2 sub/big.bin && "
+                    "rm -r sub/e"], 1):
+                run_session(m, f"s{i}", script)
+                trees.append(tree_of(m.ws))
+            assert len({repr(t) for t in trees}) == 5
+            for i in (4, 3, 2, 1):
+                overlayrec("revert", m.ws, "--session", f"s{i}", "--yes")
+                assert tree_of(m.ws) == trees[i - 1], i
+            for i in (1, 2, 3, 4):
+                overlayrec("unrevert", "-w", m.ws, "--yes")
+                assert tree_of(m.ws) == trees[i], i
+        finally:
+            m.umount()

@@ -116,6 +116,8 @@ Pre-image JSON (``pre``)::
     {"kind": "file", "mode", "uid", "gid", "mtime_ns", "size", "nlink",
         ["blob": hex]             whole content, in the content store (``blobs`` or a file)
         ["ranges": [[off, len, hex], ...]]  only the ranges about to be overwritten or cut
+                                  (the whole file past the whole-file limit, for one of
+                                  another filesystem leaving its name: it has no attic)
         ["attic": name]           the old inode itself, hard-linked in the attic
         ["xattrs": {name: hex}]
         ["ino": n]                the inode number then (hard-link groups at one point)
@@ -125,7 +127,9 @@ Pre-image JSON (``pre``)::
                                   the hash says whether the content is the same)
         ["unkept": true]          an ``alias`` whose inode's data changed at once through
                                   another name, and whose content was not kept (past the
-                                  whole-file limit): its state there is inexact
+                                  whole-file limit), or a file of another filesystem mounted
+                                  in the workspace the daemon could not read as it left its
+                                  name (no attic there): its state there is inexact
         ["withheld": true]}       a secret path (``overlayrec.secrets``): no blob, ranges,
                                   attic, data or hash, ever.  No hash on purpose: xxh3 is
                                   fast, and a short secret (a token, a password) is found
