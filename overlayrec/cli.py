@@ -1444,14 +1444,15 @@ def blame(path, workspace, at, state_dir, as_json):
     from .engines.replay import blame as do_blame, resolve_point
     from .engines.states import States
     ws = state.resolve_workspace(workspace, must_exist=False, upward=True)
-    # a relative path is the cwd's, as git takes it, when the cwd is in the workspace
-    # (`blame app.py` in src/); from elsewhere, the workspace's
+    # a path is the cwd's, as git takes it (`blame app.py` in src/, `blame ws/app.py` above
+    # the workspace); a relative one that leads out of the workspace is the workspace's
     try:
         here = os.path.realpath(os.getcwd())
     except OSError:
-        here = ""
-    base = here if os.path.isabs(path) or _beneath(here, ws) else ws
-    rel = os.path.relpath(os.path.normpath(os.path.join(base, path)), ws)
+        here = ws
+    near = os.path.normpath(os.path.join(here, path))
+    rel = os.path.relpath(near, ws) if _beneath(near, ws) or os.path.isabs(path) else \
+        os.path.normpath(path)
     if rel.startswith(".."):
         raise Fail(f"{path} is outside the workspace {ws}")
     _, sd, j, tree = _open_journal_and_tree(ws, state_dir)

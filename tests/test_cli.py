@@ -254,6 +254,9 @@ def test_a_subdirectory_reads_and_records_its_workspace(make_mount, tmp_path):
         assert diff == "M\tsrc/app.py\n", diff
         blame = overlayrec("blame", "app.py", cwd=src).stdout
         assert "call:" in blame and "c1" in blame, blame
+        # from above the workspace, a path through it is the cwd's too
+        assert overlayrec("blame", os.path.join("ws", "src", "app.py"), "-w", m.ws,
+                          cwd=m.base).stdout == blame
         status = overlayrec("status", cwd=src).stdout
         assert status.startswith(f"{m.ws}: {'mounted' if mounted else 'not mounted'}"), status
 
