@@ -1682,6 +1682,10 @@ def unrevert(revert_id, workspace, yes, force, as_json, state_dir):
     interrupted revert is rolled back the same way.  Reverts stack; unreverts peel them, newest
     first.  An unrevert is undone only when REVERT_ID names it."""
     from . import reverts
+    if revert_id is not None and workspace == "." and os.path.isdir(revert_id):
+        # `unrevert WS`, as revert and the readers take a workspace (a revert's id is a time
+        # and a random tag, no directory's name)
+        workspace, revert_id = revert_id, None
     ws = state.resolve_workspace(workspace, upward=True)
     sd = _state_dir_for(ws, state_dir)
     try:

@@ -64,7 +64,7 @@ def test_revert_and_unrevert_every_kind_of_change(make_mount, tmp_path):
     # the revert's own changes are journaled as its unit
     evs = m.events()
     assert any(e.get("unit") == f"revert:{rid}" for e in evs)
-    overlayrec("unrevert", "-w", m.ws, "--yes")
+    overlayrec("unrevert", m.ws, "--yes")  # the workspace as revert takes it, too
     assert tree_of(m.ws) == after
     # reverts stack: revert again, unrevert again
     overlayrec("revert", m.ws, "--call", "c1", "--yes", "--force")
