@@ -76,8 +76,12 @@ def describe(step) -> str:
 
 
 def preview(plan: Plan) -> dict:
+    """A plan as ``--json`` shows it: each step's path, action and conflict, and the note
+    that says why where the conflict's name alone does not."""
     return {"id": plan.id, "steps": [{"path": s.path, "action": describe(s),
-                                      "conflict": s.conflict} for s in plan.steps]}
+                                      "conflict": s.conflict, **({"note": s.note} if s.note
+                                                                 else {})}
+                                     for s in plan.steps]}
 
 
 def plan_for(j, states, live, selection: dict, glob: str | None, content,

@@ -423,3 +423,40 @@ def test_sigkill_mid_revert_then_continue_or_roll_back(make_mount, tmp_path):
             assert tree_of(m.ws) == after
         assert not json.loads(overlayrec("status", m.ws, "--json").stdout)["pending_revert"]
         assert not is_mounted(m.ws)
+
+
+AGENT_OPEN = textwrap.dedent(r'''
+    import json, subprocess, sys, time
+    from overlayrec import client
+    out = {}
+    revert = [sys.executable, "-m", "overlayrec", "revert", "--call", "c1", "--json"]
+    with client.connect() as c:
+        c.call_begin("c1", "Bash")
+        p = subprocess.Popen([sys.executable, "-c", "import time\nf = open('b.txt', 'a')\n"
+                              "f.write('x\\n'); f.flush(); time.sleep(0.5)\n"
+                              "f.write('y\\n'); f.flush(); time.sleep(60)"])
+        time.sleep(2)
+        out["open"] = subprocess.run(revert, capture_output=True, text=True).stdout
+        p.kill()
+        p.wait()
+        c.call_end("c1")
+    out["closed"] = subprocess.run(revert, capture_output=True, text=True).stdout
+    json.dump(out, open(sys.argv[1], "w"))
+''')
+
+
+def test_a_file_still_being_written_says_so(make_mount, tmp_path):
+    """A revert of a call whose process is still writing a file (its descriptor open, the
+    run's writes no events) cannot know what the file will hold: the path is unrecorded, and
+    the plan says why.  Once the descriptor is closed the same revert is planned."""
+    m = setup_ws(make_mount, tmp_path, {"b.txt": b"base\n"})
+    (tmp_path / "agent.py").write_text(AGENT_OPEN)
+    m.mount()
+    overlayrec("run", "-w", m.ws, "--", sys.executable, str(tmp_path / "agent.py"),
+               str(tmp_path / "out.json"), cwd=m.ws)
+    out = json.load(open(tmp_path / "out.json"))
+    [step] = json.loads(out["open"])["steps"]
+    assert (step["path"], step["conflict"], step["note"]) == \
+        ("b.txt", "unrecorded", "still being written: a descriptor is open on it"), step
+    [step] = json.loads(out["closed"])["steps"]
+    assert step["path"] == "b.txt" and step.get("conflict") is None, step

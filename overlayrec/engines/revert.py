@@ -34,6 +34,10 @@ from .diff import SelectionError, file_events, touched, _find_turn, _visible
 from .states import ATTIC, INF, States, State, Tree
 
 
+# why a path is unrecorded when a descriptor of the reverted changes is still writing it
+STILL_WRITING = "still being written: a descriptor is open on it"
+
+
 @dataclass
 class Step:
     path: str
@@ -151,7 +155,9 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
             if target.withheld or expected.withheld:
                 step.note = PLACEHOLDER  # a secret path: nothing to put back
             else:
-                step.note = _attic_gone(j, states, p)
+                step.note = _attic_gone(j, states, p) or (
+                    STILL_WRITING if not expected.exact and states.still_writing(p, last)
+                    else None)
         elif any(first < s < last for s in others.get(p, [])):
             step.conflict = "interleaved"
         elif not expected.same(live.state(p)):

@@ -1040,15 +1040,7 @@ class States:
         held another file, or the run went on under another name: not followed here)."""
         if self.state(path, after).exact:
             return after
-        run = None
-        for e in reversed(self.events_on(path)):
-            if e["seq"] > after:
-                continue
-            if e["op"] == "write" and "data" not in e:
-                run = e
-                break
-            if e["op"] == "alias" or self.starts_epoch(e, path):
-                return after  # another name's run, or an epoch with no run in it
+        run = self._run_at(path, after)
         if run is None:
             return after
         summary = self.j.extents(run["seq"])
@@ -1065,6 +1057,24 @@ class States:
             if i is not None and rs[i]["seq"] > run["seq"]:
                 return after
         return point if self.state(path, point).exact else after
+
+    def _run_at(self, path: str, after: int) -> dict | None:
+        """The write that began the run ``path`` was in at ``after``: its last write event
+        at or before it, unless an epoch began (or another name's run was aliased) since."""
+        for e in reversed(self.events_on(path)):
+            if e["seq"] > after:
+                continue
+            if e["op"] == "write" and "data" not in e:
+                return e
+            if e["op"] == "alias" or self.starts_epoch(e, path):
+                return None  # another name's run, or an epoch with no run in it
+        return None
+
+    def still_writing(self, path: str, after: int) -> bool:
+        """Is ``path`` inexact at ``after`` because the write run it was in then has not
+        ended yet (no release noted: a descriptor is still open on it)?"""
+        run = self._run_at(path, after)
+        return run is not None and self.j.extents(run["seq"]) is None
 
     def _alias_run(self, alias: dict) -> dict | None:
         """The write an ``alias`` event was committed with (the next event of its source, in
