@@ -1607,11 +1607,14 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
                     if not as_json:
                         click.echo("preview only: run again with --yes to revert")
                     return
+            shown_progress = readers.Progress("reverting", not as_json)
             try:
                 rec = reverts.carry_out(ws, sd, plan, content, unreverts=unreverts,
-                                        resume=resume)
+                                        resume=resume, progress=shown_progress)
             except reverts.RevertError as e:
                 raise Fail(str(e)) from None
+            finally:
+                shown_progress.done()
             done, bad = rec["done"], rec["failed"]
             if as_json:
                 click.echo(json.dumps(dict(preview, done=done, status="done", failed=bad)))

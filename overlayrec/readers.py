@@ -154,10 +154,15 @@ class Progress:
 
     def __init__(self, what: str, on: bool = True):
         self.what, self.on = what, on and sys.stderr.isatty()
-        self.start, self.width = time.monotonic(), 0
+        self.start, self.width, self.shown = time.monotonic(), 0, 0.0
 
     def __call__(self, n: int, total: int) -> None:
-        if self.on and (self.width or time.monotonic() - self.start >= 1.0):
+        if not self.on:
+            return
+        now = time.monotonic()
+        # after the first second, ten times a second at most (and the last)
+        if now - self.start >= 1.0 and (now - self.shown >= 0.1 or n == total):
+            self.shown = now
             line = f"overlayrec: {self.what} {n}/{total}"
             self.width = len(line)
             _echo_err("\r" + line)

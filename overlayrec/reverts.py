@@ -101,9 +101,10 @@ def conflict_summary(plan: Plan) -> str:
 
 
 def carry_out(ws: str, sd: str, plan: Plan, content, *, unreverts: str | None = None,
-              resume: dict | None = None) -> dict:
+              resume: dict | None = None, progress=None) -> dict:
     """Carry out the plan's paths without conflicts through the mount, the plan saved first
-    and its outcome after.  Returns the record: ``done`` [(path, what)], ``failed``."""
+    and its outcome after (``progress(n, total)`` after each).  Returns the record: ``done``
+    [(path, what)], ``failed``."""
     rec = resume or dict(plan_to_json(plan, content.put_bytes), created=time.time_ns(),
                          status="running", unreverts=unreverts, ws=ws)
     rec["status"] = "running"
@@ -118,8 +119,11 @@ def carry_out(ws: str, sd: str, plan: Plan, content, *, unreverts: str | None = 
             c.request("revert_begin", id=plan.id)
             try:
                 delay = float(os.environ.get("OVERLAYREC_TEST_REVERT_DELAY", "0"))
-                for s in order([s for s in plan.steps if not s.conflict], root_fd):
+                steps = order([s for s in plan.steps if not s.conflict], root_fd)
+                for s in steps:
                     done.append((s.path, apply_step(root_fd, s, made)))
+                    if progress is not None:
+                        progress(len(done), len(steps))
                     if delay:  # tests interrupt a revert half way
                         time.sleep(delay)
             finally:

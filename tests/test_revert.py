@@ -460,3 +460,26 @@ def test_a_file_still_being_written_says_so(make_mount, tmp_path):
         ("b.txt", "unrecorded", "still being written: a descriptor is open on it"), step
     [step] = json.loads(out["closed"])["steps"]
     assert step["path"] == "b.txt" and step.get("conflict") is None, step
+
+
+def test_a_long_revert_shows_its_progress_on_a_terminal(make_mount, tmp_path):
+    """A revert of thousands of paths takes seconds: on a terminal it says how far it has
+    got, on one line it wipes at the end; piped, it says nothing more."""
+    import shutil
+    if shutil.which("script") is None:
+        import pytest
+        pytest.skip("needs script(1) for a terminal")
+    m = setup_ws(make_mount, tmp_path, {f"f{i}": b"x\n" for i in range(3)})
+    m.mount()
+    run_call(m, tmp_path, "for f in f0 f1 f2; do echo y >> $f; done")
+    env = dict(os.environ, OVERLAYREC_TEST_REVERT_DELAY="0.5")  # 1.5 s in all
+    cmd = f"{sys.executable} -m overlayrec revert {m.ws} --call c1 --yes"
+    r = subprocess.run(["script", "-qec", cmd, "/dev/null"], capture_output=True, env=env,
+                       timeout=60)
+    out = r.stdout.decode()  # bytes: text mode would read each \r as a line's end
+    assert r.returncode == 0, out
+    line = "overlayrec: reverting 3/3"
+    assert f"\r{line}\r{' ' * len(line)}\r" in out, repr(out)
+    assert out.rstrip().endswith("reverted 3 path(s) as revert " + out.split()[-1]), repr(out)
+    piped = overlayrec("unrevert", m.ws, "--yes", env=env)
+    assert "reverting" not in piped.stdout + piped.stderr
