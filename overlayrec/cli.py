@@ -463,6 +463,10 @@ def umount(workspace, timeout):
     if not mounted:
         if pid:
             os.kill(pid, signal.SIGTERM)
+        outer = state.overlayrec_mount_containing(ws)
+        if outer is not None:  # run in a subdirectory: say which mount holds it
+            raise Fail(f"{ws} is not mounted itself: it is in the workspace {outer} "
+                       f"(overlayrec umount {outer})")
         raise Fail(f"{ws} is not mounted")
     killed = False
     if pid:

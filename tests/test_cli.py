@@ -246,6 +246,10 @@ def test_a_subdirectory_reads_and_records_its_workspace(make_mount, tmp_path):
     assert r.returncode != 0 and r.stderr.strip() == (
         f"overlayrec: error: {src} is inside the overlayrec mount {m.ws}, which records it "
         "already"), r.stderr
+    r = overlayrec("umount", ".", cwd=src, check=False)
+    assert r.returncode == 1 and r.stderr.strip() == (
+        f"overlayrec: error: {src} is not mounted itself: it is in the workspace {m.ws} "
+        f"(overlayrec umount {m.ws})"), r.stderr
     for mounted in (True, False):
         if not mounted:
             m.umount()
