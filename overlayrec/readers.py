@@ -382,15 +382,28 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
     a, b = store.trees(side.before, side.after)
     if as_json:  # it names the trees: kept while the object store that holds them is there
         tree.reads.note_abs(os.path.join(state.StateDir(sd).git, "objects"))
+        # git's -z forms: each path as it is (the plain ones C-quote a name with a newline,
+        # a tab, a quote or a backslash, and write a rename as "a => b")
         status = {}
-        for line in store.diff(a, b, "name-status").splitlines():
-            fields = line.split("\t")
-            status[fields[-1]] = {"status": fields[0],
-                                  "from": fields[1] if len(fields) > 2 else None}
+        fields = store.diff(a, b, "name-status-z").split("\0")
+        i = 0
+        while i + 1 < len(fields):
+            code = fields[i]
+            if code[:1] in ("R", "C"):
+                status[fields[i + 2]] = {"status": code, "from": fields[i + 1]}
+                i += 3
+            else:
+                status[fields[i + 1]] = {"status": code, "from": None}
+                i += 2
         nums = {}
-        for line in store.diff(a, b, "numstat").splitlines():
-            add, dele, p = line.split("\t", 2)
-            p = p.split(" => ")[-1].rstrip("}") if " => " in p else p
+        fields = store.diff(a, b, "numstat-z").split("\0")
+        i = 0
+        while i < len(fields) and fields[i]:
+            add, dele, p = fields[i].split("\t", 2)
+            if p == "":  # a rename: its two paths follow
+                p, i = fields[i + 2], i + 3
+            else:
+                i += 1
             nums[p] = (None if add == "-" else int(add), None if dele == "-" else int(dele))
         files = [{"path": p, **st, "added": nums.get(p, (None, None))[0],
                   "deleted": nums.get(p, (None, None))[1],

@@ -298,6 +298,10 @@ def test_names_with_control_characters_stay_on_their_line(make_mount, tmp_path):
         f"event {seq}: create {names[0]}"
     for out in (calls, "\n".join(log), preview):
         assert "\x1b" not in out
+    # --json carries names as they are (it carried git's quoted form)
+    js = json.loads(overlayrec("diff", "--call", "c1", "--json", cwd=m.ws).stdout)
+    assert [(f["path"], f["status"], f["added"]) for f in js["files"]] == \
+        [("\x1b[31mred", "A", 1), ("new\nline", "A", 1)], js["files"]
 
 
 @needs_fuse

@@ -244,8 +244,10 @@ class ObjectStore:
               binary: bool) -> str:
         args = ["diff-tree", "-r", "-M" if self._renames_apply(a, b, paths) else "--no-renames",
                 "--no-commit-id", "--root"]
+        # the -z forms: paths as they are (not C-quoted), for --json
         args += {"patch": ["-p"], "stat": ["--stat"], "numstat": ["--numstat"],
-                 "name-status": ["--name-status"]}[fmt]
+                 "name-status": ["--name-status"], "numstat-z": ["--numstat", "-z"],
+                 "name-status-z": ["--name-status", "-z"]}[fmt]
         if binary and fmt == "patch":
             args.append("--binary")
         args += [a, b]
