@@ -94,9 +94,10 @@ def plan_for(j, states, live, selection: dict, glob: str | None, content,
 
 
 def conflict_summary(plan: Plan) -> str:
+    from .views import shown  # one line, whatever the names hold
     kinds: dict[str, list[str]] = {}
     for s in plan.conflicts:
-        kinds.setdefault(s.conflict, []).append(s.path)
+        kinds.setdefault(s.conflict, []).append(shown(s.path))
     return "; ".join(f"{k}: {', '.join(v)}" for k, v in sorted(kinds.items()))
 
 
