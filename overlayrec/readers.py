@@ -285,7 +285,8 @@ def call_lines(pairs: list[tuple[dict, dict]], churn: bool, as_json: bool) -> Pa
         else:
             paths, n, n_git = f["paths"], f["files"], f["git_changes"]
         # (%s formats as str() does)
-        out.append(line % (c["session"], c["turn"] or "-", one_line(c["id"]), one_line(c["tool"]), n,
+        out.append(line % (c["session"], c["turn"] or "-", one_line(c["id"]),
+                           one_line(c["tool"]), n,
                            one_line(c["summary"] or ""),
                            one_line(", ".join(f["processes"][:4]))))
         own = paths[:n]
