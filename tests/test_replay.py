@@ -207,10 +207,13 @@ def test_replay_refuses_a_directory_inside_the_workspace(make_mount, tmp_path):
     def names():
         return sorted(n for n in os.listdir(m.ws) if n != ".overlayrec-attic")
     before = names()
+    into = tmp_path / "into"  # a symlink to the workspace: the way there does not matter
+    os.symlink(m.ws, into)
     for mounted in (True, False):
         if not mounted:
             m.umount()
-        for dest in (os.path.join(m.ws, "then"), os.path.join(m.ws, "sub", "then")):
+        for dest in (os.path.join(m.ws, "then"), os.path.join(m.ws, "sub", "then"),
+                     os.path.join(str(into), "then")):
             r = overlayrec("replay", m.ws, "--at", "1", "--to", dest, check=False)
             assert r.returncode == 1 and r.stderr.strip() == (
                 f"overlayrec: error: {dest} is inside the workspace {m.ws}: replay writes a new "

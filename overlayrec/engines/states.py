@@ -1060,14 +1060,19 @@ class States:
 
     def _run_at(self, path: str, after: int) -> dict | None:
         """The write that began the run ``path`` was in at ``after``: its last write event
-        at or before it, unless an epoch began (or another name's run was aliased) since."""
+        at or before it, or, when that is an ``alias`` (the file's other name the kernel
+        named the write by: a hard link), the run of that name the alias came with; None when
+        an epoch with no run in it began since."""
         for e in reversed(self.events_on(path)):
             if e["seq"] > after:
                 continue
             if e["op"] == "write" and "data" not in e:
                 return e
-            if e["op"] == "alias" or self.starts_epoch(e, path):
-                return None  # another name's run, or an epoch with no run in it
+            if e["op"] == "alias":
+                run = self._alias_run(e)
+                return run if run is not None and "data" not in run else None
+            if self.starts_epoch(e, path):
+                return None  # an epoch with no run in it
         return None
 
     def still_writing(self, path: str, after: int) -> bool:
