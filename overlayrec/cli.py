@@ -1140,7 +1140,9 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
     sock = os.path.join(sd, "control.sock")
     _set_subreaper()
     try:
-        c = client.Client(sock)
+        # a session of its own, also when run inside another one (an agent may start one):
+        # not the OVERLAYREC_SESSION it inherited
+        c = client.Client(sock, session="")
         sid = c.session_begin(session=name, runner=True, command=list(cmd))["session"]
     except client.ClientError as e:
         if mounted_here:

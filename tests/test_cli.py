@@ -362,3 +362,31 @@ def test_an_inverted_range_is_refused(mounted):
     r = overlayrec("diff", mounted.ws, "--since", "5", "--until", "2", check=False)
     assert (r.returncode, r.stdout, r.stderr) == (
         1, "", "overlayrec: error: --until 2 is before --since 5: nothing between\n")
+
+
+@needs_fuse
+def test_a_run_inside_a_session_begins_a_session_of_its_own(make_mount, tmp_path):
+    """`overlayrec run` started by an agent's call (a sub-agent, a script that wraps its work):
+    it begins a session of its own, which holds what its command wrote, and the call holds
+    the rest.  Found by hand: it took the session it inherited (OVERLAYREC_SESSION) as the new
+    one's name and failed, "session ... already exists", so the call's command failed."""
+    m = make_mount().mount()
+    agent = tmp_path / "agent.py"
+    agent.write_text(textwrap.dedent(r'''
+        import subprocess, sys
+        from overlayrec import client
+        with client.connect() as c:
+            c.call_begin("c1", "Bash")
+            subprocess.run([sys.executable, "-m", "overlayrec", "run", "--", "sh", "-c",
+                            "echo in > inner.txt"], check=True)
+            with open("outer.txt", "w") as f:
+                f.write("out\n")
+            c.call_end("c1")
+    '''))
+    overlayrec("run", "--session", "outer", "--", sys.executable, str(agent), cwd=m.ws)
+    assert overlayrec("diff", m.ws, "--call", "c1", "--name-status").stdout == "A\touter.txt\n"
+    begun = [json.loads(line)["session"] for line in
+             overlayrec("log", m.ws, "--op", "session_begin", "--json").stdout.splitlines()]
+    assert len(begun) == 2 and begun[0] == "outer", begun
+    assert overlayrec("diff", m.ws, "--session", begun[1], "--name-status").stdout == \
+        "A\tinner.txt\n"
