@@ -7,6 +7,7 @@ unexpected exception is one line too (OVERLAYREC_DEBUG=1 adds its traceback).
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fnmatch
 import gc as cycle_gc  # ``gc`` is a command here
@@ -1568,14 +1569,17 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
     from .engines.diff import SelectionError
     from .engines.states import States, Tree
     from .journal import ContentStore
-    mounted_here = False
     if state.is_dead_mount(ws):
         raise Fail(f"{ws} holds a dead mount; clear it with: overlayrec umount {ws}")
-    if not state.fuse_mount_at(ws):
-        _spawn_daemon(ws, sd)
-        mounted_here = True
-    content = ContentStore(state.StateDir(sd).content)
-    try:
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(reverts.one_at_a_time(sd))
+        except reverts.RevertError as e:
+            raise Fail(str(e)) from None
+        if not state.fuse_mount_at(ws):
+            _spawn_daemon(ws, sd)
+            held.callback(_stop_daemon, ws)  # once the revert is done
+        content = ContentStore(state.StateDir(sd).content)
         j = Journal(sd, readonly=True)
         under = _tree_for(ws, sd)
         live = Tree.at(ws)  # through the mount: what every process sees
@@ -1635,9 +1639,6 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
             os.close(under.root_fd)
             os.close(live.root_fd)
             j.close()
-    finally:
-        if mounted_here:
-            _stop_daemon(ws)
 
 
 @main.command()

@@ -11,6 +11,7 @@ asks; nothing here prints.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -33,6 +34,27 @@ def save(sd: str, rec: dict) -> None:
     state.private_dir(state.StateDir(sd).reverts)
     state.write_private(state.StateDir(sd).revert_plan(rec["id"]), json.dumps(rec).encode(),
                         durable=True)
+
+
+@contextlib.contextmanager
+def one_at_a_time(sd: str):
+    """Hold the state dir's revert lock from a revert's plan to its end: a second revert of
+    the workspace planned meanwhile would check the paths against a tree the first is
+    changing (its conflicts found before the first wrote, its writes after), so it is refused
+    (RevertError) until the first is done."""
+    import fcntl
+    state.private_dir(state.StateDir(sd).reverts)
+    fd = os.open(state.StateDir(sd).revert_lock,
+                 os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RevertError("another revert or unrevert of this workspace is under way: "
+                              "try again once it is done") from None
+        yield
+    finally:
+        os.close(fd)  # lets the lock go
 
 
 def pending(sd: str) -> dict | None:

@@ -68,6 +68,11 @@ class StateDir:
         """Saved revert plans, <revert id>.json: written before a revert's first change."""
         return os.path.join(self.path, "reverts")
 
+    @property
+    def revert_lock(self) -> str:
+        """Held (flock) by the one revert or unrevert under way, from its plan to its end."""
+        return os.path.join(self.reverts, "lock")
+
     def revert_plan(self, revert_id: str) -> str:
         return os.path.join(self.reverts, revert_id + ".json")
 

@@ -483,3 +483,36 @@ def test_a_long_revert_shows_its_progress_on_a_terminal(make_mount, tmp_path):
     assert out.rstrip().endswith("reverted 3 path(s) as revert " + out.split()[-1]), repr(out)
     piped = overlayrec("unrevert", m.ws, "--yes", env=env)
     assert "reverting" not in piped.stdout + piped.stderr
+
+
+def test_a_second_revert_while_one_is_under_way_is_refused(make_mount, tmp_path):
+    """A revert plans against the live tree and then writes: a second one planned while the
+    first is writing would check its paths against a tree about to change.  It is refused
+    with one line until the first is done; then it runs."""
+    m = setup_ws(make_mount, tmp_path, {f"f{i}": b"v\n" for i in range(4)})
+    (tmp_path / "calln.py").write_text(CALL_N)
+    m.mount()
+    for cid in ("c1", "c2"):
+        overlayrec("run", "-w", m.ws, "--session", cid, "--", sys.executable,
+                   str(tmp_path / "calln.py"), cid, f"for f in f0 f1 f2 f3; do echo {cid} >> $f; "
+                   "done", cwd=m.ws)
+    env = dict(os.environ, OVERLAYREC_TEST_REVERT_DELAY="0.5")
+    first = subprocess.Popen([sys.executable, "-m", "overlayrec", "revert", m.ws, "--call",
+                              "c2", "--yes"], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not any(open(os.path.join(m.ws, f)).read() == "v\nc1\n" for f in
+                      ("f0", "f1", "f2", "f3")):  # the first is writing
+            assert time.monotonic() < deadline and first.poll() is None
+            time.sleep(0.05)
+        r = overlayrec("revert", m.ws, "--call", "c2", "--yes", check=False)
+        assert (r.returncode, r.stderr.strip()) == (
+            1, "overlayrec: error: another revert or unrevert of this workspace is under way: "
+               "try again once it is done"), r.stderr
+    finally:
+        assert first.wait(timeout=60) == 0
+    assert "reverted 4 path(s)" in first.stdout.read()
+    for f in ("f0", "f1", "f2", "f3"):
+        assert open(os.path.join(m.ws, f)).read() == "v\nc1\n"
+    overlayrec("unrevert", m.ws, "--yes")  # the lock was let go
+    assert open(os.path.join(m.ws, "f0")).read() == "v\nc1\nc2\n"
