@@ -228,8 +228,8 @@ def turn_lines(rows: list[dict], churn: bool, as_json: bool) -> Parts:
             continue
         paths = fold(r, touched=churn)
         prompt = one_line((r["prompt"] or "").splitlines()[0][:50]) if r["prompt"] else ""
-        shared = f"  [shared with {', '.join(r['others'])}]" if r["others"] else ""
-        out.append(f"{r['session']:<14.14} {r['index']:>3} {fmt_time(r['begin_t'])} "
+        shared = f"  [shared with {one_line(', '.join(r['others']))}]" if r["others"] else ""
+        out.append(f"{one_line(r['session']):<14.14} {r['index']:>3} {fmt_time(r['begin_t'])} "
                    f"{r['touched_files' if churn else 'files']:>4} files  {paths:<40}  "
                    f"{prompt}{shared}")
     return text_of_lines(out)
@@ -285,7 +285,7 @@ def call_lines(pairs: list[tuple[dict, dict]], churn: bool, as_json: bool) -> Pa
         else:
             paths, n, n_git = f["paths"], f["files"], f["git_changes"]
         # (%s formats as str() does)
-        out.append(line % (c["session"], c["turn"] or "-", one_line(c["id"]),
+        out.append(line % (one_line(c["session"]), c["turn"] or "-", one_line(c["id"]),
                            one_line(c["tool"]), n,
                            one_line(c["summary"] or ""),
                            one_line(", ".join(f["processes"][:4]))))
