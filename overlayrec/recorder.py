@@ -209,7 +209,9 @@ class Names:
     def __len__(self) -> int:
         return len(self._by_key)
 
-    def get(self, key, default=()):
+    def get(self, key, default=frozenset()):
+        """The names of inode ``key`` (a set; ``default``, empty, for an inode with none
+        known: a set too, so that callers may subtract from it)."""
         return self._by_key.get(key, default)
 
     def values(self):
@@ -1212,7 +1214,7 @@ class Recorder:
         if not self.names or self.nlink(st) < 2:
             return
         key = (st.st_dev, st.st_ino)
-        for other in sorted(self.names.get(key, ()) - {path}):
+        for other in sorted(self.names.get(key, frozenset()) - {path}):
             try:
                 ost = self._lstat(other)
             except OSError:

@@ -716,3 +716,26 @@ def test_log_filters_and_follow(make_mount):
     finally:
         f.terminate()
         f.wait(timeout=10)
+
+
+@needs_fuse
+def test_a_write_through_a_link_made_before_the_mount_succeeds(make_mount):
+    """A file with two names made before the mount, written through one the mount has not
+    matched with the other, while the daemon knows some other linked file: the write must
+    land.  It failed with EIO: the recorder took the inode's names as a set where it had none
+    (``Names.get`` gave an empty tuple)."""
+    m = make_mount()
+    for d in ("a", "b"):  # nothing lists them: the mount never reaches a/w.txt
+        os.mkdir(os.path.join(m.ws, d))
+    with open(os.path.join(m.ws, "a", "w.txt"), "w") as f:
+        f.write("orig\n")
+    os.link(os.path.join(m.ws, "a", "w.txt"), os.path.join(m.ws, "b", "second.txt"))
+    with open(os.path.join(m.ws, "x.txt"), "w") as f:
+        f.write("x\n")
+    m.mount()
+    m.sh("ln x.txt y.txt")  # a linked inode the daemon knows
+    m.sh("echo more >> b/second.txt")
+    m.umount()
+    assert open(os.path.join(m.ws, "a", "w.txt")).read() == "orig\nmore\n"
+    log = open(os.path.join(m.state, "daemon.log"), errors="replace").read()
+    assert "Traceback" not in log, log[-2000:]
