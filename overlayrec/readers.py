@@ -355,10 +355,12 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
     side = drift_side(states, glob) if drift else \
         select(j, states, call=call_id, turn=turn_sel, session=sid, since=since,
                until=until, glob=glob)
+    from .views import shown
     moved_on = sorted(p for p, s in side.after.items() if s.drifted)
     if moved_on:
         parts.err(f"overlayrec: {len(moved_on)} path(s) here changed later outside the record "
-                  f"(drift: {', '.join(moved_on[:3])}{' ...' if len(moved_on) > 3 else ''}); "
+                  f"(drift: {', '.join(map(shown, moved_on[:3]))}"
+                  f"{' ...' if len(moved_on) > 3 else ''}); "
                   "`overlayrec diff --drift` shows how")
     every = changed(side)
     withheld = sorted(p for p in every
@@ -366,7 +368,12 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
                       or side.after.get(p, tree_absent).withheld)
     if withheld and not as_json:  # the patch shows a placeholder line for each
         parts.err(f"overlayrec: {len(withheld)} secret path(s) changed, content not kept: "
-                  f"{', '.join(withheld[:5])}{' ...' if len(withheld) > 5 else ''}")
+                  f"{', '.join(map(shown, withheld[:5]))}{' ...' if len(withheld) > 5 else ''}")
+    unseen = unseen_links(side, every)
+    if unseen and not as_json:
+        parts.err(f"overlayrec: {len(unseen)} file(s) changed in place have other names the "
+                  f"record never saw (hard links made outside the mount), changed there too: "
+                  f"{', '.join(map(shown, unseen[:5]))}{' ...' if len(unseen) > 5 else ''}")
     store = ObjectStore(sd)
     # git holds no .git/ path: they are left out, and said so (left_out_lines)
     left_out = [p for p in every if git_refuses(p)]
@@ -419,6 +426,7 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
                               "git_left_out": len(left_out), "git_left_out_paths": left_out,
                               "not_in_patch": [{"path": p, "change": what}
                                                for p, what in unshown],
+                              "unseen_links": unseen,
                               "git_warnings": store.warnings}) + "\n")
     else:
         for unit, paths in groups:
@@ -430,6 +438,24 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
         parts.err(unshown_line(unshown))
     for line in left_out_lines(len(left_out), store):
         parts.err(line)
+
+
+def unseen_links(side, paths: list[str]) -> list[str]:
+    """The ``paths`` whose file was changed in place (the same inode before and after) while
+    it had more names than the record saw change with it: the names of a hard link made
+    outside the mount, which the daemon learns only once it has reached the inode by each
+    (docs/design.md, "Known limits").  Their change is in no patch, and the diff says so."""
+    from .engines.states import ABSENT
+    out = []
+    for p in paths:
+        b, a = side.before.get(p, ABSENT), side.after.get(p, ABSENT)
+        if b.kind != "file" or a.kind != "file" or b.nlink < 2 or not b.ino or \
+                a.ino != b.ino or b.data == a.data:
+            continue
+        seen = sum(1 for q in paths if side.before.get(q, ABSENT).ino == b.ino)
+        if seen < b.nlink:
+            out.append(p)
+    return out
 
 
 def _git_entry(s) -> tuple | None:

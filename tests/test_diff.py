@@ -429,3 +429,41 @@ def test_a_calls_reads_once_done_hold_for_other_shapes(make_mount, tmp_path):
     steps = {st["path"]: st["conflict"] for st in json.loads(r.stdout)["steps"]}
     assert steps[deep + "/long.txt"] == "changed", steps
     assert "unrecorded" not in steps.values(), steps
+
+
+def test_a_change_to_a_file_with_names_the_record_never_saw_says_so(make_mount, tmp_path):
+    """A hard link made before the mount is unknown to it until it has reached the inode by
+    both names (docs/design.md, "Known limits"): a write through one name is journaled on that
+    name only, and the other, which changed too, is in no patch.  The diff says so, on stderr
+    and in --json (``unseen_links``), rather than leave it out without a word; a link the
+    mount saw made is not named."""
+    m = make_mount()
+    for d in ("a", "b"):  # directories nothing lists: the mount never reaches a/w.txt
+        os.mkdir(os.path.join(m.ws, d))
+    with open(os.path.join(m.ws, "a", "w.txt"), "w") as f:
+        f.write("orig\n")
+    os.link(os.path.join(m.ws, "a", "w.txt"), os.path.join(m.ws, "b", "second.txt"))
+    with open(os.path.join(m.ws, "x.txt"), "w") as f:
+        f.write("x\n")
+    m.mount()
+    m.sh("ln x.txt y.txt")  # seen made
+    agent = tmp_path / "agent.py"
+    agent.write_text(textwrap.dedent(r'''
+        from overlayrec import client
+        with client.connect() as c:
+            c.call_begin("w", "Write")
+            for name in ("b/second.txt", "y.txt"):
+                with open(name, "a") as f:
+                    f.write("more\n")
+            c.call_end("w")
+    '''))
+    overlayrec("run", "-w", m.ws, "--", sys.executable, str(agent), cwd=m.ws)
+    r = overlayrec("diff", m.ws, "--call", "w", "--name-status")
+    assert r.stdout == "M\tb/second.txt\nM\tx.txt\nM\ty.txt\n", r.stdout
+    assert r.stderr.splitlines() == [
+        "overlayrec: 1 file(s) changed in place have other names the record never saw (hard "
+        "links made outside the mount), changed there too: b/second.txt"], r.stderr
+    js = json.loads(overlayrec("diff", m.ws, "--call", "w", "--json").stdout)
+    assert js["unseen_links"] == ["b/second.txt"], js
+    m.umount()
+    assert open(os.path.join(m.ws, "a", "w.txt")).read() == "orig\nmore\n"  # changed there
