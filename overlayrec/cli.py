@@ -357,6 +357,8 @@ def _mount_state_dir(ws: str, state_dir: str | None) -> str:
     state dir than the one holding the record says so."""
     known = state.find_state_dir(ws)
     if not state_dir:
+        if not os.path.exists(os.path.join(known, "journal", "data.mdb")):
+            _refuse_a_moved_record(ws)
         return known
     if os.path.exists(os.path.join(known, "journal", "data.mdb")) and \
             os.path.realpath(state_dir) != os.path.realpath(known):
@@ -364,6 +366,32 @@ def _mount_state_dir(ws: str, state_dir: str | None) -> str:
                    f"records into {state_dir}, and the readers read that one from now on",
                    err=True)
     return state_dir
+
+
+def _refuse_a_moved_record(ws: str) -> None:
+    """A workspace with no record under its name whose attic belongs to a record made under
+    another name that is gone: the workspace was moved (renamed).  A new record begun here would
+    leave that one, and the pre-images its attic holds, named by nothing; so the mount asks
+    which is meant."""
+    from .recorder import ATTIC_NAME, attic_record
+    note = attic_record(os.path.join(ws, ATTIC_NAME))
+    if note is None:
+        return
+    sd = note["state_dir"]
+    try:
+        state.check_state_dir_private(sd)
+        j = Journal(sd, readonly=True)
+    except (StateError, JournalError, OSError):
+        return  # no record there any more (removed, or not the user's): nothing to go on with
+    try:
+        old = j.meta("workspace")
+        same = j.meta("journal_id") == note["journal_id"]
+    finally:
+        j.close()
+    if same and old and old != ws and not os.path.lexists(old):
+        raise Fail(f"{ws} holds the attic of the record made when it was {old} (moved since): "
+                   f"mount with --state-dir {sd} to go on with that record, or remove "
+                   f"{os.path.join(ws, ATTIC_NAME)} (its pre-images) to begin a new one")
 
 
 def _refuse_nested(ws: str) -> None:

@@ -242,6 +242,17 @@ async def _keep_budget(control: ControlServer) -> None:
             log.exception("keeping the budget failed")
 
 
+def moved_here(journal: Journal, recorded: str, ws: str) -> bool:
+    """Is ``ws`` the workspace ``journal`` recorded at ``recorded``, moved since?  The old path
+    is gone, and the attic ``ws`` holds (which moves with it) notes this journal's id
+    (``Recorder.ATTIC_RECORD``).  A copy is not: its old path is still there."""
+    from .recorder import ATTIC_NAME, attic_record
+    if os.path.lexists(recorded):
+        return False
+    note = attic_record(os.path.join(ws, ATTIC_NAME))
+    return note is not None and note["journal_id"] == journal.meta("journal_id")
+
+
 def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool, record_data: bool = False,
             secret: tuple = (), no_default_secrets: bool = False):
     """Everything up to and including the mount; raises MountError with a one-line reason."""
@@ -255,7 +266,16 @@ def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool, record_da
         raise MountError(str(e)) from None
     recorded = journal.meta("workspace")
     if recorded and recorded != ws:
-        raise MountError(f"state dir {state_dir} records workspace {recorded}, not {ws}")
+        if not moved_here(journal, recorded, ws):
+            journal.close()
+            raise MountError(f"state dir {state_dir} records workspace {recorded}, not {ws}")
+        # the workspace was moved (renamed) since: the record goes on under its new name
+        try:
+            journal.put_meta("workspace", ws)
+        except JournalError as e:
+            journal.close()
+            raise MountError(str(e)) from None
+        log.info("the workspace recorded at %s was moved to %s: its record goes on", recorded, ws)
     global _writer_lock  # held while mounted: no gc writes the journal behind us
     try:
         if _writer_lock is None:  # an unmounted gc finishes first (docs/retention.md)

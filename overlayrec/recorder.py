@@ -68,9 +68,31 @@ ATTIC_OWN = {
 RECLAIM_HEADROOM = 32 << 20
 
 
+# the attic's note of the record it belongs to: {"journal_id", "state_dir"} (JSON), so that a
+# workspace moved elsewhere can be matched with its record again (daemon.prepare)
+ATTIC_RECORD = "RECORD"
+
+
+def attic_record(attic_dir: str) -> dict | None:
+    """The ATTIC_RECORD note of the attic at ``attic_dir``; None when there is none (an attic
+    of an older overlayrec) or it cannot be read as one."""
+    import json
+    try:
+        fd = os.open(os.path.join(attic_dir, ATTIC_RECORD),
+                     os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        with open(fd, "rb") as f:
+            note = json.loads(f.read(4096))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(note, dict) or not isinstance(note.get("journal_id"), str) or \
+            not isinstance(note.get("state_dir"), str):
+        return None
+    return note
+
+
 def is_attic_entry(name: str) -> bool:
     """Is ``name`` (in the attic) a kept inode, not one of the attic's own files?"""
-    return name not in ATTIC_OWN and not name.startswith(".")
+    return name not in ATTIC_OWN and name != ATTIC_RECORD and not name.startswith(".")
 
 
 def unit_fields(unit: str) -> dict:
@@ -383,18 +405,22 @@ class Recorder:
         if not stat.S_ISDIR(os.fstat(fd).st_mode):
             os.close(fd)
             raise OSError(errno.ENOTDIR, f"{ATTIC_NAME} in the workspace is not a directory")
+        import json
+        note = json.dumps({"journal_id": jid,
+                           "state_dir": os.path.realpath(self.journal.state_dir)}).encode()
         try:
-            self._ignore_attic(fd)
+            self._ignore_attic(fd, {ATTIC_RECORD: note})
         except OSError as e:  # a full workspace must not keep it from mounting: next time
             log.warning("cannot make %s ignored by git and backup tools: %s", ATTIC_NAME, e)
         return fd
 
     @staticmethod
-    def _ignore_attic(fd: int) -> None:
+    def _ignore_attic(fd: int, more: dict[str, bytes] | None = None) -> None:
         """Make the attic (``fd``) self-ignoring: its ``.gitignore`` and ``CACHEDIR.TAG``
         (ATTIC_OWN), 0600, written whole by a rename when missing or not what they should be
-        (an attic made by an older overlayrec gets them at its next mount)."""
-        for name, data in ATTIC_OWN.items():
+        (an attic made by an older overlayrec gets them at its next mount), and ``more``
+        (the ATTIC_RECORD note) the same way."""
+        for name, data in {**ATTIC_OWN, **(more or {})}.items():
             try:
                 st = underlay.lstat_at(fd, name)
                 if stat.S_ISREG(st.st_mode) and st.st_size == len(data) and \

@@ -43,7 +43,9 @@ def check_own_files(ws: str) -> None:
         assert b"\n*\n" in b"\n" + f.read()
     with open(os.path.join(d, "CACHEDIR.TAG"), "rb") as f:
         assert f.read().startswith(SIGNATURE)  # the spec: the tag's first 43 bytes
-    for n in (".gitignore", "CACHEDIR.TAG"):
+    with open(os.path.join(d, "RECORD"), "rb") as f:  # whose record it is (a moved workspace)
+        assert set(json.loads(f.read())) == {"journal_id", "state_dir"}
+    for n in (".gitignore", "CACHEDIR.TAG", "RECORD"):
         st = os.lstat(os.path.join(d, n))
         assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600, n
 
@@ -135,10 +137,10 @@ def test_the_attic_ignores_itself_and_its_own_files_are_no_entries(tmp_path, mon
         assert {n: (ws / ATTIC / n).read_bytes() for n in before} == before
         assert len(rec.attic_links) == 1
         assert sorted(os.listdir(ws / ATTIC)) == sorted([".gitignore", "CACHEDIR.TAG",
-                                                         rec.attic_prefix + "1"])
+                                                         "RECORD", rec.attic_prefix + "1"])
         # a reclaim never takes them either
         assert rec.reclaim("test") > 0
-        assert sorted(os.listdir(ws / ATTIC)) == [".gitignore", "CACHEDIR.TAG"]
+        assert sorted(os.listdir(ws / ATTIC)) == [".gitignore", "CACHEDIR.TAG", "RECORD"]
 
 
 @pytest.mark.timeout(int(30 * SLOW))

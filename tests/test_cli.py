@@ -390,3 +390,42 @@ def test_a_run_inside_a_session_begins_a_session_of_its_own(make_mount, tmp_path
     assert len(begun) == 2 and begun[0] == "outer", begun
     assert overlayrec("diff", m.ws, "--session", begun[1], "--name-status").stdout == \
         "A\tinner.txt\n"
+
+
+@needs_fuse
+def test_a_moved_workspace_goes_on_with_its_record(make_mount, tmp_path):
+    """A workspace renamed while unmounted keeps its attic (inside it) but not its name, which
+    the record was kept under.  Mounted under the new name it is not taken for a new workspace
+    (that would begin an empty record and leave the old one, and the pre-images its attic
+    holds, named by nothing): the mount says which state dir holds its record, and named,
+    that record goes on, its revert putting back what the attic kept.  A copy (its old name
+    still there) begins a record of its own.  Found by hand: the record could not be mounted
+    under the new name at all ("state dir ... records workspace ..., not ...")."""
+    env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "xdg"))
+    m = make_mount(env=env)
+    with open(os.path.join(m.ws, "big.bin"), "wb") as f:
+        f.write(os.urandom(400_000))  # past the small pre-images: kept by the attic
+    m.mount()
+    m.sh("rm big.bin && echo a > a.txt")
+    m.umount()
+    moved = os.path.join(m.base, "moved")
+    os.rename(m.ws, moved)
+    r = overlayrec("mount", moved, env=env, check=False)
+    assert r.returncode == 1 and "moved since" in r.stderr and \
+        f"--state-dir {m.state}" in r.stderr, r.stderr
+    assert not is_mounted(moved)
+    overlayrec("mount", moved, "--state-dir", m.state, env=env)
+    try:
+        overlayrec("revert", moved, "--since", "0", "--yes", env=env)
+        assert os.path.getsize(os.path.join(moved, "big.bin")) == 400_000
+        assert not os.path.exists(os.path.join(moved, "a.txt"))
+    finally:
+        overlayrec("umount", moved, env=env)
+    assert "unlink" in overlayrec("log", moved, env=env).stdout  # found under its new name
+    copy = os.path.join(m.base, "copy")
+    shutil.copytree(moved, copy, symlinks=True)
+    overlayrec("mount", copy, env=env)  # a copy: its own record
+    try:
+        assert overlayrec("log", copy, env=env).stdout == ""
+    finally:
+        overlayrec("umount", copy, env=env)
