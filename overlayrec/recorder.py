@@ -1124,12 +1124,15 @@ class Recorder:
                 if moved is not None and not stat.S_ISDIR(moved.st_mode) and \
                         self.nlink(moved) >= 2:
                     self._end_runs(moved, name)
-        ep.content_saved = ep.meta_saved = True
         # the moved inode's content is in no pre-image (a rename copies nothing): the next
-        # content change under the new name, even in this epoch, must save it first
-        ep2.meta_saved = True
-        ep2.content_saved = False
-        ep2.size0 = ep2.ranges = None
+        # content change under the new name, even in this epoch, must save it first.  An
+        # exchange moves the other inode to the old name too: the same there
+        for moved_to in (ep2, ep) if exchange else (ep2,):
+            moved_to.meta_saved = True
+            moved_to.content_saved = False
+            moved_to.size0 = moved_to.ranges = None
+        if not exchange:
+            ep.content_saved = ep.meta_saved = True
         if stat.S_ISDIR(st.st_mode) or (st2 is not None and stat.S_ISDIR(st2.st_mode)):
             self._move_beneath(path, path2, exchange)
 
