@@ -245,7 +245,7 @@ async def _keep_budget(control: ControlServer) -> None:
 def moved_here(journal: Journal, recorded: str, ws: str) -> bool:
     """Is ``ws`` the workspace ``journal`` recorded at ``recorded``, moved since?  The old path
     is gone, and the attic ``ws`` holds (which moves with it) notes this journal's id
-    (``Recorder.ATTIC_RECORD``).  A copy is not: its old path is still there."""
+    (``recorder.ATTIC_RECORD``).  A copy is not: its old path is still there."""
     from .recorder import ATTIC_NAME, attic_record
     if os.path.lexists(recorded):
         return False

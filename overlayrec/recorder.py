@@ -27,6 +27,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import functools
+import json
 import logging
 import os
 import stat
@@ -76,7 +77,6 @@ ATTIC_RECORD = "RECORD"
 def attic_record(attic_dir: str) -> dict | None:
     """The ATTIC_RECORD note of the attic at ``attic_dir``; None when there is none (an attic
     of an older overlayrec) or it cannot be read as one."""
-    import json
     try:
         fd = os.open(os.path.join(attic_dir, ATTIC_RECORD),
                      os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -405,7 +405,6 @@ class Recorder:
         if not stat.S_ISDIR(os.fstat(fd).st_mode):
             os.close(fd)
             raise OSError(errno.ENOTDIR, f"{ATTIC_NAME} in the workspace is not a directory")
-        import json
         note = json.dumps({"journal_id": jid,
                            "state_dir": os.path.realpath(self.journal.state_dir)}).encode()
         try:
