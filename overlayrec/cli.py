@@ -373,7 +373,7 @@ def _refuse_a_moved_record(ws: str) -> None:
     another name that is gone: the workspace was moved (renamed).  A new record begun here would
     leave that one, and the pre-images its attic holds, named by nothing; so the mount asks
     which is meant."""
-    from .recorder import ATTIC_NAME, attic_record
+    from .recorder import ATTIC_NAME, attic_record, moved_here
     note = attic_record(os.path.join(ws, ATTIC_NAME))
     if note is None:
         return
@@ -385,10 +385,10 @@ def _refuse_a_moved_record(ws: str) -> None:
         return  # no record there any more (removed, or not the user's): nothing to go on with
     try:
         old = j.meta("workspace")
-        same = j.meta("journal_id") == note["journal_id"]
+        moved = moved_here(j, old, ws)
     finally:
         j.close()
-    if same and old and old != ws and not os.path.lexists(old):
+    if moved:
         raise Fail(f"{ws} holds the attic of the record made when it was {old} (moved since): "
                    f"mount with --state-dir {sd} to go on with that record, or remove "
                    f"{os.path.join(ws, ATTIC_NAME)} (its pre-images) to begin a new one")

@@ -28,7 +28,7 @@ from .calls import Calls
 from .control import ControlServer
 from .fs import Operations
 from .journal import Journal, JournalError
-from .recorder import Recorder, UnrecordedRecorder, time_mutations
+from .recorder import Recorder, UnrecordedRecorder, moved_here, time_mutations
 from . import retention, secrets, serving, state
 
 log = logging.getLogger("overlayrec")
@@ -240,17 +240,6 @@ async def _keep_budget(control: ControlServer) -> None:
                             out["over_budget"])
         except Exception:  # the budget must not take the mount down: looked at again later
             log.exception("keeping the budget failed")
-
-
-def moved_here(journal: Journal, recorded: str, ws: str) -> bool:
-    """Is ``ws`` the workspace ``journal`` recorded at ``recorded``, moved since?  The old path
-    is gone, and the attic ``ws`` holds (which moves with it) notes this journal's id
-    (``recorder.ATTIC_RECORD``).  A copy is not: its old path is still there."""
-    from .recorder import ATTIC_NAME, attic_record
-    if os.path.lexists(recorded):
-        return False
-    note = attic_record(os.path.join(ws, ATTIC_NAME))
-    return note is not None and note["journal_id"] == journal.meta("journal_id")
 
 
 def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool, record_data: bool = False,

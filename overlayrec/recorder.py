@@ -90,6 +90,16 @@ def attic_record(attic_dir: str) -> dict | None:
     return note
 
 
+def moved_here(journal: Journal, recorded: str, ws: str) -> bool:
+    """Is ``ws`` the workspace ``journal`` recorded at ``recorded``, moved since?  The old path
+    is gone, and the attic ``ws`` holds (which moves with it) notes this journal's id
+    (ATTIC_RECORD).  A copy is not: its old path is still there."""
+    if not recorded or recorded == ws or os.path.lexists(recorded):
+        return False
+    note = attic_record(os.path.join(ws, ATTIC_NAME))
+    return note is not None and note["journal_id"] == journal.meta("journal_id")
+
+
 def is_attic_entry(name: str) -> bool:
     """Is ``name`` (in the attic) a kept inode, not one of the attic's own files?"""
     return name not in ATTIC_OWN and name != ATTIC_RECORD and not name.startswith(".")

@@ -7,15 +7,16 @@ from .journal import Journal
 from .journal.schema import CONTROL_OPS, MARK_OPS
 
 
-_ESCAPES = {7: "a", 8: "b", 9: "t", 10: "n", 11: "v", 12: "f", 13: "r", 34: '"', 92: "\\"}
+# C's escapes as git writes them in a quoted path: byte -> the letter after the backslash
+C_ESCAPES = {7: "a", 8: "b", 9: "t", 10: "n", 11: "v", 12: "f", 13: "r", 34: '"', 92: "\\"}
 
 
 def _escaped(text: str, quotes: bool) -> str:
     out = []
     for ch in text:
         o = ord(ch)
-        if quotes and o in _ESCAPES or not quotes and o < 32 and o in _ESCAPES:
-            out.append("\\" + _ESCAPES[o])
+        if quotes and o in C_ESCAPES or not quotes and o < 32 and o in C_ESCAPES:
+            out.append("\\" + C_ESCAPES[o])
         elif ch.isprintable():
             out.append(ch)
         else:  # a control character, a bidi mark, or a byte that was not UTF-8

@@ -136,6 +136,22 @@ def tmpbase():
     shutil.rmtree(d, ignore_errors=True)
 
 
+def linked_before_mount(m: "Mount") -> "Mount":
+    """``m`` mounted over a/w.txt and b/second.txt, one file linked before the mount in two
+    directories nothing lists (so the mount never matches the names), and x.txt linked as y.txt
+    through the mount (a linked inode the daemon knows)."""
+    for d in ("a", "b"):
+        os.mkdir(os.path.join(m.ws, d))
+    with open(os.path.join(m.ws, "a", "w.txt"), "w") as f:
+        f.write("orig\n")
+    os.link(os.path.join(m.ws, "a", "w.txt"), os.path.join(m.ws, "b", "second.txt"))
+    with open(os.path.join(m.ws, "x.txt"), "w") as f:
+        f.write("x\n")
+    m.mount()
+    m.sh("ln x.txt y.txt")
+    return m
+
+
 @pytest.fixture
 def mounted(tmpbase):
     if not HAVE_FUSE:

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from conftest import needs_fuse, overlayrec
+from conftest import linked_before_mount, needs_fuse, overlayrec
 
 pytestmark = needs_fuse
 
@@ -437,16 +437,7 @@ def test_a_change_to_a_file_with_names_the_record_never_saw_says_so(make_mount, 
     name only, and the other, which changed too, is in no patch.  The diff says so, on stderr
     and in --json (``unseen_links``), rather than leave it out without a word; a link the
     mount saw made is not named."""
-    m = make_mount()
-    for d in ("a", "b"):  # directories nothing lists: the mount never reaches a/w.txt
-        os.mkdir(os.path.join(m.ws, d))
-    with open(os.path.join(m.ws, "a", "w.txt"), "w") as f:
-        f.write("orig\n")
-    os.link(os.path.join(m.ws, "a", "w.txt"), os.path.join(m.ws, "b", "second.txt"))
-    with open(os.path.join(m.ws, "x.txt"), "w") as f:
-        f.write("x\n")
-    m.mount()
-    m.sh("ln x.txt y.txt")  # seen made
+    m = linked_before_mount(make_mount())
     agent = tmp_path / "agent.py"
     agent.write_text(textwrap.dedent(r'''
         from overlayrec import client

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import SLOW, needs_fuse, needs_root, overlayrec
+from conftest import SLOW, linked_before_mount, needs_fuse, needs_root, overlayrec
 
 pytestmark = needs_fuse
 
@@ -724,16 +724,7 @@ def test_a_write_through_a_link_made_before_the_mount_succeeds(make_mount):
     matched with the other, while the daemon knows some other linked file: the write must
     land.  It failed with EIO: the recorder took the inode's names as a set where it had none
     (``Names.get`` gave an empty tuple)."""
-    m = make_mount()
-    for d in ("a", "b"):  # nothing lists them: the mount never reaches a/w.txt
-        os.mkdir(os.path.join(m.ws, d))
-    with open(os.path.join(m.ws, "a", "w.txt"), "w") as f:
-        f.write("orig\n")
-    os.link(os.path.join(m.ws, "a", "w.txt"), os.path.join(m.ws, "b", "second.txt"))
-    with open(os.path.join(m.ws, "x.txt"), "w") as f:
-        f.write("x\n")
-    m.mount()
-    m.sh("ln x.txt y.txt")  # a linked inode the daemon knows
+    m = linked_before_mount(make_mount())
     m.sh("echo more >> b/second.txt")
     m.umount()
     assert open(os.path.join(m.ws, "a", "w.txt")).read() == "orig\nmore\n"

@@ -271,11 +271,11 @@ class Exporter:
                    f"Overlayrec-Session: {sid}\nOverlayrec-Seq: ..{point}\n")
             t0 = points[0][3].get("begin_t") or 0
             # a root commit, whatever was there
-            self.fi.reset(self._refname(f"{ref_part(sid)}/head"))
+            self.fi.reset(self._refname(self._in(sid, "head")))
             st["head"] = self._commit(sid, st, _ident(f"agent (session {sid})",
                                                       "agent@overlayrec.invalid", t0), msg, t0)
             self._live_base = st["head"]
-            self._ref(f"{ref_part(sid)}/base", st["head"])
+            self._ref(self._in(sid, "base"), st["head"])
         for n, (seq, _, kind, rec) in enumerate(points):
             if kind == "call":
                 begin = rec.get("begin_seq") or seq
@@ -285,13 +285,13 @@ class Exporter:
                 self._advance(point, seq, paths)
                 st["head"] = self._commit(sid, st, *self._call_message(sid, rec, point, seq))
                 st["calls"][rec["id"]] = st["head"]
-                self._ref(f"{ref_part(sid)}/calls/{ref_part(rec['id'])}", st["head"])
+                self._ref(self._in(sid, f"calls/{ref_part(rec['id'])}"), st["head"])
             else:
                 if seq > point and self._changed(point, seq):
                     self._advance(point, seq, paths)
                 st["head"] = self._commit(sid, st, *self._turn_message(sid, rec, point, seq))
                 st["turns"][str(rec["index"])] = st["head"]
-                self._ref(f"{ref_part(sid)}/turns/{rec['index']}", st["head"])
+                self._ref(self._in(sid, f"turns/{rec['index']}"), st["head"])
             point = seq
             st["point"] = point
             if progress:
@@ -301,6 +301,12 @@ class Exporter:
 
     def _refname(self, name: str) -> str:
         return f"{self.prefix}/{name}"
+
+    @staticmethod
+    def _in(sid: str, tail: str) -> str:
+        """Ref ``tail`` (head, base, sides, calls/<id>, turns/<n>) of session ``sid``, the
+        session's name as one ref component (ref_part)."""
+        return f"{ref_part(sid)}/{tail}"
 
     # -- trees ----------------------------------------------------------------------------------
     def _fill_unrecorded(self, paths: list[str]) -> None:
@@ -434,8 +440,8 @@ class Exporter:
     # -- commits --------------------------------------------------------------------------------
     def _commit(self, sid, st, author: dict, message: str, t_ns: int) -> str:
         committer = _ident("overlayrec", "overlayrec@localhost", t_ns)
-        m = self.fi.commit(self._refname(f"{ref_part(sid)}/head"), author, committer, message, st["head"],
-                           self.pending)
+        m = self.fi.commit(self._refname(self._in(sid, "head")), author, committer, message,
+                           st["head"], self.pending)
         self.pending = []
         self.written += 1
         return m
@@ -581,8 +587,9 @@ class Exporter:
         msg = (f"session {sid}: the sides of its diffs\n\nOverlayrec-Session: {sid}\n"
                f"Overlayrec-Seq: ..{horizon}\n")
         if not st.get("sides"):
-            self.fi.reset(self._refname(f"{ref_part(sid)}/sides"))   # a root commit, whatever was there
-        st["sides"] = self.fi.commit(self._refname(f"{ref_part(sid)}/sides"), who, who, msg,
+            # a root commit, whatever was there
+            self.fi.reset(self._refname(self._in(sid, "sides")))
+        st["sides"] = self.fi.commit(self._refname(self._in(sid, "sides")), who, who, msg,
                                      st.get("sides"), changes)
 
 

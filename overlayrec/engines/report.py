@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 
 from ..journal import Journal
-from ..views import call_rows, command_name, git_refuses, unit_session
+from ..views import C_ESCAPES, call_rows, command_name, git_refuses, unit_session
 from .diff import changed, file_events, side_of, touched
 from .gitdiff import ObjectStore, left_out_note
 
@@ -254,7 +254,7 @@ def _cap(section: str) -> str:
 
 # -- git's output, cut per file --------------------------------------------------------------------
 
-_ESC = {"a": 7, "b": 8, "t": 9, "n": 10, "v": 11, "f": 12, "r": 13, '"': 34, "\\": 92}
+_ESC = {letter: byte for byte, letter in C_ESCAPES.items()}
 
 
 def _unquote(s: str) -> str:
@@ -285,11 +285,10 @@ def _quote(s: str) -> str:
     """What git prints for a path (see _unquote)."""
     if not any(ord(ch) < 32 or ch in '"\\' or ord(ch) == 127 for ch in s):
         return s
-    rev = {v: k for k, v in _ESC.items()}
     out = []
     for b in s.encode("utf-8", "surrogateescape"):
-        if b in rev:
-            out.append("\\" + rev[b])
+        if b in C_ESCAPES:
+            out.append("\\" + C_ESCAPES[b])
         elif b < 32 or b == 127:
             out.append(f"\\{b:03o}")
         else:
