@@ -429,3 +429,44 @@ def test_a_moved_workspace_goes_on_with_its_record(make_mount, tmp_path):
         assert overlayrec("log", copy, env=env).stdout == ""
     finally:
         overlayrec("umount", copy, env=env)
+
+
+@needs_fuse
+def test_a_moved_workspace_with_renames_deep_paths_and_an_edit_while_unmounted(make_mount,
+                                                                               tmp_path):
+    """The shapes beyond the first: the moved record holds a directory renamed with files
+    beneath and a path some 3,000 bytes deep, and a file was edited after the move while
+    unmounted.  Under the new name the edit is drift (a `changed` conflict, left alone by
+    --force), everything else goes back; readers run from the deep directory find the
+    workspace around them."""
+    env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "xdg"))
+    m = make_mount(env=env)
+    deep = "/".join(["d" * 250] * 12)
+    os.makedirs(os.path.join(m.ws, "box", "in"))
+    for name in ("box/in/f", "box/g", "top.txt"):
+        with open(os.path.join(m.ws, name), "w") as f:
+            f.write(f"{name}\n")
+    m.mount()
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", "bash", "-c",
+               f"mv box crate && echo more >> crate/in/f && mkdir -p {deep} && "
+               f"echo deep > {deep}/x && echo new > top.txt", cwd=m.ws, env=env)
+    m.umount()
+    moved = os.path.join(m.base, "moved")
+    os.rename(m.ws, moved)
+    with open(os.path.join(moved, "top.txt"), "a") as f:  # while unmounted, after the move
+        f.write("mine\n")
+    overlayrec("mount", moved, "--state-dir", m.state, env=env)
+    try:
+        here = os.path.join(moved, deep)
+        log = overlayrec("log", "--op", "rename", cwd=here, env=env).stdout
+        assert log.split()[-3:] == ["box", "->", "crate"], log
+        r = overlayrec("revert", "--session", "s", "--yes", cwd=here, env=env, check=False)
+        assert r.returncode == 1 and "changed: top.txt" in r.stderr, r.stderr
+        overlayrec("revert", moved, "--session", "s", "--yes", "--force", env=env)
+    finally:
+        overlayrec("umount", moved, env=env)
+    assert open(os.path.join(moved, "box", "in", "f")).read() == "box/in/f\n"
+    assert open(os.path.join(moved, "box", "g")).read() == "box/g\n"
+    assert not os.path.exists(os.path.join(moved, "crate"))
+    assert not os.path.exists(os.path.join(moved, "d" * 250))
+    assert open(os.path.join(moved, "top.txt")).read() == "new\nmine\n"  # the user's, kept
