@@ -636,7 +636,8 @@ class Operations(pyfuse3.Operations):
     def _io_flags(flags: int) -> int:
         flags &= ~_STRIP
         if flags & _ACCMODE == os.O_WRONLY:
-            # pre-images are read through the writer's own fd
+            # pre-images are read through the writer's own fd (the owner's write-only file
+            # too: underlay.reopen_own)
             flags = (flags & ~_ACCMODE) | os.O_RDWR
         return flags
 
@@ -659,7 +660,7 @@ class Operations(pyfuse3.Operations):
             # and truncate, so the pre-image is read before the data goes
             io_flags &= ~os.O_TRUNC
             ifd = self._fd(i)
-            fd = underlay.reopen(ifd, io_flags)
+            fd = underlay.reopen_own(ifd, io_flags)
             try:
                 self.recorder.truncate(ifd, 0, actor, open_fd=fd)
             except BaseException:
@@ -673,7 +674,7 @@ class Operations(pyfuse3.Operations):
             self.handles[info.fh].flags = io_flags
             return info
         else:
-            fd = underlay.reopen(self._fd(i), io_flags)
+            fd = underlay.reopen_own(self._fd(i), io_flags)
         return self._file_info(fd, i, actor if writing else None)
 
     def _handle_fd(self, h: "Handle") -> int:

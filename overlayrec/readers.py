@@ -350,7 +350,7 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
                 binary, glob, by_writer, as_json) -> None:
     from .engines.diff import select, changed, drift_side
     from .engines.gitdiff import ObjectStore, git_refuses
-    from .engines.states import States, ABSENT as tree_absent
+    from .engines.states import States, ABSENT as tree_absent, UNREADABLE_NOTE
     states = States(j, tree)
     side = drift_side(states, glob) if drift else \
         select(j, states, call=call_id, turn=turn_sel, session=sid, since=since,
@@ -369,6 +369,11 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
     if withheld and not as_json:  # the patch shows a placeholder line for each
         parts.err(f"overlayrec: {len(withheld)} secret path(s) changed, content not kept: "
                   f"{', '.join(map(shown, withheld[:5]))}{' ...' if len(withheld) > 5 else ''}")
+    unreadable = sorted(p for p in every if p in states.tree.unreadable)
+    if unreadable and not as_json:  # the patch shows a placeholder line for each
+        parts.err(f"overlayrec: {len(unreadable)} file(s) here {UNREADABLE_NOTE}, shown as a "
+                  f"placeholder: {', '.join(map(shown, unreadable[:5]))}"
+                  f"{' ...' if len(unreadable) > 5 else ''}")
     unseen = unseen_links(side, every)
     if unseen and not as_json:
         parts.err(f"overlayrec: {len(unseen)} file(s) changed in place have other names the "
@@ -422,7 +427,7 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
                               "inexact": sorted(p for p, s in
                                                 {**side.before, **side.after}.items()
                                                 if not s.exact),
-                              "withheld": withheld,
+                              "withheld": withheld, "unreadable": unreadable,
                               "git_left_out": len(left_out), "git_left_out_paths": left_out,
                               "not_in_patch": [{"path": p, "change": what}
                                                for p, what in unshown],

@@ -489,8 +489,7 @@ class Recorder:
             pre["blob"] = self.content.put_bytes(b"")
             return True
         try:
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                         dir_fd=dirfd)
+            fd = underlay.open_own(dirfd, name, os.O_RDONLY | os.O_NONBLOCK)
         except PermissionError:
             return False
         try:
@@ -499,17 +498,25 @@ class Recorder:
             os.close(fd)
         return True
 
+    def _beyond_attic(self, st: os.stat_result) -> bool:
+        """Can the attic not keep this inode as a pre-image?  Not one of another filesystem
+        mounted inside the workspace (``st_dev`` not the attic's: the kernel refuses a rename
+        or a link across filesystems, and the unlink or rename would fail); nor a file its
+        owner, the daemon's user, may not read, which no reader run by that user could read
+        from the attic (underlay.reopen_own is the daemon's alone: it serves one request at a
+        time, a reader would race it).  Root reads it anyway; copying it costs little."""
+        return st.st_dev != self.attic_dev or (
+            st.st_uid == self._euid and stat.S_ISREG(st.st_mode) and
+            not st.st_mode & stat.S_IRUSR)
+
     def _copy_elsewhere(self, dirfd: int, name: str, st: os.stat_result, pre: dict) -> None:
-        """A file of another filesystem mounted inside the workspace (``st_dev`` not the
-        attic's), about to lose ``name``: the attic cannot keep it by a rename or a link (the
-        kernel refuses either across filesystems, and the unlink or rename would fail), so its
+        """A file about to lose ``name`` that the attic cannot keep (``_beyond_attic``): its
         content goes into the store now, whatever its size.  One the daemon may not read is
         marked ``unkept``: its state before is then never taken as exact."""
         if not stat.S_ISREG(st.st_mode):
             return
         try:
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                         dir_fd=dirfd)
+            fd = underlay.open_own(dirfd, name, os.O_RDONLY | os.O_NONBLOCK)
         except PermissionError:
             pre["unkept"] = True
             return
@@ -579,8 +586,7 @@ class Recorder:
     def _copy_entry(self, name: str, size: int, mtime_ns: int) -> tuple[str | None, tuple]:
         """The blob of attic entry ``name`` (None when it is not the pre-image as kept)."""
         try:
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                         dir_fd=self.attic_fd)
+            fd = underlay.open_own(self.attic_fd, name, os.O_RDONLY | os.O_NONBLOCK)
         except OSError:
             return None, ()
         try:
@@ -903,7 +909,13 @@ class Recorder:
             # O_CREAT|O_TRUNC on an existing file destroys its content: save it first
             ev["pre"] = self._content_pre(parent_fd, name, ev["path"], ev["pre"])
         with self._mutation(ev, actor):
-            fd = os.open(name, flags | os.O_CREAT | os.O_CLOEXEC, mode, dir_fd=parent_fd)
+            try:
+                fd = os.open(name, flags | os.O_CREAT | os.O_CLOEXEC, mode, dir_fd=parent_fd)
+            except PermissionError:
+                if flags & os.O_EXCL:
+                    raise
+                # an existing file its owner may not read, opened read-write for the recorder
+                fd = underlay.open_own(parent_fd, name, flags & ~os.O_CREAT)
             try:
                 if ev.get("pre", {"kind": "absent"})["kind"] == "absent":
                     self._fix_owner(parent_fd, name, uid, gid, mode)
@@ -915,7 +927,7 @@ class Recorder:
     def _content_pre(self, parent_fd: int, name: str, path: str, pre: dict) -> dict:
         if pre["kind"] != "file" or self._withhold(path, pre) or pre["size"] == 0:
             return pre
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd)
+        fd = underlay.open_own(parent_fd, name, os.O_RDONLY)
         try:
             if pre["size"] <= self.whole_file_limit:
                 pre["blob"] = self._save_whole(fd, pre["size"])
@@ -1025,7 +1037,7 @@ class Recorder:
             ev["pre"] = pre
             with self._mutation(ev, actor):
                 os.unlink(name, dir_fd=parent_fd)  # a secret: no attic, no copy, really gone
-        elif st.st_dev != self.attic_dev:
+        elif self._beyond_attic(st):
             self._copy_elsewhere(parent_fd, name, st, pre)
             ev["pre"] = pre
             with self._mutation(ev, actor):
@@ -1096,7 +1108,7 @@ class Recorder:
         # deferral would (tools/bench, overlayrec-copynow: docs/bench.md, tenth pass)
         if st2 is not None and not flags & underlay.RENAME_EXCHANGE and not stat.S_ISDIR(st2.st_mode) \
                 and not (st.st_dev == st2.st_dev and st.st_ino == st2.st_ino) and not withheld2:
-            if st2.st_dev != self.attic_dev:
+            if self._beyond_attic(st2):
                 self._copy_elsewhere(npfd, nname, st2, pre2)
             elif not self._keep_small(npfd, nname, st2, pre2):
                 # the renamed-over inode survives by a hard link in the attic, taken before
@@ -1236,8 +1248,7 @@ class Recorder:
         if not stat.S_ISREG(st.st_mode) or self.nlink(st) < 2 or \
                 st.st_size > self.whole_file_limit:
             return
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                     dir_fd=dirfd)
+        fd = underlay.open_own(dirfd, name, os.O_RDONLY | os.O_NONBLOCK)
         try:
             pre["blob"] = self._save_whole(fd, st.st_size)
         finally:
@@ -1290,7 +1301,7 @@ class Recorder:
             if st.st_size == 0:
                 pre["blob"] = self.content.put_bytes(b"")
             else:
-                rfd = underlay.reopen(fd, os.O_RDONLY)
+                rfd = underlay.reopen_own(fd, os.O_RDONLY)
                 try:
                     pre["blob"] = self._save_whole(rfd, st.st_size)
                 finally:
@@ -1372,7 +1383,7 @@ class Recorder:
             path, unit, rfd = self.rel(fd), self.units.unit_of(actor), open_fd
         tmp = None
         if rfd is None or (os.O_ACCMODE & _fd_flags(rfd)) == os.O_WRONLY:
-            rfd = tmp = underlay.reopen(fd, os.O_RDONLY)
+            rfd = tmp = underlay.reopen_own(fd, os.O_RDONLY)
         try:
             ev = self._capture(path, rfd, unit, size, None)
             if ev is None:  # inside the path's epoch: its other names still change, unseen
@@ -1505,9 +1516,14 @@ class Recorder:
                 return pre  # no blob and no hash: a short secret's fast hash is brute-forced
             if pre["kind"] == "file" and pre["size"] <= self.whole_file_limit:
                 pre["ctime_ns"] = st.st_ctime_ns  # an edit that puts the mtime back moves it
-                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                             dir_fd=dfd)
+                fd = underlay.open_own(dfd, name, os.O_RDONLY | os.O_NONBLOCK)
                 try:
+                    if not st.st_mode & stat.S_IRUSR:
+                        # the read bit its owner may have granted itself for this read
+                        # (underlay.reopen_own) moved the ctime
+                        now = os.fstat(fd)
+                        if (now.st_size, now.st_mtime_ns) == (st.st_size, st.st_mtime_ns):
+                            pre["ctime_ns"] = now.st_ctime_ns
                     if keep:
                         pre["blob"] = pre["hash"] = self.content.put_range(fd, 0, pre["size"])
                     else:
@@ -1645,8 +1661,7 @@ class Recorder:
                 st = None
 
             def digest():
-                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                             dir_fd=dfd)
+                fd = underlay.open_own(dfd, name, os.O_RDONLY | os.O_NONBLOCK)
                 try:
                     return preimage.hash_fd(fd)
                 finally:

@@ -285,6 +285,52 @@ def reopen(fd: int, flags: int) -> int:
     return os.open(proc_path(fd), flags | os.O_CLOEXEC)
 
 
+def reopen_own(fd: int, flags: int) -> int:
+    """``reopen``, reading a regular file whose owner (this process) has no read permission
+    on it: a daemon not run as root must still read what a write or a removal is about to
+    destroy (its pre-image) where the owner may write (``chmod 200``).  The owner may grant
+    itself the read bit: it is set for the open and the mode put back at once (the mount
+    serves one request at a time, so nobody sees the mode between).  A file of another owner,
+    a set-group-ID file whose group the process is not in (a chmod would clear that bit), and
+    any other refusal: the PermissionError stands."""
+    try:
+        return reopen(fd, flags)
+    except PermissionError:
+        if flags & os.O_ACCMODE == os.O_WRONLY:
+            raise
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or \
+                st.st_mode & stat.S_IRUSR or \
+                (st.st_mode & stat.S_ISGID and st.st_gid not in _own_groups()):
+            raise
+    mode = stat.S_IMODE(st.st_mode)
+    try:
+        chmod_fd(fd, mode | stat.S_IRUSR)
+    except OSError:
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES)) from None
+    try:
+        return reopen(fd, flags)
+    finally:
+        chmod_fd(fd, mode)
+
+
+def open_own(dirfd: int, name: str, flags: int) -> int:
+    """``name`` in ``dirfd`` opened with ``flags`` (never following a final symlink), and
+    read as ``reopen_own`` does where the owner may not read it."""
+    try:
+        return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
+    except PermissionError:
+        pfd = open_path(dirfd, name)
+    try:
+        return reopen_own(pfd, flags & ~os.O_NOFOLLOW)  # the magic link is followed
+    finally:
+        os.close(pfd)
+
+
+def _own_groups() -> set[int]:
+    return {os.getegid(), *os.getgroups()}
+
+
 def open_dir(fd: int) -> int:
     return os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=fd)
 

@@ -31,7 +31,7 @@ from ..journal import Journal
 from ..secrets import PLACEHOLDER
 from ..underlay import O_PATH, Escape, resolve_beneath
 from .diff import SelectionError, file_events, touched, _find_turn, _visible
-from .states import ATTIC, INF, States, State, Tree
+from .states import ATTIC, INF, UNREADABLE_NOTE, States, State, Tree
 
 
 # why a path is unrecorded when a descriptor of the reverted changes is still writing it
@@ -157,11 +157,15 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
             else:
                 step.note = _attic_gone(j, states, p) or (
                     STILL_WRITING if not expected.exact and states.still_writing(p, last)
+                    else UNREADABLE_NOTE if p in states.tree.unreadable or p in live.unreadable
                     else None)
         elif any(first < s < last for s in others.get(p, [])):
             step.conflict = "interleaved"
         elif not expected.same(live.state(p)):
-            step.conflict = "changed"
+            if p not in live.unreadable:
+                step.conflict = "changed"
+            elif not expected.same(states.state(p, INF)):  # the seal vouches for it, or not
+                step.conflict, step.note = "unrecorded", UNREADABLE_NOTE
         plan.steps.append(step)
         if target.kind == "dir":
             # this plan puts a directory here first (order(): dirs first); if the directory

@@ -93,6 +93,9 @@ class State(_Fields):
 
 
 ABSENT = State("absent")
+# what a reader shows for a live file it may not read (Tree.unreadable)
+UNREADABLE_NOTE = "cannot be read: no read permission on it (chmod u+r, then ask again)"
+UNREADABLE = f"overlayrec: content unknown, the file {UNREADABLE_NOTE}\n".encode()
 
 
 def state_of_stat(st: os.stat_result, content) -> State:
@@ -133,6 +136,7 @@ class Tree:
         # mounted (a daemon serves it): a file in a write run changes with no event
         self.served = False
         self._ahead: dict[str, tuple[State, os.stat_result | None]] = {}  # read_ahead
+        self.unreadable: set[str] = set()  # files read as UNREADABLE placeholders
 
     def _note(self, rel: str, st: os.stat_result | None) -> None:
         if self.reads is not None:
@@ -192,6 +196,14 @@ class Tree:
             return state_of_stat(st, lambda: _read_at(dfd, name, st)), st
         except FileNotFoundError:  # gone between the lstat and the read: absent now
             return ABSENT, None
+        except PermissionError:
+            if not stat.S_ISREG(st.st_mode):
+                raise
+            # a file its owner may not read (chmod 200): neither may its reader, who is that
+            # owner.  Its kind, mode and owner are known, its content is not (the daemon, which
+            # may grant itself the read, has kept what it destroyed: underlay.reopen_own)
+            self.unreadable.add(rel)
+            return state_of_stat(st, lambda: UNREADABLE).but(exact=False), st
 
     def read_ahead(self, rels) -> None:
         """Read the state of each of ``rels`` now, a directory at a time, for state_stat to
@@ -844,6 +856,13 @@ class States:
         if pre.get("withheld"):  # the record ends withheld, whatever the live file holds
             st = self.sealed_state(pre)
             return st if preimage.matches(pre, lst) else st.but(drifted=True)
+        if path in self.tree.unreadable:
+            # its content cannot be read here: the seal says what it is while the file's
+            # stat is the seal's, ctime included (no write leaves that as it was)
+            st = self.sealed_state(pre)
+            if preimage.matches(pre, lst) and pre.get("ctime_ns") == lst.st_ctime_ns:
+                return st
+            return live if st.kind != live.kind else st.but(exact=False, drifted=True)
         if preimage.matches(pre, lst,
                             lambda: os.fsdecode(live.data),
                             lambda: preimage.content_hash(live.data)):
