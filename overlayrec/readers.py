@@ -334,6 +334,14 @@ def diff(workspace, call_id, turn_sel, sid, since, until, drift, fmt, binary, gl
     return parts
 
 
+def _grouped(notes: dict[str, str]) -> dict[str, list[str]]:
+    """Paths by their note, each group sorted."""
+    out: dict[str, list[str]] = {}
+    for p in sorted(notes):
+        out.setdefault(notes[p], []).append(p)
+    return out
+
+
 def diff_answer(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until, drift, fmt,
                 binary, glob, by_writer, as_json) -> None:
     """The diff command's answer, into ``parts``."""
@@ -350,7 +358,7 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
                 binary, glob, by_writer, as_json) -> None:
     from .engines.diff import select, changed, drift_side
     from .engines.gitdiff import ObjectStore, git_refuses
-    from .engines.states import States, ABSENT as tree_absent, UNREADABLE_NOTE
+    from .engines.states import States, ABSENT as tree_absent, UNLISTED_NOTE
     states = States(j, tree)
     side = drift_side(states, glob) if drift else \
         select(j, states, call=call_id, turn=turn_sel, session=sid, since=since,
@@ -369,11 +377,11 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
     if withheld and not as_json:  # the patch shows a placeholder line for each
         parts.err(f"overlayrec: {len(withheld)} secret path(s) changed, content not kept: "
                   f"{', '.join(map(shown, withheld[:5]))}{' ...' if len(withheld) > 5 else ''}")
-    unreadable = sorted(p for p in every if p in states.tree.unreadable)
-    if unreadable and not as_json:  # the patch shows a placeholder line for each
-        parts.err(f"overlayrec: {len(unreadable)} file(s) here {UNREADABLE_NOTE}, shown as a "
-                  f"placeholder: {', '.join(map(shown, unreadable[:5]))}"
-                  f"{' ...' if len(unreadable) > 5 else ''}")
+    unreadable = sorted(states.tree.unreadable)
+    for note, group in _grouped(states.tree.unreadable).items():
+        if not as_json:  # a file's content is shown as a placeholder
+            parts.err(f"overlayrec: {len(group)} path(s) here {note}: "
+                      f"{', '.join(map(shown, group[:5]))}{' ...' if len(group) > 5 else ''}")
     unseen = unseen_links(side, every)
     if unseen and not as_json:
         parts.err(f"overlayrec: {len(unseen)} file(s) changed in place have other names the "
@@ -385,7 +393,8 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
     # nor a fifo, a socket, a device, an empty directory, a directory's mode, a file's mode
     # bits but x, an owner: such changes are said too, or the patch would disagree with the
     # listings (which count them) without a word
-    unshown = not_in_patch(side, [p for p in every if not git_refuses(p)])
+    unshown = not_in_patch(side, [p for p in every if not git_refuses(p)],
+                           UNLISTED_NOTE in states.tree.unreadable.values())
     groups = [(None, sorted(side.before))]
     if by_writer:
         units = sorted({u for us in side.writers.values() for u in us})
@@ -473,10 +482,11 @@ def _git_entry(s) -> tuple | None:
     return None
 
 
-def not_in_patch(side, paths: list[str]) -> list[tuple[str, str]]:
+def not_in_patch(side, paths: list[str], unlisted: bool = False) -> list[tuple[str, str]]:
     """The changed ``paths`` of a Side (``engines.diff.changed``) whose change a git patch
     cannot show, each with a few words of what it was.  A directory made or removed with files
-    that the patch shows is shown by them (but for the mode of one made: git applies 0755)."""
+    that the patch shows is shown by them (but for the mode of one made: git applies 0755).
+    ``unlisted``: a directory here could not be listed, so none is called empty."""
     from .engines.states import ABSENT
     hidden, shown_under, partly = [], set(), {}
     for p in paths:
@@ -498,7 +508,7 @@ def not_in_patch(side, paths: list[str]) -> list[tuple[str, str]]:
                     if a.kind == "absent" else f"{b.kind} -> {a.kind}")
             if "dir" in (b.kind, a.kind) and "absent" in (b.kind, a.kind):
                 if p not in shown_under:
-                    what = "empty " + what.replace("dir", "directory")
+                    what = ("" if unlisted else "empty ") + what.replace("dir", "directory")
                 elif a.kind == "dir" and a.mode != 0o755:  # git apply makes it 0755 (umask 022)
                     what = f"directory made, mode {a.mode:04o}"
                 else:

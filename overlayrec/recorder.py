@@ -24,6 +24,7 @@ once more (``_roomy``).
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import functools
@@ -1505,11 +1506,38 @@ class Recorder:
     def _seal_pre(self, path: str, keep: bool = True) -> dict:
         """What ``path`` holds now, as a seal: metadata, a symlink's target, and a file's
         content hash (the content itself kept in the store when ``keep`` and it is small)."""
+        return self._in_parent(path, lambda dfd, name: self._seal_at(dfd, name, path, keep),
+                               lambda: dict(preimage.ABSENT))
+
+    def _in_parent(self, path: str, fn, absent):
+        """``fn(dfd, name)`` in ``path``'s directory, or ``absent()`` when its way is not there
+        (or leads through a symlink).  A directory on the way, or the parent, that its owner may
+        not search (``chmod 600 d``) is searched by its owner's leave
+        (``underlay.searchable_own``): a path beneath it is never taken for absent."""
         parent, _, name = path.rpartition("/")
         try:
             dfd = underlay.open_beneath(self.root_fd, parent) if parent else os.dup(self.root_fd)
+        except PermissionError:
+            dfd = None
         except OSError:
-            return dict(preimage.ABSENT)
+            return absent()
+        if dfd is not None:
+            try:
+                return fn(dfd, name)
+            except PermissionError:
+                pass
+            finally:
+                os.close(dfd)
+        with contextlib.ExitStack() as stack:
+            try:
+                dfd = stack.enter_context(underlay.searchable_own(self.root_fd, parent))
+            except PermissionError:
+                raise
+            except OSError:
+                return absent()
+            return fn(dfd, name)
+
+    def _seal_at(self, dfd: int, name: str, path: str, keep: bool) -> dict:
         try:
             pre, st = self._pre_at(dfd, name)
             if self._withhold(path, pre):
@@ -1533,8 +1561,6 @@ class Recorder:
             return pre
         except (FileNotFoundError, NotADirectoryError):
             return dict(preimage.ABSENT)
-        finally:
-            os.close(dfd)
 
     def seal(self, unit: str | None = None) -> int:
         """End the epochs of ``unit`` (of every unit: None) by journaling what each of their
@@ -1649,26 +1675,23 @@ class Recorder:
         self.journal.put_meta("sealed", "1")
 
     def _holds(self, path: str, seal: dict) -> bool:
-        parent, _, name = path.rpartition("/")
-        try:
-            dfd = underlay.open_beneath(self.root_fd, parent) if parent else os.dup(self.root_fd)
-        except OSError:
-            return seal["kind"] == "absent"
-        try:
-            try:
-                st = underlay.lstat_at(dfd, name)
-            except (FileNotFoundError, NotADirectoryError):
-                st = None
+        return self._in_parent(path, lambda dfd, name: self._holds_at(dfd, name, seal),
+                               lambda: seal["kind"] == "absent")
 
-            def digest():
-                fd = underlay.open_own(dfd, name, os.O_RDONLY | os.O_NONBLOCK)
-                try:
-                    return preimage.hash_fd(fd)
-                finally:
-                    os.close(fd)
-            return preimage.matches(seal, st, lambda: os.readlink(name, dir_fd=dfd), digest)
-        finally:
-            os.close(dfd)
+    @staticmethod
+    def _holds_at(dfd: int, name: str, seal: dict) -> bool:
+        try:
+            st = underlay.lstat_at(dfd, name)
+        except (FileNotFoundError, NotADirectoryError):
+            st = None
+
+        def digest():
+            fd = underlay.open_own(dfd, name, os.O_RDONLY | os.O_NONBLOCK)
+            try:
+                return preimage.hash_fd(fd)
+            finally:
+                os.close(fd)
+        return preimage.matches(seal, st, lambda: os.readlink(name, dir_fd=dfd), digest)
 
 
 UNMOUNTED_ACTOR = {"key": UNMOUNTED, "pid": 0, "start": 0, "ppid": 0, "uid": -1, "exe": "",

@@ -14,6 +14,7 @@ symlink, never climbing out.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -299,9 +300,7 @@ def reopen_own(fd: int, flags: int) -> int:
         if flags & os.O_ACCMODE == os.O_WRONLY:
             raise
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or \
-                st.st_mode & stat.S_IRUSR or \
-                (st.st_mode & stat.S_ISGID and st.st_gid not in _own_groups()):
+        if not stat.S_ISREG(st.st_mode) or not _may_grant(st, stat.S_IRUSR):
             raise
     mode = stat.S_IMODE(st.st_mode)
     try:
@@ -329,6 +328,46 @@ def open_own(dirfd: int, name: str, flags: int) -> int:
 
 def _own_groups() -> set[int]:
     return {os.getegid(), *os.getgroups()}
+
+
+def _may_grant(st: os.stat_result, bit: int) -> bool:
+    """May this process give itself ``bit`` on an object it lacks it on, by a chmod that
+    changes nothing else (its own, and not set-group-ID with a group it is not in)?"""
+    return st.st_uid == os.geteuid() and not st.st_mode & bit and \
+        not (st.st_mode & stat.S_ISGID and st.st_gid not in _own_groups())
+
+
+@contextlib.contextmanager
+def searchable_own(root_fd: int, relpath: str):
+    """An O_PATH fd of the directory ``relpath`` beneath ``root_fd`` (``resolve_beneath``),
+    reached and searchable where directories on the way, or it itself, are this process's own
+    without the search bit for their owner (``chmod 600 dir``): the bit is granted on each for
+    the time of the block and the modes put back after it, deepest first (as ``reopen_own``:
+    for the daemon, between two requests)."""
+    granted: list[tuple[int, int]] = []  # (O_PATH fd, mode to put back)
+
+    def grant(fd: int) -> None:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode) and _may_grant(st, stat.S_IXUSR):
+            chmod_fd(fd, stat.S_IMODE(st.st_mode) | stat.S_IXUSR)
+            granted.append((os.dup(fd), stat.S_IMODE(st.st_mode)))
+
+    fd = os.dup(root_fd)
+    try:
+        for part in [p for p in relpath.split("/") if p not in ("", ".")]:
+            grant(fd)
+            nfd = resolve_beneath(fd, part, O_PATH | os.O_DIRECTORY)
+            os.close(fd)
+            fd = nfd
+        grant(fd)
+        yield fd
+    finally:
+        os.close(fd)
+        for gfd, mode in reversed(granted):
+            try:
+                chmod_fd(gfd, mode)
+            finally:
+                os.close(gfd)
 
 
 def open_dir(fd: int) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -23,22 +24,22 @@ NOBODY = 65534
 AGENT = textwrap.dedent(r'''
     import subprocess
     from overlayrec import client
-    STEPS = [
-        "echo new > wo",
-        "printf 's\\n' > x && chmod 200 x",
-        "rm -f wo big",
-        "mv y wo2",
-        "truncate -s 1 wo3 && printf 'more\\n' >> wo4",
-    ]
     with client.connect() as c:
-        c.turn_begin(prompt="write-only files")
-        for i, step in enumerate(STEPS, 1):
+        c.turn_begin(prompt="unreadable files")
+        for i, step in enumerate(%r, 1):
             c.call_begin(f"c{i}", "Bash", summary=step)
             subprocess.run(["bash", "-c", step], check=True)
             c.call_end(f"c{i}")
         c.turn_end()
 ''')
 
+STEPS = [
+    "echo new > wo",
+    "printf 's\\n' > x && chmod 200 x",
+    "rm -f wo big",
+    "mv y wo2",
+    "truncate -s 1 wo3 && printf 'more\\n' >> wo4",
+]
 SEED = ("printf 'secret\\n' > wo && printf 'two\\n' > wo2 && printf 'three\\n' > wo3 && "
         "printf 'four\\n' > wo4 && head -c 300000 /dev/zero | tr '\\0' b > big && "
         "printf 'y\\n' > y && chmod 200 wo wo2 wo3 wo4 big")
@@ -53,12 +54,49 @@ OWNERS = {
 }
 
 
-def run_as(prefix, args, env, cwd=None, check=True):
-    r = subprocess.run([*prefix, *args], capture_output=True, text=True, env=env, cwd=cwd,
-                       timeout=90)
-    if check and r.returncode != 0:
-        raise AssertionError(f"{args} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
-    return r
+class Owner:
+    """A workspace, its state dir and its XDG state home, all the owner's, and every command
+    (overlayrec, the agent, the shell) run as that owner."""
+
+    def __init__(self, tmpbase: str, owner: str):
+        self.prefix, uid = OWNERS[owner]
+        # the daemon and the agent are started by an overlayrec process, not by setpriv
+        if self.run(["sh", "-c", 'exec "$0" -c 0', sys.executable], check=False).returncode:
+            pytest.skip(f"{sys.executable} cannot be run by uid {uid} (a directory on its way)")
+        self.base = os.path.join(tmpbase, "u")
+        self.ws, self.sd, xdg = (os.path.join(self.base, d) for d in ("ws", "sd", "xdg"))
+        for d in (self.base, self.ws, xdg):
+            os.mkdir(d)
+            os.chown(d, uid, uid)
+        self.env = dict(os.environ, XDG_STATE_HOME=xdg, HOME=self.base)
+
+    def run(self, args, cwd=None, check=True):
+        r = subprocess.run([*self.prefix, *args], capture_output=True, text=True,
+                           env=getattr(self, "env", None), cwd=cwd, timeout=90)
+        if check and r.returncode != 0:
+            raise AssertionError(f"{args} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
+        return r
+
+    def sh(self, script: str):
+        # entered by the owner: root may not enter another user's mount (no allow_other)
+        return self.run(["bash", "-c", f"cd {shlex.quote(self.ws)} && {script}"], cwd=self.base)
+
+    def ask(self, *args, check=True):
+        return self.run([sys.executable, "-m", "overlayrec", *args], cwd=self.base, check=check)
+
+    def agent(self, steps: list[str]) -> None:
+        """One session, a call for each step (every step must succeed, as natively)."""
+        self.run([sys.executable, "-m", "overlayrec", "run", "--state-dir", self.sd,
+                  "--session", "s", "--", sys.executable, "-c", AGENT % (steps,)], cwd=self.ws)
+
+    def umount(self) -> None:
+        if is_mounted(self.ws):
+            self.ask("umount", self.ws, check=False)
+        force_unmount(self.ws)
+
+    def daemon_log(self) -> str:
+        with open(os.path.join(self.sd, "daemon.log")) as f:
+            return f.read()
 
 
 def tree(ws: str) -> dict:
@@ -77,31 +115,12 @@ def tree(ws: str) -> dict:
 @needs_root
 @pytest.mark.parametrize("owner", sorted(OWNERS))
 def test_write_only_files_are_recorded_read_and_reverted_by_their_owners_daemon(tmpbase, owner):
-    prefix, uid = OWNERS[owner]
-    # the daemon and the agent are started by an overlayrec process, not by setpriv itself
-    if run_as(prefix, ["sh", "-c", 'exec "$0" -c 0', sys.executable], None,
-              check=False).returncode:
-        pytest.skip(f"{sys.executable} cannot be run by uid {uid} (a directory on its way)")
-    base = os.path.join(tmpbase, "u")
-    ws, sd, xdg = (os.path.join(base, d) for d in ("ws", "sd", "xdg"))
-    for d in (base, ws, xdg):
-        os.mkdir(d)
-        os.chown(d, uid, uid)
-    env = dict(os.environ, XDG_STATE_HOME=xdg, HOME=base)
-    ovr = [sys.executable, "-m", "overlayrec"]
-
-    def as_owner(args, env, cwd=None, check=True):
-        return run_as(prefix, args, env, cwd, check)
-
-    def ask(*args, check=True):
-        return as_owner([*ovr, *args], env, cwd=base, check=check)
-
-    as_owner(["bash", "-c", SEED], env, cwd=ws)
+    u = Owner(tmpbase, owner)
+    ws, sd, ask = u.ws, u.sd, u.ask
+    u.sh(SEED)
     before = tree(ws)
     try:
-        # every step succeeds through the mount, as it does natively (the agent checks)
-        as_owner([*ovr, "run", "--state-dir", sd, "--session", "s", "--",
-                   sys.executable, "-c", AGENT], env, cwd=ws)
+        u.agent(STEPS)
         after = tree(ws)
         assert after["x"] == ("0o100200", b"s\n") and "wo" not in after and "big" not in after
         assert after["wo2"] == ("0o100644", b"y\n")
@@ -130,7 +149,7 @@ def test_write_only_files_are_recorded_read_and_reverted_by_their_owners_daemon(
         assert tree(ws) == after
 
         # an edit while unmounted, to a file no reader may read: named, never guessed
-        as_owner(["bash", "-c", "printf 'other\\n' > x"], env, cwd=ws)
+        u.sh("printf 'other\\n' > x")
         r = ask("diff", ws, "--call", "c2")
         assert "+s" in r.stdout and "Traceback" not in r.stderr
         r = ask("diff", ws, "--drift", "--json")
@@ -142,9 +161,51 @@ def test_write_only_files_are_recorded_read_and_reverted_by_their_owners_daemon(
         assert "unrecorded: x" in lines[0] and "no read permission" in lines[0], lines
         ask("umount", ws)
         assert tree(ws)["x"] == ("0o100200", b"other\n")
-        with open(os.path.join(sd, "daemon.log")) as f:
-            assert "Traceback" not in f.read()
+        assert "Traceback" not in u.daemon_log()
     finally:
-        if is_mounted(ws):
-            as_owner([*ovr, "umount", ws], env, check=False)
-        force_unmount(ws)
+        u.umount()
+
+
+@needs_fuse
+@needs_root
+@pytest.mark.parametrize("owner", sorted(OWNERS))
+def test_directories_their_owner_may_not_search_or_list(tmpbase, owner):
+    """``chmod 600 d`` (no search) and ``chmod 000 d`` (no listing either) by a call: the daemon
+    seals what lies beneath (it took them for absent, or could not seal: an edit there while
+    unmounted was then the call's own), and a reader never takes what it cannot see for
+    absent or empty: it names the paths, and a revert refuses them until they can be seen."""
+    u = Owner(tmpbase, owner)
+    ws, ask = u.ws, u.ask
+    u.sh("mkdir d e && echo a > d/f && echo b > e/g")
+    try:
+        u.agent(["echo s > d/f && echo t > d/h && chmod 600 d", "mv e e2 && chmod 000 e2"])
+        assert "cannot seal" not in u.daemon_log()
+
+        d1 = ask("diff", ws, "--call", "c1").stdout
+        assert "-a\n+s" in d1 and "+t" in d1
+        r = ask("diff", ws, "--call", "c2", "--json")
+        got = json.loads(r.stdout)
+        assert got["unreadable"] == ["e2"]
+        assert "empty" not in json.dumps(got["not_in_patch"])
+
+        # an edit beneath the unsearchable directory while unmounted: drift, found at the mount
+        u.sh("chmod 700 d && echo evil > d/h && chmod 600 d")
+        ask("mount", ws, "--state-dir", u.sd)
+        assert " drift " in ask("log", ws).stdout
+
+        for call, note in (("c1", "cannot be reached"), ("c2", "cannot be listed")):
+            r = ask("revert", ws, "--call", call, "--yes", check=False)
+            lines = r.stderr.strip().splitlines()
+            assert r.returncode != 0 and len(lines) == 1 and note in lines[0], r.stderr
+
+        # once they can be seen: the user's edit is a conflict and stays, the rest goes back
+        u.sh("chmod 700 d e2")
+        ask("revert", ws, "--call", "c1", "--force", "--yes")
+        ask("revert", ws, "--call", "c2", "--force", "--yes")
+        ask("umount", ws)
+        for rel, want in (("d/f", b"a\n"), ("d/h", b"evil\n"), ("e/g", b"b\n")):
+            with open(os.path.join(ws, rel), "rb") as f:
+                assert f.read() == want, rel
+        assert "Traceback" not in u.daemon_log()
+    finally:
+        u.umount()

@@ -31,7 +31,7 @@ from ..journal import Journal
 from ..secrets import PLACEHOLDER
 from ..underlay import O_PATH, Escape, resolve_beneath
 from .diff import SelectionError, file_events, touched, _find_turn, _visible
-from .states import ATTIC, INF, UNREADABLE_NOTE, States, State, Tree
+from .states import ATTIC, INF, UNLISTED_NOTE, States, State, Tree
 
 
 # why a path is unrecorded when a descriptor of the reverted changes is still writing it
@@ -157,20 +157,32 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
             else:
                 step.note = _attic_gone(j, states, p) or (
                     STILL_WRITING if not expected.exact and states.still_writing(p, last)
-                    else UNREADABLE_NOTE if p in states.tree.unreadable or p in live.unreadable
-                    else None)
+                    else states.tree.unreadable.get(p) or live.unreadable.get(p))
         elif any(first < s < last for s in others.get(p, [])):
             step.conflict = "interleaved"
-        elif not expected.same(live.state(p)):
-            if p not in live.unreadable:
+        else:
+            now = live.state(p)
+            unknown = None if now.exact else live.unreadable.get(p)
+            if unknown:
+                # a live file this reader may not read is taken for what the record ends with
+                # only where the seal vouches for it (its stat unmoved); one it cannot even
+                # reach (a directory on its way), never
+                end = states.state(p, INF)
+                if now.kind != "file" or end.drifted or not expected.same(end):
+                    step.conflict, step.note = "unrecorded", unknown
+            elif not expected.same(now):
                 step.conflict = "changed"
-            elif not expected.same(states.state(p, INF)):  # the seal vouches for it, or not
-                step.conflict, step.note = "unrecorded", UNREADABLE_NOTE
         plan.steps.append(step)
         if target.kind == "dir":
             # this plan puts a directory here first (order(): dirs first); if the directory
             # has a conflict of its own the revert is refused there, not on what lies beneath
             made_dirs.add(p)
+    for step in plan.steps:
+        # a directory the plan moves, makes or removes whose entries could not be listed: what
+        # it holds is unknown, so the revert would not be the tree before
+        unlisted = states.tree.unreadable.get(step.path) or live.unreadable.get(step.path)
+        if unlisted == UNLISTED_NOTE and not step.conflict:
+            step.conflict, step.note = "unrecorded", unlisted
     _holding_others(plan, live)
     names: list[set[str]] = []
 

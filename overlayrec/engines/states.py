@@ -93,9 +93,13 @@ class State(_Fields):
 
 
 ABSENT = State("absent")
-# what a reader shows for a live file it may not read (Tree.unreadable)
+# what a reader says of a live path it may not read (Tree.unreadable), and shows for a file's
 UNREADABLE_NOTE = "cannot be read: no read permission on it (chmod u+r, then ask again)"
+UNREACHED_NOTE = "cannot be reached: a directory on its way may not be searched (chmod u+x)"
+UNLISTED_NOTE = "cannot be listed: no read permission on it (chmod u+r)"
 UNREADABLE = f"overlayrec: content unknown, the file {UNREADABLE_NOTE}\n".encode()
+# a path beneath a directory the reader may not search: what it holds is not known, not absent
+UNREACHED = State("absent", exact=False)
 
 
 def state_of_stat(st: os.stat_result, content) -> State:
@@ -136,7 +140,9 @@ class Tree:
         # mounted (a daemon serves it): a file in a write run changes with no event
         self.served = False
         self._ahead: dict[str, tuple[State, os.stat_result | None]] = {}  # read_ahead
-        self.unreadable: set[str] = set()  # files read as UNREADABLE placeholders
+        # live paths this reader may not read (chmod), and why: a file's content (UNREADABLE),
+        # a path beneath a directory it may not search (UNREACHED), a directory's entries
+        self.unreadable: dict[str, str] = {}
 
     def _note(self, rel: str, st: os.stat_result | None) -> None:
         if self.reads is not None:
@@ -173,6 +179,10 @@ class Tree:
             return state_of_stat(st, lambda: b""), st
         try:
             dfd, name = self._open_parent(rel)
+        except PermissionError:
+            self._note(rel, None)
+            self.unreadable[rel] = UNREACHED_NOTE
+            return UNREACHED, None
         except OSError:
             self._note(rel, None)
             return ABSENT, None
@@ -189,6 +199,9 @@ class Tree:
             st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
         except FileNotFoundError:
             return ABSENT, None
+        except PermissionError:  # its directory may not be searched
+            self.unreadable[rel] = UNREACHED_NOTE
+            return UNREACHED, None
         if stat.S_ISREG(st.st_mode) and self.secrets is not None and self.secrets.match(rel):
             return state_of_stat(st, lambda: placeholder(None)).but(exact=False,
                                                                     withheld=True), st
@@ -202,7 +215,7 @@ class Tree:
             # a file its owner may not read (chmod 200): neither may its reader, who is that
             # owner.  Its kind, mode and owner are known, its content is not (the daemon, which
             # may grant itself the read, has kept what it destroyed: underlay.reopen_own)
-            self.unreadable.add(rel)
+            self.unreadable[rel] = UNREADABLE_NOTE
             return state_of_stat(st, lambda: UNREADABLE).but(exact=False), st
 
     def read_ahead(self, rels) -> None:
@@ -239,11 +252,17 @@ class Tree:
             return os.fstat(self.root_fd)
         try:
             dfd, name = self._open_parent(rel)
+        except PermissionError:
+            self.unreadable[rel] = UNREACHED_NOTE
+            return None
         except OSError:
             return None
         try:
             return os.stat(name, dir_fd=dfd, follow_symlinks=False)
         except (FileNotFoundError, NotADirectoryError):
+            return None
+        except PermissionError:
+            self.unreadable[rel] = UNREACHED_NOTE
             return None
         finally:
             os.close(dfd)
@@ -269,7 +288,7 @@ class Tree:
                     try:
                         out[rel] = os.stat(rel.rpartition("/")[2], dir_fd=dfd,
                                            follow_symlinks=False)
-                    except (FileNotFoundError, NotADirectoryError):
+                    except (FileNotFoundError, NotADirectoryError, PermissionError):
                         out[rel] = None
             finally:
                 os.close(dfd)
@@ -289,6 +308,10 @@ class Tree:
         out: list[tuple[str, os.stat_result | None]] = []
         try:
             fd = self._open_dir(rel)
+        except PermissionError:
+            self.unreadable[rel] = UNLISTED_NOTE
+            self._note(rel, self._lstat(rel))
+            return out
         except OSError:  # not there, or not a directory (a symlink is not followed)
             self._note(rel, self._lstat(rel))
             return out
@@ -309,6 +332,9 @@ class Tree:
                         except OSError:
                             continue   # gone meanwhile
                         entries.append((e.name, stat.S_ISDIR(st.st_mode), st))
+            except PermissionError:
+                self.unreadable[base] = UNLISTED_NOTE
+                entries = []
             except OSError:
                 entries = []
             for name, is_dir, st in entries:
@@ -320,6 +346,8 @@ class Tree:
                     try:
                         stack.append((os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
                                               | os.O_CLOEXEC, dir_fd=fd), child))
+                    except PermissionError:
+                        self.unreadable[child] = UNLISTED_NOTE
                     except OSError:
                         pass
             os.close(fd)
@@ -857,12 +885,14 @@ class States:
             st = self.sealed_state(pre)
             return st if preimage.matches(pre, lst) else st.but(drifted=True)
         if path in self.tree.unreadable:
-            # its content cannot be read here: the seal says what it is while the file's
-            # stat is the seal's, ctime included (no write leaves that as it was)
+            # what it holds cannot be read here: the seal says what it is while its stat is
+            # the seal's, a file's ctime included (no write leaves that as it was); where it
+            # cannot be reached (UNREACHED), or its stat moved, the record ends at the seal
             st = self.sealed_state(pre)
-            if preimage.matches(pre, lst) and pre.get("ctime_ns") == lst.st_ctime_ns:
+            if lst is not None and preimage.matches(pre, lst) and \
+                    (pre["kind"] != "file" or pre.get("ctime_ns") == lst.st_ctime_ns):
                 return st
-            return live if st.kind != live.kind else st.but(exact=False, drifted=True)
+            return st.but(drifted=True)
         if preimage.matches(pre, lst,
                             lambda: os.fsdecode(live.data),
                             lambda: preimage.content_hash(live.data)):
@@ -895,7 +925,10 @@ class States:
         seal = self._governing_seal(path)
         if seal is None:
             return False
-        return not preimage.matches(seal["pre"], self.tree.lstat(path),
+        lst = self.tree.lstat(path)
+        if self.tree.unreadable.get(path) == UNREACHED_NOTE:
+            return False  # not known to differ (readers say which paths they could not reach)
+        return not preimage.matches(seal["pre"], lst,
                                     lambda: os.fsdecode(self.tree.state(path).data),
                                     lambda: preimage.content_hash(self.tree.state(path).data))
 
