@@ -209,3 +209,40 @@ def test_directories_their_owner_may_not_search_or_list(tmpbase, owner):
         assert "Traceback" not in u.daemon_log()
     finally:
         u.umount()
+
+
+@needs_fuse
+@needs_root
+@pytest.mark.parametrize("owner", sorted(OWNERS))
+def test_a_file_of_another_owner_that_none_may_read(tmpbase, owner):
+    """Left by another user (a container's root, say) with mode 0600 where the owner may
+    remove and rename it: recorded (the attic keeps it, by a rename), and every reader answers,
+    naming the one file whose content no reader may see; a revert refuses to guess it."""
+    u = Owner(tmpbase, owner)
+    other = 0 if OWNERS[owner][1] else NOBODY
+    u.sh("mkdir sub && echo mine > mine")
+    for rel in ("theirs", "sub/theirs2"):
+        with open(os.path.join(u.ws, rel), "w") as f:
+            f.write("not yours\n")
+        os.chmod(os.path.join(u.ws, rel), 0o600)
+        os.chown(os.path.join(u.ws, rel), other, other)
+    try:
+        u.agent(["rm -f theirs && echo more >> mine", "mv sub/theirs2 sub/moved"])
+        assert len(u.ask("calls", u.ws, "--json").stdout.splitlines()) == 2
+        r = u.ask("diff", u.ws, "--call", "c1")
+        assert "+more" in r.stdout and "Traceback" not in r.stderr
+        assert f"cannot be read: no read permission on it (owned by uid {other}): theirs" \
+            in r.stderr
+        r = u.ask("diff", u.ws, "--call", "c2", "--json")
+        assert json.loads(r.stdout)["unreadable"] == ["sub/moved"]
+        u.ask("mount", u.ws, "--state-dir", u.sd)
+        r = u.ask("revert", u.ws, "--call", "c1", "--yes", check=False)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode != 0 and len(lines) == 1 and "unrecorded: theirs" in lines[0]
+        u.ask("revert", u.ws, "--call", "c1", "--force", "--yes")
+        u.ask("umount", u.ws)
+        with open(os.path.join(u.ws, "mine")) as f:
+            assert f.read() == "mine\n"
+        assert "Traceback" not in u.daemon_log()
+    finally:
+        u.umount()

@@ -97,7 +97,8 @@ ABSENT = State("absent")
 UNREADABLE_NOTE = "cannot be read: no read permission on it (chmod u+r, then ask again)"
 UNREACHED_NOTE = "cannot be reached: a directory on its way may not be searched (chmod u+x)"
 UNLISTED_NOTE = "cannot be listed: no read permission on it (chmod u+r)"
-UNREADABLE = f"overlayrec: content unknown, the file {UNREADABLE_NOTE}\n".encode()
+UNREADABLE_OTHERS = "cannot be read: no read permission on it (owned by uid %d)"
+UNREADABLE = b"overlayrec: content unknown, the file cannot be read here\n"
 # a path beneath a directory the reader may not search: what it holds is not known, not absent
 UNREACHED = State("absent", exact=False)
 
@@ -215,7 +216,8 @@ class Tree:
             # a file its owner may not read (chmod 200): neither may its reader, who is that
             # owner.  Its kind, mode and owner are known, its content is not (the daemon, which
             # may grant itself the read, has kept what it destroyed: underlay.reopen_own)
-            self.unreadable[rel] = UNREADABLE_NOTE
+            self.unreadable[rel] = UNREADABLE_NOTE if st.st_uid == os.geteuid() else \
+                UNREADABLE_OTHERS % st.st_uid
             return state_of_stat(st, lambda: UNREADABLE).but(exact=False), st
 
     def read_ahead(self, rels) -> None:
@@ -1231,7 +1233,10 @@ class States:
                 (e["op"] == "rename" and e.get("path") == path):
             # as the entry was just after the event: a write through a descriptor still open
             # on the file lands on the entry later, an event of its own on the attic's path
-            kept = self.state(f"{ATTIC}/{pre['attic']}", e["seq"])
+            entry = f"{ATTIC}/{pre['attic']}"
+            kept = self.state(entry, e["seq"])
+            if entry in self.tree.unreadable:  # said of the path it stands for
+                self.tree.unreadable.setdefault(path, self.tree.unreadable.pop(entry))
             data = kept.data if kept.kind in ("file", "symlink") else None
             if data is not None:
                 s = State("file", mode, data, kept.exact, **facts(pre))
