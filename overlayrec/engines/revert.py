@@ -465,76 +465,105 @@ def apply_step(root_fd: int, step: Step, made: dict | None = None) -> str:
         # out a saved plan): never followed; the revert stops there and stays pending
         raise Escape(e.errno, f"escape: {e.strerror}", step.path) from None
     try:
-        if isinstance(step, DirMode):
-            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-            if not stat.S_ISDIR(st.st_mode):
-                return FAILED + "not a directory any more: mode not set"
-            problem = set_meta(dfd, name, t)
-            return FAILED + problem if problem else "dir mode"
-        if not t.present:
-            try:
-                _remove(dfd, name)
-            except OSError as e:
-                if e.errno == 39:  # ENOTEMPTY: unrecorded files live in it; keep it
-                    return "kept (not empty)"
-                raise
-            return "removed"
-        if t.kind == "dir":
-            try:
-                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-                if not stat.S_ISDIR(st.st_mode):
-                    _remove(dfd, name)
-                    raise FileNotFoundError
-            except FileNotFoundError:
-                os.mkdir(name, 0o700, dir_fd=dfd)
-            # a mode that would stop the directory being filled comes last (a DirMode step)
-            problem = set_meta(dfd, name, t, t.mode | 0o700 if _blocks(t.mode) else t.mode)
-            return FAILED + problem if problem else "dir"
-        first = _holder(made, t)
-        if t.kind == "file" and link_key(t) and t.nlink > 1 and step.in_place:
-            # only a target that was itself linked then shares its inode: writing into an
-            # inode linked since would change names the revert does not own
-            done = _write_in_place(dfd, name, t)
-            if done is not None:
-                if first is None and made is not None:
-                    made.setdefault(link_key(t), []).append((step.path, t.ino, t))
-                return done
-        tmp = temp_name(name, f"overlayrec-revert-{os.getpid()}")
-        _remove(dfd, tmp)
-        if first is not None and _link_to(root_fd, first, dfd, tmp):
-            _replace(dfd, tmp, name)
-            return f"restored (hard link to {first[0]})"
-        problem = None
-        if t.kind == "symlink":
-            os.symlink(os.fsdecode(t.data), tmp, dir_fd=dfd)
-        elif t.kind == "file":
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         0o600, dir_fd=dfd)
-            try:
-                view = memoryview(t.data)
-                while view:
-                    view = view[os.write(fd, view):]
-            finally:
-                os.close(fd)
-        elif t.kind in ("fifo", "socket", "device"):
-            try:
-                make_node(dfd, tmp, t)
-            except OSError as e:
-                return FAILED + f"cannot make a {t.kind} here ({os.strerror(e.errno)})"
-        else:
-            return FAILED + f"cannot make a {t.kind}"
-        try:
-            problem = set_meta(dfd, tmp, t, carried=_carry_xattrs(dfd, name, tmp, t))
-        except BaseException:
-            _remove(dfd, tmp)
-            raise
-        _replace(dfd, tmp, name)
-        if made is not None and link_key(t) and first is None:
-            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-            made.setdefault(link_key(t), []).append((step.path, st.st_ino, t))
-        return FAILED + "restored, but " + problem if problem else "restored"
+        return _apply_in(root_fd, dfd, name, step, made)
+    except PermissionError as e:
+        # the revert writes as its user, through the mount: a directory left read-only (a
+        # call's chmod 555 the selection does not undo) stops it; it stays pending
+        mode = stat.S_IMODE(os.fstat(dfd).st_mode)
+        why = f"its directory has mode {mode:04o}; make it writable" if _blocks(mode) else \
+            "make it writable"
+        raise PermissionError(e.errno, f"cannot be written ({os.strerror(e.errno)}): {why}, "
+                              "then `overlayrec revert --continue`, or `overlayrec unrevert`",
+                              step.path) from None
     finally:
         os.close(dfd)
+
+
+def _apply_in(root_fd: int, dfd: int, name: str, step: Step, made: dict | None) -> str:
+    """apply_step in ``step.path``'s directory ``dfd``, where it is ``name``."""
+    t = step.target
+    if isinstance(step, DirMode):
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        if not stat.S_ISDIR(st.st_mode):
+            return FAILED + "not a directory any more: mode not set"
+        problem = set_meta(dfd, name, t)
+        return FAILED + problem if problem else "dir mode"
+    if not t.present:
+        try:
+            _remove(dfd, name)
+        except OSError as e:
+            if e.errno == 39:  # ENOTEMPTY: unrecorded files live in it; keep it
+                return "kept (not empty)"
+            raise
+        return "removed"
+    if t.kind == "dir":
+        try:
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            if not stat.S_ISDIR(st.st_mode):
+                _remove(dfd, name)
+                raise FileNotFoundError
+        except FileNotFoundError:
+            os.mkdir(name, 0o700, dir_fd=dfd)
+        # a mode that would stop the directory being filled comes last (a DirMode step)
+        problem = set_meta(dfd, name, t, t.mode | 0o700 if _blocks(t.mode) else t.mode)
+        return FAILED + problem if problem else "dir"
+    first = _holder(made, t)
+    if t.kind == "file" and link_key(t) and t.nlink > 1 and step.in_place:
+        # only a target that was itself linked then shares its inode: writing into an
+        # inode linked since would change names the revert does not own
+        done = _write_in_place(dfd, name, t)
+        if done is not None:
+            if first is None and made is not None:
+                made.setdefault(link_key(t), []).append((step.path, t.ino, t))
+            return done
+    if first is None and t.kind == "file" and step.expected.kind == "file" and \
+            step.expected.data == t.data:
+        done = _meta_in_place(dfd, name, t)
+        if done is not None:
+            if made is not None and link_key(t):
+                made.setdefault(link_key(t), []).append(
+                    (step.path, os.stat(name, dir_fd=dfd, follow_symlinks=False).st_ino, t))
+            return done
+    tmp = temp_name(name, f"overlayrec-revert-{os.getpid()}")
+    _remove(dfd, tmp)
+    if first is not None and _link_to(root_fd, first, dfd, tmp):
+        _replace(dfd, tmp, name)
+        return f"restored (hard link to {first[0]})"
+    problem = None
+    if t.kind == "symlink":
+        os.symlink(os.fsdecode(t.data), tmp, dir_fd=dfd)
+    elif t.kind == "file":
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW |
+                         os.O_CLOEXEC, 0o600, dir_fd=dfd)
+        except PermissionError:
+            done = _overwrite(dfd, name, t)
+            if done is None:
+                raise
+            return done
+        try:
+            view = memoryview(t.data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+    elif t.kind in ("fifo", "socket", "device"):
+        try:
+            make_node(dfd, tmp, t)
+        except OSError as e:
+            return FAILED + f"cannot make a {t.kind} here ({os.strerror(e.errno)})"
+    else:
+        return FAILED + f"cannot make a {t.kind}"
+    try:
+        problem = set_meta(dfd, tmp, t, carried=_carry_xattrs(dfd, name, tmp, t))
+    except BaseException:
+        _remove(dfd, tmp)
+        raise
+    _replace(dfd, tmp, name)
+    if made is not None and link_key(t) and first is None:
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        made.setdefault(link_key(t), []).append((step.path, st.st_ino, t))
+    return FAILED + "restored, but " + problem if problem else "restored"
 
 
 def _holder(made: dict | None, t: State) -> tuple | None:
@@ -600,6 +629,57 @@ def _write_in_place(dfd: int, name: str, t: State) -> str | None:
         "restored in place (hard-link group)"
 
 
+def _overwrite(dfd: int, name: str, t: State) -> str | None:
+    """A directory the revert may not write in (a call left it read-only, and the selection
+    does not undo that): no temporary file can be made there, so the content goes into the
+    live file, unlinked, as ``cat > file`` would put it (not atomic).  None: not this case
+    (no such file, or one the revert may not write either)."""
+    try:
+        fd = os.open(name, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     dir_fd=dfd)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            return None
+        os.ftruncate(fd, 0)
+        view = memoryview(t.data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
+    problem = set_meta(dfd, name, t)
+    return FAILED + "restored in place, but " + problem if problem else \
+        "restored in place (its directory is read-only)"
+
+
+def _meta_in_place(dfd: int, name: str, t: State) -> str | None:
+    """A file whose content the selection did not change (a chmod, a chown): its mode and
+    owner are set on the live file, whose content, inode, links and attributes stay, where it
+    holds the target's content, unlinked.  No temporary file: a directory left read-only does
+    not stop it.  None: not this case."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     dir_fd=dfd)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_size != len(t.data):
+            return None
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        if b"".join(chunks) != t.data:
+            return None
+    finally:
+        os.close(fd)
+    problem = set_meta(dfd, name, t)
+    return FAILED + "restored in place, but " + problem if problem else \
+        "restored in place (mode and owner)"
+
+
 def _replace(dfd: int, tmp: str, name: str) -> None:
     try:
         st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
@@ -638,11 +718,31 @@ def order(steps: list[Step], root_fd: int | None = None) -> list[Step]:
     made before would hold an inode of its own, and stay apart from the group)."""
     mk = sorted([s for s in steps if s.target.kind == "dir"], key=lambda s: s.path.count("/"))
     files = [s for s in steps if s.target.present and s.target.kind != "dir"]
+    opening = []
     if root_fd is not None:
         files.sort(key=lambda s: not _holds_group_inode(root_fd, s))
+        # before all: a directory that stays one and gets back a mode its owner may fill (a
+        # call left it 0555), or nothing could be removed from it or written into it
+        opening = [s for s in mk if not _blocks(s.target.mode) and _blocks_now(root_fd, s.path)]
+        mk = [s for s in mk if s not in opening]
     rm = sorted([s for s in steps if not s.target.present], key=lambda s: -s.path.count("/"))
     late = [DirMode(s.path, s.target, s.expected) for s in reversed(mk) if _blocks(s.target.mode)]
-    return rm + mk + files + late
+    return opening + rm + mk + files + late
+
+
+def _blocks_now(root_fd: int, rel: str) -> bool:
+    """Is ``rel`` a directory now, of a mode that would not let its owner fill it?"""
+    try:
+        dfd, name = _parent(root_fd, rel, create=False)
+    except OSError:
+        return False
+    try:
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except OSError:
+        return False
+    finally:
+        os.close(dfd)
+    return stat.S_ISDIR(st.st_mode) and _blocks(st.st_mode)
 
 
 _FIELDS = ("uid", "gid", "rdev", "block", "ino", "nlink", "drifted", "withheld")

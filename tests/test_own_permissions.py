@@ -1,11 +1,13 @@
-"""Files their owner may not read (``chmod 200``), with the daemon run by that owner, not root.
+"""Permissions that bind the owner, with the daemon run by that owner (not root).
 
-The daemon must read what a change destroys; a write-only file's owner may write it, truncate
-it, remove it, rename over it, and natively all of that succeeds.  Through the mount it did
-not (EACCES on the write), and once such a file was in the record every listing failed on it.
-Now the daemon grants itself the read for the moment of its read (underlay.reopen_own), a
-removed one's content goes into the store (no reader could read it from the attic), and a
-reader meeting a live file it may not read says so for that file alone.
+Files their owner may not read (``chmod 200``): the daemon must read what a change destroys;
+a write-only file's owner may write it, truncate it, remove it, rename over it, and natively all
+of that succeeds.  Through the mount it did not (EACCES on the write), and once such a file was
+in the record every listing failed on it.  Now the daemon grants itself the read for the moment
+of its read (underlay.reopen_own), a removed one's content goes into the store (no reader could
+read it from the attic), and a reader meeting a live file it may not read says so for that file
+alone.  Likewise directories it may not search or list, and directories a call left read-only,
+which a revert must still write into.
 """
 from __future__ import annotations
 
@@ -243,6 +245,61 @@ def test_a_file_of_another_owner_that_none_may_read(tmpbase, owner):
         u.ask("umount", u.ws)
         with open(os.path.join(u.ws, "mine")) as f:
             assert f.read() == "mine\n"
+        assert "Traceback" not in u.daemon_log()
+    finally:
+        u.umount()
+
+
+def tree_of(ws: str) -> dict:
+    """Every path beneath ``ws`` as root reads it: mode, inode, content (the attic left out)."""
+    out = {}
+    for top, dirs, files in os.walk(ws):
+        dirs[:] = [d for d in dirs if d != ".overlayrec-attic"]
+        for name in dirs + files:
+            p = os.path.join(top, name)
+            st = os.lstat(p)
+            data = None
+            if name in files:
+                with open(p, "rb") as f:
+                    data = f.read()
+            out[os.path.relpath(p, ws)] = (oct(st.st_mode), st.st_ino, data)
+    return out
+
+
+@needs_fuse
+@needs_root
+@pytest.mark.parametrize("owner", sorted(OWNERS))
+def test_a_directory_left_read_only_is_reverted_into(tmpbase, owner):
+    """A call leaves ``chmod 555 d``; reverting a later call that chmodded or wrote a file in d
+    wrote a temporary file beside it and stopped, pending, on EACCES (naming the temporary
+    file); reverting the first removed d's new file before giving d its mode back."""
+    u = Owner(tmpbase, owner)
+    u.sh("mkdir d && echo a > d/a")
+    before = tree_of(u.ws)
+    try:
+        u.agent(["echo x > d/f && echo b > d/a && chmod 555 d", "chmod 444 d/a",
+                 "echo q > d/f"])
+        after = tree_of(u.ws)
+        u.ask("mount", u.ws, "--state-dir", u.sd)
+        for i in (3, 2, 1):
+            u.ask("revert", u.ws, "--call", f"c{i}", "--yes")
+        for _ in range(3):
+            u.ask("unrevert", u.ws, "--yes")
+        u.ask("umount", u.ws)
+        now = tree_of(u.ws)
+        assert {p: (m, d) for p, (m, _, d) in now.items()} == \
+            {p: (m, d) for p, (m, _, d) in after.items()}
+        # a mode put back in place: the file is the same inode (its links, its attributes)
+        u.ask("mount", u.ws, "--state-dir", u.sd)
+        u.ask("revert", u.ws, "--call", "c2", "--yes")
+        u.ask("umount", u.ws)
+        assert tree_of(u.ws)["d/a"][1] == now["d/a"][1]
+        u.ask("mount", u.ws, "--state-dir", u.sd)
+        for i in (3, 1):
+            u.ask("revert", u.ws, "--call", f"c{i}", "--yes")
+        u.ask("umount", u.ws)
+        assert {p: (m, d) for p, (m, _, d) in tree_of(u.ws).items()} == \
+            {p: (m, d) for p, (m, _, d) in before.items()}
         assert "Traceback" not in u.daemon_log()
     finally:
         u.umount()
