@@ -1303,7 +1303,8 @@ def _listing_net(j, ws: str | None, sd: str, quiet: bool = False):
 
 @main.command()
 @click.argument("workspace", type=PATH, default=".")
-@click.option("--session", "sid", type=ID, help="Only this session.")
+@click.option("--session", "sid", type=ID,
+              help="Only this session (last: the session begun last).")
 @click.option("--all", "churn", is_flag=True, help="Count every path written, also those left "
               "as they were (temp files, same-content rewrites); --json carries both.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
@@ -1319,7 +1320,8 @@ def turns(workspace, sid, churn, as_json, state_dir):
 
 @main.command()
 @click.argument("workspace", type=PATH, default=".")
-@click.option("--session", "sid", type=ID, help="Only this session.")
+@click.option("--session", "sid", type=ID,
+              help="Only this session (last: the session begun last).")
 @click.option("--turn", "turn_index", type=int, help="Only calls of this turn.")
 @click.option("--all", "churn", is_flag=True, help="Count every path written, also those left "
               "as they were (temp files, same-content rewrites); --json carries both.")
@@ -1357,7 +1359,8 @@ def _tree_for(ws: str, sd: str):
 @click.option("--turn", "turn_sel", type=TURN,
               help="What this turn changed: N, last, or -1, -2 ...")
 @click.option("--session", "sid", type=ID,
-              help="What this session changed (or: narrows --call/--turn).")
+              help="What this session changed (or: narrows --call/--turn); last: the "
+              "session begun last.")
 @click.option("--since", type=SEQ0, help="Everything recorded after this sequence number.")
 @click.option("--until", type=SEQ0, help="... up to and including this one.")
 @click.option("--drift", is_flag=True, help="What changed around the record: each recorded path "
@@ -1594,7 +1597,7 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
     mounting it for the occasion when it is not."""
     from . import reverts
     from .views import shown
-    from .engines.diff import SelectionError
+    from .engines.diff import SelectionError, session_named
     from .engines.states import States, Tree
     from .journal import ContentStore
     if state.is_dead_mount(ws):
@@ -1613,6 +1616,10 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
         live = Tree.at(ws)  # through the mount: what every process sees
         try:
             from .retention import dropped_selection
+            try:
+                selection["session"] = session_named(j, selection["session"])
+            except SelectionError as e:
+                raise Fail(str(e)) from None
             why = dropped_selection(j, **selection) if resume is None else None
             if why:  # what the revert needs was dropped by retention
                 raise Fail(why)
@@ -1675,7 +1682,8 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
 @click.option("--turn", "turn_sel", type=TURN,
               help="Revert this turn's own calls: N, last, -1 ...")
 @click.option("--session", "sid", type=ID,
-              help="Revert this session (or: narrows --call/--turn).")
+              help="Revert this session (or: narrows --call/--turn); last: the session "
+              "begun last.")
 @click.option("--since", type=SEQ0,
               help="Revert everything recorded after this sequence number.")
 @click.option("--path", "glob", help="Only paths matching this glob.")

@@ -204,12 +204,22 @@ def listing(kind: str, j, ws: str, sd: str, question: list, render,
             progress.done()
 
 
+def _session(j, sid: str | None) -> str | None:
+    """``--session``'s value as the record names it (``last``: engines.diff.session_named)."""
+    from .engines.diff import SelectionError, session_named
+    try:
+        return session_named(j, sid)
+    except SelectionError as e:
+        raise Refusal(str(e)) from None
+
+
 def turns(workspace, sid, churn, as_json, state_dir) -> Parts:
     """The answer of ``overlayrec turns``."""
     ws = state.resolve_workspace(workspace, must_exist=False, upward=True)
     sd = state_dir_for(ws, state_dir)
     j = Journal(sd, readonly=True)
     try:
+        sid = _session(j, sid)
         # the times are shown in the local zone: a question of its own in another
         return listing("turns", j, ws, sd, ["turns", sid, churn, as_json,
                                             os.environ.get("TZ"), list(time.tzname)],
@@ -241,6 +251,7 @@ def calls(workspace, sid, turn_index, churn, as_json, state_dir) -> Parts:
     sd = state_dir_for(ws, state_dir)
     j = Journal(sd, readonly=True)
     try:
+        sid = _session(j, sid)
         return listing("calls", j, ws, sd, ["calls", sid, turn_index, churn, as_json],
                        lambda rows: call_lines(rows, churn, as_json),
                        Progress("calls", not as_json), sid=sid, turn=turn_index)
@@ -317,6 +328,7 @@ def diff(workspace, call_id, turn_sel, sid, since, until, drift, fmt, binary, gl
         j.close()
         raise
     try:
+        sid = _session(j, sid)  # "last" names another session once one begins
         # the same question of the same record: the answer kept last time (engines.answers)
         answers = answers_of(sd, j, tree)
         question = ["diff", call_id, turn_sel, sid, since, until, drift, fmt, binary, glob,

@@ -470,3 +470,32 @@ def test_a_moved_workspace_with_renames_deep_paths_and_an_edit_while_unmounted(m
     assert not os.path.exists(os.path.join(moved, "crate"))
     assert not os.path.exists(os.path.join(moved, "d" * 250))
     assert open(os.path.join(moved, "top.txt")).read() == "new\nmine\n"  # the user's, kept
+
+
+@needs_fuse
+def test_session_last_names_the_session_begun_last(tmp_path):
+    """`overlayrec run -- agent` prints its session's id at the end; `--session last` spares
+    copying it (as `--turn last`), and means the newest one each time it is asked: a kept
+    answer for it does not outlive the next session."""
+    env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "xdg"))
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "f").write_text("a\n")
+    overlayrec("mount", str(ws), env=env)
+    overlayrec("umount", str(ws), env=env)  # a record, without a session
+    one_line_error(overlayrec("diff", str(ws), "--session", "last", check=False, env=env),
+                   "no session recorded")
+    overlayrec("run", "-w", str(ws), "--", "sh", "-c", "echo b >> f", env=env, timeout=120)
+    first = overlayrec("diff", str(ws), "--session", "last", "--stat", env=env).stdout
+    assert " f | 1 +" in first and " g " not in first
+    overlayrec("run", "-w", str(ws), "--", "sh", "-c", "echo c >> f && echo new > g", env=env,
+               timeout=120)
+    second = overlayrec("diff", str(ws), "--session", "last", "--stat", env=env).stdout
+    assert " g | 1 +" in second, second
+    assert overlayrec("calls", str(ws), "--session", "last", env=env).returncode == 0
+    overlayrec("mount", str(ws), env=env)
+    try:
+        overlayrec("revert", str(ws), "--session", "last", "--yes", env=env)
+        assert (ws / "f").read_text() == "a\nb\n" and not (ws / "g").exists()
+    finally:
+        overlayrec("umount", str(ws), env=env, check=False)

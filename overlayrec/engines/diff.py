@@ -106,6 +106,17 @@ def select(j: Journal, states: States, *, call: str | None = None, turn: int | s
     return _selected(states, _selection_events(j, lo, hi), (lo - 1, hi), keep=keep)
 
 
+def session_named(j: Journal, session: str | None) -> str | None:
+    """``session`` as the record names it: ``last`` is the session begun last (unless one is
+    called so), for the commands that take ``--session``, as ``--turn last``."""
+    if session != "last" or j.record("sessions", b"last") is not None:
+        return session
+    newest = max(j.records("sessions"), key=lambda s: s.get("started") or 0, default=None)
+    if newest is None:
+        raise SelectionError("no session recorded")
+    return newest["id"]
+
+
 def drift_side(states: States, glob: str | None = None) -> Side:
     """The drift: each recorded path whose live state departs from the record's end (its seal),
     from what the record holds to what the live tree holds, under no unit of the record."""
@@ -124,7 +135,8 @@ def _find_turn(j: Journal, turn, session: str | None) -> dict:
     if not turns:
         raise SelectionError("no turns recorded" + (f" in session {session}" if session else ""))
     if len({t["session"] for t in turns}) > 1:
-        raise SelectionError("turns of several sessions are recorded: say --session")
+        raise SelectionError("turns of several sessions are recorded: say --session ID, or "
+                             "--session last")
     turns.sort(key=lambda t: t["index"])
     if turn == "last":
         return turns[-1]
