@@ -827,7 +827,8 @@ _fmt_time = readers.fmt_time
 @click.option("--limit", type=click.IntRange(min=1), help="Only the last N events.")
 @click.option("--call", "call_id", help="Only events of this call.")
 @click.option("--turn", "turn_index", type=int, help="Only events recorded during this turn.")
-@click.option("--session", "sid", help="Only events of this session's calls, turns and agent.")
+@click.option("--session", "sid", help="Only events of this session's calls, turns and agent "
+              "(last: the session begun last).")
 @click.option("--actor", help="Only events by this process: a pid or a command name.")
 @click.option("--since", help="Only events after this point: SEQ or a time (ISO 8601, @epoch).")
 @click.option("--until", help="Only events up to this point: SEQ or a time.")
@@ -842,7 +843,7 @@ def log_cmd(workspace, glob, limit, call_id, turn_index, sid, actor, since, unti
     """The recorded events, newest last: time, actor (pid and command), operation and path."""
     from .views import unit_session, command_name, one_line, shown
     from .engines.replay import resolve_point
-    from .engines.diff import SelectionError
+    from .engines.diff import SelectionError, session_named
     ws = state.resolve_workspace(workspace, must_exist=False, upward=True)
     sd = _state_dir_for(ws, state_dir)
     _warn_low_space(sd)
@@ -850,6 +851,7 @@ def log_cmd(workspace, glob, limit, call_id, turn_index, sid, actor, since, unti
     try:
         lo, hi = 1, None
         try:
+            sid = session_named(j, sid)
             if since is not None:
                 lo = resolve_point(j, since, refuse_dropped=False) + 1
             if until is not None:

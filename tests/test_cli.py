@@ -493,6 +493,8 @@ def test_session_last_names_the_session_begun_last(tmp_path):
     second = overlayrec("diff", str(ws), "--session", "last", "--stat", env=env).stdout
     assert " g | 1 +" in second, second
     assert overlayrec("calls", str(ws), "--session", "last", env=env).returncode == 0
+    logged = overlayrec("log", str(ws), "--session", "last", env=env).stdout
+    assert " g\n" in logged and logged.count("session_begin") == 1
     overlayrec("mount", str(ws), env=env)
     try:
         overlayrec("revert", str(ws), "--session", "last", "--yes", env=env)
