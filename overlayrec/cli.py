@@ -1618,10 +1618,11 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
         live = Tree.at(ws)  # through the mount: what every process sees
         try:
             from .retention import dropped_selection
-            try:
-                selection["session"] = session_named(j, selection["session"])
-            except SelectionError as e:
-                raise Fail(str(e)) from None
+            if selection.get("session") is not None:
+                try:
+                    selection["session"] = session_named(j, selection["session"])
+                except SelectionError as e:
+                    raise Fail(str(e)) from None
             why = dropped_selection(j, **selection) if resume is None else None
             if why:  # what the revert needs was dropped by retention
                 raise Fail(why)
