@@ -393,7 +393,7 @@ def test_a_run_inside_a_session_begins_a_session_of_its_own(make_mount, tmp_path
 
 
 @needs_fuse
-def test_a_moved_workspace_goes_on_with_its_record(make_mount, tmp_path):
+def test_a_moved_workspace_goes_on_with_its_record(make_mount, tmpbase):
     """A workspace renamed while unmounted keeps its attic (inside it) but not its name, which
     the record was kept under.  Mounted under the new name it is not taken for a new workspace
     (that would begin an empty record and leave the old one, and the pre-images its attic
@@ -401,7 +401,9 @@ def test_a_moved_workspace_goes_on_with_its_record(make_mount, tmp_path):
     that record goes on, its revert putting back what the attic kept.  A copy (its old name
     still there) begins a record of its own.  Found by hand: the record could not be mounted
     under the new name at all ("state dir ... records workspace ..., not ...")."""
-    env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "xdg"))
+    # a short base: the state dir's control socket must fit a unix socket's 107 bytes, and
+    # pytest's own temp paths grow with its run count
+    env = dict(os.environ, XDG_STATE_HOME=os.path.join(tmpbase, "xdg"))
     m = make_mount(env=env)
     with open(os.path.join(m.ws, "big.bin"), "wb") as f:
         f.write(os.urandom(400_000))  # past the small pre-images: kept by the attic
@@ -433,13 +435,15 @@ def test_a_moved_workspace_goes_on_with_its_record(make_mount, tmp_path):
 
 @needs_fuse
 def test_a_moved_workspace_with_renames_deep_paths_and_an_edit_while_unmounted(make_mount,
-                                                                               tmp_path):
+                                                                               tmpbase):
     """The shapes beyond the first: the moved record holds a directory renamed with files
     beneath and a path some 3,000 bytes deep, and a file was edited after the move while
     unmounted.  Under the new name the edit is drift (a `changed` conflict, left alone by
     --force), everything else goes back; readers run from the deep directory find the
     workspace around them."""
-    env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "xdg"))
+    # a short base: the state dir's control socket must fit a unix socket's 107 bytes, and
+    # pytest's own temp paths grow with its run count
+    env = dict(os.environ, XDG_STATE_HOME=os.path.join(tmpbase, "xdg"))
     m = make_mount(env=env)
     deep = "/".join(["d" * 250] * 12)
     os.makedirs(os.path.join(m.ws, "box", "in"))
