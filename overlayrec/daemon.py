@@ -9,11 +9,13 @@ reason it failed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import resource
 import signal
+import stat
 import sys
 import time
 
@@ -29,7 +31,7 @@ from .control import ControlServer
 from .fs import Operations
 from .journal import Journal, JournalError
 from .recorder import Recorder, UnrecordedRecorder, moved_here, time_mutations
-from . import retention, secrets, serving, state
+from . import retention, secrets, serving, state, underlay
 
 log = logging.getLogger("overlayrec")
 
@@ -317,10 +319,29 @@ def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool, record_da
     if allow_other:
         options.add("allow_other")
     try:
-        pyfuse3.init(ops, ws, options)
+        with _writable_mountpoint(root_fd):
+            pyfuse3.init(ops, ws, options)
     except RuntimeError as e:
         raise MountError(f"cannot mount {ws}: {e}") from None
     return journal, control, recorder
+
+
+@contextlib.contextmanager
+def _writable_mountpoint(root_fd: int):
+    """fusermount3 mounts only where its user may write.  A workspace its owner made read-only
+    (an agent's `chmod -R a-w .`) could then never be mounted again, not even to revert that
+    chmod: its owner's write bit is set for the mount and the mode put back beneath it after
+    (the daemon's own change: the record never sees it, the tree ends as it was)."""
+    st = os.fstat(root_fd)
+    if os.geteuid() == 0 or st.st_uid != os.geteuid() or st.st_mode & stat.S_IWUSR:
+        yield
+        return
+    mode = stat.S_IMODE(st.st_mode)
+    underlay.chmod_fd(root_fd, mode | stat.S_IWUSR)
+    try:
+        yield
+    finally:
+        underlay.chmod_fd(root_fd, mode)
 
 
 def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other: bool,

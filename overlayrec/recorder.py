@@ -757,8 +757,10 @@ class Recorder:
         return preimage.from_stat(st, self.nlink(st))
 
     def _pre_at(self, dirfd: int, name: str) -> tuple[dict, os.stat_result | None]:
+        """``name``'s pre-image in ``dirfd``; name "": ``dirfd``'s own (the workspace root's,
+        whose path is "": a `chmod 700 .` was sealed absent)."""
         try:
-            st = underlay.lstat_at(dirfd, name)
+            st = underlay.lstat_at(dirfd, name) if name else os.fstat(dirfd)
         except FileNotFoundError:
             return {"kind": "absent"}, None
         pre = self._meta(st)
@@ -1681,7 +1683,7 @@ class Recorder:
     @staticmethod
     def _holds_at(dfd: int, name: str, seal: dict) -> bool:
         try:
-            st = underlay.lstat_at(dfd, name)
+            st = underlay.lstat_at(dfd, name) if name else os.fstat(dfd)  # "": the root
         except (FileNotFoundError, NotADirectoryError):
             st = None
 

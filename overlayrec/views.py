@@ -30,7 +30,7 @@ def shown(path: str) -> str:
     an invisible or bidi mark, or bytes that are not UTF-8.  A name then can neither break a
     listing's rows nor send the terminal an escape sequence."""
     if path.isprintable() and '"' not in path and "\\" not in path:
-        return path
+        return path or "."  # "": the workspace root
     return '"' + _escaped(path, True) + '"'
 
 

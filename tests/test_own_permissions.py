@@ -303,3 +303,28 @@ def test_a_directory_left_read_only_is_reverted_into(tmpbase, owner):
         assert "Traceback" not in u.daemon_log()
     finally:
         u.umount()
+
+
+@needs_fuse
+@needs_root
+@pytest.mark.parametrize("owner", sorted(OWNERS))
+def test_a_workspace_made_read_only_is_mounted_again_to_revert_it(tmpbase, owner):
+    """`chmod -R a-w .` by an agent: fusermount3 mounts only where its user may write, so the
+    workspace could not be mounted again, not even to revert that chmod ("fuse_session_mount
+    failed").  Now it mounts, and the revert gives every mode back, the root's included."""
+    u = Owner(tmpbase, owner)
+    u.sh("echo a > f && mkdir d && echo b > d/g")
+    before = tree_of(u.ws)
+    root_mode = os.stat(u.ws).st_mode
+    try:
+        u.agent(["echo c > new && chmod -R a-w ."])
+        assert os.stat(u.ws).st_mode & 0o777 == 0o555
+        u.ask("mount", u.ws, "--state-dir", u.sd)
+        u.ask("revert", u.ws, "--call", "c1", "--yes")
+        u.ask("umount", u.ws)
+        assert {p: (m, d) for p, (m, _, d) in tree_of(u.ws).items()} == \
+            {p: (m, d) for p, (m, _, d) in before.items()}
+        assert os.stat(u.ws).st_mode == root_mode
+        assert "Traceback" not in u.daemon_log()
+    finally:
+        u.umount()

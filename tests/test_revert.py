@@ -541,3 +541,34 @@ def test_an_exchange_then_a_write_under_either_name_is_reverted_exactly(make_mou
     assert tree_of(m.ws) == before
     overlayrec("unrevert", m.ws, "--yes")
     assert tree_of(m.ws) == after
+
+
+def test_the_workspace_roots_own_mode_is_recorded_reverted_and_replayed(make_mount, tmp_path):
+    """`chmod 700 .` (as `chmod -R go-rwx .` does) changes the workspace root, whose path is
+    "": its seal found no name "" in a parent and sealed it absent, so the record said the
+    workspace was removed; a revert refused it as an escape, and replay left it out."""
+    m = setup_ws(make_mount, tmp_path, {"a.txt": b"one\n"})
+    os.chmod(m.ws, 0o755)
+    m.mount()
+    run_call(m, tmp_path, "touch . && chmod 700 . && echo two >> a.txt")
+    assert os.stat(m.ws).st_mode & 0o777 == 0o700
+    r = overlayrec("diff", m.ws, "--call", "c1", "--json")
+    assert {"path": "", "change": "mode 0755 -> 0700"} in json.loads(r.stdout)["not_in_patch"]
+    text = overlayrec("diff", m.ws, "--call", "c1", "--stat")
+    assert ". (mode 0755 -> 0700)" in text.stderr and "removed" not in text.stderr
+    for at, mode in (("before:call:c1", 0o755), ("after:call:c1", 0o700)):
+        dest = tmp_path / f"replay-{mode:o}"
+        overlayrec("replay", m.ws, "--at", at, "--to", str(dest))
+        assert dest.stat().st_mode & 0o777 == mode, at
+    overlayrec("revert", m.ws, "--call", "c1", "--yes")
+    assert os.stat(m.ws).st_mode & 0o777 == 0o755
+    with open(os.path.join(m.ws, "a.txt")) as f:
+        assert f.read() == "one\n"
+    overlayrec("unrevert", m.ws, "--yes")
+    assert os.stat(m.ws).st_mode & 0o777 == 0o700
+    m.umount()
+    overlayrec("mount", m.ws, "--state-dir", m.state)  # no drift: the seal holds
+    try:
+        assert " drift " not in overlayrec("log", m.ws, "--state-dir", m.state).stdout
+    finally:
+        m.umount()

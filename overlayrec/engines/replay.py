@@ -472,6 +472,10 @@ def replay(j: Journal, states: States, point: int, dest: str, full_from: str | N
         written = removed = 0
         for rel in [p for p in states.all_names() if _visible(p)]:
             s = states.state(rel, point)
+            if rel == "":  # the workspace root (a `chmod 700 .`): the replay's own mode, last
+                if s.kind == "dir":
+                    root_state = s
+                continue
             if s.withheld:  # a secret path: its content was never kept, nothing is written
                 b.withheld(rel, s.kind)
                 continue

@@ -289,6 +289,8 @@ def _parent(root_fd: int, rel: str, create: bool) -> tuple[int, str]:
     ``resolve_beneath`` (no symlink followed, nothing climbs out); with ``create``, the
     directories missing on the way are made.  Raises ``Escape`` when a symlink or a file is
     on the way, its own parent included, or ``rel`` is not a name beneath the root."""
+    if rel == "":  # the workspace root itself (a `chmod 700 .`): its mode and owner
+        return os.open(".", O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=root_fd), "."
     parent, _, name = rel.rpartition("/")
     if name in ("", ".", "..") or rel.startswith("/"):
         raise Escape(errno.EXDEV, "leaves the workspace", rel)
