@@ -368,7 +368,7 @@ def diff_answer(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
 
 def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until, drift, fmt,
                 binary, glob, by_writer, as_json) -> None:
-    from .engines.diff import select, changed, drift_side
+    from .engines.diff import select, changed, changed_around, drift_side
     from .engines.gitdiff import ObjectStore, git_refuses
     from .engines.states import States, ABSENT as tree_absent, UNLISTED_NOTE
     states = States(j, tree)
@@ -389,6 +389,14 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
     if withheld and not as_json:  # the patch shows a placeholder line for each
         parts.err(f"overlayrec: {len(withheld)} secret path(s) changed, content not kept: "
                   f"{', '.join(map(shown, withheld[:5]))}{' ...' if len(withheld) > 5 else ''}")
+    around = [p for p in every if not side.after.get(p, tree_absent).exact
+              and changed_around(states, p)]
+    if around and not as_json:
+        parts.err(f"overlayrec: {len(around)} path(s) here were also changed around the mount "
+                  "while the selection went on (by a process that bypassed it, such as a "
+                  "shell whose directory was entered before the mount): shown as they were "
+                  f"after, not exactly the selection's: {', '.join(map(shown, around[:5]))}"
+                  f"{' ...' if len(around) > 5 else ''}")
     unreadable = sorted(states.tree.unreadable)
     for note, group in _grouped(states.tree.unreadable).items():
         if not as_json:  # a file's content is shown as a placeholder
@@ -449,6 +457,7 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
                                                 {**side.before, **side.after}.items()
                                                 if not s.exact),
                               "withheld": withheld, "unreadable": unreadable,
+                              "changed_around": around,
                               "git_left_out": len(left_out), "git_left_out_paths": left_out,
                               "not_in_patch": [{"path": p, "change": what}
                                                for p, what in unshown],

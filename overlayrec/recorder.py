@@ -40,7 +40,7 @@ from .attribution import Attribution
 from .calls import Calls
 from .journal import Journal, JournalError, preimage
 from .journal.renames import RenameIndex
-from .journal.schema import UNMOUNTED
+from .journal.schema import AROUND, UNMOUNTED
 from .secrets import Secrets, META_NAMES
 
 log = logging.getLogger(__name__)
@@ -377,6 +377,9 @@ class Recorder:
         # paths whose last epoch ended unsealed (at a unit boundary, or carried to a new name
         # by a directory rename): sealed with their unit
         self.unsealed: dict[str, str] = {}
+        # path -> when the daemon last changed what it holds (time.time_ns(), just before):
+        # a file whose ctime is later at its seal was changed around the mount (seal)
+        self.served: dict[str, int] = {}
         self.attic_fd = self._open_attic()
         # a file of another filesystem mounted inside the workspace cannot go to the attic
         # (a rename or a link across filesystems fails): _copy_elsewhere
@@ -789,6 +792,7 @@ class Recorder:
             self.journal.put_meta(META_NAMES, self.secrets.names_json())
 
     def _epoch(self, path: str, unit: str) -> tuple[Epoch, bool]:
+        self.served[path] = time.time_ns()  # before every change the daemon makes to it
         ep = self.epochs.get(path)
         if self._undo is not None and path not in self._undo:
             self._undo[path] = None if ep is None else (
@@ -980,6 +984,7 @@ class Recorder:
             st = os.fstat(src_fd)
         except OSError:
             return
+        self.served[source] = time.time_ns()  # a name more: its ctime moved
         self._named(st, source, ev["path"])
         self._capture_afresh((st.st_dev, st.st_ino))
 
@@ -1034,6 +1039,7 @@ class Recorder:
         pre, st = self._pre_at(parent_fd, name)
         if st is None:
             raise FileNotFoundError(errno.ENOENT, "unlink", name)
+        self._stamp_names(st)
         if stat.S_ISDIR(st.st_mode):
             raise IsADirectoryError(errno.EISDIR, "unlink", name)
         if self._withhold(path, pre):
@@ -1100,6 +1106,9 @@ class Recorder:
         ev["pre"] = pre
         self._withhold(path, pre)
         pre2, st2 = self._pre_at(npfd, nname)
+        self._stamp_names(st)
+        if st2 is not None:
+            self._stamp_names(st2)
         # a secret renamed over is really gone: no attic link, no copy (overlayrec.secrets)
         withheld2 = self._withhold(path2, pre2)
         seq = self.journal.reserve_seq()
@@ -1189,6 +1198,16 @@ class Recorder:
             if q is not None:
                 self.unsealed[q] = unit
         self.unsealed.update(ended)
+        for p in [p for p in self.served if p.startswith(beneath)]:
+            del self.served[p]  # moved or gone: not checked at their seal
+
+    def _stamp_names(self, st: os.stat_result) -> None:
+        """The inode ``st`` loses or gains a name: its ctime moves under its other names too
+        (``served``, seal)."""
+        if st.st_nlink > 1 and self.names:
+            now = time.time_ns()
+            for n in self.names.get((st.st_dev, st.st_ino), ()):
+                self.served[n] = now
 
     def _end_runs(self, st: os.stat_result, name: str) -> None:
         """A linked inode has a new name (``name``): the write runs through its other names end
@@ -1477,6 +1496,7 @@ class Recorder:
         ep = self.epochs.get(path)
         if ep is None or ep.unit != unit or not ep.meta_saved:
             return None, (path, unit)
+        self.served[path] = time.time_ns()  # its ctime moves with it (seal)
         ev = {"op": op, "path": path, **unit_fields(unit), **kw, "actor": actor["key"]}
         return _Held(self.journal, ev, ep, actor), None
 
@@ -1505,10 +1525,12 @@ class Recorder:
             os.removexattr(underlay.proc_path(fd), name)
 
     # -- seals ----------------------------------------------------------------------------------
-    def _seal_pre(self, path: str, keep: bool = True) -> dict:
+    def _seal_pre(self, path: str, keep: bool = True, seen: list | None = None) -> dict:
         """What ``path`` holds now, as a seal: metadata, a symlink's target, and a file's
-        content hash (the content itself kept in the store when ``keep`` and it is small)."""
-        return self._in_parent(path, lambda dfd, name: self._seal_at(dfd, name, path, keep),
+        content hash (the content itself kept in the store when ``keep`` and it is small).
+        ``seen`` gets the file's ctime as found, before any read of the daemon's moved it."""
+        return self._in_parent(path,
+                               lambda dfd, name: self._seal_at(dfd, name, path, keep, seen),
                                lambda: dict(preimage.ABSENT))
 
     def _in_parent(self, path: str, fn, absent):
@@ -1539,13 +1561,17 @@ class Recorder:
                 return absent()
             return fn(dfd, name)
 
-    def _seal_at(self, dfd: int, name: str, path: str, keep: bool) -> dict:
+    def _seal_at(self, dfd: int, name: str, path: str, keep: bool,
+                 seen: list | None = None) -> dict:
         try:
             pre, st = self._pre_at(dfd, name)
+            if seen is not None and st is not None:
+                seen.append(st.st_ctime_ns)
             if self._withhold(path, pre):
                 return pre  # no blob and no hash: a short secret's fast hash is brute-forced
-            if pre["kind"] == "file" and pre["size"] <= self.whole_file_limit:
+            if pre["kind"] == "file":
                 pre["ctime_ns"] = st.st_ctime_ns  # an edit that puts the mtime back moves it
+            if pre["kind"] == "file" and pre["size"] <= self.whole_file_limit:
                 fd = underlay.open_own(dfd, name, os.O_RDONLY | os.O_NONBLOCK)
                 try:
                     if not st.st_mode & stat.S_IRUSR:
@@ -1574,11 +1600,15 @@ class Recorder:
             return 0
         events = []
         for p in sorted(paths):
+            served, seen = self.served.get(p), []
             try:
-                events.append({"op": "seal", "path": p, "pre": self._seal_pre(p),
-                               "actor": "overlayrec"})
+                pre = self._seal_pre(p, seen=seen)
             except OSError as e:  # an unreadable path stays unsealed: its chain ends live
                 log.warning("cannot seal %s: %s", p, e)
+                continue
+            if served is not None and seen and self._around(pre, seen[-1], served):
+                events.append(_around_event(p, pre))
+            events.append({"op": "seal", "path": p, "pre": pre, "actor": "overlayrec"})
         try:
             self.journal.append_many(events, [])
         except JournalError as e:
@@ -1592,7 +1622,18 @@ class Recorder:
         for p in paths:
             self.epochs.pop(p, None)
             self.unsealed.pop(p, None)
+            self.served.pop(p, None)
         return len(events)
+
+    @staticmethod
+    def _around(seal: dict, ctime_ns: int, served: int) -> bool:
+        """Was this file, sealed as ``seal`` and found with ``ctime_ns``, changed after the
+        daemon last changed it (``served``)?  Its ctime says so: a process that bypassed the
+        mount (a shell whose working directory was entered before the mount) wrote it while
+        its unit went on, and the seal would give that change to the unit.  Not for a file of
+        several links (a change through a name the daemon does not know moves it too)."""
+        return seal["kind"] == "file" and seal.get("nlink", 1) == 1 and \
+            ctime_ns > served + AROUND_SLACK_NS
 
     def end_epochs(self) -> None:
         """A unit boundary: every epoch ends, so the next change of any path captures a fresh
@@ -1608,7 +1649,7 @@ class Recorder:
         ``drift`` event of the outside unit "while unmounted" (its pre-image: the seal).
         Returns {"recovered": n, "drifted": n, "checked": n}."""
         j = self.journal
-        j.append_many([], [UNMOUNTED_ACTOR, RECORDER_ACTOR])
+        j.append_many([], [UNMOUNTED_ACTOR, RECORDER_ACTOR, AROUND_ACTOR])
         recovered = 0
         if j.meta("sealed") == "0":
             open_paths = []
@@ -1696,8 +1737,25 @@ class Recorder:
         return preimage.matches(seal, st, lambda: os.readlink(name, dir_fd=dfd), digest)
 
 
+# a file's ctime later than the daemon's last change to it by this much was changed around the
+# mount (kernel clocks are coarse, and a change is made just after its stamp)
+AROUND_SLACK_NS = 500_000_000
+
+
+def _around_event(path: str, seal: dict) -> dict:
+    """A ``drift`` event found at a seal: the file changed around the mount while its unit
+    went on, so what the unit left is not known (``unkept``: never taken as exact; its kind,
+    mode and owner taken as the seal's), and what it holds now is that outside change's (the
+    seal after it)."""
+    pre = {k: seal[k] for k in ("kind", "mode", "uid", "gid") if k in seal}
+    return {"op": "drift", "path": path, "pre": dict(pre, unkept=True), "epoch": True,
+            "unit": "outside:" + AROUND, "actor": AROUND}
+
+
 UNMOUNTED_ACTOR = {"key": UNMOUNTED, "pid": 0, "start": 0, "ppid": 0, "uid": -1, "exe": "",
                    "argv": ["(while unmounted)"], "cwd": "", "first_seen": 0}
+AROUND_ACTOR = {"key": AROUND, "pid": 0, "start": 0, "ppid": 0, "uid": -1, "exe": "",
+                "argv": ["(around the mount)"], "cwd": "", "first_seen": 0}
 RECORDER_ACTOR = {"key": "overlayrec", "pid": 0, "start": 0, "ppid": 0, "uid": -1, "exe": "",
                   "argv": ["(overlayrec)"], "cwd": "", "first_seen": 0}
 

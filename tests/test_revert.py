@@ -572,3 +572,41 @@ def test_the_workspace_roots_own_mode_is_recorded_reverted_and_replayed(make_mou
         assert " drift " not in overlayrec("log", m.ws, "--state-dir", m.state).stdout
     finally:
         m.umount()
+
+
+def test_a_change_around_the_mount_during_a_call_is_never_taken_for_the_calls(make_mount,
+                                                                            tmp_path):
+    """A shell whose directory was entered before the mount writes beneath it, around the
+    recorder, while a call that edits the same file goes on.  The call's seal took what the
+    file held then, the user's line with it, for the call's: its diff showed the line as the
+    call's and a revert of the call removed it.  Now the seal finds the file's ctime later
+    than the daemon's last change to it: a drift event of `outside:around` comes first, the
+    call's end state is not known, the diff says so, and a revert refuses that file."""
+    m = setup_ws(make_mount, tmp_path, {"f": b"a\n", "k": b"k\n"})
+    hand = tmp_path / "hand"
+    hand.mkdir()
+    # its working directory is the workspace beneath the mount, entered before it
+    user = subprocess.Popen(["bash", "-c", f"while [ ! -e {hand}/go ]; do sleep 0.05; done; "
+                             f"sleep 1; echo user >> f; touch {hand}/done"], cwd=m.ws)
+    try:
+        m.mount()
+        run_call(m, tmp_path, f"echo b >> f && echo kk >> k && touch {hand}/go && "
+                              f"while [ ! -e {hand}/done ]; do sleep 0.05; done")
+    finally:
+        user.wait(timeout=30)
+    with open(os.path.join(m.ws, "f")) as f:
+        assert f.read() == "a\nb\nuser\n"
+    drifts = [json.loads(line) for line in
+              overlayrec("log", m.ws, "--op", "drift", "--json").stdout.splitlines()]
+    assert [(e["path"], e["unit"]) for e in drifts] == [("f", "outside:around")]
+    d = json.loads(overlayrec("diff", m.ws, "--call", "c1", "--json").stdout)
+    assert d["changed_around"] == ["f"] and "f" in d["inexact"] and "k" not in d["inexact"]
+    r = overlayrec("diff", m.ws, "--call", "c1")
+    assert "changed around the mount" in r.stderr
+    r = overlayrec("revert", m.ws, "--call", "c1", "--yes", check=False)
+    assert r.returncode != 0 and "unrecorded: f" in r.stderr and "around the mount" in r.stderr
+    overlayrec("revert", m.ws, "--call", "c1", "--force", "--yes")
+    with open(os.path.join(m.ws, "f")) as f:
+        assert f.read() == "a\nb\nuser\n"  # the user's line stays
+    with open(os.path.join(m.ws, "k")) as f:
+        assert f.read() == "k\n"

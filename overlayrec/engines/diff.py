@@ -10,7 +10,7 @@ import fnmatch
 from dataclasses import dataclass
 
 from ..journal import Journal
-from ..journal.schema import CONTROL_OPS, MARK_OPS, is_dir_rename
+from ..journal.schema import AROUND, CONTROL_OPS, MARK_OPS, is_dir_rename
 from ..views import file_events as _tree_events, unit_session as _unit_session
 from .states import States, State
 
@@ -104,6 +104,14 @@ def select(j: Journal, states: States, *, call: str | None = None, turn: int | s
     if hi < lo - 1:
         raise SelectionError(f"--until {until} is before --since {since}: nothing between")
     return _selected(states, _selection_events(j, lo, hi), (lo - 1, hi), keep=keep)
+
+
+def changed_around(states: States, path: str, after: int = 0) -> bool:
+    """Did a seal find ``path`` changed around the mount (after seq ``after``) while a unit
+    went on (a drift event of ``outside:around``, Recorder.seal)?"""
+    unit = "outside:" + AROUND
+    return any(e["op"] == "drift" and e.get("unit") == unit and e["seq"] > after
+               for e in states.chain_on(path))
 
 
 def session_named(j: Journal, session: str | None) -> str | None:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from ..journal import Journal
 from ..secrets import PLACEHOLDER
 from ..underlay import O_PATH, Escape, resolve_beneath
-from .diff import SelectionError, file_events, touched, _find_turn, _visible
+from .diff import SelectionError, changed_around, file_events, touched, _find_turn, _visible
 from .states import ATTIC, INF, UNLISTED_NOTE, States, State, Tree
 
 
@@ -155,7 +155,7 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
             if target.withheld or expected.withheld:
                 step.note = PLACEHOLDER  # a secret path: nothing to put back
             else:
-                step.note = _attic_gone(j, states, p) or (
+                step.note = _attic_gone(j, states, p) or _changed_around(states, p, first) or (
                     STILL_WRITING if not expected.exact and states.still_writing(p, last)
                     else states.tree.unreadable.get(p) or live.unreadable.get(p))
         elif any(first < s < last for s in others.get(p, [])):
@@ -215,6 +215,15 @@ def _joined_since(plan: Plan, live: Tree, candidates) -> None:
         if outside_now > outside_then:
             for o in group:
                 o.in_place = False
+
+
+AROUND_NOTE = ("changed around the mount while its unit went on (by a process that bypassed "
+               "the mount): what the unit left is not known")
+
+
+def _changed_around(states: States, path: str, first: int) -> str | None:
+    """Why ``path`` is unrecorded when a seal found it changed around the mount."""
+    return AROUND_NOTE if changed_around(states, path, first) else None
 
 
 def _attic_gone(j: Journal, states: States, path: str) -> str | None:

@@ -51,7 +51,10 @@ Sub-databases of the LMDB environment:
               journaled on each other name the daemon knows (``source``: the name written).
               ``drift`` events are changes found at mount by comparing the live tree with the
               seals (made while unmounted, or around the mount): unit ``outside:unmounted``,
-              ``pre`` the seal they depart from.
+              ``pre`` the seal they depart from.  Or found at a seal: a file whose ctime is
+              later than the daemon's last change to it was changed around the mount while
+              its unit went on: unit ``outside:around``, ``pre`` its kind, mode and owner with
+              ``"unkept": true`` (what the unit left is not known); the seal follows.
               ``reclaim`` events change no path (they have none): the workspace's filesystem
               refused a change for want of space, so the daemon dropped attic entries to free
               it, journaled ahead of the drop (or, when the journal itself was full, with the
@@ -165,6 +168,7 @@ CONTROL_OPS = ("session_begin", "session_end", "turn_begin", "turn_end", "call_b
                "revert_begin", "revert_end")
 MARK_OPS = ("seal", "reclaim")  # events that record a state or a drop and change no path
 UNMOUNTED = "unmounted"    # the actor key (and ``outside:`` unit) of changes made while unmounted
+AROUND = "around"  # ... of changes made around the mount while a unit went on (Recorder.seal)
 
 
 # meta ``renames_indexed``: "1" indexed every directory rename, refused ones too; "2" leaves
