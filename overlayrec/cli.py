@@ -1825,6 +1825,15 @@ def _pin(session_id: str, workspace: str, state_dir, pinned: bool) -> None:
     from . import retention
     ws = state.resolve_workspace(workspace, must_exist=False, upward=True)
     sd = _state_dir_for(ws, state_dir)
+    if session_id == "last" and os.path.exists(os.path.join(sd, "journal", "data.mdb")):
+        from .engines.diff import SelectionError, session_named
+        j = Journal(sd, readonly=True)
+        try:
+            session_id = session_named(j, session_id)
+        except SelectionError as e:
+            raise Fail(str(e)) from None
+        finally:
+            j.close()
     if state.fuse_mount_at(ws) and not state.is_dead_mount(ws):
         from . import client
         try:  # mounted: the daemon alone writes the journal
@@ -1856,7 +1865,8 @@ def _pin(session_id: str, workspace: str, state_dir, pinned: bool) -> None:
 @click.option("--state-dir", type=PATH)
 @_guard
 def pin(session_id, workspace, state_dir):
-    """Keep SESSION whatever a gc's policy says (until overlayrec unpin)."""
+    """Keep SESSION whatever a gc's policy says (until overlayrec unpin); last: the session
+    begun last."""
     _pin(session_id, workspace, state_dir, True)
 
 

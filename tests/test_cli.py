@@ -499,6 +499,8 @@ def test_session_last_names_the_session_begun_last(tmp_path):
     assert overlayrec("calls", str(ws), "--session", "last", env=env).returncode == 0
     logged = overlayrec("log", str(ws), "--session", "last", env=env).stdout
     assert " g\n" in logged and logged.count("session_begin") == 1
+    sid = logged.split("session_begin session=")[1].split()[0]
+    assert sid in overlayrec("pin", "last", "-w", str(ws), env=env).stdout
     overlayrec("mount", str(ws), env=env)
     try:
         overlayrec("revert", str(ws), "--session", "last", "--yes", env=env)
