@@ -395,11 +395,18 @@ def _refuse_a_moved_record(ws: str) -> None:
 
 
 def _refuse_nested(ws: str) -> None:
-    """A mount inside another overlayrec mount would record its changes twice, the outer
-    record blaming the inner daemon for all of them (an outside process): refused."""
+    """A mount inside another overlayrec mount, or over one, would record its changes twice,
+    the outer record blaming the inner daemon for all of them (an outside process), or the
+    inner one the outer: refused."""
     outer = state.overlayrec_mount_containing(ws)
     if outer is not None and outer != ws:
         raise Fail(f"{ws} is inside the overlayrec mount {outer}, which records it already")
+    # and the other way: the inner record would blame this daemon for every change made
+    # through the new mount beneath it (the daemon writes there, not the process)
+    inner = state.overlayrec_mounts_beneath(ws)
+    if inner:
+        raise Fail(f"{ws} holds the overlayrec mount {inner[0]}, which records that part of "
+                   f"it already: unmount it first (overlayrec umount {inner[0]})")
 
 
 def _check_secrets(patterns) -> None:
@@ -419,6 +426,7 @@ def _spawn_daemon(ws: str, sd: str, *, durable=False, allow_other=False, timeout
                   max_bytes=None) -> int:
     """Start the daemon in its own process and wait until the mount is ready; its pid."""
     import subprocess
+    _refuse_nested(ws)  # mount, run and a revert's own mount alike
     sock = os.path.join(sd, "control.sock")
     if len(os.fsencode(sock)) > SOCKET_PATH_MAX:
         # the hooks reach the daemon by this path (nc -U, the client): it must fit as it is

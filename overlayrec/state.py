@@ -556,6 +556,12 @@ def overlayrec_mount_containing(path: str) -> str | None:
     return best
 
 
+def overlayrec_mounts_beneath(path: str) -> list[str]:
+    """The overlayrec mounts strictly beneath ``path``."""
+    top = path.rstrip("/") + "/"
+    return sorted(mp for mp in overlayrec_mounts() if mp.startswith(top))
+
+
 def mount_id_at(path: str) -> int | None:
     found = None
     try:

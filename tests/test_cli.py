@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import needs_fuse, overlayrec, is_mounted
+from conftest import force_unmount, needs_fuse, overlayrec, is_mounted
 from overlayrec.journal import Journal, JournalError, schema
 
 
@@ -507,3 +507,31 @@ def test_session_last_names_the_session_begun_last(tmp_path):
         assert (ws / "f").read_text() == "a\nb\n" and not (ws / "g").exists()
     finally:
         overlayrec("umount", str(ws), env=env, check=False)
+
+
+@needs_fuse
+def test_a_mount_over_a_recorded_workspace_beneath_is_refused(make_mount, tmp_path):
+    """The other way round from a mount inside a mount: a directory holding a recorded
+    workspace that is mounted.  The inner record then blamed the outer daemon (an outside
+    process) for every change made through the outer mount, each recorded twice.  Refused by
+    mount, by run and by a revert's own mount, naming the inner mount."""
+    m = make_mount()
+    inner = os.path.join(m.ws, "inner")
+    os.mkdir(inner)
+    with open(os.path.join(inner, "f"), "w") as f:
+        f.write("a\n")
+    env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "x"))
+    overlayrec("mount", inner, env=env)
+    try:
+        want = (f"{m.ws} holds the overlayrec mount {inner}, which records that part of it "
+                f"already: unmount it first (overlayrec umount {inner})")
+        for args in (("mount", m.ws, "--state-dir", m.state),
+                     ("run", "-w", m.ws, "--state-dir", m.state, "--", "true")):
+            one_line_error(overlayrec(*args, check=False, env=env), want)
+            assert not is_mounted(m.ws)
+    finally:
+        m.umount()  # (had it been mounted, it would cover the inner mount)
+        overlayrec("umount", inner, env=env, check=False)
+        force_unmount(inner)
+    m.mount()  # and once it is gone, the outer workspace mounts
+    assert is_mounted(m.ws)
