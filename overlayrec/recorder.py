@@ -1609,6 +1609,7 @@ class Recorder:
             if served is not None and seen and self._around(pre, seen[-1], served):
                 events.append(_around_event(p, pre))
             events.append({"op": "seal", "path": p, "pre": pre, "actor": "overlayrec"})
+        self._ctimes_after_reads([(e["path"], e["pre"]) for e in events if e["op"] == "seal"])
         try:
             self.journal.append_many(events, [])
         except JournalError as e:
@@ -1624,6 +1625,20 @@ class Recorder:
             self.unsealed.pop(p, None)
             self.served.pop(p, None)
         return len(events)
+
+    def _ctimes_after_reads(self, sealed: list[tuple[str, dict]]) -> None:
+        """Files their owner may not read were read by the owner's leave (a chmod and back:
+        underlay.reopen_own), which moves the ctime, also under the other names of a linked
+        one sealed earlier in the pass: their seals take the ctime as the pass left it, or no
+        reader (who may not read them) could ever find them as sealed."""
+        for path, pre in sealed:
+            if pre["kind"] != "file" or pre.get("mode", 0) & stat.S_IRUSR:
+                continue
+            st = self._in_parent(path, lambda dfd, name: underlay.lstat_at(dfd, name)
+                                 if name else os.fstat(dfd), lambda: None)
+            if st is not None and (st.st_ino, st.st_size, st.st_mtime_ns) == \
+                    (pre.get("ino"), pre.get("size"), pre.get("mtime_ns")):
+                pre["ctime_ns"] = st.st_ctime_ns
 
     @staticmethod
     def _around(seal: dict, ctime_ns: int, served: int) -> bool:
@@ -1679,6 +1694,14 @@ class Recorder:
             checked += 1
             seal = j.event(seq)["pre"]
             if self._holds(name, seal):
+                if seal["kind"] == "file" and not seal.get("mode", 0) & stat.S_IRUSR:
+                    # its owner may not read it: the check read it by the owner's leave, which
+                    # moved its ctime, or it moved at the last seal of another of its names
+                    again = dict(seal)
+                    self._ctimes_after_reads([(name, again)])
+                    if again.get("ctime_ns") != seal.get("ctime_ns"):
+                        events.append({"op": "seal", "path": name, "pre": again,
+                                       "actor": "overlayrec"})
                 continue
             drifted += 1
             events.append({"op": "drift", "path": name, "pre": seal, "epoch": True,
