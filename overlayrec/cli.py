@@ -347,6 +347,36 @@ def mount(workspace, state_dir, foreground, allow_other, durable, record_data, s
                         record_data=record_data, secret=secret,
                         no_default_secrets=no_default_secrets, max_bytes=max_bytes)
     click.echo(f"mounted {ws} (daemon pid {pid}, journal {os.path.join(sd, 'journal')})")
+    _warn_holders(ws, {os.getpid(), pid})
+
+
+def _warn_holders(ws: str, exclude: set[int]) -> None:
+    """Say which processes work in the workspace beneath the new mount: a shell or an editor
+    whose directory was entered before it writes around the recorder, unrecorded (and a file
+    a call changes meanwhile is then not the call's alone: docs/design.md)."""
+    holders = state.underlay_holders(ws, exclude)
+    if not holders:
+        return
+    click.echo(f"overlayrec: warning: {len(holders)} process(es) work in {ws} beneath the "
+               "mount, around the recorder: their changes are not recorded (a shell there "
+               "re-enters through the mount with `cd .`):", err=True)
+    for h in holders[:5]:
+        click.echo(f"  {h['pid']:>7} {h['command']:<16} {'; '.join(h['holds'][:2])}", err=True)
+    if len(holders) > 5:
+        click.echo(f"  ... and {len(holders) - 5} more (overlayrec status)", err=True)
+
+
+def _ancestors(pid: int) -> set[int]:
+    """``pid`` and its parents, up to init."""
+    out = set()
+    while pid > 1 and pid not in out:
+        out.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return out
 
 
 def _mount_state_dir(ws: str, state_dir: str | None) -> str:
@@ -1169,9 +1199,11 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
         _check_secrets(secret)
         sd = state.check_state_dir(ws, _mount_state_dir(ws, state_dir))
         state.make_state_dir(sd)
-        _spawn_daemon(ws, sd, record_data=record_data, secret=secret,
-                      no_default_secrets=no_default_secrets, max_bytes=max_bytes)
+        daemon_pid = _spawn_daemon(ws, sd, record_data=record_data, secret=secret,
+                                   no_default_secrets=no_default_secrets, max_bytes=max_bytes)
         mounted_here = True
+        # the shell that started this run waits for it: only the others write around us
+        _warn_holders(ws, _ancestors(os.getpid()) | {daemon_pid})
     elif secret or no_default_secrets:  # the daemon there applies the list it mounted with
         click.echo(f"overlayrec: warning: {ws} is already mounted: --secret and "
                    "--no-default-secrets apply at mount only", err=True)

@@ -535,3 +535,28 @@ def test_a_mount_over_a_recorded_workspace_beneath_is_refused(make_mount, tmp_pa
         force_unmount(inner)
     m.mount()  # and once it is gone, the outer workspace mounts
     assert is_mounted(m.ws)
+
+
+@needs_fuse
+def test_mount_and_run_name_the_processes_that_work_around_the_recorder(make_mount):
+    """A process whose directory was entered before the mount writes beneath it, unrecorded;
+    only `status` said so.  `mount` and `run` say so when they mount (run leaving out the
+    shell that started it, which waits for it)."""
+    import subprocess
+    m = make_mount()
+    around = subprocess.Popen(["sleep", "60"], cwd=m.ws)
+    try:
+        r = overlayrec("mount", m.ws, "--state-dir", m.state)
+        assert "around the recorder" in r.stderr and f"{around.pid} sleep" in r.stderr
+        m.umount()
+        # run from a shell in the workspace: the shell is not named, the other process is
+        r = subprocess.run(["bash", "-c", f"{sys.executable} -m overlayrec run --state-dir "
+                            f"{m.state} -- true"], cwd=m.ws, capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 0, r.stderr
+        named = [line.split()[0] for line in r.stderr.splitlines()
+                 if line.startswith("  ") and line.split()[0].isdigit()]
+        assert named == [str(around.pid)], r.stderr
+    finally:
+        around.kill()
+        around.wait()
