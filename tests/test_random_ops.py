@@ -160,12 +160,22 @@ NO_DAC = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search",
           "--inh-caps", "-dac_override,-dac_read_search"]
 OWNER_OPS = OPS.replace("mode = rnd.choice([0o600, 0o644, 0o755])",
                         "mode = rnd.choice([0o600, 0o644, 0o755, 0o200, 0o000, 0o400])")
+# and its directories made read-only, or searchable and not listable
+OWNER_DIR_OPS = OWNER_OPS.replace(
+    '"truncate", "mmap", "utime",', '"truncate", "mmap", "utime", "chmod_dir",').replace(
+    '        elif op == "mmap":',
+    '        elif op == "chmod_dir":\n'
+    '            os.chmod(p.split("/")[0], rnd.choice([0o755, 0o500, 0o700, 0o300]))\n'
+    '        elif op == "mmap":')
 
 
 # seed 5 failed before the seals of a linked write-only file took the ctime their pass left
 @needs_root
-@pytest.mark.parametrize("seed", range(1, 11))
-def test_random_operations_of_an_owner_that_may_not_read_everything(tmpbase, seed):
+@pytest.mark.parametrize("ops,seed", [("files", s) for s in range(1, 11)] +
+                         [("dirs", s) for s in range(1, 6)])
+def test_random_operations_of_an_owner_that_may_not_read_everything(tmpbase, ops, seed):
+    program = OWNER_OPS if ops == "files" else OWNER_DIR_OPS
+    assert 'elif op == "chmod_dir"' in OWNER_DIR_OPS and "0o200, 0o000" in OWNER_OPS
     native, ws, sd = (os.path.join(tmpbase, d) for d in ("native", "ws", "sd"))
     for d in (native, ws):
         os.makedirs(d)
@@ -184,8 +194,8 @@ def test_random_operations_of_an_owner_that_may_not_read_everything(tmpbase, see
     # daemon, without those capabilities, may not
     ovr("mount", ws, "--state-dir", sd)
     try:
-        want = as_owner("-c", OWNER_OPS, str(seed), "300", cwd=native).stdout
-        got = as_owner("-c", OWNER_OPS, str(seed), "300", cwd=ws).stdout
+        want = as_owner("-c", program, str(seed), "300", cwd=native).stdout
+        got = as_owner("-c", program, str(seed), "300", cwd=ws).stdout
         assert got == want
         ovr("umount", ws)
         assert tree(ws, xattrs=True) == tree(native, xattrs=True)
