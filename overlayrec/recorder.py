@@ -380,6 +380,7 @@ class Recorder:
         # path -> when the daemon last changed what it holds (time.time_ns(), just before):
         # a file whose ctime is later at its seal was changed around the mount (seal)
         self.served: dict[str, int] = {}
+        self.served_ino: dict[int, int] = {}  # inode -> when a name of it came or went
         self.attic_fd = self._open_attic()
         # a file of another filesystem mounted inside the workspace cannot go to the attic
         # (a rename or a link across filesystems fails): _copy_elsewhere
@@ -984,7 +985,7 @@ class Recorder:
             st = os.fstat(src_fd)
         except OSError:
             return
-        self.served[source] = time.time_ns()  # a name more: its ctime moved
+        self._stamp_names(st)  # a name more: its ctime moved
         self._named(st, source, ev["path"])
         self._capture_afresh((st.st_dev, st.st_ino))
 
@@ -1202,12 +1203,10 @@ class Recorder:
             del self.served[p]  # moved or gone: not checked at their seal
 
     def _stamp_names(self, st: os.stat_result) -> None:
-        """The inode ``st`` loses or gains a name: its ctime moves under its other names too
-        (``served``, seal)."""
-        if st.st_nlink > 1 and self.names:
-            now = time.time_ns()
-            for n in self.names.get((st.st_dev, st.st_ino), ()):
-                self.served[n] = now
+        """The inode ``st`` loses or gains a name: its ctime moves under its other names too,
+        known or not (a link made before the mount): ``served_ino``, seal."""
+        if st.st_nlink > 1:
+            self.served_ino[st.st_ino] = time.time_ns()
 
     def _end_runs(self, st: os.stat_result, name: str) -> None:
         """A linked inode has a new name (``name``): the write runs through its other names end
@@ -1606,6 +1605,8 @@ class Recorder:
             except OSError as e:  # an unreadable path stays unsealed: its chain ends live
                 log.warning("cannot seal %s: %s", p, e)
                 continue
+            if served is not None and pre.get("ino") in self.served_ino:
+                served = max(served, self.served_ino.pop(pre["ino"]))
             if served is not None and seen and self._around(pre, seen[-1], served):
                 events.append(_around_event(p, pre))
             events.append({"op": "seal", "path": p, "pre": pre, "actor": "overlayrec"})

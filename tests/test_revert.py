@@ -610,3 +610,31 @@ def test_a_change_around_the_mount_during_a_call_is_never_taken_for_the_calls(ma
         assert f.read() == "a\nb\nuser\n"  # the user's line stays
     with open(os.path.join(m.ws, "k")) as f:
         assert f.read() == "k\n"
+
+
+def test_the_calls_own_later_changes_are_never_taken_for_changes_around_the_mount(
+        make_mount, tmp_path):
+    """The other side of the check above: what the call itself does to a file well after its
+    first change (another write, a touch, a chmod, an mmap flushed late, a chown to the owner
+    it has, a link made and removed, a descriptor written again) moves the ctime through the
+    daemon, which stamps it each time: no drift event, and the call reverts whole."""
+    files = {n: f"{n}\n".encode() for n in "abcdeghi"}
+    m = setup_ws(make_mount, tmp_path, files)
+    m.mount()
+    before = tree_of(m.ws)
+    run_call(m, tmp_path, textwrap.dedent('''
+        echo 1 >> a; sleep 0.7; echo 2 >> a
+        echo 1 >> b; sleep 0.7; touch -d 2001-01-01 b
+        echo 1 >> c; sleep 0.7; chmod 600 c
+        python3 -c "
+        import mmap, os, time
+        fd = os.open('d', os.O_RDWR); m = mmap.mmap(fd, 2); m[0:1] = b'X'; time.sleep(0.7)
+        m.flush(); m.close(); os.close(fd)"
+        echo 1 >> e; sleep 0.7; chown "$(id -u)" e
+        echo 1 >> g; ln g g2; sleep 0.7; rm g2
+        ln h h2; echo 1 >> h; sleep 0.7; rm h2
+        exec 3>>i; echo 1 >&3; sleep 0.7; echo 2 >&3; exec 3>&-
+        sleep 0.7'''))
+    assert overlayrec("log", m.ws, "--op", "drift").stdout == ""
+    overlayrec("revert", m.ws, "--call", "c1", "--yes")
+    assert tree_of(m.ws) == before
