@@ -1573,12 +1573,6 @@ class Recorder:
             if pre["kind"] == "file" and pre["size"] <= self.whole_file_limit:
                 fd = underlay.open_own(dfd, name, os.O_RDONLY | os.O_NONBLOCK)
                 try:
-                    if not st.st_mode & stat.S_IRUSR:
-                        # the read bit its owner may have granted itself for this read
-                        # (underlay.reopen_own) moved the ctime
-                        now = os.fstat(fd)
-                        if (now.st_size, now.st_mtime_ns) == (st.st_size, st.st_mtime_ns):
-                            pre["ctime_ns"] = now.st_ctime_ns
                     if keep:
                         pre["blob"] = pre["hash"] = self.content.put_range(fd, 0, pre["size"])
                     else:
@@ -1709,6 +1703,7 @@ class Recorder:
                            "unit": "outside:" + UNMOUNTED, "actor": UNMOUNTED})
             events.append({"op": "seal", "path": name, "pre": self._seal_pre(name),
                            "actor": "overlayrec"})
+            self._ctimes_after_reads([(name, events[-1]["pre"])])
             if len(events) >= 512:
                 j.append_many(events, [])
                 events = []

@@ -91,6 +91,15 @@ class Owner:
         self.run([sys.executable, "-m", "overlayrec", "run", "--state-dir", self.sd,
                   "--session", "s", "--", sys.executable, "-c", AGENT % (steps,)], cwd=self.ws)
 
+    def refused(self, *args, needles=()) -> str:
+        """``overlayrec ARGS`` refused in one line, no traceback: the line."""
+        r = self.ask(*args, check=False)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode != 0 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+        for n in needles:
+            assert n in lines[0], lines[0]
+        return lines[0]
+
     def umount(self) -> None:
         if is_mounted(self.ws):
             self.ask("umount", self.ws, check=False)
@@ -103,14 +112,12 @@ class Owner:
 
 def tree(ws: str) -> dict:
     """Every file as root reads it: mode and content (the attic left out)."""
-    out = {}
-    for name in sorted(os.listdir(ws)):
-        if name == ".overlayrec-attic":
-            continue
-        p = os.path.join(ws, name)
-        with open(p, "rb") as f:
-            out[name] = (oct(os.lstat(p).st_mode), f.read())
-    return out
+    return {p: (m, d) for p, (m, d) in held(tree_of(ws)).items() if d is not None}
+
+
+def held(snapshot: dict) -> dict:
+    """A ``tree_of`` snapshot without the inode numbers: what each path holds."""
+    return {p: (m, d) for p, (m, _, d) in snapshot.items()}
 
 
 @needs_fuse
@@ -157,10 +164,8 @@ def test_write_only_files_are_recorded_read_and_reverted_by_their_owners_daemon(
         r = ask("diff", ws, "--drift", "--json")
         assert json.loads(r.stdout)["unreadable"] == ["x"]
         ask("mount", ws, "--state-dir", sd)
-        r = ask("revert", ws, "--call", "c2", "--yes", check=False)
-        lines = r.stderr.strip().splitlines()
-        assert r.returncode != 0 and len(lines) == 1 and "Traceback" not in r.stderr
-        assert "unrecorded: x" in lines[0] and "no read permission" in lines[0], lines
+        u.refused("revert", ws, "--call", "c2", "--yes",
+                  needles=("unrecorded: x", "no read permission"))
         ask("umount", ws)
         assert tree(ws)["x"] == ("0o100200", b"other\n")
         assert "Traceback" not in u.daemon_log()
@@ -196,9 +201,7 @@ def test_directories_their_owner_may_not_search_or_list(tmpbase, owner):
         assert " drift " in ask("log", ws).stdout
 
         for call, note in (("c1", "cannot be reached"), ("c2", "cannot be listed")):
-            r = ask("revert", ws, "--call", call, "--yes", check=False)
-            lines = r.stderr.strip().splitlines()
-            assert r.returncode != 0 and len(lines) == 1 and note in lines[0], r.stderr
+            u.refused("revert", ws, "--call", call, "--yes", needles=(note,))
 
         # once they can be seen: the user's edit is a conflict and stays, the rest goes back
         u.sh("chmod 700 d e2")
@@ -238,9 +241,7 @@ def test_a_file_of_another_owner_that_none_may_read(tmpbase, owner):
         r = u.ask("diff", u.ws, "--call", "c2", "--json")
         assert json.loads(r.stdout)["unreadable"] == ["sub/moved"]
         u.ask("mount", u.ws, "--state-dir", u.sd)
-        r = u.ask("revert", u.ws, "--call", "c1", "--yes", check=False)
-        lines = r.stderr.strip().splitlines()
-        assert r.returncode != 0 and len(lines) == 1 and "unrecorded: theirs" in lines[0]
+        u.refused("revert", u.ws, "--call", "c1", "--yes", needles=("unrecorded: theirs",))
         u.ask("revert", u.ws, "--call", "c1", "--force", "--yes")
         u.ask("umount", u.ws)
         with open(os.path.join(u.ws, "mine")) as f:
@@ -287,8 +288,7 @@ def test_a_directory_left_read_only_is_reverted_into(tmpbase, owner):
             u.ask("unrevert", u.ws, "--yes")
         u.ask("umount", u.ws)
         now = tree_of(u.ws)
-        assert {p: (m, d) for p, (m, _, d) in now.items()} == \
-            {p: (m, d) for p, (m, _, d) in after.items()}
+        assert held(now) == held(after)
         # a mode put back in place: the file is the same inode (its links, its attributes)
         u.ask("mount", u.ws, "--state-dir", u.sd)
         u.ask("revert", u.ws, "--call", "c2", "--yes")
@@ -298,8 +298,7 @@ def test_a_directory_left_read_only_is_reverted_into(tmpbase, owner):
         for i in (3, 1):
             u.ask("revert", u.ws, "--call", f"c{i}", "--yes")
         u.ask("umount", u.ws)
-        assert {p: (m, d) for p, (m, _, d) in tree_of(u.ws).items()} == \
-            {p: (m, d) for p, (m, _, d) in before.items()}
+        assert held(tree_of(u.ws)) == held(before)
         assert "Traceback" not in u.daemon_log()
     finally:
         u.umount()
@@ -322,8 +321,7 @@ def test_a_workspace_made_read_only_is_mounted_again_to_revert_it(tmpbase, owner
         u.ask("mount", u.ws, "--state-dir", u.sd)
         u.ask("revert", u.ws, "--call", "c1", "--yes")
         u.ask("umount", u.ws)
-        assert {p: (m, d) for p, (m, _, d) in tree_of(u.ws).items()} == \
-            {p: (m, d) for p, (m, _, d) in before.items()}
+        assert held(tree_of(u.ws)) == held(before)
         assert os.stat(u.ws).st_mode == root_mode
         assert "Traceback" not in u.daemon_log()
     finally:

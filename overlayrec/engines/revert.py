@@ -620,24 +620,9 @@ def _write_in_place(dfd: int, name: str, t: State) -> str | None:
         return None
     if not _in_live_group(st, t):
         return None
-    try:
-        fd = os.open(name, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                     dir_fd=dfd)
-    except PermissionError:
-        return None  # a read-only file: replaced whole (the group is not kept)
-    try:
-        now = os.fstat(fd)
-        if not stat.S_ISREG(now.st_mode) or now.st_ino != t.ino:
-            return None  # swapped meanwhile: write it the usual way
-        os.ftruncate(fd, 0)
-        view = memoryview(t.data)
-        while view:
-            view = view[os.write(fd, view):]
-    finally:
-        os.close(fd)
-    problem = set_meta(dfd, name, t)
-    return FAILED + "restored in place, but " + problem if problem else \
-        "restored in place (hard-link group)"
+    # swapped meanwhile: written the usual way; a read-only file: replaced whole (the group
+    # is not kept)
+    return _write_into(dfd, name, t, lambda now: now.st_ino == t.ino, "hard-link group")
 
 
 def _overwrite(dfd: int, name: str, t: State) -> str | None:
@@ -645,14 +630,22 @@ def _overwrite(dfd: int, name: str, t: State) -> str | None:
     does not undo that): no temporary file can be made there, so the content goes into the
     live file, unlinked, as ``cat > file`` would put it (not atomic).  None: not this case
     (no such file, or one the revert may not write either)."""
+    return _write_into(dfd, name, t, lambda now: now.st_nlink == 1,
+                       "its directory is read-only")
+
+
+def _write_into(dfd: int, name: str, t: State, fits, why: str) -> str | None:
+    """The target's content written into the live regular file ``name`` where ``fits(its
+    fstat)``, then its mode and owner; None when it cannot be opened for writing or does not
+    fit."""
     try:
         fd = os.open(name, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
                      dir_fd=dfd)
     except OSError:
         return None
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        now = os.fstat(fd)
+        if not stat.S_ISREG(now.st_mode) or not fits(now):
             return None
         os.ftruncate(fd, 0)
         view = memoryview(t.data)
@@ -662,7 +655,7 @@ def _overwrite(dfd: int, name: str, t: State) -> str | None:
         os.close(fd)
     problem = set_meta(dfd, name, t)
     return FAILED + "restored in place, but " + problem if problem else \
-        "restored in place (its directory is read-only)"
+        f"restored in place ({why})"
 
 
 def _meta_in_place(dfd: int, name: str, t: State) -> str | None:
