@@ -477,9 +477,11 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
 
 def unseen_links(side, paths: list[str]) -> list[str]:
     """The ``paths`` whose file was changed in place (the same inode before and after) while
-    it had more names than the record saw change with it: the names of a hard link made
-    outside the mount, which the daemon learns only once it has reached the inode by each
-    (docs/design.md, "Known limits").  Their change is in no patch, and the diff says so."""
+    it had more names than the record saw: the names of a hard link made outside the mount,
+    which the daemon learns only once it has reached the inode by each (docs/design.md, "Known
+    limits").  Their change is in no patch, and the diff says so.  A name the selection saw
+    (one it touched that held the inode before or after, or one its events saw hold it, such as
+    a link made through the mount and removed again) is no such name."""
     from .engines.states import ABSENT
     out = []
     for p in paths:
@@ -487,8 +489,10 @@ def unseen_links(side, paths: list[str]) -> list[str]:
         if b.kind != "file" or a.kind != "file" or b.nlink < 2 or not b.ino or \
                 a.ino != b.ino or b.data == a.data:
             continue
-        seen = sum(1 for q in paths if side.before.get(q, ABSENT).ino == b.ino)
-        if seen < b.nlink:
+        seen = {q for q in side.before if side.before[q].ino == b.ino
+                or side.after.get(q, ABSENT).ino == b.ino}
+        seen |= side.linked.get(b.ino, set())
+        if len(seen) < b.nlink:
             out.append(p)
     return out
 

@@ -458,3 +458,47 @@ def test_a_change_to_a_file_with_names_the_record_never_saw_says_so(make_mount, 
     assert js["unseen_links"] == ["b/second.txt"], js
     m.umount()
     assert open(os.path.join(m.ws, "a", "w.txt")).read() == "orig\nmore\n"  # changed there
+
+
+def test_a_link_made_in_the_call_itself_is_no_name_the_record_never_saw(make_mount, tmp_path):
+    """A call that links a file through the mount and writes it (``ln a b && echo >> b``), or
+    links it, writes it and removes the link again, changed no name the record did not see:
+    the diff names no unseen link (it did, taking the second name for one made outside the
+    mount).  With a link made before the mount beside such a one, the unseen name is still
+    said."""
+    m = linked_before_mount(make_mount())
+    for name in ("p.txt", "q.txt"):
+        m.sh(f"echo {name} > {name}")
+    agent = tmp_path / "agent.py"
+    agent.write_text(textwrap.dedent(r'''
+        import os
+        from overlayrec import client
+        with client.connect() as c:
+            c.call_begin("kept", "Bash")
+            os.link("p.txt", "p2.txt")
+            with open("p2.txt", "a") as f:
+                f.write("more\n")
+            c.call_end("kept")
+            c.call_begin("gone", "Bash")
+            os.link("q.txt", "q2.txt")
+            with open("q.txt", "a") as f:
+                f.write("more\n")
+            os.unlink("q2.txt")
+            c.call_end("gone")
+            c.call_begin("hidden", "Bash")
+            os.link("b/second.txt", "third.txt")
+            with open("third.txt", "a") as f:
+                f.write("more\n")
+            os.unlink("third.txt")
+            c.call_end("hidden")
+    '''))
+    overlayrec("run", "-w", m.ws, "--", sys.executable, str(agent), cwd=m.ws)
+    for call, status in (("kept", "M\tp.txt\nA\tp2.txt\n"), ("gone", "M\tq.txt\n")):
+        r = overlayrec("diff", m.ws, "--call", call, "--name-status")
+        assert (r.stdout, r.stderr) == (status, ""), (call, r.stdout, r.stderr)
+        assert json.loads(overlayrec("diff", m.ws, "--call", call, "--json").stdout)[
+            "unseen_links"] == [], call
+    js = json.loads(overlayrec("diff", m.ws, "--call", "hidden", "--json").stdout)
+    assert js["unseen_links"] == ["b/second.txt"], js
+    m.umount()
+    assert open(os.path.join(m.ws, "a", "w.txt")).read() == "orig\nmore\n"

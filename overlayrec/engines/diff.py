@@ -7,7 +7,7 @@ touched between the turn's begin and end; for a range, every path changed in it.
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..journal import Journal
 from ..journal.schema import AROUND, CONTROL_OPS, MARK_OPS, is_dir_rename
@@ -24,6 +24,9 @@ class Side:
     before: dict[str, State]
     after: dict[str, State]
     writers: dict[str, set[str]]   # path -> units that changed it in the selection
+    # inode -> the names the selection's events saw it hold when it had several (a write's
+    # pre-image and its aliases'): a hard link made and removed in the selection is seen too
+    linked: dict[int, set[str]] = field(default_factory=dict)
 
 
 def file_events(j: Journal, lo: int = 1, hi: int | None = None) -> list[dict]:
@@ -195,6 +198,11 @@ def side_of(states: States, events: list[dict], bounds: tuple[int, int] | None =
     as export's).  ``settle``: a path's after side is read where the writes of a run still
     writing at its last event were done (States.settle; a States too)."""
     spans, writers = spans_of(states, events, bounds, keep=keep)
+    linked: dict[int, set[str]] = {}
+    for e in events:
+        pre = e.get("pre")
+        if pre and pre.get("ino") and pre.get("nlink", 1) > 1 and e.get("path") is not None:
+            linked.setdefault(pre["ino"], set()).add(e["path"])
     before = {p: states.state(p, lo) for p, (lo, _) in spans.items()}
     if read_ahead:
         states.read_live_ahead((p, hi) for p, (_, hi) in spans.items())
@@ -203,7 +211,7 @@ def side_of(states: States, events: list[dict], bounds: tuple[int, int] | None =
         for p, st in after.items():
             if not st.exact and st.kind == "file":
                 after[p] = states.state(p, states.settle(p, spans[p][1]))
-    return Side(before, after, writers)
+    return Side(before, after, writers, linked)
 
 
 class Net:
