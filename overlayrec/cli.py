@@ -1695,6 +1695,11 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
                     if not as_json:
                         click.echo("preview only: run again with --yes to revert")
                     return
+            if resume is None:  # before the plan is saved: a refusal here changes nothing
+                try:
+                    reverts.check_room(ws, plan, under.root_fd)
+                except reverts.RevertError as e:
+                    raise Fail(str(e)) from None
             shown_progress = readers.Progress("reverting", not as_json)
             try:
                 rec = reverts.carry_out(ws, sd, plan, content, unreverts=unreverts,

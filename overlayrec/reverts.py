@@ -17,8 +17,8 @@ import os
 import time
 
 from . import client, state
-from .engines.revert import Plan, apply_step, failed, make_plan, order, plan_from_json, \
-    plan_to_json
+from .engines.revert import Plan, apply_step, bytes_written, failed, make_plan, order, \
+    plan_from_json, plan_to_json
 
 
 class RevertError(Exception):
@@ -121,6 +121,55 @@ def conflict_summary(plan: Plan) -> str:
     for s in plan.conflicts:
         kinds.setdefault(s.conflict, []).append(shown(s.path))
     return "; ".join(f"{k}: {', '.join(v)}" for k, v in sorted(kinds.items()))
+
+
+def attic_droppable(under_fd: int) -> int:
+    """The bytes the mount may free by dropping attic entries when the workspace's filesystem
+    is full (Recorder.reclaim): entries whose attic link is their only one."""
+    from .recorder import ATTIC_NAME, ATTIC_OWN
+    try:
+        dfd = os.open(ATTIC_NAME, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                      dir_fd=under_fd)
+    except OSError:
+        return 0
+    total = 0
+    try:
+        for e in os.scandir(dfd):
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if e.name not in ATTIC_OWN and e.is_file(follow_symlinks=False) and \
+                    st.st_nlink == 1:
+                total += st.st_blocks * 512
+    finally:
+        os.close(dfd)
+    return total
+
+
+def check_room(ws: str, plan: Plan, under_fd: int) -> None:
+    """RevertError, before anything is changed, when the workspace's filesystem has no room
+    for what the revert writes (engines.revert.bytes_written), counting what the mount may
+    free by dropping attic entries: a revert stopped half way by a full disk stays pending
+    (to be continued or rolled back), where one refused here changes nothing."""
+    from .views import human_size
+    need = bytes_written(plan)
+    if not need:
+        return
+    vfs = os.statvfs(ws)
+    free = vfs.f_bavail * vfs.f_frsize
+    if free >= need:
+        return
+    droppable = attic_droppable(under_fd)
+    if free + droppable >= need:
+        return
+    raise RevertError(
+        f"nothing reverted: the revert writes {human_size(need)} into the workspace, whose "
+        f"filesystem has {human_size(free)} free"
+        + (f" (and {human_size(droppable)} of old pre-images the record would give up)"
+           if droppable else "")
+        + "; the files it replaces free no room (the record keeps them, for unrevert): "
+        "free some room, or revert fewer paths (--path)")
 
 
 def carry_out(ws: str, sd: str, plan: Plan, content, *, unreverts: str | None = None,

@@ -370,3 +370,82 @@ def test_the_map_grows_with_the_data_and_readers_follow(tmp_path, monkeypatch):
             reader.wait()
     finally:
         j.close()
+
+
+# -- a revert into a full workspace -------------------------------------------------------------
+
+CALL = r'''
+import subprocess, sys
+from overlayrec import client
+with client.connect() as c:
+    c.call_begin("c1", "Bash")
+    subprocess.run(["bash", "-c", sys.argv[1]], check=True)
+    c.call_end("c1")
+'''
+
+
+@needs_fuse
+@needs_root
+@pytest.mark.timeout(int(90 * SLOW))
+def test_a_revert_without_room_changes_nothing_and_leaves_nothing(make_mount, tmp_path):
+    """A revert that must write more than the workspace's filesystem has room for (the files
+    it replaces free none: the record keeps them) is refused before anything changes: one
+    line that says so and what to do, no pending revert to continue or roll back, no temp
+    file left in the workspace (one was: 11 MB of a half-written `.x.bin.overlayrec-revert-N`,
+    and the revert stayed pending).  Once room is made, the same revert goes through."""
+    m = make_mount()
+    with tmpfs(os.path.join(m.base, "wsfs"), "10m") as wsfs:
+        m.ws = os.path.join(wsfs, "ws")
+        os.mkdir(m.ws)
+        old = os.urandom(3 << 20)
+        with open(os.path.join(m.ws, "x.bin"), "wb") as f:
+            f.write(old)
+        (tmp_path / "call.py").write_text(CALL)
+        try:
+            m.mount()
+            overlayrec("run", "-w", m.ws, "--", sys.executable, str(tmp_path / "call.py"),
+                       "head -c 3M /dev/urandom > x.bin", cwd=m.ws)
+            new = open(os.path.join(m.ws, "x.bin"), "rb").read()
+            assert new != old and len(new) == len(old)
+            filler = fill(m.ws, "filler", 1 << 20)  # through the mount: recorded, as a user's
+            listing = sorted(os.listdir(m.ws))
+            r = overlayrec("revert", m.ws, "--call", "c1", "--yes", check=False)
+            assert r.returncode == 1, (r.stdout, r.stderr)
+            err = r.stderr.strip()
+            assert err.startswith("overlayrec: error: nothing reverted: the revert writes 3.0 MiB "
+                                  "into the workspace, whose filesystem has "), err
+            assert "free some room" in err and "\n" not in err and "Traceback" not in err, err
+            assert sorted(os.listdir(m.ws)) == listing  # no temp file
+            assert open(os.path.join(m.ws, "x.bin"), "rb").read() == new
+            assert "pending revert" not in overlayrec("status", m.ws).stdout
+            os.truncate(filler, 0)  # a truncation frees room (an unlink would keep it)
+            overlayrec("revert", m.ws, "--call", "c1", "--yes")
+            assert open(os.path.join(m.ws, "x.bin"), "rb").read() == old
+            assert sorted(os.listdir(m.ws)) == listing
+        finally:
+            m.umount()
+
+
+@needs_root
+@pytest.mark.timeout(int(30 * SLOW))
+def test_a_revert_step_stopped_by_a_full_disk_leaves_no_temp_file(tmp_path):
+    """Past the room check (another writer filled the disk meanwhile), a step whose write the
+    filesystem refuses removes its temp file and names the path and what to do; the revert
+    stays pending, to be continued or rolled back."""
+    from overlayrec.engines.revert import Step, apply_step
+    from overlayrec.engines.states import State
+    with tmpfs(str(tmp_path / "small"), "2m") as small:
+        with open(os.path.join(small, "big"), "wb") as f:
+            f.write(b"old\n")
+        root = os.open(small, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            step = Step("big", State("file", 0o644, os.urandom(3 << 20)),
+                        State("file", 0o644, b"old\n"))
+            with pytest.raises(OSError) as e:
+                apply_step(root, step, {})
+        finally:
+            os.close(root)
+        assert e.value.errno == errno.ENOSPC and e.value.filename == "big", e.value
+        assert "overlayrec revert --continue" in e.value.strerror, e.value
+        assert os.listdir(small) == ["big"]
+        assert open(os.path.join(small, "big"), "rb").read() == b"old\n"

@@ -283,6 +283,26 @@ def _find_partners(plan: Plan, live: Tree, candidates) -> None:
 NAME_MAX = 255
 
 
+def bytes_written(plan: Plan) -> int:
+    """About how many bytes of the workspace's filesystem carrying out ``plan`` takes: each
+    file it writes anew, in whole blocks, once for a hard-link group (the group's other names
+    are linked).  A file it replaces frees nothing: the mount keeps it as the revert's own
+    pre-image (the attic, or the state dir), so unrevert can put it back."""
+    need, groups = 0, set()
+    for s in plan.steps:
+        t = s.target
+        if s.conflict or t.kind != "file" or not t.data:
+            continue
+        if s.expected.kind == "file" and s.expected.data == t.data:
+            continue  # its mode and owner, set in place
+        if link_key(t):
+            if (link_key(t) in groups or link_key(t) in plan.partners):
+                continue
+            groups.add(link_key(t))
+        need += -(-len(t.data) // 4096) * 4096
+    return need
+
+
 def temp_name(name: str, tag: str) -> str:
     """``.{name}.{tag}``, with ``name`` cut (on a character boundary) so that the whole fits in
     NAME_MAX *bytes*: a long UTF-8 name still gets a temporary name beside it."""
@@ -486,6 +506,12 @@ def apply_step(root_fd: int, step: Step, made: dict | None = None) -> str:
         raise PermissionError(e.errno, f"cannot be written ({os.strerror(e.errno)}): {why}, "
                               "then `overlayrec revert --continue`, or `overlayrec unrevert`",
                               step.path) from None
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise OSError(e.errno, f"cannot be written ({os.strerror(e.errno)}): free room on the "
+                      "workspace's filesystem, then `overlayrec revert --continue`, or "
+                      "`overlayrec unrevert`", step.path) from None
     finally:
         os.close(dfd)
 
@@ -556,8 +582,11 @@ def _apply_in(root_fd: int, dfd: int, name: str, step: Step, made: dict | None) 
             view = memoryview(t.data)
             while view:
                 view = view[os.write(fd, view):]
-        finally:
+        except BaseException:
             os.close(fd)
+            _remove(dfd, tmp)  # a full filesystem leaves no half-written temp file behind
+            raise
+        os.close(fd)
     elif t.kind in ("fifo", "socket", "device"):
         try:
             make_node(dfd, tmp, t)
