@@ -1484,7 +1484,13 @@ def replay(workspace, at, dest, full, state_dir, as_json):
         # built beside dest and renamed into place when complete: a failure leaves no dest
         full_from = f"/proc/self/fd/{tree.root_fd}" if full else None
         states = States(j, tree)
-        out = do_replay(j, states, point, dest, full_from)
+        try:
+            out = do_replay(j, states, point, dest, full_from)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise Fail(f"cannot write {dest}: {os.strerror(e.errno)} (nothing written there: "
+                       "free some room, or replay elsewhere)") from None
         out["drifted"] = states.drift()
     except SelectionError as e:
         raise Fail(str(e)) from None

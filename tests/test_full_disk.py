@@ -449,3 +449,25 @@ def test_a_revert_step_stopped_by_a_full_disk_leaves_no_temp_file(tmp_path):
         assert "overlayrec revert --continue" in e.value.strerror, e.value
         assert os.listdir(small) == ["big"]
         assert open(os.path.join(small, "big"), "rb").read() == b"old\n"
+
+
+@needs_fuse
+@needs_root
+@pytest.mark.timeout(int(60 * SLOW))
+def test_a_replay_into_a_full_filesystem_says_so_and_leaves_nothing(make_mount, tmp_path):
+    """`replay --to` a directory on a filesystem without room for the tree: one line naming
+    the destination (it was a bare "No space left on device"), and nothing left there."""
+    m = make_mount()
+    m.mount()
+    try:
+        m.sh("head -c 3M /dev/urandom > big.bin && echo small > s.txt")
+    finally:
+        m.umount()
+    with tmpfs(str(tmp_path / "small"), "1m") as small:
+        dest = os.path.join(small, "out")
+        r = overlayrec("replay", m.ws, "--at", str(10 ** 6), "--to", dest, check=False)
+        assert r.returncode == 1, (r.stdout, r.stderr)
+        assert r.stderr.strip() == (f"overlayrec: error: cannot write {dest}: No space left on "
+                                    "device (nothing written there: free some room, or replay "
+                                    "elsewhere)"), r.stderr
+        assert os.listdir(small) == []
