@@ -315,6 +315,7 @@ def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool, record_da
             control.budget_due = True  # a session can go now: the budget is looked at
     calls.on_unit_end = on_unit_end
     ops = Operations(recorder, root_fd, fault_name=os.environ.get("OVERLAYREC_INJECT_FAULT"))
+    recorder.on_around = ops.forget_cached
     options = set(pyfuse3.default_options) | {f"fsname={state.FSNAME}", f"subtype={state.FSNAME}"}
     if allow_other:
         options.add("allow_other")

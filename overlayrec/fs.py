@@ -240,6 +240,34 @@ class Operations(pyfuse3.Operations):
             inode = inode.parent
         return "/".join(reversed(parts)) if inode is self.root else None
 
+    def forget_cached(self, path: str) -> None:
+        """``path`` was changed or removed around the mount (Recorder.seal found it so): the
+        kernel's cache of it, its entry, its attributes and pages and its directory's listing,
+        is dropped, so that processes using the mount see what it holds now rather than what
+        the daemon last served (until TIMEOUT; the pages, for as long as they stay cached)."""
+        parent, _, name = path.rpartition("/")
+        try:
+            pfd = underlay.open_beneath(self.root.opath, parent) if parent else \
+                os.dup(self.root.opath)
+        except OSError:
+            return  # its directory is gone too: the kernel learns so at its next lookup
+        try:
+            pst = os.fstat(pfd)
+            pino = self.by_key.get((pst.st_dev, pst.st_ino))
+            inode = self._known_at(pfd, name) if name else None
+        finally:
+            os.close(pfd)
+        if pino is None:
+            return  # the kernel was never given the directory: nothing of it is cached
+        if name:
+            pyfuse3.invalidate_entry_async(pino, os.fsencode(name), ignore_enoent=True)
+        for ino in (pino, inode.fuse_ino if inode is not None else None):
+            if ino is not None:
+                try:  # no writeback cache (enable_writeback_cache): this never blocks
+                    pyfuse3.invalidate_inode(ino)
+                except OSError as e:
+                    log.debug("cannot invalidate inode %d: %s", ino, e)
+
     # -- inodes ---------------------------------------------------------------------------------
     def _inode(self, ino: int) -> Inode:
         try:

@@ -174,7 +174,9 @@ class _Mutation:
         return self.seq
 
     def __exit__(self, typ, e, tb) -> bool:
-        if typ is not None and issubclass(typ, OSError):
+        if typ is None:
+            self.rec._left_by(self.ev)
+        elif issubclass(typ, OSError):
             self.rec._note_failed(self.seq, self.ev.get("path"), e.errno, self.actor["key"])
         return False
 
@@ -381,6 +383,13 @@ class Recorder:
         # a file whose ctime is later at its seal was changed around the mount (seal)
         self.served: dict[str, int] = {}
         self.served_ino: dict[int, int] = {}  # inode -> when a name of it came or went
+        # path -> the kind of what the daemon's last change to it left there (None: it removed
+        # it), for the paths it changed since their seal: a file found absent at its seal that
+        # the daemon left there was removed around the mount (seal)
+        self.left: dict[str, str | None] = {}
+        # told each path a seal found changed around the mount (the daemon drops the kernel's
+        # cache of it: fs.Operations.forget_cached)
+        self.on_around: Callable[[str], None] | None = None
         self.attic_fd = self._open_attic()
         # a file of another filesystem mounted inside the workspace cannot go to the attic
         # (a rename or a link across filesystems fails): _copy_elsewhere
@@ -856,6 +865,21 @@ class Recorder:
             if ep is not None:
                 ep.last = seq
 
+    def _left_by(self, ev: dict) -> None:
+        """The underlay took ``ev``'s change: what it left at its paths (``left``)."""
+        op, path, left = ev["op"], ev["path"], self.left
+        kind = _LEFT_KIND.get(op, "")
+        if kind != "":
+            left[path] = kind
+        elif op == "rename":
+            exchange = ev.get("flags", 0) & underlay.RENAME_EXCHANGE
+            left[path] = ev["pre2"]["kind"] if exchange else None
+            left[ev["path2"]] = ev["pre"]["kind"]
+        elif op == "mknod":
+            left[path] = preimage.kind_of(ev["mode"])
+        elif path not in left and "pre" in ev:  # a change in place: the kind it had
+            left[path] = ev["pre"].get("kind")
+
     def _note_failed(self, seq: int, path: str | None, err: int | None, actor_key: str) -> None:
         """Journal that the underlay refused event ``seq``.  When the journal cannot take the
         note now (its filesystem is full too), it goes with the next event that commits."""
@@ -1201,6 +1225,8 @@ class Recorder:
         self.unsealed.update(ended)
         for p in [p for p in self.served if p.startswith(beneath)]:
             del self.served[p]  # moved or gone: not checked at their seal
+        for p in [p for p in self.left if p.startswith(beneath)]:
+            del self.left[p]
 
     def _stamp_names(self, st: os.stat_result) -> None:
         """The inode ``st`` loses or gains a name: its ctime moves under its other names too,
@@ -1372,6 +1398,7 @@ class Recorder:
         ev["offset"], ev["length"] = off, length
         ev["actor"] = handle.actor["key"]
         handle.write_seq = self._append(ev, handle.actor)
+        self.left[handle.path] = "file"
         handle.epoch = self.epochs.get(handle.path)
         handle.reset_extent(off, length, self.journal.last_reserved())
         return handle.write_seq
@@ -1603,6 +1630,11 @@ class Recorder:
                 served = max(served, self.served_ino.pop(pre["ino"]))
             if served is not None and seen and self._around(pre, seen[-1], served):
                 events.append(_around_event(p, pre))
+            elif served is not None and pre["kind"] == "absent" and \
+                    self.left.get(p) == "file" and not p.startswith(_ATTIC_SLASH):
+                # the daemon left a file there, and no change of its removed it: a process
+                # that bypassed the mount did, while the unit went on
+                events.append(_around_event(p, {"kind": "file"}))
             events.append({"op": "seal", "path": p, "pre": pre, "actor": "overlayrec"})
         self._ctimes_after_reads([(e["path"], e["pre"]) for e in events if e["op"] == "seal"])
         try:
@@ -1619,6 +1651,14 @@ class Recorder:
             self.epochs.pop(p, None)
             self.unsealed.pop(p, None)
             self.served.pop(p, None)
+            self.left.pop(p, None)
+        if self.on_around is not None:
+            for e in events:
+                if e["op"] == "drift":
+                    try:
+                        self.on_around(e["path"])
+                    except Exception:  # the record is whole; only a cache is left as it was
+                        log.exception("cannot drop the kernel's cache of %s", e["path"])
         return len(events)
 
     def _ctimes_after_reads(self, sealed: list[tuple[str, dict]]) -> None:
@@ -1759,6 +1799,11 @@ class Recorder:
 # a file's ctime later than the daemon's last change to it by this much was changed around the
 # mount (kernel clocks are coarse, and a change is made just after its stamp)
 AROUND_SLACK_NS = 500_000_000
+
+
+# what a change leaves at its path, by op ("": it depends, Recorder._left_by)
+_LEFT_KIND = {"create": "file", "link": "file", "mkdir": "dir", "symlink": "symlink",
+              "unlink": None, "rmdir": None}
 
 
 def _around_event(path: str, seal: dict) -> dict:

@@ -590,11 +590,12 @@ def test_a_change_around_the_mount_during_a_call_is_never_taken_for_the_calls(ma
                              f"sleep 1; echo user >> f; touch {hand}/done"], cwd=m.ws)
     try:
         m.mount()
-        run_call(m, tmp_path, f"echo b >> f && echo kk >> k && touch {hand}/go && "
-                              f"while [ ! -e {hand}/done ]; do sleep 0.05; done")
+        # (its read leaves f's pages and size in the kernel's cache)
+        run_call(m, tmp_path, f"echo b >> f && cat f >/dev/null && echo kk >> k && "
+                              f"touch {hand}/go && while [ ! -e {hand}/done ]; do sleep 0.05; done")
     finally:
         user.wait(timeout=30)
-    with open(os.path.join(m.ws, "f")) as f:
+    with open(os.path.join(m.ws, "f")) as f:  # through the mount: the cache of f was dropped
         assert f.read() == "a\nb\nuser\n"
     drifts = [json.loads(line) for line in
               overlayrec("log", m.ws, "--op", "drift", "--json").stdout.splitlines()]
@@ -638,3 +639,42 @@ def test_the_calls_own_later_changes_are_never_taken_for_changes_around_the_moun
     assert overlayrec("log", m.ws, "--op", "drift").stdout == ""
     overlayrec("revert", m.ws, "--call", "c1", "--yes")
     assert tree_of(m.ws) == before
+
+
+def test_a_removal_around_the_mount_during_a_call_is_never_taken_for_the_calls(make_mount,
+                                                                               tmp_path):
+    """The shell around the mount removes files while the call that made or edited them goes
+    on.  The seal found them absent and the record took the removal for the call's: its diff
+    showed an edited file deleted, and a file it made never there.  Now a file the daemon
+    left there and no change of its removed is a drift of `outside:around` at the seal: the
+    diff says so, and a revert of the call refuses the edited file (what the call left is
+    gone with it) and leaves alone what is already as it was before the call."""
+    m = setup_ws(make_mount, tmp_path, {"f": b"a\n", "k": b"k\n"})
+    hand = tmp_path / "hand"
+    hand.mkdir()
+    user = subprocess.Popen(["bash", "-c", f"while [ ! -e {hand}/go ]; do sleep 0.05; done; "
+                             f"sleep 1; rm f new; touch {hand}/done"], cwd=m.ws)
+    try:
+        m.mount()
+        run_call(m, tmp_path, f"echo b >> f && echo n > new && echo kk >> k && "
+                              f"touch {hand}/go && while [ ! -e {hand}/done ]; do sleep 0.05; done")
+    finally:
+        user.wait(timeout=30)
+    assert sorted(os.listdir(m.ws)) == ["k"]
+    # through the mount, whose cache of the names was dropped once the seal found them gone
+    assert not os.path.exists(os.path.join(m.ws, "new"))
+    assert not os.path.exists(os.path.join(m.ws, "f"))
+    drifts = [json.loads(line) for line in
+              overlayrec("log", m.ws, "--op", "drift", "--json").stdout.splitlines()]
+    assert sorted((e["path"], e["unit"]) for e in drifts) == [("f", "outside:around"),
+                                                             ("new", "outside:around")]
+    d = json.loads(overlayrec("diff", m.ws, "--call", "c1", "--json").stdout)
+    assert sorted(d["changed_around"]) == ["f", "new"] and "k" not in d["inexact"], d
+    assert "changed around the mount" in overlayrec("diff", m.ws, "--call", "c1").stderr
+    r = overlayrec("revert", m.ws, "--call", "c1", "--yes", check=False)
+    assert r.returncode != 0 and "unrecorded: f" in r.stderr, r.stderr
+    assert "new" not in r.stdout  # absent, as before the call: nothing to do there
+    overlayrec("revert", m.ws, "--call", "c1", "--force", "--yes")
+    assert sorted(os.listdir(m.ws)) == ["k"]  # the user's removal stays
+    with open(os.path.join(m.ws, "k")) as f:
+        assert f.read() == "k\n"

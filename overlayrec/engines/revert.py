@@ -150,6 +150,11 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
             # a directory on its way is now a symlink (or a file) the plan does not itself
             # replace by a directory: never followed
             step.conflict = "escape"
+        elif (p in unrecorded or not expected.exact) and target.exact and \
+                live.state(p).exact and target.same(live.state(p)):
+            # what the selection left is not known, but the path holds what the revert would
+            # put back (a file it made, removed around the mount): nothing to do
+            continue
         elif p in unrecorded or not target.exact or not expected.exact:
             step.conflict = "unrecorded"
             if target.withheld or expected.withheld:

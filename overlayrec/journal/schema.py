@@ -54,7 +54,9 @@ Sub-databases of the LMDB environment:
               ``pre`` the seal they depart from.  Or found at a seal: a file whose ctime is
               later than the daemon's last change to it was changed around the mount while
               its unit went on: unit ``outside:around``, ``pre`` its kind, mode and owner with
-              ``"unkept": true`` (what the unit left is not known); the seal follows.
+              ``"unkept": true`` (what the unit left is not known); the seal follows.  Or
+              a file the daemon left there that the seal finds absent (removed around the
+              mount): ``pre`` ``{"kind": "file", "unkept": true}``.
               ``reclaim`` events change no path (they have none): the workspace's filesystem
               refused a change for want of space, so the daemon dropped attic entries to free
               it, journaled ahead of the drop (or, when the journal itself was full, with the
