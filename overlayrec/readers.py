@@ -239,6 +239,8 @@ def turn_lines(rows: list[dict], churn: bool, as_json: bool) -> Parts:
         paths = fold(r, touched=churn)
         prompt = one_line((r["prompt"] or "").splitlines()[0][:50]) if r["prompt"] else ""
         shared = f"  [shared with {one_line(', '.join(r['others']))}]" if r["others"] else ""
+        if r.get("around"):
+            shared += f"  [{AROUND_LINE}{one_line(', '.join(r['around'][:6]))}]"
         out.append(f"{one_line(r['session']):<14.14} {r['index']:>3} {fmt_time(r['begin_t'])} "
                    f"{r['touched_files' if churn else 'files']:>4} files  {paths:<40}  "
                    f"{prompt}{shared}")
@@ -269,6 +271,9 @@ def text_of_lines(lines: list[str]) -> Parts:
     return parts
 
 
+# what a listing says of a unit's paths a seal found changed around the mount
+AROUND_LINE = "changed around the mount meanwhile (what it left is not known): "
+
 # a call's line; %-formatting: a quarter less time than the f-string's specs on 10k rows
 _CALL_LINE = "%-14.14s %3s %-24.24s %-10.10s %4d files  %-40.40s  %s"
 _UNDER_CALL = " " * 20  # its paths' line
@@ -284,6 +289,7 @@ def call_lines(pairs: list[tuple[dict, dict]], churn: bool, as_json: bool) -> Pa
             row = {**c, **fields}  # as listings.call_rows merges them (no key is in both)
             if row.get("touched") is None:
                 row["touched"] = row["paths"]
+            row.setdefault("around", [])  # a row kept before the field was made
             out.append(json.dumps(row))
         return text_of_lines(out)
     from .views import one_line, shown
@@ -306,6 +312,9 @@ def call_lines(pairs: list[tuple[dict, dict]], churn: bool, as_json: bool) -> Pa
             text += (" " if text else "") + f"+ {n_git} under .git/"
         if text:
             out.append(under + text)
+        if f.get("around"):  # (a row kept before the field was made has none)
+            out.append(under + AROUND_LINE + ", ".join(map(shown, f["around"][:6]))
+                       + (" ..." if len(f["around"]) > 6 else ""))
     return text_of_lines(out)
 
 

@@ -166,7 +166,8 @@ def turn_fields(j: Journal, t: dict, last: int, net, actors: dict) -> dict:
         else:
             others.add(writer_name(j, e.get("unit") or "outside:" + e["actor"], actors))
     fields = unit_listing(net, mine, (t["begin_seq"], t["end_seq"] or last))
-    return {**fields, "others": sorted(others), "seq": [t["begin_seq"], t["end_seq"]]}
+    return {**fields, "others": sorted(others), "seq": [t["begin_seq"], t["end_seq"]],
+            "around": _around(net, mine)}
 
 
 def call_rows(j: Journal, sid: str | None = None, turn: int | None = None, net=None
@@ -206,7 +207,15 @@ def call_fields(j: Journal, evs: list[dict], net, actors: dict) -> dict:
         if name not in procs:
             procs.append(name)
     return {**unit_listing(net, evs), "processes": procs, "events": len(evs),
-            "late_events": sum(1 for e in evs if e.get("after_end"))}
+            "late_events": sum(1 for e in evs if e.get("after_end")),
+            "around": _around(net, evs)}
+
+
+def _around(net, evs: list[dict]) -> list[str]:
+    """The unit's paths changed around the mount while it went on (engines.diff.Net.around);
+    none known without a net."""
+    around = getattr(net, "around", None)
+    return around(evs) if around is not None else []
 
 
 def session_summary(j: Journal, sid: str, net=None) -> list[str]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import stat
 import subprocess
 import sys
 import textwrap
@@ -324,5 +325,63 @@ def test_a_workspace_made_read_only_is_mounted_again_to_revert_it(tmpbase, owner
         assert held(tree_of(u.ws)) == held(before)
         assert os.stat(u.ws).st_mode == root_mode
         assert "Traceback" not in u.daemon_log()
+    finally:
+        u.umount()
+
+
+def kinds_of(ws: str) -> dict:
+    """Every path beneath ``ws`` as root reads it, fifos and symlinks too: kind and mode, a
+    file's content, a symlink's target (the attic left out)."""
+    out = {}
+    for top, dirs, files in os.walk(ws):
+        dirs[:] = [d for d in dirs if d != ".overlayrec-attic"]
+        for name in dirs + files:
+            p = os.path.join(top, name)
+            st = os.lstat(p)
+            what = None
+            if stat.S_ISREG(st.st_mode):
+                with open(p, "rb") as f:
+                    what = f.read()
+            elif stat.S_ISLNK(st.st_mode):
+                what = os.readlink(p)
+            out[os.path.relpath(p, ws)] = (oct(st.st_mode), what)
+    return out
+
+
+@needs_fuse
+@needs_root
+@pytest.mark.parametrize("owner", sorted(OWNERS))
+def test_other_shapes_beneath_a_directory_its_owner_may_not_search(tmpbase, owner):
+    """Beneath a directory a call leaves unsearchable (``chmod 600 d``): a path of some 3,800
+    bytes, a fifo, a symlink to a directory outside the workspace that its owner may not
+    search either, and a symlink to ``d`` itself.  The seals hold (none fails, none blocks on
+    the fifo), nothing outside the workspace has its mode moved, and once ``d`` may be searched
+    again a revert of the call gives back the tree as it was (but for ``d``'s mode, which the
+    user set since: a conflict the revert leaves)."""
+    u = Owner(tmpbase, owner)
+    outside = os.path.join(u.base, "outside")
+    os.mkdir(outside, 0o600)
+    os.chown(outside, *(os.stat(u.ws).st_uid,) * 2)
+    deep = "/".join(["x" * 200] * 19)
+    u.sh(f"mkdir -p d/{deep} && echo a > d/{deep}/f && echo k > d/k")
+    before = kinds_of(u.ws)
+    try:
+        u.agent([f"echo b > d/{deep}/f && mkfifo d/p && ln -s {outside} d/out && ln -s d s && "
+                 "echo c > d/k && chmod 600 d"])
+        log = u.daemon_log()
+        assert "cannot seal" not in log and "Traceback" not in log, log[-2000:]
+        assert oct(os.stat(outside).st_mode) == oct(stat.S_IFDIR | 0o600)
+        got = json.loads(u.ask("diff", u.ws, "--call", "c1", "--json").stdout)
+        changed = {f["path"] for f in got["files"]} | {x["path"] for x in got["not_in_patch"]}
+        assert {f"d/{deep}/f", "d/k", "d/p", "d/out", "s"} <= changed, sorted(changed)
+        u.sh("chmod 700 d")
+        u.ask("mount", u.ws, "--state-dir", u.sd)
+        u.ask("revert", u.ws, "--call", "c1", "--force", "--yes")
+        u.ask("umount", u.ws)
+        now = kinds_of(u.ws)
+        assert now.pop("d") == (oct(stat.S_IFDIR | 0o700), None)
+        before.pop("d")
+        assert now == before
+        assert oct(os.stat(outside).st_mode) == oct(stat.S_IFDIR | 0o600)
     finally:
         u.umount()

@@ -602,6 +602,8 @@ def test_a_change_around_the_mount_during_a_call_is_never_taken_for_the_calls(ma
     assert [(e["path"], e["unit"]) for e in drifts] == [("f", "outside:around")]
     d = json.loads(overlayrec("diff", m.ws, "--call", "c1", "--json").stdout)
     assert d["changed_around"] == ["f"] and "f" in d["inexact"] and "k" not in d["inexact"]
+    row, = [json.loads(line) for line in overlayrec("calls", m.ws, "--json").stdout.splitlines()]
+    assert row["around"] == ["f"], row
     r = overlayrec("diff", m.ws, "--call", "c1")
     assert "changed around the mount" in r.stderr
     r = overlayrec("revert", m.ws, "--call", "c1", "--yes", check=False)
@@ -637,6 +639,8 @@ def test_the_calls_own_later_changes_are_never_taken_for_changes_around_the_moun
         exec 3>>i; echo 1 >&3; sleep 0.7; echo 2 >&3; exec 3>&-
         sleep 0.7'''))
     assert overlayrec("log", m.ws, "--op", "drift").stdout == ""
+    row, = [json.loads(line) for line in overlayrec("calls", m.ws, "--json").stdout.splitlines()]
+    assert row["around"] == [], row
     overlayrec("revert", m.ws, "--call", "c1", "--yes")
     assert tree_of(m.ws) == before
 
@@ -670,6 +674,11 @@ def test_a_removal_around_the_mount_during_a_call_is_never_taken_for_the_calls(m
                                                              ("new", "outside:around")]
     d = json.loads(overlayrec("diff", m.ws, "--call", "c1", "--json").stdout)
     assert sorted(d["changed_around"]) == ["f", "new"] and "k" not in d["inexact"], d
+    # the listing says it too, on the call's row
+    assert "changed around the mount meanwhile (what it left is not known): f, new" in \
+        overlayrec("calls", m.ws).stdout
+    row, = [json.loads(line) for line in overlayrec("calls", m.ws, "--json").stdout.splitlines()]
+    assert row["around"] == ["f", "new"], row
     assert "changed around the mount" in overlayrec("diff", m.ws, "--call", "c1").stderr
     r = overlayrec("revert", m.ws, "--call", "c1", "--yes", check=False)
     assert r.returncode != 0 and "unrecorded: f" in r.stderr, r.stderr

@@ -236,6 +236,26 @@ class Net:
         return changed, spans.keys()
 
 
+    def around(self, evs: list[dict]) -> list[str]:
+        """The paths of one unit's events that a seal found changed around the mount after
+        the unit's last change to each (a drift of ``outside:around`` next in the path's
+        chain, Recorder.seal): what the unit left there is not known."""
+        last: dict[str, int] = {}
+        for e in evs:
+            for p in _paths(e):
+                last[p] = e["seq"]
+        unit = "outside:" + AROUND
+        out = []
+        for p, seq in last.items():
+            for f in self.states.chain_on(p):
+                if f["seq"] <= seq or f["op"] == "seal":
+                    continue
+                if f["op"] == "drift" and f.get("unit") == unit:
+                    out.append(p)
+                break
+        return sorted(out)
+
+
 def net_of(states: States, preload: bool = True) -> Net:
     """A Net over ``states``; ``preload``: for a listing of (nearly) the whole journal, every
     path's chain read in one pass first."""
