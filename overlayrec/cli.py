@@ -2023,7 +2023,7 @@ def fetch(remote, into, as_json):
     from .engines.gitdiff import GitError
     from .engines.travel import fetch as do_fetch, default_records_dir
     try:
-        out = do_fetch(remote, into or default_records_dir())
+        out = do_fetch(remote, into or default_records_dir(), private=not into)
     except GitError as e:
         raise Fail(str(e)) from None
     if as_json:

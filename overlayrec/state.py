@@ -191,6 +191,28 @@ def write_private(path: str, data: bytes, durable: bool = False) -> None:
     os.replace(tmp, path)
 
 
+def tighten_tree(path: str) -> None:
+    """A tree of ours made for the user alone where an older overlayrec let git make it by the
+    umask (a diff's object store, 0755): directories 0700, files without the group's and
+    others' bits (git's read-only objects stay read-only).  Only when ``path`` itself is
+    looser, so a store tightened once is not walked again."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not _stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or \
+            not _stat.S_IMODE(st.st_mode) & 0o077:
+        return
+    for top, dirs, files in os.walk(path, topdown=False):
+        for name in files + dirs:
+            p = os.path.join(top, name)
+            st = os.lstat(p)
+            if st.st_uid == os.geteuid() and not _stat.S_ISLNK(st.st_mode):
+                os.chmod(p, DIR_MODE if _stat.S_ISDIR(st.st_mode)
+                         else _stat.S_IMODE(st.st_mode) & 0o700)
+    os.chmod(path, DIR_MODE)
+
+
 class private_umask:
     """``with private_umask():`` a block that makes state-dir files through code that takes no
     mode (git, LMDB) makes them for the user alone.  The umask is per process: not for a block

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -174,6 +175,52 @@ def test_everything_kept_is_0700_or_0600_under_umask_000(session):
     assert os.path.exists(s.registry())
     attic = os.lstat(os.path.join(s.ws, ".overlayrec-attic"))
     assert stat.S_IMODE(attic.st_mode) == 0o700
+
+
+def assert_private(top: str) -> int:
+    """Every directory beneath ``top`` 0700, every file without group or other bits; how many
+    paths were looked at."""
+    n = 0
+    for p, st in walk(top):
+        mode = stat.S_IMODE(st.st_mode)
+        if stat.S_ISDIR(st.st_mode):
+            assert mode == 0o700, (p, oct(mode))
+        else:
+            assert not mode & 0o077, (p, oct(mode))
+        n += 1
+    return n
+
+
+@needs_fuse
+def test_what_readers_and_records_that_travel_make_is_private_too(session, tmpbase):
+    """Under the usual umask (022): the object store a diff or a report makes in the state
+    dir (it was 0755, its files 0644: only the export's was made under a private umask), the
+    origin file a push keeps, and the records a fetch brings into overlayrec's state home.
+    An object store an older overlayrec left so is tightened when it is next used."""
+    s = session
+    record(s)
+    shutil.rmtree(os.path.join(s.sd, "git"))
+    old = os.umask(0o022)
+    try:
+        s.run("diff", s.ws, "--call", "c1", "--binary")
+        s.run("report", s.ws, "--html", os.path.join(tmpbase, "r.html"))
+        remote = os.path.join(tmpbase, "remote.git")
+        subprocess.run(["git", "init", "-q", "--bare", remote], check=True)
+        s.run("export", "git", s.ws, "--push", remote)
+        s.run("fetch", remote)
+    finally:
+        os.umask(old)
+    assert os.path.exists(os.path.join(s.sd, "git", "HEAD"))
+    assert os.path.exists(os.path.join(s.xdg, "overlayrec", "records.git", "HEAD"))
+    assert any(n.startswith("export-") for n in os.listdir(s.sd))
+    assert assert_private(s.sd) > 20
+    assert assert_private(os.path.join(s.xdg, "overlayrec")) > 20
+    # a store left by an older overlayrec: tightened at its next use
+    store = os.path.join(s.sd, "git")
+    subprocess.run(["chmod", "-R", "go+rX", store], check=True)
+    assert stat.S_IMODE(os.stat(os.path.join(store, "HEAD")).st_mode) == 0o644
+    s.run("diff", s.ws, "--call", "c2")
+    assert_private(s.sd)
 
 
 @needs_fuse

@@ -95,6 +95,10 @@ class Exporter:
                 self.done = json.load(f)
         except (OSError, ValueError):
             self.done = {"horizon": 0, "paths": [], "sessions": {}}
+        if not self._store_holds_done():
+            # the store lost what an earlier run wrote (removed by hand, say, to free room):
+            # exported anew, or nothing would be written and no ref would name anything
+            self.done = {"horizon": 0, "paths": [], "sessions": {}}
         self.written = 0
         self.fi: FastImport | None = None
         self._evs: list[dict] | None = None
@@ -105,6 +109,16 @@ class Exporter:
 
     def _git(self, *args, input=None, env=None) -> str:
         return self.store._git(*args, input=input, env=env)
+
+    def _store_holds_done(self) -> bool:
+        """Does the store hold the head commit of every session an earlier run exported?"""
+        heads = [st["head"] for st in self.done.get("sessions", {}).values()
+                 if isinstance(st, dict) and isinstance(st.get("head"), str)]
+        if not heads:
+            return True
+        out = self._git("cat-file", "--batch-check", input="".join(
+            h + "\n" for h in heads).encode())
+        return " missing" not in out
 
     def run(self, progress=None) -> dict:
         horizon = self.j.last_seq()

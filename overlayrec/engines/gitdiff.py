@@ -84,6 +84,13 @@ class ObjectStore:
 
     def __init__(self, state_dir: str, git_dir: str | None = None, workspace: str | None = None):
         self.git_dir = git_dir or os.path.join(state_dir, "git")
+        # the private store is the user's alone whatever their umask (docs/storage.md): every
+        # git it runs makes its files so (a diff's blobs too, not only an export's); a
+        # repository the user names keeps the modes their git gives it
+        self.umask = 0o077 if git_dir is None else -1
+        if git_dir is None:
+            from ..state import tighten_tree
+            tighten_tree(self.git_dir)
         if not os.path.exists(os.path.join(self.git_dir, "HEAD")):
             if git_dir is not None:
                 raise GitError(f"{git_dir} is not a git repository")
@@ -106,7 +113,7 @@ class ObjectStore:
     def _git(self, *args, input=None, env=None, git_dir=True) -> str:
         cmd = ["git", *args]
         r = subprocess.run(cmd, input=input, capture_output=True,
-                           env=env or (self.env if git_dir else None))
+                           env=env or (self.env if git_dir else None), umask=self.umask)
         if r.returncode != 0:
             raise GitError(f"git {args[0]} failed: {r.stderr.decode(errors='replace').strip()}")
         for line in r.stderr.decode(errors="replace").splitlines():
@@ -406,7 +413,7 @@ class FastImport:
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=self.err,
             # glibc otherwise gives memory back and asks for it again for every object (tens
             # of thousands of brk calls: most of fast-import's time on a long session)
-            env=dict(store.env, MALLOC_TOP_PAD_=str(64 << 20)))
+            env=dict(store.env, MALLOC_TOP_PAD_=str(64 << 20)), umask=store.umask)
         self.out = self.proc.stdin
         self.buf = bytearray()
         self.n = 0

@@ -46,8 +46,8 @@ def origin_name(state_file: str, workspace: str, given: str | None = None) -> st
         pass
     name = (f"{_clean(socket.gethostname())}-{_clean(os.path.basename(workspace) or 'root')}"
             f"-{secrets.token_hex(4)}")
-    with open(state_file, "w") as f:
-        json.dump({"origin": name}, f)
+    from ..state import write_private
+    write_private(state_file, json.dumps({"origin": name}).encode())
     return name
 
 
@@ -97,19 +97,26 @@ def default_records_dir() -> str:
     return os.path.join(state_home(), "overlayrec", "records.git")
 
 
-def fetch(remote: str, into: str) -> dict:
+def fetch(remote: str, into: str, private: bool = False) -> dict:
     """Bring every origin's refs from ``remote`` into the bare repository ``into`` (made when
-    missing); git fetches only what is new."""
+    missing); git fetches only what is new.  ``private`` (the default records dir, in
+    overlayrec's state home): its files are the user's alone whatever their umask."""
+    umask = 0o077 if private else -1
+    if private:
+        from ..state import tighten_tree
+        tighten_tree(into)
     if not os.path.exists(os.path.join(into, "HEAD")):
-        r = subprocess.run(["git", "init", "-q", "--bare", into], capture_output=True)
+        r = subprocess.run(["git", "init", "-q", "--bare", into], capture_output=True,
+                           umask=umask)
         if r.returncode != 0:
             raise GitError(f"git init {into} failed: {_git_says(r.stderr)}")
     r = subprocess.run(["git", "fetch", "--no-write-fetch-head", "--porcelain", remote,
-                        f"+{ORIGINS}/*:{ORIGINS}/*"], capture_output=True, env=_user_env(into))
+                        f"+{ORIGINS}/*:{ORIGINS}/*"], capture_output=True, env=_user_env(into),
+                       umask=umask)
     if r.returncode != 0 and b"porcelain" in r.stderr:   # a git before 2.41: no --porcelain
         r = subprocess.run(["git", "fetch", "--no-write-fetch-head", remote,
                             f"+{ORIGINS}/*:{ORIGINS}/*"], capture_output=True,
-                           env=_user_env(into))
+                           env=_user_env(into), umask=umask)
     if r.returncode != 0:
         raise GitError(f"git fetch from {remote} failed: {_git_says(r.stderr)}")
     recs = Records(into)
