@@ -1144,10 +1144,13 @@ def hook_command(agent: str = "claude-code", event: str | None = None) -> str:
     return agents.hook_command(agent, event)
 
 
+PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
+
+
 def _set_subreaper() -> None:
     import ctypes
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     except (OSError, AttributeError):
         pass
 

@@ -534,7 +534,7 @@ def _apply_in(root_fd: int, dfd: int, name: str, step: Step, made: dict | None) 
         try:
             _remove(dfd, name)
         except OSError as e:
-            if e.errno == 39:  # ENOTEMPTY: unrecorded files live in it; keep it
+            if e.errno == errno.ENOTEMPTY:  # unrecorded files live in it; keep it
                 return "kept (not empty)"
             raise
         return "removed"
