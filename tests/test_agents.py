@@ -298,6 +298,26 @@ def test_install_hooks_user_and_refusals(tmp_path):
     assert (bad / "hooks.json").read_text() == "{not json"
     r = overlayrec("install-hooks", "nope", "--user", env=env, check=False)
     assert r.returncode == 2
+    # an event's entries of another shape than a list: taken apart, the user's value was lost
+    # ({"a": 1} became ["a", ours]); now the file is left as it is.  A group whose "hooks" is
+    # of another shape is kept as it is
+    claude = tmp_path / "q" / ".claude"
+    claude.mkdir(parents=True)
+    for agent, where, text in (
+            ("claude-code", claude / "settings.json", '{"hooks": {"PreToolUse": {"a": 1}}}'),
+            ("cursor", bad / "hooks.json", '{"version": 1, "hooks": {"stop": "x"}}')):
+        where.write_text(text)
+        r = overlayrec("install-hooks", agent, "--project", str(where.parent.parent),
+                       check=False)
+        assert r.returncode == 1 and "is not a list; not touching it" in r.stderr, r.stderr
+        assert r.stderr.count("\n") == 1 and where.read_text() == text
+    odd = {"hooks": {"Stop": [{"matcher": "*", "hooks": "keep me"}]}}
+    (claude / "settings.json").write_text(json.dumps(odd))
+    overlayrec("install-hooks", "claude-code", "--project", str(tmp_path / "q"))
+    got = json.loads((claude / "settings.json").read_text())
+    assert got["hooks"]["Stop"][0] == odd["hooks"]["Stop"][0] and len(got["hooks"]["Stop"]) == 2
+    overlayrec("install-hooks", "claude-code", "--project", str(tmp_path / "q"), "--remove")
+    assert json.loads((claude / "settings.json").read_text()) == odd
 
 
 @pytest.mark.parametrize("name", sorted(PROGRAM))

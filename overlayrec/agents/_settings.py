@@ -85,6 +85,15 @@ def write(path: str, text: str) -> None:
 
 # -- merging --------------------------------------------------------------------------------------
 
+def _listed(hooks: dict, ev: str) -> list:
+    """The entries of event ``ev`` in a hook table: a list, or the file is not touched (a
+    value of another shape would be taken apart, and the user's lost)."""
+    got = hooks.get(ev, [])
+    if not isinstance(got, list):
+        raise SettingsError(f"its \"hooks\".\"{ev}\" is not a list; not touching it")
+    return got
+
+
 def merge_grouped(settings: dict, entries: dict, agent: str, remove: bool = False) -> dict:
     """Add (or remove) our groups in a grouped hook table, keeping every other entry."""
     hooks = settings.get("hooks")
@@ -94,9 +103,9 @@ def merge_grouped(settings: dict, entries: dict, agent: str, remove: bool = Fals
         raise SettingsError("its \"hooks\" is not an object; not touching it")
     for ev in list(entries):
         kept = []
-        for group in hooks.get(ev, []):
-            if not isinstance(group, dict):
-                kept.append(group)
+        for group in _listed(hooks, ev):
+            if not isinstance(group, dict) or not isinstance(group.get("hooks", []), list):
+                kept.append(group)  # not a shape we write: not ours, kept as it is
                 continue
             cmds = [h for h in group.get("hooks", []) if not
                     (isinstance(h, dict) and ours(h.get("command"), agent))]
@@ -126,7 +135,7 @@ def merge_flat(settings: dict, entries: dict, agent: str, remove: bool = False) 
     if not isinstance(hooks, dict):
         raise SettingsError("its \"hooks\" is not an object; not touching it")
     for ev in list(entries):
-        kept = [h for h in hooks.get(ev, []) if not
+        kept = [h for h in _listed(hooks, ev) if not
                 (isinstance(h, dict) and ours(h.get("command"), agent))]
         if not remove:
             kept.extend(entries[ev])
