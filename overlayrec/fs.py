@@ -22,8 +22,10 @@ import errno
 import functools
 import logging
 import os
+import queue
 import resource
 import stat
+import threading
 import time
 
 import pyfuse3
@@ -79,6 +81,31 @@ class Inode:
         # labels on every file); xattrs change only through us, so a known absence is
         # remembered until this inode's attributes change
         self.no_xattr: frozenset[bytes] = _NO_NAMES  # shared while empty (most inodes)
+
+
+_inval_queue: "queue.SimpleQueue[int] | None" = None
+
+
+def _invalidate_inode_async(ino: int) -> None:
+    """``pyfuse3.invalidate_inode`` on a thread of its own, as pyfuse3's
+    ``invalidate_entry_async`` does for entries: the kernel drops the inode's pages one by one,
+    and waits for a page that a read request holds locked, which only this daemon's answer to
+    that request unlocks; on the serving thread that wait would never end."""
+    global _inval_queue
+    if _inval_queue is None:
+        _inval_queue = queue.SimpleQueue()
+        threading.Thread(target=_invalidating, args=(_inval_queue,), daemon=True,
+                         name="overlayrec-invalidate").start()
+    _inval_queue.put(ino)
+
+
+def _invalidating(q: "queue.SimpleQueue[int]") -> None:
+    while True:
+        ino = q.get()
+        try:
+            pyfuse3.invalidate_inode(ino)  # (the GIL let go while the kernel works)
+        except OSError as e:  # the kernel knows no such inode (forgotten meanwhile)
+            log.debug("cannot invalidate inode %d: %s", ino, e)
 
 
 class Handle:
@@ -263,10 +290,7 @@ class Operations(pyfuse3.Operations):
             pyfuse3.invalidate_entry_async(pino, os.fsencode(name), ignore_enoent=True)
         for ino in (pino, inode.fuse_ino if inode is not None else None):
             if ino is not None:
-                try:  # no writeback cache (enable_writeback_cache): this never blocks
-                    pyfuse3.invalidate_inode(ino)
-                except OSError as e:
-                    log.debug("cannot invalidate inode %d: %s", ino, e)
+                _invalidate_inode_async(ino)
 
     # -- inodes ---------------------------------------------------------------------------------
     def _inode(self, ino: int) -> Inode:

@@ -9,7 +9,9 @@ import sys
 import textwrap
 import time
 
-from conftest import needs_fuse, overlayrec, is_mounted
+import pytest
+
+from conftest import SLOW, needs_fuse, overlayrec, is_mounted
 from test_replay import tree_of
 
 pytestmark = needs_fuse
@@ -687,3 +689,89 @@ def test_a_removal_around_the_mount_during_a_call_is_never_taken_for_the_calls(m
     assert sorted(os.listdir(m.ws)) == ["k"]  # the user's removal stays
     with open(os.path.join(m.ws, "k")) as f:
         assert f.read() == "k\n"
+
+
+AROUND_AGENT = textwrap.dedent(r'''
+    import os, subprocess, sys, time
+    from overlayrec import client
+    hand, n = sys.argv[1], int(sys.argv[2])
+    with client.connect() as c:
+        for i in range(n):
+            c.call_begin(f"c{i}", "Bash")
+            subprocess.run(["bash", "-c", "echo a >> big"], check=True)
+            time.sleep(0.6)  # the change around the mount comes well after the call's own
+            open(os.path.join(hand, f"go{i}"), "w").close()
+            while not os.path.exists(os.path.join(hand, f"done{i}")):
+                time.sleep(0.01)
+            c.call_end(f"c{i}")
+''')
+
+READER = textwrap.dedent(r'''
+    import os, sys
+    path, stop = sys.argv[1], sys.argv[2]
+    while not os.path.exists(stop):
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # every read a request
+        while os.read(fd, 1 << 16):
+            pass
+        os.close(fd)
+''')
+
+
+def _abort_fuse_connection(ws: str) -> None:
+    """A daemon stuck in the kernel on its own connection dies only once the connection is
+    aborted (fusectl): so that a regression here fails the test instead of hanging it."""
+    with open("/proc/self/mountinfo") as f:
+        minor = [line.split()[2].split(":")[1] for line in f if line.split()[4] == ws]
+    if not minor:
+        return
+    conns = "/sys/fs/fuse/connections"
+    mounted = subprocess.run(["mount", "-t", "fusectl", "none", conns], capture_output=True)
+    try:
+        with open(os.path.join(conns, minor[0], "abort"), "w") as f:
+            f.write("1")
+    except OSError:
+        pass
+    finally:
+        if mounted.returncode == 0:
+            subprocess.run(["umount", conns], capture_output=True)
+
+
+@pytest.mark.timeout(int(150 * SLOW))
+def test_a_cache_dropped_at_a_seal_never_waits_for_a_read_the_daemon_must_answer(
+        make_mount, tmp_path):
+    """A seal that finds a file changed around the mount drops the kernel's cache of it; the
+    kernel then waits for each of its pages a read holds locked, and a read waits for this
+    daemon.  Done on the daemon's serving thread, the daemon hung for good there (in the
+    kernel, beyond a SIGKILL) the first time a read was under way: here, a reader reads the
+    file through the mount all along while a dozen calls end with it changed around the mount.
+    Every call ends, and each seal finds its change around the mount."""
+    m = setup_ws(make_mount, tmp_path, {"big": os.urandom(8 << 20)})
+    hand = tmp_path / "hand"
+    hand.mkdir()
+    n = 12
+    (tmp_path / "agent.py").write_text(AROUND_AGENT)
+    (tmp_path / "reader.py").write_text(READER)
+    user = subprocess.Popen(["bash", "-c", f"for i in $(seq 0 {n - 1}); do "
+                             f"while [ ! -e {hand}/go$i ]; do sleep 0.02; done; "
+                             f"echo u >> big; touch {hand}/done$i; done"], cwd=m.ws)
+    reader = None
+    try:
+        m.mount()
+        reader = subprocess.Popen([sys.executable, str(tmp_path / "reader.py"),
+                                   os.path.join(m.ws, "big"), str(hand / "stop")])
+        r = subprocess.run([sys.executable, "-m", "overlayrec", "run", "-w", m.ws, "--",
+                            sys.executable, str(tmp_path / "agent.py"), str(hand), str(n)],
+                           cwd=m.ws, capture_output=True, text=True, timeout=60 * SLOW)
+        assert r.returncode == 0, r.stderr
+        (hand / "stop").touch()
+        assert reader.wait(timeout=30) == 0
+        drifts = overlayrec("log", m.ws, "--op", "drift", "--json").stdout.splitlines()
+        assert len(drifts) == n, drifts
+    finally:
+        (hand / "stop").touch()
+        if reader is not None and reader.poll() is None:
+            _abort_fuse_connection(m.ws)
+            reader.kill()
+        user.kill()
+        user.wait(timeout=30)
