@@ -149,11 +149,12 @@ def attic_droppable(under_fd: int) -> int:
 
 def check_room(ws: str, plan: Plan, under_fd: int) -> None:
     """RevertError, before anything is changed, when the workspace's filesystem has no room
-    for what the revert writes (engines.revert.bytes_written), counting what the mount may
-    free by dropping attic entries: a revert stopped half way by a full disk stays pending
-    (to be continued or rolled back), where one refused here changes nothing."""
+    for what the revert writes at its peak (engines.revert.bytes_written), counting what the
+    mount may free by dropping attic entries: a revert stopped half way by a full disk stays
+    pending (to be continued or rolled back), where one refused here changes nothing."""
+    from .recorder import SMALL_PREIMAGE
     from .views import human_size
-    need = bytes_written(plan)
+    need = bytes_written(plan, SMALL_PREIMAGE)
     if not need:
         return
     vfs = os.statvfs(ws)
@@ -168,8 +169,8 @@ def check_room(ws: str, plan: Plan, under_fd: int) -> None:
         f"filesystem has {human_size(free)} free"
         + (f" (and {human_size(droppable)} of old pre-images the record would give up)"
            if droppable else "")
-        + "; the files it replaces free no room (the record keeps them, for unrevert): "
-        "free some room, or revert fewer paths (--path)")
+        + "; the large files it replaces free no room (the record keeps them, for "
+        "unrevert): free some room, or revert fewer paths (--path)")
 
 
 def carry_out(ws: str, sd: str, plan: Plan, content, *, unreverts: str | None = None,

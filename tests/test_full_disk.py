@@ -471,3 +471,29 @@ def test_a_replay_into_a_full_filesystem_says_so_and_leaves_nothing(make_mount, 
                                     "device (nothing written there: free some room, or replay "
                                     "elsewhere)"), r.stderr
         assert os.listdir(small) == []
+
+
+def test_the_room_a_revert_takes_counts_what_small_files_it_replaces_give_back():
+    """The room check's sum (engines.revert.bytes_written): a small file replaced gives its
+    room back once renamed over (its pre-image is copied into the state dir), a large one does
+    not (the attic keeps it); a hard-link group is written once; a file whose content stays
+    (a chmod) takes nothing; the peak counts, not the sum."""
+    from overlayrec.engines.revert import Plan, Step, bytes_written
+    from overlayrec.engines.states import ABSENT, State
+    k = 4096
+
+    def f(size, **kw):
+        return State("file", 0o644, b"x" * size, **kw)
+    plan = Plan("p", {}, [
+        Step("a", f(3 * k), f(3 * k - 1)),            # +3k, then the old 3k given back
+        Step("b", f(2 * k), f(5 * k)),                # +2k (peak 3k), then 5k back
+        Step("c", f(4 * k, ino=7, nlink=2), ABSENT),  # a group: written once
+        Step("d", f(4 * k, ino=7, nlink=2), ABSENT),
+        Step("e", f(k), f(k)),                        # content as it is: mode and owner only
+        Step("big", f(6 * k), f(100 * k)),            # the large one it replaces stays
+        Step("skip", f(50 * k), ABSENT, conflict="changed"),
+    ])
+    # running: 3k, 0k, 2k, -3k, 1k (c), 7k (big): the peak is 7k with a small limit of 8k
+    assert bytes_written(plan, 8 * k) == 7 * k
+    # with nothing small enough to be given back: 3 + 2 + 4 + 6 = 15k
+    assert bytes_written(plan, 0) == 15 * k

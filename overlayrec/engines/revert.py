@@ -288,24 +288,31 @@ def _find_partners(plan: Plan, live: Tree, candidates) -> None:
 NAME_MAX = 255
 
 
-def bytes_written(plan: Plan) -> int:
-    """About how many bytes of the workspace's filesystem carrying out ``plan`` takes: each
-    file it writes anew, in whole blocks, once for a hard-link group (the group's other names
-    are linked).  A file it replaces frees nothing: the mount keeps it as the revert's own
-    pre-image (the attic, or the state dir), so unrevert can put it back."""
-    need, groups = 0, set()
+def bytes_written(plan: Plan, small: int) -> int:
+    """About how much room on the workspace's filesystem carrying out ``plan`` takes at its
+    peak: each file it writes anew, in whole blocks, once for a hard-link group (the group's
+    other names are linked).  A file it replaces frees its room only when it is of at most
+    ``small`` bytes (Recorder.SMALL_PREIMAGE: the mount copies such a pre-image into the state
+    dir at once); a larger one the mount keeps in the attic, so that unrevert can put it back."""
+    def blocks(n: int) -> int:
+        return -(-n // 4096) * 4096
+    running = peak = 0
+    groups: set = set()
     for s in plan.steps:
-        t = s.target
+        t, was = s.target, s.expected
         if s.conflict or t.kind != "file" or not t.data:
             continue
-        if s.expected.kind == "file" and s.expected.data == t.data:
+        if was.kind == "file" and was.data == t.data:
             continue  # its mode and owner, set in place
         if link_key(t):
-            if (link_key(t) in groups or link_key(t) in plan.partners):
+            if link_key(t) in groups or link_key(t) in plan.partners:
                 continue
             groups.add(link_key(t))
-        need += -(-len(t.data) // 4096) * 4096
-    return need
+        running += blocks(len(t.data))
+        peak = max(peak, running)
+        if was.kind == "file" and was.nlink < 2 and len(was.data) <= small:
+            running -= blocks(len(was.data))
+    return peak
 
 
 def temp_name(name: str, tag: str) -> str:
