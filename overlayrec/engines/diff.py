@@ -235,7 +235,6 @@ class Net:
             all(states.settled(p, lo) and states.settled(p, hi) for p, (lo, hi) in spans.items())
         return changed, spans.keys()
 
-
     def around(self, evs: list[dict]) -> list[str]:
         """The paths of one unit's events that a seal found changed around the mount after
         the unit's last change to each (a drift of ``outside:around`` next in the path's
