@@ -549,12 +549,19 @@ def not_in_patch(side, paths: list[str], unlisted: bool = False) -> list[tuple[s
                     continue
         elif b.mode != a.mode and b.kind != "symlink":
             what = f"mode {b.mode:04o} -> {a.mode:04o}"
-        elif (b.uid, b.gid) != (a.uid, a.gid):
+        elif _owners_differ(b, a):
             what = f"owner {b.uid}:{b.gid} -> {a.uid}:{a.gid}"
         else:
             what = "changed"
         out.append((p, what))
     return sorted(out, key=lambda pw: pw[0])
+
+
+def _owners_differ(b, a) -> bool:
+    """Do two states name different owners, where both know theirs (State.same's rule: a
+    state the record cannot know, such as what a unit left of a file removed around the
+    mount, has none)?"""
+    return None not in (b.uid, a.uid) and (b.uid, b.gid) != (a.uid, a.gid)
 
 
 def _left_out_of_file(b, a) -> str | None:
@@ -566,7 +573,7 @@ def _left_out_of_file(b, a) -> str | None:
     if b.kind == "file":
         if b.mode != a.mode and not {b.mode, a.mode} <= {0o644, 0o755}:
             return f"mode {b.mode:04o} -> {a.mode:04o}"
-        if (b.uid, b.gid) != (a.uid, a.gid):
+        if _owners_differ(b, a):
             return f"owner {b.uid}:{b.gid} -> {a.uid}:{a.gid}"
         return None
     if a.mode not in (0o644, 0o755):
