@@ -239,7 +239,7 @@ def turn_lines(rows: list[dict], churn: bool, as_json: bool) -> Parts:
         paths = fold(r, touched=churn)
         prompt = one_line((r["prompt"] or "").splitlines()[0][:50]) if r["prompt"] else ""
         shared = f"  [shared with {one_line(', '.join(r['others']))}]" if r["others"] else ""
-        if r.get("around"):
+        if r["around"]:
             shared += f"  [{AROUND_LINE}{one_line(', '.join(r['around'][:6]))}]"
         out.append(f"{one_line(r['session']):<14.14} {r['index']:>3} {fmt_time(r['begin_t'])} "
                    f"{r['touched_files' if churn else 'files']:>4} files  {paths:<40}  "
@@ -289,7 +289,6 @@ def call_lines(pairs: list[tuple[dict, dict]], churn: bool, as_json: bool) -> Pa
             row = {**c, **fields}  # as listings.call_rows merges them (no key is in both)
             if row.get("touched") is None:
                 row["touched"] = row["paths"]
-            row.setdefault("around", [])  # a row kept before the field was made
             out.append(json.dumps(row))
         return text_of_lines(out)
     from .views import one_line, shown
@@ -312,7 +311,7 @@ def call_lines(pairs: list[tuple[dict, dict]], churn: bool, as_json: bool) -> Pa
             text += (" " if text else "") + f"+ {n_git} under .git/"
         if text:
             out.append(under + text)
-        if f.get("around"):  # (a row kept before the field was made has none)
+        if f["around"]:
             out.append(under + AROUND_LINE + ", ".join(map(shown, f["around"][:6]))
                        + (" ..." if len(f["around"]) > 6 else ""))
     return text_of_lines(out)

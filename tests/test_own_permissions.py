@@ -252,19 +252,25 @@ def test_a_file_of_another_owner_that_none_may_read(tmpbase, owner):
         u.umount()
 
 
-def tree_of(ws: str) -> dict:
-    """Every path beneath ``ws`` as root reads it: mode, inode, content (the attic left out)."""
-    out = {}
+def _beneath(ws: str):
+    """(relative path, lstat, full path, listed by os.walk among the files) of everything
+    beneath ``ws``, the attic left out."""
     for top, dirs, files in os.walk(ws):
         dirs[:] = [d for d in dirs if d != ".overlayrec-attic"]
         for name in dirs + files:
             p = os.path.join(top, name)
-            st = os.lstat(p)
-            data = None
-            if name in files:
-                with open(p, "rb") as f:
-                    data = f.read()
-            out[os.path.relpath(p, ws)] = (oct(st.st_mode), st.st_ino, data)
+            yield os.path.relpath(p, ws), os.lstat(p), p, name in files
+
+
+def tree_of(ws: str) -> dict:
+    """Every path beneath ``ws`` as root reads it: mode, inode, content (the attic left out)."""
+    out = {}
+    for rel, st, p, in_files in _beneath(ws):
+        data = None
+        if in_files:
+            with open(p, "rb") as f:
+                data = f.read()
+        out[rel] = (oct(st.st_mode), st.st_ino, data)
     return out
 
 
@@ -333,18 +339,14 @@ def kinds_of(ws: str) -> dict:
     """Every path beneath ``ws`` as root reads it, fifos and symlinks too: kind and mode, a
     file's content, a symlink's target (the attic left out)."""
     out = {}
-    for top, dirs, files in os.walk(ws):
-        dirs[:] = [d for d in dirs if d != ".overlayrec-attic"]
-        for name in dirs + files:
-            p = os.path.join(top, name)
-            st = os.lstat(p)
-            what = None
-            if stat.S_ISREG(st.st_mode):
-                with open(p, "rb") as f:
-                    what = f.read()
-            elif stat.S_ISLNK(st.st_mode):
-                what = os.readlink(p)
-            out[os.path.relpath(p, ws)] = (oct(st.st_mode), what)
+    for rel, st, p, _ in _beneath(ws):
+        what = None
+        if stat.S_ISREG(st.st_mode):
+            with open(p, "rb") as f:
+                what = f.read()
+        elif stat.S_ISLNK(st.st_mode):
+            what = os.readlink(p)
+        out[rel] = (oct(st.st_mode), what)
     return out
 
 

@@ -576,6 +576,22 @@ def test_the_workspace_roots_own_mode_is_recorded_reverted_and_replayed(make_mou
         m.umount()
 
 
+def call_with_user_around(m, tmp_path, call: str, user: str) -> None:
+    """Mount ``m`` and run ``call`` as call c1 while a shell whose working directory is the
+    workspace beneath the mount, entered before it, runs ``user`` around the recorder a second
+    after the call's own changes, the call going on until it is done."""
+    hand = tmp_path / "hand"
+    hand.mkdir()
+    shell = subprocess.Popen(["bash", "-c", f"while [ ! -e {hand}/go ]; do sleep 0.05; done; "
+                              f"sleep 1; {user}; touch {hand}/done"], cwd=m.ws)
+    try:
+        m.mount()
+        run_call(m, tmp_path, f"{call} && touch {hand}/go && "
+                              f"while [ ! -e {hand}/done ]; do sleep 0.05; done")
+    finally:
+        shell.wait(timeout=30)
+
+
 def test_a_change_around_the_mount_during_a_call_is_never_taken_for_the_calls(make_mount,
                                                                             tmp_path):
     """A shell whose directory was entered before the mount writes beneath it, around the
@@ -585,18 +601,9 @@ def test_a_change_around_the_mount_during_a_call_is_never_taken_for_the_calls(ma
     than the daemon's last change to it: a drift event of `outside:around` comes first, the
     call's end state is not known, the diff says so, and a revert refuses that file."""
     m = setup_ws(make_mount, tmp_path, {"f": b"a\n", "k": b"k\n"})
-    hand = tmp_path / "hand"
-    hand.mkdir()
-    # its working directory is the workspace beneath the mount, entered before it
-    user = subprocess.Popen(["bash", "-c", f"while [ ! -e {hand}/go ]; do sleep 0.05; done; "
-                             f"sleep 1; echo user >> f; touch {hand}/done"], cwd=m.ws)
-    try:
-        m.mount()
-        # (its read leaves f's pages and size in the kernel's cache)
-        run_call(m, tmp_path, f"echo b >> f && cat f >/dev/null && echo kk >> k && "
-                              f"touch {hand}/go && while [ ! -e {hand}/done ]; do sleep 0.05; done")
-    finally:
-        user.wait(timeout=30)
+    # (the call's read leaves f's pages and size in the kernel's cache)
+    call_with_user_around(m, tmp_path, "echo b >> f && cat f >/dev/null && echo kk >> k",
+                          "echo user >> f")
     with open(os.path.join(m.ws, "f")) as f:  # through the mount: the cache of f was dropped
         assert f.read() == "a\nb\nuser\n"
     drifts = [json.loads(line) for line in
@@ -656,16 +663,8 @@ def test_a_removal_around_the_mount_during_a_call_is_never_taken_for_the_calls(m
     diff says so, and a revert of the call refuses the edited file (what the call left is
     gone with it) and leaves alone what is already as it was before the call."""
     m = setup_ws(make_mount, tmp_path, {"f": b"a\n", "k": b"k\n"})
-    hand = tmp_path / "hand"
-    hand.mkdir()
-    user = subprocess.Popen(["bash", "-c", f"while [ ! -e {hand}/go ]; do sleep 0.05; done; "
-                             f"sleep 1; rm f new; touch {hand}/done"], cwd=m.ws)
-    try:
-        m.mount()
-        run_call(m, tmp_path, f"echo b >> f && echo n > new && echo kk >> k && "
-                              f"touch {hand}/go && while [ ! -e {hand}/done ]; do sleep 0.05; done")
-    finally:
-        user.wait(timeout=30)
+    call_with_user_around(m, tmp_path, "echo b >> f && echo n > new && echo kk >> k",
+                          "rm f new")
     assert sorted(os.listdir(m.ws)) == ["k"]
     # through the mount, whose cache of the names was dropped once the seal found them gone
     assert not os.path.exists(os.path.join(m.ws, "new"))

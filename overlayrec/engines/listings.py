@@ -217,7 +217,6 @@ def _whole(row: dict) -> dict:
     """A listing's row from a kept one (its own copy): ``touched`` filled in."""
     if row.get("touched") is None:
         row["touched"] = row["paths"]
-    row.setdefault("around", [])  # a row kept before the field was made
     return row
 
 

@@ -151,7 +151,7 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
             # replace by a directory: never followed
             step.conflict = "escape"
         elif (p in unrecorded or not expected.exact) and target.exact and \
-                live.state(p).exact and target.same(live.state(p)):
+                (now := live.state(p)).exact and target.same(now):
             # what the selection left is not known, but the path holds what the revert would
             # put back (a file it made, removed around the mount): nothing to do
             continue
