@@ -629,7 +629,9 @@ def test_the_calls_own_later_changes_are_never_taken_for_changes_around_the_moun
     """The other side of the check above: what the call itself does to a file well after its
     first change (another write, a touch, a chmod, an mmap flushed late, a chown to the owner
     it has, a link made and removed, a descriptor written again) moves the ctime through the
-    daemon, which stamps it each time: no drift event, and the call reverts whole."""
+    daemon, which stamps it each time; nor is what it removes itself (beneath a directory it
+    renamed, a fifo, a file beneath a path of some 4,200 bytes, a linked file by one of its
+    names) taken for a removal around the mount: no drift event, and the call reverts whole."""
     files = {n: f"{n}\n".encode() for n in "abcdeghi"}
     m = setup_ws(make_mount, tmp_path, files)
     m.mount()
@@ -646,6 +648,12 @@ def test_the_calls_own_later_changes_are_never_taken_for_changes_around_the_moun
         echo 1 >> g; ln g g2; sleep 0.7; rm g2
         ln h h2; echo 1 >> h; sleep 0.7; rm h2
         exec 3>>i; echo 1 >&3; sleep 0.7; echo 2 >&3; exec 3>&-
+        mkdir -p dd/sub && echo 1 > dd/sub/x && echo 2 > dd/y && mkfifo dd/p
+        deep=$(printf 'e%.0s' $(seq 200)); deep="$deep/$deep/$deep/$deep/$deep/$deep/$deep"
+        mkdir -p "long/$deep/$deep/$deep" && echo 1 > "long/$deep/$deep/$deep/f"
+        echo 1 > j && ln j j2
+        sleep 0.7
+        mv dd dd2 && rm dd2/y dd2/p && rm -r "long/$deep/$deep" && rm j
         sleep 0.7'''))
     assert overlayrec("log", m.ws, "--op", "drift").stdout == ""
     row, = [json.loads(line) for line in overlayrec("calls", m.ws, "--json").stdout.splitlines()]
