@@ -14,8 +14,13 @@ Rules (each has a test):
   that outlives the call (whose later writes are marked ``after_end``).  Start times come from
   /proc (clock ticks since boot); a tick shared by two calls is settled by the snapshots of the
   agent's children taken at each call's begin and end;
-* the agent's own writes belong to the call active when the file was opened; with several active
-  the event names every candidate;
+* the agent's own writes belong to the call active when the file was opened;
+* when several calls were active together (an agent that runs tools in parallel), the evidence
+  chooses among them (``Calls._choose``): the call whose command the process's argv carries, or
+  whose path the agent's own write names; without evidence, the newest of them (a tool's
+  process is started right after its call is announced).  The event names every candidate and
+  how its call was chosen (``chosen``: ``command``, ``path``, ``newest``), so readers can say
+  which changes were placed by a guess;
 * processes are (pid, start time), so pid reuse cannot move a write to another call;
 * an implicit call ends when its processes have all exited (the agent's child at the top of its
   line and every descendant seen: attributed writers, children found in /proc, and orphans the
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 import uuid
 from typing import Callable
@@ -43,6 +49,28 @@ log = logging.getLogger(__name__)
 
 HZ = os.sysconf("SC_CLK_TCK")
 SHELLS = {"sh", "bash", "dash", "zsh", "fish", "ksh", "busybox", "env", "timeout", "nice"}
+# what a command's words are compared without: the quoting an agent wraps it in (Claude Code
+# runs `bash -c -l "... eval '<command>' ..."`, escaping the command's own quotes)
+_QUOTING = str.maketrans("", "", "'\"\\")
+_WORD = re.compile(r"\S+")
+
+
+def _words(text: str) -> list[str]:
+    return _WORD.findall(text.translate(_QUOTING))
+
+
+def _carries(argv: list[str], command: str) -> int:
+    """How many words of ``command`` the argv carries in a row (0: not all of them).  The
+    command's last word may be cut short (a summary is a line of at most 200 characters)."""
+    want = _words(command)
+    if not want:
+        return 0
+    have = _words(" ".join(argv))
+    n = len(want)
+    for i in range(len(have) - n + 1):
+        if have[i:i + n - 1] == want[:-1] and have[i + n - 1].startswith(want[-1]):
+            return n
+    return 0
 
 
 class ControlError(Exception):
@@ -206,6 +234,7 @@ class Calls:
         self.on_unit_end: Callable[[str], None] | None = None
         self.on_boundary: Callable[[], None] | None = None
         self._own_actor: dict | None = None
+        self.root: str | None = None  # the workspace's path (the recorder sets it): _choose
 
     # -- lineage --------------------------------------------------------------------------------
     def lineage(self, actor: dict) -> tuple[Session, dict | None] | None:
@@ -248,7 +277,10 @@ class Calls:
         return result
 
     # -- units ----------------------------------------------------------------------------------
-    def unit_of(self, actor: dict) -> str:
+    def unit_of(self, actor: dict, path: str | Callable[[], str] | None = None) -> str:
+        """The unit of ``actor``'s change; ``path`` (the workspace-relative path it changes, or
+        a function that names it) is looked at only for the agent's own change while several
+        calls are active."""
         if actor["key"] in self.reverts:
             return "revert:" + self.reverts[actor["key"]]
         if not self.sessions:
@@ -261,20 +293,48 @@ class Calls:
             if len(session.active) == 1:
                 return Unit(session.active[0].unit)
             if len(session.active) > 1:
-                return Unit(session.active[0].unit,
-                            candidates=[c.unit for c in session.active])
+                if callable(path):
+                    try:
+                        path = path()
+                    except OSError:
+                        path = None
+                call, how = self._choose(session.active, path=path)
+                return Unit(call.unit, candidates=[c.unit for c in session.active], chosen=how)
             return Unit(session.own_unit())
         return self._child_unit(session, child, actor)
+
+    def _choose(self, calls: list[Call], argv: list[str] | None = None,
+                path: str | None = None) -> tuple[Call, str]:
+        """Of ``calls`` (active together, in the order they began), the one the evidence names,
+        and how: ``command``, the call whose announced command (its summary) the agent's child
+        carries in its argv, the most words of it where several do; ``path``, the call whose
+        summary names the path the agent itself changes (an edit tool's file); else
+        ``newest``, the one begun last (an agent starts a tool's process right after the call
+        is announced)."""
+        if argv:
+            scored = [(_carries(argv, c.summary), i) for i, c in enumerate(calls) if c.summary]
+            best = max(scored, default=(0, 0))
+            if best[0]:
+                return calls[best[1]], "command"
+        if path is not None:
+            names = {path}
+            if self.root is not None:
+                names.add(os.path.join(self.root, path))
+            named = [c for c in calls if c.summary in names]
+            if named:
+                return named[-1], "path"
+        return calls[-1], "newest"
 
     def _child_unit(self, session: Session, child: dict, actor: dict | None = None) -> str:
         known = session.child_units.get(child["key"])
         if known is None:
             start = int(child["key"].split(":")[1])
             found = [c for c in session.order if not c.implicit and c.covers(child["key"], start)]
-            if found:
-                call = found[0]
-                extra = {"candidates": [c.unit for c in found]} if len(found) > 1 else {}
-                known = (Unit(call.unit, **extra), call)
+            if len(found) == 1:
+                known = (Unit(found[0].unit), found[0])
+            elif found:
+                call, how = self._choose(found, argv=read_actor(child["pid"]).get("argv"))
+                known = (Unit(call.unit, candidates=[c.unit for c in found], chosen=how), call)
             elif not session.announced:
                 known = self._implicit_unit(session, child, start)
             else:

@@ -1682,6 +1682,9 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
                 raise Fail(str(e)) from None
             conflicts = plan.conflicts
             preview = reverts.preview(plan)
+            if not as_json:  # the call's changes may hold another's, or miss one of its own
+                for line in readers.guess_lines(plan):
+                    click.echo(line, err=True)
             if as_json and not (yes and (not conflicts or force)):
                 click.echo(json.dumps(preview))
             elif not as_json:

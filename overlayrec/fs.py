@@ -694,7 +694,8 @@ class Operations(pyfuse3.Operations):
         return flags
 
     def _file_info(self, fd: int, inode: Inode, actor: dict | None) -> pyfuse3.FileInfo:
-        unit = self.recorder.units.unit_of(actor) if actor is not None else None
+        unit = (self.recorder.units.unit_of(actor, lambda: self.recorder.rel(fd))
+                if actor is not None else None)
         fh = self._next_fh
         self._next_fh += 1
         self.handles[fh] = Handle(fd, inode, actor, unit, self.recorder)

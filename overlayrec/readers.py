@@ -314,7 +314,18 @@ def call_lines(pairs: list[tuple[dict, dict]], churn: bool, as_json: bool) -> Pa
         if f["around"]:
             out.append(under + AROUND_LINE + ", ".join(map(shown, f["around"][:6]))
                        + (" ..." if len(f["around"]) > 6 else ""))
+        if f["guessed"]:
+            out.append(under + guessed_line(f["guessed"], f["active_with"]))
     return text_of_lines(out)
+
+
+def guessed_line(paths: list[str], others: list[str]) -> str:
+    """What a listing says of a unit's changes placed among calls active together without
+    evidence (views.guessed)."""
+    from .views import one_line, shown
+    return (f"placed here by a guess (calls active together: "
+            f"{one_line(', '.join(u.rpartition(':')[2] for u in others))}): "
+            + ", ".join(map(shown, paths[:6])) + (" ..." if len(paths) > 6 else ""))
 
 
 # -- diffs ------------------------------------------------------------------------------------
@@ -405,6 +416,9 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
                   "shell whose directory was entered before the mount): shown as they were "
                   f"after, not exactly the selection's: {', '.join(map(shown, around[:5]))}"
                   f"{' ...' if len(around) > 5 else ''}")
+    if not as_json:
+        for line in guess_lines(side):
+            parts.err(line)
     unreadable = sorted(states.tree.unreadable)
     for note, group in _grouped(states.tree.unreadable).items():
         if not as_json:  # a file's content is shown as a placeholder
@@ -466,6 +480,7 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
                                                 if not s.exact),
                               "withheld": withheld, "unreadable": unreadable,
                               "changed_around": around,
+                              "guessed": side.guessed, "maybe_ours": side.maybe_ours,
                               "git_left_out": len(left_out), "git_left_out_paths": left_out,
                               "not_in_patch": [{"path": p, "change": what}
                                                for p, what in unshown],
@@ -481,6 +496,26 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
         parts.err(unshown_line(unshown))
     for line in left_out_lines(len(left_out), store):
         parts.err(line)
+
+
+def guess_lines(side) -> list[str]:
+    """What ``diff`` and ``revert`` of a call say of changes placed among calls active
+    together without evidence (engines.diff.Side.guessed, maybe_ours): the selection may hold
+    another call's change, or miss one of its own."""
+    from .views import shown
+    out = []
+    if side.guessed:
+        out.append(f"overlayrec: {len(side.guessed)} path(s) here were placed in this call by a "
+                   "guess (other calls were active together, and nothing said whose they are): "
+                   f"{', '.join(map(shown, side.guessed[:5]))}"
+                   f"{' ...' if len(side.guessed) > 5 else ''}")
+    for unit, paths in side.maybe_ours.items():
+        other = unit.rpartition(":")[2]
+        out.append(f"overlayrec: {len(paths)} path(s) placed by a guess in call {other}, active "
+                   f"together with this one, may be this call's: "
+                   f"{', '.join(map(shown, paths[:5]))}{' ...' if len(paths) > 5 else ''} "
+                   f"(`--call {other}` selects them)")
+    return out
 
 
 def unseen_links(side, paths: list[str]) -> list[str]:

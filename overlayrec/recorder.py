@@ -367,6 +367,7 @@ class Recorder:
         self.root_path = underlay.fd_path(root_fd)
         self._root_slash = self.root_path.rstrip("/") + "/"  # rel's prefix, made once
         self._root_cut = len(self._root_slash)
+        self.units.root = self.root_path
         self._euid, self._egid = os.geteuid(), os.getegid()
         self.epochs: dict[str, Epoch] = {}
         # bumped by every rename, unlink and rmdir: an open handle's file may have another
@@ -924,7 +925,7 @@ class Recorder:
 
     def _creation(self, op: str, parent_fd: int, name: str, actor: dict, **kw):
         path = self.child(parent_fd, name)
-        unit = self.units.unit_of(actor)
+        unit = self.units.unit_of(actor, path)
         ev, ep, new = self._event(op, path, actor, unit, **kw)
         if new:
             pre, _ = self._pre_at(parent_fd, name)
@@ -1059,7 +1060,7 @@ class Recorder:
     def unlink(self, parent_fd: int, name: str, actor: dict) -> None:
         self.name_changes += 1
         path = self.child(parent_fd, name)
-        unit = self.units.unit_of(actor)
+        unit = self.units.unit_of(actor, path)
         ev, ep, new = self._event("unlink", path, actor, unit)
         pre, st = self._pre_at(parent_fd, name)
         if st is None:
@@ -1103,7 +1104,7 @@ class Recorder:
     def rmdir(self, parent_fd: int, name: str, actor: dict) -> None:
         self.name_changes += 1
         path = self.child(parent_fd, name)
-        unit = self.units.unit_of(actor)
+        unit = self.units.unit_of(actor, path)
         ev, ep, new = self._event("rmdir", path, actor, unit)
         pre, _ = self._pre_at(parent_fd, name)
         ev["pre"] = pre
@@ -1121,7 +1122,7 @@ class Recorder:
             path2 = f"{parent}/{nname}" if parent else nname
         else:
             path2 = self.child(npfd, nname)
-        unit = self.units.unit_of(actor)
+        unit = self.units.unit_of(actor, path2)  # an edit tool's file is where it lands
         ev, ep, new = self._event("rename", path, actor, unit, path2=path2)
         if flags:
             ev["flags"] = flags
@@ -1428,7 +1429,8 @@ class Recorder:
         if handle is not None:
             path, unit, actor, rfd = handle.path, handle.unit, handle.actor, handle.fd
         else:
-            path, unit, rfd = self.rel(fd), self.units.unit_of(actor), open_fd
+            path = self.rel(fd)
+            unit, rfd = self.units.unit_of(actor, path), open_fd
         tmp = None
         if rfd is None or (os.O_ACCMODE & _fd_flags(rfd)) == os.O_WRONLY:
             rfd = tmp = underlay.reopen_own(fd, os.O_RDONLY)
@@ -1450,7 +1452,10 @@ class Recorder:
                     **kw) -> dict:
         """The event of a metadata change, with the pre-image its epoch still owes; ``where``:
         the (path, unit) of the fd when the caller has them already."""
-        path, unit = where or (self.rel(fd), self.units.unit_of(actor))
+        if where is None:
+            path = self.rel(fd)
+            where = path, self.units.unit_of(actor, path)
+        path, unit = where
         ev, ep, new = self._event(op, path, actor, unit, **kw)
         if not ep.meta_saved:
             st = os.fstat(fd)
@@ -1518,7 +1523,7 @@ class Recorder:
                 kw.get("uid", -1) not in (-1, st.st_uid) or kw.get("gid", -1) not in (-1, st.st_gid)):
             return None, None  # a change of the state
         path = self.rel(fd)
-        unit = self.units.unit_of(actor)
+        unit = self.units.unit_of(actor, path)
         ep = self.epochs.get(path)
         if ep is None or ep.unit != unit or not ep.meta_saved:
             return None, (path, unit)

@@ -51,7 +51,7 @@ BATCH = 2000        # events deleted per transaction (step 2)
 SCAN_YIELD = 5000   # events read between yields (steps 2 and 3)
 _HEX = re.compile(r"[0-9a-f]{32}")
 _NOT_REFS = ("path", "path2", "source", "actor", "unit", "session", "call", "turn", "revert",
-             "candidates", "tool", "summary", "prompt", "op")
+             "candidates", "chosen", "tool", "summary", "prompt", "op")
 INF = float("inf")
 
 

@@ -103,7 +103,8 @@ def preview(plan: Plan) -> dict:
     return {"id": plan.id, "steps": [{"path": s.path, "action": describe(s),
                                       "conflict": s.conflict, **({"note": s.note} if s.note
                                                                  else {})}
-                                     for s in plan.steps]}
+                                     for s in plan.steps],
+            "guessed": plan.guessed, "maybe_ours": plan.maybe_ours}
 
 
 def plan_for(j, states, live, selection: dict, glob: str | None, content,

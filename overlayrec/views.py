@@ -7,6 +7,8 @@ from .journal import Journal
 from .journal.schema import CONTROL_OPS, MARK_OPS
 
 
+ATTIC_PREFIX = ".overlayrec-attic/"  # the hidden attic's namespace (recorder.ATTIC_NAME)
+
 # C's escapes as git writes them in a quoted path: byte -> the letter after the backslash
 C_ESCAPES = {7: "a", 8: "b", 9: "t", 10: "n", 11: "v", 12: "f", 13: "r", 34: '"', 92: "\\"}
 
@@ -208,7 +210,27 @@ def call_fields(j: Journal, evs: list[dict], net, actors: dict) -> dict:
             procs.append(name)
     return {**unit_listing(net, evs), "processes": procs, "events": len(evs),
             "late_events": sum(1 for e in evs if e.get("after_end")),
-            "around": _around(net, evs)}
+            "around": _around(net, evs), **guessed(evs)}
+
+
+def guessed(evs: list[dict]) -> dict:
+    """What of a unit's events was placed among calls active together without evidence
+    (``calls.Calls._choose``'s ``newest``, or the first candidate in events written before
+    ``chosen`` existed): ``guessed``, their paths; ``active_with``, the other calls active
+    then.  A revert or a diff of such a call may take another call's change, or leave one."""
+    paths: dict[str, None] = {}
+    others: dict[str, None] = {}
+    for e in evs:
+        cands = e.get("candidates")
+        if not cands or e.get("chosen", "newest") != "newest":
+            continue
+        for p in (e.get("path"), e.get("path2")):
+            if p is not None and not p.startswith(ATTIC_PREFIX) and p != ATTIC_PREFIX[:-1]:
+                paths[p] = None
+        for u in cands:
+            if u != e.get("unit"):
+                others[u] = None
+    return {"guessed": sorted(paths), "active_with": list(others)}
 
 
 def _around(net, evs: list[dict]) -> list[str]:

@@ -235,23 +235,109 @@ def test_install_hooks_merges_and_removes(tmp_path):
 
 
 def test_agent_write_with_several_active_calls_names_every_candidate(make_mount, tmp_path):
+    """The agent's own write while several calls are active goes to the call whose summary
+    names its file (an edit tool's file_path), else to the newest; the event names every
+    candidate and how its call was chosen."""
     m = make_mount().mount()
     agent = tmp_path / "agent.py"
     agent.write_text(textwrap.dedent('''
+        import os
         from overlayrec import client
         with client.connect() as c:
-            c.call_begin("a", "Read")
-            c.call_begin("b", "Edit")
-            open("both.txt", "w").write("x")      # opened while a and b are active
+            c.call_begin("a", "Edit", summary=os.path.abspath("x.txt"))
+            c.call_begin("b", "Read")
+            open("x.txt", "w").write("x")         # a's file, while a and b are active
+            open("both.txt", "w").write("x")      # nobody's file: the newest, b
             c.call_end("b")
             open("only_a.txt", "w").write("y")
             c.call_end("a")
     '''))
     overlayrec("run", "-w", m.ws, "--session", "par", "--", sys.executable, str(agent), cwd=m.ws)
     by = events_by_path(m)
-    assert {e["unit"] for e in by["both.txt"]} == {"call:par:a"}
-    assert all(e["candidates"] == ["call:par:a", "call:par:b"] for e in by["both.txt"])
-    assert all("candidates" not in e and e["unit"] == "call:par:a" for e in by["only_a.txt"])
+    both = ["call:par:a", "call:par:b"]
+    assert [(e["unit"], e["candidates"], e["chosen"]) for e in by["x.txt"]] == \
+        [("call:par:a", both, "path")] * len(by["x.txt"])
+    assert [(e["unit"], e["candidates"], e["chosen"]) for e in by["both.txt"]] == \
+        [("call:par:b", both, "newest")] * len(by["both.txt"])
+    assert all("candidates" not in e and "chosen" not in e and e["unit"] == "call:par:a"
+               for e in by["only_a.txt"])
+
+
+PARALLEL_AGENT = textwrap.dedent(r'''
+    import json, os, shlex, subprocess, sys
+    PY = sys.executable
+    def hook(event, **kw):
+        payload = dict(hook_event_name=event, session_id="cc-par", cwd=os.getcwd(), **kw)
+        r = subprocess.run([PY, "-m", "overlayrec", "hook", "claude-code"],
+                           input=json.dumps(payload), capture_output=True, text=True)
+        assert r.returncode == 0 and r.stderr == "", (event, r.stderr)
+    def spawn(command):  # as Claude Code runs a Bash call: the command quoted into an eval
+        return subprocess.Popen(["bash", "-c", "-l", "shopt -u extglob 2>/dev/null || true && "
+                                 f"eval {shlex.quote(command)} < /dev/null"])
+    one = "printf one > from_one.txt && printf 1 >> shared.txt"
+    two = "printf 'two, said \"she\"' > from_two.txt && sleep 0.2 && printf 2 >> shared.txt"
+    hook("UserPromptSubmit", prompt="two tools at once")
+    # both calls announced before either tool's process starts (hooks run first): their
+    # processes are started during both, in the order the calls began
+    hook("PreToolUse", tool_use_id="t1", tool_name="Bash", tool_input={"command": one})
+    hook("PreToolUse", tool_use_id="t2", tool_name="Bash", tool_input={"command": two})
+    procs = [spawn(one), spawn(two), spawn("printf x > from_neither.txt")]
+    assert [p.wait() for p in procs] == [0, 0, 0]
+    hook("PostToolUse", tool_use_id="t2", tool_name="Bash")
+    hook("PostToolUse", tool_use_id="t1", tool_name="Bash")
+    hook("Stop")
+''')
+
+
+def test_processes_of_calls_active_together_go_to_the_call_whose_command_they_run(
+        make_mount, tmp_path):
+    """Two Bash calls announced together, then both processes started: each process goes to
+    the call whose command its argv carries (quoted as an agent quotes it), not to the first
+    or the newest call; one that carries neither goes to the newest, marked as a guess.  The
+    listing names what was placed by a guess."""
+    m = make_mount()
+    open(os.path.join(m.ws, "shared.txt"), "w").write("0")
+    m.mount()
+    agent = tmp_path / "agent.py"
+    agent.write_text(PARALLEL_AGENT)
+    overlayrec("run", "-w", m.ws, "--session", "par", "--", sys.executable, str(agent), cwd=m.ws)
+    by = events_by_path(m)
+    both = ["call:par:t1", "call:par:t2"]
+    want = {"from_one.txt": ("call:par:t1", "command"), "from_two.txt": ("call:par:t2", "command"),
+            "from_neither.txt": ("call:par:t2", "newest")}
+    for path, (unit, how) in want.items():
+        assert {(e["unit"], tuple(e["candidates"]), e["chosen"]) for e in by[path]} == \
+            {(unit, tuple(both), how)}, path
+    assert {(e["unit"], e["chosen"]) for e in by["shared.txt"]} == \
+        {("call:par:t1", "command"), ("call:par:t2", "command")}
+    with open(os.path.join(m.ws, "shared.txt")) as f:
+        assert sorted(f.read()) == ["0", "1", "2"]
+    # what was placed by a guess is said by every reader of either call
+    rows = {r["id"]: r for r in map(json.loads, overlayrec("calls", m.ws, "--json").stdout
+                                     .splitlines())}
+    assert (rows["t2"]["guessed"], rows["t2"]["active_with"]) == \
+        (["from_neither.txt"], ["call:par:t1"])
+    assert (rows["t1"]["guessed"], rows["t1"]["active_with"]) == ([], [])
+    text = overlayrec("calls", m.ws).stdout
+    assert "placed here by a guess (calls active together: t1): from_neither.txt" in text
+    d = json.loads(overlayrec("diff", m.ws, "--call", "t2", "--json").stdout)
+    assert (d["guessed"], d["maybe_ours"]) == (["from_neither.txt"], {})
+    d = json.loads(overlayrec("diff", m.ws, "--call", "t1", "--json").stdout)
+    assert (d["guessed"], d["maybe_ours"]) == ([], {"call:par:t2": ["from_neither.txt"]})
+    r = overlayrec("diff", m.ws, "--call", "t1", "--stat")
+    assert "may be this call's: from_neither.txt (`--call t2` selects them)" in r.stderr
+    # (shared.txt, written by both, is a conflict of either's revert)
+    r = overlayrec("revert", m.ws, "--call", "t2", check=False)
+    assert "placed in this call by a guess" in r.stderr and "from_neither.txt" in r.stderr
+    assert "delete   from_neither.txt" in r.stdout
+    r = overlayrec("revert", m.ws, "--call", "t1", "--json", check=False)
+    assert json.loads(r.stdout)["maybe_ours"] == {"call:par:t2": ["from_neither.txt"]}
+    gd = json.loads(overlayrec("export", "git", m.ws, "--json").stdout)["git_dir"]
+    msgs = {c: subprocess.run(["git", "--git-dir", gd, "log", "-1", "--format=%B",
+                               f"refs/overlayrec/par/calls/{c}"], capture_output=True,
+                              text=True, check=True).stdout for c in ("t1", "t2")}
+    assert "Overlayrec-Guessed: from_neither.txt\nOverlayrec-Active-With: t1\n" in msgs["t2"]
+    assert "Overlayrec-Guessed" not in msgs["t1"]
 
 
 def test_pid_reuse_cannot_move_a_write(tmp_path):

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from ..journal import Journal
 from ..journal.schema import AROUND, CONTROL_OPS, MARK_OPS, is_dir_rename
-from ..views import file_events as _tree_events, unit_session as _unit_session
+from ..views import file_events as _tree_events, guessed, unit_session as _unit_session
 from .states import States, State
 
 
@@ -27,6 +27,11 @@ class Side:
     # inode -> the names the selection's events saw it hold when it had several (a write's
     # pre-image and its aliases'): a hard link made and removed in the selection is seen too
     linked: dict[int, set[str]] = field(default_factory=dict)
+    # a call's selection: its paths placed here by a guess among calls active together, and
+    # the paths of other calls' changes placed there by a guess while this one was active too
+    # (views.guessed): a diff or a revert of the call may hold the first and miss the second
+    guessed: list[str] = field(default_factory=list)
+    maybe_ours: dict[str, list[str]] = field(default_factory=dict)  # unit -> its paths
 
 
 def file_events(j: Journal, lo: int = 1, hi: int | None = None) -> list[dict]:
@@ -88,8 +93,12 @@ def select(j: Journal, states: States, *, call: str | None = None, turn: int | s
         if len({c["session"] for c in calls}) > 1:
             raise SelectionError(f"call {call} exists in several sessions: say --session")
         unit = f"call:{calls[0]['session']}:{call}"
-        return _selected(states, [e for e in _selection_events(j, calls[0].get("begin_seq") or 1)
-                                  if e.get("unit") == unit], keep=keep)
+        evs = _selection_events(j, calls[0].get("begin_seq") or 1)
+        mine = [e for e in evs if e.get("unit") == unit]
+        side = _selected(states, mine, keep=keep)
+        side.guessed = guessed(mine)["guessed"]
+        side.maybe_ours = placed_elsewhere(evs, unit)
+        return side
     if turn is not None:
         t = _find_turn(j, turn, session)
         sid = t["session"]
@@ -107,6 +116,21 @@ def select(j: Journal, states: States, *, call: str | None = None, turn: int | s
     if hi < lo - 1:
         raise SelectionError(f"--until {until} is before --since {since}: nothing between")
     return _selected(states, _selection_events(j, lo, hi), (lo - 1, hi), keep=keep)
+
+
+def placed_elsewhere(evs: list[dict], unit: str) -> dict[str, list[str]]:
+    """Other calls' changes among ``evs`` placed by a guess (views.guessed) while ``unit`` was
+    one of the calls active together: each such call's unit and its paths."""
+    by_unit: dict[str, list[dict]] = {}
+    for e in evs:
+        if e.get("unit") != unit and unit in (e.get("candidates") or ()):
+            by_unit.setdefault(e["unit"], []).append(e)
+    out = {}
+    for u, es in by_unit.items():
+        paths = guessed(es)["guessed"]
+        if paths:
+            out[u] = paths
+    return out
 
 
 def changed_around(states: States, path: str, after: int = 0) -> bool:

@@ -30,7 +30,7 @@ import time
 from stat import S_ISLNK, S_ISREG
 
 from ..journal import Journal
-from ..views import unit_session
+from ..views import guessed, shown, unit_session
 from .diff import file_events, touched, side_of, _visible
 from .gitdiff import FastImport, GitError, ObjectStore, git_refuses, quote_path
 from .states import States, State
@@ -492,6 +492,11 @@ class Exporter:
         trailers += [("Overlayrec-Actor", a) for a in mine]
         others = [a for a in self._actors(lo, hi, None) if a not in mine]
         trailers += [("Overlayrec-Other-Writer", a) for a in others]
+        # changes placed in this call by a guess among calls active together (views.guessed)
+        placed = guessed([e for e in self._events(lo, hi) if e.get("unit") == unit])
+        trailers += [("Overlayrec-Guessed", shown(p)) for p in placed["guessed"]]
+        trailers += [("Overlayrec-Active-With", u.rpartition(":")[2])
+                     for u in placed["active_with"] if placed["guessed"]]
         msg = subject + "\n\n" + "\n".join(f"{k}: {v}" for k, v in trailers) + "\n"
         author = _ident(f"agent (session {sid})", "agent@overlayrec.invalid", c["end_t"])
         return author, msg, c["end_t"]

@@ -30,7 +30,9 @@ from dataclasses import dataclass, field
 from ..journal import Journal
 from ..secrets import PLACEHOLDER
 from ..underlay import O_PATH, Escape, resolve_beneath
-from .diff import SelectionError, changed_around, file_events, touched, _find_turn, _visible
+from ..views import guessed
+from .diff import (SelectionError, changed_around, file_events, placed_elsewhere, touched,
+                   _find_turn, _visible)
 from .states import ATTIC, INF, UNLISTED_NOTE, States, State, Tree
 
 
@@ -58,6 +60,10 @@ class Plan:
     # live paths outside the plan that still hold the inode of a hard-linked target: the
     # target is linked to them, not copied (the seed of apply_step's ``made``)
     partners: dict = field(default_factory=dict)
+    # a call's revert: its paths placed in it by a guess among calls active together, and
+    # other calls' paths placed by a guess while it was active too (engines.diff.Side.guessed)
+    guessed: list[str] = field(default_factory=list)
+    maybe_ours: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def conflicts(self) -> list[Step]:
@@ -107,9 +113,13 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
     others: dict[str, list[int]] = {}
     last_unit: dict[str, str] = {}
     linkish: set[str] = set()  # names the record saw share an inode
+    call_unit = next(iter(units)) if selection.get("call") is not None else None
+    shared: list[dict] = []  # events placed among calls active together, the call's among them
     for e in file_events(j, 1, hi):
         if e["op"] in ("link", "alias"):
             linkish.update(x for x in (e.get("path"), e.get("source")) if x)
+        if call_unit is not None and call_unit in (e.get("candidates") or ()):
+            shared.append(e)
         for p in touched(states, e):
             if not _visible(p):
                 continue
@@ -125,6 +135,9 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
     ends = states._unit_ends()
     unrecorded = {e.get("path") for e in file_events(j, lo, hi) if e["op"] == "unrecorded"}
     plan = Plan(revert_id or time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6], selection)
+    if shared:
+        plan.guessed = guessed([e for e in shared if e.get("unit") == call_unit])["guessed"]
+        plan.maybe_ours = placed_elsewhere(shared, call_unit)
     made_dirs: set[str] = set()
     for p, (first, last) in sorted(spans.items(), key=lambda kv: kv[0].split("/")):
         if p.startswith("/") or ".." in p.split("/"):

@@ -27,16 +27,21 @@ Sub-databases of the LMDB environment:
 
                 {"seq": int, "t": ns, "op": str, "path": str, ["path2": str,]
                  "actor": actor-key, ["unit": unit-key,] ["epoch": true,]
-                 ["candidates": [unit-key, ...],] ["after_end": true,]
+                 ["candidates": [unit-key, ...], "chosen": str,] ["after_end": true,]
                  ["pre": pre-image,] ["pre2": pre-image,] [op-specific fields]}
 
               ``op`` is one of OPS.  A unit key is ``call:<session>:<id>``, ``turn:<session>:<n>``
               (the agent's own writes outside any call), ``session:<session>``, or
               ``outside:<actor-key>`` (a process that does not descend from any agent), or
               ``revert:<id>`` (the changes a revert made).
-              ``candidates`` lists every call that was active when the agent opened the file, when
-              there were several; ``after_end`` marks a write by a call's process after the call
-              ended.  Control events (``session_begin`` ...) carry ``session`` and the record.  ``epoch`` marks the first change of ``path`` by ``unit`` in a
+              ``candidates`` lists every call that was active when the agent opened the file, or
+              when the agent's child at the top of the writer's line was started, when there
+              were several; ``chosen`` says how ``unit`` was chosen among them
+              (``calls.Calls._choose``): ``command`` (the child's argv carries the call's
+              summary), ``path`` (the call's summary names the agent's file), ``newest`` (no
+              evidence: the call begun last); absent in events written before it existed (the
+              first candidate then).  ``after_end`` marks a write by a call's process after the
+              call ended.  Control events (``session_begin`` ...) carry ``session`` and the record.  ``epoch`` marks the first change of ``path`` by ``unit`` in a
               run: its ``pre`` is the pre-image of that epoch.  ``pre2`` is the pre-image of
               ``path2`` (a rename's target).  A later event may only add facets to an epoch's
               pre-image (``pre`` with ``"facet"``).  ``failed`` events name a seq whose operation
