@@ -41,7 +41,7 @@ import time
 import uuid
 from typing import Callable
 
-from .attribution import Attribution, proc_start_and_ppid, read_actor
+from .attribution import Attribution, proc_start_and_ppid, read_actor, running
 from .journal import Journal
 from .journal.schema import call_key, turn_key
 
@@ -97,14 +97,29 @@ def _child_pids(pid: int) -> list[int]:
     return out
 
 
-def children_of(pid: int) -> set[str]:
-    """Actor keys (pid:start) of a process's direct children, from /proc."""
-    out = set()
-    for c in _child_pids(pid):
+def descendants_of(pid: int, limit: int = 10_000) -> set[str]:
+    """Actor keys (pid:start) of every live descendant of a process, from /proc."""
+    out: set[str] = set()
+    todo, seen = _child_pids(pid), set()
+    while todo and len(seen) < limit:
+        c = todo.pop()
+        if c in seen:
+            continue
+        seen.add(c)
         st = proc_start_and_ppid(c)
         if st is not None:
             out.add(f"{c}:{st[0]}")
+            todo.extend(_child_pids(c))
     return out
+
+
+def _session_tree(s: "Session") -> set[str]:
+    """The live processes of a session's tree at a call's begin or end: every descendant of
+    its runner (the agent, and the orphans the runner adopted), else of its agent.  Not only
+    the agent's children: an orphan is placed by its own start time (``lineage``), and one
+    started in the tick a call ended or the next began is settled by these snapshots."""
+    top = s.runner or s.agent
+    return descendants_of(top["pid"]) if top is not None else set()
 
 
 def _live_stat(pid: int) -> tuple[int, int] | None:
@@ -547,11 +562,26 @@ class Calls:
         self.end_exited_calls(s, caller)
         for c in [c for c in self.live_implicit if c.session is s]:
             self._end_call(s, c, caller, "abandoned")  # its processes outlive the session
+        self._place_survivors(s)
         s.ended = time.time_ns()
         self._control_event("session_end", s, caller)
         self.journal.put_record("sessions", s.id.encode(), s.record())
         self._unit_ended(f"session:{s.id}")
         return s
+
+    def _place_survivors(self, s: Session) -> None:
+        """The session's processes still alive at its end (a server a call started) keep their
+        call: once the runner has exited they are init's, and /proc no longer leads from them
+        to the session.  Each is placed now, while it does (``lineage`` keeps the answer), so
+        what it writes later is its call's, after the call's end."""
+        top = s.runner or s.agent
+        if top is None:
+            return
+        for key in descendants_of(top["pid"]):
+            pid = int(key.split(":")[0])
+            st = proc_start_and_ppid(pid)
+            if st is not None and f"{pid}:{st[0]}" == key:
+                self.lineage({"key": key, "pid": pid, "ppid": st[1]})
 
     def turn_begin(self, caller: dict, name: str | None, prompt: str | None) -> dict:
         s = self.resolve(name, caller)
@@ -583,7 +613,7 @@ class Calls:
             raise ControlError(f"call {call_id} already begun in session {s.id}")
         s.announced = True
         c = Call(s, call_id, tool, summary)
-        c.before = children_of(s.agent["pid"]) if s.agent else set()
+        c.before = _session_tree(s) if s.agent else set()
         c.begin_seq = self._control_event("call_begin", s, caller, call=call_id, tool=tool)
         s.calls[call_id] = c
         s.order.append(c)
@@ -601,7 +631,7 @@ class Calls:
         return self._end_call(s, c, caller, status)
 
     def _end_call(self, s: Session, c: Call, caller: dict, status: str) -> Call:
-        c.at_end = children_of(s.agent["pid"]) if s.agent and not c.implicit else set()
+        c.at_end = _session_tree(s) if s.agent and not c.implicit else set()
         c.end_tick = boot_ticks()
         c.end_t = time.time_ns()
         c.status = status
@@ -636,3 +666,46 @@ class Calls:
     def status(self) -> dict:
         return {"sessions": [dict(s.record(), active_calls=[c.id for c in s.active],
                                   turn=s.turn_index()) for s in self.sessions.values()]}
+
+    def processes(self) -> list[dict]:
+        """The live processes of the sessions' calls (the agents left out), each with the unit
+        its changes go to: ``{"pid", "key", "argv", "unit"}``.  A revert refuses while a
+        process of what it undoes still runs.  Nothing is journaled: a process that has not
+        written yet is placed as its first change would be, without making an implicit call."""
+        keys: set[str] = set()
+        for s in self.sessions.values():
+            top = s.runner or s.agent
+            if top is not None and s.ended is None:
+                keys |= descendants_of(top["pid"])
+        keys |= {k for k, v in self._lineage.items() if v is not None and v[1] is not None}
+        out = []
+        for key in sorted(keys):
+            pid, start = map(int, key.split(":"))
+            st = running(pid, start)
+            if st is None:
+                continue  # exited (or the pid is another process's now)
+            unit = self._placed(key, pid, st[1])
+            if unit is not None:
+                out.append({"pid": pid, "key": key, "argv": read_actor(pid).get("argv") or [],
+                            "unit": str(unit)})
+        return out
+
+    def _placed(self, key: str, pid: int, ppid: int) -> str | None:
+        """unit_of's answer for a live process of a session, without its side effects (an
+        implicit call made for a process not seen yet); None for an agent, an outside
+        process, or one an unannounced session would make an implicit call of."""
+        lin = self.lineage({"key": key, "pid": pid, "ppid": ppid})
+        if lin is None or lin[1] is None:
+            return None
+        session, child = lin
+        known = session.child_units.get(child["key"])
+        if known is not None:
+            return known[0]
+        start = int(child["key"].split(":")[1])
+        found = [c for c in session.order if not c.implicit and c.covers(child["key"], start)]
+        if found:
+            return self._choose(found, argv=read_actor(child["pid"]).get("argv"))[0].unit
+        member = [c for c in self.live_implicit if c.session is session and child["key"] in c.procs]
+        if member:
+            return member[0].unit
+        return session.own_unit() if session.announced else None

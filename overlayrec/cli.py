@@ -1256,9 +1256,18 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
     except client.ClientError as e:
         click.echo(f"overlayrec: warning: {e}", err=True)
     if mounted_here:
+        # processes the agent left working in the workspace (a server, a watcher) would lose
+        # it at the unmount: every operation of theirs would fail (ENOTCONN)
+        users = [] if others else state.mount_users(ws, _ancestors(os.getpid()) | {daemon_pid})
         if others:
             click.echo(f"overlayrec: leaving {ws} mounted: session(s) {', '.join(others)} "
                        "still running", err=True)
+        elif users:
+            named = ", ".join(f"{u['pid']} {u['command']}" for u in users[:3])
+            click.echo(f"overlayrec: leaving {ws} mounted: {len(users)} process(es) still work "
+                       f"in it ({named}{' ...' if len(users) > 3 else ''}), recorded as the "
+                       f"calls that started them; `overlayrec umount {ws}` once they are done",
+                       err=True)
         else:
             _stop_daemon(ws)
     try:
@@ -1308,6 +1317,17 @@ def _wire_agent(argv: list, env: dict, cwd: str, no_hooks: bool):
                        err=True)
         shutil.rmtree(scratch, ignore_errors=True)
     return argv, env, unwire
+
+
+def _call_processes(sd: str) -> list[dict]:
+    """The live processes of the mount's calls (client.processes); none when its daemon cannot
+    say (an older one)."""
+    from . import client
+    try:
+        with client.Client(os.path.join(sd, "control.sock")) as c:
+            return c.processes()
+    except (client.ClientError, OSError):
+        return []
 
 
 def _stop_daemon(ws: str) -> None:
@@ -1647,7 +1667,7 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
     """Plan, check, confirm and carry out a revert (overlayrec.reverts) through the mount,
     mounting it for the occasion when it is not."""
     from . import reverts
-    from .views import shown
+    from .views import one_line, shown
     from .engines.diff import SelectionError, session_named
     from .engines.states import States, Tree
     from .journal import ContentStore
@@ -1696,6 +1716,13 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
                 click.echo("nothing to revert")
                 return
             noted = sorted({s.note for s in conflicts if s.note})
+            running = reverts.still_running(j, plan, _call_processes(sd)) \
+                if resume is None else []
+            if running and not force:
+                raise Fail(f"nothing reverted: {len(running)} process(es) of what it undoes "
+                           f"still run ({'; '.join(one_line(r) for r in running[:3])}"
+                           f"{' ...' if len(running) > 3 else ''}), and what they write next "
+                           "would follow the revert: stop them first, or --force")
             if conflicts and not force:
                 raise Fail("conflicts, nothing reverted: " + reverts.conflict_summary(plan)
                            + "".join(f" ({n}: " + ", ".join(shown(s.path) for s in conflicts

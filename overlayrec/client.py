@@ -56,7 +56,8 @@ class Client:
 
     def request(self, op: str, **fields) -> dict:
         req = {"op": op, **{k: v for k, v in fields.items() if v is not None}}
-        if "session" not in req and self.session and op not in ("ping", "status"):
+        if "session" not in req and self.session and op not in ("ping", "status",
+                                                                 "processes"):
             req["session"] = self.session
         try:
             self.sock.sendall(wire.dumps(req).encode() + b"\n")
@@ -97,6 +98,10 @@ class Client:
 
     def status(self):
         return self.request("status")
+
+    def processes(self):
+        """The live processes of the sessions' calls, each with its unit (Calls.processes)."""
+        return self.request("processes")["processes"]
 
     def close(self):
         self.sock.close()

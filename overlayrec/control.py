@@ -87,6 +87,8 @@ class ControlServer:
             return {"pid": os.getpid()}
         if op == "status":
             return c.status()
+        if op == "processes":
+            return {"processes": c.processes()}
         if op == "session_begin":
             s = c.session_begin(caller, name, runner=bool(req.get("runner")),
                                 command=req.get("command"))

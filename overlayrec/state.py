@@ -600,6 +600,19 @@ def mount_id_at(path: str) -> int | None:
 def underlay_holders(ws: str, exclude: set[int]) -> list[dict]:
     """Processes whose working directory or open files inside ``ws`` were taken before the
     mount: they see the underlay and bypass recording."""
+    return _holders(ws, exclude, beneath=True)
+
+
+def mount_users(ws: str, exclude: set[int]) -> list[dict]:
+    """Processes whose working directory or open files are on the mount at ``ws``: an unmount
+    now would leave them with "Transport endpoint is not connected" for each (a server an
+    agent left running in the workspace)."""
+    return _holders(ws, exclude, beneath=False)
+
+
+def _holders(ws: str, exclude: set[int], beneath: bool) -> list[dict]:
+    """underlay_holders (``beneath``) or mount_users: each process as pid, command and what it
+    holds there."""
     mnt = mount_id_at(ws)
     try:
         mount_dev = os.stat(ws).st_dev
@@ -614,7 +627,7 @@ def underlay_holders(ws: str, exclude: set[int]) -> list[dict]:
         what = []
         try:
             cwd = os.readlink(f"/proc/{pid}/cwd")
-            if inside(cwd) and os.stat(f"/proc/{pid}/cwd").st_dev != mount_dev:
+            if inside(cwd) and (os.stat(f"/proc/{pid}/cwd").st_dev != mount_dev) == beneath:
                 what.append(f"cwd {cwd}")
         except OSError:
             pass
@@ -629,7 +642,7 @@ def underlay_holders(ws: str, exclude: set[int]) -> list[dict]:
                     continue
                 with open(f"/proc/{pid}/fdinfo/{fd}") as f:
                     info = dict(l.split(":", 1) for l in f.read().splitlines() if ":" in l)
-                if mnt is not None and int(info.get("mnt_id", "-1")) != mnt:
+                if mnt is not None and (int(info.get("mnt_id", "-1")) != mnt) == beneath:
                     what.append(f"fd {fd} {target}")
             except (OSError, ValueError):
                 continue

@@ -64,6 +64,8 @@ class Plan:
     # other calls' paths placed by a guess while it was active too (engines.diff.Side.guessed)
     guessed: list[str] = field(default_factory=list)
     maybe_ours: dict[str, list[str]] = field(default_factory=dict)
+    # the actors (pid:start) whose events the plan's steps undo (reverts.still_running)
+    writers: set[str] = field(default_factory=set)
 
     @property
     def conflicts(self) -> list[Step]:
@@ -115,6 +117,7 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
     linkish: set[str] = set()  # names the record saw share an inode
     call_unit = next(iter(units)) if selection.get("call") is not None else None
     shared: list[dict] = []  # events placed among calls active together, the call's among them
+    writers: set[str] = set()
     for e in file_events(j, 1, hi):
         if e["op"] in ("link", "alias"):
             linkish.update(x for x in (e.get("path"), e.get("source")) if x)
@@ -130,11 +133,13 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
                 s = spans.setdefault(p, [e["seq"], e["seq"]])
                 s[1] = e["seq"]
                 last_unit[p] = e.get("unit") or ""
+                writers.add(e["actor"])
             else:
                 others.setdefault(p, []).append(e["seq"])
     ends = states._unit_ends()
     unrecorded = {e.get("path") for e in file_events(j, lo, hi) if e["op"] == "unrecorded"}
-    plan = Plan(revert_id or time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6], selection)
+    plan = Plan(revert_id or time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6], selection,
+                writers=writers)
     if shared:
         plan.guessed = guessed([e for e in shared if e.get("unit") == call_unit])["guessed"]
         plan.maybe_ours = placed_elsewhere(shared, call_unit)

@@ -1,0 +1,94 @@
+"""Processes a call leaves running: a `cmd &` that outlives its call, its session and the `run`
+that started it.  Its later writes stay its call's (also when it started in the clock tick its
+call ended and the next began), `run` does not unmount under it, and a revert of its call
+refuses while it runs."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+import time
+
+from conftest import SLOW, is_mounted, needs_fuse, overlayrec
+
+pytestmark = needs_fuse
+
+AGENT = textwrap.dedent(r'''
+    import subprocess, sys
+    from overlayrec import client
+    go, done = sys.argv[1], sys.argv[2]  # markers outside the workspace
+    with client.connect() as c:
+        c.turn_begin(prompt="start a writer and go on")
+        c.call_begin("c1", "Bash", summary="start a writer")
+        # the subshell outlives the bash that started it at once: an orphan the runner adopts,
+        # started in the tick c1 ends (and, most often, c2 begins)
+        subprocess.run(["bash", "-c", "echo first > status.txt; (while [ ! -e " + go + " ]; do "
+                        "sleep 0.05; done; echo late >> status.txt; echo more > late.txt; "
+                        "touch " + done + ") > /dev/null 2>&1 &"], check=True)
+        c.call_end("c1", status="ok")
+        c.call_begin("c2", "Bash", summary="echo next")
+        subprocess.run(["bash", "-c", "echo next > next.txt"], check=True)
+        c.call_end("c2", status="ok")
+        c.turn_end()
+''')
+
+
+def _wait_for(path: str) -> None:
+    deadline = time.monotonic() + 60 * SLOW
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"no {path}"
+        time.sleep(0.05)
+
+
+def test_a_process_that_outlives_its_run_stays_its_calls(make_mount, tmp_path):
+    m = make_mount()  # not mounted: `run` mounts it, and would unmount at its end
+    agent = tmp_path / "agent.py"
+    agent.write_text(AGENT)
+    go, done = str(tmp_path / "go"), str(tmp_path / "done")
+    try:
+        _writer_left_running(m, agent, go, done)
+    finally:
+        open(go, "w").close()  # the writer ends, whatever failed
+
+
+def _writer_left_running(m, agent, go: str, done: str) -> None:
+    r = overlayrec("run", "-w", m.ws, "--state-dir", m.state, "--session", "s", "--",
+                   sys.executable, str(agent), go, done, cwd=m.ws)
+    # the writer still works in the workspace: the mount stays, and says why
+    assert is_mounted(m.ws)
+    assert f"leaving {m.ws} mounted: " in r.stderr and "process(es) still work in it" in r.stderr
+    # a revert of its call refuses while it runs; the other call's goes ahead
+    r = overlayrec("revert", m.ws, "--call", "c1", "--yes", check=False)
+    assert r.returncode == 1 and r.stdout.count("\n") == 1
+    assert "nothing reverted: 1 process(es) of what it undoes still run (" in r.stderr
+    assert "bash" in r.stderr and "--force" in r.stderr
+    overlayrec("revert", m.ws, "--call", "c2", "--yes")
+    assert not os.path.exists(os.path.join(m.ws, "next.txt"))
+    with open(os.path.join(m.ws, "status.txt")) as f:
+        assert f.read() == "first\n"
+    open(go, "w").close()
+    _wait_for(done)
+    # its writes reached the workspace (an unmount under it would have failed each one)
+    with open(os.path.join(m.ws, "status.txt")) as f:
+        assert f.read() == "first\nlate\n"
+    with open(os.path.join(m.ws, "late.txt")) as f:
+        assert f.read() == "more\n"
+    late = [e for e in m.events() if e.get("path") in ("status.txt", "late.txt")
+            and e["op"] in ("write", "create", "truncate")]
+    assert {(e["path"], e["unit"]) for e in late} == {
+        ("status.txt", "call:s:c1"), ("late.txt", "call:s:c1")}
+    assert any(e.get("after_end") for e in late if e["path"] == "late.txt")
+    rows = {r["id"]: r for r in map(json.loads, overlayrec("calls", m.ws, "--json").stdout
+                                    .splitlines())}
+    assert rows["c1"]["paths"] == ["late.txt", "status.txt"]
+    assert rows["c2"]["paths"] == ["next.txt"]
+    # once it has exited, the revert of its call takes its late writes too
+    deadline = time.monotonic() + 30 * SLOW
+    while True:
+        r = overlayrec("revert", m.ws, "--call", "c1", "--yes", check=False)
+        if r.returncode == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)  # (its exit follows its last write by a moment)
+    assert r.returncode == 0, r.stderr
+    assert sorted(os.listdir(m.ws)) == []
