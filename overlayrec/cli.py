@@ -1503,7 +1503,9 @@ def replay(workspace, at, dest, full, state_dir, as_json):
         if _beneath(dest, ws):
             raise Fail(f"{dest} is inside the workspace {ws}: replay writes a new directory "
                        "outside it")
-        point = resolve_point(j, at)
+        # a seq past the last event is the tree as the record ends (said so below)
+        j_last = j.last_seq()
+        point = min(resolve_point(j, at), j_last)
         # built beside dest and renamed into place when complete: a failure leaves no dest
         full_from = f"/proc/self/fd/{tree.root_fd}" if full else None
         states = States(j, tree)
@@ -1523,7 +1525,9 @@ def replay(workspace, at, dest, full, state_dir, as_json):
     if as_json:
         click.echo(json.dumps(out))
     else:
-        click.echo(f"replayed seq {point} into {dest}: {out['written']} written, "
+        where = " (the last)" if point == j_last and point else \
+            " (before the record's first event)" if point == 0 else ""
+        click.echo(f"replayed seq {point}{where} into {dest}: {out['written']} written, "
                    f"{out['removed']} removed" + (f", {len(out['inexact'])} inexact"
                                                   if out["inexact"] else ""))
         if out["not_made"]:  # kinds this caller cannot make here (a device node, say)

@@ -222,3 +222,26 @@ def test_replay_refuses_a_directory_inside_the_workspace(make_mount, tmp_path):
     out = m.ws.rstrip("/") + "-then"
     overlayrec("replay", m.ws, "--at", "1", "--to", out)
     assert os.path.isdir(out)
+
+
+def test_replay_says_where_a_point_past_the_record_or_before_it_lands(make_mount, tmp_path):
+    """A seq past the last event is the tree as the record ends, and replay says which seq it
+    wrote (it said the seq asked for, as if the journal held it); a time before the first
+    event is the tree before the record."""
+    m = make_mount().mount()
+    m.sh("echo one > a.txt")
+    m.sh("echo two >> a.txt")
+    m.umount()  # nothing appended meanwhile (a seal, a drift check)
+    j = Journal(m.state, readonly=True)
+    last = j.last_seq()
+    j.close()
+    r = overlayrec("replay", m.ws, "--at", "999999", "--to", str(tmp_path / "end"))
+    assert r.stdout.startswith(f"replayed seq {last} (the last) into ")
+    with open(tmp_path / "end" / "a.txt") as f:
+        assert f.read() == "one\ntwo\n"
+    js = json.loads(overlayrec("replay", m.ws, "--at", "999999", "--to", str(tmp_path / "j"),
+                               "--json").stdout)
+    assert js["point"] == last
+    r = overlayrec("replay", m.ws, "--at", "1999-01-01T00:00:00", "--to", str(tmp_path / "b"))
+    assert r.stdout.startswith("replayed seq 0 (before the record's first event) into ")
+    assert not os.path.exists(tmp_path / "b" / "a.txt")

@@ -18,7 +18,8 @@ from .states import ATTIC, States, State, Tree, state_of_stat
 def resolve_point(j: Journal, spec: str, refuse_dropped: bool = True) -> int:
     """A point as a sequence number: SEQ, a time (ISO 8601 or @epoch-seconds), turn:N, call:ID,
     and before:/after: either of those (after: is the default).  Anything else, or a number
-    past any sequence number, is a SelectionError; so is a point before the record's start
+    no sequence number can reach (2**63 or more), is a SelectionError (one past the last event
+    is the tree as the record ends: ``replay`` says so); so is a point before the record's start
     (dropped by retention), unless ``refuse_dropped`` is False (the listings start there)."""
     from ..retention import dropped_point
     point = _resolve_point(j, spec)
