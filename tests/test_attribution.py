@@ -338,6 +338,15 @@ def test_processes_of_calls_active_together_go_to_the_call_whose_command_they_ru
                               text=True, check=True).stdout for c in ("t1", "t2")}
     assert "Overlayrec-Guessed: from_neither.txt\nOverlayrec-Active-With: t1\n" in msgs["t2"]
     assert "Overlayrec-Guessed" not in msgs["t1"]
+    page = os.path.join(os.path.dirname(m.ws), "report.html")
+    overlayrec("report", m.ws, "--html", page)
+    with open(page) as f:
+        text = f.read()
+    data = json.loads(text.split('<script id="data" type="application/json">')[1]
+                      .split("</script>")[0])
+    lanes = {lane.get("call"): lane for lane in data["lanes"] if lane.get("call")}
+    assert (lanes["t2"]["guessed"], lanes["t2"]["active_with"]) == (["from_neither.txt"], ["t1"])
+    assert lanes["t1"]["guessed"] == []
 
 
 def test_pid_reuse_cannot_move_a_write(tmp_path):

@@ -159,6 +159,9 @@ class _Report:
                                 "processes": c["processes"], "turn": c.get("turn"),
                                 "session": c["session"], "call": c["id"],
                                 "late_events": c["late_events"],
+                                # placed here by a guess among calls active together
+                                "guessed": c["guessed"],
+                                "active_with": [u.rpartition(":")[2] for u in c["active_with"]],
                                 "touched": c["touched"]})   # all it wrote, own first
         if len(now) < len(evs):   # the bar shows what `diff --call` shows: the late writes too
             lane["patch"] = self.diffed(evs)

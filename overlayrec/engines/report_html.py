@@ -246,7 +246,10 @@ function showLane(i) {
     clock(lane.end_t, true) : " (still open)") : "";
   document.getElementById("diff-meta").textContent = [span, count(lane),
     lane.status ? "status " + lane.status : "", (lane.processes || []).join(", "),
-    lane.late_events ? plural(lane.late_events, "late write") + " included" : ""]
+    lane.late_events ? plural(lane.late_events, "late write") + " included" : "",
+    lane.guessed && lane.guessed.length ? plural(lane.guessed.length, "path") +
+      " placed here by a guess (calls active together: " + lane.active_with.join(", ") + "): " +
+      lane.guessed.slice(0, 6).join(", ") : ""]
     .filter(Boolean).join(" · ");
   showText(D.patches[lane.patch].join("") || "(no change)");
   select(document.querySelector('.lane[data-lane="' + i + '"]'));
