@@ -11,7 +11,10 @@ This is the second half of attribution (``attribution`` names the process; this 
 Rules (each has a test):
 * a process descending from an agent belongs to the call during which the agent's direct child
   at the top of its line was started: a shell command, its children, and a background process
-  that outlives the call (whose later writes are marked ``after_end``).  Start times come from
+  that outlives the call (whose later writes are marked ``after_end``).  When no call started
+  that child (a persistent shell the agent sends each command to), the highest process below
+  it that a call started decides, and a write by the shell itself goes to the call active
+  then (``chosen``: ``during``), else to the turn or session as it is at that write.  Start times come from
   /proc (clock ticks since boot); a tick shared by two calls is settled by the snapshots of the
   agent's children taken at each call's begin and end;
 * the agent's own writes belong to the call active when the file was opened;
@@ -120,6 +123,15 @@ def _session_tree(s: "Session") -> set[str]:
     started in the tick a call ended or the next began is settled by these snapshots."""
     top = s.runner or s.agent
     return descendants_of(top["pid"]) if top is not None else set()
+
+
+def _with_below(chain: list[dict], above: int) -> dict:
+    """The agent's child of a line walked up from a writer (``chain``: the writer first, then
+    its ancestors; the child is ``above`` from the end), with the keys of the processes below
+    it, top-down (``below``)."""
+    child = chain[-above]
+    below = [c["key"] for c in reversed(chain[:len(chain) - above])]
+    return dict(child, below=below) if below else child
 
 
 def _live_stat(pid: int) -> tuple[int, int] | None:
@@ -274,15 +286,15 @@ class Calls:
                     break
                 pkey = f"{pid}:{st[0]}"
                 if pkey in self._by_agent:
-                    result = (self._by_agent[pkey], chain[-1])
+                    result = (self._by_agent[pkey], _with_below(chain, 1))
                     break
                 if pkey in self._by_runner:
                     s = self._by_runner[pkey]
                     top = chain[-1]
                     if s.agent is None or s.agent["key"] == top["key"]:
-                        result = (s, chain[-2] if len(chain) > 1 else None)
+                        result = (s, _with_below(chain, 2) if len(chain) > 1 else None)
                     else:  # adopted by the runner: an orphan of some call
-                        result = (s, dict(top, orphan=True))
+                        result = (s, dict(_with_below(chain, 1), orphan=True))
                     break
                 chain.append({"key": pkey, "pid": pid})
                 pid = st[1]
@@ -341,26 +353,65 @@ class Calls:
         return calls[-1], "newest"
 
     def _child_unit(self, session: Session, child: dict, actor: dict | None = None) -> str:
-        known = session.child_units.get(child["key"])
-        if known is None:
-            start = int(child["key"].split(":")[1])
-            found = [c for c in session.order if not c.implicit and c.covers(child["key"], start)]
-            if len(found) == 1:
-                known = (Unit(found[0].unit), found[0])
-            elif found:
-                call, how = self._choose(found, argv=read_actor(child["pid"]).get("argv"))
-                known = (Unit(call.unit, candidates=[c.unit for c in found], chosen=how), call)
-            elif not session.announced:
-                known = self._implicit_unit(session, child, start)
-            else:
-                known = (Unit(session.own_unit()), None)
-            session.child_units[child["key"]] = known
-        unit, call = known
+        unit, call = self._call_of_line(session, child)
+        if unit is None:
+            # no process of the line was started in a call: one the agent started outside its
+            # calls (a persistent shell it sends each command to, a server begun with the
+            # session) writes for the call active now, by time, not by the process tree
+            return self._during(session, actor)
         if call is not None and call.end_t is not None:
             return Unit(unit, **dict(unit.extra, after_end=True))
         if call is not None and call.implicit and actor is not None:
             self._join(session, call, actor["key"], actor["pid"])  # it keeps the call open
         return unit
+
+    def _call_of_line(self, session: Session, child: dict) -> tuple:
+        """(unit, call) of the line below the agent's child ``child``: the call that started
+        the highest process of the line started in one (the child, else the processes below
+        it, ``below``: a persistent shell's command), an implicit call for a session that
+        announces none, else (None, None).  Each process's answer is kept."""
+        known = self._covering(session, child["key"], child["pid"])
+        if known[0] is None and not session.announced:
+            known = self._implicit_unit(session, child, int(child["key"].split(":")[1]))
+            session.child_units[child["key"]] = known
+        if known[0] is not None:
+            return known
+        for key in child.get("below", ()):
+            known = self._covering(session, key, int(key.split(":")[0]))
+            if known[0] is not None:
+                return known
+        return None, None
+
+    def _covering(self, session: Session, key: str, pid: int) -> tuple:
+        """(unit, call) of the announced call during which the process ``key`` was started
+        (chosen by evidence among several), else (None, None); kept."""
+        known = session.child_units.get(key)
+        if known is None:
+            start = int(key.split(":")[1])
+            found = [c for c in session.order if not c.implicit and c.covers(key, start)]
+            if len(found) == 1:
+                known = (Unit(found[0].unit), found[0])
+            elif found:
+                call, how = self._choose(found, argv=read_actor(pid).get("argv"))
+                known = (Unit(call.unit, candidates=[c.unit for c in found], chosen=how), call)
+            else:
+                known = (None, None)
+            session.child_units[key] = known
+        return known
+
+    def _during(self, session: Session, actor: dict | None) -> str:
+        """The unit of a write by a process of the session no call started: the call active
+        now (``chosen``: ``during``; among several, by evidence), else the turn or session,
+        as it is now."""
+        if len(session.active) == 1:
+            return Unit(session.active[0].unit, candidates=[session.active[0].unit],
+                        chosen="during")
+        if session.active:
+            argv = read_actor(actor["pid"]).get("argv") if actor is not None else None
+            call, how = self._choose(session.active, argv=argv)
+            return Unit(call.unit, candidates=[c.unit for c in session.active],
+                        chosen=how if how == "command" else "during")
+        return Unit(session.own_unit())
 
     def _implicit_unit(self, session: Session, child: dict, start: int) -> tuple[str, Call]:
         """The implicit call of an agent's child: one of its own, unless it is a process of a
@@ -698,14 +749,13 @@ class Calls:
         if lin is None or lin[1] is None:
             return None
         session, child = lin
-        known = session.child_units.get(child["key"])
-        if known is not None:
-            return known[0]
-        start = int(child["key"].split(":")[1])
-        found = [c for c in session.order if not c.implicit and c.covers(child["key"], start)]
-        if found:
-            return self._choose(found, argv=read_actor(child["pid"]).get("argv"))[0].unit
-        member = [c for c in self.live_implicit if c.session is session and child["key"] in c.procs]
-        if member:
-            return member[0].unit
-        return session.own_unit() if session.announced else None
+        if not session.announced:
+            known = session.child_units.get(child["key"])
+            if known is not None:
+                return known[0]
+            member = [c for c in self.live_implicit
+                      if c.session is session and child["key"] in c.procs]
+            return member[0].unit if member else None
+        # a process no call started (a persistent shell) is none of theirs: like the agent
+        unit, _ = self._call_of_line(session, child)
+        return unit

@@ -323,8 +323,10 @@ def guessed_line(paths: list[str], others: list[str]) -> str:
     """What a listing says of a unit's changes placed among calls active together without
     evidence (views.guessed)."""
     from .views import one_line, shown
-    return (f"placed here by a guess (calls active together: "
-            f"{one_line(', '.join(u.rpartition(':')[2] for u in others))}): "
+    how = (f"by a guess (calls active together: "
+           f"{one_line(', '.join(u.rpartition(':')[2] for u in others))})" if others else
+           "by time (written while it ran, by a process the agent started outside any call)")
+    return (f"placed here {how}: "
             + ", ".join(map(shown, paths[:6])) + (" ..." if len(paths) > 6 else ""))
 
 
@@ -506,7 +508,8 @@ def guess_lines(side) -> list[str]:
     out = []
     if side.guessed:
         out.append(f"overlayrec: {len(side.guessed)} path(s) here were placed in this call by a "
-                   "guess (other calls were active together, and nothing said whose they are): "
+                   "guess (other calls were active together, or a process the agent started "
+                   "outside any call wrote while it ran, and nothing said whose they are): "
                    f"{', '.join(map(shown, side.guessed[:5]))}"
                    f"{' ...' if len(side.guessed) > 5 else ''}")
     for unit, paths in side.maybe_ours.items():

@@ -214,15 +214,17 @@ def call_fields(j: Journal, evs: list[dict], net, actors: dict) -> dict:
 
 
 def guessed(evs: list[dict]) -> dict:
-    """What of a unit's events was placed among calls active together without evidence
-    (``calls.Calls._choose``'s ``newest``, or the first candidate in events written before
-    ``chosen`` existed): ``guessed``, their paths; ``active_with``, the other calls active
-    then.  A revert or a diff of such a call may take another call's change, or leave one."""
+    """What of a unit's events was placed in a call without evidence from the process tree:
+    among calls active together (``calls.Calls._choose``'s ``newest``, or the first candidate
+    in events written before ``chosen`` existed), or by time (``during``: written while the
+    call ran by a process the agent started outside any call, such as a persistent shell).
+    ``guessed``, their paths; ``active_with``, the other calls active then.  A revert or a
+    diff of such a call may take another call's change, or leave one."""
     paths: dict[str, None] = {}
     others: dict[str, None] = {}
     for e in evs:
         cands = e.get("candidates")
-        if not cands or e.get("chosen", "newest") != "newest":
+        if not cands or e.get("chosen", "newest") not in ("newest", "during"):
             continue
         for p in (e.get("path"), e.get("path2")):
             if p is not None and not p.startswith(ATTIC_PREFIX) and p != ATTIC_PREFIX[:-1]:

@@ -429,3 +429,83 @@ def test_installed_hook_command_fast_and_fallback_paths(make_mount, tmp_path):
     assert rows["fast"]["status"] == rows["slow"]["status"] == "ok"
     assert rows["fast"]["paths"] == ["fast.txt"] and rows["slow"]["paths"] == ["slow.txt"]
     assert rows["fast"]["summary"] == "touch fast"
+
+
+PERSISTENT_SHELL_AGENT = textwrap.dedent(r'''
+    import os, subprocess, sys, time
+    from overlayrec import client
+    marks = sys.argv[1]  # outside the workspace
+    go, done = os.path.join(marks, "go"), os.path.join(marks, "done")
+    # one shell for the whole session, each command sent to it (OpenHands, SWE-agent)
+    sh = subprocess.Popen(["bash"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    def run(cmd):
+        sh.stdin.write(cmd + "\necho __done__\n")
+        sh.stdin.flush()
+        while sh.stdout.readline().strip() != "__done__":
+            pass
+    def wait_for(path):
+        deadline = time.monotonic() + 120
+        while not os.path.exists(path):
+            assert time.monotonic() < deadline, path
+            time.sleep(0.02)
+    with client.connect() as c:
+        c.turn_begin(prompt="one")
+        c.call_begin("a", "Bash", summary="echo a > a.txt")
+        run("echo a > a.txt")                      # a builtin: the shell itself writes
+        c.call_end("a")
+        c.call_begin("b", "Bash", summary="python3 ...")
+        run(f"{sys.executable} -c 'open(\"b.txt\", \"w\").write(\"b\")'")  # a process of b's
+        run(f"(while [ ! -e {go} ]; do sleep 0.02; done; echo late > late.txt; touch {done}) &")
+        c.call_end("b")
+        c.turn_end()
+        c.turn_begin(prompt="two")
+        run("echo between > between.txt")          # no call active: the turn's
+        c.call_begin("c", "Bash", summary="echo c > c.txt")
+        run("echo c > c.txt")
+        open(go, "w").close()                      # b's background writer writes now
+        wait_for(done)
+        c.call_end("c")
+        c.turn_end()
+    sh.stdin.close()
+    sh.wait()
+''')
+
+
+def test_a_persistent_shell_writes_for_the_call_that_sent_it_each_command(make_mount, tmp_path):
+    """An agent that keeps one shell for the session: what the shell itself writes (a
+    builtin) goes to the call active then, marked as placed by time; a command it starts is
+    that call's by the process tree, and so are the later writes of one it sent to the
+    background; with no call active, the turn as it is now (the first turn's name stuck to the
+    shell for good: `revert --turn 2` found nothing, `--turn 1` took turn 2's files)."""
+    m = make_mount().mount()
+    agent = tmp_path / "agent.py"
+    agent.write_text(PERSISTENT_SHELL_AGENT)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    try:
+        overlayrec("run", "-w", m.ws, "--session", "ps", "--", sys.executable, str(agent),
+                   str(marks), cwd=m.ws)
+    finally:
+        (marks / "go").touch()
+    units = {}
+    for e in m.events():
+        if e.get("path") and e["op"] in ("create", "write"):
+            units.setdefault(e["path"], set()).add(
+                (e["unit"], e.get("chosen"), bool(e.get("after_end"))))
+    assert units == {"a.txt": {("call:ps:a", "during", False)},
+                     "b.txt": {("call:ps:b", None, False)},
+                     "late.txt": {("call:ps:b", None, True)},
+                     "between.txt": {("turn:ps:2", None, False)},
+                     "c.txt": {("call:ps:c", "during", False)}}
+    rows = {r["id"]: r for r in map(json.loads, overlayrec("calls", m.ws, "--json").stdout
+                                    .splitlines())}
+    assert [(rows[c]["paths"], rows[c]["guessed"]) for c in "abc"] == [
+        (["a.txt"], ["a.txt"]), (["b.txt", "late.txt"], []), (["c.txt"], ["c.txt"])]
+    assert "placed here by time (written while it ran, by a process the agent started " \
+        "outside any call): a.txt" in overlayrec("calls", m.ws).stdout
+    r = overlayrec("revert", m.ws, "--turn", "2")
+    assert sorted(line.split()[-1] for line in r.stdout.splitlines()[:-1]) == \
+        ["between.txt", "c.txt"]
+    r = overlayrec("revert", m.ws, "--turn", "1")
+    assert sorted(line.split()[-1] for line in r.stdout.splitlines()[:-1]) == \
+        ["a.txt", "b.txt", "late.txt"]

@@ -248,8 +248,10 @@ function showLane(i) {
     lane.status ? "status " + lane.status : "", (lane.processes || []).join(", "),
     lane.late_events ? plural(lane.late_events, "late write") + " included" : "",
     lane.guessed && lane.guessed.length ? plural(lane.guessed.length, "path") +
-      " placed here by a guess (calls active together: " + lane.active_with.join(", ") + "): " +
-      lane.guessed.slice(0, 6).join(", ") : ""]
+      (lane.active_with.length ? " placed here by a guess (calls active together: " +
+       lane.active_with.join(", ") + "): " : " placed here by time (written while it ran, by " +
+       "a process the agent started outside any call): ") + lane.guessed.slice(0, 6).join(", ")
+      : ""]
     .filter(Boolean).join(" · ");
   showText(D.patches[lane.patch].join("") || "(no change)");
   select(document.querySelector('.lane[data-lane="' + i + '"]'));

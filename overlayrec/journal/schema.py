@@ -39,8 +39,10 @@ Sub-databases of the LMDB environment:
               were several; ``chosen`` says how ``unit`` was chosen among them
               (``calls.Calls._choose``): ``command`` (the child's argv carries the call's
               summary), ``path`` (the call's summary names the agent's file), ``newest`` (no
-              evidence: the call begun last); absent in events written before it existed (the
-              first candidate then).  ``after_end`` marks a write by a call's process after the
+              evidence: the call begun last), ``during`` (a process the agent started outside
+              any call, such as a persistent shell, wrote while the call ran: ``candidates``
+              are the calls active then, one or more); absent in events written before it
+              existed (the first candidate then).  ``after_end`` marks a write by a call's process after the
               call ended.  Control events (``session_begin`` ...) carry ``session`` and the record.  ``epoch`` marks the first change of ``path`` by ``unit`` in a
               run: its ``pre`` is the pre-image of that epoch.  ``pre2`` is the pre-image of
               ``path2`` (a rename's target).  A later event may only add facets to an epoch's
