@@ -461,3 +461,18 @@ def test_a_killed_run_leaves_the_users_settings_as_they_were(make_mount, tmp_pat
         assert "put back" in r.stderr
     assert user.read_bytes() == before
     assert not (home / ".cursor" / "hooks.json.overlayrec-backup").exists()
+
+
+def test_a_calls_summary_is_its_first_line_that_says_something_and_an_argv_joined():
+    """The summary is what a listing shows and what the daemon matches a process's argv
+    against when calls run together (calls.Calls._choose): an argv (Codex's shell tool sends
+    one) is joined, not dropped; a command that begins with a blank line is not summarized as
+    an empty string."""
+    from overlayrec.agents._common import summarize
+    assert summarize({"command": ["bash", "-lc", "sed -i s/a/b/ f"]}) == "bash -lc sed -i s/a/b/ f"
+    assert summarize({"cmd": "git status"}) == "git status"
+    assert summarize({"command": "\n  \nrm -rf build\nmake"}) == "rm -rf build"
+    assert summarize({"command": "   ", "description": "tidy"}) == "tidy"
+    assert summarize({"command": [1, 2]}) is None
+    assert summarize({"command": "x" * 300}) == "x" * 200
+    assert summarize("  ") is None

@@ -15,10 +15,13 @@ def summarize(tool_input) -> str | None:
         return tool_input.splitlines()[0][:200] if tool_input.strip() else None
     if not isinstance(tool_input, dict):
         return None
-    for key in ("command", "file_path", "path", "pattern", "url", "description", "prompt"):
+    for key in ("command", "cmd", "file_path", "path", "pattern", "url", "description",
+                "prompt"):
         v = tool_input.get(key)
-        if isinstance(v, str) and v:
-            return v.splitlines()[0][:200]
+        if isinstance(v, list) and v and all(isinstance(w, str) for w in v):
+            v = " ".join(v)  # an argv (Codex's shell tool): what calls.Calls._choose matches
+        if isinstance(v, str) and v.strip():  # its first line that says something
+            return next(line for line in v.splitlines() if line.strip())[:200]
     return None
 
 
