@@ -535,6 +535,12 @@ def umount(workspace, timeout):
             raise Fail(f"{ws} is not mounted itself: it is in the workspace {outer} "
                        f"(overlayrec umount {outer})")
         raise Fail(f"{ws} is not mounted")
+    # an unmount leaves them "Transport endpoint is not connected" for every operation
+    users = state.mount_users(ws, _ancestors(os.getpid()) | ({pid} if pid else set()))
+    if users:
+        named = ", ".join(f"{u['pid']} {u['command']}" for u in users[:3])
+        click.echo(f"overlayrec: warning: {len(users)} process(es) still work in {ws} ({named}"
+                   f"{' ...' if len(users) > 3 else ''}): they lose it now", err=True)
     killed = False
     if pid:
         os.kill(pid, signal.SIGTERM)

@@ -597,6 +597,26 @@ def mount_id_at(path: str) -> int | None:
     return found
 
 
+def _mount_of(link: str) -> int | None:
+    """The mount id of what a /proc magic link (a cwd) leads to, without asking its filesystem
+    anything: an O_PATH open follows the link to its dentry, and a FUSE daemon, hung or not,
+    gets no request (a stat would send one)."""
+    try:
+        fd = os.open(link, os.O_PATH | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        with open(f"/proc/self/fdinfo/{fd}") as f:
+            for line in f:
+                if line.startswith("mnt_id:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+    return None
+
+
 def underlay_holders(ws: str, exclude: set[int]) -> list[dict]:
     """Processes whose working directory or open files inside ``ws`` were taken before the
     mount: they see the underlay and bypass recording."""
@@ -614,9 +634,7 @@ def _holders(ws: str, exclude: set[int], beneath: bool) -> list[dict]:
     """underlay_holders (``beneath``) or mount_users: each process as pid, command and what it
     holds there."""
     mnt = mount_id_at(ws)
-    try:
-        mount_dev = os.stat(ws).st_dev
-    except OSError:
+    if mnt is None:
         return []
     inside = lambda p: p == ws or p.startswith(ws.rstrip("/") + "/")
     out = []
@@ -627,7 +645,7 @@ def _holders(ws: str, exclude: set[int], beneath: bool) -> list[dict]:
         what = []
         try:
             cwd = os.readlink(f"/proc/{pid}/cwd")
-            if inside(cwd) and (os.stat(f"/proc/{pid}/cwd").st_dev != mount_dev) == beneath:
+            if inside(cwd) and (_mount_of(f"/proc/{pid}/cwd") != mnt) == beneath:
                 what.append(f"cwd {cwd}")
         except OSError:
             pass

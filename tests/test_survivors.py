@@ -92,3 +92,19 @@ def _writer_left_running(m, agent, go: str, done: str) -> None:
         time.sleep(0.1)  # (its exit follows its last write by a moment)
     assert r.returncode == 0, r.stderr
     assert sorted(os.listdir(m.ws)) == []
+
+
+def test_umount_names_the_processes_that_lose_the_workspace(make_mount):
+    """A process working in the mount (its directory there) loses it at the unmount: every
+    operation of its fails from then on; umount says which, without asking the daemon."""
+    import subprocess
+    m = make_mount().mount()
+    proc = subprocess.Popen(["sleep", "600"], cwd=m.ws)
+    try:
+        r = overlayrec("umount", m.ws)
+        assert f"overlayrec: warning: 1 process(es) still work in {m.ws} ({proc.pid} sleep): " \
+            "they lose it now" in r.stderr
+        assert not is_mounted(m.ws)
+    finally:
+        proc.kill()
+        proc.wait()
