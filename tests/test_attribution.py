@@ -509,3 +509,41 @@ def test_a_persistent_shell_writes_for_the_call_that_sent_it_each_command(make_m
     r = overlayrec("revert", m.ws, "--turn", "1")
     assert sorted(line.split()[-1] for line in r.stdout.splitlines()[:-1]) == \
         ["a.txt", "b.txt", "late.txt"]
+
+
+def test_a_subagents_calls_inside_its_task_call_are_their_own(make_mount, tmp_path):
+    """A subagent runs inside the agent's process while its Task call is active: its Bash and
+    Edit calls are active together with the Task.  Their changes go to them (by command, by
+    path), not to the Task that began first; one the evidence does not name goes to the
+    newest (the inner call), said to be a guess."""
+    m = make_mount().mount()
+    agent = tmp_path / "agent.py"
+    agent.write_text(textwrap.dedent('''
+        import os, subprocess
+        from overlayrec import client
+        with client.connect() as c:
+            c.call_begin("task", "Task", summary="tidy the notes")
+            c.call_begin("bash", "Bash", summary="printf x > from_bash.txt")
+            subprocess.run(["bash", "-c", "printf x > from_bash.txt"], check=True)
+            c.call_end("bash")
+            c.call_begin("edit", "Edit", summary=os.path.abspath("notes.txt"))
+            open("notes.txt", "w").write("tidy")
+            c.call_end("edit")
+            c.call_begin("other", "Bash", summary="make notes")
+            subprocess.run(["bash", "-c", "printf y > unnamed.txt"], check=True)
+            c.call_end("other")
+            c.call_end("task")
+    '''))
+    overlayrec("run", "-w", m.ws, "--session", "sub", "--", sys.executable, str(agent),
+               cwd=m.ws)
+    by = events_by_path(m)
+    got = {p: {(e["unit"], e["chosen"]) for e in by[p]}
+           for p in ("from_bash.txt", "notes.txt", "unnamed.txt")}
+    assert got == {"from_bash.txt": {("call:sub:bash", "command")},
+                   "notes.txt": {("call:sub:edit", "path")},
+                   "unnamed.txt": {("call:sub:other", "newest")}}
+    rows = {r["id"]: r for r in map(json.loads, overlayrec("calls", m.ws, "--json").stdout
+                                    .splitlines())}
+    assert [rows[c]["paths"] for c in ("task", "bash", "edit", "other")] == \
+        [[], ["from_bash.txt"], ["notes.txt"], ["unnamed.txt"]]
+    assert rows["other"]["guessed"] == ["unnamed.txt"] and rows["bash"]["guessed"] == []
