@@ -1712,9 +1712,18 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
                 raise Fail(str(e)) from None
             conflicts = plan.conflicts
             preview = reverts.preview(plan)
+            running = reverts.still_running(j, plan, _call_processes(sd)) \
+                if resume is None else []
+            preview["still_running"] = running
             if not as_json:  # the call's changes may hold another's, or miss one of its own
                 for line in readers.guess_lines(plan):
                     click.echo(line, err=True)
+                if running:  # a server a call started: said, not refused
+                    click.echo(f"overlayrec: warning: {len(running)} process(es) of what this "
+                               f"reverts still run ({'; '.join(map(one_line, running[:3]))}"
+                               f"{' ...' if len(running) > 3 else ''}): what they write next "
+                               "follows the revert (stop them first for a revert that holds)",
+                               err=True)
             if as_json and not (yes and (not conflicts or force)):
                 click.echo(json.dumps(preview))
             elif not as_json:
@@ -1726,13 +1735,6 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
                 click.echo("nothing to revert")
                 return
             noted = sorted({s.note for s in conflicts if s.note})
-            running = reverts.still_running(j, plan, _call_processes(sd)) \
-                if resume is None else []
-            if running and not force:
-                raise Fail(f"nothing reverted: {len(running)} process(es) of what it undoes "
-                           f"still run ({'; '.join(one_line(r) for r in running[:3])}"
-                           f"{' ...' if len(running) > 3 else ''}), and what they write next "
-                           "would follow the revert: stop them first, or --force")
             if conflicts and not force:
                 raise Fail("conflicts, nothing reverted: " + reverts.conflict_summary(plan)
                            + "".join(f" ({n}: " + ", ".join(shown(s.path) for s in conflicts
