@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import textwrap
 import time
@@ -68,8 +69,24 @@ def _writer_left_running(m, agent, go: str, done: str) -> None:
     assert not os.path.exists(os.path.join(m.ws, "next.txt"))
     with open(os.path.join(m.ws, "status.txt")) as f:
         assert f.read() == "first\n"
+    exported = json.loads(overlayrec("export", "git", m.ws, "--json").stdout)
+    assert exported["commits"] >= 3
     open(go, "w").close()
     _wait_for(done)
+    # the export's chain ends with what the session's processes wrote after it ended (it
+    # ended at the session's last turn: diff --call c1 and the export disagreed)
+    assert json.loads(overlayrec("export", "git", m.ws, "--json").stdout)["commits"] == 1
+    assert json.loads(overlayrec("export", "git", m.ws, "--json").stdout)["commits"] == 0
+
+    def git(*args):
+        return subprocess.run(["git", "--git-dir", exported["git_dir"], *args], check=True,
+                              capture_output=True, text=True).stdout
+    assert git("log", "-1", "--format=%s", "refs/overlayrec/s/head") == \
+        "late writes by the session's calls after its end\n"
+    assert git("show", "refs/overlayrec/s/head:status.txt") == "first\nlate\n"
+    assert git("show", "refs/overlayrec/s/head:late.txt") == "more\n"
+    # the call's sides (what `records diff --call c1` answers from) hold them too
+    assert git("show", "refs/overlayrec/s/sides:calls/c-c1/b/late.txt") == "more\n"
     # its writes reached the workspace (an unmount under it would have failed each one)
     with open(os.path.join(m.ws, "status.txt")) as f:
         assert f.read() == "first\nlate\n"
@@ -92,7 +109,6 @@ def _writer_left_running(m, agent, go: str, done: str) -> None:
 def test_umount_names_the_processes_that_lose_the_workspace(make_mount):
     """A process working in the mount (its directory there) loses it at the unmount: every
     operation of its fails from then on; umount says which, without asking the daemon."""
-    import subprocess
     m = make_mount().mount()
     proc = subprocess.Popen(["sleep", "600"], cwd=m.ws)
     try:

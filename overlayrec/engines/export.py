@@ -140,6 +140,11 @@ class Exporter:
                      and str(t["index"]) not in st["turns"]]
             if c_new or t_new:
                 work.append((sid, c_new, t_new))
+        # an ended session whose calls' processes wrote after its chain's last commit (a
+        # server one of them left running): a commit of those late writes follows
+        self._ended = {r["id"] for r in self.j.records("sessions") if r.get("ended")}
+        late = self._late_writers(self._ended, horizon, {w[0] for w in work})
+        work += [(sid, [], []) for sid in sorted(late)]
         # the sessions recorded by now (read after the horizon: a session's record is written
         # before any event of it), so a later run knows a session it never saw began after
         # this run's horizon
@@ -251,6 +256,27 @@ class Exporter:
             self._actor_cache[key] = self.j.actor(key) or {}
         return self._actor_cache[key]
 
+    def _late_writers(self, ended: set[str], horizon: int, busy: set[str]) -> set[str]:
+        """The ended sessions (chain exported, no new call or turn: ``busy`` have some) whose
+        units wrote after the chain's point; each session's ``late_checked`` horizon spares a
+        later run the events it looked at."""
+        todo = {sid: max(st["point"], st.get("late_checked", 0))
+                for sid, st in self.done["sessions"].items()
+                if sid in ended and st.get("head") and sid not in busy}
+        todo = {sid: frm for sid, frm in todo.items() if frm < horizon}
+        found = set()
+        if todo:
+            for e in file_events(self.j, min(todo.values()) + 1, horizon):
+                sid = unit_session(e.get("unit"))
+                if sid in todo and e["seq"] > todo[sid] and sid not in found and \
+                        any(_visible(p) and not git_refuses(p)
+                            for p in (e.get("path"), e.get("path2")) if p is not None):
+                    found.add(sid)
+        for sid in todo:
+            if sid not in found:
+                self.done["sessions"][sid]["late_checked"] = horizon
+        return found
+
     # -- one session's chain ------------------------------------------------------------------------
     def _session(self, sid: str, calls: list[dict], turns: list[dict], paths: list[str],
                  horizon: int, progress) -> None:
@@ -262,7 +288,7 @@ class Exporter:
         for t in turns:
             points.append((t["end_seq"], 2, "turn", t))
         points.sort(key=lambda p: (p[0], p[1]))
-        if not points:
+        if not points and not (st["head"] and sid in self._ended):
             return
         self.pending: list[bytes] = []
         # the files of the chain's tree as it stands (a path is removed only where it is a
@@ -310,6 +336,20 @@ class Exporter:
             st["point"] = point
             if progress:
                 progress(sid, n + 1, len(points))
+        if sid in self._ended:
+            # what its calls' processes wrote after its last turn ended, up to their last write
+            late = [e for e in self._events(point, horizon) if unit_session(e.get("unit")) == sid]
+            if late and self._changed(point, late[-1]["seq"]):
+                self._commit_interim(sid, st, point, late[-1]["seq"], paths,
+                                     subject="late writes by the session's calls after its end")
+                st["point"] = late[-1]["seq"]
+                # their calls' sides are made again: their diffs hold these writes too
+                units = {e.get("unit") for e in late}
+                done = {c["id"] for c in calls}
+                calls = calls + [c for c in self.j.records("calls", sid.encode() + b"\0")
+                                 if f"call:{sid}:{c['id']}" in units and c["id"] not in done
+                                 and c.get("end_seq")]
+            st["late_checked"] = horizon
         if self.sides:
             self._sides(sid, st, calls, turns, horizon)
 
@@ -513,7 +553,7 @@ class Exporter:
         return _ident(f"agent (session {sid})", "agent@overlayrec.invalid", t["end_t"]), msg, \
             t["end_t"]
 
-    def _commit_interim(self, sid, st, lo, hi, paths) -> None:
+    def _commit_interim(self, sid, st, lo, hi, paths, subject: str | None = None) -> None:
         self._advance(lo, hi, paths)
         evs = self._events(lo, hi)
         units = sorted({e.get("unit") or "" for e in evs})
@@ -521,7 +561,9 @@ class Exporter:
         actors = self._actors(lo, hi, None)
         t_ns = max((e["t"] for e in evs), default=0)
         who = ("outside process" if outside else f"agent (session {sid})")
-        msg = (f"changes between calls by {'outside processes' if outside else 'the agent'}\n\n"
+        subject = subject or \
+            f"changes between calls by {'outside processes' if outside else 'the agent'}"
+        msg = (f"{subject}\n\n"
                + "\n".join([f"Overlayrec-Session: {sid}", f"Overlayrec-Seq: {lo + 1}..{hi}"]
                            + [f"Overlayrec-Unit: {u}" for u in units]
                            + [f"Overlayrec-Actor: {a}" for a in actors]) + "\n")
@@ -601,7 +643,9 @@ class Exporter:
             spans[p] = [lo, hi] + now
         changes += drops + puts
         st["spans"], st["spans_to"] = spans, horizon
-        t_ns = max([c["end_t"] for c in calls] + [t["end_t"] for t in turns])
+        t_ns = max([c["end_t"] for c in calls] + [t["end_t"] for t in turns]
+                   + [e["t"] for e in self._events(since, horizon)
+                      if unit_session(e.get("unit")) == sid], default=0)
         who = _ident("overlayrec", "overlayrec@localhost", t_ns)
         msg = (f"session {sid}: the sides of its diffs\n\nOverlayrec-Session: {sid}\n"
                f"Overlayrec-Seq: ..{horizon}\n")
