@@ -332,6 +332,10 @@ def test_processes_of_calls_active_together_go_to_the_call_whose_command_they_ru
     assert "delete   from_neither.txt" in r.stdout
     r = overlayrec("revert", m.ws, "--call", "t1", "--json", check=False)
     assert json.loads(r.stdout)["maybe_ours"] == {"call:par:t2": ["from_neither.txt"]}
+    r = overlayrec("blame", "from_neither.txt", "-w", m.ws)
+    assert " call:par:t2 (placed in it by a guess): " in r.stdout
+    assert json.loads(overlayrec("blame", "from_one.txt", "-w", m.ws, "--json").stdout
+                      .splitlines()[0]).get("guessed") is None
     gd = json.loads(overlayrec("export", "git", m.ws, "--json").stdout)["git_dir"]
     msgs = {c: subprocess.run(["git", "--git-dir", gd, "log", "-1", "--format=%B",
                                f"refs/overlayrec/par/calls/{c}"], capture_output=True,

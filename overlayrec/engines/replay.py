@@ -11,6 +11,7 @@ from ..journal import Journal
 from ..underlay import O_PATH, Escape, chmod_fd, kind_of, resolve_beneath
 from .diff import SelectionError, _find_turn, _visible
 from ..secrets import PLACEHOLDER
+from ..views import guessed
 from .revert import link_key, linked, make_node, set_meta, temp_name
 from .states import ATTIC, States, State, Tree, state_of_stat
 
@@ -555,6 +556,8 @@ def blame(j: Journal, states: States, path: str, at: int | None = None) -> list[
         r["last_seq"], r["t_last"] = e["seq"], e["t"]
         if op not in r["ops"]:
             r["ops"].append(op)
+        if guessed([e])["guessed"]:  # placed in its call without the process tree's word
+            r["guessed"] = True
         if e["actor"] not in r["actors"]:
             r["actors"].append(e["actor"])
     for r in runs:
