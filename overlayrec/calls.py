@@ -629,9 +629,9 @@ class Calls:
         if top is None:
             return
         for key in descendants_of(top["pid"]):
-            pid = int(key.split(":")[0])
-            st = proc_start_and_ppid(pid)
-            if st is not None and f"{pid}:{st[0]}" == key:
+            pid, start = map(int, key.split(":"))
+            st = running(pid, start)
+            if st is not None:
                 self.lineage({"key": key, "pid": pid, "ppid": st[1]})
 
     def turn_begin(self, caller: dict, name: str | None, prompt: str | None) -> dict:
@@ -720,8 +720,8 @@ class Calls:
 
     def processes(self) -> list[dict]:
         """The live processes of the sessions' calls (the agents left out), each with the unit
-        its changes go to: ``{"pid", "key", "argv", "unit"}``.  A revert refuses while a
-        process of what it undoes still runs.  Nothing is journaled: a process that has not
+        its changes go to: ``{"pid", "key", "argv", "unit"}``.  A revert names those of what it
+        undoes that still run (what they write next follows it).  Nothing is journaled: a process that has not
         written yet is placed as its first change would be, without making an implicit call."""
         keys: set[str] = set()
         for s in self.sessions.values():

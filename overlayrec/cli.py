@@ -1271,8 +1271,8 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
         elif users:
             named = ", ".join(f"{u['pid']} {u['command']}" for u in users[:3])
             click.echo(f"overlayrec: leaving {ws} mounted: {len(users)} process(es) still work "
-                       f"in it ({named}{' ...' if len(users) > 3 else ''}), recorded as the "
-                       f"calls that started them; `overlayrec umount {ws}` once they are done",
+                       f"in it ({named}{' ...' if len(users) > 3 else ''}), recorded as "
+                       f"before; `overlayrec umount {ws}` once they are done",
                        err=True)
         else:
             _stop_daemon(ws)
