@@ -623,6 +623,33 @@ def underlay_holders(ws: str, exclude: set[int]) -> list[dict]:
     return _holders(ws, exclude, beneath=True)
 
 
+def _mount_device(mnt: int) -> str | None:
+    """The device (``major:minor``, as /proc/PID/maps writes it, in hex) of mount ``mnt``."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 2 and fields[0] == str(mnt):
+                    major, minor = (int(x) for x in fields[2].split(":"))
+                    return f"{major:02x}:{minor:02x}"
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _mapped_from(pid: int, dev: str) -> str | None:
+    """A path of a file ``pid`` has mapped from device ``dev``, if any."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[3] == dev:
+                    return fields[5].rstrip("\n")
+    except OSError:
+        return None
+    return None
+
+
 def mount_users(ws: str, exclude: set[int]) -> list[dict]:
     """Processes whose working directory or open files are on the mount at ``ws``: an unmount
     now would leave them with "Transport endpoint is not connected" for each (a server an
@@ -637,6 +664,9 @@ def _holders(ws: str, exclude: set[int], beneath: bool) -> list[dict]:
     if mnt is None:
         return []
     inside = lambda p: p == ws or p.startswith(ws.rstrip("/") + "/")
+    # a file mapped into memory from the mount (its fd closed since): its maps line carries
+    # the mount's device, and its pages fault with SIGBUS once the mount is gone
+    dev = None if beneath else _mount_device(mnt)
     out = []
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) in exclude:
@@ -664,6 +694,10 @@ def _holders(ws: str, exclude: set[int], beneath: bool) -> list[dict]:
                     what.append(f"fd {fd} {target}")
             except (OSError, ValueError):
                 continue
+        if dev is not None and not what:
+            mapped = _mapped_from(pid, dev)
+            if mapped:
+                what.append(f"maps {mapped}")
         if what:
             try:
                 with open(f"/proc/{pid}/comm") as f:

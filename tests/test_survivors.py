@@ -119,3 +119,32 @@ def test_umount_names_the_processes_that_lose_the_workspace(make_mount):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_umount_names_a_process_that_only_maps_a_file_of_the_mount(make_mount, tmp_path):
+    """A process with a workspace file mapped into memory, its fd closed and its directory
+    elsewhere, still uses the mount (its pages fault with SIGBUS once it is gone)."""
+    m = make_mount().mount()
+    with open(os.path.join(m.ws, "data.bin"), "wb") as f:
+        f.write(b"x" * 8192)
+    ready = tmp_path / "ready"
+    # libc's mmap: Python's mmap module keeps a duplicate of the fd open
+    code = ("import ctypes, mmap, os, sys, time\n"
+            "libc = ctypes.CDLL(None, use_errno=True)\n"
+            "libc.mmap.restype = ctypes.c_void_p\n"
+            "libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, "
+            "ctypes.c_int, ctypes.c_int, ctypes.c_long]\n"
+            f"fd = os.open({os.path.join(m.ws, 'data.bin')!r}, os.O_RDONLY)\n"
+            "addr = libc.mmap(None, 8192, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)\n"
+            "assert addr not in (None, ctypes.c_void_p(-1).value)\n"
+            "os.close(fd); os.chdir('/')\n"
+            f"open({str(ready)!r}, 'w').close()\n"
+            "time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd="/")
+    try:
+        _wait_for(str(ready))
+        r = overlayrec("umount", m.ws)
+        assert f"1 process(es) still work in {m.ws} ({proc.pid} python" in r.stderr
+    finally:
+        proc.kill()
+        proc.wait()
