@@ -41,17 +41,17 @@ def proc_start_and_ppid(pid: int) -> tuple[int, int] | None:
     return int(rest[19]), int(rest[1])
 
 
-def running(pid: int, start: int) -> tuple[int, int] | None:
-    """(start, ppid) of ``pid`` when it is the process that started at ``start`` and has not
-    exited: not a zombie, which keeps its /proc entry until reaped (and nobody may reap an
-    orphan's in a container whose init does not)."""
+def live_stat(pid: int) -> tuple[int, int] | None:
+    """(start tick, ppid) of a process that has not exited: None when it is gone or a zombie
+    (which keeps its /proc entry until reaped, and nobody may reap an orphan's in a container
+    whose init does not)."""
     raw = _read(f"/proc/{pid}/stat")
     if raw is None:
         return None
     rest = raw[raw.rfind(b")") + 2:].split()
-    if rest[0] in (b"Z", b"X") or int(rest[19]) != start:
+    if len(rest) < 20 or rest[0] in (b"Z", b"X", b"x"):
         return None
-    return start, int(rest[1])
+    return int(rest[19]), int(rest[1])
 
 
 def tgid_of(tid: int) -> int:

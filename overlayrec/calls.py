@@ -44,7 +44,7 @@ import time
 import uuid
 from typing import Callable
 
-from .attribution import Attribution, proc_start_and_ppid, read_actor, running
+from .attribution import Attribution, live_stat, proc_start_and_ppid, read_actor
 from .journal import Journal
 from .journal.schema import call_key, turn_key
 
@@ -134,31 +134,18 @@ def _with_below(chain: list[dict], above: int) -> dict:
     return dict(child, below=below) if below else child
 
 
-def _live_stat(pid: int) -> tuple[int, int] | None:
-    """(start tick, ppid) of a process that has not exited: None when it is gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return None
-    rest = raw[raw.rfind(b")") + 2:].split()
-    if len(rest) < 20 or rest[0] in (b"Z", b"X", b"x"):
-        return None
-    return int(rest[19]), int(rest[1])
-
-
 def live_children_of(pid: int) -> dict[str, int]:
     """{actor key: pid} of a process's direct children that have not exited, from /proc."""
     out = {}
     for c in _child_pids(pid):
-        st = _live_stat(c)
+        st = live_stat(c)
         if st is not None:
             out[f"{c}:{st[0]}"] = c
     return out
 
 
 def _alive(key: str, pid: int) -> bool:
-    st = _live_stat(pid)
+    st = live_stat(pid)
     return st is not None and f"{pid}:{st[0]}" == key
 
 
@@ -630,8 +617,8 @@ class Calls:
             return
         for key in descendants_of(top["pid"]):
             pid, start = map(int, key.split(":"))
-            st = running(pid, start)
-            if st is not None:
+            st = live_stat(pid)
+            if st is not None and st[0] == start:
                 self.lineage({"key": key, "pid": pid, "ppid": st[1]})
 
     def turn_begin(self, caller: dict, name: str | None, prompt: str | None) -> dict:
@@ -732,8 +719,8 @@ class Calls:
         out = []
         for key in sorted(keys):
             pid, start = map(int, key.split(":"))
-            st = running(pid, start)
-            if st is None:
+            st = live_stat(pid)
+            if st is None or st[0] != start:
                 continue  # exited (or the pid is another process's now)
             unit = self._placed(key, pid, st[1])
             if unit is not None:

@@ -1713,7 +1713,8 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
                 raise Fail(str(e)) from None
             conflicts = plan.conflicts
             preview = reverts.preview(plan)
-            running = reverts.still_running(j, plan, _call_processes(sd)) \
+            running = reverts.still_running(j, plan, _call_processes(sd),
+                                             _ancestors(os.getpid())) \
                 if resume is None else []
             preview["still_running"] = running
             if not as_json:  # the call's changes may hold another's, or miss one of its own

@@ -116,33 +116,29 @@ def plan_for(j, states, live, selection: dict, glob: str | None, content,
     return make_plan(j, states, live, selection, glob, revert_id)
 
 
-def still_running(j, plan: Plan, processes: list[dict]) -> list[str]:
+def still_running(j, plan: Plan, processes: list[dict], exclude: set[int]) -> list[str]:
     """The processes of what the plan undoes that still run, each as ``pid command``: those
     whose changes it undoes (the same pid and start time), and those the daemon places in its
     units (``processes``: client.processes(), a call's server that has not written yet).  What
     they write after the revert would follow it, half undone.  Not an agent (it writes in its
-    calls, and waits for its user between them), nor this process's own ancestors (an agent's
-    tool that reverts its own turn)."""
-    from .attribution import proc_start_and_ppid, running
+    calls, and waits for its user between them), nor a pid in ``exclude`` (the revert's own
+    ancestors: an agent's tool that reverts its own turn)."""
+    from .attribution import live_stat
     from .engines.revert import selected_units
     agents = {s.get("agent") for s in j.records("sessions")}
-    mine, pid = set(), os.getpid()
-    while pid > 1 and len(mine) < 64:
-        st = proc_start_and_ppid(pid)
-        if st is None:
-            break
-        mine.add(f"{pid}:{st[0]}")
-        pid = st[1]
     units = selected_units(j, **plan.selection)[0] if plan.steps else set()
     found: dict[str, str] = {}
     for p in processes:
-        if (units is None or p["unit"] in units) and p["key"] not in mine | agents:
+        if (units is None or p["unit"] in units) and p["key"] not in agents \
+                and p["pid"] not in exclude:
             found[p["key"]] = " ".join(p["argv"])
-    for key in sorted(plan.writers - mine - agents - set(found)):
+    for key in sorted(plan.writers - agents - set(found)):
         pid_s, _, start = key.partition(":")
-        if not pid_s.isdigit() or int(pid_s) <= 1 or not start.isdigit():
+        if not pid_s.isdigit() or int(pid_s) <= 1 or int(pid_s) in exclude or \
+                not start.isdigit():
             continue
-        if running(int(pid_s), int(start)) is None:
+        st = live_stat(int(pid_s))
+        if st is None or st[0] != int(start):
             continue
         found[key] = " ".join((j.actor(key) or {}).get("argv") or [])
     return [f"{k.split(':')[0]} {argv[:60]}".rstrip() for k, argv in sorted(found.items())]

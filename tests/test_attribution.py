@@ -14,14 +14,20 @@ from conftest import SLOW, needs_fuse, overlayrec, is_mounted
 
 pytestmark = needs_fuse
 
-FAKE_AGENT = textwrap.dedent(r'''
-    import json, os, subprocess, sys, time
-    PY = sys.executable
+# the agent scripts' hook: one Claude Code payload through `overlayrec hook` (SESSION and PY
+# set by the script before it)
+HOOK = textwrap.dedent(r'''
     def hook(event, **kw):
-        payload = dict(hook_event_name=event, session_id="cc-session", cwd=os.getcwd(), **kw)
+        payload = dict(hook_event_name=event, session_id=SESSION, cwd=os.getcwd(), **kw)
         r = subprocess.run([PY, "-m", "overlayrec", "hook", "claude-code"],
                            input=json.dumps(payload), capture_output=True, text=True)
         assert r.returncode == 0 and r.stdout == "" and r.stderr == "", (event, r.stderr)
+''')
+
+FAKE_AGENT = textwrap.dedent(r'''
+    import json, os, subprocess, sys, time
+    PY, SESSION = sys.executable, "cc-session"
+''') + HOOK + textwrap.dedent(r'''
     def bash(call_id, command):
         hook("PreToolUse", tool_use_id=call_id, tool_name="Bash", tool_input={"command": command})
         subprocess.run(["bash", "-c", command], check=True)
@@ -265,12 +271,8 @@ def test_agent_write_with_several_active_calls_names_every_candidate(make_mount,
 
 PARALLEL_AGENT = textwrap.dedent(r'''
     import json, os, shlex, subprocess, sys
-    PY = sys.executable
-    def hook(event, **kw):
-        payload = dict(hook_event_name=event, session_id="cc-par", cwd=os.getcwd(), **kw)
-        r = subprocess.run([PY, "-m", "overlayrec", "hook", "claude-code"],
-                           input=json.dumps(payload), capture_output=True, text=True)
-        assert r.returncode == 0 and r.stderr == "", (event, r.stderr)
+    PY, SESSION = sys.executable, "cc-par"
+''') + HOOK + textwrap.dedent(r'''
     def spawn(command):  # as Claude Code runs a Bash call: the command quoted into an eval
         return subprocess.Popen(["bash", "-c", "-l", "shopt -u extglob 2>/dev/null || true && "
                                  f"eval {shlex.quote(command)} < /dev/null"])

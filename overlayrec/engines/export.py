@@ -105,6 +105,7 @@ class Exporter:
         self._actor_cache: dict = {}
         self._state_cache: dict = {}
         self._live_base: str | None = None   # the mark of the last session base made
+        self._ended: set[str] = set()  # sessions ended by this run's horizon (run)
         self._live_new: dict[str, list] = {}
 
     def _git(self, *args, input=None, env=None) -> str:
