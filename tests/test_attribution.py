@@ -553,3 +553,90 @@ def test_a_subagents_calls_inside_its_task_call_are_their_own(make_mount, tmp_pa
     assert [rows[c]["paths"] for c in ("task", "bash", "edit", "other")] == \
         [[], ["from_bash.txt"], ["notes.txt"], ["unnamed.txt"]]
     assert rows["other"]["guessed"] == ["unnamed.txt"] and rows["bash"]["guessed"] == []
+
+
+SHAPES_AGENT = textwrap.dedent(r'''
+    import os, subprocess, sys
+    from overlayrec import client
+    long_dir = sys.argv[1]
+    sh = subprocess.Popen(["bash"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    def run(cmd):
+        sh.stdin.write(cmd + "\necho __done__\n")
+        sh.stdin.flush()
+        while sh.stdout.readline().strip() != "__done__":
+            pass
+    with client.connect() as c:
+        c.turn_begin(prompt="shapes")
+        c.call_begin("s", "Bash", summary="reshape")
+        # builtins and quick commands of the one shell: a directory renamed with files
+        # beneath, a fifo, a hard link, a symlink to a directory, a file ~4,000 bytes deep
+        run("mv src lib; echo new >> lib/a.py; mkfifo pipe; ln keep.txt keep2.txt; "
+            f"ln -s lib lib-link; echo deep > {long_dir}/f.txt; echo more >> keep.txt")
+        c.call_end("s")
+        c.turn_end()
+    sh.stdin.close()
+    sh.wait()
+''')
+
+
+def test_a_persistent_shells_call_reverts_whole_whatever_it_made(make_mount, tmp_path):
+    """What a persistent shell did in a call (its commands by the process tree, its own writes
+    by time) is that call's for every kind of change: a directory renamed with files beneath, a fifo, a hard link, a symlink to a
+    directory, a ~4,000-byte path.  The listing names it as placed by time, the revert gives
+    back the tree before the call exactly, and edits made while unmounted (to a path the call
+    did not touch, to a file it only moved with its directory) stay."""
+    import stat as stat_
+    m = make_mount()
+    os.makedirs(os.path.join(m.ws, "src", "pkg"))
+    for rel, text in (("src/a.py", "a\n"), ("src/pkg/b.py", "b\n"), ("keep.txt", "k\n"),
+                      ("other.txt", "o\n")):
+        with open(os.path.join(m.ws, rel), "w") as f:
+            f.write(text)
+    parts = ["d" * 200] * 19  # 19 * 201 bytes: the file's path is ~3,830 bytes
+    long_dir = os.path.join(*parts)
+    os.makedirs(os.path.join(m.ws, long_dir))
+
+    def tree():
+        out = {}
+        for dp, dns, fns in os.walk(m.ws):
+            for n in dns + fns:
+                p = os.path.join(dp, n)
+                rel = os.path.relpath(p, m.ws)
+                if rel.startswith(".overlayrec-attic"):
+                    continue
+                st = os.lstat(p)
+                kind = stat_.S_IFMT(st.st_mode)
+                data = open(p, "rb").read() if stat_.S_ISREG(st.st_mode) else \
+                    os.readlink(p) if stat_.S_ISLNK(st.st_mode) else None
+                out[rel] = (kind, data)
+        return out
+    before = tree()
+    m.mount()
+    agent = tmp_path / "agent.py"
+    agent.write_text(SHAPES_AGENT)
+    overlayrec("run", "-w", m.ws, "--session", "sh", "--", sys.executable, str(agent), long_dir,
+               cwd=m.ws)
+    row = json.loads(overlayrec("calls", m.ws, "--json").stdout.splitlines()[0])
+    assert row["id"] == "s" and "lib/a.py" in row["paths"] and "pipe" in row["paths"]
+    # mv, mkfifo and ln are processes the shell started in the call (the process tree says
+    # so); what the shell wrote itself (echo) was placed by time, keep.txt under both names
+    assert sorted(row["guessed"]) == sorted(["lib/a.py", f"{long_dir}/f.txt", "keep.txt",
+                                             "keep2.txt"])
+    assert {"lib", "pipe", "keep2.txt", "lib-link", "lib/pkg/b.py"} <= set(row["paths"])
+    assert os.stat(os.path.join(m.ws, "keep2.txt")).st_ino == \
+        os.stat(os.path.join(m.ws, "keep.txt")).st_ino
+    # edits made while unmounted: to a path the call did not touch, and to one it only
+    # moved (with its directory)
+    m.umount()
+    with open(os.path.join(m.ws, "other.txt"), "a") as f:
+        f.write("by hand\n")
+    with open(os.path.join(m.ws, "lib", "pkg", "b.py"), "a") as f:
+        f.write("by hand\n")
+    m.mount()
+    overlayrec("revert", m.ws, "--call", "s", "--yes")
+    got = tree()
+    want = dict(before)
+    # neither edit is the call's: both stay, the moved file back under its old name
+    want["other.txt"] = (want["other.txt"][0], b"o\nby hand\n")
+    want["src/pkg/b.py"] = (want["src/pkg/b.py"][0], b"b\nby hand\n")
+    assert got == want
