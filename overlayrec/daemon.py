@@ -276,8 +276,14 @@ def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool, record_da
         raise MountError(f"cannot mount: {e}") from None
     try:  # the secret paths, in the journal before any event: every reader applies this list
         stored = journal.meta(secrets.META_PATTERNS)
-        patterns = secrets.effective(secret, no_default_secrets,
-                                     json.loads(stored) if stored is not None else None)
+        stored_checked = json.loads(journal.meta(secrets.META_CHECKED) or "[]")
+        patterns, checked = secrets.effective(
+            secret, no_default_secrets, json.loads(stored) if stored is not None else None,
+            stored_checked)
+        # the content-checked list first: a reader between the two sees a pattern in both
+        # (the plain one wins), never in neither
+        if checked != stored_checked:
+            journal.put_meta(secrets.META_CHECKED, json.dumps(checked))
         if stored is None or json.loads(stored) != patterns:
             journal.put_meta(secrets.META_PATTERNS, json.dumps(patterns))
     except (secrets.SecretError, JournalError, ValueError) as e:

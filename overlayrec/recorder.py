@@ -41,12 +41,13 @@ from .calls import Calls
 from .journal import Journal, JournalError, preimage
 from .journal.renames import RenameIndex
 from .journal.schema import AROUND, UNMOUNTED
-from .secrets import Secrets, META_NAMES
+from .secrets import Secrets, META_NAMES, public_at
 
 log = logging.getLogger(__name__)
 
 ATTIC_NAME = ".overlayrec-attic"
 _ATTIC_SLASH = ATTIC_NAME + "/"
+_READ = os.O_RDONLY | os.O_NONBLOCK  # a content-checked file looked at (never a fifo's wait)
 WHOLE_FILE_LIMIT = 4 << 20  # files up to this size are saved whole at an epoch's first change
 # An unlinked or renamed-over regular file of at most this size is copied into the content
 # store instead of being kept by a link in the attic: lock files, editor and build temp files
@@ -785,21 +786,40 @@ class Recorder:
     def _save_whole(self, fd: int, size: int) -> str:
         return self.content.put_range(fd, 0, size)
 
-    def _withhold(self, path: str, pre: dict | None = None) -> bool:
-        """Is ``path`` a secret path (overlayrec.secrets), whose content is never kept?  Marks
-        a file's pre-image ``withheld`` (its metadata stays: kind, mode, owner, size)."""
+    def _withhold(self, path: str, pre: dict | None = None,
+                  opener: Callable[[], int] | None = None) -> bool:
+        """Is ``path``'s content never to be kept (overlayrec.secrets): a secret path, or a
+        content-checked one whose file (opened by ``opener``, closed here; none given: not
+        looked at) holds more than public PEM blocks?  Marks a file's pre-image ``withheld``
+        (its metadata stays: kind, mode, owner, size)."""
         if not self.secrets.match(path):
-            return False
+            if not self.secrets.checked(path) or \
+                    (pre is not None and pre.get("kind", "file") != "file") or \
+                    (opener is not None and self._public(opener)):
+                return False
         if pre is not None and pre.get("kind", "file") == "file":
             pre["withheld"] = True
         return True
 
-    def _carry_secret(self, src: str, dst: str) -> None:
+    @staticmethod
+    def _public(opener: Callable[[], int]) -> bool:
+        try:
+            fd = opener()
+        except OSError:
+            return False  # not looked at: withheld
+        try:
+            return public_at(fd)
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+
+    def _carry_secret(self, src: str, dst: str, withheld: bool | None = None) -> None:
         """``dst`` now holds what ``src`` held (a rename, a hard link): a secret's content
-        stays withheld under its new name, for the rest of the record (meta
-        ``secret_names``; stored before the change is journaled, so no reader ever sees the
-        name hold it unwithheld)."""
-        if self.secrets.carried(src, dst):
+        (``withheld``: as decided for ``src``'s pre-image, when it was) stays withheld under
+        its new name, for the rest of the record (meta ``secret_names``; stored before the
+        change is journaled, so no reader ever sees the name hold it unwithheld)."""
+        if self.secrets.carried(src, dst, withheld):
             self.journal.put_meta(META_NAMES, self.secrets.names_json())
 
     def _epoch(self, path: str, unit: str) -> tuple[Epoch, bool]:
@@ -958,7 +978,9 @@ class Recorder:
         return fd
 
     def _content_pre(self, parent_fd: int, name: str, path: str, pre: dict) -> dict:
-        if pre["kind"] != "file" or self._withhold(path, pre) or pre["size"] == 0:
+        if pre["kind"] != "file" or \
+                self._withhold(path, pre, lambda: underlay.open_own(parent_fd, name, _READ)) or \
+                pre["size"] == 0:
             return pre
         fd = underlay.open_own(parent_fd, name, os.O_RDONLY)
         try:
@@ -1068,7 +1090,7 @@ class Recorder:
         self._stamp_names(st)
         if stat.S_ISDIR(st.st_mode):
             raise IsADirectoryError(errno.EISDIR, "unlink", name)
-        if self._withhold(path, pre):
+        if self._withhold(path, pre, lambda: underlay.open_own(parent_fd, name, _READ)):
             ev["pre"] = pre
             with self._mutation(ev, actor):
                 os.unlink(name, dir_fd=parent_fd)  # a secret: no attic, no copy, really gone
@@ -1130,13 +1152,13 @@ class Recorder:
         if st is None:
             raise FileNotFoundError(errno.ENOENT, "rename", name)
         ev["pre"] = pre
-        self._withhold(path, pre)
+        withheld = self._withhold(path, pre, lambda: underlay.open_own(pfd, name, _READ))
         pre2, st2 = self._pre_at(npfd, nname)
         self._stamp_names(st)
         if st2 is not None:
             self._stamp_names(st2)
         # a secret renamed over is really gone: no attic link, no copy (overlayrec.secrets)
-        withheld2 = self._withhold(path2, pre2)
+        withheld2 = self._withhold(path2, pre2, lambda: underlay.open_own(npfd, nname, _READ))
         seq = self.journal.reserve_seq()
         ev["seq"] = seq
         attic_key = None
@@ -1158,9 +1180,9 @@ class Recorder:
         ep2, new2 = self._epoch(path2, unit)
         if new2:
             ev["epoch2"] = True
-        self._carry_secret(path, path2)
+        self._carry_secret(path, path2, withheld)
         if flags & underlay.RENAME_EXCHANGE:
-            self._carry_secret(path2, path)
+            self._carry_secret(path2, path, withheld2)
         with self._mutation(ev, actor):
             if attic_key:
                 os.link(nname, pre2["attic"], src_dir_fd=npfd, dst_dir_fd=self.attic_fd,
@@ -1260,7 +1282,7 @@ class Recorder:
             ev["epoch"] = True
             pre = self._meta(st)
             ep.meta_saved = True
-        if not ep.content_saved and self.secrets.match(path):
+        if not ep.content_saved and self._withhold(path, None, lambda: os.dup(fd)):
             # a secret path: its content is never kept, the pre-image says so (its size stays)
             (pre := pre or {"facet": "content"})["withheld"] = True
             ep.content_saved = True
@@ -1345,7 +1367,8 @@ class Recorder:
                 not self.names.get((st.st_dev, st.st_ino), set()) - {path}:
             return
         pre = self._meta(st)
-        if not self._withhold(path, pre) and st.st_size <= self.whole_file_limit:
+        if not self._withhold(path, pre, lambda: underlay.reopen_own(fd, os.O_RDONLY)) and \
+                st.st_size <= self.whole_file_limit:
             if st.st_size == 0:
                 pre["blob"] = self.content.put_bytes(b"")
             else:
@@ -1379,7 +1402,9 @@ class Recorder:
         captured = ev = self._capture(handle.path, handle.fd, handle.unit, off, off + length)
         if self.record_data and data is not None:
             ev = ev or {"path": handle.path, **unit_fields(handle.unit)}
-            if not self.secrets.match(handle.path):  # a secret's written data is never kept
+            # a secret's written data is never kept, nor a content-checked path's (what is
+            # written may be a key)
+            if not self.secrets.match(handle.path) and not self.secrets.checked(handle.path):
                 ev["data"] = self.content.put_bytes(data)
         if captured is None:
             ep = self.epochs.get(handle.path)
@@ -1598,7 +1623,7 @@ class Recorder:
             pre, st = self._pre_at(dfd, name)
             if seen is not None and st is not None:
                 seen.append(st.st_ctime_ns)
-            if self._withhold(path, pre):
+            if self._withhold(path, pre, lambda: underlay.open_own(dfd, name, _READ)):
                 return pre  # no blob and no hash: a short secret's fast hash is brute-forced
             if pre["kind"] == "file":
                 pre["ctime_ns"] = st.st_ctime_ns  # an edit that puts the mtime back moves it

@@ -16,8 +16,18 @@ Patterns (``DEFAULTS``, plus ``overlayrec mount --secret``, minus the defaults w
 * any other pattern (``config/prod.yml``, ``/top.txt``) is anchored at the workspace root and
   matches that path and everything beneath.
 
-The effective list is stored in the journal's meta (``secrets``) at mount, so every reader
-applies the list the recorder applied.  Content that a rename (or a hard link) carries from a
+A pattern is *content-checked* by default only for ``*.pem`` (``CHECKED_DEFAULTS``): a file it
+matches is withheld unless its content, looked at wherever the record would keep or show it,
+is PEM blocks of public kinds only (certificates, CRLs, requests, public keys, parameters:
+``public_pem``).  A CA bundle (certifi's ``cacert.pem`` in every venv's pip) is then kept like
+any file, so a deleted venv reverts; a private key, a certificate with its key, anything
+else, empty or unreadable or over ``CHECK_LIMIT``, is withheld, state by state: the recorder
+decides for each pre-image it takes (and never keeps written data or a rename's carry
+unchecked), a reader for each live file it reads.  A pattern given with ``--secret`` is
+never content-checked.
+
+The effective lists are stored in the journal's meta (``secrets``, ``secrets_checked``) at
+mount, so every reader applies the lists the recorder applied.  Content that a rename (or a hard link) carries from a
 secret path to a name no pattern matches stays withheld under that name: the recorder adds
 the name to meta ``secret_names`` (a path, with everything beneath) for the rest of the record.
 """
@@ -25,13 +35,25 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import os
 import re
+import stat
 
-DEFAULTS = (".env*", ".ssh/", ".npmrc", ".pypirc", ".netrc", ".git-credentials", "*.pem",
-            "*.key")
+DEFAULTS = (".env*", ".ssh/", ".npmrc", ".pypirc", ".netrc", ".git-credentials", "*.key")
+CHECKED_DEFAULTS = ("*.pem",)
 PLACEHOLDER = "content not kept (secret path)"
 META_PATTERNS = "secrets"
+META_CHECKED = "secrets_checked"
 META_NAMES = "secret_names"
+# the PEM labels whose blocks hold nothing secret (RFC 7468 and OpenSSL's names); any other
+# label (PRIVATE KEY in all its forms, a PGP private key block ...) withholds the file
+PUBLIC_LABELS = frozenset({
+    b"CERTIFICATE", b"TRUSTED CERTIFICATE", b"X509 CERTIFICATE", b"X509 CRL",
+    b"CERTIFICATE REQUEST", b"NEW CERTIFICATE REQUEST", b"PUBLIC KEY", b"RSA PUBLIC KEY",
+    b"DH PARAMETERS", b"X9.42 DH PARAMETERS", b"EC PARAMETERS", b"PKCS7", b"CMS",
+    b"SSH2 PUBLIC KEY", b"PGP PUBLIC KEY BLOCK", b"PGP SIGNATURE"})
+CHECK_LIMIT = 8 << 20  # a CA bundle is some 300 KB; a larger file is not read to decide
+_BEGIN = re.compile(rb"-----BEGIN ([^-\r\n]{1,64})-----")
 
 
 class SecretError(Exception):
@@ -44,15 +66,66 @@ def check_pattern(p: str) -> str:
     return p
 
 
-def effective(added=(), no_defaults: bool = False, stored: list[str] | None = None) -> list[str]:
-    """The list a mount applies: the defaults (unless ``no_defaults``) and ``added``; with
-    neither option given, what the journal already holds (the workspace keeps its setting
-    from one mount to the next), or the defaults for a new journal."""
+def effective(added=(), no_defaults: bool = False, stored: list[str] | None = None,
+              stored_checked: list[str] | None = None) -> tuple[list[str], list[str]]:
+    """The lists a mount applies, (patterns, content-checked patterns): the defaults (unless
+    ``no_defaults``) and ``added`` (never content-checked); with neither option given, what the
+    journal already holds (the workspace keeps its setting from one mount to the next: a
+    journal from before content checks keeps ``*.pem`` among its plain patterns), or the
+    defaults for a new journal."""
     added = [check_pattern(p) for p in added]
     if not added and not no_defaults and stored is not None:
-        return list(stored)
+        return list(stored), list(stored_checked or ())
     out = [] if no_defaults else list(DEFAULTS)
-    return out + [p for p in added if p not in out]
+    out += [p for p in added if p not in out]
+    return out, [] if no_defaults else [p for p in CHECKED_DEFAULTS if p not in out]
+
+
+def public_pem(data: bytes) -> bool:
+    """May content at a content-checked path be kept: is it PEM blocks of public kinds only
+    (at least one, text around them allowed, as in a CA bundle's comments)?"""
+    labels = set(_BEGIN.findall(data))
+    return bool(labels) and labels <= PUBLIC_LABELS
+
+
+def public_at(fd: int) -> bool:
+    """``public_pem`` of the file open at ``fd`` (read with pread: its offset stays); False
+    for one over ``CHECK_LIMIT`` or not a regular file."""
+    data = _read_public(fd)
+    return data is not None and public_pem(data)
+
+
+def _read_public(fd: int) -> bytes | None:
+    """The whole file at ``fd`` (pread), or None: not a regular file, or over CHECK_LIMIT."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size > CHECK_LIMIT:
+        return None
+    chunks, off = [], 0
+    while off <= CHECK_LIMIT:
+        got = os.pread(fd, 1 << 20, off)
+        if not got:
+            break
+        chunks.append(got)
+        off += len(got)
+    return b"".join(chunks) if off <= CHECK_LIMIT else None
+
+
+def public_in(dfd: int, name: str) -> bytes | None:
+    """The content of the file ``name`` in the directory ``dfd`` (a reader's live file) when
+    it is public (``public_pem``), read once: what is shown is what was looked at.  None when
+    it is not, or cannot be read, or is over ``CHECK_LIMIT``."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     dir_fd=dfd)
+    except OSError:
+        return None
+    try:
+        data = _read_public(fd)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return data if data is not None and public_pem(data) else None
 
 
 def placeholder(as_of: int | None) -> bytes:
@@ -68,15 +141,13 @@ def _one_re(patterns: list[str]):
     return re.compile("|".join(fnmatch.translate(p) for p in patterns)) if patterns else None
 
 
-class Secrets:
-    """The patterns and extra names of one journal, and the match."""
+class _Patterns:
+    """A list of patterns, and the match of a workspace-relative path against it."""
 
-    def __init__(self, patterns=DEFAULTS, names=()):
-        self.patterns = list(patterns)
-        self.names = set(names)
+    def __init__(self, patterns):
         self._any: list[str] = []       # any component (base name or directory)
         self._anchored: list[str] = []  # the path from the root
-        for p in self.patterns:
+        for p in patterns:
             if p.endswith("/") and "/" not in p.strip("/"):
                 self._any.append(p.strip("/"))
             elif "/" not in p:
@@ -86,36 +157,9 @@ class Secrets:
         # each list as one regular expression (fnmatchcase's own translation), asked once a name
         self._any_re = _one_re(self._any)
         self._anchored_re = _one_re(self._anchored)
-        self._cache: dict[str, bool] = {}
         self._parts: dict[str, bool] = {}  # a name's answer under _any_re (names repeat)
 
-    @classmethod
-    def of_journal(cls, journal) -> "Secrets":
-        """The journal's list (the defaults for a journal from before secret paths)."""
-        raw = journal.meta(META_PATTERNS)
-        names = journal.meta(META_NAMES)
-        return cls(DEFAULTS if raw is None else json.loads(raw),
-                   json.loads(names) if names else ())
-
-    def match(self, path: str) -> bool:
-        """Is the content at ``path`` (workspace-relative) withheld?"""
-        if not path:
-            return False
-        got = self._cache.get(path)
-        if got is None:
-            got = self._match(path)
-            if len(self._cache) > 65536:  # bounded: the daemon asks too (misses are cheap:
-                # each name's answer is kept in _parts)
-                self._cache.clear()
-            self._cache[path] = got
-        return got
-
-    def _match(self, path: str) -> bool:
-        parts = path.split("/")
-        if self.names:
-            for i in range(1, len(parts) + 1):
-                if "/".join(parts[:i]) in self.names:
-                    return True
+    def match(self, parts: list[str]) -> bool:
         if self._any_re is not None:
             known = self._parts
             for part in parts:
@@ -132,12 +176,72 @@ class Secrets:
                     return True
         return False
 
-    def carried(self, src: str, dst: str) -> bool:
+
+class Secrets:
+    """The patterns, content-checked patterns and extra names of one journal, and the match."""
+
+    def __init__(self, patterns=DEFAULTS, names=(), checked=CHECKED_DEFAULTS):
+        self.patterns = list(patterns)
+        self.checked_patterns = list(checked)
+        self.names = set(names)
+        self._plain = _Patterns(self.patterns)
+        self._checked = _Patterns(self.checked_patterns) if self.checked_patterns else None
+        self._cache: dict[str, bool] = {}
+        self._checked_cache: dict[str, bool] = {}
+
+    @classmethod
+    def of_journal(cls, journal) -> "Secrets":
+        """The journal's lists (the defaults for a journal from before secret paths)."""
+        raw = journal.meta(META_PATTERNS)
+        names = journal.meta(META_NAMES)
+        checked = journal.meta(META_CHECKED)
+        return cls(DEFAULTS if raw is None else json.loads(raw),
+                   json.loads(names) if names else (),
+                   CHECKED_DEFAULTS if raw is None else (json.loads(checked) if checked else ()))
+
+    def match(self, path: str) -> bool:
+        """Is the content at ``path`` (workspace-relative) withheld, whatever it holds?"""
+        if not path:
+            return False
+        got = self._cache.get(path)
+        if got is None:
+            got = self._match(path)
+            if len(self._cache) > 65536:  # bounded: the daemon asks too (misses are cheap:
+                # each name's answer is kept in _Patterns._parts)
+                self._cache.clear()
+            self._cache[path] = got
+        return got
+
+    def checked(self, path: str) -> bool:
+        """Is the content at ``path`` withheld unless it is public (``public_pem``): a path a
+        content-checked pattern matches and no plain one does?"""
+        if self._checked is None or not path:
+            return False
+        got = self._checked_cache.get(path)
+        if got is None:
+            got = not self.match(path) and self._checked.match(path.split("/"))
+            if len(self._checked_cache) > 65536:
+                self._checked_cache.clear()
+            self._checked_cache[path] = got
+        return got
+
+    def _match(self, path: str) -> bool:
+        parts = path.split("/")
+        if self.names:
+            for i in range(1, len(parts) + 1):
+                if "/".join(parts[:i]) in self.names:
+                    return True
+        return self._plain.match(parts)
+
+    def carried(self, src: str, dst: str, withheld: bool | None = None) -> bool:
         """``dst`` now holds what was at ``src`` (a rename, a hard link): when the content was
-        withheld there and no pattern covers ``dst``, the name joins ``names``.  True when
-        ``names`` changed (the caller stores it: meta ``secret_names``)."""
+        withheld there (``withheld``, when the caller looked at it; else a content-checked
+        ``src`` counts as withheld) and no pattern covers ``dst``, the name joins ``names``.
+        True when ``names`` changed (the caller stores it: meta ``secret_names``)."""
         changed = False
-        if self.match(src) and not self.match(dst):
+        if withheld is None:
+            withheld = self.match(src) or self.checked(src)
+        if withheld and not self.match(dst):
             self.names.add(dst)
             changed = True
         else:
@@ -149,6 +253,7 @@ class Secrets:
                     changed = True
         if changed:
             self._cache.clear()
+            self._checked_cache.clear()
         return changed
 
     def names_json(self) -> str:

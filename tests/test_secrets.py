@@ -254,3 +254,139 @@ def test_secret_options(make_mount, tmp_path):
             j.close()
     finally:
         m2.umount()
+
+
+def pem(label: str, body: bytes) -> bytes:
+    return f"-----BEGIN {label}-----\n".encode() + body + f"\n-----END {label}-----\n".encode()
+
+
+# the agent: c1 deletes a venv's pip (with certifi's CA bundle) and a directory of keys, as
+# `rm -rf` does; c2 writes a certificate chain, a file that first holds a certificate and then
+# gets a private key appended, and renames a private key to an ordinary name
+PEM_AGENT = textwrap.dedent(r'''
+    import json, os, shutil, sys
+    from overlayrec import client
+    content = {k: v.encode() for k, v in json.load(open(sys.argv[1])).items()}
+    with client.connect() as c:
+        c.turn_begin(prompt="certs")
+        c.call_begin("c1", "Bash", summary="rm -rf venv tls")
+        shutil.rmtree("venv")
+        shutil.rmtree("tls")
+        c.call_end("c1")
+        c.call_begin("c2", "Bash", summary="make certs")
+        os.makedirs("new")
+        with open("new/chain.pem", "wb") as f:
+            f.write(content["chain"])
+        with open("new/later.pem", "wb") as f:
+            f.write(content["later"])
+        with open("new/later.pem", "ab") as f:
+            f.write(content["later_key"])
+        os.rename("keys/id.pem", "keys/id.bak")
+        c.call_end("c2")
+        c.turn_end()
+''')
+
+
+@pytest.mark.timeout(300)
+def test_a_pem_file_holding_only_public_blocks_is_kept(make_mount, tmp_path):
+    """`*.pem` is content-checked: certifi's CA bundle (in every venv's pip) is kept like any
+    file, so the `rm -rf` of a venv diffs, replays and reverts; a private key, a certificate
+    with its key, a `.pem` that is no PEM, a key renamed to an ordinary name stay withheld,
+    state by state (a certificate that later gets a key appended is withheld from then on)."""
+    m = make_mount()
+    keys = secrets(4)
+    certs = [uuid.uuid4().hex.encode() * 2 for _ in range(4)]
+    bundle = (b"##\n## Bundle of CA Root Certificates\n##\n\n# Issuer: CN=One\n" +
+              pem("CERTIFICATE", certs[0]) + b"\n# Issuer: CN=Two\n" + pem("CERTIFICATE", certs[1]))
+    certifi = "venv/lib/python3/site-packages/pip/_vendor/certifi"
+    before = {f"{certifi}/cacert.pem": bundle,
+              f"{certifi}/core.py": b"def where():\n    return 'cacert.pem'\n",
+              "tls/server.pem": pem("CERTIFICATE", certs[2]) + pem("PRIVATE KEY", keys[0]),
+              "tls/key.pem": pem("RSA PRIVATE KEY", keys[1]),
+              "tls/notpem.pem": keys[2] + b"\n",
+              "keys/id.pem": pem("OPENSSH PRIVATE KEY", keys[3])}
+    for rel, data in before.items():
+        os.makedirs(os.path.dirname(os.path.join(m.ws, rel)), exist_ok=True)
+        with open(os.path.join(m.ws, rel), "wb") as f:
+            f.write(data)
+    content = tmp_path / "content.json"
+    content.write_text(json.dumps({"chain": pem("CERTIFICATE", certs[3]).decode(),
+                                   "later": pem("CERTIFICATE", certs[0]).decode(),
+                                   "later_key": pem("EC PRIVATE KEY", keys[0]).decode()}))
+    agent = tmp_path / "agent.py"
+    agent.write_text(PEM_AGENT)
+    m.mount()
+    try:
+        overlayrec("run", "-w", m.ws, "--session", "s", "--", sys.executable, str(agent),
+                   str(content), cwd=m.ws)
+        j = m.journal()
+        try:
+            assert json.loads(j.meta("secrets_checked")) == ["*.pem"]
+            assert "*.pem" not in json.loads(j.meta("secrets"))
+        finally:
+            j.close()
+
+        # the bundle's deletion is a real diff; the keys' a placeholder, named on stderr
+        d1 = overlayrec("diff", m.ws, "--call", "c1", "--state-dir", m.state)
+        assert f"-{certs[0].decode()}" in d1.stdout and f"-{certs[1].decode()}" in d1.stdout
+        assert "content not kept (secret path)" in d1.stdout
+        for p in ("tls/server.pem", "tls/key.pem", "tls/notpem.pem"):
+            assert p in d1.stderr, d1.stderr
+        assert f"{certifi}/cacert.pem" not in d1.stderr
+        # c2: the chain is shown; the file that got a key is a placeholder, the key renamed
+        # to an ordinary name too
+        d2 = overlayrec("diff", m.ws, "--call", "c2", "--state-dir", m.state)
+        assert f"+{certs[3].decode()}" in d2.stdout
+        for p in ("new/later.pem", "keys/id.bak"):
+            assert p in d2.stderr, d2.stderr
+        assert "new/chain.pem" not in d2.stderr
+
+        # the events: each key's pre-image withheld, the bundle's kept
+        evs = m.events(seals=True)
+        for e in evs:
+            for k, pk in (("path", "pre"), ("path2", "pre2")):
+                pre = e.get(pk) or {}
+                if e.get(k) in ("tls/server.pem", "tls/key.pem", "tls/notpem.pem",
+                                "keys/id.pem", "keys/id.bak") and \
+                        (pre.get("kind") == "file" or pre.get("facet") == "content"):
+                    assert pre.get("withheld") is True, e
+                    assert not {"blob", "ranges", "attic", "hash"} & pre.keys(), e
+        gone = [e for e in evs if e["op"] == "unlink" and e["path"] == f"{certifi}/cacert.pem"]
+        assert gone and not gone[0]["pre"].get("withheld") and \
+            {"blob", "attic"} & gone[0]["pre"].keys(), gone
+        # the file that got a key: sealed at the call's end without a hash; the chain with one
+        sealed = {e["path"]: e["pre"] for e in evs if e["op"] == "seal"}
+        assert sealed["new/later.pem"].get("withheld") and "hash" not in sealed["new/later.pem"]
+        assert "hash" in sealed["new/chain.pem"] and not sealed["new/chain.pem"].get("withheld")
+
+        # replay before c1: the bundle as it was; no key made
+        rep = tmp_path / "replay"
+        got = json.loads(overlayrec("replay", m.ws, "--at", "before:call:c1", "--full",
+                                    "--to", str(rep), "--json", "--state-dir", m.state).stdout)
+        assert (rep / certifi / "cacert.pem").read_bytes() == bundle
+        not_made = {n["path"] for n in got["not_made"]}
+        assert {"tls/server.pem", "tls/key.pem", "tls/notpem.pem", "keys/id.pem"} <= not_made
+
+        # the other readers, then: not one byte of a key anywhere
+        overlayrec("export", "git", m.ws, "--state-dir", m.state)
+        overlayrec("report", m.ws, "--html", str(tmp_path / "report.html"), "--state-dir", m.state)
+        for p in ("new/later.pem", "keys/id.bak", f"{certifi}/cacert.pem"):
+            overlayrec("blame", p, "-w", m.ws, "--state-dir", m.state)
+        for seq in range(1, max(e["seq"] for e in evs) + 1):
+            overlayrec("show", str(seq), "-w", m.ws, "--state-dir", m.state)
+
+        # revert of c1: the keys are conflicts (their content was never kept); forced, the
+        # venv comes back whole, the bundle byte for byte
+        r = overlayrec("revert", m.ws, "--call", "c1", "--yes", "--state-dir", m.state,
+                       check=False)
+        assert r.returncode != 0 and "unrecorded" in r.stderr and "tls/key.pem" in r.stderr
+        assert f"{certifi}/cacert.pem" not in r.stderr
+        overlayrec("revert", m.ws, "--call", "c1", "--yes", "--force", "--state-dir", m.state)
+        for rel in (f"{certifi}/cacert.pem", f"{certifi}/core.py"):
+            assert open(os.path.join(m.ws, rel), "rb").read() == before[rel], rel
+        assert not os.path.exists(os.path.join(m.ws, "tls/key.pem"))
+    finally:
+        m.umount()
+    attic = os.path.join(m.ws, ".overlayrec-attic")
+    assert_nowhere([m.state, str(tmp_path / "replay"), str(tmp_path / "report.html")] +
+                   ([attic] if os.path.isdir(attic) else []), keys)

@@ -10,7 +10,7 @@ import tempfile
 from ..journal import Journal
 from ..underlay import O_PATH, Escape, chmod_fd, kind_of, resolve_beneath
 from .diff import SelectionError, _find_turn, _visible
-from ..secrets import PLACEHOLDER
+from ..secrets import PLACEHOLDER, public_in
 from ..views import guessed
 from .revert import link_key, linked, make_node, set_meta, temp_name
 from .states import ATTIC, States, State, Tree, state_of_stat
@@ -186,7 +186,10 @@ class _Build:
             except FileNotFoundError:
                 continue  # gone meanwhile
             kind = kind_of(st.st_mode)
-            if kind != "dir" and self.secrets is not None and self.secrets.match(rel):
+            public = None  # a content-checked file's content, as looked at (overlayrec.secrets)
+            if kind != "dir" and self.secrets is not None and \
+                    (self.secrets.match(rel) or kind == "file" and self.secrets.checked(rel) and
+                     (public := public_in(src_fd, name)) is None):
                 self.withheld(rel, kind)
                 continue
             s = state_of_stat(st, lambda: b"").but(nlink=st.st_nlink)
@@ -209,7 +212,7 @@ class _Build:
                 if kind == "symlink":
                     os.symlink(os.readlink(name, dir_fd=src_fd), name, dir_fd=dst_fd)
                 elif kind == "file":
-                    _copy_file(src_fd, dst_fd, name)
+                    _copy_file(src_fd, dst_fd, name, public)
                 else:
                     make_node(dst_fd, name, s)
                 self.meta(dst_fd, name, rel, s)
@@ -416,16 +419,15 @@ def _discard(dfd: int, name: str) -> bool:
     return True
 
 
-def _copy_file(src_dfd: int, dst_dfd: int, name: str) -> None:
+def _copy_file(src_dfd: int, dst_dfd: int, name: str, data: bytes | None = None) -> None:
+    """Copy ``name``; with ``data``, write that instead (what was read once already)."""
     src = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=src_dfd)
     try:
         dst = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                       0o600, dir_fd=dst_dfd)
         try:
-            while True:
-                chunk = os.read(src, 1 << 20)
-                if not chunk:
-                    break
+            chunks = iter(lambda: os.read(src, 1 << 20), b"") if data is None else (data,)
+            for chunk in chunks:
                 view = memoryview(chunk)
                 while view:
                     view = view[os.write(dst, view):]

@@ -33,7 +33,7 @@ from contextlib import contextmanager
 from ..journal import Journal, preimage
 from ..journal.renames import RenameIndex
 from ..journal.schema import MARK_OPS, is_dir_rename
-from ..secrets import Secrets, placeholder
+from ..secrets import Secrets, placeholder, public_in
 from ..underlay import ACL_ACCESS, kind_of
 
 ATTIC = ".overlayrec-attic"
@@ -131,8 +131,9 @@ def _read_at(dfd: int, name: str, st: os.stat_result) -> bytes:
 
 class Tree:
     """Reads the live tree and the attic below a root directory fd (the underlay).  With
-    ``secrets`` (set by States from its journal), a secret path's file is never read: its
-    State is a withheld placeholder."""
+    ``secrets`` (set by States from its journal), a secret path's file is never read (a
+    content-checked one is read only to look: overlayrec.secrets): its State is a withheld
+    placeholder."""
 
     def __init__(self, root_fd: int, secrets: Secrets | None = None):
         self.root_fd = root_fd
@@ -203,7 +204,11 @@ class Tree:
         except PermissionError:  # its directory may not be searched
             self.unreadable[rel] = UNREACHED_NOTE
             return UNREACHED, None
-        if stat.S_ISREG(st.st_mode) and self.secrets is not None and self.secrets.match(rel):
+        if stat.S_ISREG(st.st_mode) and self.secrets is not None and \
+                (self.secrets.match(rel) or self.secrets.checked(rel)):
+            data = None if self.secrets.match(rel) else public_in(dfd, name)
+            if data is not None:  # looked at and public: shown as read then
+                return state_of_stat(st, lambda: data), st
             return state_of_stat(st, lambda: placeholder(None)).but(exact=False,
                                                                     withheld=True), st
         try:

@@ -13,7 +13,9 @@ Sub-databases of the LMDB environment:
               event sequence number), ``journal_id`` (random hex, set at the first mount: the
               journal's attic entries are named ``<journal_id>.<seq>``), ``secrets`` (JSON list
               of the secret-path patterns the mount applied, stored at mount; absent: the
-              defaults of ``overlayrec.secrets``), ``secret_names`` (JSON list of paths a
+              defaults of ``overlayrec.secrets``), ``secrets_checked`` (JSON list of the
+              content-checked ones: a file they match is withheld unless it holds public PEM
+              blocks only; absent with ``secrets`` present: none), ``secret_names`` (JSON list of paths a
               rename or hard link carried a secret's content to: withheld like the patterns,
               each with everything beneath it, for the rest of the record).
               Retention (``overlayrec.retention``, docs/retention.md): ``dropped_before``
