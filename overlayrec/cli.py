@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fnmatch
 import gc as cycle_gc  # ``gc`` is a command here
 import json
 import math
@@ -867,7 +866,7 @@ _fmt_time = readers.fmt_time
 
 @main.command(name="log")
 @click.argument("workspace", type=PATH, default=".")
-@click.option("--path", "glob", help="Only events on paths matching this glob (either side of a rename).")
+@click.option("--path", "glob", help="Only events on this path, paths beneath it or paths matching this glob (either side of a rename).")
 @click.option("--limit", type=click.IntRange(min=1), help="Only the last N events.")
 @click.option("--call", "call_id", help="Only events of this call.")
 @click.option("--turn", "turn_index", type=int, help="Only events recorded during this turn.")
@@ -885,7 +884,7 @@ _fmt_time = readers.fmt_time
 def log_cmd(workspace, glob, limit, call_id, turn_index, sid, actor, since, until, ops, outside,
             follow, as_json, state_dir):
     """The recorded events, newest last: time, actor (pid and command), operation and path."""
-    from .views import unit_session, command_name, one_line, shown
+    from .views import unit_session, command_name, one_line, path_matcher, shown
     from .engines.replay import resolve_point
     from .engines.diff import SelectionError, session_named
     ws = state.resolve_workspace(workspace, must_exist=False, upward=True)
@@ -926,6 +925,8 @@ def log_cmd(workspace, glob, limit, call_id, turn_index, sid, actor, since, unti
         failed = {}
         actors: dict[str, dict | None] = {}
 
+        selects = path_matcher(glob) if glob else None
+
         def keep(ev) -> bool:
             unit = ev.get("unit") or ""
             if call_id is not None and not (unit.startswith("call:") and unit.split(":", 2)[2]
@@ -942,7 +943,7 @@ def log_cmd(workspace, glob, limit, call_id, turn_index, sid, actor, since, unti
                 return False  # seals change nothing: shown with --op seal
             if outside and not unit.startswith("outside:"):
                 return False
-            if glob and not any(p is not None and fnmatch.fnmatchcase(p, glob)
+            if glob and not any(p is not None and selects(p)
                                 for p in (ev.get("path"), ev.get("path2"))):
                 return False
             return True
@@ -1442,7 +1443,8 @@ def _tree_for(ws: str, sd: str):
 @click.option("--name-status", "fmt", flag_value="name-status", help="git diff --name-status.")
 @click.option("--patch", "fmt", flag_value="patch", default=True, help="A unified diff (default).")
 @click.option("--binary", is_flag=True, help="Binary patches (for git apply).")
-@click.option("--path", "glob", help="Only paths matching this glob.")
+@click.option("--path", "glob", help="Only this path, the paths beneath it, or those matching this glob "
+              "(* crosses /).")
 @click.option("--by-writer", is_flag=True, help="Split the changes by call and outside actor.")
 @click.option("--json", "as_json", is_flag=True, help="Files, their status and writers, as JSON.")
 @click.option("--state-dir", type=PATH)
@@ -1787,7 +1789,8 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
               "begun last.")
 @click.option("--since", type=SEQ0,
               help="Revert everything recorded after this sequence number.")
-@click.option("--path", "glob", help="Only paths matching this glob.")
+@click.option("--path", "glob", help="Only this path, the paths beneath it, or those matching this glob "
+              "(* crosses /).")
 @click.option("--yes", is_flag=True, help="Carry it out (default: preview only).")
 @click.option("--force", is_flag=True, help="Revert the paths without conflicts, report the rest.")
 @click.option("--continue", "cont", is_flag=True, help="Finish an interrupted revert.")

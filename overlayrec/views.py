@@ -26,6 +26,18 @@ def _escaped(text: str, quotes: bool) -> str:
     return "".join(out)
 
 
+def path_matcher(pattern: str):
+    """What ``--path PATTERN`` selects, as a predicate on workspace-relative paths: the path
+    itself (a name with ``*``, ``?`` or ``[`` in it matches as written), a directory and
+    everything beneath it (``src``, ``src/``), or a glob (fnmatch: ``*`` crosses ``/``).  A
+    leading ``./`` is the workspace's."""
+    import fnmatch
+    pat = pattern[2:] if pattern.startswith("./") else pattern
+    pat = pat.rstrip("/") or pat
+    beneath = pat + "/"
+    return lambda p: p == pat or p.startswith(beneath) or fnmatch.fnmatchcase(p, pat)
+
+
 def shown(path: str) -> str:
     """A path for a terminal, as git prints one: as it is, or C-quoted (``"new\\nline"``,
     octal for other bytes) when it holds a control character, a double quote, a backslash,

@@ -339,6 +339,39 @@ def test_a_conflict_refuses_the_whole_revert(make_mount, tmp_path):
     assert open(os.path.join(m.ws, "a.txt")).read() == "one\nc1\nuser\n"
 
 
+def test_path_selects_a_name_as_written_a_directory_beneath_or_a_glob(make_mount, tmp_path):
+    """--path of a name with glob characters in it (`st*ar?[x]` matches itself, which as a
+    glob it does not), of a directory (`src`, `./src/`: everything beneath), or a glob; the
+    same for diff, log and revert."""
+    m = setup_ws(make_mount, tmp_path, {"st*ar?[x]": b"s\n", "src/a.py": b"a\n",
+                                        "src/deep/b.py": b"b\n", "srcx.txt": b"x\n",
+                                        "top.py": b"t\n"})
+    m.mount()
+    run_call(m, tmp_path, "for f in 'st*ar?[x]' src/a.py src/deep/b.py srcx.txt top.py; do "
+                          "echo more >> \"$f\"; done")
+    after = tree_of(m.ws)
+
+    def paths(*sel):
+        r = overlayrec("diff", m.ws, "--call", "c1", "--json", *sel)
+        return sorted(f["path"] for f in json.loads(r.stdout)["files"])
+    assert paths("--path", "st*ar?[x]") == ["st*ar?[x]"]
+    assert paths("--path", "src") == ["src/a.py", "src/deep/b.py"]
+    assert paths("--path", "./src/") == ["src/a.py", "src/deep/b.py"]
+    assert paths("--path", "*.py") == ["src/a.py", "src/deep/b.py", "top.py"]
+    logged = overlayrec("log", m.ws, "--path", "src", "--json").stdout
+    assert {json.loads(line)["path"] for line in logged.splitlines()} == \
+        {"src/a.py", "src/deep/b.py"}
+
+    overlayrec("revert", m.ws, "--call", "c1", "--path", "st*ar?[x]", "--yes")
+    assert open(os.path.join(m.ws, "st*ar?[x]"), "rb").read() == b"s\n"
+    overlayrec("revert", m.ws, "--call", "c1", "--path", "src", "--yes")
+    assert open(os.path.join(m.ws, "src/deep/b.py"), "rb").read() == b"b\n"
+    assert open(os.path.join(m.ws, "src/a.py"), "rb").read() == b"a\n"
+    now = tree_of(m.ws)
+    for p in ("srcx.txt", "top.py"):  # not beneath src, not the name: left as the call made them
+        assert now[p] == after[p], p
+
+
 def test_interleaved_writer_is_a_conflict(make_mount, tmp_path):
     m = setup_ws(make_mount, tmp_path)
     m.mount()

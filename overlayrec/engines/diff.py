@@ -6,12 +6,12 @@ touched between the turn's begin and end; for a range, every path changed in it.
 """
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import dataclass, field
 
 from ..journal import Journal
 from ..journal.schema import AROUND, CONTROL_OPS, MARK_OPS, is_dir_rename
-from ..views import file_events as _tree_events, guessed, unit_session as _unit_session
+from ..views import (file_events as _tree_events, guessed, path_matcher,
+                     unit_session as _unit_session)
 from .states import States, State
 
 
@@ -84,7 +84,7 @@ def select(j: Journal, states: States, *, call: str | None = None, turn: int | s
         if why:
             raise SelectionError(why)
     last = j.last_seq()
-    keep = (lambda p: fnmatch.fnmatchcase(p, glob)) if glob else None
+    keep = path_matcher(glob) if glob else None
     if call is not None:
         calls = [c for c in j.records("calls") if c["id"] == call
                  and (session is None or c["session"] == session)]
@@ -156,8 +156,9 @@ def drift_side(states: States, glob: str | None = None) -> Side:
     """The drift: each recorded path whose live state departs from the record's end (its seal),
     from what the record holds to what the live tree holds, under no unit of the record."""
     before, after, writers = {}, {}, {}
+    keep = path_matcher(glob) if glob else None
     for p in states.drift():
-        if not _visible(p) or (glob and not fnmatch.fnmatchcase(p, glob)):
+        if not _visible(p) or (keep and not keep(p)):
             continue
         before[p] = states.state(p, states.j.last_seq())
         after[p] = states.tree.state(p)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from ..journal import Journal
 from ..secrets import PLACEHOLDER
 from ..underlay import O_PATH, Escape, resolve_beneath
-from ..views import guessed
+from ..views import guessed, path_matcher
 from .diff import (SelectionError, changed_around, file_events, placed_elsewhere, touched,
                    _find_turn, _visible)
 from .states import ATTIC, INF, UNLISTED_NOTE, States, State, Tree
@@ -109,7 +109,7 @@ def _same(a: State, b: State) -> bool:
 
 def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str | None = None,
               revert_id: str | None = None) -> Plan:
-    import fnmatch
+    keep = path_matcher(glob) if glob else None
     units, lo, hi = selected_units(j, **selection)
     spans: dict[str, list[int]] = {}
     others: dict[str, list[int]] = {}
@@ -128,7 +128,7 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
                 continue
             mine = e["seq"] >= lo and (units is None or (e.get("unit") or "") in units)
             if mine:
-                if glob and not fnmatch.fnmatchcase(p, glob):
+                if keep and not keep(p):
                     continue
                 s = spans.setdefault(p, [e["seq"], e["seq"]])
                 s[1] = e["seq"]
