@@ -1309,6 +1309,10 @@ class Recorder:
         if pre is not None:
             ev["pre"] = pre
             self._alias(path, st, unit, pre, content=True)
+            # the change follows now, not when _epoch began: saving a large pre-image takes
+            # longer than the seal's slack, and its ctime would read as a change around the
+            # mount (AROUND_SLACK_NS)
+            self.served[path] = time.time_ns()
         return ev
 
     # -- hard links -----------------------------------------------------------------------------
