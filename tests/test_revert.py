@@ -372,6 +372,19 @@ def test_path_selects_a_name_as_written_a_directory_beneath_or_a_glob(make_mount
         assert now[p] == after[p], p
 
 
+def test_a_refusal_of_many_conflicts_is_one_short_line(make_mount, tmp_path):
+    """The error names ten paths of each kind and counts the rest; the plan lists them all."""
+    m = setup_ws(make_mount, tmp_path, {f"f{i:02d}": b"x\n" for i in range(25)})
+    m.mount()
+    run_call(m, tmp_path, "for i in $(seq -w 0 24); do echo c1 >> f$i; done")
+    m.sh("for i in $(seq -w 0 24); do echo user >> f$i; done")
+    r = overlayrec("revert", m.ws, "--call", "c1", "--yes", check=False)
+    assert r.returncode == 1
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].endswith("f09 and 15 more"), err
+    assert r.stdout.count("CONFLICT (changed)") == 25
+
+
 def test_interleaved_writer_is_a_conflict(make_mount, tmp_path):
     m = setup_ws(make_mount, tmp_path)
     m.mount()
