@@ -1498,6 +1498,7 @@ def replay(workspace, at, dest, full, state_dir, as_json):
     docs/export.md for the precision inside one."""
     from .engines.diff import SelectionError
     from .engines.replay import replay as do_replay, resolve_point
+    from .views import named
     from .engines.states import States
     if os.path.lexists(dest):
         if os.path.islink(dest) or not os.path.isdir(dest):
@@ -1539,11 +1540,11 @@ def replay(workspace, at, dest, full, state_dir, as_json):
                    f"{out['removed']} removed" + (f", {len(out['inexact'])} inexact"
                                                   if out["inexact"] else ""))
         if out["not_made"]:  # kinds this caller cannot make here (a device node, say)
-            click.echo(f"not made ({len(out['not_made'])}): " + "; ".join(
+            click.echo(f"not made ({len(out['not_made'])}): " + named(
                 f"{n['kind']} {n['path']} ({n['why']})" for n in out["not_made"]))
         if out["owners_not_set"]:
             click.echo(f"owner not set ({len(out['owners_not_set'])}): "
-                       + ", ".join(out["owners_not_set"]))
+                       + named(out["owners_not_set"]))
         if out["drifted"]:  # the replay shows the record; the live tree departs from it here
             click.echo(f"drifted ({len(out['drifted'])}): {', '.join(out['drifted'][:5])}"
                        + (" ..." if len(out["drifted"]) > 5 else "")
@@ -1680,7 +1681,7 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
     """Plan, check, confirm and carry out a revert (overlayrec.reverts) through the mount,
     mounting it for the occasion when it is not."""
     from . import reverts
-    from .views import one_line, shown
+    from .views import named, one_line, shown
     from .engines.diff import SelectionError, session_named
     from .engines.states import States, Tree
     from .journal import ContentStore
@@ -1741,8 +1742,8 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
             noted = sorted({s.note for s in conflicts if s.note})
             if conflicts and not force:
                 raise Fail("conflicts, nothing reverted: " + reverts.conflict_summary(plan)
-                           + "".join(f" ({n}: " + ", ".join(shown(s.path) for s in conflicts
-                                                            if s.note == n) + ")"
+                           + "".join(f" ({n}: " + named(shown(s.path) for s in conflicts
+                                                         if s.note == n) + ")"
                                      for n in noted))
             if not yes:
                 if not (sys.stdin.isatty() and click.confirm(

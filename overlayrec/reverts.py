@@ -144,18 +144,13 @@ def still_running(j, plan: Plan, processes: list[dict], exclude: set[int]) -> li
     return [f"{k.split(':')[0]} {argv[:60]}".rstrip() for k, argv in sorted(found.items())]
 
 
-SUMMARY_PATHS = 10  # paths named per kind of conflict in the one-line error
-
-
 def conflict_summary(plan: Plan) -> str:
-    from .views import shown  # one line, whatever the names hold
+    from .views import named, shown  # one line, whatever the names hold
     kinds: dict[str, list[str]] = {}
     for s in plan.conflicts:
         kinds.setdefault(s.conflict, []).append(shown(s.path))
     # one line that stays one: the plan above (or --json) lists every path
-    return "; ".join(f"{k}: {', '.join(v[:SUMMARY_PATHS])}" +
-                     (f" and {len(v) - SUMMARY_PATHS:,} more" if len(v) > SUMMARY_PATHS else "")
-                     for k, v in sorted(kinds.items()))
+    return "; ".join(f"{k}: {named(v)}" for k, v in sorted(kinds.items()))
 
 
 

@@ -38,6 +38,14 @@ def path_matcher(pattern: str):
     return lambda p: p == pat or p.startswith(beneath) or fnmatch.fnmatchcase(p, pat)
 
 
+def named(items, limit: int = 10) -> str:
+    """``items`` (strings) for one line: the first ``limit`` and a count of the rest (the
+    full list is the caller's --json or its listing above)."""
+    items = list(items)
+    more = f" and {len(items) - limit:,} more" if len(items) > limit else ""
+    return ", ".join(items[:limit]) + more
+
+
 def shown(path: str) -> str:
     """A path for a terminal, as git prints one: as it is, or C-quoted (``"new\\nline"``,
     octal for other bytes) when it holds a control character, a double quote, a backslash,
