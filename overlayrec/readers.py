@@ -316,7 +316,13 @@ def call_lines(pairs: list[tuple[dict, dict]], churn: bool, as_json: bool) -> Pa
                        + (" ..." if len(f["around"]) > 6 else ""))
         if f["guessed"]:
             out.append(under + guessed_line(f["guessed"], f["active_with"]))
+        if f.get("late"):
+            out.append(under + LATE_LINE + ", ".join(map(shown, f["late"][:6]))
+                       + (" ..." if len(f["late"]) > 6 else ""))
     return text_of_lines(out)
+
+
+LATE_LINE = "changed after the call ended, by a process it left running: "
 
 
 def guessed_line(paths: list[str], others: list[str]) -> str:
@@ -483,6 +489,7 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
                               "withheld": withheld, "unreadable": unreadable,
                               "changed_around": around,
                               "guessed": side.guessed, "maybe_ours": side.maybe_ours,
+                              "late": side.late,
                               "git_left_out": len(left_out), "git_left_out_paths": left_out,
                               "not_in_patch": [{"path": p, "change": what}
                                                for p, what in unshown],
@@ -512,6 +519,11 @@ def guess_lines(side) -> list[str]:
                    "outside any call wrote while it ran, and nothing said whose they are): "
                    f"{', '.join(map(shown, side.guessed[:5]))}"
                    f"{' ...' if len(side.guessed) > 5 else ''}")
+    if side.late:
+        out.append(f"overlayrec: {len(side.late)} path(s) here were changed after the call "
+                   "ended, by a process it left running (a server, a watcher, a build daemon; "
+                   "another call may have set it to work): "
+                   f"{', '.join(map(shown, side.late[:5]))}{' ...' if len(side.late) > 5 else ''}")
     for unit, paths in side.maybe_ours.items():
         other = unit.rpartition(":")[2]
         out.append(f"overlayrec: {len(paths)} path(s) placed by a guess in call {other}, active "

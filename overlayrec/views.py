@@ -229,8 +229,21 @@ def call_fields(j: Journal, evs: list[dict], net, actors: dict) -> dict:
         if name not in procs:
             procs.append(name)
     return {**unit_listing(net, evs), "processes": procs, "events": len(evs),
-            "late_events": sum(1 for e in evs if e.get("after_end")),
+            "late_events": sum(1 for e in evs if e.get("after_end")), "late": late(evs),
             "around": _around(net, evs), **guessed(evs)}
+
+
+def late(evs: list[dict]) -> list[str]:
+    """The paths of a call's events made after it ended, by a process it left running (a
+    server, a watcher, a build daemon: ``after_end``).  Its diff and revert hold them, though
+    other calls ran meanwhile and may have set the process to work."""
+    paths: dict[str, None] = {}
+    for e in evs:
+        if e.get("after_end"):
+            for p in (e.get("path"), e.get("path2")):
+                if p is not None and not p.startswith(ATTIC_PREFIX) and p != ATTIC_PREFIX[:-1]:
+                    paths[p] = None
+    return sorted(paths)
 
 
 def guessed(evs: list[dict]) -> dict:

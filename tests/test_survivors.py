@@ -101,6 +101,21 @@ def _writer_left_running(m, agent, go: str, done: str) -> None:
                                     .splitlines())}
     assert rows["c1"]["paths"] == ["late.txt", "status.txt"]
     assert rows["c2"]["paths"] == ["next.txt"]
+    # every reader says which of the call's changes came after it ended
+    assert rows["c1"]["late"] == ["late.txt", "status.txt"] and rows["c2"]["late"] == []
+    listed = overlayrec("calls", m.ws).stdout
+    assert "changed after the call ended, by a process it left running: late.txt, " \
+        "status.txt" in listed
+    said = "2 path(s) here were changed after the call ended, by a process it left running"
+    assert said in overlayrec("diff", m.ws, "--call", "c1").stderr
+    assert said not in overlayrec("diff", m.ws, "--call", "c2").stderr
+    assert json.loads(overlayrec("diff", m.ws, "--call", "c1", "--json").stdout)["late"] == \
+        ["late.txt", "status.txt"]
+    assert "(after the call ended)" in overlayrec("blame", "late.txt", "-w", m.ws).stdout
+    r = overlayrec("revert", m.ws, "--call", "c1")
+    assert said in r.stderr
+    assert json.loads(overlayrec("revert", m.ws, "--call", "c1", "--json").stdout)["late"] == \
+        ["late.txt", "status.txt"]
     # its call's revert takes its late writes too
     overlayrec("revert", m.ws, "--call", "c1", "--yes")
     assert sorted(os.listdir(m.ws)) == []

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from ..journal import Journal
 from ..journal.schema import AROUND, CONTROL_OPS, MARK_OPS, is_dir_rename
-from ..views import (file_events as _tree_events, guessed, path_matcher,
+from ..views import (file_events as _tree_events, guessed, late, path_matcher,
                      unit_session as _unit_session)
 from .states import States, State
 
@@ -32,6 +32,7 @@ class Side:
     # (views.guessed): a diff or a revert of the call may hold the first and miss the second
     guessed: list[str] = field(default_factory=list)
     maybe_ours: dict[str, list[str]] = field(default_factory=dict)  # unit -> its paths
+    late: list[str] = field(default_factory=list)  # a call's paths changed after it ended
 
 
 def file_events(j: Journal, lo: int = 1, hi: int | None = None) -> list[dict]:
@@ -98,6 +99,7 @@ def select(j: Journal, states: States, *, call: str | None = None, turn: int | s
         side = _selected(states, mine, keep=keep)
         side.guessed = guessed(mine)["guessed"]
         side.maybe_ours = placed_elsewhere(evs, unit)
+        side.late = late(mine)
         return side
     if turn is not None:
         t = _find_turn(j, turn, session)

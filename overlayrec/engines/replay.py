@@ -560,6 +560,8 @@ def blame(j: Journal, states: States, path: str, at: int | None = None) -> list[
             r["ops"].append(op)
         if guessed([e])["guessed"]:  # placed in its call without the process tree's word
             r["guessed"] = True
+        if e.get("after_end"):  # by a process its call left running, after the call ended
+            r["late"] = True
         if e["actor"] not in r["actors"]:
             r["actors"].append(e["actor"])
     for r in runs:

@@ -64,6 +64,7 @@ class Plan:
     # other calls' paths placed by a guess while it was active too (engines.diff.Side.guessed)
     guessed: list[str] = field(default_factory=list)
     maybe_ours: dict[str, list[str]] = field(default_factory=dict)
+    late: list[str] = field(default_factory=list)  # a call's paths changed after it ended
     # the actors (pid:start) whose events the plan's steps undo (reverts.still_running)
     writers: set[str] = field(default_factory=set)
 
@@ -118,6 +119,7 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
     call_unit = next(iter(units)) if selection.get("call") is not None else None
     shared: list[dict] = []  # events placed among calls active together, the call's among them
     writers: set[str] = set()
+    late_paths: set[str] = set()  # a call's, changed after it ended (views.late)
     for e in file_events(j, 1, hi):
         if e["op"] in ("link", "alias"):
             linkish.update(x for x in (e.get("path"), e.get("source")) if x)
@@ -134,12 +136,14 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
                 s[1] = e["seq"]
                 last_unit[p] = e.get("unit") or ""
                 writers.add(e["actor"])
+                if call_unit is not None and e.get("after_end"):
+                    late_paths.add(p)
             else:
                 others.setdefault(p, []).append(e["seq"])
     ends = states._unit_ends()
     unrecorded = {e.get("path") for e in file_events(j, lo, hi) if e["op"] == "unrecorded"}
     plan = Plan(revert_id or time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6], selection,
-                writers=writers)
+                writers=writers, late=sorted(late_paths))
     if shared:
         plan.guessed = guessed([e for e in shared if e.get("unit") == call_unit])["guessed"]
         plan.maybe_ours = placed_elsewhere(shared, call_unit)
