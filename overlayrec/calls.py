@@ -623,6 +623,12 @@ class Calls:
 
     def turn_begin(self, caller: dict, name: str | None, prompt: str | None) -> dict:
         s = self.resolve(name, caller)
+        # a call announced and never ended before the next prompt was interrupted (an agent
+        # sends no end for a tool call the user stopped, nor a turn end): it ends here, or it
+        # would stay active beside every later call (calls active together: each later change
+        # a guess); what its processes write from now on is marked after its end
+        for c in [c for c in s.active if not c.implicit]:
+            self._end_call(s, c, caller, "interrupted")
         if s.turns and s.turns[-1]["end_t"] is None:
             self.turn_end(caller, s.id)
         index = len(s.turns) + 1

@@ -640,3 +640,37 @@ def test_a_persistent_shells_call_reverts_whole_whatever_it_made(make_mount, tmp
     want["other.txt"] = (want["other.txt"][0], b"o\nby hand\n")
     want["src/pkg/b.py"] = (want["src/pkg/b.py"][0], b"b\nby hand\n")
     assert got == want
+
+
+INTERRUPT_AGENT = textwrap.dedent(r'''
+    import json, os, shlex, subprocess, sys
+    PY, SESSION = sys.executable, "cc-int"
+''') + HOOK + textwrap.dedent(r'''
+    hook("UserPromptSubmit", prompt="first")
+    hook("PreToolUse", tool_use_id="t1", tool_name="Bash", tool_input={"command": "sleep 0"})
+    # the user stops the tool: no PostToolUse, no Stop; the next prompt comes
+    hook("UserPromptSubmit", prompt="second")
+    hook("PreToolUse", tool_use_id="t2", tool_name="Bash", tool_input={"command": "make it"})
+    subprocess.run(["bash", "-c", "printf two > two.txt"], check=True)  # argv: not its words
+    hook("PostToolUse", tool_use_id="t2", tool_name="Bash")
+    hook("Stop")
+''')
+
+
+def test_a_call_interrupted_before_the_next_prompt_ends_there(make_mount, tmp_path):
+    """A tool call the user stopped gets no end from the agent; the next prompt ends it
+    (`interrupted`).  Left active, it stood beside every later call, whose changes were then
+    placed among calls active together, each marked a guess."""
+    m = make_mount()
+    m.mount()
+    agent = tmp_path / "agent.py"
+    agent.write_text(INTERRUPT_AGENT)
+    overlayrec("run", "-w", m.ws, "--session", "int", "--", sys.executable, str(agent), cwd=m.ws)
+    rows = {r["id"]: r for r in map(json.loads, overlayrec("calls", m.ws, "--json").stdout
+                                     .splitlines())}
+    assert rows["t1"]["status"] == "interrupted" and rows["t1"]["turn"] == 1
+    assert rows["t2"]["status"] == "ok" and rows["t2"]["paths"] == ["two.txt"]
+    assert (rows["t2"]["guessed"], rows["t2"]["active_with"]) == ([], [])
+    (ev,) = [e for e in m.events() if e.get("path") == "two.txt" and e["op"] == "create"]
+    assert ev["unit"] == "call:int:t2" and "candidates" not in ev
+    assert "guess" not in overlayrec("diff", m.ws, "--call", "t2").stderr

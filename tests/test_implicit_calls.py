@@ -38,7 +38,8 @@ def test_unit_ends_reach_the_hook_in_order(tmp_path):
     seen: list[str] = []
     calls.on_unit_end = seen.append
     me = read_actor(os.getpid())
-    # a session whose agent announces its calls: calls, turns, an abandoned call, the session
+    # a session whose agent announces its calls: calls, turns, an interrupted call (no end
+    # before the next prompt), an abandoned one (no end before the session's), the session
     calls.session_begin(me, "s", runner=True)
     calls.turn_begin(me, "s", "first")
     calls.call_begin(me, "s", "a", "Bash", None)
@@ -46,14 +47,15 @@ def test_unit_ends_reach_the_hook_in_order(tmp_path):
     calls.call_end(me, "s", "a", "ok")
     assert seen == ["call:s:a"]
     calls.call_begin(me, "s", "b", "Bash", None)
-    calls.turn_begin(me, "s", "second")  # ends turn 1
-    calls.session_end(me, "s")            # ends turn 2, abandons b, ends the session
+    calls.turn_begin(me, "s", "second")  # ends b (interrupted), then turn 1
+    calls.call_begin(me, "s", "c", "Bash", None)
+    calls.session_end(me, "s")            # ends turn 2, abandons c, ends the session
     calls.session_end(me, "s")            # a second end is a no-op
-    assert seen == ["call:s:a", "turn:s:1", "turn:s:2", "call:s:b", "session:s"]
+    assert seen == ["call:s:a", "call:s:b", "turn:s:1", "turn:s:2", "call:s:c", "session:s"]
     ends = [e for e in j.events() if e["op"] in ("call_end", "turn_end", "session_end")]
-    assert [(e["op"], e.get("call") or e.get("turn")) for e in ends] == \
-        [("call_end", "a"), ("turn_end", 1), ("turn_end", 2), ("call_end", "b"),
-         ("session_end", None)]
+    assert [(e["op"], e.get("call") or e.get("turn"), e.get("status")) for e in ends] == \
+        [("call_end", "a", "ok"), ("call_end", "b", "interrupted"), ("turn_end", 1, None),
+         ("turn_end", 2, None), ("call_end", "c", "abandoned"), ("session_end", None, None)]
     j.close()
 
 
