@@ -430,3 +430,25 @@ def test_a_utimens_that_owes_no_pre_image_waits_for_the_next_record(tmp_path):
     finally:
         os.close(root)
         j.close()
+
+
+def test_events_of_decodes_only_the_ops_asked_for(tmp_path):
+    """``events_of`` gives what filtering ``events`` by op gives, also for a name that holds
+    an op's JSON, from LMDB, from what is written ahead and from kept events alike."""
+    sd = str(tmp_path / "state")
+    j = writer(sd)
+    try:
+        j.append_many([ev("create", "a"), ev("link", "b", source="a"),
+                       ev("create", '"op":"link"'), ev("unlink", "a"),
+                       ev("alias", "c"), ev("unrecorded", "d")], [ACTOR])
+        j.flush()
+        j.append(ev("link", "e", source="b"), ACTOR)  # written ahead, not yet in LMDB
+        for ops in (("link", "alias"), ("unrecorded",), ("session_end",)):
+            want = [e for e in j.events() if e["op"] in ops]
+            assert list(j.events_of(ops)) == want
+            assert list(j.events_of(ops, 3, 6)) == [e for e in want if 3 <= e["seq"] <= 6]
+        assert [e["path"] for e in j.events_of(("link",))] == ["b", "e"]
+        j.keep_events()
+        assert [e["path"] for e in j.events_of(("link",))] == ["b", "e"]
+    finally:
+        j.close()

@@ -83,7 +83,8 @@ def selected_units(j: Journal, *, call=None, turn=None, session=None, since=None
                  and (session is None or c["session"] == session)]
         if not calls:
             raise SelectionError(f"no call {call}")
-        return {f"call:{calls[0]['session']}:{call}"}, 1, None
+        # none of a call's events comes before its begin
+        return {f"call:{calls[0]['session']}:{call}"}, calls[0].get("begin_seq") or 1, None
     if turn is not None:
         t = _find_turn(j, turn, session)
         sid = t["session"]
@@ -120,7 +121,9 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
     shared: list[dict] = []  # events placed among calls active together, the call's among them
     writers: set[str] = set()
     late_paths: set[str] = set()  # a call's, changed after it ended (views.late)
-    for e in file_events(j, 1, hi):
+    # from the selection's first event: what came before it neither interleaves nor extends a
+    # span; the links made before it are read only when a hard-linked target asks (below)
+    for e in file_events(j, lo, hi):
         if e["op"] in ("link", "alias"):
             linkish.update(x for x in (e.get("path"), e.get("source")) if x)
         if call_unit is not None and call_unit in (e.get("candidates") or ()):
@@ -141,7 +144,7 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
             else:
                 others.setdefault(p, []).append(e["seq"])
     ends = states._unit_ends()
-    unrecorded = {e.get("path") for e in file_events(j, lo, hi) if e["op"] == "unrecorded"}
+    unrecorded = {e.get("path") for e in j.events_of(("unrecorded",), lo, hi)}
     plan = Plan(revert_id or time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6], selection,
                 writers=writers, late=sorted(late_paths))
     if shared:
@@ -217,6 +220,8 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
         if not names:
             # the recorded names, and what they are called now (candidates: a name linked
             # before its directory was renamed holds the inode under the directory's new name)
+            for e in j.events_of(("link", "alias"), 1, lo - 1):
+                linkish.update(x for x in (e.get("path"), e.get("source")) if x)
             names.append((linkish | states.candidates(INF)) - {s.path for s in plan.steps})
         return names[0]
     _find_partners(plan, live, candidates)

@@ -1180,10 +1180,10 @@ class States:
             for t in self.j.records("turns"):
                 if t.get("end_seq"):
                     ends[f"turn:{t['session']}:{t['index']}"] = t["end_seq"]
-            for e in self.j.events():
+            for e in self.j.events_of(("session_end", "revert_end")):
                 if e["op"] == "session_end":
                     ends[f"session:{e['session']}"] = e["seq"]
-                elif e["op"] == "revert_end":
+                else:
                     ends[f"revert:{e['revert']}"] = e["seq"]
             self._ends = ends
         return self._ends

@@ -1022,7 +1022,20 @@ class Journal:
             return iter(kept[lo:hi])
         return self._read_events(since, until)
 
-    def _read_events(self, since: int, until: int | None) -> Iterator[dict]:
+    def events_of(self, ops: tuple[str, ...], since: int = 1,
+                  until: int | None = None) -> Iterator[dict]:
+        """The events of these ``ops`` from ``since`` to ``until``, in order: only those are
+        decoded (a record's raw JSON is looked at first), so a reader that needs a few kinds
+        from a long journal (a revert's session ends, the links before its selection) does not
+        decode every event."""
+        since = max(since, self.cut)
+        if self._kept is not None:
+            return (e for e in self.events(since, until) if e["op"] in ops)
+        needles = tuple(b'"op":"%s"' % op.encode() for op in ops)
+        return self._read_events(since, until, needles, ops)
+
+    def _read_events(self, since: int, until: int | None, needles: tuple[bytes, ...] = (),
+                     ops: tuple[str, ...] = ()) -> Iterator[dict]:
         try:
             with self._read(db=self.dbs["events"]) as txn:
                 cur = txn.cursor()
@@ -1035,6 +1048,13 @@ class Journal:
                     seq = key_seq(k)
                     if until is not None and seq > until:
                         break
+                    if needles:  # events_of: what holds none of them is another op
+                        if not any(n in v for n in needles):
+                            continue
+                        ev = self._decode_event(seq, v)
+                        if ev["op"] in ops:  # (a needle found inside another value)
+                            yield ev
+                        continue
                     yield self._decode_event(seq, v)
         except lmdb.Error as e:
             raise JournalError(f"journal in {self.state_dir} is corrupt: {e}") from None
