@@ -27,9 +27,10 @@ unchecked), a reader for each live file it reads.  A pattern given with ``--secr
 never content-checked.
 
 The effective lists are stored in the journal's meta (``secrets``, ``secrets_checked``) at
-mount, so every reader applies the lists the recorder applied.  Content that a rename (or a hard link) carries from a
-secret path to a name no pattern matches stays withheld under that name: the recorder adds
-the name to meta ``secret_names`` (a path, with everything beneath) for the rest of the record.
+mount, so every reader applies the lists the recorder applied.  Content that a rename (or a
+hard link) carries from a secret path to a name no pattern matches stays withheld under that
+name: the recorder adds the name to meta ``secret_names`` (a path, with everything beneath)
+for the rest of the record.
 """
 from __future__ import annotations
 
