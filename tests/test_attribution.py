@@ -653,6 +653,7 @@ INTERRUPT_AGENT = textwrap.dedent(r'''
     hook("PreToolUse", tool_use_id="t2", tool_name="Bash", tool_input={"command": "make it"})
     subprocess.run(["bash", "-c", "printf two > two.txt"], check=True)  # argv: not its words
     hook("PostToolUse", tool_use_id="t2", tool_name="Bash")
+    hook("PostToolUse", tool_use_id="t1", tool_name="Bash")  # a stopped tool's end, late: no error
     hook("Stop")
 ''')
 
