@@ -510,7 +510,8 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
 def guess_lines(side) -> list[str]:
     """What ``diff`` and ``revert`` of a call say of changes placed among calls active
     together without evidence (engines.diff.Side.guessed, maybe_ours): the selection may hold
-    another call's change, or miss one of its own."""
+    another call's change, or miss one of its own; and of its changes made after it ended
+    (Side.late)."""
     from .views import shown
     out = []
     if side.guessed:
