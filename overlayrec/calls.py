@@ -553,8 +553,8 @@ class Calls:
                 self._alias(s, name)
                 return s
         sid = name or uuid.uuid4().hex[:12]
-        if sid in self._names:
-            raise ControlError(f"session {sid} already exists")
+        if name and (name in self._names or self._recorded(name)):
+            sid = self._next_part(name, caller)
         s = Session(sid, None if runner else agent, caller if runner else None)
         s.command = command
         self.sessions[sid] = s
@@ -564,10 +564,31 @@ class Calls:
         else:
             self._by_agent[agent["key"]] = s
             self.journal.append_many([], [agent])
+        if name and sid != name:  # the name the agent goes on using is this session's now
+            self._names[name] = sid
+            s.aliases.append(name)
         self._lineage.clear()  # processes seen before may descend from this session now
         self.journal.put_record("sessions", sid.encode(), s.record())
         self._control_event("session_begin", s, caller)
         return s
+
+    def _recorded(self, sid: str) -> bool:
+        return self.journal.record("sessions", sid.encode()) is not None
+
+    def _next_part(self, name: str, caller: dict) -> str:
+        """A session named as one this record holds already: an agent's session resumed by a
+        new process (``claude --resume``: the same session id), in this mount or an earlier
+        one, or a second ``run --session`` of one name.  Its turns would be numbered from 1
+        again and take the earlier ones' records, so it is a session of its own, ``NAME.2``
+        (``.3`` ...), and the name leads to it from now on.  The earlier one, still open in
+        this daemon, ends here: its agent has handed the name on."""
+        old = self._names.get(name)
+        if old is not None and self.sessions[old].ended is None:
+            self.session_end(caller, old)
+        n = 2
+        while f"{name}.{n}" in self._names or self._recorded(f"{name}.{n}"):
+            n += 1
+        return f"{name}.{n}"
 
     def session_agent(self, caller: dict, name: str | None, pid: int) -> Session:
         """The runner names the agent it started: its own child, checked in /proc."""

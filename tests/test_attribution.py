@@ -675,3 +675,58 @@ def test_a_call_interrupted_before_the_next_prompt_ends_there(make_mount, tmp_pa
     (ev,) = [e for e in m.events() if e.get("path") == "two.txt" and e["op"] == "create"]
     assert ev["unit"] == "call:int:t2" and "candidates" not in ev
     assert "guess" not in overlayrec("diff", m.ws, "--call", "t2").stderr
+
+
+RESUMED_AGENT = textwrap.dedent(r'''
+    import json, os, shlex, subprocess, sys
+    PY, SESSION, TAG = sys.executable, "cc-resumed", sys.argv[1]
+''') + HOOK + textwrap.dedent(r'''
+    hook("SessionStart", source="startup" if TAG == "1" else "resume")
+    hook("UserPromptSubmit", prompt=f"prompt {TAG}")
+    hook("PreToolUse", tool_use_id=f"t{TAG}", tool_name="Bash",
+         tool_input={"command": f"printf {TAG} > f{TAG}.txt"})
+    subprocess.run(["bash", "-c", f"printf {TAG} > f{TAG}.txt"], check=True)
+    hook("PostToolUse", tool_use_id=f"t{TAG}", tool_name="Bash")
+    hook("Stop")
+    if TAG != "2":  # the second is killed: no SessionEnd
+        hook("SessionEnd")
+''')
+
+
+def test_a_resumed_session_is_a_session_of_its_own(make_mount, tmp_path):
+    """An agent's session resumed by a new process (`claude --resume`: the same session id)
+    under a mount with the hooks installed, in the same mount and after a remount, and a
+    second `run --session` of one name.  The hook said "session ... already exists" and the
+    resumed work was no session's (its call listed 0 files); after a remount its turn 1 took
+    the first one's record (`turns` lost it).  Each is a session of its own, NAME.2 ..."""
+    m = make_mount()
+    agent = tmp_path / "agent.py"
+    agent.write_text(RESUMED_AGENT)
+    m.mount()
+    try:
+        for tag in ("1", "2", "3"):  # 2 never ends its session: 3 resumes it in this mount
+            subprocess.run([sys.executable, str(agent), tag], cwd=m.ws, check=True)
+    finally:
+        m.umount()
+    m.mount()
+    try:
+        subprocess.run([sys.executable, str(agent), "4"], cwd=m.ws, check=True)
+        for _ in range(2):
+            overlayrec("run", "--session", "named", "--", "sh", "-c", "echo x >> run.txt",
+                       cwd=m.ws)
+    finally:
+        m.umount()
+    turns = {(t["session"], t["index"]): t for t in
+             map(json.loads, overlayrec("turns", m.ws, "--json").stdout.splitlines())}
+    want = {"cc-resumed": "1", "cc-resumed.2": "2", "cc-resumed.3": "3", "cc-resumed.4": "4"}
+    for sid, tag in want.items():
+        assert turns[(sid, 1)]["prompt"] == f"prompt {tag}", turns
+        d = overlayrec("diff", m.ws, "--session", sid, "--name-status").stdout
+        assert d == f"A\tf{tag}.txt\n", (sid, d)
+    rows = {r["id"]: r for r in map(json.loads, overlayrec("calls", m.ws, "--json").stdout
+                                     .splitlines())}
+    for sid, tag in want.items():
+        assert (rows[f"t{tag}"]["session"], rows[f"t{tag}"]["paths"]) == (sid, [f"f{tag}.txt"])
+    sessions = {json.loads(line)["session"] for line in
+                overlayrec("log", m.ws, "--op", "session_begin", "--json").stdout.splitlines()}
+    assert {"named", "named.2"} <= sessions
