@@ -692,8 +692,6 @@ class Calls:
         if c is None:
             raise ControlError(f"no call {call_id} in session {s.id}")
         if c.end_t is not None:
-            if c.status == "interrupted":  # its end came after the next prompt had ended it:
-                return c                   # what it wrote since is marked after its end
             raise ControlError(f"call {call_id} already ended")
         return self._end_call(s, c, caller, status)
 

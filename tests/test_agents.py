@@ -235,6 +235,30 @@ def test_gemini_calls_without_ids_pair_up_and_repeats_stay_apart():
     assert len(t.calls) == 2
 
 
+def test_a_tool_calls_end_after_the_next_prompt_ended_it_is_no_error():
+    """The daemon ends a call still open at the next prompt (``interrupted``: the user stopped
+    the tool); the tool's end may still come.  Each agent's hook takes it silently, and a
+    repeat of the same call without an id (Gemini) is still the one that ends."""
+    for name, pre, post in (("claude-code", "PreToolUse", "PostToolUse"),
+                            ("codex", "PreToolUse", "PostToolUse"),
+                            ("cursor", "preToolUse", "postToolUse")):
+        a, t = agents.get(name), _Target()
+        p = {"session_id": "s", "tool_use_id": "t1", "tool_name": "Bash",
+             "tool_input": {"command": "ls"}}
+        a.apply(dict(p, hook_event_name=pre), t, (ValueError,))
+        t.calls["t1"] = "interrupted"  # as the daemon's next turn_begin leaves it
+        a.apply(dict(p, hook_event_name=post), t, (ValueError,))
+        assert t.calls == {"t1": "interrupted"}, name
+    g, t = agents.get("gemini"), _Target()
+    pre = {"session_id": "s", "tool_name": "run_shell_command", "tool_input": {"command": "ls"}}
+    g.apply(dict(pre, hook_event_name="BeforeTool"), t, (ValueError,))
+    base = next(iter(t.calls))
+    t.calls[base] = "interrupted"
+    g.apply(dict(pre, hook_event_name="BeforeTool"), t, (ValueError,))
+    g.apply(dict(pre, hook_event_name="AfterTool", tool_response={}), t, (ValueError,))
+    assert t.calls == {base: "interrupted", f"{base}.2": "ok"}
+
+
 # -- settings files: in and out again, byte for byte ---------------------------------------------
 
 USER_SETTINGS = {

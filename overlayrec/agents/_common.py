@@ -46,6 +46,17 @@ def end_turn(target, errors: tuple, sid) -> None:
             raise
 
 
+def end_call(target, errors: tuple, sid, call_id, status: str) -> None:
+    """End a tool call; one ended already is no error: a stopped tool's end that comes after
+    the next prompt ended it (``interrupted``: what it wrote since is marked after its end),
+    or an end sent twice."""
+    try:
+        with_session(target, errors, sid, lambda: target.call_end(call_id, status, session=sid))
+    except errors as e:
+        if "already ended" not in str(e):
+            raise
+
+
 def first(payload: dict, *keys):
     """The first of ``keys`` the payload carries a non-empty value for."""
     for k in keys:

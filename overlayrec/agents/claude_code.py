@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from ._common import end_turn, summarize, with_session
+from ._common import end_call, end_turn, summarize, with_session
 
 NAME = "claude-code"
 PROGRAMS = ("claude",)
@@ -43,8 +43,8 @@ def apply(payload: dict, target, errors: tuple) -> None:
             payload.get("tool_use_id"), payload.get("tool_name"),
             summarize(payload.get("tool_input")), session=sid))
     elif ev in ("PostToolUse", "PostToolUseFailure"):
-        with_session(target, errors, sid, lambda: target.call_end(
-            payload.get("tool_use_id"), "ok" if ev == "PostToolUse" else "error", session=sid))
+        end_call(target, errors, sid, payload.get("tool_use_id"),
+                 "ok" if ev == "PostToolUse" else "error")
     elif ev == "Stop":
         end_turn(target, errors, sid)
     elif ev == "SessionEnd":

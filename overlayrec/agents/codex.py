@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 
-from ._common import end_turn, summarize, with_session
+from ._common import end_call, end_turn, summarize, with_session
 
 NAME = "codex"
 PROGRAMS = ("codex",)
@@ -62,8 +62,7 @@ def apply(payload: dict, target, errors: tuple) -> None:
             summarize(payload.get("tool_input")), session=sid))
     elif ev == "PostToolUse":
         status = "error" if _failed(payload.get("tool_response")) else "ok"
-        with_session(target, errors, sid, lambda: target.call_end(
-            payload.get("tool_use_id"), status, session=sid))
+        end_call(target, errors, sid, payload.get("tool_use_id"), status)
     elif ev == "Stop":
         end_turn(target, errors, sid)
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 
-from ._common import end_turn, first, summarize, with_session
+from ._common import end_call, end_turn, first, summarize, with_session
 
 NAME = "cursor"
 PROGRAMS = ("cursor-agent",)
@@ -57,8 +57,8 @@ def apply(payload: dict, target, errors: tuple) -> None:
             payload.get("tool_use_id"), payload.get("tool_name") or "tool",
             summarize(payload.get("tool_input")), session=sid))
     elif ev in ("postToolUse", "postToolUseFailure"):
-        with_session(target, errors, sid, lambda: target.call_end(
-            payload.get("tool_use_id"), "ok" if ev == "postToolUse" else "error", session=sid))
+        end_call(target, errors, sid, payload.get("tool_use_id"),
+                 "ok" if ev == "postToolUse" else "error")
     elif ev == "stop":
         end_turn(target, errors, sid)
     elif ev == "sessionEnd":

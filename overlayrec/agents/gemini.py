@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import os
 
-from ._common import begin_derived, derived_id, end_derived, end_turn, first, summarize, \
-    with_session
+from ._common import begin_derived, derived_id, end_call, end_derived, end_turn, first, \
+    summarize, with_session
 
 NAME = "gemini"
 PROGRAMS = ("gemini",)
@@ -74,7 +74,7 @@ def apply(payload: dict, target, errors: tuple) -> None:
         status = "error" if isinstance(resp, dict) and resp.get("error") else "ok"
         cid = _call_id(payload)
         if cid:
-            with_session(target, errors, sid, lambda: target.call_end(cid, status, session=sid))
+            end_call(target, errors, sid, cid, status)
         else:
             base = derived_id(tool, payload.get("tool_input"))
             with_session(target, errors, sid,
