@@ -515,7 +515,17 @@ class Calls:
         if name:
             sid = self._names.get(name)
             if sid is not None:
-                return self.sessions[sid]
+                s = self.sessions[sid]
+                if s.ended is not None:
+                    # a name an ended session had, sent from inside another one that goes on
+                    # (an agent resumed under a second `run` of this mount): the name is that
+                    # one's now
+                    lin = self.lineage(caller)
+                    if lin is not None and lin[0] is not s and lin[0].ended is None:
+                        self._names.pop(name)
+                        self._alias(lin[0], name)
+                        return lin[0]
+                return s
         lin = self.lineage(caller)
         if lin is not None:
             self._alias(lin[0], name)

@@ -730,3 +730,26 @@ def test_a_resumed_session_is_a_session_of_its_own(make_mount, tmp_path):
     sessions = {json.loads(line)["session"] for line in
                 overlayrec("log", m.ws, "--op", "session_begin", "--json").stdout.splitlines()}
     assert {"named", "named.2"} <= sessions
+
+
+def test_a_session_resumed_under_a_second_run_of_one_mount_is_that_runs(make_mount, tmp_path):
+    """The agent's session id names the first `run`'s session (an alias); resumed under a
+    second `run` of the same mount, its hooks went to the first, ended session: the second
+    run's turns and calls were recorded under the first (its call: 0 files)."""
+    m = make_mount()
+    agent = tmp_path / "agent.py"
+    agent.write_text(RESUMED_AGENT)
+    m.mount()
+    try:
+        for tag in ("1", "3"):
+            overlayrec("run", "--", sys.executable, str(agent), tag, cwd=m.ws)
+    finally:
+        m.umount()
+    rows = {r["id"]: r for r in map(json.loads, overlayrec("calls", m.ws, "--json").stdout
+                                     .splitlines())}
+    assert rows["t1"]["paths"] == ["f1.txt"] and rows["t3"]["paths"] == ["f3.txt"]
+    assert rows["t1"]["session"] != rows["t3"]["session"]
+    turns = {t["session"]: t for t in
+             map(json.loads, overlayrec("turns", m.ws, "--json").stdout.splitlines())}
+    assert turns[rows["t3"]["session"]]["prompt"] == "prompt 3"
+    assert turns[rows["t1"]["session"]]["prompt"] == "prompt 1"
