@@ -437,18 +437,22 @@ def test_installed_hook_command_fast_and_fallback_paths(make_mount, tmp_path):
     assert rows["fast"]["summary"] == "touch fast"
 
 
-PERSISTENT_SHELL_AGENT = textwrap.dedent(r'''
-    import os, subprocess, sys, time
-    from overlayrec import client
-    marks = sys.argv[1]  # outside the workspace
-    go, done = os.path.join(marks, "go"), os.path.join(marks, "done")
-    # one shell for the whole session, each command sent to it (OpenHands, SWE-agent)
+# one shell for the whole session, each command sent to it (OpenHands, SWE-agent)
+SHELL = textwrap.dedent(r'''
     sh = subprocess.Popen(["bash"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     def run(cmd):
         sh.stdin.write(cmd + "\necho __done__\n")
         sh.stdin.flush()
         while sh.stdout.readline().strip() != "__done__":
             pass
+''')
+
+PERSISTENT_SHELL_AGENT = textwrap.dedent(r'''
+    import os, subprocess, sys, time
+    from overlayrec import client
+    marks = sys.argv[1]  # outside the workspace
+    go, done = os.path.join(marks, "go"), os.path.join(marks, "done")
+''') + SHELL + textwrap.dedent(r'''
     def wait_for(path):
         deadline = time.monotonic() + 120
         while not os.path.exists(path):
@@ -559,12 +563,7 @@ SHAPES_AGENT = textwrap.dedent(r'''
     import os, subprocess, sys
     from overlayrec import client
     long_dir = sys.argv[1]
-    sh = subprocess.Popen(["bash"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    def run(cmd):
-        sh.stdin.write(cmd + "\necho __done__\n")
-        sh.stdin.flush()
-        while sh.stdout.readline().strip() != "__done__":
-            pass
+''') + SHELL + textwrap.dedent(r'''
     with client.connect() as c:
         c.turn_begin(prompt="shapes")
         c.call_begin("s", "Bash", summary="reshape")

@@ -206,8 +206,9 @@ class Tree:
             return UNREACHED, None
         if stat.S_ISREG(st.st_mode) and self.secrets is not None and \
                 (self.secrets.match(rel) or self.secrets.checked(rel)):
+            # a content-checked file is looked at once, and shown as read then when public
             data = None if self.secrets.match(rel) else public_in(dfd, name)
-            if data is not None:  # looked at and public: shown as read then
+            if data is not None:
                 return state_of_stat(st, lambda: data), st
             return state_of_stat(st, lambda: placeholder(None)).but(exact=False,
                                                                     withheld=True), st
