@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 import textwrap
@@ -390,3 +391,66 @@ def test_a_pem_file_holding_only_public_blocks_is_kept(make_mount, tmp_path):
     attic = os.path.join(m.ws, ".overlayrec-attic")
     assert_nowhere([m.state, str(tmp_path / "replay"), str(tmp_path / "report.html")] +
                    ([attic] if os.path.isdir(attic) else []), keys)
+
+
+@pytest.mark.timeout(300)
+def test_content_checked_pem_files_in_every_shape(make_mount, tmp_path):
+    """The shapes a first test leaves out: a directory of `.pem` files renamed with the files
+    beneath, a hard link to a CA bundle, a fifo named `.pem`, and a key written into a linked
+    bundle while unmounted.  The bundle moves and replays byte for byte; the fifo is no
+    secret; a bundle hard-linked to another name is withheld under both (a key written through
+    either name would be the other's too); the key the drift brought is kept by nothing."""
+    m = make_mount()
+    keys = secrets(2)
+    bundle = pem("CERTIFICATE", uuid.uuid4().hex.encode() * 2)
+    os.makedirs(os.path.join(m.ws, "certs"))
+    for rel, data in (("certs/cacert.pem", bundle), ("certs/linked.pem", bundle),
+                      ("certs/key.pem", pem("PRIVATE KEY", keys[0]))):
+        with open(os.path.join(m.ws, rel), "wb") as f:
+            f.write(data)
+    m.mount()
+    try:
+        code = textwrap.dedent('''
+            import os
+            from overlayrec import client
+            with client.connect() as c:
+                c.call_begin("c1", "Bash")
+                os.rename("certs", "tls")
+                os.link("tls/linked.pem", "bundle.crt")
+                os.mkfifo("pipe.pem")
+                c.call_end("c1")
+        ''')
+        overlayrec("run", "-w", m.ws, "--session", "s", "--", sys.executable, "-c", code,
+                   cwd=m.ws)
+        d = json.loads(overlayrec("diff", m.ws, "--call", "c1", "--json").stdout)
+        assert "tls/cacert.pem" not in d["withheld"], d
+        assert {"tls/key.pem", "tls/linked.pem", "bundle.crt"} <= set(d["withheld"]), d
+        rep = tmp_path / "after"
+        got = json.loads(overlayrec("replay", m.ws, "--at", "after:call:c1", "--full", "--to",
+                                    str(rep), "--json").stdout)
+        assert (rep / "tls/cacert.pem").read_bytes() == bundle
+        assert stat.S_ISFIFO(os.lstat(rep / "pipe.pem").st_mode)
+        assert "tls/key.pem" in {n["path"] for n in got["not_made"]}
+    finally:
+        m.umount()
+    # while unmounted, a key is written into the linked bundle (under both its names)
+    with open(os.path.join(m.ws, "tls/linked.pem"), "ab") as f:
+        f.write(pem("RSA PRIVATE KEY", keys[1]))
+    m.mount()
+    try:
+        drift = [e for e in m.events() if e["op"] == "drift" and e["path"] == "bundle.crt"]
+        assert drift and drift[-1]["pre"].get("withheld") and "hash" not in drift[-1]["pre"]
+        overlayrec("export", "git", m.ws)
+        got = json.loads(overlayrec("replay", m.ws, "--at", "999999", "--full", "--to",
+                                    str(tmp_path / "again"), "--json").stdout)
+        assert {"tls/linked.pem", "bundle.crt"} <= {n["path"] for n in got["not_made"]}
+        assert (tmp_path / "again/tls/cacert.pem").read_bytes() == bundle
+        overlayrec("blame", "bundle.crt", "-w", m.ws)
+        # the call's revert, forced past what it cannot put back (the key's content, the
+        # linked bundle the drift changed), puts the public bundle back where it was
+        overlayrec("revert", m.ws, "--call", "c1", "--yes", "--force")
+        assert open(os.path.join(m.ws, "certs/cacert.pem"), "rb").read() == bundle
+        assert not os.path.exists(os.path.join(m.ws, "tls/cacert.pem"))
+    finally:
+        m.umount()
+    assert_nowhere([m.state, str(tmp_path / "after"), str(tmp_path / "again")], keys)
