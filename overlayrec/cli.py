@@ -1612,7 +1612,9 @@ def show(seq, workspace, state_dir, as_json):
     """One event in full: what, who (process and unit), its pre-image, and its diff."""
     from .engines.gitdiff import ObjectStore
     from .views import shown
+    from .engines.large import Large
     from .engines.states import States
+    from .views import human_size
     ws, sd, j, tree = _open_journal_and_tree(workspace, state_dir)
     try:
         ev = j.event(seq)
@@ -1624,9 +1626,15 @@ def show(seq, workspace, state_dir, as_json):
         if paths:
             st = States(j, tree)
             store = ObjectStore(sd)
-            a, b = store.trees({p: st.state(p, seq - 1) for p in paths},
-                               {p: st.state(p, seq) for p in paths})
+            before = {p: st.state(p, seq - 1) for p in paths}
+            after = {p: st.state(p, seq) for p in paths}
+            a, b = store.trees(before, after)
             diff_text = store.diff(a, b, "patch")
+            for p in paths:
+                big = [s.data for s in (before[p], after[p]) if isinstance(s.data, Large)]
+                if big:
+                    diff_text += (f"# {p}: a file of {human_size(max(map(len, big)))}, too "
+                                  "large for a patch\n")
     finally:
         os.close(tree.root_fd)
         j.close()

@@ -12,11 +12,13 @@ asks; nothing here prints.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import time
 
 from . import client, state
+from .engines import large
 from .engines.revert import Plan, apply_step, bytes_written, failed, make_plan, order, \
     plan_from_json, plan_to_json
 
@@ -112,7 +114,7 @@ def plan_for(j, states, live, selection: dict, glob: str | None, content,
     """A fresh plan for ``selection`` (SelectionError when it names nothing), or the saved one
     of an interrupted revert (``resume``)."""
     if resume is not None:
-        return plan_from_json(resume, content.get)
+        return plan_from_json(resume, functools.partial(large.load, content))
     return make_plan(j, states, live, selection, glob, revert_id)
 
 
@@ -209,7 +211,7 @@ def carry_out(ws: str, sd: str, plan: Plan, content, *, unreverts: str | None = 
     """Carry out the plan's paths without conflicts through the mount, the plan saved first
     and its outcome after (``progress(n, total)`` after each).  Returns the record: ``done``
     [(path, what)], ``failed``."""
-    rec = resume or dict(plan_to_json(plan, content.put_bytes), created=time.time_ns(),
+    rec = resume or dict(plan_to_json(plan, functools.partial(large.put, content)), created=time.time_ns(),
                          status="running", unreverts=unreverts, ws=ws)
     rec["status"] = "running"
     save(sd, rec)  # the plan is on disk before the first change

@@ -39,6 +39,45 @@ def test_content_store_dedups(tmp_path):
         os.close(fd)
 
 
+def test_content_store_streams_a_large_sparse_range_and_keeps_its_holes(tmp_path):
+    """A truncated disk image's cut range is gigabytes of mostly holes: stored with one chunk
+    of memory (not the range) and as a sparse blob (not its length on disk), its bytes the
+    same; a range of data and zeros mixed reads back as it was."""
+    import tracemalloc
+    import xxhash
+    cs = ContentStore(str(tmp_path / "store"))
+    p = tmp_path / "img"
+    size = 96 << 20
+    with open(p, "wb") as f:
+        f.truncate(size)
+        f.seek(40 << 20)
+        f.write(b"superblock" * 1000)
+        f.seek(size - 5)
+        f.write(b"tail!")
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        tracemalloc.start()
+        digest = cs.put_range(fd, 1 << 20, size)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        expected = os.pread(fd, size, 1 << 20)
+    finally:
+        os.close(fd)
+    assert peak < 8 << 20, f"{peak} bytes held to store a {size >> 20} MiB range"
+    assert digest == xxhash.xxh3_128_hexdigest(expected)
+    blob = os.lstat(cs.path(digest))
+    assert blob.st_size == len(expected) == size - (1 << 20)
+    assert blob.st_blocks * 512 < 4 << 20, "the blob's holes were written as zeros"
+    assert cs.get(digest) == expected
+    # the same range again: deduplicated, no temp file left
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        assert cs.put_range(fd, 1 << 20, size) == digest
+    finally:
+        os.close(fd)
+    assert os.listdir(tmp_path / "store" / "tmp") == []
+
+
 def test_journal_append_read_and_path_index(tmp_path):
     j = Journal(str(tmp_path), workspace="/w")
     actor = {"key": "1:2", "pid": 1}

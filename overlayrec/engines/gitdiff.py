@@ -13,6 +13,7 @@ import os
 import subprocess
 
 from ..views import git_refuses
+from .large import LIMIT, Large
 from .states import State
 
 EMPTY_TREE = "4b825dc642cb6eb9a060e54bf8d69288fbee4904"
@@ -158,13 +159,17 @@ class ObjectStore:
         nothing names them).  The trees' names are computed here (``_tree_name``) and their
         entries kept, so ``diff`` can tell which paths differ without asking git."""
         names, todo = [], []
+        # nor a file past the size a reader holds (engines.large) on any side: a diff says it
+        # is left out (readers.not_in_patch), where git would make a patch of gigabytes
+        large = {p for states in sides for p, s in states.items() if isinstance(s.data, Large)}
         for states in sides:
             refused = {p for p in states if git_refuses(p)}
             self.left_out |= refused
             entries = {p: ("120000" if s.kind == "symlink" else
                            "100755" if s.mode & 0o111 else "100644", s.data)
                        for p, s in sorted(states.items())
-                       if p and p not in refused and s.kind in ("file", "symlink")}
+                       if p and p not in refused and s.kind in ("file", "symlink")
+                       and p not in large}
             if not entries:
                 names.append(EMPTY_TREE)
             elif any(_git_may_refuse(p, m == "120000") for p, (m, _) in entries.items()):
@@ -408,7 +413,9 @@ class FastImport:
             # ``keep_pack``: the objects stay one pack however few (by default git makes loose
             # objects of under 100: a file each, and a directory for each new first byte)
             ["git", *(["-c", "fastimport.unpackLimit=0"] if keep_pack else []),
-             "fast-import", "--quiet", "--force", "--done",
+             # a blob past the size a reader holds (engines.large) is streamed into the pack
+             # by git too (by default git holds one of up to 512 MiB whole)
+             "fast-import", "--quiet", "--force", "--done", f"--big-file-threshold={LIMIT}",
              *([f"--export-marks={self.marks_file}"] if marks else [])],
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=self.err,
             # glibc otherwise gives memory back and asks for it again for every object (tens
@@ -444,12 +451,25 @@ class FastImport:
         self.n += 1
         return f":{self.n}"
 
-    def blob(self, data: bytes) -> str:
-        key = sha1(data).digest()
+    def blob(self, data: bytes | Large) -> str:
+        if isinstance(data, Large):  # streamed: read twice (its key, then its bytes), held never
+            h = sha1(b"", len(data))
+            for buf in data.chunks():
+                h.update(buf)
+            key = h.digest()
+        else:
+            key = sha1(data).digest()
         m = self.blobs.get(key)
         if m is None:
             m = self.blobs[key] = self.mark()
-            self._write(b"blob\nmark %s\ndata %d\n" % (m.encode(), len(data)) + data + b"\n")
+            if isinstance(data, Large):
+                self._write(b"blob\nmark %s\ndata %d\n" % (m.encode(), len(data)))
+                for buf in data.chunks():
+                    self._write(buf)
+                self._write(b"\n")
+            else:
+                self._write(b"blob\nmark %s\ndata %d\n" % (m.encode(), len(data)) + data +
+                            b"\n")
         return m
 
     def named_blob(self, data: bytes) -> str:

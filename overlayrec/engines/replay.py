@@ -13,6 +13,7 @@ from .diff import SelectionError, _find_turn, _visible
 from ..secrets import PLACEHOLDER, public_in
 from ..views import guessed
 from .revert import link_key, linked, make_node, set_meta, temp_name
+from .large import Large, write_to
 from .states import ATTIC, States, State, Tree, state_of_stat
 
 
@@ -298,9 +299,7 @@ class _Build:
                         os.close(pfd)
                     fd = os.open(name, flags, dir_fd=dfd)
                 try:
-                    view = memoryview(s.data)
-                    while view:
-                        view = view[os.write(fd, view):]
+                    write_to(fd, s.data)
                 finally:
                     os.close(fd)
                 self.meta(dfd, name, rel, s)
@@ -319,9 +318,7 @@ class _Build:
                 fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW |
                              os.O_CLOEXEC, 0o600, dir_fd=dfd)
                 try:
-                    view = memoryview(s.data)
-                    while view:
-                        view = view[os.write(fd, view):]
+                    write_to(fd, s.data)
                 finally:
                     os.close(fd)
             else:
@@ -426,11 +423,8 @@ def _copy_file(src_dfd: int, dst_dfd: int, name: str, data: bytes | None = None)
         dst = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                       0o600, dir_fd=dst_dfd)
         try:
-            chunks = iter(lambda: os.read(src, 1 << 20), b"") if data is None else (data,)
-            for chunk in chunks:
-                view = memoryview(chunk)
-                while view:
-                    view = view[os.write(dst, view):]
+            # a file copied as it is: in chunks, its holes kept (a sparse image stays sparse)
+            write_to(dst, Large.of_fd(os.dup(src)) if data is None else data)
         finally:
             os.close(dst)
     finally:

@@ -24,6 +24,7 @@ from ..journal import Journal
 from ..views import C_ESCAPES, call_rows, command_name, git_refuses, unit_session
 from .diff import changed, file_events, side_of, touched
 from .gitdiff import ObjectStore, left_out_note
+from .large import too_large
 
 MAX_SECTION = 200_000   # characters of one file's diff kept in the page
 
@@ -210,6 +211,11 @@ class _Report:
                 entries = _match(listed, sections)
         if git:
             sections.append(f"# {left_out_note(git)}\n")
+        large = too_large(side, net)
+        if large:
+            sections.append(f"# {len(large)} file(s) too large for a patch, not shown: "
+                            f"{', '.join(large[:5])}{' ...' if len(large) > 5 else ''}; "
+                            "`overlayrec replay` restores them\n")
         self.patches.append([_cap(s) for s in sections])
         self.entries.append((entries, git))
         self.counts.append((len(entries), git))

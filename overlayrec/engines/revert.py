@@ -33,6 +33,7 @@ from ..underlay import O_PATH, Escape, resolve_beneath
 from ..views import guessed, path_matcher
 from .diff import (SelectionError, changed_around, file_events, placed_elsewhere, touched,
                    _find_turn, _visible)
+from .large import same_as_fd, write_to
 from .states import ATTIC, INF, UNLISTED_NOTE, States, State, Tree
 
 
@@ -618,9 +619,7 @@ def _apply_in(root_fd: int, dfd: int, name: str, step: Step, made: dict | None) 
                 raise
             return done
         try:
-            view = memoryview(t.data)
-            while view:
-                view = view[os.write(fd, view):]
+            write_to(fd, t.data)
         except BaseException:
             os.close(fd)
             _remove(dfd, tmp)  # a full filesystem leaves no half-written temp file behind
@@ -716,9 +715,7 @@ def _write_into(dfd: int, name: str, t: State, fits, why: str) -> str | None:
         if not stat.S_ISREG(now.st_mode) or not fits(now):
             return None
         os.ftruncate(fd, 0)
-        view = memoryview(t.data)
-        while view:
-            view = view[os.write(fd, view):]
+        write_to(fd, t.data)
     finally:
         os.close(fd)
     problem = set_meta(dfd, name, t)
@@ -738,12 +735,8 @@ def _meta_in_place(dfd: int, name: str, t: State) -> str | None:
         return None
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_size != len(t.data):
-            return None
-        chunks = []
-        while chunk := os.read(fd, 1 << 20):
-            chunks.append(chunk)
-        if b"".join(chunks) != t.data:
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or \
+                not same_as_fd(fd, t.data, st.st_size):
             return None
     finally:
         os.close(fd)

@@ -34,6 +34,7 @@ from ..journal import Journal, preimage
 from ..journal.renames import RenameIndex
 from ..journal.schema import MARK_OPS, is_dir_rename
 from ..secrets import Secrets, placeholder, public_in
+from .large import LIMIT, Large, digest_of, load, source
 from ..underlay import ACL_ACCESS, kind_of
 
 ATTIC = ".overlayrec-attic"
@@ -116,10 +117,12 @@ def state_of_stat(st: os.stat_result, content) -> State:
                  block=stat.S_ISBLK(st.st_mode), **common)
 
 
-def _read_at(dfd: int, name: str, st: os.stat_result) -> bytes:
+def _read_at(dfd: int, name: str, st: os.stat_result) -> bytes | Large:
     if stat.S_ISLNK(st.st_mode):
         return os.fsencode(os.readlink(name, dir_fd=dfd))
     fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+    if st.st_size > LIMIT:
+        return Large.of_fd(fd)   # read when written or compared (engines.large)
     try:  # to its end, as a file object's read() (without one: a diff reads 1,000 of these)
         chunks = []
         while chunk := os.read(fd, max(st.st_size + 1, 1 << 16) if not chunks else 1 << 20):
@@ -444,7 +447,7 @@ def _hashed(st: State) -> State:
     """``st`` with a file's content as its hash (a withheld placeholder stays as it is)."""
     if st.kind != "file" or st.withheld:
         return st
-    return st.but(data=preimage.content_hash(st.data).encode())
+    return st.but(data=digest_of(st.data).encode())
 
 
 INF = float("inf")
@@ -907,7 +910,7 @@ class States:
             return st.but(drifted=True)
         if preimage.matches(pre, lst,
                             lambda: os.fsdecode(live.data),
-                            lambda: preimage.content_hash(live.data)):
+                            lambda: digest_of(live.data)):
             return live
         return self.sealed_state(pre).but(drifted=True)
 
@@ -923,13 +926,18 @@ class States:
             if "blob" in pre:
                 # State(..., **facts(pre)) without the dict, as _sig_of: a diff's side is
                 # mostly these
-                return State("file", pre.get("mode", 0o644), self.j.content.get(pre["blob"]),
+                return State("file", pre.get("mode", 0o644), self._load(pre["blob"]),
                              True, pre.get("uid"), pre.get("gid"), 0, False,
                              pre.get("ino") or 0, pre.get("nlink") or 1)
             return State("file", pre.get("mode", 0o644), b"", exact=False, **facts(pre))
         if kind == "symlink":
             return State("symlink", 0o120000, os.fsencode(pre.get("target") or ""), **facts(pre))
         return State(kind, pre.get("mode", 0o755 if kind == "dir" else 0), **facts(pre))
+
+    def _load(self, digest: str) -> bytes | Large:
+        """A blob's content: its bytes, or past the size a reader holds (engines.large) a
+        Large that reads the blob when it is written; checked against its name either way."""
+        return load(self.j.content, digest)
 
     def drifted(self, path: str) -> bool:
         """Does the live ``path`` differ from what the record ends with?  (Stat first; the
@@ -942,7 +950,7 @@ class States:
             return False  # not known to differ (readers say which paths they could not reach)
         return not preimage.matches(seal["pre"], lst,
                                     lambda: os.fsdecode(self.tree.state(path).data),
-                                    lambda: preimage.content_hash(self.tree.state(path).data))
+                                    lambda: digest_of(self.tree.state(path).data))
 
     def drift(self, paths=None) -> list[str]:
         """The sealed paths (or those of ``paths``) whose live state departs from their seal."""
@@ -1277,13 +1285,18 @@ class States:
                 if fp.get("withheld"):
                     return self.sealed_state(dict(pre, withheld=True))
                 if "blob" in fp:
-                    return State("file", mode, self.j.content.get(fp["blob"]), **facts(pre))
+                    return State("file", mode, self._load(fp["blob"]), **facts(pre))
                 ranges.extend(fp.get("ranges", []))
         end = self.state(path, end_after) if end_after is not None else self._beyond(path, move)
         size = pre.get("size", len(end.data))
+        if size > LIMIT or isinstance(end.data, Large):
+            data = Large(size, source(end.data), [(off, source(self._load(digest)))
+                                                  for off, _, digest in ranges])
+            return State("file", mode, data, end.exact and not pre.get("unkept"),
+                         **facts(pre))
         data = bytearray(end.data[:size].ljust(size, b"\0"))
         for off, length, digest in ranges:
-            data[off:off + length] = self.j.content.get(digest)
+            data[off:off + length] = self._load(digest)
         # an alias whose content was not kept (a file past the whole-file limit): the inode
         # changed at once through the other name, so the later state is not this one's
         return State("file", mode, bytes(data), end.exact and not pre.get("unkept"),
@@ -1308,6 +1321,8 @@ class States:
             return None
         e0 = evs[start]
         st = self._state(path, e0["seq"] - 1)
+        if isinstance(st.data, Large):
+            return None   # not replayed in memory: the next full pre-image answers
         kind, mode, data = st.kind, st.mode, bytearray(st.data)
         facts_of = st  # owner, inode and link count: whose they are now
         for e in evs[start:]:
@@ -1317,7 +1332,7 @@ class States:
             if op == "write":
                 if "data" not in e:
                     return None
-                chunk = self.j.content.get(e["data"])
+                chunk = self._load(e["data"])
                 off = e["offset"]
                 if len(data) < off:
                     data.extend(b"\0" * (off - len(data)))
@@ -1354,7 +1369,7 @@ class States:
             elif _exchanged(e, path):
                 s2 = self.state(e["path2"] if e.get("path") == path else e["path"],
                                 e["seq"] - 1)
-                if not s2.exact:
+                if not s2.exact or isinstance(s2.data, Large):
                     return None
                 kind, mode, data = s2.kind, s2.mode, bytearray(s2.data)
                 facts_of = s2
@@ -1365,7 +1380,7 @@ class States:
                 if not src:
                     return None
                 s2 = self.state(src, e["seq"] - 1)
-                if not s2.exact:
+                if not s2.exact or isinstance(s2.data, Large):
                     return None
                 kind, mode, data = s2.kind, s2.mode, bytearray(s2.data)
                 facts_of = s2 if op == "rename" else s2.but(nlink=s2.nlink + 1)
@@ -1399,7 +1414,7 @@ class States:
                     break
                 continue
             if "blob" in pre:
-                return State("file", 0, self.j.content.get(pre["blob"]))
+                return State("file", 0, self._load(pre["blob"]))
             if pre.get("facet") == "content" and "ranges" not in pre and \
                     not pre.get("withheld"):
                 # the whole-file capture of an empty file keeps no blob: it held nothing

@@ -55,23 +55,43 @@ class ContentStore:
         return digest
 
     def put_range(self, src_fd: int, offset: int, length: int) -> str:
-        """Store [offset, offset+length) of an open file; returns the digest."""
+        """Store [offset, offset+length) of an open file (what of it there is: a file shorter
+        than that gives what it has); returns the digest.
+
+        Streamed: the range is written to the temp file as it is read and hashed, so a range
+        of gigabytes (a disk image truncated, a model's weights overwritten) costs the daemon
+        one chunk of memory, not the range.  Its holes and runs of zeros are left holes in the
+        blob (the same bytes, read back as zeros), so a sparse file's pre-image costs the disk
+        what its data does."""
+        return self.put_chunks(chunks(src_fd, offset, min(offset + length,
+                                                          os.fstat(src_fd).st_size)))
+
+    def put_chunks(self, pieces) -> str:
+        """Store the content ``pieces`` (an iterable of bytes) make, as put_range does: as it
+        comes, its chunks of zeros left holes; returns the digest."""
         h = xxhash.xxh3_128()
-        chunks = []
-        pos, end = offset, offset + length
-        while pos < end:
-            buf = os.pread(src_fd, min(CHUNK, end - pos), pos)
-            if not buf:
-                break
-            h.update(buf)
-            chunks.append(buf)
-            pos += len(buf)
-        digest = h.hexdigest()
-        if not self._present(digest, pos - offset):
-            def write(fd):
-                for c in chunks:
-                    _write_all(fd, c)
-            self._commit(digest, write)
+        self._n += 1
+        tmp = os.path.join(self._tmp, f"{os.getpid()}.{self._n}")
+        fd = state.open_private(tmp)
+        try:
+            try:
+                size = 0
+                for buf in pieces:
+                    h.update(buf)
+                    if buf is not ZERO and buf != ZERO[:len(buf)]:
+                        _pwrite_all(fd, buf, size)
+                    size += len(buf)
+                os.ftruncate(fd, size)
+            finally:
+                os.close(fd)
+            digest = h.hexdigest()
+            if self._present(digest, size):
+                os.unlink(tmp)
+            else:
+                self._place(tmp, digest)
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
         return digest
 
     def _commit(self, digest: str, writer) -> None:
@@ -83,19 +103,37 @@ class ContentStore:
                 writer(fd)
             finally:
                 os.close(fd)
-            final = self.path(digest)
-            try:
-                os.rename(tmp, final)
-            except FileNotFoundError:  # the first blob under this prefix
-                state.private_dir(os.path.dirname(final))
-                os.rename(tmp, final)
+            self._place(tmp, digest)
         except BaseException:
-            # a full disk (or anything else) leaves no partial temp file behind
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            _unlink_quietly(tmp)
             raise
+
+    def _place(self, tmp: str, digest: str) -> None:
+        """Rename a written temp file to its blob's name."""
+        final = self.path(digest)
+        try:
+            os.rename(tmp, final)
+        except FileNotFoundError:  # the first blob under this prefix
+            state.private_dir(os.path.dirname(final))
+            os.rename(tmp, final)
+
+    def size(self, digest: str) -> int | None:
+        """The length of the blob file of this name; None when there is none."""
+        try:
+            st = os.lstat(self.path(digest))
+        except OSError:
+            return None
+        return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+    def open(self, digest: str) -> int:
+        """A descriptor for reading the blob file (a regular file, never followed)."""
+        fd = os.open(self.path(digest), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK |
+                     os.O_CLOEXEC)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise BlobError(f"blob {digest} in {self.root} is not a regular file: refusing "
+                            "to use it")
+        return fd
 
     def get(self, digest: str, verify: bool = True) -> bytes:
         """The blob's bytes, checked against its name: BlobError when they do not match (or it
@@ -190,6 +228,56 @@ def _write_all(fd: int, data) -> None:
         view = view[os.write(fd, view):]
 
 
+def _pwrite_all(fd: int, data, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _unlink_quietly(path: str) -> None:
+    # a full disk (or anything else) leaves no partial temp file behind
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+ZERO = bytes(CHUNK)
+
+
+def chunks(fd: int, pos: int, end: int):
+    """The bytes of [pos, end) of an open file, in chunks of at most CHUNK; a hole (found by
+    SEEK_DATA, where the filesystem tells) is never read: ``ZERO`` or a slice of it stands for
+    it.  Stops early at the file's end."""
+    while pos < end:
+        try:
+            data = os.lseek(fd, pos, os.SEEK_DATA)
+        except OSError as e:
+            # ENXIO: nothing but a hole from pos to the end; otherwise no answer (read it)
+            data = end if e.errno == errno.ENXIO else pos
+        if data > pos:
+            n = min(data, end) - pos
+            while n:
+                k = min(n, CHUNK)
+                yield ZERO if k == CHUNK else ZERO[:k]
+                n -= k
+                pos += k
+            continue
+        try:
+            stop = min(os.lseek(fd, pos, os.SEEK_HOLE), end)
+        except OSError:
+            stop = end
+        if stop <= pos:
+            stop = end
+        while pos < stop:
+            buf = os.pread(fd, min(CHUNK, stop - pos), pos)
+            if not buf:
+                return
+            yield buf
+            pos += len(buf)
+
+
 class RecordContent:
     """The record's content, wherever a blob is kept: a small one (at most INLINE_BLOB bytes)
     in the journal's ``blobs`` table, committed with the event that names it (a pre-image of a
@@ -221,6 +309,9 @@ class RecordContent:
                 break
             data += more
         return self.put_bytes(data)
+
+    def put_chunks(self, pieces) -> str:
+        return self.files.put_chunks(pieces)
 
     def get(self, digest: str, verify: bool = True) -> bytes:
         """The blob's bytes, checked against its name (BlobError when they do not match);

@@ -15,6 +15,7 @@ import stat
 
 import xxhash
 
+from .content import chunks
 from ..underlay import kind_of  # noqa: F401  (re-exported: a kind is a stored word)
 
 KINDS = ("absent", "file", "dir", "symlink", "fifo", "socket", "device")
@@ -42,14 +43,11 @@ def content_hash(data: bytes) -> str:
 
 
 def hash_fd(fd: int) -> str:
+    """The content hash of an open file, read in chunks (its holes not read)."""
     h = xxhash.xxh3_128()
-    pos = 0
-    while True:
-        buf = os.pread(fd, 1 << 20, pos)
-        if not buf:
-            return h.hexdigest()
+    for buf in chunks(fd, 0, os.fstat(fd).st_size):
         h.update(buf)
-        pos += len(buf)
+    return h.hexdigest()
 
 
 def matches(seal: dict, st: os.stat_result | None, target=None, digest=None) -> bool:

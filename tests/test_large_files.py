@@ -1,0 +1,173 @@
+"""Files of gigabytes (a disk image, a model's weights): recorded, replayed, reverted and
+exported with memory that does not grow with them, holes kept as holes, and left out of
+patches with a word.  A truncate of a 3 GiB sparse image once held the cut range in the
+daemon's memory and wrote it out whole to the state dir; a replay of it took 15 GB and a diff
+was killed for want of memory."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+from conftest import needs_fuse, overlayrec
+
+pytestmark = needs_fuse
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+# an agent that makes a sparse 1 GiB image with data here and there, cuts it to 1 MiB, then
+# writes far past its end; the hash and size of the image after each call go to ``hashes``
+AGENT = textwrap.dedent(r'''
+    import hashlib, json, os, sys
+    from overlayrec import client
+    hashes = {}
+    def note(call):
+        h = hashlib.sha256()
+        with open("disk.img", "rb") as f:
+            while buf := f.read(1 << 22):
+                h.update(buf)
+        hashes[call] = [h.hexdigest(), os.path.getsize("disk.img")]
+    with client.connect() as c:
+        c.turn_begin(prompt="make an image")
+        note("c0")
+        c.call_begin("c1", "Bash", summary="make a sparse image")
+        with open("disk.img", "r+b") as f:
+            f.truncate(1 << 30)
+            f.seek(4096 * 1000)
+            f.write(os.urandom(4096))
+            f.seek(700 << 20)
+            f.write(b"middle" * 1000)
+        c.call_end("c1")
+        note("c1")
+        c.call_begin("c2", "Bash", summary="cut it")
+        os.truncate("disk.img", 1 << 20)
+        c.call_end("c2")
+        note("c2")
+        c.call_begin("c3", "Bash", summary="write far past its end")
+        with open("disk.img", "r+b") as f:
+            f.seek(600 << 20)
+            f.write(os.urandom(65536))
+        c.call_end("c3")
+        note("c3")
+        c.turn_end()
+    with open(sys.argv[1], "w") as f:
+        json.dump(hashes, f)
+''')
+
+
+def sha256_of(path: str) -> list:
+    import hashlib
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while buf := f.read(1 << 22):
+            h.update(buf)
+    return [h.hexdigest(), os.path.getsize(path)]
+
+
+def measured(*args) -> tuple[int, str, str, int]:
+    """Run the CLI; (exit code, stdout, stderr, its peak memory in KiB)."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        p = subprocess.Popen([sys.executable, "-m", "overlayrec", *args], stdout=out,
+                             stderr=err)
+        _, status, usage = os.wait4(p.pid, 0)
+        p.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        return p.returncode, out.read().decode(), err.read().decode(), usage.ru_maxrss
+
+
+def peak_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmHWM")
+
+
+def disk_bytes(root: str) -> int:
+    total = 0
+    for d, _, files in os.walk(root):
+        for n in files:
+            total += os.lstat(os.path.join(d, n)).st_blocks * 512
+    return total
+
+
+def test_a_sparse_image_of_a_gigabyte(make_mount, tmp_path):
+    m = make_mount()
+    with open(os.path.join(m.ws, "disk.img"), "wb") as f:
+        f.write(b"an image to be\n")
+    with open(os.path.join(m.ws, "base.img"), "wb") as f:  # never changed: copied by --full
+        f.truncate(512 * MIB)
+        f.write(b"a base image\n")
+    m.mount()
+    agent, hashes = tmp_path / "agent.py", tmp_path / "hashes.json"
+    agent.write_text(AGENT)
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", sys.executable, str(agent),
+               str(hashes), cwd=m.ws, timeout=300)
+    want = json.loads(hashes.read_text())
+    assert want["c1"][1] == GIB and want["c2"][1] == MIB and want["c3"][1] == 600 * MIB + 65536
+
+    # the daemon kept the cut gigabyte (its data and its holes) with little memory and disk
+    with open(os.path.join(m.state, "daemon.json")) as f:
+        daemon = json.load(f)["pid"]
+    assert peak_kib(daemon) < 400 * 1024, f"daemon peaked at {peak_kib(daemon)} KiB"
+    assert disk_bytes(m.state) < 64 * MIB, f"state dir holds {disk_bytes(m.state)} bytes"
+
+    # replay: the image as each call left it, sparse, read in chunks
+    for call in ("c1", "c2", "c3"):
+        to = str(tmp_path / f"r-{call}")
+        rc, _, err, peak = measured("replay", m.ws, "--at", f"after:call:{call}", "--to", to,
+                                    "--full")
+        assert rc == 0, err
+        img = os.path.join(to, "disk.img")
+        assert sha256_of(img) == want[call], call
+        assert os.lstat(img).st_blocks * 512 < 16 * MIB, f"{call}: the holes were written"
+        assert peak < 300 * 1024, f"replay after {call} peaked at {peak} KiB"
+        base = os.path.join(to, "base.img")
+        assert os.path.getsize(base) == 512 * MIB and os.lstat(base).st_blocks * 512 <= 2 * MIB
+    rc, _, err, _ = measured("replay", m.ws, "--at", "before:call:c1", "--to",
+                             str(tmp_path / "r-c0"), "--full")
+    assert rc == 0 and sha256_of(str(tmp_path / "r-c0" / "disk.img")) == want["c0"], err
+
+    # diff: left out of the patch, said so (as the other changes a patch cannot show)
+    for call in ("c1", "c2", "c3"):
+        rc, out, err, peak = measured("diff", m.ws, "--call", call, "--binary")
+        assert rc == 0 and "disk.img" not in out, (call, out[:300], err)
+        assert "disk.img (a file of 1.0 GiB, too large for a patch)" in err or \
+            "disk.img (a file of 600.1 MiB, too large for a patch)" in err, err
+        assert peak < 300 * 1024, f"diff of {call} peaked at {peak} KiB"
+    js = json.loads(overlayrec("diff", m.ws, "--call", "c2", "--json").stdout)
+    assert js["files"] == [] and js["not_in_patch"] == [
+        {"path": "disk.img", "change": "a file of 1.0 GiB, too large for a patch"}]
+
+    # revert the last two calls: the image of c1 again, sparse; unrevert: c3's again
+    for call in ("c3", "c2"):
+        rc, _, err, peak = measured("revert", m.ws, "--call", call, "--yes")
+        assert rc == 0, err
+        assert peak < 300 * 1024, f"revert of {call} peaked at {peak} KiB"
+    img = os.path.join(m.ws, "disk.img")
+    assert sha256_of(img) == want["c1"]
+    assert os.lstat(img).st_blocks * 512 < 16 * MIB
+    for _ in range(2):
+        overlayrec("unrevert", "-w", m.ws, "--yes")
+    assert sha256_of(img) == want["c3"]
+
+    # export: the image as a blob of each call's commit, streamed into git
+    repo = tmp_path / "repo"
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    rc, _, err, peak = measured("export", "git", m.ws, "--repo", str(repo))
+    assert rc == 0, err
+    assert peak < 300 * 1024, f"export peaked at {peak} KiB"
+    r1 = tmp_path / "r-c1" / "disk.img"
+    blob = subprocess.run(["git", "hash-object", str(r1)], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    refs = subprocess.run(["git", "for-each-ref", "--format=%(refname)"], cwd=repo,
+                          capture_output=True, text=True, check=True).stdout.split()
+    c1 = next(r for r in refs if r.endswith("/calls/c1"))
+    tree = subprocess.run(["git", "ls-tree", c1, "disk.img"], cwd=repo, capture_output=True,
+                          text=True, check=True).stdout
+    assert tree.split()[2] == blob, tree
