@@ -1612,7 +1612,7 @@ def show(seq, workspace, state_dir, as_json):
     """One event in full: what, who (process and unit), its pre-image, and its diff."""
     from .engines.gitdiff import ObjectStore
     from .views import shown
-    from .engines.large import Large
+    from .engines.large import over_limit
     from .engines.states import States
     from .views import human_size
     ws, sd, j, tree = _open_journal_and_tree(workspace, state_dir)
@@ -1631,7 +1631,7 @@ def show(seq, workspace, state_dir, as_json):
             a, b = store.trees(before, after)
             diff_text = store.diff(a, b, "patch")
             for p in paths:
-                big = [s.data for s in (before[p], after[p]) if isinstance(s.data, Large)]
+                big = [s.data for s in (before[p], after[p]) if over_limit(s.data)]
                 if big:
                     diff_text += (f"# {p}: a file of {human_size(max(map(len, big)))}, too "
                                   "large for a patch\n")

@@ -572,12 +572,12 @@ def not_in_patch(side, paths: list[str], unlisted: bool = False) -> list[tuple[s
     that the patch shows is shown by them (but for the mode of one made: git applies 0755).
     ``unlisted``: a directory here could not be listed, so none is called empty."""
     from .engines.states import ABSENT
-    from .engines.large import Large
+    from .engines.large import over_limit
     from .views import human_size
     hidden, shown_under, partly = [], set(), {}
     for p in paths:
         b, a = side.before.get(p, ABSENT), side.after.get(p, ABSENT)
-        big = [s for s in (b, a) if isinstance(s.data, Large)]
+        big = [s for s in (b, a) if over_limit(s.data)]
         if big:  # left out of both trees (ObjectStore.trees): gigabytes in a patch help no one
             partly[p] = (f"a file of {human_size(max(len(s.data) for s in big))}, too large "
                          "for a patch")

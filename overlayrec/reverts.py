@@ -99,6 +99,18 @@ def describe(step) -> str:
     return "replace"
 
 
+def _pin(plan: Plan, rec: dict, content) -> None:
+    """Point each content of the plan too large to hold (engines.large: read when written)
+    at its copy in the saved plan, not at the live file it was read from: the revert's own
+    steps change live files (one restored in place, a path another step replaces), and a
+    content read after that would be another, or an error half way."""
+    for s, d in zip(plan.steps, rec["steps"]):
+        if isinstance(s.target.data, large.Large):
+            s.target = s.target.but(data=large.load(content, d["target"]["blob"]))
+        if isinstance(s.expected.data, large.Large):
+            s.expected = s.expected.but(data=large.load(content, d["expected"]["blob"]))
+
+
 def preview(plan: Plan) -> dict:
     """A plan as ``--json`` shows it: each step's path, action and conflict, and the note
     that says why where the conflict's name alone does not."""
@@ -211,10 +223,11 @@ def carry_out(ws: str, sd: str, plan: Plan, content, *, unreverts: str | None = 
     """Carry out the plan's paths without conflicts through the mount, the plan saved first
     and its outcome after (``progress(n, total)`` after each).  Returns the record: ``done``
     [(path, what)], ``failed``."""
-    rec = resume or dict(plan_to_json(plan, functools.partial(large.put, content)), created=time.time_ns(),
-                         status="running", unreverts=unreverts, ws=ws)
+    rec = resume or dict(plan_to_json(plan, functools.partial(large.put, content)),
+                         created=time.time_ns(), status="running", unreverts=unreverts, ws=ws)
     rec["status"] = "running"
     save(sd, rec)  # the plan is on disk before the first change
+    _pin(plan, rec, content)
     root_fd = os.open(ws, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     done: list[tuple[str, str]] = []
     # hard-link groups, by recorded inode: the first path made of each holds the group's

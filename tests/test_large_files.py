@@ -68,16 +68,24 @@ def sha256_of(path: str) -> list:
     return [h.hexdigest(), os.path.getsize(path)]
 
 
+# the peak is taken by a small process between: a child's peak counts the memory of the
+# process it was forked from until its exec, and this test's process may hold a large patch
+MEASURE = ("import os, resource, subprocess, sys\n"
+           "rc = subprocess.run(sys.argv[2:]).returncode\n"
+           "with open(sys.argv[1], 'w') as f:\n"
+           "    f.write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss))\n"
+           "sys.exit(rc)\n")
+
+
 def measured(*args) -> tuple[int, str, str, int]:
-    """Run the CLI; (exit code, stdout, stderr, its peak memory in KiB)."""
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        p = subprocess.Popen([sys.executable, "-m", "overlayrec", *args], stdout=out,
-                             stderr=err)
-        _, status, usage = os.wait4(p.pid, 0)
-        p.returncode = os.waitstatus_to_exitcode(status)
+    """Run the CLI; (exit code, stdout, stderr, its peak memory in KiB, git's included)."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
+            tempfile.NamedTemporaryFile("r") as peak:
+        r = subprocess.run([sys.executable, "-c", MEASURE, peak.name, sys.executable, "-m",
+                            "overlayrec", *args], stdout=out, stderr=err, timeout=600)
         out.seek(0)
         err.seek(0)
-        return p.returncode, out.read().decode(), err.read().decode(), usage.ru_maxrss
+        return r.returncode, out.read().decode(), err.read().decode(), int(peak.read())
 
 
 def peak_kib(pid: int) -> int:
@@ -171,3 +179,103 @@ def test_a_sparse_image_of_a_gigabyte(make_mount, tmp_path):
     tree = subprocess.run(["git", "ls-tree", c1, "disk.img"], cwd=repo, capture_output=True,
                           text=True, check=True).stdout
     assert tree.split()[2] == blob, tree
+
+
+MEDIUM = textwrap.dedent(r'''
+    import os, subprocess
+    from overlayrec import client
+    with client.connect() as c:
+        c.turn_begin(prompt="install libraries")
+        c.call_begin("c1", "Bash", summary="install")
+        os.mkdir("lib")
+        for i in range(12):
+            with open(f"lib/part{i}.so", "wb") as f:
+                f.write(os.urandom(24 << 20))
+        c.call_end("c1")
+        c.call_begin("c2", "Bash", summary="patch one in place")
+        subprocess.run(["dd", "if=/dev/zero", "of=lib/part3.so", "bs=4096", "count=2",
+                        "seek=1000", "conv=notrunc", "status=none"], check=True)
+        c.call_end("c2")
+        c.turn_end()
+''')
+
+
+def test_many_files_of_megabytes_are_never_held_together(make_mount, tmp_path):
+    """A turn that installs 288 MB of libraries: every reader reads them one chunk at a time
+    (a diff held them all, several times over), the patch still holds them and applies."""
+    m = make_mount()
+    with open(os.path.join(m.ws, "README"), "w") as f:
+        f.write("libraries\n")
+    m.mount()
+    agent = tmp_path / "agent.py"
+    agent.write_text(MEDIUM)
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", sys.executable, str(agent),
+               cwd=m.ws, timeout=300)
+    want = {f"lib/part{i}.so": sha256_of(os.path.join(m.ws, "lib", f"part{i}.so"))
+            for i in range(12)}
+
+    # the content is never held: a diff whose answer is small takes little memory (a patch
+    # with --binary is the content again, base85: an answer of its size)
+    rc, out, err, peak = measured("diff", m.ws, "--turn", "1", "--stat")
+    assert rc == 0 and "12 files changed" in out, (out, err)
+    assert peak < 200 * 1024, f"diff of 288 MB peaked at {peak} KiB"
+    rc, patch, err, _ = measured("diff", m.ws, "--turn", "1", "--binary")
+    assert rc == 0, err
+    work = tmp_path / "apply"
+    os.makedirs(work)
+    (work / "README").write_text("libraries\n")
+    r = subprocess.run(["git", "apply", "-"], input=patch.encode(), cwd=work,
+                       capture_output=True)
+    assert r.returncode == 0, r.stderr
+    assert {p: sha256_of(str(work / p)) for p in want} == want
+
+    to = tmp_path / "replay"
+    rc, _, err, peak = measured("replay", m.ws, "--at", "after:call:c1", "--to", str(to),
+                                "--full")
+    assert rc == 0 and peak < 100 * 1024, (err, peak)
+    assert {p: sha256_of(str(to / p)) for p in want if p != "lib/part3.so"} == \
+        {p: h for p, h in want.items() if p != "lib/part3.so"}
+    assert sha256_of(str(to / "lib/part3.so")) != want["lib/part3.so"]  # before c2's patch
+
+    rc, _, err, peak = measured("revert", m.ws, "--call", "c2", "--yes")
+    assert rc == 0 and peak < 100 * 1024, (err, peak)
+    assert sha256_of(os.path.join(m.ws, "lib/part3.so")) == sha256_of(str(to / "lib/part3.so"))
+
+
+SWAP = textwrap.dedent(r'''
+    import subprocess
+    from overlayrec import client
+    with client.connect() as c:
+        c.turn_begin(prompt="swap")
+        c.call_begin("c1", "Bash", summary="swap")
+        subprocess.run(["bash", "-c", "mv a.bin b.bin && mv c.bin a.bin"], check=True)
+        c.call_end("c1")
+        c.turn_end()
+''')
+
+
+def test_a_revert_reads_no_content_its_own_steps_change(make_mount, tmp_path):
+    """`mv a.bin b.bin && mv c.bin a.bin` reverted: a.bin's content is b.bin's, which another
+    step of the same revert removes.  A content read when written (not held) is read from the
+    copy the saved plan keeps: read from b.bin, it was gone ("b.bin: No such file or
+    directory", the revert stopped half way)."""
+    m = make_mount()
+    blobs = {"a.bin": os.urandom(20 << 20), "c.bin": os.urandom(6 << 20)}
+    for name, data in blobs.items():
+        with open(os.path.join(m.ws, name), "wb") as f:
+            f.write(data)
+    m.mount()
+    agent = tmp_path / "agent.py"
+    agent.write_text(SWAP)
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", sys.executable, str(agent), cwd=m.ws)
+    overlayrec("revert", m.ws, "--call", "c1", "--yes")
+    assert sorted(os.listdir(m.ws)) == ["a.bin", "c.bin"]
+    for name, data in blobs.items():
+        with open(os.path.join(m.ws, name), "rb") as f:
+            assert f.read() == data, name
+    overlayrec("unrevert", "-w", m.ws, "--yes")
+    assert sorted(os.listdir(m.ws)) == ["a.bin", "b.bin"]
+    with open(os.path.join(m.ws, "a.bin"), "rb") as f:
+        assert f.read() == blobs["c.bin"]
+    with open(os.path.join(m.ws, "b.bin"), "rb") as f:
+        assert f.read() == blobs["a.bin"]

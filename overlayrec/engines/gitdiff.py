@@ -13,7 +13,7 @@ import os
 import subprocess
 
 from ..views import git_refuses
-from .large import LIMIT, Large
+from .large import LIMIT, Large, over_limit
 from .states import State
 
 EMPTY_TREE = "4b825dc642cb6eb9a060e54bf8d69288fbee4904"
@@ -71,10 +71,11 @@ def sha1(data: bytes, size: int = 0):
     return _sha1(data)
 
 
-def blob_id(data: bytes) -> str:
+def blob_id(data: bytes | Large) -> str:
     """The object name git gives a blob of these bytes (``git hash-object --no-filters``)."""
     h = sha1(b"blob %d\0" % len(data), len(data))
-    h.update(data)
+    for buf in data.chunks() if isinstance(data, Large) else (data,):
+        h.update(buf)
     return h.hexdigest()
 
 
@@ -161,7 +162,7 @@ class ObjectStore:
         names, todo = [], []
         # nor a file past the size a reader holds (engines.large) on any side: a diff says it
         # is left out (readers.not_in_patch), where git would make a patch of gigabytes
-        large = {p for states in sides for p, s in states.items() if isinstance(s.data, Large)}
+        large = {p for states in sides for p, s in states.items() if over_limit(s.data)}
         for states in sides:
             refused = {p for p in states if git_refuses(p)}
             self.left_out |= refused
@@ -462,15 +463,17 @@ class FastImport:
         m = self.blobs.get(key)
         if m is None:
             m = self.blobs[key] = self.mark()
-            if isinstance(data, Large):
-                self._write(b"blob\nmark %s\ndata %d\n" % (m.encode(), len(data)))
-                for buf in data.chunks():
-                    self._write(buf)
-                self._write(b"\n")
-            else:
-                self._write(b"blob\nmark %s\ndata %d\n" % (m.encode(), len(data)) + data +
-                            b"\n")
+            self._blob_data(b"blob\nmark %s\n" % m.encode(), data)
         return m
+
+    def _blob_data(self, head: bytes, data: bytes | Large) -> None:
+        if isinstance(data, Large):
+            self._write(head + b"data %d\n" % len(data))
+            for buf in data.chunks():
+                self._write(buf)
+            self._write(b"\n")
+        else:
+            self._write(head + b"data %d\n" % len(data) + data + b"\n")
 
     def named_blob(self, data: bytes) -> str:
         """This content as a blob without a mark (once per stream): its object name, computed
@@ -481,7 +484,7 @@ class FastImport:
         """named_blob of content whose object name ``name`` is known already."""
         if name not in self.named:
             self.named.add(name)
-            self._write(b"blob\ndata %d\n" % len(data) + data + b"\n")
+            self._blob_data(b"blob\n", data)
         return name
 
     def commit(self, ref: str, author: dict, committer: dict, message: str,

@@ -1,17 +1,22 @@
-"""Content too large to hold in memory: a file's bytes as a length and where they lie.
+"""Content not held in memory: a file's bytes as a length and where they lie.
 
-A State's ``data`` is the file's bytes for every file up to LIMIT.  Past that (a disk image, a
-model's weights, a database an agent made or truncated) the readers would hold gigabytes, a
-few copies each, and a replay or a diff of one such file was killed for want of memory.  So a
-larger content is a ``Large``: its length, a *base* (the live file or attic entry, a blob of
-the store, or nothing) and the saved ranges laid over it, read chunk by chunk only when it is
-written (``write_to``), hashed or compared.  Holes stay holes: a chunk of zeros is skipped by
-the writers, so a sparse image replays and reverts sparse.
+A State's ``data`` is the file's bytes for a file of up to HOLD bytes.  A larger one (a disk
+image, a model's weights, a venv's shared libraries, a database an agent made or truncated) is
+a ``Large``: its length, a *base* (the live file or attic entry, a blob of the store, or
+nothing) and the saved ranges laid over it, read chunk by chunk when it is written
+(``write_to``), hashed or compared, and never held whole.  A diff of a turn that installed 2 GB
+of libraries held them all, several times over (6 GB, and 286 s for its ``--stat``); a replay
+of a 3 GiB image took 15.7 GB.  Holes stay holes: the writers skip a chunk of zeros, so a
+sparse image replays and reverts sparse.
 
-Equality and hashing go by length and content hash (xxh3-128, as the journal's), computed once
-by streaming.  A live base is the file as opened when the state was read: a change made to it
-between the read and the write is what the write gives (a reader of a small file reads it once;
-one of this size cannot).
+Past LIMIT a file is also left out of patches (gitdiff.ObjectStore.trees, readers.not_in_patch):
+a patch of it would be the file again, base85, and git holds a blob whole to make one.
+
+A source is opened again for each read, so a diff of ten thousand such files holds no
+descriptor open: a blob by its path in the store, a live file by its path beneath the tree's
+root (never following a symlink), checked to be the very file the reader looked at (its inode,
+size and mtime); one changed since is an error (``ChangedWhileRead``), never other bytes.
+Equality and hashing go by length and content hash (xxh3-128, as the journal's), computed once.
 """
 from __future__ import annotations
 
@@ -20,29 +25,56 @@ import os
 import xxhash
 
 from ..journal.content import CHUNK, ZERO, BlobError, chunks
+from ..journal.schema import JournalError
+from ..underlay import resolve_beneath
 
+HOLD = int(os.environ.get("OVERLAYREC_HOLD_FILE", 4 << 20))
 LIMIT = int(os.environ.get("OVERLAYREC_LARGE_FILE", 256 << 20))
 
 
-class _Fd:
-    """A file open for reading, closed when the last Large that reads it is gone."""
-    __slots__ = ("fd", "size")
+class ChangedWhileRead(JournalError):
+    """A live file a reader looked at changed before its content was read."""
 
-    def __init__(self, fd: int):
-        self.fd = fd
-        self.size = os.fstat(fd).st_size
+
+class _Source:
+    """A file read again at each ``pread``: ``open()`` gives a descriptor to it."""
+    __slots__ = ("size",)
+
+    def open(self) -> int:
+        raise NotImplementedError
 
     def pread(self, off: int, n: int) -> bytes:
-        out = []
-        for buf in chunks(self.fd, off, min(off + n, self.size)):
-            out.append(buf)
-        return b"".join(out)
-
-    def __del__(self):
+        fd = self.open()
         try:
-            os.close(self.fd)
-        except OSError:
-            pass
+            return b"".join(chunks(fd, off, min(off + n, self.size)))
+        finally:
+            os.close(fd)
+
+
+class _Blob(_Source):
+    __slots__ = ("store", "digest")
+
+    def __init__(self, store, digest: str, size: int):
+        self.store, self.digest, self.size = store, digest, size
+
+    def open(self) -> int:
+        return self.store.open(self.digest)
+
+
+class _Live(_Source):
+    __slots__ = ("root_fd", "rel", "key")
+
+    def __init__(self, root_fd: int, rel: str, st: os.stat_result):
+        self.root_fd, self.rel, self.size = root_fd, rel, st.st_size
+        self.key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def open(self) -> int:
+        fd = resolve_beneath(self.root_fd, self.rel, os.O_RDONLY | os.O_NONBLOCK)
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != self.key:
+            os.close(fd)
+            raise ChangedWhileRead(f"{self.rel} changed while it was being read: ask again")
+        return fd
 
 
 class _Bytes:
@@ -65,10 +97,10 @@ class Large:
         self.size, self.base, self.over, self._digest = size, base, tuple(over), None
 
     @classmethod
-    def of_fd(cls, fd: int) -> "Large":
-        """The content of an open file (the Large owns ``fd`` from now on)."""
-        src = _Fd(fd)
-        return cls(src.size, src)
+    def live(cls, root_fd: int, rel: str, st: os.stat_result) -> "Large":
+        """The content of the file ``rel`` beneath ``root_fd`` that ``st`` describes."""
+        return cls(st.st_size, _Live(root_fd, rel, st))
+
 
     def resized(self, size: int, over=()) -> "Large":
         """This content cut or zero-padded to ``size``, with ``over`` laid on it."""
@@ -130,9 +162,9 @@ def load(content, digest: str):
     """A blob's content from the record's store: its bytes, or past LIMIT a Large that reads
     the blob file when it is written; checked against its name either way (BlobError)."""
     size = content.size(digest)
-    if size is None or size <= LIMIT:
+    if size is None or size <= HOLD:
         return content.get(digest)
-    data = Large.of_fd(content.open(digest))
+    data = Large(size, _Blob(content, digest, size))
     if data.digest() != digest:
         raise BlobError(f"blob {digest} in {content.root} does not match its hash (changed "
                         "on disk): refusing to use it")
@@ -150,8 +182,18 @@ def too_large(side, paths) -> list[str]:
     """The ``paths`` of a diff's Side whose content is a Large before or after: left out of
     every patch (gitdiff.ObjectStore.trees), and said so by each reader that shows one."""
     return [p for p in paths
-            if isinstance(getattr(side.before.get(p), "data", None), Large)
-            or isinstance(getattr(side.after.get(p), "data", None), Large)]
+            if over_limit(getattr(side.before.get(p), "data", b""))
+            or over_limit(getattr(side.after.get(p), "data", b""))]
+
+
+def over_limit(data) -> bool:
+    """Is this content past LIMIT (left out of patches)?"""
+    return isinstance(data, Large) and data.size > LIMIT
+
+
+def whole(data) -> bytes:
+    """The bytes of a content, a Large read whole (for a caller that must hold it)."""
+    return b"".join(data.chunks()) if isinstance(data, Large) else data
 
 
 def source(data):
@@ -172,8 +214,17 @@ def write_to(fd: int, data) -> None:
         while view:
             view = view[os.write(fd, view):]
         return
+    _write_chunks(fd, data.chunks())
+
+
+def copy_fd(src: int, dst: int) -> None:
+    """Copy the open file ``src`` into ``dst`` (new, empty) in chunks, its holes kept."""
+    _write_chunks(dst, chunks(src, 0, os.fstat(src).st_size))
+
+
+def _write_chunks(fd: int, pieces) -> None:
     pos = 0
-    for buf in data.chunks():
+    for buf in pieces:
         if buf is not ZERO and buf != ZERO[:len(buf)]:
             view, at = memoryview(buf), pos
             while view:

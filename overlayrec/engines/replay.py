@@ -13,7 +13,7 @@ from .diff import SelectionError, _find_turn, _visible
 from ..secrets import PLACEHOLDER, public_in
 from ..views import guessed
 from .revert import link_key, linked, make_node, set_meta, temp_name
-from .large import Large, write_to
+from .large import copy_fd, write_to
 from .states import ATTIC, States, State, Tree, state_of_stat
 
 
@@ -424,7 +424,10 @@ def _copy_file(src_dfd: int, dst_dfd: int, name: str, data: bytes | None = None)
                       0o600, dir_fd=dst_dfd)
         try:
             # a file copied as it is: in chunks, its holes kept (a sparse image stays sparse)
-            write_to(dst, Large.of_fd(os.dup(src)) if data is None else data)
+            if data is None:
+                copy_fd(src, dst)
+            else:
+                write_to(dst, data)
         finally:
             os.close(dst)
     finally:

@@ -34,7 +34,7 @@ from ..journal import Journal, preimage
 from ..journal.renames import RenameIndex
 from ..journal.schema import MARK_OPS, is_dir_rename
 from ..secrets import Secrets, placeholder, public_in
-from .large import LIMIT, Large, digest_of, load, source
+from .large import HOLD, Large, digest_of, load, over_limit, source, whole
 from ..underlay import ACL_ACCESS, kind_of
 
 ATTIC = ".overlayrec-attic"
@@ -117,12 +117,13 @@ def state_of_stat(st: os.stat_result, content) -> State:
                  block=stat.S_ISBLK(st.st_mode), **common)
 
 
-def _read_at(dfd: int, name: str, st: os.stat_result) -> bytes | Large:
+def _read_at(dfd: int, name: str, st: os.stat_result, root_fd: int, rel: str) -> bytes | Large:
     if stat.S_ISLNK(st.st_mode):
         return os.fsencode(os.readlink(name, dir_fd=dfd))
     fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
-    if st.st_size > LIMIT:
-        return Large.of_fd(fd)   # read when written or compared (engines.large)
+    if st.st_size > HOLD:  # opened to be sure it can be; read when written or compared
+        os.close(fd)
+        return Large.live(root_fd, rel, st)
     try:  # to its end, as a file object's read() (without one: a diff reads 1,000 of these)
         chunks = []
         while chunk := os.read(fd, max(st.st_size + 1, 1 << 16) if not chunks else 1 << 20):
@@ -216,7 +217,7 @@ class Tree:
             return state_of_stat(st, lambda: placeholder(None)).but(exact=False,
                                                                     withheld=True), st
         try:
-            return state_of_stat(st, lambda: _read_at(dfd, name, st)), st
+            return state_of_stat(st, lambda: _read_at(dfd, name, st, self.root_fd, rel)), st
         except FileNotFoundError:  # gone between the lstat and the read: absent now
             return ABSENT, None
         except PermissionError:
@@ -1289,7 +1290,7 @@ class States:
                 ranges.extend(fp.get("ranges", []))
         end = self.state(path, end_after) if end_after is not None else self._beyond(path, move)
         size = pre.get("size", len(end.data))
-        if size > LIMIT or isinstance(end.data, Large):
+        if size > HOLD or isinstance(end.data, Large):
             data = Large(size, source(end.data), [(off, source(self._load(digest)))
                                                   for off, _, digest in ranges])
             return State("file", mode, data, end.exact and not pre.get("unkept"),
@@ -1321,9 +1322,9 @@ class States:
             return None
         e0 = evs[start]
         st = self._state(path, e0["seq"] - 1)
-        if isinstance(st.data, Large):
+        if over_limit(st.data):
             return None   # not replayed in memory: the next full pre-image answers
-        kind, mode, data = st.kind, st.mode, bytearray(st.data)
+        kind, mode, data = st.kind, st.mode, bytearray(whole(st.data))
         facts_of = st  # owner, inode and link count: whose they are now
         for e in evs[start:]:
             if e["seq"] > after:
@@ -1332,7 +1333,7 @@ class States:
             if op == "write":
                 if "data" not in e:
                     return None
-                chunk = self._load(e["data"])
+                chunk = whole(self._load(e["data"]))
                 off = e["offset"]
                 if len(data) < off:
                     data.extend(b"\0" * (off - len(data)))
@@ -1369,9 +1370,9 @@ class States:
             elif _exchanged(e, path):
                 s2 = self.state(e["path2"] if e.get("path") == path else e["path"],
                                 e["seq"] - 1)
-                if not s2.exact or isinstance(s2.data, Large):
+                if not s2.exact or over_limit(s2.data):
                     return None
-                kind, mode, data = s2.kind, s2.mode, bytearray(s2.data)
+                kind, mode, data = s2.kind, s2.mode, bytearray(whole(s2.data))
                 facts_of = s2
             elif op == "rename" and e.get("path") == path and e.get("path2") != path:
                 kind, mode, data = "absent", 0, bytearray()
@@ -1380,9 +1381,9 @@ class States:
                 if not src:
                     return None
                 s2 = self.state(src, e["seq"] - 1)
-                if not s2.exact or isinstance(s2.data, Large):
+                if not s2.exact or over_limit(s2.data):
                     return None
-                kind, mode, data = s2.kind, s2.mode, bytearray(s2.data)
+                kind, mode, data = s2.kind, s2.mode, bytearray(whole(s2.data))
                 facts_of = s2 if op == "rename" else s2.but(nlink=s2.nlink + 1)
             else:
                 return None
