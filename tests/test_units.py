@@ -261,3 +261,27 @@ def test_names_agree_with_a_scan_of_every_inode():
                 model = model_rename(model, a, b, is_dir, op == "exchange")
             assert {k: set(v) for k, v in zip(list(names._by_key), names.values())} == model, op
             assert len(names) == len(model) and all(names.values())
+
+
+def test_a_large_live_content_is_read_when_used_and_as_it_was(tmp_path):
+    """A reader's state of a file past HOLD is read when used, from the file it looked at: a
+    log appended to since gives what it held then; a file renamed over it is an error, never
+    the other file's bytes."""
+    from overlayrec.engines.large import HOLD, ChangedWhileRead, Large, whole
+    from overlayrec.engines.states import Tree
+    first = os.urandom(HOLD + 12345)
+    (tmp_path / "log").write_bytes(first)
+    tree = Tree.at(str(tmp_path))
+    try:
+        st = tree.state("log")
+        assert isinstance(st.data, Large) and len(st.data) == len(first)
+        with open(tmp_path / "log", "ab") as f:
+            f.write(b"appended while a diff reads\n")
+        assert whole(st.data) == first and st.data == first
+        again = tree.state("log")  # a new look sees the append
+        (tmp_path / "other").write_bytes(first + b"x" * 100)
+        os.replace(tmp_path / "other", tmp_path / "log")
+        with pytest.raises(ChangedWhileRead, match="log changed while it was being read"):
+            whole(again.data)
+    finally:
+        os.close(tree.root_fd)

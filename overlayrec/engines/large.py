@@ -15,7 +15,7 @@ a patch of it would be the file again, base85, and git holds a blob whole to mak
 A source is opened again for each read, so a diff of ten thousand such files holds no
 descriptor open: a blob by its path in the store, a live file by its path beneath the tree's
 root (never following a symlink), checked to be the very file the reader looked at (its inode,
-size and mtime); one changed since is an error (``ChangedWhileRead``), never other bytes.
+and at least its length then); one replaced or cut since is an error (``ChangedWhileRead``).
 Equality and hashing go by length and content hash (xxh3-128, as the journal's), computed once.
 """
 from __future__ import annotations
@@ -62,16 +62,19 @@ class _Blob(_Source):
 
 
 class _Live(_Source):
+    """A live file, as long as it was when looked at.  One that has grown since is read to that
+    length (a server's log, appended to while a diff reads it: what it held then); one that is
+    another file now (renamed over) or shorter is an error, never other bytes."""
     __slots__ = ("root_fd", "rel", "key")
 
     def __init__(self, root_fd: int, rel: str, st: os.stat_result):
         self.root_fd, self.rel, self.size = root_fd, rel, st.st_size
-        self.key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        self.key = (st.st_dev, st.st_ino)
 
     def open(self) -> int:
         fd = resolve_beneath(self.root_fd, self.rel, os.O_RDONLY | os.O_NONBLOCK)
         st = os.fstat(fd)
-        if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != self.key:
+        if (st.st_dev, st.st_ino) != self.key or st.st_size < self.size:
             os.close(fd)
             raise ChangedWhileRead(f"{self.rel} changed while it was being read: ask again")
         return fd
@@ -88,9 +91,9 @@ class _Bytes:
 
 
 class Large:
-    """A file's content of ``size`` bytes: ``base`` (an open file, or bytes; None: zeros)
-    truncated or zero-padded to ``size``, then each of ``over`` ((offset, source) pairs, in
-    order) laid on it."""
+    """A file's content of ``size`` bytes: ``base`` (a source: a blob, a live file, another
+    Large, bytes; None: zeros) cut or zero-padded to ``size``, then each of ``over`` ((offset,
+    source) pairs, in order) laid on it.  A source has ``size`` and ``pread(offset, n)``."""
     __slots__ = ("size", "base", "over", "_digest")
 
     def __init__(self, size: int, base=None, over=()):
@@ -100,11 +103,6 @@ class Large:
     def live(cls, root_fd: int, rel: str, st: os.stat_result) -> "Large":
         """The content of the file ``rel`` beneath ``root_fd`` that ``st`` describes."""
         return cls(st.st_size, _Live(root_fd, rel, st))
-
-
-    def resized(self, size: int, over=()) -> "Large":
-        """This content cut or zero-padded to ``size``, with ``over`` laid on it."""
-        return Large(size, self, over)
 
     def pread(self, off: int, n: int) -> bytes:
         end = min(off + n, self.size)
@@ -159,7 +157,7 @@ class Large:
 
 
 def load(content, digest: str):
-    """A blob's content from the record's store: its bytes, or past LIMIT a Large that reads
+    """A blob's content from the record's store: its bytes, or past HOLD a Large that reads
     the blob file when it is written; checked against its name either way (BlobError)."""
     size = content.size(digest)
     if size is None or size <= HOLD:
@@ -179,7 +177,7 @@ def put(content, data) -> str:
 
 
 def too_large(side, paths) -> list[str]:
-    """The ``paths`` of a diff's Side whose content is a Large before or after: left out of
+    """The ``paths`` of a diff's Side whose content is past LIMIT before or after: left out of
     every patch (gitdiff.ObjectStore.trees), and said so by each reader that shows one."""
     return [p for p in paths
             if over_limit(getattr(side.before.get(p), "data", b""))
