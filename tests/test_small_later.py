@@ -276,9 +276,9 @@ def test_a_file_gone_between_its_lstat_and_its_read_is_absent(tmp_path, monkeypa
         assert tree.state("f").data == b"here\n"
         real = states._read_at
 
-        def gone(dfd, name, st):
+        def gone(dfd, name, st, *rest):
             os.unlink(name, dir_fd=dfd)
-            return real(dfd, name, st)
+            return real(dfd, name, st, *rest)
         monkeypatch.setattr(states, "_read_at", gone)
         got, st = tree.state_stat("f")
         assert got == states.ABSENT and st is None
