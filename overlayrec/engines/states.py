@@ -34,8 +34,8 @@ from ..journal import Journal, preimage
 from ..journal.renames import RenameIndex
 from ..journal.schema import MARK_OPS, is_dir_rename
 from ..secrets import Secrets, placeholder, public_in
-from .large import HOLD, Large, digest_of, load, over_limit, source, whole
 from ..underlay import ACL_ACCESS, kind_of
+from .large import HOLD, Large, digest_of, load, over_limit, source, whole
 
 ATTIC = ".overlayrec-attic"
 
