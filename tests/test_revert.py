@@ -266,12 +266,13 @@ def test_a_name_taken_before_its_inode_was_linked_and_chmodded_is_not_linked_bac
     assert bx.st_ino == be.st_ino and bx.st_nlink == 2, (bx, be)
 
 
-def test_a_name_the_record_can_only_guess_is_in_the_plan(make_mount, tmp_path):
+def test_a_name_whose_alias_kept_no_content_is_in_the_plan(make_mount, tmp_path):
     """Found by the history model with every file kept as a large one: ``a`` and ``b`` are one
     inode past the whole-file limit; a call writes through ``a``.  ``b``'s alias keeps no
-    content (design.md), so ``b`` is inexact before and after the call, and its two guesses
-    were alike: the plan left ``b`` out as if nothing had changed it.  A plan that cannot know
-    says so: ``b`` is ``unrecorded``."""
+    content (design.md): its two states were guessed alike, and the plan left ``b`` out as if
+    nothing had changed it (then said it was ``unrecorded``).  What ``b`` held before is what
+    ``a`` held then, whose pre-image kept the range: ``b`` is in the plan, and the revert gives
+    both names their content back."""
     m = make_mount(env=dict(os.environ, OVERLAYREC_TEST_WHOLE_FILE_LIMIT="8"))
     m.mount()
     m.sh("printf 'one two three four\\n' > a && ln a b")  # through the mount: a known link
@@ -280,7 +281,10 @@ def test_a_name_the_record_can_only_guess_is_in_the_plan(make_mount, tmp_path):
     assert open(os.path.join(m.ws, "b")).read() == "one TWO three four\n"
     r = overlayrec("revert", m.ws, "--call", "c1", "--json", check=False)
     steps = {s["path"]: s["conflict"] for s in json.loads(r.stdout)["steps"]}
-    assert steps.get("b") == "unrecorded", steps
+    assert "b" in steps and steps["b"] is None and steps.get("a") is None, steps
+    overlayrec("revert", m.ws, "--call", "c1", "--yes")
+    for name in "ab":
+        assert open(os.path.join(m.ws, name)).read() == "one two three four\n", name
 
 
 def test_a_partner_chmodded_since_is_not_linked_to(make_mount, tmp_path):

@@ -1273,6 +1273,13 @@ class States:
         if e["op"] == "rename" and (e.get("path") == path or _exchanged(e, path)):
             s = self._moved(path, e)
             return s.but(mode=mode, **facts(pre)) if s.kind == "file" else s
+        if pre.get("unkept") and e["op"] == "alias" and e.get("source"):
+            # the inode this name shared with ``source`` was changed through that name, whose
+            # own pre-images kept what it destroyed: what this name held just before is what
+            # the source held then (the same inode), not whatever the inode holds later
+            src = self.state(e["source"], e["seq"] - 1)
+            if src.kind == "file" and src.ino and src.ino == pre.get("ino"):
+                return State("file", mode, src.data, src.exact, **facts(pre))
         # content saved later in the epoch, or unchanged until the epoch's end
         ranges = list(pre.get("ranges", []))
         end_after = None
