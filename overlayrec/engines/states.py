@@ -551,6 +551,7 @@ class States:
         # (_Partial), so the answers are the same as from whole chains, only cheaper.
         self.floor: int | None = None
         self._partial: set[str] = set()
+        self._partners_asked: set[tuple[str, int]] = set()   # _partner_state in progress
 
     # -- the chain of one name ------------------------------------------------------------------
     def chain_on(self, path: str) -> list[dict]:
@@ -1224,6 +1225,29 @@ class States:
         end = self._beyond(path, move)
         return end if exact else end.but(exact=False)
 
+    def _partner_state(self, path: str, at: int, ino: int | None) -> State | None:
+        """The exact state at ``at`` of a name linked with ``path`` (a ``link`` or ``alias``
+        event names the two) that holds the inode ``ino`` then; None when there is none.
+        Asked only where an attic entry no longer holds what its inode held (rare): the links
+        are read from the journal then."""
+        if not ino or (path, at) in self._partners_asked:
+            return None  # a partner's own chain that leads back here
+        self._partners_asked.add((path, at))
+        try:
+            seen = set()
+            for ev in self.j.events_of(("link", "alias"), 1, at):
+                names = {ev.get("path"), ev.get("source")}
+                if path not in names:
+                    continue
+                for other in names - {path, None} - seen:
+                    seen.add(other)
+                    st = self.state(other, at)
+                    if st.kind == "file" and st.ino == ino and st.exact:
+                        return st
+            return None
+        finally:
+            self._partners_asked.discard((path, at))
+
     def stored_since(self, e: dict, path: str) -> dict | None:
         """The pre-image of ``path`` in event ``e`` as the journal holds it now, when it
         names a blob where ``e`` (as this reader read it) named an attic entry: the daemon
@@ -1261,9 +1285,14 @@ class States:
                 s = State("file", mode, data, kept.exact, **facts(pre))
                 # an inode that kept other names when it left this one (content past the
                 # whole-file limit is not copied then): a write through those since changed
-                # the attic's copy too, which its size and mtime tell
-                return s if not s.exact or pre.get("nlink", 1) < 2 or \
-                    self._attic_as_left(pre) else s.but(exact=False)
+                # the attic's copy too, which its size and mtime tell.  Such a write saved
+                # what it destroyed under the name it went through: that name's state then
+                # is this one's
+                if not s.exact or pre.get("nlink", 1) < 2 or self._attic_as_left(pre):
+                    return s
+                other = self._partner_state(path, e["seq"] - 1, pre.get("ino"))
+                return s.but(exact=False) if other is None else \
+                    State("file", mode, other.data, True, **facts(pre))
             stored = self.stored_since(e, path)
             if stored is not None:  # copied into the store after this reader read the event
                 return self.sealed_state(stored)
