@@ -12,7 +12,9 @@ import sys
 import tempfile
 import textwrap
 
-from conftest import needs_fuse, overlayrec
+import pytest
+
+from conftest import SLOW, needs_fuse, overlayrec
 
 pytestmark = needs_fuse
 
@@ -104,6 +106,7 @@ def disk_bytes(root: str) -> int:
     return total
 
 
+@pytest.mark.timeout(int(400 * SLOW))  # a gigabyte hashed, replayed, reverted and exported
 def test_a_sparse_image_of_a_gigabyte(make_mount, tmp_path):
     m = make_mount()
     with open(os.path.join(m.ws, "disk.img"), "wb") as f:
@@ -200,6 +203,7 @@ MEDIUM = textwrap.dedent(r'''
 ''')
 
 
+@pytest.mark.timeout(int(400 * SLOW))  # 288 MB written, diffed twice, applied, replayed
 def test_many_files_of_megabytes_are_never_held_together(make_mount, tmp_path):
     """A turn that installs 288 MB of libraries: every reader reads them one chunk at a time
     (a diff held them all, several times over), the patch still holds them and applies."""
@@ -218,7 +222,7 @@ def test_many_files_of_megabytes_are_never_held_together(make_mount, tmp_path):
     # with --binary is the content again, base85: an answer of its size)
     rc, out, err, peak = measured("diff", m.ws, "--turn", "1", "--stat")
     assert rc == 0 and "12 files changed" in out, (out, err)
-    assert peak < 200 * 1024, f"diff of 288 MB peaked at {peak} KiB"
+    assert peak < 250 * 1024, f"diff of 288 MB peaked at {peak} KiB"  # 368 MB held, 135 now
     rc, patch, err, _ = measured("diff", m.ws, "--turn", "1", "--binary")
     assert rc == 0, err
     work = tmp_path / "apply"
