@@ -285,3 +285,25 @@ def test_a_large_live_content_is_read_when_used_and_as_it_was(tmp_path):
             whole(again.data)
     finally:
         os.close(tree.root_fd)
+
+
+def test_a_reader_holds_little_in_all(tmp_path, monkeypatch):
+    """Past the reader's budget, a content of more than SMALL is read when used, not held: a
+    diff of ten thousand files of 3 MiB held 30 GB.  Small files are always held."""
+    from overlayrec.engines import large
+    from overlayrec.engines.states import Tree
+    monkeypatch.setattr(large, "BUDGET", 300 << 10)
+    monkeypatch.setattr(large, "_held", 0)
+    files = {f"f{i}": os.urandom(100 << 10) for i in range(5)}
+    files["small"] = b"small\n"
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    tree = Tree.at(str(tmp_path))
+    try:
+        states = {name: tree.state(name) for name in sorted(files)}
+        held = [n for n, s in states.items() if isinstance(s.data, bytes)]
+        assert held == ["f0", "f1", "f2", "small"], held   # 300 KiB of 100 KiB files, then none
+        for name, s in states.items():
+            assert large.whole(s.data) == files[name] and s.data == files[name]
+    finally:
+        os.close(tree.root_fd)

@@ -1,6 +1,7 @@
 """Content not held in memory: a file's bytes as a length and where they lie.
 
-A State's ``data`` is the file's bytes for a file of up to HOLD bytes.  A larger one (a disk
+A State's ``data`` is the file's bytes for a file of up to HOLD bytes (while the reader holds
+less than BUDGET in all: ``holds``).  A larger one (a disk
 image, a model's weights, a venv's shared libraries, a database an agent made or truncated) is
 a ``Large``: its length, a *base* (the live file or attic entry, a blob of the store, or
 nothing) and the saved ranges laid over it, read chunk by chunk when it is written
@@ -30,6 +31,24 @@ from ..underlay import resolve_beneath
 
 HOLD = int(os.environ.get("OVERLAYREC_HOLD_FILE", 4 << 20))
 LIMIT = int(os.environ.get("OVERLAYREC_LARGE_FILE", 256 << 20))
+# and all a reader holds together: past BUDGET, a content of more than SMALL is a Large too (a
+# turn that wrote 10,000 files of 3 MiB would otherwise be 30 GB of bytes in one diff's side)
+BUDGET = int(os.environ.get("OVERLAYREC_HOLD_TOTAL", 1 << 30))
+SMALL = 64 << 10
+_held = 0
+
+
+def holds(size: int) -> bool:
+    """May a reader hold a content of ``size`` bytes?  Up to HOLD each, and one of more than
+    SMALL only while all it has held so far stays within BUDGET (counted as it is read, never
+    given back: past the budget a reader is slower, never larger)."""
+    global _held
+    if size <= SMALL:
+        return True
+    if size > HOLD or _held + size > BUDGET:
+        return False
+    _held += size
+    return True
 
 
 class ChangedWhileRead(JournalError):
@@ -160,7 +179,7 @@ def load(content, digest: str):
     """A blob's content from the record's store: its bytes, or past HOLD a Large that reads
     the blob file when it is written; checked against its name either way (BlobError)."""
     size = content.size(digest)
-    if size is None or size <= HOLD:
+    if size is None or holds(size):
         return content.get(digest)
     data = Large(size, _Blob(content, digest, size))
     if data.digest() != digest:

@@ -35,7 +35,7 @@ from ..journal.renames import RenameIndex
 from ..journal.schema import MARK_OPS, is_dir_rename
 from ..secrets import Secrets, placeholder, public_in
 from ..underlay import ACL_ACCESS, kind_of
-from .large import HOLD, Large, digest_of, load, over_limit, source, whole
+from .large import Large, digest_of, holds, load, over_limit, source, whole
 
 ATTIC = ".overlayrec-attic"
 
@@ -121,7 +121,7 @@ def _read_at(dfd: int, name: str, st: os.stat_result, root_fd: int, rel: str) ->
     if stat.S_ISLNK(st.st_mode):
         return os.fsencode(os.readlink(name, dir_fd=dfd))
     fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
-    if st.st_size > HOLD:  # opened to be sure it can be; read when written or compared
+    if not holds(st.st_size):  # opened to be sure it can be; read when written or compared
         os.close(fd)
         return Large.live(root_fd, rel, st)
     try:  # to its end, as a file object's read() (without one: a diff reads 1,000 of these)
@@ -1326,7 +1326,7 @@ class States:
                 ranges.extend(fp.get("ranges", []))
         end = self.state(path, end_after) if end_after is not None else self._beyond(path, move)
         size = pre.get("size", len(end.data))
-        if size > HOLD or isinstance(end.data, Large):
+        if isinstance(end.data, Large) or not holds(size):
             data = Large(size, source(end.data), [(off, source(self._load(digest)))
                                                   for off, _, digest in ranges])
             return State("file", mode, data, end.exact and not pre.get("unkept"),
