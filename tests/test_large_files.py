@@ -404,3 +404,60 @@ def test_a_linked_name_removed_after_a_write_through_it(make_mount, tmp_path):
 
 def _hashes(root) -> dict:
     return {name: digest for name, (digest, _) in _tree(root).items()}
+
+
+RENAMED = textwrap.dedent(r'''
+    import hashlib, json, os, subprocess, sys
+    from overlayrec import client
+    def tree():
+        out = {}
+        for d in sorted(os.listdir(".")):
+            for n in sorted(os.listdir(d)):
+                with open(os.path.join(d, n), "rb") as f:
+                    out[f"{d}/{n}"] = hashlib.sha256(f.read()).hexdigest()
+        return out
+    steps = ["dd if=/dev/urandom of=d/big bs=1M count=1 seek=3 conv=notrunc status=none",
+             "mv d e && truncate -s 7000000 e/big",
+             "dd if=/dev/zero of=e/big bs=1M count=2 seek=1 conv=notrunc status=none"]
+    snaps = [tree()]
+    with client.connect() as c:
+        c.turn_begin(prompt="a directory renamed")
+        for i, step in enumerate(steps, 1):
+            c.call_begin(f"c{i}", "Bash", summary=step[:40])
+            subprocess.run(["bash", "-c", step], check=True)
+            c.call_end(f"c{i}")
+            snaps.append(tree())
+        c.turn_end()
+    with open(sys.argv[1], "w") as f:
+        json.dump(snaps, f)
+''')
+
+
+def test_large_files_beneath_a_renamed_directory(make_mount, tmp_path):
+    """A 9 MB file written in place, its directory renamed, cut and written again: every state
+    replayed and the revert chain give the agent's own snapshots (a large state's base is the
+    live file under its new name)."""
+    m = make_mount()
+    os.mkdir(os.path.join(m.ws, "d"))
+    with open(os.path.join(m.ws, "d", "big"), "wb") as f:
+        f.write(os.urandom(9 << 20))
+    m.mount()
+    agent, snaps_file = tmp_path / "agent.py", tmp_path / "snaps.json"
+    agent.write_text(RENAMED)
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", sys.executable, str(agent),
+               str(snaps_file), cwd=m.ws)
+    snaps = json.loads(snaps_file.read_text())
+
+    def hashes(root):
+        return {f"{d}/{n}": sha256_of(os.path.join(root, d, n))[0]
+                for d in sorted(os.listdir(root)) if d != ".overlayrec-attic"
+                for n in sorted(os.listdir(os.path.join(root, d)))}
+    for i in (1, 2, 3):
+        for when, want in (("before", snaps[i - 1]), ("after", snaps[i])):
+            to = tmp_path / f"{when}{i}"
+            out = overlayrec("replay", m.ws, "--at", f"{when}:call:c{i}", "--to", str(to),
+                             "--full").stdout
+            assert "inexact" not in out and hashes(to) == want, (when, i)
+    for i in (3, 2, 1):
+        overlayrec("revert", m.ws, "--call", f"c{i}", "--yes")
+        assert hashes(m.ws) == snaps[i - 1], i
