@@ -461,3 +461,201 @@ def test_large_files_beneath_a_renamed_directory(make_mount, tmp_path):
     for i in (3, 2, 1):
         overlayrec("revert", m.ws, "--call", f"c{i}", "--yes")
         assert hashes(m.ws) == snaps[i - 1], i
+
+
+# an agent that works in a directory chain of ~4000 bytes: each call one shell step, a
+# snapshot (every file's hash, by path) after each; paths are relative (an absolute one through
+# the mount would pass the kernel's limit)
+DEEP = textwrap.dedent(r'''
+    import hashlib, json, os, subprocess, sys
+    from overlayrec import client
+    def tree():
+        out = {}
+        for top, dirs, files, dfd in os.fwalk("."):
+            dirs[:] = [d for d in dirs if d != ".overlayrec-attic"]
+            for n in files:
+                fd = os.open(n, os.O_RDONLY, dir_fd=dfd)
+                with os.fdopen(fd, "rb") as f:
+                    out[os.path.join(top, n)[2:]] = hashlib.sha256(f.read()).hexdigest()
+        return out
+    deep, steps = sys.argv[2], json.loads(sys.argv[3])
+    snaps = [tree()]
+    with client.connect() as c:
+        c.turn_begin(prompt="deep")
+        for i, step in enumerate(steps, 1):
+            c.call_begin(f"c{i}", "Bash", summary=step[:40])
+            subprocess.run(["bash", "-c", step.replace("DEEP", deep)], check=True)
+            c.call_end(f"c{i}")
+            snaps.append(tree())
+        c.turn_end()
+    with open(sys.argv[1], "w") as f:
+        json.dump(snaps, f)
+''')
+
+
+def _fwalk_hashes(root) -> dict:
+    """Every file's sha256 by path beneath root, read through directory fds (the paths may be
+    longer than an absolute path can be), the attic left out."""
+    import hashlib
+    out = {}
+    for top, dirs, files, dfd in os.fwalk(root):
+        dirs[:] = [d for d in dirs if d != ".overlayrec-attic"]
+        for n in files:
+            fd = os.open(n, os.O_RDONLY, dir_fd=dfd)
+            with os.fdopen(fd, "rb") as f:
+                h = hashlib.sha256()
+                while buf := f.read(1 << 22):
+                    h.update(buf)
+            out[os.path.relpath(os.path.join(top, n), root)] = h.hexdigest()
+    return out
+
+
+def test_a_large_file_at_a_path_of_4000_bytes(make_mount, tmp_path):
+    """A 6 MB file (past a reader's whole-file hold: its states are read from the live file
+    and the saved ranges) at the end of a 4,000-byte path: written in place, cut and appended,
+    its top directory renamed.  Every replay, and the revert chain, give the agent's own
+    snapshots (a large state's live base is opened by a path no absolute path can name)."""
+    m = make_mount()
+    names = ["d%02d" % i + "x" * 246 for i in range(15)]  # 15 x 250 bytes with the slashes
+    deep = "/".join(names)
+    assert 3700 < len(deep) < 3800
+    fd = os.open(m.ws, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for n in names:
+            os.mkdir(n, dir_fd=fd)
+            nfd = os.open(n, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+        leaf = "big" + "y" * 250
+        assert len(deep) + 1 + len(leaf) > 4000
+        wfd = os.open(leaf, os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd)
+        with os.fdopen(wfd, "wb") as f:
+            f.write(os.urandom(6 << 20))
+    finally:
+        os.close(fd)
+    m.mount()
+    big = f"DEEP/{leaf}"
+    steps = [f"dd if=/dev/urandom of={big} bs=1M count=1 seek=2 conv=notrunc status=none",
+             f"truncate -s 5000000 {big} && head -c 100000 /dev/urandom >> {big}",
+             f"mv {names[0]} top && dd if=/dev/zero of=top/{deep[len(names[0]) + 1:]}/{leaf} "
+             "bs=1M count=1 seek=4 conv=notrunc status=none"]
+    agent, snaps_file = tmp_path / "agent.py", tmp_path / "snaps.json"
+    agent.write_text(DEEP)
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", sys.executable, str(agent),
+               str(snaps_file), deep, json.dumps(steps), cwd=m.ws, timeout=120)
+    snaps = json.loads(snaps_file.read_text())
+    assert len({tuple(s.values()) for s in snaps}) == 4  # every call changed the file
+    for i in (1, 2, 3):
+        for when, want in (("before", snaps[i - 1]), ("after", snaps[i])):
+            to = tmp_path / f"{when}{i}"
+            out = overlayrec("replay", m.ws, "--at", f"{when}:call:c{i}", "--to", str(to),
+                             "--full").stdout
+            assert "inexact" not in out and _fwalk_hashes(to) == want, (when, i, out)
+    for i in (3, 2, 1):
+        overlayrec("revert", m.ws, "--call", f"c{i}", "--yes")
+        assert _fwalk_hashes(m.ws) == snaps[i - 1], i
+    for i in (1, 2, 3):
+        overlayrec("unrevert", "-w", m.ws, "--yes")
+        assert _fwalk_hashes(m.ws) == snaps[i], i
+
+
+PLAIN = textwrap.dedent(r'''
+    import subprocess, sys
+    from overlayrec import client
+    with client.connect() as c:
+        c.turn_begin(prompt="large")
+        for i, step in enumerate(sys.argv[1:], 1):
+            c.call_begin(f"c{i}", "Bash", summary=step[:40])
+            subprocess.run(["bash", "-c", step], check=True)
+            c.call_end(f"c{i}")
+        c.turn_end()
+''')
+
+
+@pytest.mark.parametrize("keep_mtime", [False, True], ids=["mtime-moved", "mtime-kept"])
+def test_a_large_file_edited_while_unmounted(make_mount, tmp_path, keep_mtime):
+    """The agent writes into a 6 MB file; unmounted, the user writes elsewhere in it (the same
+    size; the mtime moved, or put back as ``touch -r`` does).  A seal of a file past the
+    whole-file limit keeps no content or hash: the drift's pre-image was taken as "unchanged
+    until the next event", so the live file (the user's edit in it) was the call's exact after
+    state, and the revert of the call went ahead over the edit.  With the mtime put back the
+    drift was not seen at all (the moved ctime was trusted to a hash the seal does not have)."""
+    m = make_mount()
+    path = os.path.join(m.ws, "model.bin")
+    with open(path, "wb") as f:
+        f.write(os.urandom(6 << 20))
+    m.mount()
+    agent = tmp_path / "agent.py"
+    agent.write_text(PLAIN)
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", sys.executable, str(agent),
+               "dd if=/dev/urandom of=model.bin bs=1M count=1 seek=1 conv=notrunc status=none",
+               cwd=m.ws)
+    agents = sha256_of(path)
+    m.umount()
+    st = os.stat(path)
+    with open(path, "r+b") as f:
+        f.seek(5 << 20)
+        f.write(b"the user's edit")
+    if keep_mtime:
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    users = sha256_of(path)
+    assert users != agents and users[1] == agents[1]
+
+    status = json.loads(overlayrec("status", m.ws, "--json").stdout)
+    assert status["drifted"] == ["model.bin"], status
+    r = overlayrec("revert", m.ws, "--call", "c1", "--yes", check=False)
+    assert r.returncode == 1 and "model.bin" in r.stderr and "not kept" in r.stderr, r
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert sha256_of(path) == users
+    # the revert mounted for the occasion: the edit is journaled as made while unmounted
+    drift = [e for e in m.events() if e["op"] == "drift"]
+    assert [(e["path"], e["unit"]) for e in drift] == [("model.bin", "outside:unmounted")]
+    # what the call left is not known (the live file holds the user's edit): said, never
+    # given as exact
+    out = overlayrec("replay", m.ws, "--at", "after:call:c1", "--to", str(tmp_path / "r1"),
+                     "--full").stdout
+    assert "1 inexact" in out, out
+    d = overlayrec("diff", m.ws, "--call", "c1", "--json")
+    assert json.loads(d.stdout)["inexact"] == ["model.bin"], d
+    # the record from the drift on is the live file's
+    last = str(max(e["seq"] for e in m.events(seals=True)))
+    out = overlayrec("replay", m.ws, "--at", last, "--to", str(tmp_path / "now"),
+                     "--full").stdout
+    assert "inexact" not in out and sha256_of(str(tmp_path / "now" / "model.bin")) == users
+
+
+def test_a_symlink_planted_on_the_way_to_a_large_file(make_mount, tmp_path):
+    """Unmounted, the directory above a large recorded file is replaced by a symlink to a
+    directory outside the workspace holding a file of that name and size.  A replay of the
+    state the live file is the base of must not read through the symlink: the replay names
+    the file as drifted and its states as inexact, and never gives the outside file's bytes
+    (nor does the call's diff)."""
+    m = make_mount()
+    os.mkdir(os.path.join(m.ws, "d"))
+    with open(os.path.join(m.ws, "d", "big"), "wb") as f:
+        f.write(os.urandom(6 << 20))
+    m.mount()
+    agent = tmp_path / "agent.py"
+    agent.write_text(PLAIN)
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", sys.executable, str(agent),
+               "dd if=/dev/urandom of=d/big bs=1M count=1 seek=1 conv=notrunc status=none",
+               cwd=m.ws)
+    m.umount()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    secret = b"outside the workspace\n" * ((6 << 20) // 22 + 1)
+    (outside / "big").write_bytes(secret[:6 << 20])
+    os.rename(os.path.join(m.ws, "d"), str(tmp_path / "moved-away"))
+    os.symlink(str(outside), os.path.join(m.ws, "d"))
+
+    for when in ("before", "after"):
+        to = tmp_path / f"r-{when}"
+        r = overlayrec("replay", m.ws, "--at", f"{when}:call:c1", "--to", str(to), "--full",
+                       check=False)
+        assert r.returncode == 0 and "Traceback" not in r.stderr, r
+        assert "2 inexact" in r.stdout and "drifted (1): d/big" in r.stdout, r.stdout
+        assert (to / "d").is_dir() and not (to / "d").is_symlink()
+        got = to / "d" / "big"
+        assert not got.exists() or b"outside the workspace" not in got.read_bytes(), when
+    r = overlayrec("diff", m.ws, "--call", "c1", "--binary", check=False)
+    assert "Traceback" not in r.stderr and "outside the workspace" not in r.stdout, r

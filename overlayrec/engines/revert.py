@@ -186,7 +186,8 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
             if target.withheld or expected.withheld:
                 step.note = PLACEHOLDER  # a secret path: nothing to put back
             else:
-                step.note = _attic_gone(j, states, p) or _changed_around(states, p, first) or (
+                step.note = _attic_gone(j, states, p) or _changed_around(states, p, first) or \
+                    _drifted_unkept(states, p, last) or (
                     STILL_WRITING if not expected.exact and states.still_writing(p, last)
                     else states.tree.unreadable.get(p) or live.unreadable.get(p))
         elif any(first < s < last for s in others.get(p, [])):
@@ -257,6 +258,20 @@ AROUND_NOTE = ("changed around the mount while its unit went on (by a process th
 def _changed_around(states: States, path: str, first: int) -> str | None:
     """Why ``path`` is unrecorded when a seal found it changed around the mount."""
     return AROUND_NOTE if changed_around(states, path, first) else None
+
+
+DRIFT_NOTE = ("changed while unmounted since; its content, past the whole-file limit, was "
+              "not kept, so what the selection left is not known")
+
+
+def _drifted_unkept(states: States, path: str, last: int) -> str | None:
+    """Why ``path`` is unrecorded when a change made while unmounted followed the selection
+    and the seal it departed from kept no content."""
+    for e in states.chain_on(path):
+        if e["seq"] > last and e["op"] == "drift" and e["pre"].get("kind") == "file" and \
+                "blob" not in e["pre"] and not e["pre"].get("withheld"):
+            return DRIFT_NOTE
+    return None
 
 
 def _attic_gone(j: Journal, states: States, path: str) -> str | None:

@@ -1309,6 +1309,10 @@ class States:
             src = self.state(e["source"], e["seq"] - 1)
             if src.kind == "file" and src.ino and src.ino == pre.get("ino"):
                 return State("file", mode, src.data, src.exact, **facts(pre))
+        # a drift's pre-image is the seal it departed from; one without its content (a file
+        # past the whole-file limit) does not say what the file held, and the live file after
+        # it holds the change made outside the record: never taken as exact
+        unkept = pre.get("unkept") or e["op"] == "drift"
         # content saved later in the epoch, or unchanged until the epoch's end
         ranges = list(pre.get("ranges", []))
         end_after = None
@@ -1329,15 +1333,13 @@ class States:
         if isinstance(end.data, Large) or not holds(size):
             data = Large(size, source(end.data), [(off, source(self._load(digest)))
                                                   for off, _, digest in ranges])
-            return State("file", mode, data, end.exact and not pre.get("unkept"),
-                         **facts(pre))
+            return State("file", mode, data, end.exact and not unkept, **facts(pre))
         data = bytearray(end.data[:size].ljust(size, b"\0"))
         for off, length, digest in ranges:
             data[off:off + length] = self._load(digest)
         # an alias whose content was not kept (a file past the whole-file limit): the inode
         # changed at once through the other name, so the later state is not this one's
-        return State("file", mode, bytes(data), end.exact and not pre.get("unkept"),
-                     **facts(pre))
+        return State("file", mode, bytes(data), end.exact and not unkept, **facts(pre))
 
     def _forward(self, path: str, after: int, evs: list[dict]) -> State | None:
         """Replay forward from the last full pre-image at or before ``after`` (full-fidelity
