@@ -176,6 +176,10 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
             # a directory on its way is now a symlink (or a file) the plan does not itself
             # replace by a directory: never followed
             step.conflict = "escape"
+        elif not expected.exact and (drift := _drifted_unkept(states, p, last)):
+            # changed while unmounted after the selection, as a drift of a file whose content
+            # the record kept says too; here what the selection left is not known either
+            step.conflict, step.note = "changed", drift
         elif (p in unrecorded or not expected.exact) and target.exact and \
                 (now := live.state(p)).exact and target.same(now):
             # what the selection left is not known, but the path holds what the revert would
@@ -186,8 +190,7 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
             if target.withheld or expected.withheld:
                 step.note = PLACEHOLDER  # a secret path: nothing to put back
             else:
-                step.note = _attic_gone(j, states, p) or _changed_around(states, p, first) or \
-                    _drifted_unkept(states, p, last) or (
+                step.note = _attic_gone(j, states, p) or _changed_around(states, p, first) or (
                     STILL_WRITING if not expected.exact and states.still_writing(p, last)
                     else states.tree.unreadable.get(p) or live.unreadable.get(p))
         elif any(first < s < last for s in others.get(p, [])):
@@ -268,8 +271,10 @@ def _drifted_unkept(states: States, path: str, last: int) -> str | None:
     """Why ``path`` is unrecorded when a change made while unmounted followed the selection
     and the seal it departed from kept no content."""
     for e in states.chain_on(path):
-        if e["seq"] > last and e["op"] == "drift" and e["pre"].get("kind") == "file" and \
-                "blob" not in e["pre"] and not e["pre"].get("withheld"):
+        pre = e.get("pre") or {}
+        # (a drift found around the mount is ``unkept``: _changed_around says why)
+        if e["seq"] > last and e["op"] == "drift" and pre.get("kind") == "file" and \
+                "blob" not in pre and not pre.get("withheld") and not pre.get("unkept"):
             return DRIFT_NOTE
     return None
 

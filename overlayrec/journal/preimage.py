@@ -74,15 +74,18 @@ def matches(seal: dict, st: os.stat_result | None, target=None, digest=None) -> 
         return True
     if st.st_size == seal.get("size") and st.st_mtime_ns == seal.get("mtime_ns"):
         # an edit that kept the size and put the mtime back (cp -p, touch -r, tar) still moved
-        # the ctime, which no caller can set: the content says where the seal has its hash;
-        # where it has none (a file past the whole-file limit, a withheld one) nothing can
-        # say the content stayed, so it is taken as changed (a link made or removed elsewhere
-        # also moves the ctime: a revert then asks for --force rather than undo over an edit)
+        # the ctime, which no caller can set: the content says where the seal has its hash
         if seal.get("ctime_ns") in (None, st.st_ctime_ns):
             return True
-        if seal.get("hash") is None or digest is None:
+        if seal.get("hash") is not None and digest is not None:
+            return digest() == seal["hash"]
+        # no hash (a file past the whole-file limit, a withheld one): another inode, or the
+        # same one with the ctime moved by nothing the stat explains, may hold anything; a
+        # link made or removed (the link count moved) moves the ctime too, and is taken for
+        # that alone
+        if seal.get("ino") not in (None, st.st_ino):
             return False
-        return digest() == seal["hash"]
+        return seal.get("nlink") not in (None, st.st_nlink)
     if seal.get("hash") is None or digest is None or st.st_size != seal.get("size"):
         return False
     return digest() == seal["hash"]
