@@ -432,6 +432,16 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
         if not as_json:  # a file's content is shown as a placeholder
             parts.err(f"overlayrec: {len(group)} path(s) here {note}: "
                       f"{', '.join(map(shown, group[:5]))}{' ...' if len(group) > 5 else ''}")
+    # a side the record cannot give exactly (content it could not keep: a file past the
+    # whole-file limit changed around it or while unmounted, an attic entry gone), either side
+    inexact = sorted({p for p, s in side.before.items() if not s.exact}
+                     | {p for p, s in side.after.items() if not s.exact})
+    told = set(withheld) | set(around) | set(unreadable)
+    vague = [p for p in inexact if p in every and p not in told]
+    if vague and not as_json:
+        parts.err(f"overlayrec: {len(vague)} path(s) here are not known exactly on one side "
+                  "(content the record could not keep), shown as near as it can: "
+                  f"{', '.join(map(shown, vague[:5]))}{' ...' if len(vague) > 5 else ''}")
     unseen = unseen_links(side, every)
     if unseen and not as_json:
         parts.err(f"overlayrec: {len(unseen)} file(s) changed in place have other names the "
@@ -483,9 +493,7 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
                                     | side.writers.get(st.get("from") or "", set()))}
                  for p, st in sorted(status.items())]
         parts.out(json.dumps({"from_tree": a, "to_tree": b, "files": files,
-                              "inexact": sorted(p for p, s in
-                                                {**side.before, **side.after}.items()
-                                                if not s.exact),
+                              "inexact": inexact,
                               "withheld": withheld, "unreadable": unreadable,
                               "changed_around": around,
                               "guessed": side.guessed, "maybe_ours": side.maybe_ours,

@@ -603,6 +603,13 @@ def test_a_large_file_edited_while_unmounted(make_mount, tmp_path, keep_mtime):
 
     status = json.loads(overlayrec("status", m.ws, "--json").stdout)
     assert status["drifted"] == ["model.bin"], status
+    # the record's end (a seal without content) is not the user's file: said, in both forms
+    # (the JSON's list took each path's after side alone, and the text said nothing)
+    assert json.loads(overlayrec("diff", m.ws, "--drift", "--json").stdout)["inexact"] == \
+        ["model.bin"]
+    for sel in (["--drift"], ["--call", "c1"]):
+        r = overlayrec("diff", m.ws, *sel, "--stat")
+        assert "model.bin" in r.stdout and "not known exactly" in r.stderr, (sel, r)
     r = overlayrec("revert", m.ws, "--call", "c1", "--yes", check=False)
     assert r.returncode == 1 and "model.bin" in r.stderr and "not kept" in r.stderr, r
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
