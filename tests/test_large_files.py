@@ -610,6 +610,9 @@ def test_a_large_file_edited_while_unmounted(make_mount, tmp_path, keep_mtime):
     for sel in (["--drift"], ["--call", "c1"]):
         r = overlayrec("diff", m.ws, *sel, "--stat")
         assert "model.bin" in r.stdout and "not known exactly" in r.stderr, (sel, r)
+    overlayrec("report", m.ws, "--html", str(tmp_path / "report.html"))
+    assert "not known exactly on one side (content the record could not keep), shown as near " \
+        "as it can: model.bin" in (tmp_path / "report.html").read_text()
     r = overlayrec("revert", m.ws, "--call", "c1", "--yes", check=False)
     assert r.returncode == 1 and "model.bin" in r.stderr and "not kept" in r.stderr, r
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -211,6 +211,13 @@ class _Report:
                 entries = _match(listed, sections)
         if git:
             sections.append(f"# {left_out_note(git)}\n")
+        vague = [p for p in net if not git_refuses(p) and any(
+            not s.exact and not s.withheld for s in (side.before.get(p), side.after.get(p))
+            if s is not None)]
+        if vague:  # as `overlayrec diff` says on stderr
+            sections.append(f"# {len(vague)} file(s) not known exactly on one side (content "
+                            "the record could not keep), shown as near as it can: "
+                            f"{', '.join(vague[:5])}{' ...' if len(vague) > 5 else ''}\n")
         large = too_large(side, net)
         if large:
             sections.append(f"# {len(large)} file(s) too large for a patch, not shown: "
