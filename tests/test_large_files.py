@@ -627,6 +627,21 @@ def test_a_large_file_edited_while_unmounted(make_mount, tmp_path, keep_mtime):
     assert "1 inexact" in out, out
     d = overlayrec("diff", m.ws, "--call", "c1", "--json")
     assert json.loads(d.stdout)["inexact"] == ["model.bin"], d
+    # export: the call's commit holds bytes, and its message says which are not known exactly
+    repo = tmp_path / "repo"
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    overlayrec("export", "git", m.ws, "--repo", str(repo))
+    refs = subprocess.run(["git", "for-each-ref", "--format=%(refname)"], cwd=repo,
+                          capture_output=True, text=True, check=True).stdout.split()
+    c1 = next(r for r in refs if r.endswith("/calls/c1"))
+    msg = subprocess.run(["git", "log", "-1", "--format=%B", c1], cwd=repo, capture_output=True,
+                         text=True, check=True).stdout
+    assert "Overlayrec-Inexact: model.bin" in msg, msg
+    # (and before it: the ranges the call's write saved, laid over what is not known)
+    base = next(r for r in refs if r.endswith("/base"))
+    assert "Overlayrec-Inexact: model.bin" in subprocess.run(
+        ["git", "log", "-1", "--format=%B", base], cwd=repo, capture_output=True, text=True,
+        check=True).stdout
     # the record from the drift on is the live file's
     last = str(max(e["seq"] for e in m.events(seals=True)))
     out = overlayrec("replay", m.ws, "--at", last, "--to", str(tmp_path / "now"),

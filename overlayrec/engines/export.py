@@ -292,6 +292,9 @@ class Exporter:
         if not points and not (st["head"] and sid in self._ended):
             return
         self.pending: list[bytes] = []
+        # the paths staged for the next commit whose content is not known exactly (content
+        # the record could not keep): a tree holds bytes, so the commit's message names them
+        self.vague: list[str] = []
         # the files of the chain's tree as it stands (a path is removed only where it is a
         # file: a path now a directory keeps what lies beneath it, as an index would)
         self.files: set[str] = set()
@@ -485,6 +488,8 @@ class Exporter:
         for p in present:
             self.pending.append(self._blob_line(p, states[p]))
             self._placed(p)
+            if not states[p].exact and not states[p].withheld:
+                self.vague.append(p)
 
     def _placed(self, p: str) -> None:
         parts = p.split("/")
@@ -495,6 +500,9 @@ class Exporter:
     # -- commits --------------------------------------------------------------------------------
     def _commit(self, sid, st, author: dict, message: str, t_ns: int) -> str:
         committer = _ident("overlayrec", "overlayrec@localhost", t_ns)
+        if self.vague:
+            message += "".join(f"Overlayrec-Inexact: {shown(p)}\n" for p in sorted(self.vague))
+            self.vague = []
         m = self.fi.commit(self._refname(self._in(sid, "head")), author, committer, message,
                            st["head"], self.pending)
         self.pending = []
