@@ -177,8 +177,9 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
             # replace by a directory: never followed
             step.conflict = "escape"
         elif not expected.exact and (drift := _drifted_unkept(states, p, last)):
-            # changed while unmounted after the selection, as a drift of a file whose content
-            # the record kept says too; here what the selection left is not known either
+            # changed while unmounted after the selection: a conflict, as where the record
+            # kept the content (the live file then differs from what the selection left);
+            # here what the selection left is not known either
             step.conflict, step.note = "changed", drift
         elif (p in unrecorded or not expected.exact) and target.exact and \
                 (now := live.state(p)).exact and target.same(now):
@@ -268,8 +269,8 @@ DRIFT_NOTE = ("changed while unmounted since; its content, past the whole-file l
 
 
 def _drifted_unkept(states: States, path: str, last: int) -> str | None:
-    """Why ``path`` is unrecorded when a change made while unmounted followed the selection
-    and the seal it departed from kept no content."""
+    """Why ``path`` is a ``changed`` conflict when a change made while unmounted followed the
+    selection (through ``last``) and the seal it departed from kept no content."""
     for e in states.chain_on(path):
         pre = e.get("pre") or {}
         # (a drift found around the mount is ``unkept``: _changed_around says why)
