@@ -2147,8 +2147,14 @@ def records_diff(git_dir, origin, sid, call_id, turn_sel, fmt, binary):
     if call_id is None and turn_sel is None and sid is None:
         raise Fail("say what to diff: --call ID, --turn N or --session S")
     try:
-        click.echo(_records(git_dir).diff(fmt, binary, origin=origin, session=sid,
-                                          call=call_id, turn=turn_sel), nl=False)
+        recs = _records(git_dir)
+        click.echo(recs.diff(fmt, binary, origin=origin, session=sid, call=call_id,
+                             turn=turn_sel), nl=False)
+        vague = recs.inexact(origin, sid, call_id) if call_id is not None else []
+        if vague:  # as `overlayrec diff` said on the origin
+            click.echo(f"overlayrec: {len(vague)} path(s) here are not known exactly on one "
+                       "side (content the record could not keep), shown as near as it can: "
+                       f"{', '.join(vague[:5])}{' ...' if len(vague) > 5 else ''}", err=True)
     except (GitError, SelectionError) as e:
         raise Fail(str(e)) from None
 

@@ -642,6 +642,15 @@ def test_a_large_file_edited_while_unmounted(make_mount, tmp_path, keep_mtime):
     assert "Overlayrec-Inexact: model.bin" in subprocess.run(
         ["git", "log", "-1", "--format=%B", base], cwd=repo, capture_output=True, text=True,
         check=True).stdout
+    # records that travel: read from git alone elsewhere, the diff says so too
+    remote = tmp_path / "server.git"
+    subprocess.run(["git", "init", "-q", "--bare", str(remote)], check=True)
+    overlayrec("export", "git", m.ws, "--push", str(remote))
+    clone = tmp_path / "elsewhere.git"
+    overlayrec("fetch", str(remote), "--into", str(clone))
+    r = overlayrec("records", "diff", "--git", str(clone), "--call", "c1", "--stat")
+    assert "model.bin" in r.stdout and "not known exactly on one side" in r.stderr and \
+        "model.bin" in r.stderr, r
     # the record from the drift on is the live file's
     last = str(max(e["seq"] for e in m.events(seals=True)))
     out = overlayrec("replay", m.ws, "--at", last, "--to", str(tmp_path / "now"),

@@ -21,10 +21,12 @@ import secrets
 import socket
 import subprocess
 
+from ..views import shown
 from .export import from_ref_part, side_key
 from .gitdiff import EMPTY_TREE, GitError, ObjectStore
 
 ORIGINS = "refs/overlayrec/origins"
+_BEFORE_LOOKS = 200  # files of a call whose before side ``Records.inexact`` looks up
 
 
 def _clean(s: str) -> str:
@@ -228,6 +230,25 @@ class Records:
             if ab is None:
                 ab = (EMPTY_TREE, EMPTY_TREE)
         return self.store.diff(ab[0], ab[1], fmt, binary=binary)
+
+    def inexact(self, origin=None, session=None, call=None) -> list[str]:
+        """The files of a call's diff its origin could not give exactly, as git quotes them:
+        those its commit names in ``Overlayrec-Inexact`` (the after side), and those the last
+        earlier commit that wrote each file names so (the before side)."""
+        k = self.pick(origin, session, lambda s: call in s["calls"], f"call {call}")
+        commit = self.sessions[k]["calls"][call]
+        said = set(_trailers(self.store._git("log", "-1", "--format=%B", commit))
+                   .get("Inexact", []))
+        parents = self.store._git("log", "-1", "--format=%P", commit).split()
+        if not parents:
+            return sorted(said)
+        parent = parents[0]
+        changed = [p for p in self.store._git("diff", "--name-only", "-z", "--no-renames",
+                                              parent, commit).split("\0") if p]
+        for p in changed[:_BEFORE_LOOKS]:  # one git process a file: the first ones only
+            body = self.store._git("log", "-1", "--format=%B", parent, "--", p)
+            said |= {v for v in _trailers(body).get("Inexact", []) if v == shown(p)}
+        return sorted(said)
 
     @staticmethod
     def _turn_index(s: dict, turn) -> int:
