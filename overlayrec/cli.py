@@ -2152,9 +2152,8 @@ def records_diff(git_dir, origin, sid, call_id, turn_sel, fmt, binary):
                              turn=turn_sel), nl=False)
         vague = recs.inexact(origin, sid, call_id) if call_id is not None else []
         if vague:  # as `overlayrec diff` said on the origin
-            click.echo(f"overlayrec: {len(vague)} path(s) here are not known exactly on one "
-                       "side (content the record could not keep), shown as near as it can: "
-                       f"{', '.join(vague[:5])}{' ...' if len(vague) > 5 else ''}", err=True)
+            from .views import inexact_note
+            click.echo("overlayrec: " + inexact_note(vague), err=True)
     except (GitError, SelectionError) as e:
         raise Fail(str(e)) from None
 

@@ -402,7 +402,7 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
     side = drift_side(states, glob) if drift else \
         select(j, states, call=call_id, turn=turn_sel, session=sid, since=since,
                until=until, glob=glob)
-    from .views import shown
+    from .views import inexact_note, shown
     moved_on = sorted(p for p, s in side.after.items() if s.drifted)
     if moved_on:
         parts.err(f"overlayrec: {len(moved_on)} path(s) here changed later outside the record "
@@ -439,9 +439,7 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
     told = set(withheld) | set(around) | set(unreadable)
     vague = [p for p in inexact if p in every and p not in told]
     if vague and not as_json:
-        parts.err(f"overlayrec: {len(vague)} path(s) here are not known exactly on one side "
-                  "(content the record could not keep), shown as near as it can: "
-                  f"{', '.join(map(shown, vague[:5]))}{' ...' if len(vague) > 5 else ''}")
+        parts.err("overlayrec: " + inexact_note([shown(p) for p in vague]))
     unseen = unseen_links(side, every)
     if unseen and not as_json:
         parts.err(f"overlayrec: {len(unseen)} file(s) changed in place have other names the "

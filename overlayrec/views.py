@@ -56,6 +56,14 @@ def shown(path: str) -> str:
     return '"' + _escaped(path, True) + '"'
 
 
+def inexact_note(paths: list[str]) -> str:
+    """The line that names the paths of a diff whose content on one side is not known exactly
+    (``diff``'s stderr, the report's patches, ``records diff``); ``paths`` as shown."""
+    return (f"{len(paths)} path(s) here are not known exactly on one side (content the record "
+            f"could not keep), shown as near as it can: {', '.join(paths[:5])}"
+            f"{' ...' if len(paths) > 5 else ''}")
+
+
 def one_line(text: str) -> str:
     """Free text (a call's summary, a prompt's first line) on one line of a terminal: control
     characters and invisible marks escaped, nothing quoted."""

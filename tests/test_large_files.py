@@ -346,33 +346,6 @@ def test_a_hard_linked_file_past_the_whole_file_limit_changed_through_one_name(
     assert _tree(m.ws) == after2
 
 
-CHAIN = textwrap.dedent(r'''
-    import hashlib, json, os, subprocess, sys
-    from overlayrec import client
-    def tree():
-        out = {}
-        for name in sorted(os.listdir(".")):
-            with open(name, "rb") as f:
-                out[name] = hashlib.sha256(f.read()).hexdigest()
-        return out
-    steps = ["ln a b",
-             "dd if=/dev/urandom of=a bs=1M count=1 seek=2 conv=notrunc status=none && rm a",
-             "truncate -s 5000000 b && ln b c && "
-             "dd if=/dev/zero of=c bs=1M count=1 seek=1 conv=notrunc status=none && mv b d"]
-    snaps = [tree()]
-    with client.connect() as c:
-        c.turn_begin(prompt="links")
-        for i, step in enumerate(steps, 1):
-            c.call_begin(f"c{i}", "Bash", summary=step[:40])
-            subprocess.run(["bash", "-c", step], check=True)
-            c.call_end(f"c{i}")
-            snaps.append(tree())
-        c.turn_end()
-    with open(sys.argv[1], "w") as f:
-        json.dump(snaps, f)
-''')
-
-
 def test_a_linked_name_removed_after_a_write_through_it(make_mount, tmp_path):
     """``a`` and ``b`` one inode of 9 MB: a call writes through ``a`` and removes it; the next
     truncates ``b``, links and writes it as ``c``, renames it.  ``a``'s attic entry is that
@@ -383,54 +356,12 @@ def test_a_linked_name_removed_after_a_write_through_it(make_mount, tmp_path):
     with open(os.path.join(m.ws, "a"), "wb") as f:
         f.write(os.urandom(9 << 20))
     m.mount()
-    agent, snaps_file = tmp_path / "agent.py", tmp_path / "snaps.json"
-    agent.write_text(CHAIN)
-    overlayrec("run", "-w", m.ws, "--session", "s", "--", sys.executable, str(agent),
-               str(snaps_file), cwd=m.ws)
-    snaps = json.loads(snaps_file.read_text())
-    for i in (1, 2, 3):
-        for when, want in (("before", snaps[i - 1]), ("after", snaps[i])):
-            to = tmp_path / f"{when}{i}"
-            out = overlayrec("replay", m.ws, "--at", f"{when}:call:c{i}", "--to", str(to),
-                             "--full").stdout
-            assert "inexact" not in out and _hashes(to) == want, (when, i)
-    for i in (3, 2, 1):
-        overlayrec("revert", m.ws, "--call", f"c{i}", "--yes")
-        assert _hashes(m.ws) == snaps[i - 1], i
-    for i in (1, 2, 3):
-        overlayrec("unrevert", "-w", m.ws, "--yes")
-        assert _hashes(m.ws) == snaps[i], i
-
-
-def _hashes(root) -> dict:
-    return {name: digest for name, (digest, _) in _tree(root).items()}
-
-
-RENAMED = textwrap.dedent(r'''
-    import hashlib, json, os, subprocess, sys
-    from overlayrec import client
-    def tree():
-        out = {}
-        for d in sorted(os.listdir(".")):
-            for n in sorted(os.listdir(d)):
-                with open(os.path.join(d, n), "rb") as f:
-                    out[f"{d}/{n}"] = hashlib.sha256(f.read()).hexdigest()
-        return out
-    steps = ["dd if=/dev/urandom of=d/big bs=1M count=1 seek=3 conv=notrunc status=none",
-             "mv d e && truncate -s 7000000 e/big",
-             "dd if=/dev/zero of=e/big bs=1M count=2 seek=1 conv=notrunc status=none"]
-    snaps = [tree()]
-    with client.connect() as c:
-        c.turn_begin(prompt="a directory renamed")
-        for i, step in enumerate(steps, 1):
-            c.call_begin(f"c{i}", "Bash", summary=step[:40])
-            subprocess.run(["bash", "-c", step], check=True)
-            c.call_end(f"c{i}")
-            snaps.append(tree())
-        c.turn_end()
-    with open(sys.argv[1], "w") as f:
-        json.dump(snaps, f)
-''')
+    snaps = run_steps(m, tmp_path, [
+        "ln a b",
+        "dd if=/dev/urandom of=a bs=1M count=1 seek=2 conv=notrunc status=none && rm a",
+        "truncate -s 5000000 b && ln b c && "
+        "dd if=/dev/zero of=c bs=1M count=1 seek=1 conv=notrunc status=none && mv b d"])
+    check_every_state(m, tmp_path, snaps)
 
 
 def test_large_files_beneath_a_renamed_directory(make_mount, tmp_path):
@@ -442,31 +373,17 @@ def test_large_files_beneath_a_renamed_directory(make_mount, tmp_path):
     with open(os.path.join(m.ws, "d", "big"), "wb") as f:
         f.write(os.urandom(9 << 20))
     m.mount()
-    agent, snaps_file = tmp_path / "agent.py", tmp_path / "snaps.json"
-    agent.write_text(RENAMED)
-    overlayrec("run", "-w", m.ws, "--session", "s", "--", sys.executable, str(agent),
-               str(snaps_file), cwd=m.ws)
-    snaps = json.loads(snaps_file.read_text())
-
-    def hashes(root):
-        return {f"{d}/{n}": sha256_of(os.path.join(root, d, n))[0]
-                for d in sorted(os.listdir(root)) if d != ".overlayrec-attic"
-                for n in sorted(os.listdir(os.path.join(root, d)))}
-    for i in (1, 2, 3):
-        for when, want in (("before", snaps[i - 1]), ("after", snaps[i])):
-            to = tmp_path / f"{when}{i}"
-            out = overlayrec("replay", m.ws, "--at", f"{when}:call:c{i}", "--to", str(to),
-                             "--full").stdout
-            assert "inexact" not in out and hashes(to) == want, (when, i)
-    for i in (3, 2, 1):
-        overlayrec("revert", m.ws, "--call", f"c{i}", "--yes")
-        assert hashes(m.ws) == snaps[i - 1], i
+    snaps = run_steps(m, tmp_path, [
+        "dd if=/dev/urandom of=d/big bs=1M count=1 seek=3 conv=notrunc status=none",
+        "mv d e && truncate -s 7000000 e/big",
+        "dd if=/dev/zero of=e/big bs=1M count=2 seek=1 conv=notrunc status=none"])
+    check_every_state(m, tmp_path, snaps, unrevert=False)
 
 
-# an agent that works in a directory chain of ~4000 bytes: each call one shell step, a
-# snapshot (every file's hash, by path) after each; paths are relative (an absolute one through
-# the mount would pass the kernel's limit)
-DEEP = textwrap.dedent(r'''
+# an agent whose calls are shell steps (argv[2], JSON), a snapshot (every file's hash, by its
+# relative path: an absolute one through the mount may pass the kernel's limit) before the
+# first and after each, written to argv[1]
+STEPS = textwrap.dedent(r'''
     import hashlib, json, os, subprocess, sys
     from overlayrec import client
     def tree():
@@ -478,13 +395,12 @@ DEEP = textwrap.dedent(r'''
                 with os.fdopen(fd, "rb") as f:
                     out[os.path.join(top, n)[2:]] = hashlib.sha256(f.read()).hexdigest()
         return out
-    deep, steps = sys.argv[2], json.loads(sys.argv[3])
     snaps = [tree()]
     with client.connect() as c:
-        c.turn_begin(prompt="deep")
-        for i, step in enumerate(steps, 1):
+        c.turn_begin(prompt="steps")
+        for i, step in enumerate(json.loads(sys.argv[2]), 1):
             c.call_begin(f"c{i}", "Bash", summary=step[:40])
-            subprocess.run(["bash", "-c", step.replace("DEEP", deep)], check=True)
+            subprocess.run(["bash", "-c", step], check=True)
             c.call_end(f"c{i}")
             snaps.append(tree())
         c.turn_end()
@@ -508,6 +424,34 @@ def _fwalk_hashes(root) -> dict:
                     h.update(buf)
             out[os.path.relpath(os.path.join(top, n), root)] = h.hexdigest()
     return out
+
+
+def run_steps(m, tmp_path, steps: list[str]) -> list[dict]:
+    """Run ``steps`` as calls c1, c2, ... of one turn in ``m``; the agent's snapshots."""
+    agent, snaps_file = tmp_path / "agent.py", tmp_path / "snaps.json"
+    agent.write_text(STEPS)
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", sys.executable, str(agent),
+               str(snaps_file), json.dumps(steps), cwd=m.ws, timeout=120)
+    return json.loads(snaps_file.read_text())
+
+
+def check_every_state(m, tmp_path, snaps: list[dict], unrevert: bool = True) -> None:
+    """Replay before and after each call, then revert every call newest first (and unrevert
+    each): each gives the agent's own snapshot, exactly."""
+    calls = range(1, len(snaps))
+    for i in calls:
+        for when, want in (("before", snaps[i - 1]), ("after", snaps[i])):
+            to = tmp_path / f"{when}{i}"
+            out = overlayrec("replay", m.ws, "--at", f"{when}:call:c{i}", "--to", str(to),
+                             "--full").stdout
+            assert "inexact" not in out and _fwalk_hashes(to) == want, (when, i, out)
+    for i in reversed(calls):
+        overlayrec("revert", m.ws, "--call", f"c{i}", "--yes")
+        assert _fwalk_hashes(m.ws) == snaps[i - 1], i
+    if unrevert:
+        for i in calls:
+            overlayrec("unrevert", "-w", m.ws, "--yes")
+            assert _fwalk_hashes(m.ws) == snaps[i], i
 
 
 def test_a_large_file_at_a_path_of_4000_bytes(make_mount, tmp_path):
@@ -534,42 +478,14 @@ def test_a_large_file_at_a_path_of_4000_bytes(make_mount, tmp_path):
     finally:
         os.close(fd)
     m.mount()
-    big = f"DEEP/{leaf}"
-    steps = [f"dd if=/dev/urandom of={big} bs=1M count=1 seek=2 conv=notrunc status=none",
-             f"truncate -s 5000000 {big} && head -c 100000 /dev/urandom >> {big}",
-             f"mv {names[0]} top && dd if=/dev/zero of=top/{deep[len(names[0]) + 1:]}/{leaf} "
-             "bs=1M count=1 seek=4 conv=notrunc status=none"]
-    agent, snaps_file = tmp_path / "agent.py", tmp_path / "snaps.json"
-    agent.write_text(DEEP)
-    overlayrec("run", "-w", m.ws, "--session", "s", "--", sys.executable, str(agent),
-               str(snaps_file), deep, json.dumps(steps), cwd=m.ws, timeout=120)
-    snaps = json.loads(snaps_file.read_text())
+    big = f"{deep}/{leaf}"
+    snaps = run_steps(m, tmp_path, [
+        f"dd if=/dev/urandom of={big} bs=1M count=1 seek=2 conv=notrunc status=none",
+        f"truncate -s 5000000 {big} && head -c 100000 /dev/urandom >> {big}",
+        f"mv {names[0]} top && dd if=/dev/zero of=top/{deep[len(names[0]) + 1:]}/{leaf} "
+        "bs=1M count=1 seek=4 conv=notrunc status=none"])
     assert len({tuple(s.values()) for s in snaps}) == 4  # every call changed the file
-    for i in (1, 2, 3):
-        for when, want in (("before", snaps[i - 1]), ("after", snaps[i])):
-            to = tmp_path / f"{when}{i}"
-            out = overlayrec("replay", m.ws, "--at", f"{when}:call:c{i}", "--to", str(to),
-                             "--full").stdout
-            assert "inexact" not in out and _fwalk_hashes(to) == want, (when, i, out)
-    for i in (3, 2, 1):
-        overlayrec("revert", m.ws, "--call", f"c{i}", "--yes")
-        assert _fwalk_hashes(m.ws) == snaps[i - 1], i
-    for i in (1, 2, 3):
-        overlayrec("unrevert", "-w", m.ws, "--yes")
-        assert _fwalk_hashes(m.ws) == snaps[i], i
-
-
-PLAIN = textwrap.dedent(r'''
-    import subprocess, sys
-    from overlayrec import client
-    with client.connect() as c:
-        c.turn_begin(prompt="large")
-        for i, step in enumerate(sys.argv[1:], 1):
-            c.call_begin(f"c{i}", "Bash", summary=step[:40])
-            subprocess.run(["bash", "-c", step], check=True)
-            c.call_end(f"c{i}")
-        c.turn_end()
-''')
+    check_every_state(m, tmp_path, snaps)
 
 
 @pytest.mark.parametrize("keep_mtime", [False, True], ids=["mtime-moved", "mtime-kept"])
@@ -585,11 +501,7 @@ def test_a_large_file_edited_while_unmounted(make_mount, tmp_path, keep_mtime):
     with open(path, "wb") as f:
         f.write(os.urandom(6 << 20))
     m.mount()
-    agent = tmp_path / "agent.py"
-    agent.write_text(PLAIN)
-    overlayrec("run", "-w", m.ws, "--session", "s", "--", sys.executable, str(agent),
-               "dd if=/dev/urandom of=model.bin bs=1M count=1 seek=1 conv=notrunc status=none",
-               cwd=m.ws)
+    run_steps(m, tmp_path, ["dd if=/dev/urandom of=model.bin bs=1M count=1 seek=1 conv=notrunc status=none"])
     agents = sha256_of(path)
     m.umount()
     st = os.stat(path)
@@ -669,11 +581,7 @@ def test_a_symlink_planted_on_the_way_to_a_large_file(make_mount, tmp_path):
     with open(os.path.join(m.ws, "d", "big"), "wb") as f:
         f.write(os.urandom(6 << 20))
     m.mount()
-    agent = tmp_path / "agent.py"
-    agent.write_text(PLAIN)
-    overlayrec("run", "-w", m.ws, "--session", "s", "--", sys.executable, str(agent),
-               "dd if=/dev/urandom of=d/big bs=1M count=1 seek=1 conv=notrunc status=none",
-               cwd=m.ws)
+    run_steps(m, tmp_path, ["dd if=/dev/urandom of=d/big bs=1M count=1 seek=1 conv=notrunc status=none"])
     m.umount()
     outside = tmp_path / "outside"
     outside.mkdir()

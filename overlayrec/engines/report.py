@@ -21,7 +21,8 @@ from __future__ import annotations
 import time
 
 from ..journal import Journal
-from ..views import C_ESCAPES, call_rows, command_name, git_refuses, unit_session
+from ..views import (C_ESCAPES, call_rows, command_name, git_refuses, inexact_note,
+                     unit_session)
 from .diff import changed, file_events, side_of, touched
 from .gitdiff import ObjectStore, left_out_note
 from .large import too_large
@@ -215,9 +216,7 @@ class _Report:
             not s.exact and not s.withheld for s in (side.before.get(p), side.after.get(p))
             if s is not None)]
         if vague:  # as `overlayrec diff` says on stderr
-            sections.append(f"# {len(vague)} file(s) not known exactly on one side (content "
-                            "the record could not keep), shown as near as it can: "
-                            f"{', '.join(vague[:5])}{' ...' if len(vague) > 5 else ''}\n")
+            sections.append(f"# {inexact_note(vague)}\n")
         large = too_large(side, net)
         if large:
             sections.append(f"# {len(large)} file(s) too large for a patch, not shown: "

@@ -28,6 +28,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..journal import Journal
+from ..journal.schema import UNMOUNTED
 from ..secrets import PLACEHOLDER
 from ..underlay import O_PATH, Escape, resolve_beneath
 from ..views import guessed, path_matcher
@@ -269,13 +270,14 @@ DRIFT_NOTE = ("changed while unmounted since; its content, past the whole-file l
 
 
 def _drifted_unkept(states: States, path: str, last: int) -> str | None:
-    """Why ``path`` is a ``changed`` conflict when a change made while unmounted followed the
-    selection (through ``last``) and the seal it departed from kept no content."""
+    """Why ``path`` is a ``changed`` conflict when a change made while unmounted (a drift of
+    ``outside:unmounted``; one around the mount is _changed_around's) followed the selection
+    (through ``last``) and the seal it departed from kept no content."""
+    unit = "outside:" + UNMOUNTED
     for e in states.chain_on(path):
         pre = e.get("pre") or {}
-        # (a drift found around the mount is ``unkept``: _changed_around says why)
-        if e["seq"] > last and e["op"] == "drift" and pre.get("kind") == "file" and \
-                "blob" not in pre and not pre.get("withheld") and not pre.get("unkept"):
+        if e["seq"] > last and e["op"] == "drift" and e.get("unit") == unit and \
+                pre.get("kind") == "file" and "blob" not in pre and not pre.get("withheld"):
             return DRIFT_NOTE
     return None
 
