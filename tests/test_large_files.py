@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 import tempfile
@@ -384,16 +385,17 @@ def test_large_files_beneath_a_renamed_directory(make_mount, tmp_path):
 # relative path: an absolute one through the mount may pass the kernel's limit) before the
 # first and after each, written to argv[1]
 STEPS = textwrap.dedent(r'''
-    import hashlib, json, os, subprocess, sys
+    import hashlib, json, os, stat, subprocess, sys
     from overlayrec import client
     def tree():
         out = {}
         for top, dirs, files, dfd in os.fwalk("."):
             dirs[:] = [d for d in dirs if d != ".overlayrec-attic"]
-            for n in files:
-                fd = os.open(n, os.O_RDONLY, dir_fd=dfd)
+            for n in files:  # regular files (a fifo would block the open)
+                fd = os.open(n, os.O_RDONLY | os.O_NONBLOCK, dir_fd=dfd)
                 with os.fdopen(fd, "rb") as f:
-                    out[os.path.join(top, n)[2:]] = hashlib.sha256(f.read()).hexdigest()
+                    if stat.S_ISREG(os.fstat(fd).st_mode):
+                        out[os.path.join(top, n)[2:]] = hashlib.sha256(f.read()).hexdigest()
         return out
     snaps = [tree()]
     with client.connect() as c:
@@ -410,15 +412,17 @@ STEPS = textwrap.dedent(r'''
 
 
 def _fwalk_hashes(root) -> dict:
-    """Every file's sha256 by path beneath root, read through directory fds (the paths may be
-    longer than an absolute path can be), the attic left out."""
+    """Every regular file's sha256 by path beneath root, read through directory fds (the
+    paths may be longer than an absolute path can be), the attic left out."""
     import hashlib
     out = {}
     for top, dirs, files, dfd in os.fwalk(root):
         dirs[:] = [d for d in dirs if d != ".overlayrec-attic"]
         for n in files:
-            fd = os.open(n, os.O_RDONLY, dir_fd=dfd)
+            fd = os.open(n, os.O_RDONLY | os.O_NONBLOCK, dir_fd=dfd)
             with os.fdopen(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    continue  # (a fifo would block the open)
                 h = hashlib.sha256()
                 while buf := f.read(1 << 22):
                     h.update(buf)
@@ -601,3 +605,34 @@ def test_a_symlink_planted_on_the_way_to_a_large_file(make_mount, tmp_path):
         assert not got.exists() or b"outside the workspace" not in got.read_bytes(), when
     r = overlayrec("diff", m.ws, "--call", "c1", "--binary", check=False)
     assert "Traceback" not in r.stderr and "outside the workspace" not in r.stdout, r
+
+
+def test_a_large_file_linked_then_its_directory_renamed_while_unmounted(make_mount, tmp_path):
+    """Beside a fifo the call made, a 6 MB file the call wrote.  Unmounted, the user links it
+    under a second name: its ctime moves with its link count, which is no change of what it
+    holds (its seal has no hash), so nothing has drifted and the call's replay is exact.  Then
+    the user renames its directory: the file is gone from the record's path, the call's after
+    state is not known any more, and a revert of the call is a `changed` conflict."""
+    m = make_mount()
+    os.mkdir(os.path.join(m.ws, "d"))
+    with open(os.path.join(m.ws, "d", "big"), "wb") as f:
+        f.write(os.urandom(6 << 20))
+    m.mount()
+    snaps = run_steps(m, tmp_path, [
+        "mkfifo d/pipe && dd if=/dev/urandom of=d/big bs=1M count=1 seek=2 conv=notrunc "
+        "status=none"])
+    m.umount()
+    os.link(os.path.join(m.ws, "d", "big"), os.path.join(m.ws, "linked"))
+    assert json.loads(overlayrec("status", m.ws, "--json").stdout)["drifted"] == []
+    out = overlayrec("replay", m.ws, "--at", "after:call:c1", "--to", str(tmp_path / "r1"),
+                     "--full").stdout
+    assert "inexact" not in out and _fwalk_hashes(tmp_path / "r1") == \
+        {**snaps[1], "linked": snaps[1]["d/big"]}, out
+    assert stat.S_ISFIFO(os.lstat(tmp_path / "r1" / "d" / "pipe").st_mode)
+
+    os.rename(os.path.join(m.ws, "d"), os.path.join(m.ws, "e"))
+    assert "d/big" in json.loads(overlayrec("status", m.ws, "--json").stdout)["drifted"]
+    r = overlayrec("revert", m.ws, "--call", "c1", "--yes", check=False)
+    assert r.returncode == 1 and "changed: " in r.stderr and "d/big" in r.stderr, r
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert sorted(os.listdir(os.path.join(m.ws, "e"))) == ["big", "pipe"]
