@@ -110,7 +110,7 @@ def _invalidating(q: "queue.SimpleQueue[int]") -> None:
 
 class Handle:
     __slots__ = ("fd", "inode", "actor", "unit", "_path", "_named_at", "write_seq", "epoch",
-                 "writes", "lo", "hi", "nbytes", "last_at", "recorder", "flags")
+                 "writes", "lo", "hi", "nbytes", "last_at", "recorder", "flags", "from_create")
 
     def __init__(self, fd: int, inode: Inode, actor: dict | None, unit: str | None,
                  recorder: Recorder):
@@ -127,6 +127,7 @@ class Handle:
         self.writes = self.nbytes = 0
         self.lo = self.hi = 0
         self.last_at = 0  # the last seq handed out when the run's last write was made
+        self.from_create = False  # the run was begun by the create that made the file
 
     @property
     def path(self) -> str:
@@ -140,17 +141,32 @@ class Handle:
             self._named_at = changes
         return self._path
 
+    def name_as(self, path: str, changes: int) -> None:
+        """The handle's file is named ``path`` (as the recorder's ``name_changes`` stood at
+        ``changes``): known already, not asked of the kernel."""
+        self._path, self._named_at = path, changes
+
     def reset_extent(self, off: int, length: int, at: int) -> None:
         """A new run begins with this write (its event was journaled: ``at``, the last seq
         handed out)."""
         self.writes, self.nbytes, self.lo, self.hi = 1, length, off, off + length
         self.last_at = at
+        self.from_create = False
+
+    def empty_run(self, at: int) -> None:
+        """A new run begins with no write yet: the create that made the file (event ``at``)."""
+        self.writes = self.nbytes = self.lo = self.hi = 0
+        self.last_at = at
+        self.from_create = True
 
     def note_write(self, off: int, length: int, at: int) -> None:
         """A later write of the run, made when ``at`` was the last seq handed out."""
+        if self.writes:
+            self.lo, self.hi = min(self.lo, off), max(self.hi, off + length)
+        else:  # the first of a run its create began
+            self.lo, self.hi = off, off + length
         self.writes += 1
         self.nbytes += length
-        self.lo, self.hi = min(self.lo, off), max(self.hi, off + length)
         self.last_at = at
 
 
@@ -642,7 +658,9 @@ class Operations(pyfuse3.Operations):
             raise
         if flags & os.O_EXCL and not inode.no_xattr:
             inode.no_xattr = _NEW_FILE
-        return self._file_info(fd, inode, actor), self._attr(inode, st)
+        info = self._file_info(fd, inode, actor)
+        self.recorder.begin_run(self.handles[info.fh])
+        return info, self._attr(inode, st)
 
     # -- removals and renames -------------------------------------------------------------------
     @_errno_boundary
@@ -762,12 +780,7 @@ class Operations(pyfuse3.Operations):
                 # point of its last write.  Not of the release, which the kernel sends on its
                 # own time: a call's end (another socket) can come first and seal the path,
                 # and the run would then seem to write on after the seal (inexact)
-                try:
-                    self.recorder.journal.put_extents(h.write_seq, {
-                        "writes": h.writes, "bytes": h.nbytes, "lo": h.lo, "hi": h.hi,
-                        "end": h.last_at})
-                except JournalError as e:  # a summary, not a pre-image: lost, and said so
-                    log.warning("extents of event %d not journaled: %s", h.write_seq, e)
+                self.recorder.note_extents(h)
         finally:
             if h.fd >= 0:
                 os.close(h.fd)

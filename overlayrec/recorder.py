@@ -409,6 +409,8 @@ class Recorder:
         # switch) copies them on the request path as before.
         self.to_store: dict[str, tuple[int, int, int]] = {}
         self.later = False
+        # (fd, seq, path, epoch) of the create just made when it began a write run (begin_run)
+        self.created: tuple[int, int, str, Epoch] | None = None
         self.on_kept_later: Callable[[], None] | None = None
         # this journal's small single-link entries found at start (_find_small_kept's)
         self._small_found: list[str] = []
@@ -957,11 +959,19 @@ class Recorder:
     @_undoable
     def create(self, parent_fd: int, name: str, flags: int, mode: int, uid: int, gid: int,
                actor: dict) -> int:
+        """Create (or open, O_CREAT) ``name``; the fd.  A file this makes anew, opened for
+        writing, begins its handle's write run (``run``: ``begin_run`` gives the handle it):
+        the handle's first writes join the create's event instead of making one of their
+        own (docs/design.md, "A create begins its handle's write run")."""
+        self.created = None
         ev = self._creation("create", parent_fd, name, actor, mode=mode)
         if ev.get("pre", {}).get("kind", "absent") != "absent" and flags & os.O_TRUNC:
             # O_CREAT|O_TRUNC on an existing file destroys its content: save it first
             ev["pre"] = self._content_pre(parent_fd, name, ev["path"], ev["pre"])
-        with self._mutation(ev, actor):
+        elif flags & os.O_ACCMODE != os.O_RDONLY and not self.record_data and \
+                ev.get("pre", {}).get("kind") == "absent":
+            ev["run"] = True
+        with self._mutation(ev, actor) as seq:
             try:
                 fd = os.open(name, flags | os.O_CREAT | os.O_CLOEXEC, mode, dir_fd=parent_fd)
             except PermissionError:
@@ -975,7 +985,21 @@ class Recorder:
             except OSError:
                 os.close(fd)
                 raise
+        if "run" in ev:
+            self.created = (fd, seq, ev["path"], self.epochs[ev["path"]])
         return fd
+
+    def begin_run(self, handle) -> None:
+        """``handle`` was opened by the ``create`` just made: when that create began a write
+        run, the handle's writes join it (as a handle's later writes join the run its first
+        write began), named by the create's path."""
+        made, self.created = self.created, None
+        if made is None or made[0] != handle.fd:
+            return
+        _, seq, path, ep = made
+        handle.write_seq, handle.epoch = seq, ep
+        handle.name_as(path, self.name_changes)
+        handle.empty_run(seq)
 
     def _content_pre(self, parent_fd: int, name: str, path: str, pre: dict) -> dict:
         if pre["kind"] != "file" or \
@@ -1427,11 +1451,26 @@ class Recorder:
         ev["op"] = "write"
         ev["offset"], ev["length"] = off, length
         ev["actor"] = handle.actor["key"]
+        if handle.from_create:
+            # the run the create began ends here (another event on the path came first):
+            # readers learn where its last write was, as from a release (with none, the state
+            # just after the create is exact, as it was when the first write was an event)
+            self.note_extents(handle)
         handle.write_seq = self._append(ev, handle.actor)
         self.left[handle.path] = "file"
         handle.epoch = self.epochs.get(handle.path)
         handle.reset_extent(off, length, self.journal.last_reserved())
         return handle.write_seq
+
+    def note_extents(self, handle) -> None:
+        """Journal where ``handle``'s write run ended (its extents note: a summary, not a
+        pre-image; lost when the journal cannot take it, and said so)."""
+        try:
+            self.journal.put_extents(handle.write_seq, {
+                "writes": handle.writes, "bytes": handle.nbytes, "lo": handle.lo,
+                "hi": handle.hi, "end": handle.last_at})
+        except JournalError as e:
+            log.warning("extents of event %d not journaled: %s", handle.write_seq, e)
 
     @_roomy
     @_undoable

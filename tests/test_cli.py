@@ -101,7 +101,7 @@ def test_a_removed_workspace_is_still_read_from_its_record(tmp_path):
     assert not is_mounted(str(ws))
     shutil.rmtree(ws)  # its file and the attic overlayrec left in it
     r = overlayrec("log", str(ws), env=env)
-    assert [l.split()[-1] for l in r.stdout.splitlines() if " write " in l] == ["a"], r.stdout
+    assert [l.split()[-1] for l in r.stdout.splitlines() if " create " in l] == ["a"], r.stdout
 
 
 def test_status_of_a_plain_directory(tmp_path):

@@ -296,4 +296,4 @@ def test_blame_follows_a_directory_rename_only_for_what_it_moved(make_mount):
     moved = ops("work/old.txt")
     assert "moved with unpack/ -> work/" in moved and moved[0] == "create", moved
     made = ops("work/new.txt")
-    assert made == ["create", "write"], made
+    assert made == ["create"], made  # its write joined the create's run

@@ -422,6 +422,14 @@ def _exchanged(e: dict, path: str) -> bool:
         and path in (e.get("path"), e.get("path2"))
 
 
+def starts_run(e: dict) -> bool:
+    """Does ``e`` begin a write run, whose later writes are no events: a write (in a journal
+    that does not record data), or a create that made a file opened for writing (``run``: its
+    handle's first writes join it, docs/design.md)?"""
+    op = e["op"]
+    return op == "write" and "data" not in e or op == "create" and "run" in e
+
+
 def _moves_away(e: dict, path: str) -> bool:
     """Does ``e`` take the object at ``path`` to another name (a rename of it, or an
     exchange)?"""
@@ -1060,7 +1068,7 @@ class States:
                 + evs
         if path in self._partial and after >= self.floor:
             # what is left out lies before the floor: needed only when nothing after says
-            if not any(e["op"] == "write" and "data" not in e or self.starts_epoch(e, name)
+            if not any(starts_run(e) or self.starts_epoch(e, name)
                        for e, name in evs if e["seq"] > self.floor):
                 raise _Partial(path)
         elif self._short(path, after):
@@ -1077,7 +1085,7 @@ class States:
                     (pre.get("nlink") or 1) > 1 and _moves_away(nxt, path)):
                 return False
         for e, name in reversed(evs):
-            if e["op"] == "write" and "data" not in e:
+            if starts_run(e):
                 break
             if e["op"] == "alias":
                 # another name of the inode began a write run: its later writes change this
@@ -1091,9 +1099,13 @@ class States:
         else:
             return False
         summary = self.j.extents(e["seq"])
-        if summary is not None and "end" in summary and \
-                (summary.get("writes", 2) <= 1 or summary["end"] < after):
-            return False  # the run's only write was the event, or it was released before
+        if summary is not None and "end" in summary and (summary["end"] < after or (
+                summary["end"] <= after if e["op"] == "create" else
+                summary.get("writes", 2) <= 1)):
+            # the run ended before ``after``; or its only write was the event; or it was a
+            # create's, whose state is the file it made with what its handle wrote before any
+            # other event (``end``: the create's own seq)
+            return False
         end = self._unit_ends().get(e.get("unit") or "")
         if end is not None and e["seq"] < end:
             return end > after  # its unit's end sealed the path: the run ended there
@@ -1140,7 +1152,7 @@ class States:
         for e in reversed(self.events_on(path)):
             if e["seq"] > after:
                 continue
-            if e["op"] == "write" and "data" not in e:
+            if starts_run(e):
                 return e
             if e["op"] == "alias":
                 run = self._alias_run(e)
@@ -1381,6 +1393,8 @@ class States:
                 del data[size:]
                 data.extend(b"\0" * (size - len(data)))
             elif op == "create":
+                if "run" in e and (self.j.extents(e["seq"]) or {}).get("writes") != 0:
+                    return None  # its handle's first writes joined it: no events of theirs
                 kind, mode, data = "file", e.get("mode", 0o644) & 0o7777, bytearray()
                 facts_of = ABSENT
             elif op == "chmod":

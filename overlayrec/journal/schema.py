@@ -50,6 +50,9 @@ Sub-databases of the LMDB environment:
               ``path2`` (a rename's target).  A later event may only add facets to an epoch's
               pre-image (``pre`` with ``"facet"``).  ``failed`` events name a seq whose operation
               the underlay refused after the event was written (the write-ahead order).
+              A ``create`` of a file it made anew, opened for writing, carries ``run``
+              (true): its handle's first writes join it, with no ``write`` event, and its
+              extents note counts them from 0 (docs/design.md).
               A ``setxattr`` of ``system.posix_acl_access`` carries ``mode``: the mode the ACL
               leaves (its permission bits come from the ACL; null for a value the kernel
               refuses); one written before that field existed replays forward inexact.
@@ -114,10 +117,12 @@ Sub-databases of the LMDB environment:
 ``pins``      session id utf-8 -> JSON ``{"t": ns}``: sessions ``overlayrec pin`` keeps whatever
               the retention policy says.
 ``extents``   seq -> JSON ``{"writes": n, "bytes": n, "lo": off, "hi": end, "end": seq}``: what the
-              writes through the handle of write event ``seq`` did, summarised at its release
-              (not write-ahead: no pre-image in it); ``end``: the last seq handed out when the
-              run's last write was made, so a reader knows no write of that run came after it
-              (journals before 2026-12 have the last seq at release: later, never wrong).
+              writes through the handle of write event ``seq`` did (or of a ``create`` with
+              ``run``: then ``writes`` counts from 0), summarised at its release, or when the
+              create's run ended unwritten (not write-ahead: no pre-image in it); ``end``: the
+              last seq handed out when the run's last write was made, so a reader knows no
+              write of that run came after it (journals before 2026-12 have the last seq at
+              release: later, never wrong).
 ``blobs``     digest (32 ascii hex digits) -> the blob's bytes: the content store's small blobs
               (at most ``INLINE_BLOB`` bytes), committed in the transaction of the event that
               first names them, so a small pre-image costs no file of its own.  A digest names
