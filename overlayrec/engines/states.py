@@ -1100,11 +1100,11 @@ class States:
             return False
         summary = self.j.extents(e["seq"])
         if summary is not None and "end" in summary and (summary["end"] < after or (
-                summary["end"] <= after if e["op"] == "create" else
-                summary.get("writes", 2) <= 1)):
+                summary.get("writes", 2) <= 1 and
+                (e["op"] != "create" or summary["end"] <= after))):
             # the run ended before ``after``; or its only write was the event; or it was a
-            # create's, whose state is the file it made with what its handle wrote before any
-            # other event (``end``: the create's own seq)
+            # create's with one write at most, made before any other event (``end``: the
+            # create's own seq): the create's point is the file with that write
             return False
         end = self._unit_ends().get(e.get("unit") or "")
         if end is not None and e["seq"] < end:
