@@ -48,19 +48,20 @@ WRITER = textwrap.dedent(r'''
 ''')
 
 
-def _writer(m) -> list:
+def _writer(make_mount):
+    """A mount with ``existing`` seeded, WRITER run through it, unmounted: (mount, steps)."""
+    m = make_mount()
+    with open(os.path.join(m.ws, "existing"), "wb") as f:
+        f.write(b"seed\n")
     m.mount()
     try:
-        return json.loads(m.py(WRITER).stdout)
+        return m, json.loads(m.py(WRITER).stdout)
     finally:
         m.umount()
 
 
 def test_a_created_file_and_its_writes_are_one_event(make_mount):
-    m = make_mount()
-    with open(os.path.join(m.ws, "existing"), "wb") as f:
-        f.write(b"seed\n")
-    steps = _writer(m)
+    m, steps = _writer(make_mount)
     evs = m.events()
     ops = {p: [(e["op"], "run" in e) for e in evs if e["path"] == p]
            for p in ("quick", "many", "empty", "chmodded", "ro", "existing")}
@@ -87,10 +88,7 @@ def test_a_created_file_and_its_writes_are_one_event(make_mount):
 
 
 def test_every_point_of_a_create_run_reads_as_it_was_or_says_not(make_mount):
-    m = make_mount()
-    with open(os.path.join(m.ws, "existing"), "wb") as f:
-        f.write(b"seed\n")
-    steps = _writer(m)
+    m, steps = _writer(make_mount)
     evs = m.events()
     j = m.journal()
     fd = os.open(m.ws, os.O_PATH | os.O_DIRECTORY)
