@@ -1473,6 +1473,14 @@ LINKED_GROUP = [
     ("call", 0, [("own", "link", 4096, 151, "x"), ("own", "through", 0, 0, "x"),
                  ("own", "chmod", 830, 0, "x"), ("own", "move2", 0, 619, "x"),
                  ("late", "swap", 0, 0, "x")])])
+@example(seed=2, which=0, raw=[  # a name linked to a group by another call, then written late
+    ("late", 0, [("own", "write", 1420, 0, "x")]),
+    ("outside", 0, [("own", "write", 0, 0, "x")]),
+    ("call", 0, [("own", "write", 0, 0, "x"), ("own", "symlink", 0, 0, "x"),
+                 ("own", "move2", 96, 156, "x"), ("own", "write", 0, 0, "x"),
+                 ("own", "write", 0, 0, "x")]),
+    ("call", 0, [("own", "link", 0, 159, "x"), ("own", "write", 47, 0, "x"),
+                 ("late", "write", 0, 0, "x")])])
 def test_every_reader_agrees_with_the_model(model_env, seed, raw, which):
     check_case(model_env, seed, raw, which)
 

@@ -266,6 +266,32 @@ def test_a_name_taken_before_its_inode_was_linked_and_chmodded_is_not_linked_bac
     assert bx.st_ino == be.st_ino and bx.st_nlink == 2, (bx, be)
 
 
+def test_a_name_linked_to_a_group_since_and_written_late_gets_its_own_state(make_mount,
+                                                                            tmp_path):
+    """Found by the history model: ``a`` and ``b`` are one inode; a call c0 writes it through
+    ``a``; a call c1 links ``a`` as ``c``; then c0's process writes through ``a`` again.
+    Reverting c0 puts ``a`` and ``b`` back as they were before c0 and ``c`` as c1 linked it
+    (before c0's late write): two states, which one inode cannot hold.  Each was written back
+    into the live inode in turn, the last one winning for all three names."""
+    m = setup_ws(make_mount, tmp_path, {"a": b"v1\n"})
+    (tmp_path / "calls.py").write_text(TWO_CALLS)
+    m.mount()
+    m.sh("ln a b")  # through the mount (links made outside it are not known)
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", sys.executable,
+               str(tmp_path / "calls.py"), "echo v2 > a", "ln a c", "echo v3 > a", cwd=m.ws)
+    after = tree_of(m.ws)
+    assert {n: after[n] for n in "abc"} == {n: after["a"] for n in "abc"}, after
+    js = json.loads(overlayrec("revert", m.ws, "--call", "c0", "--json").stdout)
+    assert not [s for s in js["steps"] if s["conflict"]], js
+    overlayrec("revert", m.ws, "--call", "c0", "--yes")
+    read = {n: open(os.path.join(m.ws, n), "rb").read() for n in "abc"}
+    assert read == {"a": b"v1\n", "b": b"v1\n", "c": b"v2\n"}, read
+    a, b, c = (os.lstat(os.path.join(m.ws, n)) for n in "abc")
+    assert a.st_ino == b.st_ino != c.st_ino and (a.st_nlink, c.st_nlink) == (2, 1), (a, b, c)
+    overlayrec("unrevert", "-w", m.ws, "--yes")
+    assert tree_of(m.ws) == after
+
+
 def test_a_name_whose_alias_kept_no_content_is_in_the_plan(make_mount, tmp_path):
     """Found by the history model with every file kept as a large one: ``a`` and ``b`` are one
     inode past the whole-file limit; a call writes through ``a``.  ``b``'s alias keeps no

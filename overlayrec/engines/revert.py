@@ -239,7 +239,16 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
 def _joined_since(plan: Plan, live: Tree, candidates) -> None:
     """A hard-linked target whose live inode now has more names outside the plan than its
     group had then (a name linked to it after the target's point, say by another unit) is not
-    written back in place: that would change a name the revert does not own."""
+    written back in place: that would change a name the revert does not own.
+
+    Nor where the live inode is held by steps of two groups: a name linked to the group after
+    its target's point (by another unit) and changed since by the selection (a late write
+    through the group) has a target of its own, the state the name was linked in, and one
+    inode cannot hold both.  Of the groups sharing it, only the one whose names outside the
+    plan still need it written in place (names the record does not know) is; the others are
+    written anew and linked among themselves."""
+    sharing: dict[int, list[list[Step]]] = {}  # live inode -> the groups of steps holding it
+    outside: dict[int, int] = {}               # id(group) -> its names outside the plan then
     for step in plan.steps:
         t = step.target
         if not (t.kind == "file" and link_key(t) and t.nlink > 1) or not step.in_place:
@@ -254,6 +263,23 @@ def _joined_since(plan: Plan, live: Tree, candidates) -> None:
         if outside_now > outside_then:
             for o in group:
                 o.in_place = False
+            continue
+        st = live.lstat(step.path)
+        if st is None or st.st_ino != t.ino or not stat.S_ISREG(st.st_mode):
+            continue
+        groups = sharing.setdefault(st.st_ino, [])
+        if not any(o is step for g in groups for o in g):
+            groups.append(group)
+            outside[id(group)] = outside_then
+    for groups in sharing.values():
+        if len(groups) < 2:
+            continue
+        needing = [g for g in groups if outside[id(g)] > 0]
+        keep = needing[0] if len(needing) == 1 else None
+        for g in groups:
+            if g is not keep:
+                for o in g:
+                    o.in_place = False
 
 
 AROUND_NOTE = ("changed around the mount while its unit went on (by a process that bypassed "
