@@ -292,6 +292,65 @@ def test_a_name_linked_to_a_group_since_and_written_late_gets_its_own_state(make
     assert tree_of(m.ws) == after
 
 
+PAUSED_CALL = textwrap.dedent(r'''
+    import os, subprocess, sys, time
+    from overlayrec import client
+    script, sync = sys.argv[1:3]
+    with client.connect() as c:
+        c.call_begin("c1", "Bash")
+        subprocess.run(["bash", "-c", script], check=True)
+        open(os.path.join(sync, "ready"), "w").close()  # the test changes the tree now
+        while not os.path.exists(os.path.join(sync, "done")):
+            time.sleep(0.02)
+        c.call_end("c1")
+''')
+
+
+def _call_with_an_intruder(m, tmp_path, script, intrude) -> None:
+    """Call c1 runs ``script``, then waits while ``intrude()`` (this process: another
+    writer, not the call's) changes the tree, then ends."""
+    (tmp_path / "paused.py").write_text(PAUSED_CALL)
+    p = subprocess.Popen([sys.executable, "-m", "overlayrec", "run", "-w", m.ws, "--session",
+                          "s", "--", sys.executable, str(tmp_path / "paused.py"), script,
+                          str(tmp_path)], cwd=m.ws)
+    try:
+        deadline = time.monotonic() + 60 * SLOW
+        while not (tmp_path / "ready").exists():
+            assert p.poll() is None and time.monotonic() < deadline, "the call did not run"
+            time.sleep(0.02)
+        intrude()
+    finally:
+        (tmp_path / "done").write_text("")
+        assert p.wait(60 * SLOW) == 0
+
+
+@pytest.mark.parametrize("made_dir", [False, True])
+def test_a_file_written_twice_then_moved_by_another_process_is_a_conflict(make_mount, tmp_path,
+                                                                          made_dir):
+    """Found by the history model: a call makes ``a/a`` with two writes (so no point of the
+    record holds its content exactly before the next event), and another process renames
+    ``a`` to ``b`` before the call ends.  The revert of the call said "nothing to revert"
+    (the path ``a/a`` holds nothing now, as before the call), leaving the call's file at
+    ``b/a`` without a word; as with one write, ``a/a`` is a ``changed`` conflict, and nothing
+    is written."""
+    m = make_mount()
+    if not made_dir:
+        os.mkdir(os.path.join(m.ws, "a"))
+    m.mount()
+    write = ("python3 -c \"f = open('a/a', 'wb'); f.write(b'x'); f.flush(); f.write(b'y'); "
+             "f.close()\"")
+    _call_with_an_intruder(m, tmp_path, ("mkdir a && " if made_dir else "") + write,
+                           lambda: os.rename(os.path.join(m.ws, "a"), os.path.join(m.ws, "b")))
+    after = tree_of(m.ws)
+    r = overlayrec("revert", m.ws, "--call", "c1", "--json", check=False)
+    steps = {s["path"]: s["conflict"] for s in json.loads(r.stdout)["steps"]}
+    assert steps == ({"a": "changed", "a/a": "changed"} if made_dir else {"a/a": "changed"}), \
+        r.stdout
+    r = overlayrec("revert", m.ws, "--call", "c1", "--yes", check=False)
+    assert r.returncode == 1 and "changed:" in r.stderr and "a/a" in r.stderr, r.stderr
+    assert tree_of(m.ws) == after  # nothing written
+
+
 def test_a_name_whose_alias_kept_no_content_is_in_the_plan(make_mount, tmp_path):
     """Found by the history model with every file kept as a large one: ``a`` and ``b`` are one
     inode past the whole-file limit; a call writes through ``a``.  ``b``'s alias keeps no

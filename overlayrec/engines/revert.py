@@ -182,6 +182,14 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
             # kept the content (the live file then differs from what the selection left);
             # here what the selection left is not known either
             step.conflict, step.note = "changed", drift
+        elif not expected.exact and p not in unrecorded and expected.kind != "absent" and \
+                any(s > last for s in others.get(p, ())) and \
+                live.state(p).kind != expected.kind:
+            # what the selection left is not known in content, but it left something there,
+            # and another unit has changed the path since: a conflict, as where the content
+            # was kept.  Not "nothing to do" when the path happens to hold the target (a file
+            # the selection made, moved away by another process: found by the history model)
+            step.conflict = "changed"
         elif (p in unrecorded or not expected.exact) and target.exact and \
                 (now := live.state(p)).exact and target.same(now):
             # what the selection left is not known, but the path holds what the revert would
