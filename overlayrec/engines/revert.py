@@ -123,11 +123,14 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
     shared: list[dict] = []  # events placed among calls active together, the call's among them
     writers: set[str] = set()
     late_paths: set[str] = set()  # a call's, changed after it ended (views.late)
+    drifts: set[int] = set()  # seals' drifts: changes the record found, not saw made
     # from the selection's first event: what came before it neither interleaves nor extends a
     # span; the links made before it are read only when a hard-linked target asks (below)
     for e in file_events(j, lo, hi):
         if e["op"] in ("link", "alias"):
             linkish.update(x for x in (e.get("path"), e.get("source")) if x)
+        elif e["op"] == "drift":
+            drifts.add(e["seq"])
         if call_unit is not None and call_unit in (e.get("candidates") or ()):
             shared.append(e)
         for p in touched(states, e):
@@ -183,12 +186,14 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
             # here what the selection left is not known either
             step.conflict, step.note = "changed", drift
         elif not expected.exact and p not in unrecorded and expected.kind != "absent" and \
-                any(s > last for s in others.get(p, ())) and \
+                any(s > last and s not in drifts for s in others.get(p, ())) and \
                 live.state(p).kind != expected.kind:
             # what the selection left is not known in content, but it left something there,
-            # and another unit has changed the path since: a conflict, as where the content
-            # was kept.  Not "nothing to do" when the path happens to hold the target (a file
-            # the selection made, moved away by another process: found by the history model)
+            # and another unit has changed the path through the mount since: a conflict, as
+            # where the content was kept.  Not "nothing to do" when the path happens to hold
+            # the target (a file the selection made, moved away with its directory by another
+            # process: found by the history model).  A removal around the mount (a seal's
+            # drift) is left to the branches below
             step.conflict = "changed"
         elif (p in unrecorded or not expected.exact) and target.exact and \
                 (now := live.state(p)).exact and target.same(now):
