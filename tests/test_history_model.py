@@ -1481,6 +1481,10 @@ LINKED_GROUP = [
                  ("own", "write", 0, 0, "x")]),
     ("call", 0, [("own", "link", 0, 159, "x"), ("own", "write", 47, 0, "x"),
                  ("late", "write", 0, 0, "x")])])
+@example(seed=1, which=0, raw=[  # a file moved over another, then linked by another call
+    ("call", 0, [("own", "write", 0, 0, "x"), ("own", "rename", 0, 0, "x"),
+                 ("own", "rename", 122, 0, "x")]),
+    ("call", 0, [("own", "link", 0, 0, "x")])])
 def test_every_reader_agrees_with_the_model(model_env, seed, raw, which):
     check_case(model_env, seed, raw, which)
 

@@ -292,6 +292,31 @@ def test_a_name_linked_to_a_group_since_and_written_late_gets_its_own_state(make
     assert tree_of(m.ws) == after
 
 
+def test_a_file_moved_by_a_call_and_linked_by_the_next_comes_back_linked(make_mount, tmp_path):
+    """Found by the history model: a call c0 edits ``a``, moves it to ``b`` and moves ``d/x``
+    over ``a``; a call c1 links ``a`` as ``e``.  Reverting c0 puts ``d/x`` back: its inode
+    still lives, as ``e`` (and ``a``, which the revert gives back its own content), so ``d/x``
+    is linked to ``e``, as moving the file back would leave it.  It came back a copy, apart."""
+    m = setup_ws(make_mount, tmp_path, {"a": b"a.1\n", "d/x": b"d/x.2\n"})
+    (tmp_path / "calls.py").write_text(TWO_CALLS)
+    m.mount()
+    before = tree_of(m.ws)
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", sys.executable,
+               str(tmp_path / "calls.py"), "echo x.3 > a && mv a b && mv d/x a", "ln a e",
+               "true", cwd=m.ws)
+    after = tree_of(m.ws)
+    js = json.loads(overlayrec("revert", m.ws, "--call", "c0", "--json").stdout)
+    assert not [s for s in js["steps"] if s["conflict"]], js
+    overlayrec("revert", m.ws, "--call", "c0", "--yes")
+    assert tree_of(m.ws) == {**before, "e": after["e"]}
+    dx, e, a = (os.lstat(os.path.join(m.ws, n)) for n in ("d/x", "e", "a"))
+    assert dx.st_ino == e.st_ino != a.st_ino and dx.st_nlink == 2, (dx, e, a)
+    overlayrec("unrevert", "-w", m.ws, "--yes")
+    assert tree_of(m.ws) == after
+    a, e = (os.lstat(os.path.join(m.ws, n)) for n in "ae")
+    assert a.st_ino == e.st_ino and a.st_nlink == 2, (a, e)
+
+
 PAUSED_CALL = textwrap.dedent(r'''
     import os, subprocess, sys, time
     from overlayrec import client

@@ -244,7 +244,7 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
                 linkish.update(x for x in (e.get("path"), e.get("source")) if x)
             names.append((linkish | states.candidates(INF)) - {s.path for s in plan.steps})
         return names[0]
-    _find_partners(plan, live, candidates)
+    _find_partners(plan, live, candidates, states)
     _joined_since(plan, live, candidates)
     return plan
 
@@ -352,24 +352,40 @@ def _holding_others(plan: Plan, live: Tree) -> None:
             step.conflict = "changed"
 
 
-def _find_partners(plan: Plan, live: Tree, candidates) -> None:
+def _find_partners(plan: Plan, live: Tree, candidates, states: States) -> None:
     """For each hard-linked target whose group had more names than the plan makes: a live
     path outside the plan (a recorded name; ``candidates()`` lists them, asked only when
-    needed) still holding that inode and content, which the group's steps link to."""
+    needed) still holding that inode and content, which the group's steps link to.
+
+    And for a file that had one name then, whose inode has left the path (the selection
+    renamed it away) and lives on under a name another unit linked to it since: that name,
+    when the record says it holds that inode (not another one given the same number since)
+    and it holds the target's state.  The revert links the path to it, as renaming the file
+    back would have (found by the history model: a file renamed over another by one call,
+    linked by the next; reverting the first gave the file back as a copy)."""
     names: set[str] | None = None
     for step in plan.steps:
         t = step.target
-        if not (link_key(t) and t.nlink > 1) or link_key(t) in plan.partners:
+        if not link_key(t) or link_key(t) in plan.partners or t.kind != "file":
             continue
-        if t.nlink <= 1 + sum(o is not step and linked(t, o.target) for o in plan.steps):
-            continue  # every name of the group is a step of the plan
+        if t.nlink > 1:
+            if t.nlink <= 1 + sum(o is not step and linked(t, o.target) for o in plan.steps):
+                continue  # every name of the group is a step of the plan
+            seed = t
+        else:
+            here = live.lstat(step.path)
+            if here is not None and here.st_ino == t.ino:
+                continue  # the inode is still here
+            seed = t.but(nlink=2)  # one group with its partner (``linked``)
         if names is None:
             names = candidates()
         for name in sorted(names):
             st = live.lstat(name)
             if st is not None and st.st_ino == t.ino and stat.S_ISREG(st.st_mode) and \
-                    live.state(name).same(t):  # chmodded since: a name of another group
-                plan.partners[link_key(t)] = (name, st.st_ino, t)
+                    live.state(name).same(t) and \
+                    (t.nlink > 1 or states.state(name, INF).ino == t.ino):
+                # (same(): chmodded since, it is a name of another group)
+                plan.partners[link_key(t)] = (name, st.st_ino, seed)
                 break
 
 
