@@ -363,7 +363,7 @@ def _find_partners(plan: Plan, live: Tree, candidates, states: States) -> None:
     and it holds the target's state.  The revert links the path to it, as renaming the file
     back would have (found by the history model: a file renamed over another by one call,
     linked by the next; reverting the first gave the file back as a copy)."""
-    names: set[str] | None = None
+    by_ino: dict[int, list[str]] | None = None  # the candidates' live regular files
     for step in plan.steps:
         t = step.target
         if not link_key(t) or link_key(t) in plan.partners or t.kind != "file":
@@ -377,15 +377,17 @@ def _find_partners(plan: Plan, live: Tree, candidates, states: States) -> None:
             if here is not None and here.st_ino == t.ino:
                 continue  # the inode is still here
             seed = t.but(nlink=2)  # one group with its partner (``linked``)
-        if names is None:
-            names = candidates()
-        for name in sorted(names):
-            st = live.lstat(name)
-            if st is not None and st.st_ino == t.ino and stat.S_ISREG(st.st_mode) and \
-                    live.state(name).same(t) and \
+        if by_ino is None:
+            by_ino = {}
+            for name in sorted(candidates()):  # each looked at once, whatever the targets
+                st = live.lstat(name) if _visible(name) else None
+                if st is not None and stat.S_ISREG(st.st_mode):
+                    by_ino.setdefault(st.st_ino, []).append(name)
+        for name in by_ino.get(t.ino, ()):
+            if live.state(name).same(t) and \
                     (t.nlink > 1 or states.state(name, INF).ino == t.ino):
                 # (same(): chmodded since, it is a name of another group)
-                plan.partners[link_key(t)] = (name, st.st_ino, seed)
+                plan.partners[link_key(t)] = (name, t.ino, seed)
                 break
 
 
