@@ -1485,6 +1485,14 @@ LINKED_GROUP = [
     ("call", 0, [("own", "write", 0, 0, "x"), ("own", "rename", 0, 0, "x"),
                  ("own", "rename", 122, 0, "x")]),
     ("call", 0, [("own", "link", 0, 0, "x")])])
+@example(seed=1, which=7, raw=[  # a group's other name the revert removes is not outside it
+    ("call", 3, [("own", "backforth", 213, 633, "y"), ("own", "mkdir", 1873, 147, "y")]),
+    ("call", 3, [("own", "backforth", 213, 633, "y"), ("own", "mkdir", 1873, 147, "y")]),
+    ("late", 3, [("O", "through", 545, 3633, "z"), ("own", "rename", 385, 824, "z"),
+                 ("own", "link", 156, 358, "z"), ("own", "backforth", 1497, 49, "z"),
+                 ("own", "truncate", 0, 127, "x")]),
+    ("outside", 5, [("own", "mkdir", 527, 3415, "y"), ("O", "backforth", 561, 259, "x"),
+                    ("own", "link", 121, 854, "x")])])
 def test_every_reader_agrees_with_the_model(model_env, seed, raw, which):
     check_case(model_env, seed, raw, which)
 

@@ -317,6 +317,26 @@ def test_a_file_moved_by_a_call_and_linked_by_the_next_comes_back_linked(make_mo
     assert a.st_ino == e.st_ino and a.st_nlink == 2, (a, e)
 
 
+def test_a_name_the_revert_removes_is_no_name_outside_the_group(make_mount, tmp_path):
+    """Found by the history model: a call links ``a`` as ``e`` and truncates ``a``; then the
+    user links ``e`` as ``x``.  Reverting the call gives ``a`` its content back and removes
+    ``e``; ``x``, the user's, keeps what it was linked with.  ``e`` was counted as a name the
+    group had outside the plan, so ``x`` seemed to stand in for it and ``a`` was written back
+    in place, into the inode ``x`` holds."""
+    m = setup_ws(make_mount, tmp_path, {"a": b"a.1\n"})
+    m.mount()
+    run_call(m, tmp_path, "ln a e && truncate -s 6 a")
+    m.sh("ln e x")
+    js = json.loads(overlayrec("revert", m.ws, "--call", "c1", "--json").stdout)
+    assert not [s for s in js["steps"] if s["conflict"]], js
+    overlayrec("revert", m.ws, "--call", "c1", "--yes")
+    read = {n: open(os.path.join(m.ws, n), "rb").read() for n in ("a", "x")}
+    assert read == {"a": b"a.1\n", "x": b"a.1\n\0\0"}, read
+    assert not os.path.lexists(os.path.join(m.ws, "e"))
+    a, x = (os.lstat(os.path.join(m.ws, n)) for n in "ax")
+    assert a.st_ino != x.st_ino, (a, x)
+
+
 PAUSED_CALL = textwrap.dedent(r'''
     import os, subprocess, sys, time
     from overlayrec import client

@@ -267,7 +267,11 @@ def _joined_since(plan: Plan, live: Tree, candidates) -> None:
         if not (t.kind == "file" and link_key(t) and t.nlink > 1) or not step.in_place:
             continue
         group = [o for o in plan.steps if linked(t, o.target)]
-        outside_then = t.nlink - len(group)
+        # the names the inode had then, less the group's, less the plan's other steps that
+        # hold it (a name the selection linked, which the revert removes, is no name outside)
+        others = sum(1 for o in plan.steps if not any(o is g for g in group) and
+                     _holds_ino(o, live, t.ino))
+        outside_then = max(0, t.nlink - len(group) - others)
         outside_now = 0
         for name in candidates():
             st = live.lstat(name)
@@ -293,6 +297,15 @@ def _joined_since(plan: Plan, live: Tree, candidates) -> None:
             if g is not keep:
                 for o in g:
                     o.in_place = False
+
+
+def _holds_ino(step: Step, live: Tree, ino: int) -> bool:
+    """Does ``step``'s path hold inode ``ino``, as the selection left it or now?"""
+    e = step.expected
+    if e.kind == "file" and e.ino == ino:
+        return True
+    st = live.lstat(step.path)
+    return st is not None and st.st_ino == ino and stat.S_ISREG(st.st_mode)
 
 
 AROUND_NOTE = ("changed around the mount while its unit went on (by a process that bypassed "
