@@ -244,12 +244,23 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
                 linkish.update(x for x in (e.get("path"), e.get("source")) if x)
             names.append((linkish | states.candidates(INF)) - {s.path for s in plan.steps})
         return names[0]
-    _find_partners(plan, live, candidates, states)
-    _joined_since(plan, live, candidates)
+    inodes: list[dict[int, list[str]]] = []
+
+    def by_ino() -> dict[int, list[str]]:  # the candidates' live regular files, each stat'ed once
+        if not inodes:
+            found: dict[int, list[str]] = {}
+            for name in sorted(candidates()):
+                st = live.lstat(name)
+                if st is not None and stat.S_ISREG(st.st_mode):
+                    found.setdefault(st.st_ino, []).append(name)
+            inodes.append(found)
+        return inodes[0]
+    _find_partners(plan, live, by_ino, states)
+    _joined_since(plan, live, by_ino)
     return plan
 
 
-def _joined_since(plan: Plan, live: Tree, candidates) -> None:
+def _joined_since(plan: Plan, live: Tree, by_ino) -> None:
     """A hard-linked target whose live inode now has more names outside the plan than its
     group had then (a name linked to it after the target's point, say by another unit) is not
     written back in place: that would change a name the revert does not own.
@@ -272,12 +283,7 @@ def _joined_since(plan: Plan, live: Tree, candidates) -> None:
         others = sum(1 for o in plan.steps if not any(o is g for g in group) and
                      _holds_ino(o, live, t.ino))
         outside_then = max(0, t.nlink - len(group) - others)
-        outside_now = 0
-        for name in candidates():
-            st = live.lstat(name)
-            if st is not None and st.st_ino == t.ino and stat.S_ISREG(st.st_mode):
-                outside_now += 1
-        if outside_now > outside_then:
+        if len(by_ino().get(t.ino, ())) > outside_then:
             for o in group:
                 o.in_place = False
             continue
@@ -365,10 +371,10 @@ def _holding_others(plan: Plan, live: Tree) -> None:
             step.conflict = "changed"
 
 
-def _find_partners(plan: Plan, live: Tree, candidates, states: States) -> None:
+def _find_partners(plan: Plan, live: Tree, by_ino, states: States) -> None:
     """For each hard-linked target whose group had more names than the plan makes: a live
-    path outside the plan (a recorded name; ``candidates()`` lists them, asked only when
-    needed) still holding that inode and content, which the group's steps link to.
+    path outside the plan (a recorded name; ``by_ino()`` maps the live inodes of them, asked
+    only when needed) still holding that inode and content, which the group's steps link to.
 
     And for a file that had one name then, whose inode has left the path (the selection
     renamed it away) and lives on under a name another unit linked to it since: that name,
@@ -376,7 +382,6 @@ def _find_partners(plan: Plan, live: Tree, candidates, states: States) -> None:
     and it holds the target's state.  The revert links the path to it, as renaming the file
     back would have (found by the history model: a file renamed over another by one call,
     linked by the next; reverting the first gave the file back as a copy)."""
-    by_ino: dict[int, list[str]] | None = None  # the candidates' live regular files
     for step in plan.steps:
         t = step.target
         if not link_key(t) or link_key(t) in plan.partners or t.kind != "file":
@@ -390,14 +395,8 @@ def _find_partners(plan: Plan, live: Tree, candidates, states: States) -> None:
             if here is not None and here.st_ino == t.ino:
                 continue  # the inode is still here
             seed = t.but(nlink=2)  # one group with its partner (``linked``)
-        if by_ino is None:
-            by_ino = {}
-            for name in sorted(candidates()):  # each looked at once, whatever the targets
-                st = live.lstat(name) if _visible(name) else None
-                if st is not None and stat.S_ISREG(st.st_mode):
-                    by_ino.setdefault(st.st_ino, []).append(name)
-        for name in by_ino.get(t.ino, ()):
-            if live.state(name).same(t) and \
+        for name in by_ino().get(t.ino, ()):
+            if _visible(name) and live.state(name).same(t) and \
                     (t.nlink > 1 or states.state(name, INF).ino == t.ino):
                 # (same(): chmodded since, it is a name of another group)
                 plan.partners[link_key(t)] = (name, t.ino, seed)
