@@ -1773,9 +1773,10 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
                 raise Fail(str(e)) from None
             finally:
                 shown_progress.done()
-            done, bad = rec["done"], rec["failed"]
+            done, bad, wrong = rec["done"], rec["failed"], rec["unmet"]
             if as_json:
-                click.echo(json.dumps(dict(preview, done=done, status="done", failed=bad)))
+                click.echo(json.dumps(dict(preview, done=done, status="done", failed=bad,
+                                           unmet=wrong)))
             else:
                 click.echo(f"reverted {len({p for p, _ in done})} path(s) as revert {plan.id}"
                            + (f"; {len(conflicts)} conflicting path(s) left alone"
@@ -1783,6 +1784,11 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
             if bad:  # a path the revert could not make whole is never a silent success
                 raise Fail(f"{len(bad)} path(s) not restored: " + "; ".join(
                     f"{f['path']}: {f['result'][len('failed: '):]}" for f in bad))
+            if wrong:  # read back: what the revert made was changed since, or it erred
+                raise Fail(f"{len(wrong)} path(s) do not hold what the revert put back "
+                           "(written by another process while it ran?): " + "; ".join(
+                               f"{shown(w['path'])} {w['how']}" for w in wrong[:5])
+                           + (" ..." if len(wrong) > 5 else ""))
         finally:
             os.close(under.root_fd)
             os.close(live.root_fd)

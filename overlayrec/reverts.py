@@ -20,7 +20,8 @@ import time
 from . import client, state
 from .engines import large
 from .engines.revert import Plan, apply_step, bytes_written, failed, make_plan, order, \
-    plan_from_json, plan_to_json
+    plan_from_json, plan_to_json, unmet
+from .engines.states import Tree
 
 
 class RevertError(Exception):
@@ -221,8 +222,10 @@ def check_room(ws: str, plan: Plan, under_fd: int) -> None:
 def carry_out(ws: str, sd: str, plan: Plan, content, *, unreverts: str | None = None,
               resume: dict | None = None, progress=None) -> dict:
     """Carry out the plan's paths without conflicts through the mount, the plan saved first
-    and its outcome after (``progress(n, total)`` after each).  Returns the record: ``done``
-    [(path, what)], ``failed``."""
+    and its outcome after (``progress(n, total)`` after each), then read every path again:
+    a step that did not fail but left its path holding something else than its target is
+    never a silent success.  Returns the record: ``done`` [(path, what)], ``failed``,
+    ``unmet`` (the paths read back otherwise than put back, and how)."""
     rec = resume or dict(plan_to_json(plan, functools.partial(large.put, content)),
                          created=time.time_ns(), status="running", unreverts=unreverts, ws=ws)
     rec["status"] = "running"
@@ -247,6 +250,11 @@ def carry_out(ws: str, sd: str, plan: Plan, content, *, unreverts: str | None = 
                         time.sleep(delay)
             finally:
                 c.request("revert_end", id=plan.id)
+        # read back once every step is made: a later step may rightly change an earlier
+        # one's path (a directory's mode set after its contents; a group's name linked)
+        live = Tree(root_fd)
+        wrong = [{"path": s.path, "how": how} for s, (_, result) in zip(steps, done)
+                 if (how := unmet(live, s, result)) is not None]
     except client.ClientError as e:
         raise RevertError(str(e)) from None
     finally:
@@ -255,6 +263,7 @@ def carry_out(ws: str, sd: str, plan: Plan, content, *, unreverts: str | None = 
     rec["skipped_conflicts"] = [s.path for s in plan.conflicts]
     rec["failed"] = [{"path": p, "result": r} for p, r in done if failed(r)]
     rec["done"] = done
+    rec["unmet"] = wrong
     save(sd, rec)
     if unreverts:
         for r in plans(sd):

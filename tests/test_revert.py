@@ -963,3 +963,45 @@ def test_a_cache_dropped_at_a_seal_never_waits_for_a_read_the_daemon_must_answer
             reader.kill()
         user.kill()
         user.wait(timeout=30)
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_a_path_written_while_the_revert_runs_is_read_back_and_said(make_mount, tmp_path,
+                                                                      as_json):
+    """The revert reads every path back once its steps are made: a step that did not fail
+    but left its path holding something else (here the user's editor wrote it while the
+    revert went on; a defect of the plan's rules would look the same) is never a silent
+    success: the path is named, the exit is non-zero, the saved record keeps it, and the
+    paths that do hold their target stay reverted."""
+    n = 12
+    m = setup_ws(make_mount, tmp_path, {f"f{i:02}": b"orig\n" for i in range(n)})
+    m.mount()
+    run_call(m, tmp_path, "for f in f*; do echo changed > $f; done")
+    env = dict(os.environ, OVERLAYREC_TEST_REVERT_DELAY="0.15")
+    p = subprocess.Popen([sys.executable, "-m", "overlayrec", "revert", m.ws, "--call", "c1",
+                          "--yes"] + (["--json"] if as_json else []), env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = os.path.join(m.ws, "f00")
+        deadline = time.monotonic() + 30 * SLOW
+        while open(first).read() != "orig\n":
+            assert time.monotonic() < deadline and p.poll() is None, "the revert did not start"
+            time.sleep(0.01)
+        with open(first, "w") as f:  # the user's edit, meanwhile
+            f.write("mine\n")
+        out, err = p.communicate(timeout=60 * SLOW)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 1 and "Traceback" not in err, (out, err)
+    assert "1 path(s) do not hold what the revert put back" in err and \
+        "f00 holds other content" in err, err
+    if as_json:
+        assert json.loads(out)["unmet"] == [
+            {"path": "f00", "how": "holds other content than the revert put back"}], out
+    assert open(first).read() == "mine\n"  # the edit is not undone behind the user's back
+    assert all(open(os.path.join(m.ws, f"f{i:02}")).read() == "orig\n" for i in range(1, n))
+    recs = [json.load(open(os.path.join(m.state, "reverts", x)))
+            for x in os.listdir(os.path.join(m.state, "reverts")) if x.endswith(".json")]
+    assert [(r["status"], [u["path"] for u in r["unmet"]]) for r in recs] == [("done", ["f00"])]

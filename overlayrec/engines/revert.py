@@ -598,6 +598,8 @@ def linked(a: State, b: State) -> bool:
 
 
 FAILED = "failed: "
+# a directory the revert would remove that holds what it does not remove (docs/revert.md)
+KEPT = "kept (not empty)"
 
 
 def failed(result: str) -> bool:
@@ -648,6 +650,31 @@ def apply_step(root_fd: int, step: Step, made: dict | None = None) -> str:
         os.close(dfd)
 
 
+def unmet(live: Tree, step: Step, result: str) -> str | None:
+    """After a plan was carried out: why ``step.path`` does not hold ``step.target`` although
+    its step did not fail (a process wrote it while the revert ran, or a defect of the plan's
+    rules), read afresh from ``live``; None when it does, or when the target is not known
+    exactly enough to compare (a guess, a secret's placeholder) or the path cannot be read
+    here (a mode that denies its reader: set by the revert itself, as recorded).  The owner
+    is not compared: a revert made by its user may not give a file away."""
+    t = step.target
+    if failed(result) or not t.exact or t.withheld or isinstance(step, DirMode):
+        return None
+    now = live.state(step.path)
+    if step.path in live.unreadable or t.same(now, owner=False) or \
+            t.kind == now.kind == "dir" or (result == KEPT and now.kind == "dir"):
+        return None  # a directory's mode is its DirMode step's
+    if now.kind != t.kind:
+        return f"holds {_a(now.kind)} where the revert put back {_a(t.kind)}"
+    if t.kind != "symlink" and now.mode != t.mode:
+        return f"has mode {now.mode:04o} where the revert put back {t.mode:04o}"
+    return "holds other content than the revert put back"
+
+
+def _a(kind: str) -> str:
+    return "nothing" if kind == "absent" else f"a {kind}"
+
+
 def _apply_in(root_fd: int, dfd: int, name: str, step: Step, made: dict | None) -> str:
     """apply_step in ``step.path``'s directory ``dfd``, where it is ``name``."""
     t = step.target
@@ -662,7 +689,7 @@ def _apply_in(root_fd: int, dfd: int, name: str, step: Step, made: dict | None) 
             _remove(dfd, name)
         except OSError as e:
             if e.errno == errno.ENOTEMPTY:  # unrecorded files live in it; keep it
-                return "kept (not empty)"
+                return KEPT
             raise
         return "removed"
     if t.kind == "dir":
