@@ -1005,3 +1005,39 @@ def test_a_path_written_while_the_revert_runs_is_read_back_and_said(make_mount, 
     recs = [json.load(open(os.path.join(m.state, "reverts", x)))
             for x in os.listdir(os.path.join(m.state, "reverts")) if x.endswith(".json")]
     assert [(r["status"], [u["path"] for u in r["unmet"]]) for r in recs] == [("done", ["f00"])]
+
+
+def test_a_hard_link_the_revert_made_then_replaced_by_a_copy_is_said(make_mount, tmp_path):
+    """A call removed ``b``, a second name of ``a``, and rewrote ``a``: its revert writes
+    ``a`` back in place and links ``b`` to it again.  A process that puts a copy in ``b``'s
+    place meanwhile leaves the content right but the group broken (the next write through
+    ``a`` would not show on ``b``): the read-back names ``b``, and the exit is non-zero."""
+    m = setup_ws(make_mount, tmp_path, {"a": b"orig\n"} |
+                 {f"c{i:02}": b"orig\n" for i in range(10)})
+    m.mount()
+    m.sh("ln a b")  # through the mount: the record knows the group
+    run_call(m, tmp_path, "rm b && echo changed > a && for f in c*; do echo changed > $f; done")
+    a, b = os.path.join(m.ws, "a"), os.path.join(m.ws, "b")
+    env = dict(os.environ, OVERLAYREC_TEST_REVERT_DELAY="0.15")
+    p = subprocess.Popen([sys.executable, "-m", "overlayrec", "revert", m.ws, "--call", "c1",
+                          "--yes", "--json"], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30 * SLOW
+        while not (os.path.exists(b) and os.stat(b).st_ino == os.stat(a).st_ino):
+            assert time.monotonic() < deadline and p.poll() is None, "b was not linked again"
+            time.sleep(0.01)
+        with open(b + ".new", "w") as f:  # a copy in its place: same content, its own inode
+            f.write(open(b).read())
+        os.rename(b + ".new", b)
+        out, err = p.communicate(timeout=60 * SLOW)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 1 and "Traceback" not in err, (out, err)
+    js = json.loads(out)
+    assert ["b", "restored (hard link to a)"] in js["done"], js
+    assert js["unmet"] == [{"path": "b", "how": "is not one file with a (a hard link) as the "
+                            "revert put back"}], js
+    assert open(a).read() == open(b).read() == "orig\n"

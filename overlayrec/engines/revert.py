@@ -600,6 +600,7 @@ def linked(a: State, b: State) -> bool:
 FAILED = "failed: "
 # a directory the revert would remove that holds what it does not remove (docs/revert.md)
 KEPT = "kept (not empty)"
+LINKED = "restored (hard link to "  # ... the group's first name, and ")"
 
 
 def failed(result: str) -> bool:
@@ -656,13 +657,24 @@ def unmet(live: Tree, step: Step, result: str) -> str | None:
     rules), read afresh from ``live``; None when it does, or when the target is not known
     exactly enough to compare (a guess, a secret's placeholder) or the path cannot be read
     here (a mode that denies its reader: set by the revert itself, as recorded).  The owner
-    is not compared: a revert made by its user may not give a file away."""
+    is not compared: a revert made by its user may not give a file away.  A name the step
+    linked to its group's first name must still be one file with it."""
     t = step.target
     if failed(result) or not t.exact or t.withheld or isinstance(step, DirMode):
         return None
-    now = live.state(step.path)
-    if step.path in live.unreadable or t.same(now, owner=False) or \
-            t.kind == now.kind == "dir" or (result == KEPT and now.kind == "dir"):
+    now, st = live.state_stat(step.path)
+    if step.path in live.unreadable:
+        return None
+    if t.same(now, owner=False) and result.startswith(LINKED) and st is not None:
+        # one file with the group's first name, as put back: a copy in its place since would
+        # not take the next write through either name
+        first = result[len(LINKED):-1]
+        other = live.state_stat(first)[1]
+        if other is not None and (other.st_dev, other.st_ino) != (st.st_dev, st.st_ino):
+            return f"is not one file with {first} (a hard link) as the revert put back"
+        return None
+    if t.same(now, owner=False) or t.kind == now.kind == "dir" or \
+            (result == KEPT and now.kind == "dir"):
         return None  # a directory's mode is its DirMode step's
     if now.kind != t.kind:
         return f"holds {_a(now.kind)} where the revert put back {_a(t.kind)}"
@@ -724,7 +736,7 @@ def _apply_in(root_fd: int, dfd: int, name: str, step: Step, made: dict | None) 
     _remove(dfd, tmp)
     if first is not None and _link_to(root_fd, first, dfd, tmp):
         _replace(dfd, tmp, name)
-        return f"restored (hard link to {first[0]})"
+        return f"{LINKED}{first[0]})"
     problem = None
     if t.kind == "symlink":
         os.symlink(os.fsdecode(t.data), tmp, dir_fd=dfd)
