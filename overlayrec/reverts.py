@@ -20,7 +20,7 @@ import time
 from . import client, state
 from .engines import large
 from .engines.revert import Plan, apply_step, bytes_written, failed, make_plan, order, \
-    plan_from_json, plan_to_json, unmet
+    plan_from_json, plan_to_json, unmet, ways
 from .engines.states import Tree
 
 
@@ -252,9 +252,10 @@ def carry_out(ws: str, sd: str, plan: Plan, content, *, unreverts: str | None = 
                 c.request("revert_end", id=plan.id)
         # read back once every step is made: a later step may rightly change an earlier
         # one's path (a directory's mode set after its contents; a group's name linked)
-        live = Tree(root_fd)
-        wrong = [{"path": s.path, "how": how} for s, (_, result) in zip(steps, done)
-                 if (how := unmet(live, s, result)) is not None]
+        live, results = Tree(root_fd), [r for _, r in done]
+        around = ways(steps, results)
+        wrong = [{"path": s.path, "how": how} for s, result in zip(steps, results)
+                 if (how := unmet(live, s, result, around)) is not None]
     except client.ClientError as e:
         raise RevertError(str(e)) from None
     finally:

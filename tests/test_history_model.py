@@ -1493,6 +1493,16 @@ LINKED_GROUP = [
                  ("own", "truncate", 0, 127, "x")]),
     ("outside", 5, [("own", "mkdir", 527, 3415, "y"), ("O", "backforth", 561, 259, "x"),
                     ("own", "link", 121, 854, "x")])])
+@example(seed=1, which=0, raw=[  # a directory removed, made again around a path put back
+    ("call", 0, [("own", "mkdir", 1091, 0, "x"), ("own", "write", 0, 0, "x"),
+                 ("own", "write", 0, 0, "x"), ("own", "rename", 0, 1752, "x"),
+                 ("late", "write", 129, 0, "x")]),
+    ("call", 0, [("own", "rename", 0, 1784, "x"), ("own", "rename", 0, 1784, "x"),
+                 ("own", "mkdir", 1091, 0, "x"), ("late", "rename", 3640, 0, "x")])])
+@example(seed=2, which=0, raw=[  # a directory the plan removes, kept: it holds another's link
+    ("call", 0, [("own", "write", 0, 0, "x"), ("own", "write", 0, 0, "x"),
+                 ("own", "rename", 2, 0, "x"), ("own", "write", 0, 0, "x"),
+                 ("O", "link", 0, 200, "x")])])
 def test_every_reader_agrees_with_the_model(model_env, seed, raw, which):
     check_case(model_env, seed, raw, which)
 

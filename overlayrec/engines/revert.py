@@ -651,12 +651,24 @@ def apply_step(root_fd: int, step: Step, made: dict | None = None) -> str:
         os.close(dfd)
 
 
-def unmet(live: Tree, step: Step, result: str) -> str | None:
+def ways(steps: list[Step], results: list[str]) -> set[str]:
+    """The directories on the way of the paths a carried-out plan put something in: each is
+    a directory after the revert, whatever its own step said (``_parent`` makes it)."""
+    out: set[str] = set()
+    for s, r in zip(steps, results):
+        if s.target.present and not failed(r):
+            parts = s.path.split("/")
+            out.update("/".join(parts[:k]) for k in range(1, len(parts)))
+    return out
+
+
+def unmet(live: Tree, step: Step, result: str, around: set[str] = frozenset()) -> str | None:
     """After a plan was carried out: why ``step.path`` does not hold ``step.target`` although
     its step did not fail (a process wrote it while the revert ran, or a defect of the plan's
     rules), read afresh from ``live``; None when it does, or when the target is not known
     exactly enough to compare (a guess, a secret's placeholder) or the path cannot be read
-    here (a mode that denies its reader: set by the revert itself, as recorded).  The owner
+    here (a mode that denies its reader: set by the revert itself, as recorded), or a
+    directory the revert kept, or made again ``around`` (``ways``) a path it put back.  The owner
     is not compared: a revert made by its user may not give a file away.  A name the step
     linked to its group's first name must still be one file with it."""
     t = step.target
@@ -674,7 +686,7 @@ def unmet(live: Tree, step: Step, result: str) -> str | None:
             return f"is not one file with {first} (a hard link) as the revert put back"
         return None
     if t.same(now, owner=False) or t.kind == now.kind == "dir" or \
-            (result == KEPT and now.kind == "dir"):
+            (now.kind == "dir" and (result == KEPT or step.path in around)):
         return None  # a directory's mode is its DirMode step's
     if now.kind != t.kind:
         return f"holds {_a(now.kind)} where the revert put back {_a(t.kind)}"
