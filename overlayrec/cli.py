@@ -1817,7 +1817,9 @@ def revert(workspace, call_id, turn_sel, sid, since, glob, yes, force, cont, as_
     """Put back what a call, a turn, a session or everything since a point changed.
 
     Previews by default; every path is checked first (changed since, interleaved with another
-    writer, unrecorded) and one conflict refuses the whole revert unless --force."""
+    writer, unrecorded) and one conflict refuses the whole revert unless --force.  Once
+    done, every path written is read back: one that does not hold what was put back (another
+    process wrote it meanwhile) is named, and the exit is 1."""
     from . import reverts
     ws = state.resolve_workspace(workspace, upward=True)
     sd = _state_dir_for(ws, state_dir)
