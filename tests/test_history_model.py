@@ -1503,6 +1503,13 @@ LINKED_GROUP = [
     ("call", 0, [("own", "write", 0, 0, "x"), ("own", "write", 0, 0, "x"),
                  ("own", "rename", 2, 0, "x"), ("own", "write", 0, 0, "x"),
                  ("O", "link", 0, 200, "x")])])
+@example(seed=1, which=7, raw=[  # a pair renamed away by one call, a third name linked by another
+    ("call", 0, [("own", "write", 0, 0, "x"), ("own", "write", 0, 0, "x"),
+                 ("own", "link", 3347, 784, "x"), ("own", "swap", 0, 0, "x"),
+                 ("own", "swap", 0, 0, "x")]),
+    ("call", 0, [("own", "swap", 0, 703, "x"), ("own", "rename", 711, 0, "x"),
+                 ("own", "swap", 438, 0, "x"), ("late", "link", 3347, 0, "x"),
+                 ("own", "write", 0, 0, "x")])])
 def test_every_reader_agrees_with_the_model(model_env, seed, raw, which):
     check_case(model_env, seed, raw, which)
 

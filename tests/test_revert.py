@@ -1041,3 +1041,28 @@ def test_a_hard_link_the_revert_made_then_replaced_by_a_copy_is_said(make_mount,
     assert js["unmet"] == [{"path": "b", "how": "is not one file with a (a hard link) as the "
                             "revert put back"}], js
     assert open(a).read() == open(b).read() == "orig\n"
+
+
+def test_a_linked_pair_renamed_away_keeps_a_name_linked_to_it_since(make_mount, tmp_path):
+    """``d/x`` and ``d/y`` are one file.  Call c1 renames both away (``p``, ``q``); call c2
+    links a third name to it (``r``).  Reverting c1 puts the pair back as that same file, one
+    with ``r``, as renaming them back would: it gave the pair back as a new file, linked to
+    each other only, and ``r`` no longer took a write through ``d/x`` (history model, random
+    seed)."""
+    m = setup_ws(make_mount, tmp_path, {"d/x": b"same\n"})
+    (tmp_path / "calln.py").write_text(CALL_N)
+    m.mount()
+    m.sh("ln d/x d/y")  # through the mount: the record knows the pair
+    for cid, script in (("c1", "mv d/x p && mv d/y q"), ("c2", "ln p r")):
+        overlayrec("run", "-w", m.ws, "--session", "s", "--", sys.executable,
+                   str(tmp_path / "calln.py"), cid, script, cwd=m.ws)
+    js = json.loads(overlayrec("revert", m.ws, "--call", "c1", "--yes", "--json").stdout)
+    assert js["unmet"] == [] and js["failed"] == [], js
+    ino = {n: os.lstat(os.path.join(m.ws, n)).st_ino for n in ("d/x", "d/y", "r")}
+    assert len(set(ino.values())) == 1 and os.lstat(os.path.join(m.ws, "r")).st_nlink == 3, ino
+    assert not os.path.exists(os.path.join(m.ws, "p")) and \
+        not os.path.exists(os.path.join(m.ws, "q"))
+    with open(os.path.join(m.ws, "d/x"), "a") as f:  # one file: a write shows under each name
+        f.write("more\n")
+    assert open(os.path.join(m.ws, "r")).read() == open(os.path.join(m.ws, "d/y")).read() == \
+        "same\nmore\n"

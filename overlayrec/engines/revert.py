@@ -386,21 +386,34 @@ def _find_partners(plan: Plan, live: Tree, by_ino, states: States) -> None:
         t = step.target
         if not link_key(t) or link_key(t) in plan.partners or t.kind != "file":
             continue
+        moved = t.nlink <= 1
         if t.nlink > 1:
-            if t.nlink <= 1 + sum(o is not step and linked(t, o.target) for o in plan.steps):
-                continue  # every name of the group is a step of the plan
+            group = [o for o in plan.steps if linked(t, o.target)]
+            if t.nlink <= len(group):
+                # every name of the group is a step of the plan: a partner only where the
+                # inode has left them all and lives on under a name another unit linked to
+                # it since, as for one name below (history model: a linked pair renamed away
+                # by one call, a third name linked by another; the revert of the first gave
+                # the pair back as a new file, and the third name was no longer one with it)
+                if any(_inode_at(live, o.path) == t.ino for o in group):
+                    continue
+                moved = True
             seed = t
         else:
-            here = live.lstat(step.path)
-            if here is not None and here.st_ino == t.ino:
+            if _inode_at(live, step.path) == t.ino:
                 continue  # the inode is still here
             seed = t.but(nlink=2)  # one group with its partner (``linked``)
         for name in by_ino().get(t.ino, ()):
             if _visible(name) and live.state(name).same(t) and \
-                    (t.nlink > 1 or states.state(name, INF).ino == t.ino):
+                    (not moved or states.state(name, INF).ino == t.ino):
                 # (same(): chmodded since, it is a name of another group)
                 plan.partners[link_key(t)] = (name, t.ino, seed)
                 break
+
+
+def _inode_at(live: Tree, path: str) -> int | None:
+    st = live.lstat(path)
+    return st.st_ino if st is not None else None
 
 
 # -- carrying a plan out ----------------------------------------------------------------------
