@@ -31,7 +31,7 @@ from ..journal import Journal
 from ..journal.schema import UNMOUNTED
 from ..secrets import PLACEHOLDER
 from ..underlay import O_PATH, Escape, resolve_beneath
-from ..views import guessed, path_matcher
+from ..views import guessed, path_matcher, shown
 from .diff import (SelectionError, changed_around, file_events, placed_elsewhere, touched,
                    _find_turn, _visible)
 from .large import same_as_fd, write_to
@@ -696,7 +696,7 @@ def unmet(live: Tree, step: Step, result: str, around: set[str] = frozenset()) -
         first = result[len(LINKED):-1]
         other = live.state_stat(first)[1]
         if other is not None and (other.st_dev, other.st_ino) != (st.st_dev, st.st_ino):
-            return f"is not one file with {first} (a hard link) as the revert put back"
+            return f"is not one file with {shown(first)} (a hard link) as the revert put back"
         return None
     if t.same(now, owner=False) or t.kind == now.kind == "dir" or \
             (now.kind == "dir" and (result == KEPT or step.path in around)):
