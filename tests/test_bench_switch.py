@@ -120,16 +120,17 @@ def test_bench_recorder_runs_both_sides(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert set(out["results"]) == {"tar", "rewrite", "unlink", "sed"}
+    assert set(out["results"]) == {"tar", "rewrite", "edit", "unlink", "sed"}
     for cell in out["results"].values():
         assert len(cell["samples"]["recording"]) == len(cell["samples"]["not"]) == 1
         assert cell["recording_us"] > 0 and cell["not_us"] > 0
         assert 0 < cell["commit_us"] < cell["recording_us"]
         assert 0 < cell["commits_per_file"] < cell["ahead_per_file"]
     # tar: create (its write joins the create's run), chmod (utimens, chown held); rewrite:
-    # create, rename (the chmod held); sed: create, the ACL (a chmod), write, rename
+    # create, rename (the chmod held); edit: the truncating open (its write joins its run);
+    # sed: create, the ACL (a chmod), write, rename
     assert {w: c["ahead_per_file"] for w, c in out["results"].items()} == \
-        {"tar": 2.0, "rewrite": 2.0, "unlink": 1.0, "sed": 4.0}
+        {"tar": 2.0, "rewrite": 2.0, "edit": 1.0, "unlink": 1.0, "sed": 4.0}
     assert os.listdir(tmp_path) == []  # its runs' directories are gone
     bad = subprocess.run([sys.executable, os.path.join(repo, "tools", "bench-recorder"),
                           "--only", "nope"], capture_output=True, text=True, timeout=60)
