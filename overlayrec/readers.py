@@ -156,16 +156,21 @@ class Progress:
         self.what, self.on = what, on and sys.stderr.isatty()
         self.start, self.width, self.shown = time.monotonic(), 0, 0.0
 
-    def __call__(self, n: int, total: int) -> None:
+    def __call__(self, n: int, total: int, what: str | None = None) -> None:
+        """``n`` of ``total`` done; ``what``: the work's next phase, if it has one (a revert
+        reads its paths back once it has written them), said from its first step on."""
         if not self.on:
             return
+        if what is not None and what != self.what:
+            self.what, self.shown = what, 0.0
         now = time.monotonic()
         # after the first second, ten times a second at most (and the last)
         if now - self.start >= 1.0 and (now - self.shown >= 0.1 or n == total):
             self.shown = now
             line = f"overlayrec: {self.what} {n}/{total}"
-            self.width = len(line)
-            _echo_err("\r" + line)
+            # a shorter line than the last one shown covers all of it
+            self.width = max(self.width, len(line))
+            _echo_err("\r" + line.ljust(self.width))
 
     def done(self) -> None:
         if self.width:

@@ -222,7 +222,8 @@ def check_room(ws: str, plan: Plan, under_fd: int) -> None:
 def carry_out(ws: str, sd: str, plan: Plan, content, *, unreverts: str | None = None,
               resume: dict | None = None, progress=None) -> dict:
     """Carry out the plan's paths without conflicts through the mount, the plan saved first
-    and its outcome after (``progress(n, total)`` after each), then read every path again:
+    and its outcome after (``progress(n, total)`` after each), then read every path again
+    (``progress(n, total, "reading back")``):
     a step that did not fail but left its path holding something else than its target is
     never a silent success.  Returns the record: ``done`` [(path, what)], ``failed``,
     ``unmet`` (the paths read back otherwise than put back, and how)."""
@@ -254,8 +255,12 @@ def carry_out(ws: str, sd: str, plan: Plan, content, *, unreverts: str | None = 
         # one's path (a directory's mode set after its contents; a group's name linked)
         live, results = Tree(root_fd), [r for _, r in done]
         around = ways(steps, results)
-        wrong = [{"path": s.path, "how": how} for s, result in zip(steps, results)
-                 if (how := unmet(live, s, result, around)) is not None]
+        wrong = []
+        for n, (s, result) in enumerate(zip(steps, results), 1):
+            if (how := unmet(live, s, result, around)) is not None:
+                wrong.append({"path": s.path, "how": how})
+            if progress is not None:
+                progress(n, len(steps), "reading back")
     except client.ClientError as e:
         raise RevertError(str(e)) from None
     finally:

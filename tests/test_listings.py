@@ -474,6 +474,16 @@ def test_progress_shows_long_work_on_a_terminal_only(capsys):
     err = capsys.readouterr().err
     line = "overlayrec: calls 300/300"
     assert err == f"\roverlayrec: calls 100/300\r{line}\r{' ' * len(line)}\r"
+    phases = Progress("reverting")   # a second phase is said from its first step, its line
+    phases.on, phases.start = True, phases.start - 2   # covering the longer one before it
+    phases(2, 2)
+    phases(1, 2, "reading")
+    phases(2, 2, "reading")
+    phases.done()
+    err = capsys.readouterr().err
+    wide = len("overlayrec: reverting 2/2")
+    assert err == ("\roverlayrec: reverting 2/2\r" + "overlayrec: reading 1/2".ljust(wide) +
+                   "\r" + "overlayrec: reading 2/2".ljust(wide) + "\r" + " " * wide + "\r")
     piped = Progress("calls")   # stderr is no terminal under pytest
     piped.start -= 2
     piped(1, 2)

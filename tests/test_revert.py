@@ -660,8 +660,11 @@ def test_a_long_revert_shows_its_progress_on_a_terminal(make_mount, tmp_path):
                        timeout=60)
     out = r.stdout.decode()  # bytes: text mode would read each \r as a line's end
     assert r.returncode == 0, out
-    line = "overlayrec: reverting 3/3"
+    # the steps, then their paths read back (docs/revert.md), the line wiped at the end
+    assert "\roverlayrec: reverting 3/3\r" in out, repr(out)
+    line = "overlayrec: reading back 3/3"
     assert f"\r{line}\r{' ' * len(line)}\r" in out, repr(out)
+    assert out.index("reverting 3/3") < out.index("reading back 1/3"), repr(out)
     assert out.rstrip().endswith("reverted 3 path(s) as revert " + out.split()[-1]), repr(out)
     piped = overlayrec("unrevert", m.ws, "--yes", env=env)
     assert "reverting" not in piped.stdout + piped.stderr
