@@ -203,3 +203,39 @@ def test_bench_profile_writes_a_profile_per_workload_and_its_layers(tmp_path):
     own = {k: (v["recorder"] + v["journal"]) / v["total"] for k, v in shares.items()}
     assert own["overlayrec"] > own["norecord"] and shares["norecord"]["journal"] == 0
     assert "profile (CPU)" in r.stdout and "overlayrec create-files" in r.stdout
+
+
+@needs_fuse
+def test_bench_paired_runs_each_setup_each_round_and_leaves_nothing(tmp_path):
+    """tools/bench-paired: every round mounts norecord, overlayrec and the other checkout in
+    turn, each workload completes under each (the figures are the bench's to read), and no
+    mount or directory is left behind; bad usage is one line and exit 2."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tool = os.path.join(repo, "tools", "bench-paired")
+    base = tempfile.mkdtemp(prefix="obp", dir="/tmp")  # short: the control socket's path
+    try:
+        r = subprocess.run([sys.executable, tool, "--work", "rewrite", "--files", "12",
+                            "--rounds", "2", "--dir", base, "--other", repo, "--json"],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        out = json.loads(r.stdout)
+        assert set(out["samples"]) == {"norecord", "overlayrec", "other"}
+        for runs in out["samples"].values():
+            assert len(runs) == 2 and all(wall > 0 and cpu >= 0 for wall, cpu in runs), runs
+        assert set(out["ratios"]) == {"overlayrec/norecord", "other/norecord",
+                                      "overlayrec/other"}
+        assert os.listdir(base) == []
+        with open("/proc/mounts") as f:
+            assert base not in f.read()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    for args, said in ((["--work", "nope"], "unknown workload 'nope'"),
+                       (["--other", str(tmp_path)], "no overlayrec package there")):
+        bad = subprocess.run([sys.executable, tool, *args], capture_output=True, text=True,
+                             timeout=60)
+        assert bad.returncode == 2 and said in bad.stderr, bad.stderr
