@@ -41,10 +41,13 @@ while time.monotonic() < end and full < 40:
     i += 1
     name = "%s-new-%d" % (tag, i) if i % 3 == 0 else "%s-%d" % (tag, i % 8)
     data = os.urandom(size if i % 3 else 100)
+    # appended to (its first write begins a run: an event, voided when refused), or made or
+    # truncated by the open (the writes join the run the open began: no event to void)
+    mode = "ab" if i % 3 == 1 else "wb"
     pid = os.fork()
     if pid == 0:
         try:
-            with open(name, "wb") as f:
+            with open(name, mode) as f:
                 f.write(data)
         except OSError as e:
             os._exit(e.errno or 255)
