@@ -310,6 +310,24 @@ def test_a_reader_kept_open_sees_what_was_written_ahead_since(tmp_path):
         j.close()
 
 
+def test_an_actor_made_known_alone_is_read_with_its_events(tmp_path):
+    """An agent is made known before its first event (``append_many([], [agent])``, calls.py):
+    written ahead as a record with no event, a reader's catch-up, which applies records by
+    their seqs, never took it, while the writer wrote the agent's next events without it, so a
+    reader in another process found them with no actor until the writer's own commit."""
+    sd = str(tmp_path / "state")
+    j = writer(sd)
+    agent = {"key": "agent:9", "pid": 9, "start": 9, "uid": 0}
+    try:
+        j.append_many([], [agent])
+        s = j.append({"op": "create", "path": "a", "actor": "agent:9",
+                      "pre": {"kind": "absent"}}, agent)
+        got = other(sd, "[[e['seq'], e['actor']] for e in r.events()] + [r.actor('agent:9')]")
+        assert got == [[s, "agent:9"], agent], got
+    finally:
+        j.close()
+
+
 SHAPES_WRITER = """
 import os, stat, sys
 from overlayrec.attribution import Attribution

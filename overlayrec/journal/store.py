@@ -393,7 +393,10 @@ class Journal:
         """Commit events (and the actors not seen before) in one transaction; their seqs.
         JournalError (with ``errno``) when the commit cannot be made: then nothing of it is in
         the journal."""
-        if self.hold_notes and self._ahead_room():
+        # actors alone (an agent made known before its first event) are committed now: a record
+        # ahead with no event has no seq a reader's catch-up would apply it by, and the writer
+        # would write the actors' events without them
+        if self.hold_notes and self._ahead_room() and (events or self._held_events):
             return [ev["seq"] for ev in self._write_ahead(events, actors)]
         added: list[str] = []
         assigned: list[tuple[dict, bool]] = []
