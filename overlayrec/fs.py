@@ -110,7 +110,7 @@ def _invalidating(q: "queue.SimpleQueue[int]") -> None:
 
 class Handle:
     __slots__ = ("fd", "inode", "actor", "unit", "_path", "_named_at", "write_seq", "epoch",
-                 "writes", "lo", "hi", "nbytes", "last_at", "recorder", "flags", "opened_run")
+                 "writes", "lo", "hi", "nbytes", "last_at", "recorder", "flags", "from_create")
 
     def __init__(self, fd: int, inode: Inode, actor: dict | None, unit: str | None,
                  recorder: Recorder):
@@ -129,7 +129,7 @@ class Handle:
         self.last_at = 0  # the last seq handed out when the run's last write was made
         # the run was begun by the event that opened the handle (a create that made the file,
         # a truncating open), not by a write: it counts its writes from zero
-        self.opened_run = False
+        self.from_create = False
 
     @property
     def path(self) -> str:
@@ -153,14 +153,14 @@ class Handle:
         handed out)."""
         self.writes, self.nbytes, self.lo, self.hi = 1, length, off, off + length
         self.last_at = at
-        self.opened_run = False
+        self.from_create = False
 
     def empty_run(self, at: int) -> None:
         """A new run begins with no write yet: the create that made the file or the truncating
         open (event ``at``)."""
         self.writes = self.nbytes = self.lo = self.hi = 0
         self.last_at = at
-        self.opened_run = True
+        self.from_create = True
 
     def note_write(self, off: int, length: int, at: int) -> None:
         """A later write of the run, made when ``at`` was the last seq handed out."""

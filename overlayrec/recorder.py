@@ -1451,11 +1451,10 @@ class Recorder:
         ev["op"] = "write"
         ev["offset"], ev["length"] = off, length
         ev["actor"] = handle.actor["key"]
-        if handle.opened_run:
-            # the run the create (or the truncating open) began ends here (another event on
-            # the path came first): readers learn where its last write was, as from a release
-            # (with none, the state just after that event is exact, as it was when the first
-            # write was an event)
+        if handle.from_create:
+            # the run the create began ends here (another event on the path came first):
+            # readers learn where its last write was, as from a release (with none, the state
+            # just after the create is exact, as it was when the first write was an event)
             self.note_extents(handle)
         handle.write_seq = self._append(ev, handle.actor)
         self.left[handle.path] = "file"
