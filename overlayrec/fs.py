@@ -127,9 +127,7 @@ class Handle:
         self.writes = self.nbytes = 0
         self.lo = self.hi = 0
         self.last_at = 0  # the last seq handed out when the run's last write was made
-        # the run was begun by the event that opened the handle (a create that made the file,
-        # a truncating open), not by a write: it counts its writes from zero
-        self.from_create = False
+        self.from_create = False  # the run was begun by the create that made the file
 
     @property
     def path(self) -> str:
@@ -156,8 +154,7 @@ class Handle:
         self.from_create = False
 
     def empty_run(self, at: int) -> None:
-        """A new run begins with no write yet: the create that made the file or the truncating
-        open (event ``at``)."""
+        """A new run begins with no write yet: the create that made the file (event ``at``)."""
         self.writes = self.nbytes = self.lo = self.hi = 0
         self.last_at = at
         self.from_create = True
@@ -740,10 +737,6 @@ class Operations(pyfuse3.Operations):
             except BaseException:
                 os.close(fd)
                 raise
-            info = self._file_info(fd, i, actor if writing else None)
-            if writing:  # the truncate may have begun the handle's write run
-                self.recorder.begin_run(self.handles[info.fh])
-            return info
         elif not writing:
             # opened on the first READ: with the page cache serving the data (keep_cache), a
             # reader such as grep or cat of a file read before costs no underlay open at all.
