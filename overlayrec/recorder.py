@@ -1425,8 +1425,8 @@ class Recorder:
 
         In full-fidelity mode (``record_data``) every write is an event carrying its data, so
         the tree can be replayed exactly at every event, not only at epoch boundaries.
-        Returns the seq of the event it journaled, or None when the write joined the handle's
-        last one."""
+        Returns the seq of the event it journaled, or None when the write joins the handle's
+        run (the caller counts it in the run once the underlay has made it: ``write``)."""
         captured = ev = self._capture(handle.path, handle.fd, handle.unit, off, off + length)
         if self.record_data and data is not None:
             ev = ev or {"path": handle.path, **unit_fields(handle.unit)}
@@ -1446,7 +1446,6 @@ class Recorder:
                 ev = ev or {"path": handle.path, **unit_fields(handle.unit)}
                 self._alias_again(handle.path, handle.fd, handle.unit)
             elif ev is None:
-                handle.note_write(off, length, self.journal.last_reserved())
                 return None
         ev["op"] = "write"
         ev["offset"], ev["length"] = off, length
@@ -1480,12 +1479,20 @@ class Recorder:
         ``failed`` note, and the handle's next write a fresh event."""
         seq = self.before_write(handle, off, len(data), data)
         try:
-            return os.pwrite(handle.fd, data, off)
+            n = os.pwrite(handle.fd, data, off)
         except OSError as e:
             if seq is not None:
                 handle.write_seq = None
                 self._note_failed(seq, handle.path, e.errno, handle.actor["key"])
             raise
+        # the run's extents count what the underlay made: a write it refused inside the run
+        # is not in them, one it made short only as far as it went (the note says where the
+        # run wrote, never more)
+        if seq is None:
+            handle.note_write(off, n, self.journal.last_reserved())
+        elif n != len(data):
+            handle.reset_extent(off, n, handle.last_at)
+        return n
 
     @_roomy
     @_undoable

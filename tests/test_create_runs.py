@@ -9,6 +9,8 @@ import json
 import os
 import textwrap
 
+import pytest
+
 from conftest import needs_fuse
 from overlayrec.engines.states import States, Tree
 
@@ -127,4 +129,52 @@ def test_every_point_of_a_create_run_reads_as_it_was_or_says_not(make_mount):
         assert s.exact and s.data == snap["second"] and s.mode & 0o777 == 0o600
     finally:
         os.close(fd)
+        j.close()
+
+
+def test_a_runs_extents_count_only_what_the_underlay_made(tmp_path, monkeypatch):
+    """A write joining its handle's run is counted in the run's extents note once the
+    underlay has made it: one refused (ENOSPC) is not in the note, one made short only as far
+    as it went.  Neither moves where the note says the run ended past what the file holds."""
+    import errno
+    from overlayrec.attribution import Attribution
+    from overlayrec.fs import Handle
+    from overlayrec.journal import Journal
+    from overlayrec.recorder import Recorder
+    ws, sd = tmp_path / "ws", str(tmp_path / "state")
+    ws.mkdir()
+    j = Journal(sd)
+    j.hold_notes = True  # as the daemon serves
+    root = os.open(ws, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    real_pwrite = os.pwrite
+
+    def refusing(fd, data, off):
+        if data.startswith(b"refused"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        if data.startswith(b"short"):
+            return real_pwrite(fd, data[:3], off)
+        return real_pwrite(fd, data, off)
+    try:
+        rec = Recorder(j, root, Attribution())
+        actor = rec.attribution.actor(os.getpid())
+        fd = rec.create(root, "f", os.O_RDWR, 0o644, os.geteuid(), os.getegid(), actor)
+        h = Handle(fd, None, actor, rec.units.unit_of(actor), rec)
+        rec.begin_run(h)
+        made = j.last_reserved()
+        monkeypatch.setattr(os, "pwrite", refusing)
+        assert rec.write(h, 0, b"0123456789") == 10
+        with pytest.raises(OSError):
+            rec.write(h, 10, b"refused, and long enough to reach far")
+        assert rec.write(h, 10, b"short write") == 3
+        monkeypatch.setattr(os, "pwrite", real_pwrite)
+        rec.note_extents(h)
+        os.close(fd)
+        j.flush()
+        note = j.extents(made)
+        assert (note["writes"], note["bytes"], note["lo"], note["hi"]) == (2, 13, 0, 13), note
+        assert os.path.getsize(ws / "f") == note["hi"]
+        assert [e["op"] for e in j.events() if e["path"] == "f"] == ["create"]
+    finally:
+        monkeypatch.undo()
+        os.close(root)
         j.close()
