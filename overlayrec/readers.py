@@ -246,6 +246,8 @@ def turn_lines(rows: list[dict], churn: bool, as_json: bool) -> Parts:
         shared = f"  [shared with {one_line(', '.join(r['others']))}]" if r["others"] else ""
         if r["around"]:
             shared += f"  [{AROUND_LINE}{one_line(', '.join(r['around'][:6]))}]"
+        if r.get("inexact"):
+            shared += f"  [{INEXACT_LINE}{one_line(', '.join(r['inexact'][:6]))}]"
         out.append(f"{one_line(r['session']):<14.14} {r['index']:>3} {fmt_time(r['begin_t'])} "
                    f"{r['touched_files' if churn else 'files']:>4} files  {paths:<40}  "
                    f"{prompt}{shared}")
@@ -278,6 +280,7 @@ def text_of_lines(lines: list[str]) -> Parts:
 
 # what a listing says of a unit's paths a seal found changed around the mount
 AROUND_LINE = "changed around the mount meanwhile (what it left is not known): "
+INEXACT_LINE = "not known exactly on one side (content the record could not keep): "
 
 # a call's line; %-formatting: a quarter less time than the f-string's specs on 10k rows
 _CALL_LINE = "%-14.14s %3s %-24.24s %-10.10s %4d files  %-40.40s  %s"
@@ -319,6 +322,9 @@ def call_lines(pairs: list[tuple[dict, dict]], churn: bool, as_json: bool) -> Pa
         if f["around"]:
             out.append(under + AROUND_LINE + ", ".join(map(shown, f["around"][:6]))
                        + (" ..." if len(f["around"]) > 6 else ""))
+        if f.get("inexact"):
+            out.append(under + INEXACT_LINE + ", ".join(map(shown, f["inexact"][:6]))
+                       + (" ..." if len(f["inexact"]) > 6 else ""))
         if f["guessed"]:
             out.append(under + guessed_line(f["guessed"], f["active_with"]))
         if f.get("late"):

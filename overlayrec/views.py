@@ -139,7 +139,8 @@ def unit_listing(net, evs: list[dict], bounds: tuple[int, int] | None = None) ->
     if net is None:
         return listing(touched, None)
     changed, more = net(evs, bounds)
-    return listing(touched | set(more), changed)
+    return dict(listing(touched | set(more), changed),
+                inexact=list(getattr(net, "inexact", ())))
 
 
 def listing(touched, net: list[str] | None) -> dict:
@@ -197,7 +198,7 @@ def turn_fields(j: Journal, t: dict, last: int, net, actors: dict) -> dict:
             others.add(writer_name(j, e.get("unit") or "outside:" + e["actor"], actors))
     fields = unit_listing(net, mine, (t["begin_seq"], t["end_seq"] or last))
     return {**fields, "others": sorted(others), "seq": [t["begin_seq"], t["end_seq"]],
-            "around": _around(net, mine)}
+            **_unknown(net, mine, fields)}
 
 
 def call_rows(j: Journal, sid: str | None = None, turn: int | None = None, net=None
@@ -236,9 +237,10 @@ def call_fields(j: Journal, evs: list[dict], net, actors: dict) -> dict:
         name = f"{command_name(actors[e['actor']])}[{e['actor'].split(':')[0]}]"
         if name not in procs:
             procs.append(name)
-    return {**unit_listing(net, evs), "processes": procs, "events": len(evs),
+    fields = unit_listing(net, evs)
+    return {**fields, "processes": procs, "events": len(evs),
             "late_events": sum(1 for e in evs if e.get("after_end")), "late": late(evs),
-            "around": _around(net, evs), **guessed(evs)}
+            **_unknown(net, evs, fields), **guessed(evs)}
 
 
 def late(evs: list[dict]) -> list[str]:
@@ -274,6 +276,14 @@ def guessed(evs: list[dict]) -> dict:
             if u != e.get("unit"):
                 others[u] = None
     return {"guessed": sorted(paths), "active_with": list(others)}
+
+
+def _unknown(net, evs: list[dict], fields: dict) -> dict:
+    """A row's paths whose net change is not known: ``around`` (changed around the mount
+    meanwhile), ``inexact`` (the others not known exactly on one side, Net.inexact)."""
+    around = _around(net, evs)
+    return {"around": around,
+            "inexact": [p for p in fields.get("inexact", ()) if p not in around]}
 
 
 def _around(net, evs: list[dict]) -> list[str]:

@@ -526,6 +526,20 @@ def test_a_large_file_edited_while_unmounted(make_mount, tmp_path, keep_mtime):
     for sel in (["--drift"], ["--call", "c1"]):
         r = overlayrec("diff", m.ws, *sel, "--stat")
         assert "model.bin" in r.stdout and "not known exactly" in r.stderr, (sel, r)
+    # the listings say so of the call and its turn as the diff does, twice (the second
+    # listing reads its rows back from the state dir)
+    for _ in range(2):
+        calls = [json.loads(line) for line in overlayrec("calls", m.ws, "--json").stdout.split("\n")
+                 if line]
+        assert [(c["id"], c["paths"], c["inexact"]) for c in calls] == \
+            [("c1", ["model.bin"], ["model.bin"])], calls
+        text = overlayrec("calls", m.ws).stdout
+        assert "not known exactly on one side (content the record could not keep): model.bin" \
+            in text, text
+        turns = [json.loads(line) for line in overlayrec("turns", m.ws, "--json").stdout.split("\n")
+                 if line]
+        assert [t["inexact"] for t in turns] == [["model.bin"]], turns
+        assert "not known exactly" in overlayrec("turns", m.ws).stdout
     overlayrec("report", m.ws, "--html", str(tmp_path / "report.html"))
     assert "not known exactly on one side (content the record could not keep), shown as near " \
         "as it can: model.bin" in (tmp_path / "report.html").read_text()

@@ -102,6 +102,9 @@ def test_listings_net_and_git_said_not_hidden(make_mount, tmp_path):
     assert gitcall["git_changes"] > 5
     assert all(p.split("/")[0] == ".git" for p in gitcall["paths"][1:])  # the workspace's first
     assert ".git/HEAD" in gitcall["paths"] and ".git/refs/heads/main" in gitcall["paths"]
+    # every change here is known exactly (a file made and written is read where its writes
+    # were done): no path is said to be inexact
+    assert all(r["inexact"] == [] and r["around"] == [] for r in c.values()), c
 
     text = overlayrec("calls", m.ws).stdout
     assert "scratch.tmp" not in text and "same.txt" not in text and "real.txt" in text
@@ -112,6 +115,7 @@ def test_listings_net_and_git_said_not_hidden(make_mount, tmp_path):
 
     turns = [json.loads(l) for l in overlayrec("turns", m.ws, "--json").stdout.splitlines()]
     assert len(turns) == 1 and turns[0]["paths"][:2] == ["app.txt", "real.txt"]
+    assert turns[0]["inexact"] == [], turns
     assert turns[0]["files"] == 2 and "scratch.tmp" in turns[0]["touched"]
     text = overlayrec("turns", m.ws).stdout
     assert "   2 files  app.txt, real.txt + " in text and "under .git/" in text

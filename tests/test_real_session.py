@@ -827,6 +827,9 @@ def test_calls_and_turns_list_net_changes(rec):
     for cid, (a, b) in spans.items():
         if cid in rows:
             problems += _check_listing(f"calls: {cid}", rows[cid]["paths"], S[a], S[b])
+    for cid, row in rows.items():  # every change of this session is known exactly
+        if row.get("inexact") != []:
+            problems.append(f"calls: {cid} says {row.get('inexact')} not known exactly")
     r = rec.cmd["turns"]
     assert r.returncode == 0, ran(r)
     turns = {row["index"]: row for row in json_lines(r.stdout)}
@@ -842,6 +845,9 @@ def test_calls_and_turns_list_net_changes(rec):
             problems.append(f"turns: turn 1 does not name the editor among others: {t['others']}")
     if 2 in turns:
         problems += _check_listing("turns: turn 2", turns[2]["paths"], S["turn-1"], S["turn-2"])
+    for i, t in turns.items():
+        if t.get("inexact") != []:
+            problems.append(f"turns: turn {i} says {t.get('inexact')} not known exactly")
     report(problems)
 
 

@@ -246,21 +246,43 @@ class Net:
     as side_of), it gives (its changed paths, every path it touched), comparing the two points
     by States.sig (stored hashes, no content read where the record has them), so a listing of
     every call costs a pass over the journal, not a read of every file it touched.
-    ``settled`` then says whether that answer is for good (engines.listings keeps it)."""
+    ``settled`` then says whether that answer is for good (engines.listings keeps it), and
+    ``inexact`` which changed paths are not known exactly on one side (as ``diff`` names them:
+    content the record could not keep; a secret's withheld content is not one)."""
 
     def __init__(self, states: States):
         self.states = states
         self.settled = False
+        self.inexact: list[str] = []
 
     def __call__(self, events: list[dict], bounds: tuple[int, int] | None = None):
         states = self.states
+        sig = states.sig
         spans, _ = spans_of(states, events, bounds)
-        changed = sorted(p for p, (lo, hi) in spans.items()
-                         if not states.sig(p, lo).same(states.sig(p, hi)))
+        changed, inexact = [], []
+        for p, (lo, hi) in spans.items():
+            before, after = sig(p, lo), sig(p, hi)
+            if before.same(after):
+                continue
+            changed.append(p)
+            if not (before.exact and after.exact) and not (before.withheld or after.withheld) \
+                    and not (before.exact and self._exact_once_done(p, hi)):
+                inexact.append(p)
+        changed.sort()
+        self.inexact = sorted(inexact)
         # a directory rename's moved paths are read from the live tree too (States.moved_with)
         self.settled = not any(is_dir_rename(e) for e in events) and \
             all(states.settled(p, lo) and states.settled(p, hi) for p, (lo, hi) in spans.items())
         return changed, spans.keys()
+
+    def _exact_once_done(self, path: str, hi: int) -> bool:
+        """A unit's last event on ``path`` may begin a write run (a create, a first write) whose
+        later writes are no events: read where the run's release was noted, as ``diff`` does
+        (States.settle), the state is exact.  Only asked of a path whose after side is not
+        known exactly from a stored hash (an open epoch: the live tree)."""
+        states = self.states
+        point = states.settle(path, hi)
+        return point != hi and states.state(path, point).exact
 
     def around(self, evs: list[dict]) -> list[str]:
         """The paths of one unit's events that a seal found changed around the mount after

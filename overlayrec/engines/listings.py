@@ -37,7 +37,7 @@ from ..views import (call_fields, call_unit, calls_of, file_events, turn_fields,
                      turn_record_fields)
 from .states import States
 
-VERSION = 2
+VERSION = 3  # 3: rows name their paths not known exactly (``inexact``)
 LEGACY = "listings.json"  # the single file of version 1, beside the directory: removed on save
 
 
