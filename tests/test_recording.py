@@ -222,6 +222,11 @@ def test_git_works_through_the_mount(make_mount):
     assert m.sh("git log --format=%s").stdout.split() == ["two", "one"]
     evs = m.events()
     gits = [e for e in evs if e["path"].startswith(".git/")]
+    unknown = [e for e in gits if m.actor(e["actor"]) is None]
+    if unknown:  # what a reader could not find, and whether it is found once all is committed
+        m.umount()
+        raise AssertionError(f"events without their actor: {unknown[:3]}; after unmount: "
+                             f"{[m.actor(e['actor']) for e in unknown[:3]]}")
     assert gits and all(os.path.basename(m.actor(e["actor"])["argv"][0]) == "git" for e in gits)
     w = only(evs, "write", "README")[0]
     assert pre_content(m, w["pre"]) == b"hi\n"
