@@ -1386,7 +1386,9 @@ def _listing_net(j, ws: str | None, sd: str, quiet: bool = False):
 def turns(workspace, sid, churn, as_json, state_dir):
     """One row per turn: index, time, files changed (net: the state differs between the turn's
     begin and end), the first paths and a count of those under .git/, the prompt's first line,
-    and who else wrote in the workspace during it."""
+    and who else wrote in the workspace during it.  Paths whose change is not known (changed
+    around the mount meanwhile, or not known exactly on one side, as diff says) are named
+    in brackets ("around", "inexact" in --json)."""
     readers.emit(readers.turns(workspace, sid, churn, as_json, state_dir))
 
 
@@ -1404,7 +1406,10 @@ def turns(workspace, sid, churn, as_json, state_dir):
 def calls(workspace, sid, turn_index, churn, as_json, state_dir):
     """One row per call: tool, files changed (net: the state differs between just before the
     call's first change and just after its last), summary, the processes it ran; under it the
-    paths, the workspace's own first and those under .git/ as a count."""
+    paths, the workspace's own first and those under .git/ as a count, and a line for paths
+    whose change is not known (changed around the mount meanwhile, not known exactly on one
+    side as diff says, changed after the call ended: "around", "inexact", "late" in
+    --json)."""
     readers.emit(readers.calls(workspace, sid, turn_index, churn, as_json, state_dir))
 
 
