@@ -1128,7 +1128,8 @@ def check_range(rec, j, states, case, plan, exact: dict, which: int, work) -> No
 
 def check_listing(rec, j, case, plan, ids, tree) -> None:
     """``calls`` (its net, from stored hashes: States.sig) names for each call exactly the
-    paths whose full states differ between the call's two points, as ``diff`` has them."""
+    paths whose full states differ between the call's two points, as ``diff`` has them, and
+    says of the same ones as ``diff`` that they are not known exactly on one side."""
     try:
         rows = {r["id"]: r for r in call_rows(j, rec.session, net=net_of(States(j, tree)))}
     finally:
@@ -1139,9 +1140,17 @@ def check_listing(rec, j, case, plan, ids, tree) -> None:
         if row is None:
             continue  # a call that wrote nothing may have no record of its own
         mine = [p for p in row["paths"] if p.startswith(case + "/")]
-        want = [p for p in changed(select(j, states, call=ids[f"c{k}"]))
-                if p.startswith(case + "/")]
+        side = select(j, states, call=ids[f"c{k}"])
+        want = [p for p in changed(side) if p.startswith(case + "/")]
         assert mine == want, f"calls lists c{k} as changing {mine}, its diff {want}"
+        # not known exactly: as diff names them (a secret's withheld content is not one; a
+        # path changed around the mount is named as such, in ``around``)
+        vague = sorted(p for p in want
+                       if not (side.before[p].withheld or side.after[p].withheld)
+                       and not (side.before[p].exact and side.after[p].exact))
+        said = sorted(p for p in row["inexact"] + [a for a in row["around"] if a in mine]
+                      if p.startswith(case + "/"))
+        assert said == vague, f"calls says c{k}'s {said} are not known exactly, its diff {vague}"
 
 
 def check_replay(rec, j, states, tree, case, plan, points, work, boundaries=()) -> None:
