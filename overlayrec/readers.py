@@ -308,13 +308,17 @@ def call_lines(pairs: list[tuple[dict, dict]], churn: bool, as_json: bool) -> Pa
                 paths = f["paths"]
         else:
             paths, n, n_git = f["paths"], f["files"], f["git_changes"]
+        fields = (c["session"], c["id"], c["tool"], c["summary"] or "",
+                  ", ".join(f["processes"][:4]))
+        # one look at all of them (a string is printable when each of its parts is): what
+        # one_line would leave as it is, nearly always; else each through it
+        if not "".join(fields).isprintable():
+            fields = tuple(map(one_line, fields))
         # (%s formats as str() does)
-        out.append(line % (one_line(c["session"]), c["turn"] or "-", one_line(c["id"]),
-                           one_line(c["tool"]), n,
-                           one_line(c["summary"] or ""),
-                           one_line(", ".join(f["processes"][:4]))))
+        out.append(line % (fields[0], c["turn"] or "-", fields[1], fields[2], n, fields[3],
+                           fields[4]))
         own = paths[:n]
-        text = ", ".join(map(shown, own[:6])) + (" ..." if len(own) > 6 else "")
+        text = _shown_all(own[:6], shown) + (" ..." if len(own) > 6 else "")
         if n_git:
             text += (" " if text else "") + f"+ {n_git} under .git/"
         if text:
@@ -334,6 +338,15 @@ def call_lines(pairs: list[tuple[dict, dict]], churn: bool, as_json: bool) -> Pa
 
 
 LATE_LINE = "changed after the call ended, by a process it left running: "
+
+
+def _shown_all(paths: list[str], shown) -> str:
+    """``", ".join(map(shown, paths))`` (views.shown), with one look at the joined text when
+    every path would be shown as it is (10,000 rows of ``calls``: 60,000 calls spared)."""
+    text = ", ".join(paths)
+    if text.isprintable() and '"' not in text and "\\" not in text and all(paths):
+        return text
+    return ", ".join(map(shown, paths))
 
 
 def guessed_line(paths: list[str], others: list[str]) -> str:

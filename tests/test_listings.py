@@ -493,3 +493,33 @@ def test_progress_shows_long_work_on_a_terminal_only(capsys):
     piped(1, 2)
     piped.done()
     assert capsys.readouterr().err == ""
+
+
+def test_call_lines_escape_what_one_line_and_shown_escape():
+    """``calls``'s text looks at a row's fields and paths all at once and escapes each only
+    when one needs it: every row reads as each field through ``one_line`` and each path
+    through ``shown``, odd ones (a newline, a quote, a backslash, a bidi mark, a name that is
+    not UTF-8, the workspace's root) and plain ones alike."""
+    from overlayrec.readers import _CALL_LINE, _UNDER_CALL, call_lines
+    from overlayrec.views import one_line, shown
+    odd = ["plain.txt", "new\nline", 'quote"d', "back\\slash", "bidi\u202emark",
+           "undecodable\udcff", "", "a, b", "tab\there"]
+    pairs = []
+    for i, name in enumerate(odd):
+        paths = [f"d/{name}", "fine.py"] if i % 2 else [name, "fine.py", "x/y"]
+        c = {"session": "s" if i % 3 else f"s{name}", "turn": i or None, "id": f"c{i}",
+             "tool": "Bash" if i % 2 else f"T{name}", "summary": f"run {name}" if i % 4 else None}
+        f = {"paths": paths, "files": len(paths), "git_changes": 0, "touched": None,
+             "touched_files": len(paths), "touched_git": 0,
+             "processes": ["sh[1]", f"{name}[2]"], "around": [], "inexact": [],
+             "guessed": [], "active_with": [], "late": []}
+        pairs.append((c, f))
+    want = []
+    for c, f in pairs:
+        want.append(_CALL_LINE % (one_line(c["session"]), c["turn"] or "-", one_line(c["id"]),
+                                  one_line(c["tool"]), f["files"], one_line(c["summary"] or ""),
+                                  one_line(", ".join(f["processes"][:4]))))
+        want.append(_UNDER_CALL + ", ".join(map(shown, f["paths"])))
+    got = call_lines(pairs, churn=False, as_json=False)
+    assert [stream for stream, _ in got] == [1]
+    assert got[0][1] == "\n".join(want) + "\n", (got, want)
