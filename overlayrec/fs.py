@@ -110,7 +110,7 @@ def _invalidating(q: "queue.SimpleQueue[int]") -> None:
 
 class Handle:
     __slots__ = ("fd", "inode", "actor", "unit", "_path", "_named_at", "write_seq", "epoch",
-                 "writes", "lo", "hi", "nbytes", "last_at", "recorder", "flags", "from_create")
+                 "writes", "lo", "hi", "nbytes", "last_at", "recorder", "flags", "opened_run")
 
     def __init__(self, fd: int, inode: Inode, actor: dict | None, unit: str | None,
                  recorder: Recorder):
@@ -127,7 +127,9 @@ class Handle:
         self.writes = self.nbytes = 0
         self.lo = self.hi = 0
         self.last_at = 0  # the last seq handed out when the run's last write was made
-        self.from_create = False  # the run was begun by the create that made the file
+        # the run was begun by the event that opened the handle (a create that made the file,
+        # a truncating open), not by a write: it counts its writes from zero
+        self.opened_run = False
 
     @property
     def path(self) -> str:
@@ -151,13 +153,14 @@ class Handle:
         handed out)."""
         self.writes, self.nbytes, self.lo, self.hi = 1, length, off, off + length
         self.last_at = at
-        self.from_create = False
+        self.opened_run = False
 
     def empty_run(self, at: int) -> None:
-        """A new run begins with no write yet: the create that made the file (event ``at``)."""
+        """A new run begins with no write yet: the create that made the file or the truncating
+        open (event ``at``)."""
         self.writes = self.nbytes = self.lo = self.hi = 0
         self.last_at = at
-        self.from_create = True
+        self.opened_run = True
 
     def note_write(self, off: int, length: int, at: int) -> None:
         """A later write of the run, made when ``at`` was the last seq handed out."""
@@ -737,6 +740,10 @@ class Operations(pyfuse3.Operations):
             except BaseException:
                 os.close(fd)
                 raise
+            info = self._file_info(fd, i, actor if writing else None)
+            if writing:  # the truncate may have begun the handle's write run
+                self.recorder.begin_run(self.handles[info.fh])
+            return info
         elif not writing:
             # opened on the first READ: with the page cache serving the data (keep_cache), a
             # reader such as grep or cat of a file read before costs no underlay open at all.

@@ -990,9 +990,9 @@ class Recorder:
         return fd
 
     def begin_run(self, handle) -> None:
-        """``handle`` was opened by the ``create`` just made: when that create began a write
-        run, the handle's writes join it (as a handle's later writes join the run its first
-        write began), named by the create's path."""
+        """``handle`` was opened by the ``create`` (or the truncating open: ``truncate`` with
+        ``open_fd``) just made: when that event began a write run, the handle's writes join it
+        (as a handle's later writes join the run its first write began), named by its path."""
         made, self.created = self.created, None
         if made is None or made[0] != handle.fd:
             return
@@ -1450,10 +1450,11 @@ class Recorder:
         ev["op"] = "write"
         ev["offset"], ev["length"] = off, length
         ev["actor"] = handle.actor["key"]
-        if handle.from_create:
-            # the run the create began ends here (another event on the path came first):
-            # readers learn where its last write was, as from a release (with none, the state
-            # just after the create is exact, as it was when the first write was an event)
+        if handle.opened_run:
+            # the run the create (or the truncating open) began ends here (another event on
+            # the path came first): readers learn where its last write was, as from a release
+            # (with none, the state just after that event is exact, as it was when the first
+            # write was an event)
             self.note_extents(handle)
         handle.write_seq = self._append(ev, handle.actor)
         self.left[handle.path] = "file"
@@ -1500,27 +1501,42 @@ class Recorder:
                  open_fd: int | None = None) -> None:
         """Truncate the file behind the O_PATH ``fd``: by setattr (through ``handle`` when the
         caller named one, whose opener it is attributed to) or by an O_TRUNC open (``open_fd``,
-        the opener's fd, already open without O_TRUNC so the content can be saved first)."""
+        the opener's fd, already open without O_TRUNC so the content can be saved first).
+
+        An O_TRUNC open for writing of a file with this one name begins its handle's write
+        run, as a create does (``run``; ``begin_run`` gives the handle it): the handle's first
+        writes join the truncate's event (docs/design.md, "A truncating open begins its
+        handle's write run")."""
+        self.created = None
         if handle is not None:
             path, unit, actor, rfd = handle.path, handle.unit, handle.actor, handle.fd
         else:
             path = self.rel(fd)
             unit, rfd = self.units.unit_of(actor, path), open_fd
         tmp = None
-        if rfd is None or (os.O_ACCMODE & _fd_flags(rfd)) == os.O_WRONLY:
+        accmode = os.O_ACCMODE & _fd_flags(rfd) if rfd is not None else None
+        if rfd is None or accmode == os.O_WRONLY:
             rfd = tmp = underlay.reopen_own(fd, os.O_RDONLY)
         try:
             ev = self._capture(path, rfd, unit, size, None)
             if ev is None:  # inside the path's epoch: its other names still change, unseen
                 ev = {"path": path, **unit_fields(unit)}
                 self._alias_again(path, rfd, unit)
+            # no other name (an alias to follow, an attic link a write would change): the
+            # run's writes change this name only
+            run = open_fd is not None and size == 0 and accmode != os.O_RDONLY and \
+                not self.record_data and os.fstat(rfd).st_nlink == 1
         finally:
             if tmp is not None:
                 os.close(tmp)
         ev["op"] = "truncate"
         ev["size"] = size
-        with self._mutation(ev, actor):
+        if run:
+            ev["run"] = True
+        with self._mutation(ev, actor) as seq:
             underlay.truncate_fd(fd, size)
+        if run:
+            self.created = (open_fd, seq, path, self.epochs[path])
 
     # -- metadata -------------------------------------------------------------------------------
     def _meta_event(self, op: str, fd: int, actor: dict, where: tuple | None = None,

@@ -1519,6 +1519,11 @@ LINKED_GROUP = [
     ("call", 0, [("own", "swap", 0, 703, "x"), ("own", "rename", 711, 0, "x"),
                  ("own", "swap", 438, 0, "x"), ("late", "link", 3347, 0, "x"),
                  ("own", "write", 0, 0, "x")])])
+@example(seed=1, which=0, raw=[  # another's truncating open in a call: a run (not replayed on)
+    ("call", 0, [("own", "write", 0, 0, "x")]),
+    ("call", 0, [("own", "write", 0, 0, "x"), ("own", "write", 0, 0, "x"),
+                 ("O", "write", 0, 0, "x"), ("own", "write", 1, 0, "x"),
+                 ("O", "write", 0, 0, "x")])])
 def test_every_reader_agrees_with_the_model(model_env, seed, raw, which):
     check_case(model_env, seed, raw, which)
 

@@ -424,10 +424,9 @@ def _exchanged(e: dict, path: str) -> bool:
 
 def starts_run(e: dict) -> bool:
     """Does ``e`` begin a write run, whose later writes are no events: a write (in a journal
-    that does not record data), or a create that made a file opened for writing (``run``: its
-    handle's first writes join it, docs/design.md)?"""
-    op = e["op"]
-    return op == "write" and "data" not in e or op == "create" and "run" in e
+    that does not record data), or a create that made a file opened for writing or a
+    truncating open for writing (``run``: its handle's first writes join it, docs/design.md)?"""
+    return "run" in e or e["op"] == "write" and "data" not in e
 
 
 def _moves_away(e: dict, path: str) -> bool:
@@ -1101,10 +1100,11 @@ class States:
         summary = self.j.extents(e["seq"])
         if summary is not None and "end" in summary and (summary["end"] < after or (
                 summary.get("writes", 2) <= 1 and
-                (e["op"] != "create" or summary["end"] <= after))):
-            # the run ended before ``after``; or its only write was the event; or it was a
-            # create's with one write at most, made before any other event (``end``: the
-            # create's own seq): the create's point is the file with that write
+                ("run" not in e or summary["end"] <= after))):
+            # the run ended before ``after``; or its only write was the event; or it was
+            # begun by a create or a truncating open with one write at most, made before any
+            # other event (``end``: the opening event's own seq): that point is the file with
+            # that write
             return False
         end = self._unit_ends().get(e.get("unit") or "")
         if end is not None and e["seq"] < end:
@@ -1389,6 +1389,8 @@ class States:
                     data.extend(b"\0" * (off - len(data)))
                 data[off:off + len(chunk)] = chunk
             elif op == "truncate":
+                if "run" in e and (self.j.extents(e["seq"]) or {}).get("writes") != 0:
+                    return None  # its handle's first writes joined it: no events of theirs
                 size = e["size"]
                 del data[size:]
                 data.extend(b"\0" * (size - len(data)))

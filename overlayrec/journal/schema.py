@@ -52,7 +52,8 @@ Sub-databases of the LMDB environment:
               the underlay refused after the event was written (the write-ahead order).
               A ``create`` of a file it made anew, opened for writing, carries ``run``
               (true): its handle's first writes join it, with no ``write`` event, and its
-              extents note counts them from 0 (docs/design.md).
+              extents note counts them from 0 (docs/design.md); so does the ``truncate`` of
+              an O_TRUNC open for writing of a file with one name.
               A ``setxattr`` of ``system.posix_acl_access`` carries ``mode``: the mode the ACL
               leaves (its permission bits come from the ACL; null for a value the kernel
               refuses); one written before that field existed replays forward inexact.
@@ -117,9 +118,10 @@ Sub-databases of the LMDB environment:
 ``pins``      session id utf-8 -> JSON ``{"t": ns}``: sessions ``overlayrec pin`` keeps whatever
               the retention policy says.
 ``extents``   seq -> JSON ``{"writes": n, "bytes": n, "lo": off, "hi": end, "end": seq}``: what the
-              writes through the handle of write event ``seq`` did (or of a ``create`` with
-              ``run``: then ``writes`` counts from 0), summarised at its release, or when the
-              create's run ended unwritten (not write-ahead: no pre-image in it); ``end``: the
+              writes through the handle of write event ``seq`` did (or of a ``create`` or a
+              ``truncate`` with ``run``: then ``writes`` counts from 0), summarised at its
+              release, or when such a run ended at another event on the path (not
+              write-ahead: no pre-image in it); ``end``: the
               last seq handed out when the run's last write was made, so a reader knows no
               write of that run came after it (journals before 2026-12 have the last seq at
               release: later, never wrong).
