@@ -299,7 +299,7 @@ def call_lines(pairs: list[tuple[dict, dict]], churn: bool, as_json: bool) -> Pa
                 row["touched"] = row["paths"]
             out.append(json.dumps(row))
         return text_of_lines(out)
-    from .views import one_line, shown
+    from .views import one_line, shown_all
     line, under = _CALL_LINE, _UNDER_CALL
     for c, f in pairs:
         if churn:
@@ -318,35 +318,26 @@ def call_lines(pairs: list[tuple[dict, dict]], churn: bool, as_json: bool) -> Pa
         out.append(line % (fields[0], c["turn"] or "-", fields[1], fields[2], n, fields[3],
                            fields[4]))
         own = paths[:n]
-        text = _shown_all(own[:6], shown) + (" ..." if len(own) > 6 else "")
+        text = shown_all(own[:6]) + (" ..." if len(own) > 6 else "")
         if n_git:
             text += (" " if text else "") + f"+ {n_git} under .git/"
         if text:
             out.append(under + text)
         if f["around"]:
-            out.append(under + AROUND_LINE + ", ".join(map(shown, f["around"][:6]))
+            out.append(under + AROUND_LINE + shown_all(f["around"][:6])
                        + (" ..." if len(f["around"]) > 6 else ""))
         if f.get("inexact"):
-            out.append(under + INEXACT_LINE + ", ".join(map(shown, f["inexact"][:6]))
+            out.append(under + INEXACT_LINE + shown_all(f["inexact"][:6])
                        + (" ..." if len(f["inexact"]) > 6 else ""))
         if f["guessed"]:
             out.append(under + guessed_line(f["guessed"], f["active_with"]))
         if f.get("late"):
-            out.append(under + LATE_LINE + ", ".join(map(shown, f["late"][:6]))
+            out.append(under + LATE_LINE + shown_all(f["late"][:6])
                        + (" ..." if len(f["late"]) > 6 else ""))
     return text_of_lines(out)
 
 
 LATE_LINE = "changed after the call ended, by a process it left running: "
-
-
-def _shown_all(paths: list[str], shown) -> str:
-    """``", ".join(map(shown, paths))`` (views.shown), with one look at the joined text when
-    every path would be shown as it is (10,000 rows of ``calls``: 60,000 calls spared)."""
-    text = ", ".join(paths)
-    if text.isprintable() and '"' not in text and "\\" not in text and all(paths):
-        return text
-    return ", ".join(map(shown, paths))
 
 
 def guessed_line(paths: list[str], others: list[str]) -> str:

@@ -56,6 +56,16 @@ def shown(path: str) -> str:
     return '"' + _escaped(path, True) + '"'
 
 
+def shown_all(paths: list[str]) -> str:
+    """``", ".join(map(shown, paths))``, with one look at the joined text when every path
+    would be shown as it is (a string is printable when each of its parts is): the 10,000 rows
+    of ``calls`` spare 60,000 calls."""
+    text = ", ".join(paths)
+    if text.isprintable() and '"' not in text and "\\" not in text and all(paths):
+        return text
+    return ", ".join(map(shown, paths))
+
+
 def inexact_note(paths: list[str]) -> str:
     """The line that names the paths of a diff whose content on one side is not known exactly
     (``diff``'s stderr, the report's patches, ``records diff``); ``paths`` as shown."""
@@ -167,7 +177,7 @@ def fold(row: dict, touched: bool = False, first: int = 3) -> str:
     key, own_n, git_n = ("touched", "touched_files", "touched_git") if touched else \
         ("paths", "files", "git_changes")
     own = row[key][:row[own_n]]
-    text = ", ".join(map(shown, own[:first])) + (" ..." if len(own) > first else "")
+    text = shown_all(own[:first]) + (" ..." if len(own) > first else "")
     if row[git_n]:
         text += (" " if text else "") + f"+ {row[git_n]} under .git/"
     return text

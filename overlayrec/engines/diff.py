@@ -265,11 +265,13 @@ class Net:
             if before.same(after):
                 continue
             changed.append(p)
+            if before.exact and after.exact or before.withheld or after.withheld:
+                continue
             # a unit's own span is read where a run's writes were done, as side_of settles
             # it (not a turn's or a range's bounds, which diff reads as they are)
-            if not (before.exact and after.exact) and not (before.withheld or after.withheld) \
-                    and not (before.exact and bounds is None and self._exact_once_done(p, hi)):
-                inexact.append(p)
+            if before.exact and bounds is None and self._exact_once_done(p, hi):
+                continue
+            inexact.append(p)
         changed.sort()
         self.inexact = sorted(inexact)
         # a directory rename's moved paths are read from the live tree too (States.moved_with)
