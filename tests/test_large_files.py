@@ -489,6 +489,14 @@ def test_a_large_file_at_a_path_of_4000_bytes(make_mount, tmp_path):
         f"mv {names[0]} top && dd if=/dev/zero of=top/{deep[len(names[0]) + 1:]}/{leaf} "
         "bs=1M count=1 seek=4 conv=notrunc status=none"])
     assert len({tuple(s.values()) for s in snaps}) == 4  # every call changed the file
+    # the listing names the file each call changed, under its name then, known exactly
+    # (the directory renamed with it beneath in the last)
+    calls = [json.loads(line) for line in overlayrec("calls", m.ws, "--json").stdout.splitlines()]
+    moved = f"top/{deep[len(names[0]) + 1:]}/{leaf}"
+    assert [c["id"] for c in calls] == ["c1", "c2", "c3"], calls
+    assert calls[0]["paths"] == calls[1]["paths"] == [big]
+    assert {big, moved, names[0], "top"} <= set(calls[2]["paths"])
+    assert all(c["inexact"] == [] and c["around"] == [] for c in calls), calls
     check_every_state(m, tmp_path, snaps)
 
 
