@@ -109,6 +109,27 @@ def agree(m, *, kept_again=True) -> dict:
     return fresh
 
 
+def written_out(m, fresh: dict) -> None:
+    """A reader leaves without the interpreter's teardown (entry._leave) once it has answered:
+    what it wrote still reaches a pipe whole, read slowly and in small pieces, and a stdout
+    that cannot take it (a full device) is a one-line error and a non-zero exit."""
+    for q in (["calls"], ["diff", "--session", "s", "--turn", "last"]):
+        args = [sys.executable, "-m", "overlayrec", q[0], m.ws, "--state-dir", m.state, *q[1:]]
+        p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        got = b""
+        while chunk := p.stdout.read(7):
+            got += chunk
+        err = p.stderr.read()
+        assert p.wait(timeout=60) == 0, err
+        assert got.decode() == fresh[json.dumps(q)][1], q
+        with open("/dev/full", "w") as full:
+            r = subprocess.run(args, stdout=full, stderr=subprocess.PIPE, text=True,
+                               timeout=60)
+        assert r.returncode == 1, (q, r.returncode, r.stderr)
+        assert len(r.stderr.splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
+        assert "No space left" in r.stderr, r.stderr
+
+
 @needs_fuse
 def test_kept_answers_are_the_fresh_ones(make_mount, tmp_path):
     m = make_mount()
@@ -122,6 +143,7 @@ def test_kept_answers_are_the_fresh_ones(make_mount, tmp_path):
                cwd=m.ws, timeout=120)
     m.umount()
     first = agree(m)
+    written_out(m, first)
     stat = first[json.dumps(QUESTIONS[0])][1]
     assert "a.txt" in stat and "moved/e/x.txt" in stat and "gone.txt" in stat, stat
     assert "hard.txt" in stat and "/f " in stat, stat
