@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -411,6 +412,12 @@ def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other
         _profile_on_signals(os.environ["OVERLAYREC_BENCH_PROFILE"])
     log.info("mounted %s (state dir %s)%s", ws, state_dir,
              "" if dircache.active else ", the kernel does not cache listings (dircache)")
+    # what the start made (the imports' modules and classes, the mount's scan of the record)
+    # lives as long as the daemon: kept out of the cycle collector's full passes, which would
+    # otherwise walk all of it again each time (15-25 ms a pass, one in a `sed -i` over 1,500
+    # files; docs/bench.md); its garbage goes first
+    gc.collect()
+    gc.freeze()
     tell("ready")
     os.umask(0)
     cpu0 = _cpu_seconds()
