@@ -97,6 +97,8 @@ def _plain_stream(f) -> bool:
 
 
 def _echo_err(text: str) -> None:
+    if sys.stderr is None:  # started with stderr closed: nowhere to say it
+        return
     sys.stderr.write(text)
     sys.stderr.flush()
 
@@ -153,7 +155,7 @@ class Progress:
     has passed, on one line, wiped at the end); nothing when stderr is no terminal."""
 
     def __init__(self, what: str, on: bool = True):
-        self.what, self.on = what, on and sys.stderr.isatty()
+        self.what, self.on = what, on and sys.stderr is not None and sys.stderr.isatty()
         self.start, self.width, self.shown = time.monotonic(), 0, 0.0
 
     def __call__(self, n: int, total: int, what: str | None = None) -> None:
@@ -216,12 +218,21 @@ def listing(kind: str, j, ws: str, sd: str, question: list, render,
 
 
 def _session(j, sid: str | None) -> str | None:
-    """``--session``'s value as the record names it (``last``: engines.diff.session_named)."""
+    """``--session``'s value as the record names it (``last``: engines.diff.session_named);
+    refused when the record holds no such session (a typo would list nothing, as if the
+    session had changed nothing), as ``diff`` and ``revert`` refuse it."""
     from .engines.diff import SelectionError, session_named
     try:
-        return session_named(j, sid)
+        sid = session_named(j, sid)
     except SelectionError as e:
         raise Refusal(str(e)) from None
+    if sid is not None and j.record("sessions", sid.encode("utf-8", "surrogateescape")) is None:
+        why = None
+        if j.cut:  # only a gc's cut drops a session (retention: imported then)
+            from .retention import dropped_selection
+            why = dropped_selection(j, session=sid)
+        raise Refusal(why or f"no session {sid}")
+    return sid
 
 
 def turns(workspace, sid, churn, as_json, state_dir) -> Parts:

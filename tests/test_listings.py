@@ -429,6 +429,19 @@ def test_kept_rows_are_read_by_the_turn(make_mount, tmp_path):
                cwd=m.ws, timeout=60)
     assert listing(m, "calls", "--turn", "2") == two
     assert listing(m, "turns", "--session", "s") == turns
+    # a session the record does not hold is refused, not listed as if it changed nothing
+    for q in (["calls"], ["turns"], ["calls", "--json"], ["calls", "--turn", "1"]):
+        r = overlayrec(q[0], m.ws, "--state-dir", m.state, "--session", "nope", *q[1:],
+                       check=False)
+        assert (r.returncode, r.stdout, r.stderr) == (1, "", "overlayrec: error: no session "
+                                                             "nope\n"), (q, r)
+    # started with stderr closed (nowhere to show progress or warnings): the answer all the same
+    for q in (["calls"], ["turns"], ["diff", "--session", "s", "--turn", "2", "--stat"]):
+        r = subprocess.run(["sh", "-c", 'exec "$@" 2>&-', "sh", sys.executable, "-m",
+                            "overlayrec", q[0], m.ws, "--state-dir", m.state, *q[1:]],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and r.stdout == overlayrec(q[0], m.ws, "--state-dir",
+                                                             m.state, *q[1:]).stdout, (q, r)
 
 
 @needs_fuse
