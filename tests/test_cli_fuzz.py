@@ -254,7 +254,7 @@ def plausible(w: World, param: click.Parameter):
     by_name = {
         "workspace": st.just(w.ws),
         "state_dir": st.sampled_from([w.sd or w.base + "/nowhere"]),
-        "dest": write_target(w), "out": write_target(w, ".html"),
+        "dest": write_target(w), "out": write_target(w, ".html"), "into": write_target(w),
         "project": st.builds(lambda: w.fresh()),
         "repo": st.one_of(st.builds(lambda: w.fresh()), st.sampled_from([w.ws, w.out])),
         "path": st.sampled_from(["a.txt", "gone.txt", "new.txt", "old.txt", "sub/f", "sub",
@@ -282,7 +282,7 @@ def plausible(w: World, param: click.Parameter):
 def junk(w: World, param: click.Parameter):
     """Anything: the odd values, text, numbers of every size, paths inside and out."""
     name, typ = param.name, param.type
-    if name in ("dest", "out"):
+    if name in ("dest", "out", "into"):  # where a command writes: never outside the world
         return write_target(w)
     if name in ("project", "repo"):
         return st.builds(lambda: w.fresh()) | st.sampled_from(["", w.ws, w.ws + "/a.txt"])

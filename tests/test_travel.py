@@ -204,13 +204,20 @@ def test_two_workspaces_push_a_third_fetches_and_reads(make_mount, tmp_path):
 
 def test_a_remote_git_refuses_is_one_line(tmp_path):
     """git's reason, not its advice: a fetch from (or push to) a remote that is no repository
-    fails with one line that says so, and makes nothing but the empty bare repository."""
+    fails with one line that says so, and leaves nothing behind: the bare repository it made
+    for them is taken away again (as git clone does), one that was there is left as it was."""
     missing = str(tmp_path / "no" / "such.git")
-    r = overlayrec("fetch", missing, "--into", str(tmp_path / "recs.git"), check=False)
+    recs = tmp_path / "recs.git"
+    r = overlayrec("fetch", missing, "--into", str(recs), check=False)
     assert r.returncode == 1, r
     assert r.stderr.count("\n") == 1 and "\\n" not in r.stderr, r.stderr
     assert r.stderr == (f"overlayrec: error: git fetch from {missing} failed: '{missing}' does "
                         "not appear to be a git repository\n")
+    assert not os.path.lexists(recs)
+    subprocess.run(["git", "init", "-q", "--bare", str(recs)], check=True)
+    before = sorted(os.listdir(recs))
+    assert overlayrec("fetch", missing, "--into", str(recs), check=False).returncode == 1
+    assert sorted(os.listdir(recs)) == before
 
 
 ODD_IDS = ["a b", "x:y", "x..y", "x.lock", "../../up", "t~1^2", "-dash", "q?*[", "\u00e9t\u00e9",

@@ -107,6 +107,17 @@ def fetch(remote: str, into: str, private: bool = False) -> dict:
     if private:
         from ..state import tighten_tree
         tighten_tree(into)
+    made = not os.path.lexists(into)  # taken away again when the fetch fails, as git clone does
+    try:
+        return _fetch(remote, into, umask)
+    except BaseException:
+        if made and os.path.isdir(into) and not os.path.islink(into):
+            import shutil
+            shutil.rmtree(into, ignore_errors=True)
+        raise
+
+
+def _fetch(remote: str, into: str, umask: int) -> dict:
     if not os.path.exists(os.path.join(into, "HEAD")):
         r = subprocess.run(["git", "init", "-q", "--bare", into], capture_output=True,
                            umask=umask)
