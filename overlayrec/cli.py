@@ -886,7 +886,7 @@ def log_cmd(workspace, glob, limit, call_id, turn_index, sid, actor, since, unti
     """The recorded events, newest last: time, actor (pid and command), operation and path."""
     from .views import unit_session, command_name, one_line, path_matcher, shown
     from .engines.replay import resolve_point
-    from .engines.diff import SelectionError, session_named
+    from .engines.diff import SelectionError
     ws = state.resolve_workspace(workspace, must_exist=False, upward=True)
     sd = _state_dir_for(ws, state_dir)
     _warn_low_space(sd)
@@ -894,12 +894,12 @@ def log_cmd(workspace, glob, limit, call_id, turn_index, sid, actor, since, unti
     try:
         lo, hi = 1, None
         try:
-            sid = session_named(j, sid)
+            sid = readers.session_of(j, sid)  # a session the record does not hold: refused
             if since is not None:
                 lo = resolve_point(j, since, refuse_dropped=False) + 1
             if until is not None:
                 hi = resolve_point(j, until, refuse_dropped=False)
-        except SelectionError as e:
+        except (SelectionError, readers.Refusal) as e:
             raise Fail(str(e)) from None
         if turn_index is not None:
             ts = [t for t in j.records("turns") if t["index"] == turn_index

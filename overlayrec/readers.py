@@ -217,7 +217,7 @@ def listing(kind: str, j, ws: str, sd: str, question: list, render,
             progress.done()
 
 
-def _session(j, sid: str | None) -> str | None:
+def session_of(j, sid: str | None) -> str | None:
     """``--session``'s value as the record names it (``last``: engines.diff.session_named);
     refused when the record holds no such session (a typo would list nothing, as if the
     session had changed nothing), as ``diff`` and ``revert`` refuse it."""
@@ -241,7 +241,7 @@ def turns(workspace, sid, churn, as_json, state_dir) -> Parts:
     sd = state_dir_for(ws, state_dir)
     j = Journal(sd, readonly=True)
     try:
-        sid = _session(j, sid)
+        sid = session_of(j, sid)
         # the times are shown in the local zone: a question of its own in another
         return listing("turns", j, ws, sd, ["turns", sid, churn, as_json,
                                             os.environ.get("TZ"), list(time.tzname)],
@@ -249,6 +249,20 @@ def turns(workspace, sid, churn, as_json, state_dir) -> Parts:
                        Progress("turns", not as_json), sid=sid)
     finally:
         j.close()
+
+
+def _turn_held(j, sid: str | None, index: int) -> None:
+    """Refused (as ``log --turn`` and ``diff --turn`` refuse it) when the record holds no turn
+    ``index`` (in session ``sid``): a mistyped turn would list nothing, as if it had made no
+    call."""
+    prefix = (sid.encode("utf-8", "surrogateescape") + b"\0") if sid else b""
+    if any(t["index"] == index for t in j.records("turns", prefix)):
+        return
+    why = None
+    if j.cut:  # only a gc's cut drops a turn (retention: imported then)
+        from .retention import dropped_selection
+        why = dropped_selection(j, turn=index, session=sid)
+    raise Refusal(why or f"no turn {index}" + (f" in session {sid}" if sid else ""))
 
 
 def turn_lines(rows: list[dict], churn: bool, as_json: bool) -> Parts:
@@ -277,7 +291,9 @@ def calls(workspace, sid, turn_index, churn, as_json, state_dir) -> Parts:
     sd = state_dir_for(ws, state_dir)
     j = Journal(sd, readonly=True)
     try:
-        sid = _session(j, sid)
+        sid = session_of(j, sid)
+        if turn_index is not None:
+            _turn_held(j, sid, turn_index)
         return listing("calls", j, ws, sd, ["calls", sid, turn_index, churn, as_json],
                        lambda rows: call_lines(rows, churn, as_json),
                        Progress("calls", not as_json), sid=sid, turn=turn_index)
@@ -387,7 +403,7 @@ def diff(workspace, call_id, turn_sel, sid, since, until, drift, fmt, binary, gl
         j.close()
         raise
     try:
-        sid = _session(j, sid)  # "last" names another session once one begins
+        sid = session_of(j, sid)  # "last" names another session once one begins
         # the same question of the same record: the answer kept last time (engines.answers)
         answers = answers_of(sd, j, tree)
         question = ["diff", call_id, turn_sel, sid, since, until, drift, fmt, binary, glob,

@@ -429,12 +429,21 @@ def test_kept_rows_are_read_by_the_turn(make_mount, tmp_path):
                cwd=m.ws, timeout=60)
     assert listing(m, "calls", "--turn", "2") == two
     assert listing(m, "turns", "--session", "s") == turns
-    # a session the record does not hold is refused, not listed as if it changed nothing
-    for q in (["calls"], ["turns"], ["calls", "--json"], ["calls", "--turn", "1"]):
-        r = overlayrec(q[0], m.ws, "--state-dir", m.state, "--session", "nope", *q[1:],
-                       check=False)
-        assert (r.returncode, r.stdout, r.stderr) == (1, "", "overlayrec: error: no session "
-                                                             "nope\n"), (q, r)
+    # a session or a turn the record does not hold is refused, not listed as if it had
+    # changed nothing (as diff, revert and log --turn refuse them)
+    refused = [(["calls", "--session", "nope"], "no session nope"),
+               (["turns", "--session", "nope"], "no session nope"),
+               (["calls", "--json", "--session", "nope"], "no session nope"),
+               (["calls", "--turn", "1", "--session", "nope"], "no session nope"),
+               (["log", "--session", "nope"], "no session nope"),
+               (["calls", "--turn", "3"], "no turn 3"),
+               (["calls", "--turn", "0", "--json"], "no turn 0"),
+               (["calls", "--turn", "1", "--session", "s2"], "no turn 1 in session s2")]
+    for q, said in refused:
+        r = overlayrec(q[0], m.ws, "--state-dir", m.state, *q[1:], check=False)
+        assert (r.returncode, r.stdout, r.stderr) == (1, "", f"overlayrec: error: {said}\n"), \
+            (q, r)
+    assert listing(m, "calls", "--turn", "2", "--session", "s") == two
     # started with stderr closed (nowhere to show progress or warnings): the answer all the same
     for q in (["calls"], ["turns"], ["diff", "--session", "s", "--turn", "2", "--stat"]):
         r = subprocess.run(["sh", "-c", 'exec "$@" 2>&-', "sh", sys.executable, "-m",
