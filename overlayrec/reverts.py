@@ -19,7 +19,7 @@ import time
 
 from . import client, state
 from .engines import large
-from .engines.revert import Plan, apply_step, bytes_written, failed, make_plan, order, \
+from .engines.revert import KEPT, Plan, apply_step, bytes_written, failed, make_plan, order, \
     plan_from_json, plan_to_json, unmet, ways
 from .engines.states import Tree
 

@@ -176,6 +176,24 @@ def test_a_file_renamed_then_its_directory_moved_away_and_back(make_mount, tmp_p
     assert tree_of(m.ws) == after
 
 
+def test_a_directory_later_work_filled_is_kept_and_said(make_mount, tmp_path):
+    """A call renames a directory; files are made in it after the call.  Reverting the call
+    moves its content back and keeps the directory with the later files (its rmdir fails: not
+    empty), and the summary says which directories it kept, where the plan's line had said
+    "delete"."""
+    m = setup_ws(make_mount, tmp_path, {"src/pkg/m.py": b"x = 1\n"})
+    m.mount()
+    run_call(m, tmp_path, "mv src lib")
+    with open(os.path.join(m.ws, "lib", "later.txt"), "w") as f:  # after the call, outside it
+        f.write("later\n")
+    r = overlayrec("revert", m.ws, "--call", "c1", "--yes")
+    assert "  delete   lib\n" in r.stdout, r.stdout
+    assert r.stdout.rstrip().endswith("; kept 1 directory that holds what it does not remove: "
+                                      "lib"), r.stdout
+    assert tree_of(m.ws)["lib/later.txt"] and tree_of(m.ws)["src/pkg/m.py"], tree_of(m.ws)
+    assert not os.path.exists(os.path.join(m.ws, "lib", "pkg"))
+
+
 def test_a_name_made_anew_joins_its_group_written_in_place(make_mount, tmp_path):
     """Found by the history model: ``a``, ``b`` and ``c`` are one inode; a call appends
     through ``b`` and renames another file over ``a``.  The revert writes the content back into
