@@ -1786,13 +1786,12 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
                 # a directory the plan empties that holds what it does not remove (files made
                 # later, by others) stays: said, as its step line said "delete"
                 kept = sorted({p for p, result in done if result == reverts.KEPT})
+                which = "directory that holds" if len(kept) == 1 else "directories that hold"
                 click.echo(f"reverted {len({p for p, _ in done})} path(s) as revert {plan.id}"
                            + (f"; {len(conflicts)} conflicting path(s) left alone"
                               if conflicts else "")
-                           + (f"; kept {len(kept)} "
-                              f"{'directory that holds' if len(kept) == 1 else 'directories that hold'}"
-                              f" what it does not remove: {named(map(shown, kept))}"
-                              if kept else ""))
+                           + (f"; kept {len(kept)} {which} what it does not remove: "
+                              f"{named(map(shown, kept))}" if kept else ""))
             if bad:  # a path the revert could not make whole is never a silent success
                 raise Fail(f"{len(bad)} path(s) not restored: " + "; ".join(
                     f"{f['path']}: {f['result'][len('failed: '):]}" for f in bad))
