@@ -79,6 +79,32 @@ def test_trees_are_the_trees_gits_index_makes(tmp_path):
     assert refs == b""
 
 
+@pytest.mark.parametrize("known", [True, False])
+def test_a_name_that_would_turn_a_terminal_around_is_quoted(tmp_path, known):
+    """A diff naming a path with a bidi mark (or an invisible one, or bytes not UTF-8) is
+    written with core.quotepath on: every name not ASCII octal-quoted, as git does by default
+    and as the listings quote it, so no name shows other than it is.  A diff without one names
+    its paths as they are (UTF-8 readable).  ``known``: the trees made by this store (their
+    names known without git) or by another (git asked)."""
+    store = ObjectStore(str(tmp_path))
+    plain = {"caf\u00e9.txt": State("file", 0o644, b"a\n")}
+    odd = {"evil\u202etxt.exe": State("file", 0o644, b"b\n"), **plain}
+    empty, a, b = store.trees({}, plain, odd)
+    if not known:
+        store = ObjectStore(str(tmp_path))
+    assert store.diff(empty, a, "name-status") == "A\tcaf\u00e9.txt\n"
+    for fmt, want in (("name-status", 'A\t"caf\\303\\251.txt"\nA\t"evil\\342\\200\\256txt.exe"\n'),
+                      ("stat", '"evil\\342\\200\\256txt.exe"')):
+        out = store.diff(empty, b, fmt)
+        assert "\u202e" not in out and want in out, (fmt, out)
+    assert "\u202e" in store.diff(empty, b, "name-status-z")  # -z: as they are, for --json
+    assert "\u202e" not in store.diff(a, b, "patch")  # the name in the patch's headers too
+    assert "\u202e" in store.diff(a, b, "patch", as_they_are=True)  # the report escapes it
+    # a name git quotes itself (a tab) leaves the others as they are
+    tab, = store.trees({"a\tb": State("file", 0o644, b"t\n"), **plain})
+    assert store.diff(empty, tab, "name-status") == 'A\t"a\\tb"\nA\tcaf\u00e9.txt\n'
+
+
 def test_rename_decision_without_git_is_gits(tmp_path):
     """A diff may name renames unless a symlink and a directory trade places: decided from the
     trees' entries when both were made here, by `git diff-tree` otherwise; the same answer."""

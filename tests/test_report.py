@@ -260,8 +260,8 @@ def test_each_file_of_a_diff_gets_its_own_sections(tmp_path):
              "new/m.txt": f(body), "mode.sh": f(b"#!/bin/sh\n", 0o755), 'q"uote': f(b"y\n"),
              "é new": f(b"new\n")}
     tb, ta = store.tree(before), store.tree(after)
-    listed = report._name_status(store.diff(tb, ta, "name-status"))
-    sections = report._sections(store.diff(tb, ta, "patch"))
+    listed = report._name_status(store.diff(tb, ta, "name-status", as_they_are=True))
+    sections = report._sections(store.diff(tb, ta, "patch", as_they_are=True))
     got = {new: (status, old, [sections[i] for i in secs])
            for status, old, new, secs in report._match(listed, sections)}
     assert set(got) == {"a\tb.txt", "kind", "new/m.txt", "mode.sh", "gone", 'q"uote', "é new"}

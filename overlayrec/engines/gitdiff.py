@@ -242,19 +242,40 @@ class ObjectStore:
             return self._git("write-tree", env=env).strip()
 
     def diff(self, a: str, b: str, fmt: str, paths: list[str] | None = None,
-             binary: bool = False) -> str:
+             binary: bool = False, as_they_are: bool = False) -> str:
+        """git's diff of trees ``a`` and ``b`` in ``fmt``; names C-quoted as git quotes them,
+        every name not ASCII too where one would turn a terminal around (``_quoted_env``),
+        unless ``as_they_are`` (a caller that escapes names itself: the report's HTML)."""
         try:
-            return self._diff(a, b, fmt, paths, binary)
+            return self._diff(a, b, fmt, paths, binary, as_they_are)
         except GitError:
             if not self._unwritten:
                 raise
         # a tree not written (trees) names what git cannot find now: written after all
         sides, self._unwritten = self._unwritten, []
         self._write_trees(sides)
-        return self._diff(a, b, fmt, paths, binary)
+        return self._diff(a, b, fmt, paths, binary, as_they_are)
+
+    def _quoted_env(self, a: str, b: str, paths: list[str] | None) -> dict | None:
+        """git's environment for a diff that names a path git would print as it is although
+        it holds an invisible or bidi mark (U+202E turns a name around on a terminal) or bytes
+        that are not UTF-8: core.quotepath on, so every name that is not ASCII is octal-quoted,
+        as git does by default and as the listings quote such a name (views.shown).  None (the
+        store's own, names as they are) for every other diff."""
+        ea, eb = self._entries.get(a), self._entries.get(b)
+        if ea is not None and eb is not None:  # both made here: the names without asking git
+            names = [p for p in ea.keys() | eb.keys() if ea.get(p) != eb.get(p)]
+        else:
+            names = self._git("diff-tree", "-r", "-z", "--name-only", "--no-renames",
+                              "--no-commit-id", "--root", a, b,
+                              *(["--", *paths] if paths else [])).split("\0")
+        # (git quotes a control character, a quote or a backslash itself)
+        if all(p.isprintable() or p.isascii() for p in names):
+            return None
+        return dict(self.env, GIT_CONFIG_VALUE_0="true")
 
     def _diff(self, a: str, b: str, fmt: str, paths: list[str] | None,
-              binary: bool) -> str:
+              binary: bool, as_they_are: bool = False) -> str:
         args = ["diff-tree", "-r", "-M" if self._renames_apply(a, b, paths) else "--no-renames",
                 "--no-commit-id", "--root"]
         # the -z forms: paths as they are (not C-quoted), for --json
@@ -266,7 +287,9 @@ class ObjectStore:
         args += [a, b]
         if paths:
             args += ["--", *paths]
-        return self._git(*args)
+        # the -z forms name paths as they are, whatever core.quotepath says
+        return self._git(*args, env=None if as_they_are or fmt.endswith("-z") else
+                         self._quoted_env(a, b, paths))
 
     def _renames_apply(self, a: str, b: str, paths: list[str] | None) -> bool:
         """May the diff name renames?  Not where a symlink and a directory trade places (``l``

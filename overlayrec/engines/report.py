@@ -206,8 +206,9 @@ class _Report:
         if len(net) > git:
             tb, ta = self.store.trees(side.before, side.after)
             if tb != ta:
-                listed = _name_status(self.store.diff(tb, ta, "name-status"))
-                patch = self.store.diff(tb, ta, "patch")
+                # names as they are: matched here (_quote), escaped by the page itself
+                listed = _name_status(self.store.diff(tb, ta, "name-status", as_they_are=True))
+                patch = self.store.diff(tb, ta, "patch", as_they_are=True)
                 sections = _sections(patch)
                 entries = _match(listed, sections)
         if git:
