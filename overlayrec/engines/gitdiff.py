@@ -108,6 +108,7 @@ class ObjectStore:
         self.left_out: set[str] = set()   # paths git refuses, filtered out before git saw them
         self.warnings: list[str] = []     # what git said on stderr when it succeeded
         self._entries: dict[str, dict] = {EMPTY_TREE: {}}  # trees made here: path -> (mode, id)
+        self._last_changes: tuple = (None, [])  # _changes: the last pair asked, its answer
         # trees named here but not written, the store holding them already (trees): written
         # should git not find what they name after all (a blob only the alternate held)
         self._unwritten: list[dict[str, tuple[str, str]]] = []
@@ -262,13 +263,7 @@ class ObjectStore:
         that are not UTF-8: core.quotepath on, so every name that is not ASCII is octal-quoted,
         as git does by default and as the listings quote such a name (views.shown).  None (the
         store's own, names as they are) for every other diff."""
-        ea, eb = self._entries.get(a), self._entries.get(b)
-        if ea is not None and eb is not None:  # both made here: the names without asking git
-            names = [p for p in ea.keys() | eb.keys() if ea.get(p) != eb.get(p)]
-        else:
-            names = self._git("diff-tree", "-r", "-z", "--name-only", "--no-renames",
-                              "--no-commit-id", "--root", a, b,
-                              *(["--", *paths] if paths else [])).split("\0")
+        names = (p for _, _, p in self._changes(a, b, paths))
         # (git quotes a control character, a quote or a backslash itself)
         if all(p.isprintable() or p.isascii() for p in names):
             return None
@@ -291,33 +286,38 @@ class ObjectStore:
         return self._git(*args, env=None if as_they_are or fmt.endswith("-z") else
                          self._quoted_env(a, b, paths))
 
+    def _changes(self, a: str, b: str, paths: list[str] | None) -> list[tuple[str, str, str]]:
+        """(mode before, mode after, path) of each path where trees ``a`` and ``b`` differ
+        (beneath ``paths``): from the entries kept when both were made here (``trees``), else
+        from git.  The last pair's are kept: a diff asks twice (renames, names to quote)."""
+        key = (a, b, tuple(paths) if paths else None)
+        if self._last_changes[0] == key:
+            return self._last_changes[1]
+        ea, eb = self._entries.get(a), self._entries.get(b)
+        if ea is not None and eb is not None and not paths:  # both made here: no git to ask
+            none = ("", "")
+            got = [(ea.get(p, none)[0], eb.get(p, none)[0], p) for p in ea.keys() | eb.keys()
+                   if ea.get(p, none) != eb.get(p, none)]
+        else:
+            fields = self._git("diff-tree", "-r", "-z", "--no-renames", "--no-commit-id",
+                               "--root", a, b, *(["--", *paths] if paths else [])).split("\0")
+            got = []
+            for meta, path in zip(fields[0::2], fields[1::2]):
+                was, now = meta.lstrip(":").split(" ")[:2]
+                got.append((was, now, path))
+        self._last_changes = (key, got)
+        return got
+
     def _renames_apply(self, a: str, b: str, paths: list[str] | None) -> bool:
         """May the diff name renames?  Not where a symlink and a directory trade places (``l``
         a symlink becomes a directory holding what moved in): git apply then refuses a rename
         into ``l/...`` as "beyond a symbolic link", though it takes the same change written as
         deletions and additions."""
-        ea, eb = self._entries.get(a), self._entries.get(b)
-        links, changed = set(), []
-        if ea is not None and eb is not None and not paths:  # both made here: no git to ask
-            none = ("", "")
-            for path in ea.keys() | eb.keys():
-                was, now = ea.get(path, none), eb.get(path, none)
-                if was != now:
-                    if "120000" in (was[0], now[0]):
-                        links.add(path)
-                    changed.append(path)
-        else:
-            raw = self._git("diff-tree", "-r", "-z", "--no-renames", "--no-commit-id", "--root",
-                            a, b, *(["--", *paths] if paths else []))
-            fields = raw.split("\0")
-            for meta, path in zip(fields[0::2], fields[1::2]):
-                modes = meta.lstrip(":").split(" ")[:2]
-                if "120000" in modes:
-                    links.add(path)
-                changed.append(path)
+        changes = self._changes(a, b, paths)
+        links = {p for was, now, p in changes if "120000" in (was, now)}
         if not links:
             return True
-        for path in changed:
+        for _, _, path in changes:
             parts = path.split("/")
             if any("/".join(parts[:i]) in links for i in range(1, len(parts))):
                 return False
