@@ -12,6 +12,7 @@ import textwrap
 import pytest
 
 from conftest import needs_fuse
+from run_checks import check_extents, check_points
 from overlayrec.engines.states import States, Tree
 
 pytestmark = needs_fuse
@@ -79,12 +80,7 @@ def test_a_created_file_and_its_writes_are_one_event(make_mount):
     j = m.journal()
     try:
         seq = {p: next(e["seq"] for e in evs if e["path"] == p) for p in ops}
-        many = j.extents(seq["many"])
-        assert many is not None and many["writes"] == 3, many
-        assert (many["lo"], many["hi"], many["bytes"]) == (0, 21, 21), many
-        assert j.extents(seq["empty"])["writes"] == 0
-        # the create's run ended when the chmod came: one write, noted then
-        assert j.extents(seq["chmodded"])["writes"] == 1
+        check_extents(j, seq["many"], seq["empty"], seq["chmodded"])
     finally:
         j.close()
 
@@ -101,19 +97,9 @@ def test_every_point_of_a_create_run_reads_as_it_was_or_says_not(make_mount):
         snap = {name: bytes.fromhex(data) for name, _, data, _ in steps}
 
         # "quick": its write came before any other event, so the create's point is the file
-        # it made with what its handle wrote then, exact
-        s = states.state("quick", at["quick"][0])
-        assert s.exact and s.data == snap["quick"] == b"at once\n"
-        assert states.settle("quick", at["quick"][0]) == at["quick"][0]
-
-        # "many": just after its create, writes followed unseen after other events: not
-        # exact; once the run ended (settle), exact and what the writer read back
-        s = states.state("many", at["many"][0])
-        assert not s.exact
-        point = states.settle("many", at["many"][0])
-        assert point > at["many"][0]
-        s = states.state("many", point)
-        assert s.exact and s.data == snap["many"]
+        # it made with what its handle wrote then, exact; "many": writes followed unseen after
+        # other events, not exact until the run ended
+        check_points(states, at, snap)
 
         # never written: exact at once, and empty
         s = states.state("empty", at["empty"][0])

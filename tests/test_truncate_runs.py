@@ -12,6 +12,7 @@ import sys
 import textwrap
 
 from conftest import needs_fuse, overlayrec
+from run_checks import check_extents, check_points
 from overlayrec.engines.states import States, Tree
 
 pytestmark = needs_fuse
@@ -93,12 +94,7 @@ def test_a_truncating_open_and_its_writes_are_one_event(make_mount):
            for p in ("many", "emptied", "chmodded")}
     j = m.journal()
     try:
-        many = j.extents(seq["many"])
-        assert many is not None and many["writes"] == 3, many
-        assert (many["lo"], many["hi"], many["bytes"]) == (0, 21, 21), many
-        assert j.extents(seq["emptied"])["writes"] == 0
-        # the run ended when the chmod came: one write, noted then
-        assert j.extents(seq["chmodded"])["writes"] == 1
+        check_extents(j, seq["many"], seq["emptied"], seq["chmodded"])
     finally:
         j.close()
 
@@ -119,19 +115,8 @@ def test_every_point_of_a_truncate_run_reads_as_it_was_or_says_not(make_mount):
             s = states.state(p, at[p][0] - 1)
             assert s.exact and s.data == b"seed of %s\n" % p.encode(), p
 
-        # one write before any other event: the truncate's point is the file with it, exact
-        s = states.state("quick", at["quick"][0])
-        assert s.exact and s.data == snap["quick"] == b"at once\n"
-        assert states.settle("quick", at["quick"][0]) == at["quick"][0]
-
-        # writes went on after other events: not exact there; once the run ended, exact and
-        # what the writer read back
-        s = states.state("many", at["many"][0])
-        assert not s.exact
-        point = states.settle("many", at["many"][0])
-        assert point > at["many"][0]
-        s = states.state("many", point)
-        assert s.exact and s.data == snap["many"] == b"part 0\npart 1\npart 2\n"
+        check_points(states, at, snap)  # "quick" and "many", as a create's run reads
+        assert snap["many"] == b"part 0\npart 1\npart 2\n"
 
         s = states.state("emptied", at["emptied"][0])
         assert s.exact and s.data == b"" and s.kind == "file"
