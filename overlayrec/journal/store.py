@@ -135,6 +135,7 @@ class Journal:
         if readonly and not os.path.exists(os.path.join(path, "data.mdb")):
             raise JournalError(f"no journal in {state_dir}")
         self._compact_lock = None
+        self._lock_fd: int | None = None  # lock.mdb, while the environment is open (_size_map)
         try:
             if not readonly:
                 private_dir(path)  # 0700 whatever the umask (docs/storage.md)
@@ -236,11 +237,13 @@ class Journal:
                 log.warning("cannot shorten %s to its %d bytes of data: %s", data, used, e)
         lock = os.path.join(self._path, "lock.mdb")
         try:
-            fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
-            try:
-                os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
-            finally:
-                os.close(fd)
+            # the fd stays open until the environment is closed (``_release_lock``): LMDB's
+            # locks on lock.mdb are POSIX record locks, which the process loses when it closes
+            # any fd of the file; without them the next process to open the journal finds
+            # itself alone, starts the lock table again, and commits are lost between them
+            if self._lock_fd is None:
+                self._lock_fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
+            os.posix_fallocate(self._lock_fd, 0, os.fstat(self._lock_fd).st_size)
         except OSError as e:
             log.warning("cannot allocate %s: %s", lock, e)
 
@@ -1201,6 +1204,10 @@ class Journal:
         self._release_lock()
 
     def _release_lock(self) -> None:
+        """After the environment is closed (or was never opened): the fds that held it."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
         if self._compact_lock is not None:
             os.close(self._compact_lock)
             self._compact_lock = None
