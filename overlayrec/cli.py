@@ -1787,7 +1787,8 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
                 # later, by others) stays: said, as its step line said "delete"
                 kept = sorted({p for p, result in done if result == reverts.KEPT})
                 which = "directory that holds" if len(kept) == 1 else "directories that hold"
-                click.echo(f"reverted {len({p for p, _ in done})} path(s) as revert {plan.id}"
+                verb = f"unreverted {unreverts}: restored" if unreverts else "reverted"
+                click.echo(f"{verb} {len({p for p, _ in done})} path(s) as revert {plan.id}"
                            + (f"; {len(conflicts)} conflicting path(s) left alone"
                               if conflicts else "")
                            + (f"; kept {len(kept)} {which} what it does not remove: "

@@ -100,16 +100,25 @@ def test_unrevert_peels_stacked_reverts_newest_first(make_mount, tmp_path):
                    str(tmp_path / "calln.py"), f"c{i}", script, cwd=m.ws)
         trees.append(tree_of(m.ws))
     assert len({repr(t) for t in trees}) == 4
+    reverted = {}
     for i in (3, 2, 1):
-        overlayrec("revert", m.ws, "--call", f"c{i}", "--yes")
+        out = overlayrec("revert", m.ws, "--call", f"c{i}", "--yes").stdout
+        out = out.strip().splitlines()[-1]  # after the plan's lines: the summary
+        assert out.startswith("reverted "), out
+        reverted[i] = out.split()[-1]
         assert tree_of(m.ws) == trees[i - 1], i
     unreverts = []
     for i in (1, 2, 3):
-        unreverts.append(overlayrec("unrevert", "-w", m.ws, "--yes").stdout.split()[-1])
+        out = overlayrec("unrevert", "-w", m.ws, "--yes").stdout.strip().splitlines()[-1]
+        # the summary says which revert it undid (it is a revert itself: its own id last)
+        assert out.startswith(f"unreverted {reverted[i]}: restored "), out
+        unreverts.append(out.split()[-1])
         assert tree_of(m.ws) == trees[i], i
     r = overlayrec("unrevert", "-w", m.ws, "--yes", check=False)
     assert r.returncode != 0 and r.stderr.strip().endswith("no revert to undo"), r.stderr
-    overlayrec("unrevert", unreverts[-1], "-w", m.ws, "--yes")  # named: that unrevert undone
+    out = overlayrec("unrevert", unreverts[-1], "-w", m.ws, "--yes").stdout  # that one undone
+    out = out.strip().splitlines()[-1]
+    assert out.startswith(f"unreverted {unreverts[-1]}: restored "), out
     assert tree_of(m.ws) == trees[2]
 
 
