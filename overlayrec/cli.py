@@ -1487,8 +1487,9 @@ def _beneath(path: str, top: str) -> bool:
 
 @main.command()
 @click.argument("workspace", default=".")
-@click.option("--at", "at", required=True, help="SEQ, a time (ISO 8601 or @epoch), turn:N, "
-              "call:ID, or before:/after: either.")
+@click.option("--at", "at", default="end", show_default=True,
+              help="SEQ, a time (ISO 8601 or @epoch), turn:N, call:ID, before:/after: either, "
+              "or end (the record's last event).")
 @click.option("--to", "dest", required=True, type=_NewPath(),
               help="A new directory, outside the workspace.")
 @click.option("--full", is_flag=True, help="The whole workspace as it stood, not just the "

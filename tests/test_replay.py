@@ -242,6 +242,13 @@ def test_replay_says_where_a_point_past_the_record_or_before_it_lands(make_mount
     js = json.loads(overlayrec("replay", m.ws, "--at", "999999", "--to", str(tmp_path / "j"),
                                "--json").stdout)
     assert js["point"] == last
+    # no --at (or end, or now): the tree as the record ends, the live tree of the workspace
+    for at, name in (([], "r-plain"), (["--at", "end"], "r-end"), (["--at", "now"], "r-now")):
+        r = overlayrec("replay", m.ws, *at, "--to", str(tmp_path / name), "--full")
+        assert r.stdout.startswith(f"replayed seq {last} (the last) into "), (at, r.stdout)
+        assert tree_of(tmp_path / name) == tree_of(m.ws), at
+    r = overlayrec("replay", m.ws, "--at", "before:end", "--to", str(tmp_path / "x"))
+    assert r.stdout.startswith(f"replayed seq {last} (the last) into ")
     r = overlayrec("replay", m.ws, "--at", "1999-01-01T00:00:00", "--to", str(tmp_path / "b"))
     assert r.stdout.startswith("replayed seq 0 (before the record's first event) into ")
     assert not os.path.exists(tmp_path / "b" / "a.txt")

@@ -19,7 +19,8 @@ from .states import ATTIC, States, State, Tree, state_of_stat
 
 def resolve_point(j: Journal, spec: str, refuse_dropped: bool = True) -> int:
     """A point as a sequence number: SEQ, a time (ISO 8601 or @epoch-seconds), turn:N, call:ID,
-    and before:/after: either of those (after: is the default).  Anything else, or a number
+    and before:/after: either of those (after: is the default); ``end`` (or ``now``): the
+    record's last event.  Anything else, or a number
     no sequence number can reach (2**63 or more), is a SelectionError (one past the last event
     is the tree as the record ends: ``replay`` says so); so is a point before the record's start
     (dropped by retention), unless ``refuse_dropped`` is False (the listings start there)."""
@@ -34,11 +35,13 @@ def resolve_point(j: Journal, spec: str, refuse_dropped: bool = True) -> int:
 def _resolve_point(j: Journal, spec: str) -> int:
     import math
     import re
-    usage = "SEQ, a time (ISO 8601 or @epoch), turn:N, call:ID, before:/after: either"
+    usage = "SEQ, a time (ISO 8601 or @epoch), turn:N, call:ID, before:/after: either, end"
     shown = repr(spec if len(spec) <= 60 else spec[:57] + "...")
     side = "after"
     if spec.startswith(("before:", "after:")):
         side, spec = spec.split(":", 1)
+    if spec in ("end", "now"):  # the record's end is a point, with nothing after it to be before
+        return j.last_seq()
     if re.fullmatch(r"[0-9]+", spec):  # ASCII digits only: str.isdigit takes '²' too
         n = int(spec) if len(spec) <= 19 else 2**63  # (int() refuses 4300 digits)
         if n >= 2**63:
