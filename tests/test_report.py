@@ -247,6 +247,47 @@ def test_report_timeline_in_a_real_browser(make_mount, tmp_path):
         m.umount()
 
 
+@needs_fuse
+@needs_browser
+@pytest.mark.timeout(180)
+def test_invisible_and_bidi_marks_are_shown_not_obeyed(make_mount, tmp_path):
+    """A name or a line holding a bidi mark (U+202E turns the rest of its line around, so
+    ``exe.txt`` reads as a text file) or an invisible one is shown in the page as its escape,
+    wherever the page shows it: the diff's title and text, the files view, a mark's label."""
+    m = make_mount()
+    try:
+        m.mount()
+        name = "report\u202etxt.exe"
+        m.py(f"open({name!r}, 'w').write('access = user\\u2066  # admin\\u2069\\n'"
+             "); open('zw\u200bspace.txt', 'w').write('x\\n')")
+        page = tmp_path / "report.html"
+        overlayrec("report", m.ws, "--html", str(page), timeout=120)
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
+            try:
+                pg = browser.new_page()
+                errors = []
+                pg.on("pageerror", lambda e: errors.append(str(e)))
+                pg.goto(page.as_uri())
+                files = pg.eval_on_selector_all("#files td.path",
+                                                "ts => ts.map(t => t.textContent)")
+                assert sorted(files) == ["report\\u202Etxt.exe", "zw\\u200Bspace.txt"], files
+                labels = pg.eval_on_selector_all(".lane .mark",
+                                                 "ms => ms.map(m => m.getAttribute('aria-label'))")
+                assert any("report\\u202Etxt.exe" in a for a in labels), labels
+                pg.click('.lane[data-kind="outside"] .mark[data-path^="report"]')
+                assert pg.text_content("#diff-title") == "added report\\u202Etxt.exe"
+                diff = pg.text_content("#diff")
+                assert "+access = user\\u2066  # admin\\u2069" in diff, diff
+                body = pg.inner_text("body")
+                assert not [ch for ch in body if ch in "\u202e\u2066\u2069\u200b"], body
+                assert errors == []
+            finally:
+                browser.close()
+    finally:
+        m.umount()
+
+
 # -- git's output cut per file (no mount, no browser) ---------------------------------------------
 
 @pytest.mark.timeout(60)

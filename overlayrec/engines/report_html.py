@@ -12,6 +12,7 @@ from __future__ import annotations
 import html
 import json
 import re
+import unicodedata
 
 PAGE = r"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8">
@@ -134,7 +135,16 @@ long idle stretches of the time axis are folded (hatched).</p>
 <script id="data" type="application/json">__DATA__</script>
 <script>
 "use strict";
-const D = JSON.parse(document.getElementById("data").textContent);
+// an invisible or bidi mark (a format character: U+202E turns the rest of a line around)
+// anywhere in the record's text is shown as its escape, never obeyed: names, labels, patches
+const MARK = /[\p{Cf}\u2028\u2029]/gu;
+const escapeMark = ch => { const h = ch.codePointAt(0).toString(16).toUpperCase();
+  return h.length > 4 ? "\\u{" + h + "}" : "\\u" + h.padStart(4, "0"); };
+const visible = v => typeof v === "string" ? v.replace(MARK, escapeMark)
+  : Array.isArray(v) ? v.map(visible)
+  : v && typeof v === "object" ? Object.fromEntries(Object.entries(v).map(
+      ([k, x]) => [visible(k), visible(x)])) : v;
+const D = visible(JSON.parse(document.getElementById("data").textContent));
 const el = (tag, cls, text) => { const e = document.createElement(tag);
   if (cls) e.className = cls; if (text !== undefined && text !== null) e.textContent = text;
   return e; };
@@ -382,6 +392,17 @@ def render(data: dict) -> str:
     """The page for report.report_data's ``data`` (ASCII but for the workspace's name)."""
     # the JSON stays inside its script element: no "</" (nor "<!--") can end or comment it
     blob = json.dumps(data).replace("<", "\\u003c")
-    name = data["workspace"].encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    name = _visible(data["workspace"].encode("utf-8", "surrogateescape").decode("utf-8",
+                                                                                "replace"))
     fill = {"__TITLE__": html.escape(name), "__WORKSPACE__": html.escape(name), "__DATA__": blob}
     return re.sub("__TITLE__|__WORKSPACE__|__DATA__", lambda m: fill[m.group(0)], PAGE)
+
+
+def _visible(text: str) -> str:
+    """``text`` with each invisible or bidi mark (a format character) as its escape, as the
+    page's script shows the record's text (``visible``)."""
+    if text.isprintable():
+        return text
+    return "".join((f"\\u{ord(ch):04X}" if ord(ch) <= 0xFFFF else f"\\u{{{ord(ch):X}}}")
+                   if unicodedata.category(ch) == "Cf" or ch in "\u2028\u2029" else ch
+                   for ch in text)
