@@ -17,9 +17,11 @@ import shlex
 import stat
 import subprocess
 import sys
+import sysconfig
 import textwrap
 
 import pytest
+import overlayrec
 from conftest import force_unmount, is_mounted, needs_fuse, needs_root
 
 NOBODY = 65534
@@ -63,15 +65,35 @@ class Owner:
 
     def __init__(self, tmpbase: str, owner: str):
         self.prefix, uid = OWNERS[owner]
-        # the daemon and the agent are started by an overlayrec process, not by setpriv
-        if self.run(["sh", "-c", 'exec "$0" -c 0', sys.executable], check=False).returncode:
-            pytest.skip(f"{sys.executable} cannot be run by uid {uid} (a directory on its way)")
+        self.python, path = self._python(uid)
         self.base = os.path.join(tmpbase, "u")
         self.ws, self.sd, xdg = (os.path.join(self.base, d) for d in ("ws", "sd", "xdg"))
         for d in (self.base, self.ws, xdg):
             os.mkdir(d)
             os.chown(d, uid, uid)
         self.env = dict(os.environ, XDG_STATE_HOME=xdg, HOME=self.base)
+        if path is not None:
+            self.env["PYTHONPATH"] = path
+
+    def _python(self, uid: int) -> tuple[str, str | None]:
+        """A Python the owner can run, with this checkout's packages: the tests' own, or,
+        where a directory on the way to its interpreter is closed to the owner (a pyenv under
+        /root), the system's of the same version given the venv's packages and the checkout
+        (on PYTHONPATH, which the daemon and the agent inherit).  Skips the test when there is
+        none."""
+        # the daemon and the agent are started by an overlayrec process, not by setpriv
+        probe = ["sh", "-c", 'exec "$0" -c "import lmdb, pyfuse3, overlayrec.daemon"']
+        if not self.run(probe + [sys.executable], check=False).returncode:
+            return sys.executable, None
+        system = f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"
+        path = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(
+            overlayrec.__file__))), sysconfig.get_paths()["purelib"]])
+        r = subprocess.run([*self.prefix, "env", f"PYTHONPATH={path}", *probe, system],
+                           capture_output=True, text=True, timeout=60)
+        if r.returncode:
+            pytest.skip(f"neither {sys.executable} nor {system} can be run by uid {uid} with "
+                        f"this checkout (a directory on its way): {r.stderr.strip()[-200:]}")
+        return system, path
 
     def run(self, args, cwd=None, check=True):
         r = subprocess.run([*self.prefix, *args], capture_output=True, text=True,
@@ -85,12 +107,12 @@ class Owner:
         return self.run(["bash", "-c", f"cd {shlex.quote(self.ws)} && {script}"], cwd=self.base)
 
     def ask(self, *args, check=True):
-        return self.run([sys.executable, "-m", "overlayrec", *args], cwd=self.base, check=check)
+        return self.run([self.python, "-m", "overlayrec", *args], cwd=self.base, check=check)
 
     def agent(self, steps: list[str]) -> None:
         """One session, a call for each step (every step must succeed, as natively)."""
-        self.run([sys.executable, "-m", "overlayrec", "run", "--state-dir", self.sd,
-                  "--session", "s", "--", sys.executable, "-c", AGENT % (steps,)], cwd=self.ws)
+        self.run([self.python, "-m", "overlayrec", "run", "--state-dir", self.sd,
+                  "--session", "s", "--", self.python, "-c", AGENT % (steps,)], cwd=self.ws)
 
     def refused(self, *args, needles=()) -> str:
         """``overlayrec ARGS`` refused in one line, no traceback: the line."""
