@@ -164,6 +164,39 @@ def test_a_killed_writer_found_by_a_writer_first(tmp_path):
         j.close()
 
 
+def test_a_damaged_record_and_what_follows_it_are_kept_aside_not_lost(tmp_path, caplog):
+    """A record of the log whose bytes were damaged ends the log (the records after it are not
+    read either); the writer's next open applies those before it and empties the log, and the
+    bytes it could not apply go to a file of their own beside it, with a warning: they had
+    been thrown away with the log."""
+    sd = str(tmp_path / "state")
+    Journal(sd).close()
+    subprocess.run([sys.executable, "-c", KILLED_WRITER, sd, "f"], capture_output=True,
+                   text=True, check=True, timeout=60 * SLOW)
+    path = os.path.join(sd, "journal", NAME)
+    with open(path, "r+b") as f:  # a byte of the second record's payload flipped
+        data = bytearray(f.read())
+        second = 8 + int.from_bytes(data[:4], "little")
+        data[second + 8 + 5] ^= 0xFF
+        f.seek(0)
+        f.write(data)
+    j = Journal(sd)
+    try:
+        assert [e["op"] for e in j.events()] == ["create"]
+        assert ahead_size(sd) == 0
+    finally:
+        j.close()
+    kept = [n for n in os.listdir(os.path.join(sd, "journal")) if n.startswith(NAME + ".unread-")]
+    assert len(kept) == 1
+    kept_path = os.path.join(sd, "journal", kept[0])
+    with open(kept_path, "rb") as f:
+        assert f.read() == bytes(data[second:])  # the damaged record and the one after it
+    assert os.stat(kept_path).st_mode & 0o777 == 0o600
+    assert any("not applied, kept in " + kept_path in r.getMessage() for r in caplog.records)
+    Journal(sd).close()  # nothing more to keep: no second file
+    assert len([n for n in os.listdir(os.path.join(sd, "journal")) if ".unread-" in n]) == 1
+
+
 def test_events_go_to_lmdb_at_once_near_a_full_disk(tmp_path, monkeypatch):
     sd = str(tmp_path / "state")
     j = writer(sd)

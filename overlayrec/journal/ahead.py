@@ -20,14 +20,17 @@ The file is ``journal/ahead.log`` (0600).  A record is its payload's length and 
 (``<II``), then the payload: a JSON header (the events, the actors the journal may not have
 yet, the extents notes held before them, and the length of each blob) followed by the
 blobs' bytes.  A record that is short or
-whose CRC does not match ends the log: a write cut off by a ``kill -9`` never reached the
-underlay (its change came after it).  Only the journal's one writer (the daemon, or a gc
-holding the writer lock) empties the file, once everything in it is in LMDB.
+whose CRC does not match ends the log: a write cut off by a crash never reached the underlay
+(its change came after it).  Only the journal's one writer (the daemon, or a gc holding the
+writer lock) empties the file, once everything in it is in LMDB; the bytes after the last whole
+record it keeps aside first (``keep_tail``): damage would have ended the log before records
+whose changes were made.
 """
 from __future__ import annotations
 
 import os
 import struct
+import time
 import zlib
 from collections.abc import Callable, Iterator  # (not typing: ~4 ms of a reader's start)
 
@@ -96,6 +99,7 @@ class AheadLog:
         self._loads = loads
         self._fd: int | None = None
         self._end = 0  # the file's length, as this writer made it
+        self.tail = b""  # what batches() found after the last whole record
 
     def _open(self) -> int:
         if self._fd is None:
@@ -122,7 +126,9 @@ class AheadLog:
         self._end += len(record)
 
     def batches(self) -> Iterator[Batch]:
-        """The whole records in the file, in order (none when there is no file)."""
+        """The whole records in the file, in order (none when there is no file).  Once read
+        through, ``tail`` holds the bytes after the last whole record (none: b"")."""
+        self.tail = b""
         try:
             with open(self.path, "rb") as f:
                 data = f.read()
@@ -133,9 +139,27 @@ class AheadLog:
             size, crc = _HEAD.unpack_from(data, at)
             payload = data[at + _HEAD.size:at + _HEAD.size + size]
             if len(payload) != size or zlib.crc32(payload) != crc:
-                return  # cut off, or being written now: the end of the log
+                break  # cut off, or being written now: the end of the log
             yield decode(payload, self._loads)
             at += _HEAD.size + size
+        self.tail = data[at:]
+
+    def keep_tail(self) -> str | None:
+        """The writer, about to empty the file: the bytes after its last whole record (read
+        by ``batches``), if any, go to a file of their own beside it (0600), its path returned.
+        A write is one ``write`` that a kill does not cut, and a failed one is cut back, so
+        such bytes are a crash's torn record or damage (records after a damaged one were
+        written, and their changes made): not applied, and not thrown away either."""
+        if not self.tail:
+            return None
+        path = f"{self.path}.unread-{time.time_ns()}"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, self.tail)
+        finally:
+            os.close(fd)
+        self.tail = b""
+        return path
 
     def size(self) -> int:
         try:

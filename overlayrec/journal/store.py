@@ -532,6 +532,16 @@ class Journal:
         before it asked."""
         nxt = self._load_next_seq()
         todo = [b for b in self._ahead.batches() if b.last_seq >= nxt]
+        if self._owner and self._ahead.tail:  # before the log is emptied below
+            n = len(self._ahead.tail)
+            try:
+                kept = self._ahead.keep_tail()
+                log.warning("the log ahead of the journal ends in %d byte(s) that are no whole "
+                            "record (a crash's torn write, or damage): not applied, kept in %s",
+                            n, kept)
+            except OSError as e:
+                log.warning("the log ahead of the journal ends in %d byte(s) that are no whole "
+                            "record, not applied, and cannot be kept (%s)", n, e)
         if not todo:
             if self._owner and self._ahead.size():
                 self._empty_ahead()
