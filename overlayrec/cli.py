@@ -479,6 +479,7 @@ def _spawn_daemon(ws: str, sd: str, *, durable=False, allow_other=False, timeout
         cmd.append(f"--max-bytes={max_bytes}")
     log_fd = state.open_private(state.StateDir(sd).daemon_log,
                                 os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    started = time.time_ns()
     with open(os.devnull, "rb") as devnull, os.fdopen(log_fd, "ab") as logf:
         proc = subprocess.Popen(cmd, stdin=devnull, stdout=logf, stderr=logf, pass_fds=(w,),
                                 start_new_session=True, cwd="/")
@@ -487,7 +488,25 @@ def _spawn_daemon(ws: str, sd: str, *, durable=False, allow_other=False, timeout
     if msg != "ready":
         raise Fail(msg.removeprefix("error: ") if msg else
                    f"daemon exited without mounting (see {os.path.join(sd, 'daemon.log')})")
+    _warn_unread_ahead(sd, started)
     return proc.pid
+
+
+def _warn_unread_ahead(sd: str, since: int) -> None:
+    """Say what the daemon's open of the journal kept aside of the log ahead (bytes after its
+    last whole record: ``AheadLog.keep_tail``), which only its log said."""
+    from .journal.ahead import NAME
+    journal, prefix = os.path.join(sd, "journal"), NAME + ".unread-"
+    try:
+        names = sorted(os.listdir(journal))
+    except OSError:
+        return
+    for n in names:
+        t = n[len(prefix):]
+        if n.startswith(prefix) and t.isascii() and t.isdigit() and int(t) >= since:
+            click.echo(f"overlayrec: warning: the log ahead of the journal ended in bytes that "
+                       f"are no whole record (a crash's torn write, or damage): not applied, "
+                       f"kept in {os.path.join(journal, n)}", err=True)
 
 
 def _read_ready(fd: int, proc: subprocess.Popen, timeout: float) -> str:

@@ -17,7 +17,7 @@ import pytest
 from overlayrec.journal import Journal, JournalError, store
 from overlayrec.journal.ahead import NAME, AheadLog, Batch, decode, encode
 
-from conftest import SLOW
+from conftest import SLOW, needs_fuse, overlayrec
 
 ACTOR = {"key": "7:7", "pid": 7, "start": 7, "uid": 0}
 ODD = "dir/\udcff-undecodable"  # a path whose bytes are not UTF-8 (surrogateescape)
@@ -195,6 +195,30 @@ def test_a_damaged_record_and_what_follows_it_are_kept_aside_not_lost(tmp_path, 
     assert any("not applied, kept in " + kept_path in r.getMessage() for r in caplog.records)
     Journal(sd).close()  # nothing more to keep: no second file
     assert len([n for n in os.listdir(os.path.join(sd, "journal")) if ".unread-" in n]) == 1
+
+
+@needs_fuse
+def test_the_mount_says_what_it_kept_aside_of_the_log(make_mount):
+    m = make_mount().mount()
+    m.sh("echo a > f")
+    m.umount()
+    with open(os.path.join(m.state, "journal", NAME), "ab") as f:
+        f.write(b"\x40\x00\x00\x00 not a whole record")  # after whatever the log holds
+    r = overlayrec("mount", m.ws, "--state-dir", m.state)
+    try:
+        kept = [n for n in os.listdir(os.path.join(m.state, "journal")) if ".unread-" in n]
+        assert len(kept) == 1
+        line = r.stderr.strip()
+        assert line.startswith("overlayrec: warning: the log ahead of the journal ended in ") \
+            and line.endswith("kept in " + os.path.join(m.state, "journal", kept[0])), r.stderr
+        assert [e["path"] for e in m.events() if e["op"] == "create"] == ["f"]
+    finally:
+        m.umount()
+    r = overlayrec("mount", m.ws, "--state-dir", m.state)  # nothing kept this time: not said
+    try:
+        assert "warning" not in r.stderr, r.stderr
+    finally:
+        m.umount()
 
 
 def test_events_go_to_lmdb_at_once_near_a_full_disk(tmp_path, monkeypatch):
