@@ -740,6 +740,62 @@ def _record_size(ws: str, sd: str, mounted: bool) -> dict | None:
 
 
 @main.command()
+@click.argument("workspace", default=".")
+@click.option("--state-dir", type=PATH, help="Read this state dir.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object (see below).")
+@_guard
+def check(workspace, state_dir, as_json):
+    """Say whether the record of WORKSPACE is whole: that every event's process is known, every
+    content an event names (a pre-image, a recorded write) is held, every attic entry a
+    pre-image names is in the attic (unless the daemon said it dropped it for want of space),
+    and that nothing of the log ahead was left unread.  Mounted or not; it only reads.
+
+    \b
+    Exit status: 0 whole, 1 not (one line per finding, then a summary), 2 bad usage.
+    --json: {"workspace", "state_dir", "events", "actors", "blobs", "attic_entries",
+      "attic_looked_at", "whole", "findings": [{"kind": "actor" | "blob" | "attic", "name",
+      "events" (how many name it), "seq" and "path" (the first)} or {"kind": "ahead",
+      "name" (the file kept aside)}, ...]}"""
+    from .engines.check import check as do_check
+    from .views import shown
+    ws = state.resolve_workspace(workspace, must_exist=False, upward=True)
+    sd = _state_dir_for(ws, state_dir)
+    j = Journal(sd, readonly=True)
+    try:
+        root_fd = None
+        if os.path.isdir(ws):
+            root_fd = _tree_for(ws, sd).root_fd
+        try:
+            out = do_check(j, root_fd)
+        finally:
+            if root_fd is not None:
+                os.close(root_fd)
+    finally:
+        j.close()
+    found = out["findings"]
+    if as_json:
+        click.echo(json.dumps({"workspace": ws, "state_dir": sd, **out, "whole": not found},
+                              ensure_ascii=False))
+    else:
+        said = {"actor": "no process (actor) recorded for", "blob": "no content held for",
+                "attic": "no attic entry"}
+        for f in found:
+            if f["kind"] == "ahead":
+                click.echo(f"unread bytes of the log ahead kept aside in {f['name']}")
+                continue
+            click.echo(f"{said[f['kind']]} {shown(f['name'])}, named by {f['events']} "
+                       f"event(s) (the first: seq {f['seq']}"
+                       + (f", {shown(f['path'])})" if isinstance(f["path"], str) else ")"))
+        looked = "" if out["attic_looked_at"] else " (the attic not looked at: no workspace)"
+        click.echo(f"{'record whole' if not found else 'record not whole'}: {out['events']} "
+                   f"event(s), {out['actors']} process(es), {out['blobs']} content(s), "
+                   f"{out['attic_entries']} attic entr{'y' if out['attic_entries'] == 1 else 'ies'}"
+                   f" checked{looked}" + (f"; {len(found)} finding(s)" if found else ""))
+    if found:
+        sys.exit(1)
+
+
+@main.command()
 @click.argument("workspace", required=False)  # not click.Path: it would stat a hung mount
 @click.option("--all", "every", is_flag=True, help="Every workspace in the registry (each one "
               "this user's overlayrec has mounted).")

@@ -259,7 +259,9 @@ def categories(sd: str, j: Journal, attic: dict[int, dict] | None) -> dict:
     return out
 
 
-def _digests(ev: dict):
+def digests(ev: dict):
+    """The content digests an event names: its pre-images' ``blob`` and ``ranges``, a write's
+    ``data``."""
     for k in ("pre", "pre2"):
         pre = ev.get(k)
         if isinstance(pre, dict):
@@ -328,7 +330,7 @@ def sessions(j: Journal, content_root: str, attic: dict[int, dict] | None,
         if r["first_seq"] is None:
             r["first_seq"] = seq
         r["last_seq"] = seq
-        for dg in _digests(ev):
+        for dg in digests(ev):
             if dg in seen:
                 continue
             seen.add(dg)

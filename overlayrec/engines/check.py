@@ -1,0 +1,113 @@
+"""``overlayrec check``: is the record whole?  One pass over the journal's events (those a gc's
+cut left), looking for what a reader would need and not find:
+
+* **actors**: each event's ``actor`` has its row in the ``actors`` table (the process a
+  listing names);
+* **content**: each digest an event names (a pre-image's ``blob`` and ``ranges``, a write's
+  ``data``) is held, in the journal's ``blobs`` table or the content store;
+* **attic**: each attic entry a pre-image names is in the workspace's attic, unless a
+  ``reclaim`` event says the daemon dropped it for want of space (readers then know the state
+  is inexact);
+* **the log ahead**: no bytes of it were kept aside unread (``ahead.log.unread-*``).
+
+An event whose change the underlay refused (a ``failed`` note names it) made nothing, so what
+it names is not looked for.  While mounted, an entry the daemon copied into the store meanwhile
+is looked at again in its event as it is now.  Existence only: a blob's bytes are checked
+against its digest by every reader that reads them.  Sync, and reading only.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from ..journal import Journal
+from ..journal.ahead import NAME as AHEAD_NAME
+from .usage import digests, open_attic
+
+
+def check(j: Journal, root_fd: int | None) -> dict:
+    """The findings over ``j`` (the workspace's root fd, for its attic; None: not looked at):
+    ``{"events", "actors", "blobs", "attic_entries", "findings": [...]}``, each finding a dict
+    with ``kind`` ("actor", "blob", "attic", "ahead"), what is missing, how many events name
+    it and the first of them (``seq``, ``path``)."""
+    cut = j.cut
+    kept_seals = {seq for _, seq in j.seals()}
+    failed: set[int] = set()
+    dropped: set[str] = set()
+    for ev in j.events_of(("failed", "reclaim")):
+        if ev["op"] == "failed" and isinstance(ev.get("ref"), int):
+            failed.add(ev["ref"])
+        elif ev["op"] == "reclaim":
+            dropped.update(n for n in ev.get("dropped") or () if isinstance(n, str))
+    actors: dict[str, list] = {}   # key -> [events, first seq, its path]
+    blobs: dict[str, list] = {}
+    attic: dict[str, list] = {}
+    events = 0
+    for seq, raw in j.scan_raw(1):
+        if seq < cut and seq not in kept_seals:
+            continue  # a gc's cut made, not yet deleted
+        try:
+            ev = json.loads(raw.decode("utf-8", "surrogateescape"))
+        except ValueError:
+            continue  # not an event: the readers say so where they meet it
+        events += 1
+        where = (seq, ev.get("path"))
+        if isinstance(ev.get("actor"), str):
+            _name(actors, ev["actor"], where)
+        if seq in failed:
+            continue
+        for dg in digests(ev):
+            _name(blobs, dg, where)
+        for k in ("pre", "pre2"):
+            pre = ev.get(k)
+            if isinstance(pre, dict) and isinstance(pre.get("attic"), str):
+                _name(attic, pre["attic"], where)
+    findings = []
+    for key, (n, seq, path) in actors.items():
+        if j.actor(key) is None:
+            findings.append(_finding("actor", key, n, seq, path))
+    for dg, (n, seq, path) in blobs.items():
+        if not j.content.has(dg):
+            findings.append(_finding("blob", dg, n, seq, path))
+    afd = open_attic(root_fd) if root_fd is not None else None
+    try:
+        for name, (n, seq, path) in attic.items():
+            if name in dropped or _entry_there(afd, name):
+                continue
+            now = j.event(seq, fresh=True) or {}
+            if name not in (((now.get("pre") or {}).get("attic")),
+                            ((now.get("pre2") or {}).get("attic"))):
+                continue  # copied into the store since (the daemon, while mounted)
+            findings.append(_finding("attic", name, n, seq, path))
+    finally:
+        if afd is not None:
+            os.close(afd)
+    journal = os.path.join(j.state_dir, "journal")
+    for name in sorted(os.listdir(journal)):
+        if name.startswith(AHEAD_NAME + ".unread-"):
+            findings.append({"kind": "ahead", "name": os.path.join(journal, name)})
+    return {"events": events, "actors": len(actors), "blobs": len(blobs),
+            "attic_entries": len(attic), "attic_looked_at": root_fd is not None,
+            "findings": findings}
+
+
+def _name(table: dict, key: str, where: tuple) -> None:
+    row = table.get(key)
+    if row is None:
+        table[key] = [1, *where]
+    else:
+        row[0] += 1
+
+
+def _entry_there(afd: int | None, name: str) -> bool:
+    if afd is None or "/" in name:
+        return False
+    try:
+        os.lstat(name, dir_fd=afd)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def _finding(kind: str, name: str, n: int, seq: int, path) -> dict:
+    return {"kind": kind, "name": name, "events": n, "seq": seq, "path": path}

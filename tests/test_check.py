@@ -1,0 +1,98 @@
+"""``overlayrec check``: a record made through a real mount reads as whole, mounted or not; each
+piece a reader would need, taken away by hand (an actor's row, a blob of the content store, an
+attic entry), is named, with the events that name it, and the exit status says so."""
+from __future__ import annotations
+
+import json
+import os
+
+import lmdb
+
+from conftest import needs_fuse, overlayrec
+from overlayrec.journal import schema
+
+pytestmark = needs_fuse
+
+
+def recorded(make_mount):
+    m = make_mount()
+    with open(os.path.join(m.ws, "big.log"), "wb") as f:
+        f.write(b"x" * 400_000)      # past the small pre-image: its unlink keeps it in the attic
+    with open(os.path.join(m.ws, "mid.txt"), "wb") as f:
+        f.write(b"m\n" * 50_000)     # 100 KB: its pre-image a file of the content store
+    with open(os.path.join(m.ws, "small.txt"), "w") as f:
+        f.write("one\n")
+    m.mount()
+    m.sh("rm big.log; sed -i s/m/n/ mid.txt; echo two >> small.txt; mkdir d; mv small.txt d/")
+    return m
+
+
+def check(m, *args):
+    return overlayrec("check", m.ws, "--state-dir", m.state, *args, check=False)
+
+
+def test_a_record_made_through_the_mount_is_whole_mounted_and_not(make_mount):
+    m = recorded(make_mount)
+    try:
+        r = check(m)  # mounted: the attic is read beneath the mount
+        assert r.returncode == 0 and r.stdout.startswith("record whole: "), r.stdout + r.stderr
+    finally:
+        m.umount()
+    r = check(m, "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["whole"] and out["findings"] == [] and out["attic_looked_at"]
+    assert out["attic_entries"] == 1 and out["blobs"] >= 1 and out["actors"] >= 3
+
+
+def test_what_was_taken_away_is_named(make_mount):
+    m = recorded(make_mount)
+    m.umount()
+    evs = m.events()
+    unlink = next(e for e in evs if e["op"] == "unlink" and e["path"] == "big.log")
+    entry = unlink["pre"]["attic"]
+    os.unlink(m.attic(entry))
+    # the 100 KB pre-image of mid.txt, which sed renamed over: a file of the content store
+    digest = next(e["pre2"]["blob"] for e in evs if e.get("path2") == "mid.txt")
+    blob_file = os.path.join(m.state, "content", digest[:2], digest[2:])
+    assert os.path.exists(blob_file), os.listdir(os.path.join(m.state, "content"))
+    os.unlink(blob_file)
+    rm_actor = unlink["actor"]
+    env = lmdb.open(os.path.join(m.state, "journal"), max_dbs=len(schema.DBS) + 1)
+    try:
+        with env.begin(write=True) as txn:
+            assert txn.delete(rm_actor.encode(), db=env.open_db(b"actors", txn=txn))
+    finally:
+        env.close()
+    r = check(m)
+    assert r.returncode == 1, r.stdout + r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert f"no attic entry {entry}, named by 1 event(s) (the first: seq {unlink['seq']}, " \
+        "big.log)" in lines, lines
+    assert any(line.startswith(f"no content held for {digest}, named by ") for line in lines)
+    assert any(line.startswith(f"no process (actor) recorded for {rm_actor}, named by 1 event(s)")
+               for line in lines), lines
+    assert lines[-1].startswith("record not whole: ") and lines[-1].endswith("; 3 finding(s)")
+    out = json.loads(check(m, "--json").stdout)
+    assert not out["whole"]
+    assert sorted(f["kind"] for f in out["findings"]) == ["actor", "attic", "blob"]
+
+
+def test_bytes_of_the_log_ahead_kept_aside_are_a_finding(make_mount):
+    m = make_mount().mount()
+    m.sh("echo a > f")
+    m.umount()
+    with open(os.path.join(m.state, "journal", "ahead.log"), "ab") as f:
+        f.write(b"\x40\x00\x00\x00 torn")
+    overlayrec("mount", m.ws, "--state-dir", m.state)  # its open keeps them aside
+    m.umount()
+    r = check(m)
+    assert r.returncode == 1
+    assert r.stdout.startswith("unread bytes of the log ahead kept aside in "
+                               + os.path.join(m.state, "journal", "ahead.log.unread-")), r.stdout
+
+
+def test_bad_input_is_one_line(make_mount, tmp_path):
+    r = overlayrec("check", str(tmp_path / "nowhere"), check=False)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
