@@ -92,6 +92,17 @@ def test_bytes_of_the_log_ahead_kept_aside_are_a_finding(make_mount):
                                + os.path.join(m.state, "journal", "ahead.log.unread-")), r.stdout
 
 
+def test_without_its_workspace_the_attic_is_not_looked_at(make_mount, tmp_path):
+    """A record whose workspace has gone (moved, deleted) is checked for what the state dir
+    holds; its attic entries are not taken as missing, and the summary says it did not look."""
+    m = recorded(make_mount)
+    m.umount()
+    os.rename(m.ws, str(tmp_path / "moved"))
+    r = check(m)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip().endswith("checked (the attic not looked at: no workspace)")
+
+
 def test_bad_input_is_one_line(make_mount, tmp_path):
     r = overlayrec("check", str(tmp_path / "nowhere"), check=False)
     lines = r.stderr.strip().splitlines()

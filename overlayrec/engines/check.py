@@ -71,7 +71,8 @@ def check(j: Journal, root_fd: int | None) -> dict:
             findings.append(_finding("blob", dg, n, seq, path))
     afd = open_attic(root_fd) if root_fd is not None else None
     try:
-        for name, (n, seq, path) in attic.items():
+        # no workspace to look in (None): the attic is not looked at, so nothing is missing
+        for name, (n, seq, path) in attic.items() if root_fd is not None else ():
             if name in dropped or _entry_there(afd, name):
                 continue
             now = j.event(seq, fresh=True) or {}
