@@ -751,11 +751,13 @@ def check(workspace, state_dir, as_json):
     and that nothing of the log ahead was left unread.  Mounted or not; it only reads.
 
     \b
-    Exit status: 0 whole, 1 not (one line per finding, then a summary), 2 bad usage.
+    Exit status: 0 whole, 1 not (one line per finding and a summary on stdout, one error
+    line on stderr), 2 bad usage.
     --json: {"workspace", "state_dir", "events", "actors", "blobs", "attic_entries",
       "attic_looked_at", "whole", "findings": [{"kind": "actor" | "blob" | "attic", "name",
       "events" (how many name it), "seq" and "path" (the first)} or {"kind": "ahead",
-      "name" (the file kept aside)}, ...]}"""
+      "name" (the file kept aside)} or {"kind": "event", "name" (what is wrong), "seq"},
+      ...]}"""
     from .engines.check import check as do_check
     from .views import shown
     ws = state.resolve_workspace(workspace, must_exist=False, upward=True)
@@ -783,6 +785,9 @@ def check(workspace, state_dir, as_json):
             if f["kind"] == "ahead":
                 click.echo(f"unread bytes of the log ahead kept aside in {f['name']}")
                 continue
+            if f["kind"] == "event":
+                click.echo(f"not an event: {f['name']}")
+                continue
             click.echo(f"{said[f['kind']]} {shown(f['name'])}, named by {f['events']} "
                        f"event(s) (the first: seq {f['seq']}"
                        + (f", {shown(f['path'])})" if isinstance(f["path"], str) else ")"))
@@ -792,7 +797,8 @@ def check(workspace, state_dir, as_json):
                    f"{out['attic_entries']} attic entr{'y' if out['attic_entries'] == 1 else 'ies'}"
                    f" checked{looked}" + (f"; {len(found)} finding(s)" if found else ""))
     if found:
-        sys.exit(1)
+        raise Fail(f"the record of {ws} is not whole: {len(found)} finding(s)"
+                   + ("" if as_json else ", listed above"))
 
 
 @main.command()

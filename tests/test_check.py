@@ -73,9 +73,30 @@ def test_what_was_taken_away_is_named(make_mount):
     assert any(line.startswith(f"no process (actor) recorded for {rm_actor}, named by 1 event(s)")
                for line in lines), lines
     assert lines[-1].startswith("record not whole: ") and lines[-1].endswith("; 3 finding(s)")
+    assert r.stderr == f"overlayrec: error: the record of {m.ws} is not whole: 3 finding(s), " \
+        "listed above\n", r.stderr
     out = json.loads(check(m, "--json").stdout)
     assert not out["whole"]
     assert sorted(f["kind"] for f in out["findings"]) == ["actor", "attic", "blob"]
+
+
+def test_a_record_that_is_no_event_is_a_finding(make_mount):
+    """A record of the events table that is no event (a reader refuses to answer over it) is
+    named; the rest is checked as before."""
+    m = recorded(make_mount)
+    m.umount()
+    first = m.events()[0]["seq"]
+    env = lmdb.open(os.path.join(m.state, "journal"), max_dbs=len(schema.DBS) + 1)
+    try:
+        with env.begin(write=True) as txn:
+            txn.put(schema.seq_key(first), b"[1, 2, 3]", db=env.open_db(b"events", txn=txn))
+    finally:
+        env.close()
+    r = check(m)
+    assert r.returncode == 1, r.stdout + r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert lines[0] == f"not an event: event {first} is not a JSON object but list", lines
+    assert lines[-1].endswith("; 1 finding(s)"), lines
 
 
 def test_bytes_of_the_log_ahead_kept_aside_are_a_finding(make_mount):

@@ -8,7 +8,9 @@ cut left), looking for what a reader would need and not find:
 * **attic**: each attic entry a pre-image names is in the workspace's attic, unless a
   ``reclaim`` event says the daemon dropped it for want of space (readers then know the state
   is inexact);
-* **the log ahead**: no bytes of it were kept aside unread (``ahead.log.unread-*``).
+* **the log ahead**: no bytes of it were kept aside unread (``ahead.log.unread-*``);
+* **events**: each record of the ``events`` table is an event (a reader refuses to answer
+  over one that is not).
 
 An event whose change the underlay refused (a ``failed`` note names it) made nothing, so what
 it names is not looked for.  While mounted, an entry the daemon copied into the store meanwhile
@@ -22,13 +24,14 @@ import os
 
 from ..journal import Journal
 from ..journal.ahead import NAME as AHEAD_NAME
+from ..journal.store import event_defect
 from .usage import digests, open_attic
 
 
 def check(j: Journal, root_fd: int | None) -> dict:
     """The findings over ``j`` (the workspace's root fd, for its attic; None: not looked at):
     ``{"events", "actors", "blobs", "attic_entries", "findings": [...]}``, each finding a dict
-    with ``kind`` ("actor", "blob", "attic", "ahead"), what is missing, how many events name
+    with ``kind`` ("actor", "blob", "attic", "ahead", "event"), what is missing, how many events name
     it and the first of them (``seq``, ``path``)."""
     cut = j.cut
     kept_seals = {seq for _, seq in j.seals()}
@@ -39,6 +42,7 @@ def check(j: Journal, root_fd: int | None) -> dict:
             failed.add(ev["ref"])
         elif ev["op"] == "reclaim":
             dropped.update(n for n in ev.get("dropped") or () if isinstance(n, str))
+    findings: list[dict] = []
     actors: dict[str, list] = {}   # key -> [events, first seq, its path]
     blobs: dict[str, list] = {}
     attic: dict[str, list] = {}
@@ -49,7 +53,11 @@ def check(j: Journal, root_fd: int | None) -> dict:
         try:
             ev = json.loads(raw.decode("utf-8", "surrogateescape"))
         except ValueError:
-            continue  # not an event: the readers say so where they meet it
+            ev = None
+        why = "is not JSON" if ev is None else event_defect(ev, seq)
+        if why is not None:  # a reader that meets it refuses to answer
+            findings.append({"kind": "event", "name": f"event {seq} {why}", "seq": seq})
+            continue
         events += 1
         where = (seq, ev.get("path"))
         if isinstance(ev.get("actor"), str):
@@ -62,7 +70,6 @@ def check(j: Journal, root_fd: int | None) -> dict:
             pre = ev.get(k)
             if isinstance(pre, dict) and isinstance(pre.get("attic"), str):
                 _name(attic, pre["attic"], where)
-    findings = []
     for key, (n, seq, path) in actors.items():
         if j.actor(key) is None:
             findings.append(_finding("actor", key, n, seq, path))

@@ -1082,7 +1082,7 @@ class Journal:
         except ValueError as e:  # not JSON (UnicodeDecodeError cannot happen: surrogateescape)
             why = f"is not valid JSON ({e})"
         else:
-            why = _event_defect(ev, seq)
+            why = event_defect(ev, seq)
             if why is None:
                 return ev
         raise JournalError(f"journal in {self.state_dir} is corrupt: event {seq} {why}")
@@ -1313,7 +1313,7 @@ _EVENT_FIELDS = (("seq", int, True), ("t", int, True), ("op", str, True), ("path
                  ("path2", str, False), ("actor", str, False), ("unit", str, False))
 
 
-def _event_defect(ev, seq: int) -> str | None:
+def event_defect(ev, seq: int) -> str | None:
     """What makes a decoded record no event (the message's tail), or None."""
     if type(ev) is dict:  # the common case in one expression: every reader decodes every event
         g = ev.get
