@@ -767,9 +767,11 @@ def check(workspace, state_dir, as_json):
         root_fd = None
         if os.path.isdir(ws):
             root_fd = _tree_for(ws, sd).root_fd
+        shown_progress = readers.Progress("checking event", not as_json)
         try:
-            out = do_check(j, root_fd)
+            out = do_check(j, root_fd, shown_progress)
         finally:
+            shown_progress.done()
             if root_fd is not None:
                 os.close(root_fd)
     finally:

@@ -124,6 +124,26 @@ def test_without_its_workspace_the_attic_is_not_looked_at(make_mount, tmp_path):
     assert r.stdout.strip().endswith("checked (the attic not looked at: no workspace)")
 
 
+def test_the_pass_tells_its_progress_up_to_the_last_event(make_mount):
+    """What ``overlayrec check`` shows on a terminal once the pass has taken a second: the
+    seqs it has reached, rising, ending at the record's last."""
+    from overlayrec.engines.check import check as do_check
+    from overlayrec.journal import Journal
+    m = make_mount().mount()
+    m.sh("for i in $(seq 1 300); do echo $i > f$i; done")
+    m.umount()
+    told = []
+    j = Journal(m.state, readonly=True)
+    try:
+        out = do_check(j, None, lambda n, total: told.append((n, total)))
+        last = j.last_seq()
+    finally:
+        j.close()
+    assert out["findings"] == [] and out["events"] >= 600
+    assert told[-1] == (last, last) and len(told) >= 3, told
+    assert [n for n, _ in told] == sorted(n for n, _ in told)
+
+
 def test_bad_input_is_one_line(make_mount, tmp_path):
     r = overlayrec("check", str(tmp_path / "nowhere"), check=False)
     lines = r.stderr.strip().splitlines()

@@ -28,8 +28,9 @@ from ..journal.store import event_defect
 from .usage import digests, open_attic
 
 
-def check(j: Journal, root_fd: int | None) -> dict:
-    """The findings over ``j`` (the workspace's root fd, for its attic; None: not looked at):
+def check(j: Journal, root_fd: int | None, progress=None) -> dict:
+    """The findings over ``j`` (the workspace's root fd, for its attic; None: not looked at;
+    ``progress(seq, last seq)`` told as the pass goes, if given):
     ``{"events", "actors", "blobs", "attic_entries", "findings": [...]}``, each finding a dict
     with ``kind`` ("actor", "blob", "attic", "ahead", "event"), what is missing, how many events name
     it and the first of them (``seq``, ``path``)."""
@@ -47,7 +48,10 @@ def check(j: Journal, root_fd: int | None) -> dict:
     blobs: dict[str, list] = {}
     attic: dict[str, list] = {}
     events = 0
+    last = j.last_seq()
     for seq, raw in j.scan_raw(1):
+        if progress is not None and not seq & 0xFF:
+            progress(seq, last)
         if seq < cut and seq not in kept_seals:
             continue  # a gc's cut made, not yet deleted
         try:
@@ -70,6 +74,8 @@ def check(j: Journal, root_fd: int | None) -> dict:
             pre = ev.get(k)
             if isinstance(pre, dict) and isinstance(pre.get("attic"), str):
                 _name(attic, pre["attic"], where)
+    if progress is not None:
+        progress(last, last)
     for key, (n, seq, path) in actors.items():
         if j.actor(key) is None:
             findings.append(_finding("actor", key, n, seq, path))
