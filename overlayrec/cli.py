@@ -495,18 +495,12 @@ def _spawn_daemon(ws: str, sd: str, *, durable=False, allow_other=False, timeout
 def _warn_unread_ahead(sd: str, since: int) -> None:
     """Say what the daemon's open of the journal kept aside of the log ahead (bytes after its
     last whole record: ``AheadLog.keep_tail``), which only its log said."""
-    from .journal.ahead import NAME
-    journal, prefix = os.path.join(sd, "journal"), NAME + ".unread-"
-    try:
-        names = sorted(os.listdir(journal))
-    except OSError:
-        return
-    for n in names:
-        t = n[len(prefix):]
-        if n.startswith(prefix) and t.isascii() and t.isdigit() and int(t) >= since:
+    from .journal.ahead import kept_aside
+    for path, when in kept_aside(os.path.join(sd, "journal")):
+        if when >= since:
             click.echo(f"overlayrec: warning: the log ahead of the journal ended in bytes that "
                        f"are no whole record (a crash's torn write, or damage): not applied, "
-                       f"kept in {os.path.join(journal, n)}", err=True)
+                       f"kept in {path}", err=True)
 
 
 def _read_ready(fd: int, proc: subprocess.Popen, timeout: float) -> str:

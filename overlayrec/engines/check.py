@@ -23,7 +23,7 @@ import json
 import os
 
 from ..journal import Journal
-from ..journal.ahead import NAME as AHEAD_NAME
+from ..journal.ahead import kept_aside
 from ..journal.store import event_defect
 from .usage import digests, open_attic
 
@@ -32,8 +32,8 @@ def check(j: Journal, root_fd: int | None, progress=None) -> dict:
     """The findings over ``j`` (the workspace's root fd, for its attic; None: not looked at;
     ``progress(seq, last seq)`` told as the pass goes, if given):
     ``{"events", "actors", "blobs", "attic_entries", "findings": [...]}``, each finding a dict
-    with ``kind`` ("actor", "blob", "attic", "ahead", "event"), what is missing, how many events name
-    it and the first of them (``seq``, ``path``)."""
+    with ``kind`` ("actor", "blob", "attic", "ahead", "event"), what is missing, how many
+    events name it and the first of them (``seq``, ``path``)."""
     cut = j.cut
     kept_seals = {seq for _, seq in j.seals()}
     failed: set[int] = set()
@@ -82,24 +82,10 @@ def check(j: Journal, root_fd: int | None, progress=None) -> dict:
     for dg, (n, seq, path) in blobs.items():
         if not j.content.has(dg):
             findings.append(_finding("blob", dg, n, seq, path))
-    afd = open_attic(root_fd) if root_fd is not None else None
-    try:
-        # no workspace to look in (None): the attic is not looked at, so nothing is missing
-        for name, (n, seq, path) in attic.items() if root_fd is not None else ():
-            if name in dropped or _entry_there(afd, name):
-                continue
-            now = j.event(seq, fresh=True) or {}
-            if name not in (((now.get("pre") or {}).get("attic")),
-                            ((now.get("pre2") or {}).get("attic"))):
-                continue  # copied into the store since (the daemon, while mounted)
-            findings.append(_finding("attic", name, n, seq, path))
-    finally:
-        if afd is not None:
-            os.close(afd)
-    journal = os.path.join(j.state_dir, "journal")
-    for name in sorted(os.listdir(journal)):
-        if name.startswith(AHEAD_NAME + ".unread-"):
-            findings.append({"kind": "ahead", "name": os.path.join(journal, name)})
+    if root_fd is not None:  # no workspace to look in: the attic is not looked at
+        findings += _missing_from_attic(j, root_fd, attic, dropped)
+    findings += [{"kind": "ahead", "name": path}
+                 for path, _ in kept_aside(os.path.join(j.state_dir, "journal"))]
     return {"events": events, "actors": len(actors), "blobs": len(blobs),
             "attic_entries": len(attic), "attic_looked_at": root_fd is not None,
             "findings": findings}
@@ -111,6 +97,25 @@ def _name(table: dict, key: str, where: tuple) -> None:
         table[key] = [1, *where]
     else:
         row[0] += 1
+
+
+def _missing_from_attic(j: Journal, root_fd: int, attic: dict, dropped: set) -> list[dict]:
+    """The entries of ``attic`` (name -> [events, first seq, its path]) the workspace's attic
+    does not hold, but for those a reclaim dropped and those copied into the store since (the
+    daemon settles them while mounted: the event, read again, names the entry no more)."""
+    out = []
+    afd = open_attic(root_fd)
+    try:
+        for name, (n, seq, path) in attic.items():
+            if name in dropped or _entry_there(afd, name):
+                continue
+            now = j.event(seq, fresh=True) or {}
+            if name in ((now.get("pre") or {}).get("attic"), (now.get("pre2") or {}).get("attic")):
+                out.append(_finding("attic", name, n, seq, path))
+    finally:
+        if afd is not None:
+            os.close(afd)
+    return out
 
 
 def _entry_there(afd: int | None, name: str) -> bool:

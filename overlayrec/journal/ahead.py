@@ -35,6 +35,20 @@ import zlib
 from collections.abc import Callable, Iterator  # (not typing: ~4 ms of a reader's start)
 
 NAME = "ahead.log"
+UNREAD = ".unread-"  # ahead.log.unread-<ns>: bytes a writer's open kept aside (keep_tail)
+
+
+def kept_aside(journal_dir: str) -> list[tuple[str, int]]:
+    """The files of bytes kept aside unread in ``journal_dir`` (``keep_tail``), oldest first:
+    (path, when it was kept, in ns)."""
+    prefix = NAME + UNREAD
+    try:
+        names = os.listdir(journal_dir)
+    except OSError:
+        return []
+    found = [(os.path.join(journal_dir, n), int(n[len(prefix):])) for n in names
+             if n.startswith(prefix) and n[len(prefix):].isascii() and n[len(prefix):].isdigit()]
+    return sorted(found, key=lambda f: f[1])
 _HEAD = struct.Struct("<II")  # payload length, CRC-32 of the payload
 _JSON_LEN = struct.Struct("<I")
 
@@ -152,7 +166,7 @@ class AheadLog:
         written, and their changes made): not applied, and not thrown away either."""
         if not self.tail:
             return None
-        path = f"{self.path}.unread-{time.time_ns()}"
+        path = f"{self.path}{UNREAD}{time.time_ns()}"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             os.write(fd, self.tail)
