@@ -144,6 +144,36 @@ def test_the_pass_tells_its_progress_up_to_the_last_event(make_mount):
     assert [n for n, _ in told] == sorted(n for n, _ in told)
 
 
+def test_every_shape_of_file_and_path_reads_as_whole(make_mount):
+    """Not only the shapes first thought of: a directory renamed with files beneath (a large one
+    removed there after, kept by the attic), a fifo, a hard-linked file removed under one name,
+    a symlink to a directory, a path of about 4,000 bytes with a large file removed in it, and
+    an edit made while unmounted (drift): every piece the record names is found."""
+    m = make_mount()
+    deep = "/".join(["d" * 240] * 16)  # 3,855 bytes of directories
+    os.makedirs(os.path.join(m.ws, "src/pkg"))
+    for rel, size in (("src/pkg/big.bin", 300_000), ("src/pkg/a.py", 10), ("linked", 300_000)):
+        with open(os.path.join(m.ws, rel), "wb") as f:
+            f.write(b"z" * size)
+    os.link(os.path.join(m.ws, "linked"), os.path.join(m.ws, "other-name"))
+    m.mount()
+    m.sh(f"mv src lib && rm lib/pkg/big.bin && echo b >> lib/pkg/a.py && mkfifo lib/fifo && "
+         f"ln -s lib dirlink && rm linked && mkdir -p {deep} && "
+         f"head -c 300000 /dev/zero > {deep}/f && rm {deep}/f && echo x > {deep}/g")
+    m.umount()
+    with open(os.path.join(m.ws, "lib/pkg/a.py"), "w") as f:  # a recorded path: sealed
+        f.write("changed while unmounted\n")
+    m.mount()
+    m.umount()
+    evs = m.events()
+    assert any(e["op"] == "drift" for e in evs)
+    assert any(e["op"] == "rename" and e["path"] == "src" for e in evs)
+    out = json.loads(check(m, "--json").stdout)
+    assert out["whole"] and out["findings"] == [], out
+    assert out["attic_entries"] >= 2, out  # the two large files removed
+    assert check(m).returncode == 0
+
+
 def test_bad_input_is_one_line(make_mount, tmp_path):
     r = overlayrec("check", str(tmp_path / "nowhere"), check=False)
     lines = r.stderr.strip().splitlines()
