@@ -37,6 +37,9 @@ from collections.abc import Callable, Iterator  # (not typing: ~4 ms of a reader
 NAME = "ahead.log"
 UNREAD = ".unread-"  # ahead.log.unread-<ns>: bytes a writer's open kept aside (keep_tail)
 
+_HEAD = struct.Struct("<II")  # payload length, CRC-32 of the payload
+_JSON_LEN = struct.Struct("<I")
+
 
 def kept_aside(journal_dir: str) -> list[tuple[str, int]]:
     """The files of bytes kept aside unread in ``journal_dir`` (``keep_tail``), oldest first:
@@ -49,8 +52,6 @@ def kept_aside(journal_dir: str) -> list[tuple[str, int]]:
     found = [(os.path.join(journal_dir, n), int(n[len(prefix):])) for n in names
              if n.startswith(prefix) and n[len(prefix):].isascii() and n[len(prefix):].isdigit()]
     return sorted(found, key=lambda f: f[1])
-_HEAD = struct.Struct("<II")  # payload length, CRC-32 of the payload
-_JSON_LEN = struct.Struct("<I")
 
 
 class Batch:
