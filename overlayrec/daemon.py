@@ -406,7 +406,10 @@ def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other
     # recorder's time by mutation and the daemon's CPU time while serving, one JSON line
     # appended to FILE at unmount (docs/bench.md)
     times_file = os.environ.get("OVERLAYREC_BENCH_TIMES")
-    times = time_mutations(recorder) if times_file else None
+    # OVERLAYREC_BENCH_STEPS=1 with it: the steps inside the mutations too (tools/bench-paired
+    # --steps)
+    times = time_mutations(recorder, os.environ.get("OVERLAYREC_BENCH_STEPS") == "1") \
+        if times_file else None
     # OVERLAYREC_BENCH_PROFILE=PREFIX: another bench switch (tools/bench --profile)
     if os.environ.get("OVERLAYREC_BENCH_PROFILE"):
         _profile_on_signals(os.environ["OVERLAYREC_BENCH_PROFILE"])

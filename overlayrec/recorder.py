@@ -1933,16 +1933,26 @@ def _moved_name(name: str, r: dict) -> str | None:
 
 MUTATIONS = ("create", "mkdir", "mknod", "symlink", "link", "unlink", "rmdir", "rename", "write",
              "truncate", "chmod", "chown", "utimens", "setxattr", "removexattr")
+# the steps inside the mutations (OVERLAYREC_BENCH_STEPS): the recorder's helpers, and the
+# journal's part of an event (``journal.``: its record written ahead, ``ahead.append`` the
+# record's write alone)
+STEPS = ("rel", "_pre_at", "_event", "_epoch", "_withhold", "_keep_small", "_append",
+         "_unchanging", "_capture", "before_write", "note_extents", "begin_run", "_fix_owner",
+         "_carry_secret", "_left_by", "settle_small")
+JOURNAL_STEPS = ("append", "append_many", "_write_ahead", "hold_event", "reserve_seq")
 
 
-def time_mutations(recorder: Recorder) -> dict[str, list]:
+def time_mutations(recorder: Recorder, steps: bool = False) -> dict[str, list]:
     """A bench switch, not a user feature (``OVERLAYREC_BENCH_TIMES``, read by the daemon):
     wrap ``recorder``'s mutations, as the filesystem layer calls them, so that each counts its
     calls and the seconds spent in it.  Returns the counts, ``{method: [calls, seconds]}``,
     kept current.  A mutation's time is the recorder's whole part of a request: its event,
     pre-image and commit, and the underlay's change itself (which norecord makes too).  The
     journal's write transactions are counted too, as ``commit`` (part of the mutations' time,
-    and the flushes of held notes and events)."""
+    and the flushes of held notes and events).  ``steps`` (``OVERLAYREC_BENCH_STEPS``): the
+    helpers of ``STEPS`` and ``JOURNAL_STEPS`` are counted too, each with what it calls
+    (a step's time includes its own steps'); each wrapper costs some tenths of a
+    microsecond a call, so a run with steps is for where the time goes, not for ratios."""
     times: dict[str, list] = {}
 
     def timed(name: str, fn):
@@ -1959,7 +1969,15 @@ def time_mutations(recorder: Recorder) -> dict[str, list]:
         return call
     for name in MUTATIONS:
         setattr(recorder, name, timed(name, getattr(recorder, name)))
-    recorder.journal._write = timed("commit", recorder.journal._write)
+    journal = recorder.journal
+    journal._write = timed("commit", journal._write)
+    if steps:
+        for name in STEPS:
+            setattr(recorder, name, timed(name, getattr(recorder, name)))
+        recorder.units.unit_of = timed("units.unit_of", recorder.units.unit_of)
+        for name in JOURNAL_STEPS:
+            setattr(journal, name, timed("journal." + name, getattr(journal, name)))
+        journal._ahead.append = timed("ahead.append", journal._ahead.append)
     return times
 
 

@@ -2,7 +2,7 @@
 feature): with it the mount makes every change and journals none; without it (unset, or any
 other value) the same changes are journaled as always.  OVERLAYREC_BENCH_TIMES=FILE (another
 bench switch): the daemon appends the recorder's time by mutation to FILE at unmount, and
-records as always.  OVERLAYREC_BENCH_PROFILE=PREFIX (a third): SIGUSR1 starts a CPU-clock
+records as always (with OVERLAYREC_BENCH_STEPS=1, the steps inside the mutations too).  OVERLAYREC_BENCH_PROFILE=PREFIX (a third): SIGUSR1 starts a CPU-clock
 profile of the daemon, SIGUSR2 writes it (tools/bench --profile)."""
 from __future__ import annotations
 
@@ -220,7 +220,8 @@ def test_bench_paired_runs_each_setup_each_round_and_leaves_nothing(tmp_path):
     base = tempfile.mkdtemp(prefix="obp", dir="/tmp")  # short: the control socket's path
     try:
         r = subprocess.run([sys.executable, tool, "--work", "rewrite", "--files", "12",
-                            "--rounds", "2", "--dir", base, "--other", repo, "--json"],
+                            "--rounds", "2", "--dir", base, "--other", repo, "--steps",
+                            "--json"],
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
         out = json.loads(r.stdout)
@@ -229,6 +230,21 @@ def test_bench_paired_runs_each_setup_each_round_and_leaves_nothing(tmp_path):
             assert len(runs) == 2 and all(wall > 0 and cpu >= 0 for wall, cpu in runs), runs
         assert set(out["ratios"]) == {"overlayrec/norecord", "other/norecord",
                                       "overlayrec/other"}
+        # --steps: each file of the rewrite is a create, a write, a chmod and a rename, for
+        # both; recording names a path three times (the create's and the rename's directory,
+        # the chmod's file), writes two records ahead (the chmod is held) and saves the
+        # renamed-over file's content
+        steps = out["steps"]
+        for setup in ("norecord", "overlayrec"):
+            calls = {k: v["calls"] for k, v in steps[setup].items()}
+            assert {k: calls[k] for k in ("create", "write", "chmod", "rename")} == \
+                {"create": 12, "write": 12, "chmod": 12, "rename": 12}, calls
+            assert steps["cpu"][setup] >= 0
+        calls = {k: v["calls"] for k, v in steps["overlayrec"].items()}
+        assert calls["rel"] == 36 and calls["journal._write_ahead"] == 24
+        assert calls["ahead.append"] == 24 and calls["_keep_small"] == 12
+        assert calls["commit"] >= 1 and "commit" not in steps["norecord"]
+        assert all(v["seconds"] > 0 for v in steps["overlayrec"].values())
         assert os.listdir(base) == []
         with open("/proc/mounts") as f:
             assert base not in f.read()
