@@ -2,8 +2,9 @@
 feature): with it the mount makes every change and journals none; without it (unset, or any
 other value) the same changes are journaled as always.  OVERLAYREC_BENCH_TIMES=FILE (another
 bench switch): the daemon appends the recorder's time by mutation to FILE at unmount, and
-records as always (with OVERLAYREC_BENCH_STEPS=1, the steps inside the mutations too).  OVERLAYREC_BENCH_PROFILE=PREFIX (a third): SIGUSR1 starts a CPU-clock
-profile of the daemon, SIGUSR2 writes it (tools/bench --profile)."""
+records as always (with OVERLAYREC_BENCH_STEPS=1, the steps inside the mutations too).
+OVERLAYREC_BENCH_PROFILE=PREFIX (a third): SIGUSR1 starts a CPU-clock profile of the daemon,
+SIGUSR2 writes it (tools/bench --profile)."""
 from __future__ import annotations
 
 import os
