@@ -725,32 +725,44 @@ class Recorder:
             if rel is None:
                 raise
             return rel
-        gone = p.endswith(" (deleted)")
-        if gone:
-            p = p[:-10]
+        if p.endswith(" (deleted)") and self._gone(p, fd):
             st = os.fstat(fd)
-            if stat.S_ISREG(st.st_mode):
-                # the fd's name is gone, never to be journaled as changed: another file may
-                # hold it now.  A small file unlinked or renamed over (its pre-image is in the
-                # content store) has no name left: what is done through the fd changes no
-                # path, and goes to the hidden attic's namespace.  A larger one renamed over
-                # lives on in the attic (linked there first), or under another hard link.
-                if st.st_nlink:
-                    live = self._live_name(fd) if self.names else None
-                    if live is not None:
-                        return live
-                    kept = self.attic_names.get((st.st_dev, st.st_ino))
-                    if kept is not None:
-                        return f"{ATTIC_NAME}/{kept}"
-                return f"{ATTIC_NAME}/{self.attic_prefix}gone.{st.st_ino}"
+            # the fd's name is gone, never to be journaled as changed: another object may
+            # hold it now.  A small file unlinked or renamed over (its pre-image is in the
+            # content store) has no name left: what is done through the fd changes no
+            # path, and goes to the hidden attic's namespace.  A larger one renamed over
+            # lives on in the attic (linked there first), or under another hard link.
+            # So for every kind: a symlink hard-linked under a second name, renamed over
+            # under the first, lives on in the attic and under the second (a link made
+            # from the second was journaled from the first, which another file held then:
+            # replay before it made the symlink there); a removed directory has no name
+            if st.st_nlink:
+                live = self._live_name(fd) if self.names else None
+                if live is not None:
+                    return live
+                kept = self.attic_names.get((st.st_dev, st.st_ino))
+                if kept is not None:
+                    return f"{ATTIC_NAME}/{kept}"
+            return f"{ATTIC_NAME}/{self.attic_prefix}gone.{st.st_ino}"
         if p.startswith(self._root_slash):
             rel = p[self._root_cut:]
-            if self.names and (gone or rel == ATTIC_NAME or rel.startswith(_ATTIC_SLASH)):
+            if self.names and (rel == ATTIC_NAME or rel.startswith(_ATTIC_SLASH)):
                 return self._live_name(fd) or rel
             return rel
         if p == self.root_path:
             return ""
         return p  # outside the root (cannot happen through the mount): keep it visible
+
+    def _gone(self, p: str, fd: int) -> bool:
+        """The kernel's name ``p`` of ``fd`` ends in " (deleted)": is the name gone, or is it
+        an object's own name, which holds it still (a file or directory named so)?"""
+        if not p.startswith(self._root_slash):
+            return True
+        try:
+            st, named = os.fstat(fd), self._lstat(p[self._root_cut:])
+        except OSError:
+            return True
+        return (st.st_dev, st.st_ino) != (named.st_dev, named.st_ino)
 
     def _live_name(self, fd: int) -> str | None:
         """A name the daemon knows the inode behind ``fd`` by that still holds it."""

@@ -468,6 +468,68 @@ def test_a_file_renamed_over_while_held_open_is_changed_in_the_attic(make_mount,
 
 
 @needs_fuse
+@pytest.mark.timeout(int(120 * SLOW))
+def test_a_linked_symlink_renamed_over_is_changed_under_its_other_name(make_mount, tmp_path):
+    """Found by a wide run of the random operations (seed 201): ``a/y`` is a symlink with a
+    second name (a hard link of the symlink itself, ``a/s/x``), a file is renamed over ``a/y``
+    (the symlink lives on in the attic and as ``a/s/x``), then a link is made from ``a/s/x`` and
+    its times are set.  The daemon reaches the symlink by the descriptor it opened for ``a/y``,
+    whose name reads "a/y (deleted)": only a regular file's lost name was looked past, so both
+    changes were journaled on ``a/y``, which the renamed file held, and replay before them made
+    ``a/y`` the symlink.  Every reader agrees with the snapshots taken here."""
+    m = make_mount()
+    m.mount()
+    m.py("import os\n"
+         "os.makedirs('a/s'); os.makedirs('c'); os.symlink('c/x', 'a/y')\n"
+         "os.link('a/y', 'a/s/x', follow_symlinks=False)\n"
+         "open('c/y', 'w').write('moved\\n'); os.rename('c/y', 'a/y')\n")
+    before = tree_of(m.ws)
+    point = max(e["seq"] for e in m.events())
+    m.py("import os\n"
+         "os.link('a/s/x', 'b', follow_symlinks=False)\n"
+         "os.utime('a/s/x', (1e9, 1e9), follow_symlinks=False)\n")
+    after = tree_of(m.ws)
+    assert after["b"] == after["a/s/x"] == ("link", "c/x") and before["a/y"][0] == "file"
+    later = [e for e in m.events() if e["seq"] > point]
+    assert later and all(e.get("path") != "a/y" and e.get("source") != "a/y" for e in later), \
+        later
+    m.umount()
+    for at, want in ((str(point), before), ("end", after)):
+        out = tmp_path / f"at-{at}"
+        js = json.loads(overlayrec("replay", m.ws, "--state-dir", m.state, "--at", at, "--full",
+                                   "--to", str(out), "--json").stdout)
+        assert tree_of(str(out)) == want and not js["inexact"], (at, js)
+    r = overlayrec("check", m.ws, "--state-dir", m.state, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@needs_fuse
+@pytest.mark.timeout(int(120 * SLOW))
+def test_a_removed_directory_changed_through_a_descriptor_is_not_its_successor(make_mount,
+                                                                               tmp_path):
+    """A process holds directory ``d`` open, ``d`` is removed and a new ``d`` made, then the
+    process changes the removed one's mode through its descriptor.  The daemon's name for the
+    old directory reads "d (deleted)": the chmod was journaled on ``d``, the new directory,
+    whose mode the record then gave wrongly.  It changes no path; and a directory whose own
+    name ends in " (deleted)" is still named by it."""
+    m = make_mount()
+    m.mount()
+    m.py("import os\n"
+         "os.mkdir('d', 0o755); fd = os.open('d', os.O_RDONLY | os.O_DIRECTORY)\n"
+         "os.rmdir('d'); os.mkdir('d', 0o755); os.fchmod(fd, 0o700); os.close(fd)\n"
+         "os.mkdir('e (deleted)', 0o755); os.chmod('e (deleted)', 0o750)\n")
+    want = tree_of(m.ws)
+    assert want["d"] == ("dir", 0o755) and want["e (deleted)"] == ("dir", 0o750), want
+    chmods = [e["path"] for e in m.events() if e["op"] == "chmod"]
+    assert len(chmods) == 2 and chmods[0].startswith(ATTIC + "/") and \
+        chmods[1] == "e (deleted)", chmods
+    m.umount()
+    out = tmp_path / "end"
+    overlayrec("replay", m.ws, "--state-dir", m.state, "--full", "--to", str(out))
+    assert tree_of(str(out)) == want
+
+
+@needs_fuse
 @needs_root
 @pytest.mark.timeout(int(180 * SLOW))
 def test_a_filesystem_mounted_inside_the_workspace_is_recorded_without_an_attic(make_mount,
