@@ -725,8 +725,8 @@ class Recorder:
             if rel is None:
                 raise
             return rel
-        if p.endswith(" (deleted)") and self._gone(p, fd):
-            st = os.fstat(fd)
+        st = os.fstat(fd) if p.endswith(" (deleted)") else None
+        if st is not None and self._gone(p, st):
             # the fd's name is gone, never to be journaled as changed: another object may
             # hold it now.  A small file unlinked or renamed over (its pre-image is in the
             # content store) has no name left: what is done through the fd changes no
@@ -753,13 +753,13 @@ class Recorder:
             return ""
         return p  # outside the root (cannot happen through the mount): keep it visible
 
-    def _gone(self, p: str, fd: int) -> bool:
-        """The kernel's name ``p`` of ``fd`` ends in " (deleted)": is the name gone, or is it
-        an object's own name, which holds it still (a file or directory named so)?"""
+    def _gone(self, p: str, st: os.stat_result) -> bool:
+        """The kernel's name ``p`` of an fd (``st``) ends in " (deleted)": is the name gone,
+        or is it an object's own name, which holds it still (a file or directory named so)?"""
         if not p.startswith(self._root_slash):
             return True
         try:
-            st, named = os.fstat(fd), self._lstat(p[self._root_cut:])
+            named = self._lstat(p[self._root_cut:])
         except OSError:
             return True
         return (st.st_dev, st.st_ino) != (named.st_dev, named.st_ino)

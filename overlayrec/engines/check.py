@@ -19,12 +19,11 @@ against its digest by every reader that reads them.  Sync, and reading only.
 """
 from __future__ import annotations
 
-import json
 import os
 
 from ..journal import Journal
 from ..journal.ahead import kept_aside
-from ..journal.store import event_defect
+from ..journal.store import decode_event
 from .usage import digests, open_attic
 
 
@@ -54,11 +53,7 @@ def check(j: Journal, root_fd: int | None, progress=None) -> dict:
             progress(seq, last)
         if seq < cut and seq not in kept_seals:
             continue  # a gc's cut made, not yet deleted
-        try:
-            ev = json.loads(raw.decode("utf-8", "surrogateescape"))
-        except ValueError:
-            ev = None
-        why = "is not JSON" if ev is None else event_defect(ev, seq)
+        ev, why = decode_event(seq, raw)
         if why is not None:  # a reader that meets it refuses to answer
             findings.append({"kind": "event", "name": f"event {seq} {why}", "seq": seq})
             continue

@@ -1077,14 +1077,9 @@ class Journal:
 
     def _decode_event(self, seq: int, raw: bytes) -> dict:
         """One event's record, checked for what every reader takes for granted."""
-        try:
-            ev = _loads(raw)
-        except ValueError as e:  # not JSON (UnicodeDecodeError cannot happen: surrogateescape)
-            why = f"is not valid JSON ({e})"
-        else:
-            why = event_defect(ev, seq)
-            if why is None:
-                return ev
+        ev, why = decode_event(seq, raw)
+        if why is None:
+            return ev
         raise JournalError(f"journal in {self.state_dir} is corrupt: event {seq} {why}")
 
     def seqs_for_path(self, path: str) -> list[int]:
@@ -1313,7 +1308,18 @@ _EVENT_FIELDS = (("seq", int, True), ("t", int, True), ("op", str, True), ("path
                  ("path2", str, False), ("actor", str, False), ("unit", str, False))
 
 
-def event_defect(ev, seq: int) -> str | None:
+def decode_event(seq: int, raw: bytes) -> tuple[dict | None, str | None]:
+    """Event ``seq``'s record decoded and checked for what every reader takes for granted:
+    (the event, None), or (None, what makes it no event: the message's tail)."""
+    try:
+        ev = _loads(raw)
+    except ValueError as e:  # not JSON (UnicodeDecodeError cannot happen: surrogateescape)
+        return None, f"is not valid JSON ({e})"
+    why = _event_defect(ev, seq)
+    return (ev, None) if why is None else (None, why)
+
+
+def _event_defect(ev, seq: int) -> str | None:
     """What makes a decoded record no event (the message's tail), or None."""
     if type(ev) is dict:  # the common case in one expression: every reader decodes every event
         g = ev.get
