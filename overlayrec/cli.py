@@ -534,8 +534,7 @@ def umount(workspace, timeout):
 
     A daemon that does not stop within --timeout is killed and its mount detached; nothing here
     touches the mounted path itself, so a hung mount cannot hang this command."""
-    ws = os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(workspace))),
-                      os.path.basename(os.path.abspath(workspace)))
+    ws = state.named_workspace(workspace)
     mounted = state.fuse_mount_at(ws) is not None
     sd = state.find_state_dir(ws)
     pid, info, refused = _daemon_pid(sd)  # a pid that fails the check is left alone
@@ -612,9 +611,7 @@ def _detach(cmd: list[str], timeout: float = 15.0) -> str | None:
 def status(workspace, as_json, state_dir):
     """Say whether WORKSPACE is mounted, by which daemon, where its journal is and how much it holds."""
     from .views import shown
-    ws = state.recorded_at_or_above(
-        os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(workspace))),
-                     os.path.basename(os.path.abspath(workspace))))
+    ws = state.recorded_at_or_above(state.named_workspace(workspace))
     sd = state.check_state_dir_private(os.path.realpath(state_dir)) if state_dir \
         else state.find_state_dir(ws)
     _warn_low_space(sd)

@@ -322,6 +322,22 @@ def resolve_workspace(path: str, must_exist: bool = True, upward: bool = False) 
     return ws
 
 
+def named_workspace(path: str) -> str:
+    """``path`` resolved as ``resolve_workspace`` resolves it, without ever asking the object it
+    names: its directories by ``realpath``, and a last component that is a symlink (the way
+    ``mount`` was given it) by ``readlink`` alone, which a hung mount does not answer for (a
+    stat of a mount point would wait on its daemon).  For ``umount`` and ``status``."""
+    p = os.path.abspath(path)
+    for _ in range(40):  # the kernel's own limit of symlinks on one lookup
+        p = os.path.join(os.path.realpath(os.path.dirname(p)), os.path.basename(p))
+        try:
+            target = os.readlink(p)
+        except OSError:  # not a symlink (EINVAL), or nothing there: named as it is
+            return p
+        p = os.path.normpath(os.path.join(os.path.dirname(p), target))
+    raise StateError(f"workspace {path}: too many levels of symbolic links")
+
+
 def recorded_at_or_above(path: str) -> str:
     """The nearest recorded workspace at or above the resolved ``path``: an overlayrec mount
     point, or a directory the registry names or whose default state dir holds a journal;

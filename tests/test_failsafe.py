@@ -208,6 +208,42 @@ def _run_or_explain(cmd: list[str], timeout: float, daemon_pid: int) -> str:
     return out
 
 
+def test_a_workspace_named_through_a_symlink_hung_or_not(make_mount):
+    """``mount`` resolves a symlink to the workspace; ``status`` and ``umount``, which must not
+    stat a mount point (a hung daemon would never answer), resolve it by ``readlink`` alone:
+    through the link they find the mount, its journal and its daemon, hung or not."""
+    m = make_mount()
+    link = os.path.join(m.base, "link")
+    os.symlink("ws", link)
+    overlayrec("mount", link, "--state-dir", m.state)
+    try:
+        assert is_mounted(m.ws)
+        m.sh("echo a > f")
+        st = json.loads(overlayrec("status", link, "--json").stdout)
+        assert st["mounted"] is True and st["events"] >= 1, st
+        assert st["state_dir"] == os.path.realpath(m.state), st
+        pid = json.load(open(os.path.join(m.state, "daemon.json")))["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            st = json.loads(overlayrec("status", link, "--json", timeout=30).stdout)
+            assert st["mounted"] is True and st["responding"] is False, st
+            out = _run_or_explain([sys.executable, "-m", "overlayrec", "umount", link,
+                                   "--timeout", "2"], 30 * SLOW, pid)
+            assert "killed it" in out and not is_mounted(m.ws)
+        finally:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        overlayrec("mount", link, "--state-dir", m.state)
+        assert is_mounted(m.ws)
+        assert "unmounted" in overlayrec("umount", link).stdout
+        assert not is_mounted(m.ws)
+        assert open(os.path.join(m.ws, "f")).read() == "a\n"
+    finally:
+        m.umount()
+
+
 def test_umount_of_a_hung_daemon_does_not_hang(make_mount):
     m = make_mount().mount()
     m.sh("echo before > f")
