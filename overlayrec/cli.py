@@ -402,22 +402,10 @@ def _refuse_a_moved_record(ws: str) -> None:
     another name that is gone: the workspace was moved (renamed).  A new record begun here would
     leave that one, and the pre-images its attic holds, named by nothing; so the mount asks
     which is meant."""
-    from .recorder import ATTIC_NAME, attic_record, moved_here
-    note = attic_record(os.path.join(ws, ATTIC_NAME))
-    if note is None:
-        return
-    sd = note["state_dir"]
-    try:
-        state.check_state_dir_private(sd)
-        j = Journal(sd, readonly=True)
-    except (StateError, JournalError, OSError):
-        return  # no record there any more (removed, or not the user's): nothing to go on with
-    try:
-        old = j.meta("workspace")
-        moved = moved_here(j, old, ws)
-    finally:
-        j.close()
-    if moved:
+    from .recorder import ATTIC_NAME
+    moved = readers.moved_record(ws)
+    if moved is not None:
+        old, sd = moved
         raise Fail(f"{ws} holds the attic of the record made when it was {old} (moved since): "
                    f"mount with --state-dir {sd} to go on with that record, or remove "
                    f"{os.path.join(ws, ATTIC_NAME)} (its pre-images) to begin a new one")

@@ -14,7 +14,7 @@ import sys
 import time
 
 from . import state
-from .journal import Journal
+from .journal import Journal, JournalError
 
 
 class Refusal(Exception):
@@ -49,8 +49,36 @@ def state_dir_for(ws: str, state_dir: str | None) -> str:
         if not os.path.lexists(ws):
             raise state.StateError(f"workspace {ws}: no such directory, and no record of it "
                                    f"(no journal in {sd})")
+        moved = moved_record(ws)
+        if moved is not None:
+            raise state.StateError(f"workspace {ws} is not recorded under this name: it was "
+                                   f"{moved[0]}, moved since (read its record with --state-dir "
+                                   f"{moved[1]})")
         raise state.StateError(f"workspace {ws} is not recorded (no journal in {sd})")
     return sd
+
+
+def moved_record(ws: str) -> tuple[str, str] | None:
+    """The record ``ws`` was made under another name, when ``ws`` is that workspace moved
+    (renamed) since: its attic, which moves with it, names the record's state dir, and the
+    journal there recorded a path that is gone (recorder.moved_here).  (the old path, the
+    state dir), or None."""
+    from .recorder import ATTIC_NAME, attic_record, moved_here
+    note = attic_record(os.path.join(ws, ATTIC_NAME))
+    if note is None:
+        return None
+    sd = note["state_dir"]
+    try:
+        state.check_state_dir_private(sd)
+        j = Journal(sd, readonly=True)
+    except (state.StateError, JournalError, OSError):
+        return None  # no record there any more (removed, or not the user's)
+    try:
+        old = j.meta("workspace")
+        moved = moved_here(j, old, ws)
+    finally:
+        j.close()
+    return (old, sd) if moved else None
 
 
 def fmt_time(ns: int) -> str:

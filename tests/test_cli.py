@@ -416,6 +416,13 @@ def test_a_moved_workspace_goes_on_with_its_record(make_mount, tmpbase):
     assert r.returncode == 1 and "moved since" in r.stderr and \
         f"--state-dir {m.state}" in r.stderr, r.stderr
     assert not is_mounted(moved)
+    # so do the readers, which found no record under the new name and said only that
+    for cmd in (["diff", moved, "--since", "0"], ["turns", moved], ["log", moved]):
+        r = overlayrec(*cmd, env=env, check=False)
+        assert r.returncode == 1 and "moved since" in r.stderr and \
+            f"--state-dir {m.state}" in r.stderr and "Traceback" not in r.stderr, (cmd, r.stderr)
+    assert "big.bin" in overlayrec("diff", moved, "--since", "0", "--stat", "--state-dir",
+                                   m.state, env=env).stdout
     overlayrec("mount", moved, "--state-dir", m.state, env=env)
     try:
         overlayrec("revert", moved, "--since", "0", "--yes", env=env)
