@@ -1550,8 +1550,9 @@ def _beneath(path: str, top: str) -> bool:
 @main.command()
 @click.argument("workspace", default=".")
 @click.option("--at", "at", default="end", show_default=True,
-              help="SEQ, a time (ISO 8601 or @epoch), turn:N, call:ID, before:/after: either, "
-              "or end (the record's last event).")
+              help="SEQ, a time (ISO 8601 or @epoch), turn:N, call:ID, session:S (last: the "
+              "session begun last), before:/after: any of those, or end (the record's last "
+              "event).")
 @click.option("--to", "dest", required=True, type=_NewPath(),
               help="A new directory, outside the workspace.")
 @click.option("--full", is_flag=True, help="The whole workspace as it stood, not just the "

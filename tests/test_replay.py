@@ -252,3 +252,39 @@ def test_replay_says_where_a_point_past_the_record_or_before_it_lands(make_mount
     r = overlayrec("replay", m.ws, "--at", "1999-01-01T00:00:00", "--to", str(tmp_path / "b"))
     assert r.stdout.startswith("replayed seq 0 (before the record's first event) into ")
     assert not os.path.exists(tmp_path / "b" / "a.txt")
+
+
+def test_replay_before_and_after_a_session(make_mount, tmp_path):
+    """``session:S`` is a point as ``turn:N`` is (``before:`` its start, ``after:`` its end;
+    ``last``: the session begun last), for agents whose runs have no turns: the tree before
+    and after an ``overlayrec run`` whose command stashed, renamed a directory and edited, with
+    outside writes before and after it, is the tree the test saw then."""
+    m = make_mount()
+    seed(m.ws)
+    os.makedirs(os.path.join(m.ws, "d"))
+    with open(os.path.join(m.ws, "d", "f"), "w") as f:
+        f.write("in d\n")
+    m.mount()
+    m.sh("echo outside before >> a.txt")
+    before = tree_of(m.ws)
+    overlayrec("run", "-w", m.ws, "--", "bash", "-c",
+               "mv d e && echo new > e/g && sed -i s/bee/BEE/ b.txt && rm tool", cwd=m.ws)
+    after = tree_of(m.ws)
+    m.sh("echo outside after > c.txt && mv e f")
+    m.umount()
+    for at, want in (("before:session:last", before), ("session:last", after),
+                     ("after:session:last", after)):
+        overlayrec("replay", m.ws, "--at", at, "--to", str(tmp_path / at), "--full")
+        assert tree_of(tmp_path / at) == want, at
+    j = Journal(m.state, readonly=True)
+    try:
+        [sid] = [r["id"] for r in j.records("sessions")]
+    finally:
+        j.close()
+    overlayrec("replay", m.ws, "--at", f"before:session:{sid}", "--to", str(tmp_path / "id"),
+               "--full")
+    assert tree_of(tmp_path / "id") == before
+    r = overlayrec("replay", m.ws, "--at", "session:nope", "--to", str(tmp_path / "n"),
+                   check=False)
+    assert r.returncode == 1 and r.stderr == "overlayrec: error: no session nope\n", r.stderr
+    assert not os.path.exists(tmp_path / "n")

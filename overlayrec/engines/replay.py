@@ -9,7 +9,7 @@ import tempfile
 
 from ..journal import Journal
 from ..underlay import O_PATH, Escape, chmod_fd, kind_of, resolve_beneath
-from .diff import SelectionError, _find_turn, _visible
+from .diff import SelectionError, _find_turn, _visible, session_named
 from ..secrets import PLACEHOLDER, public_in
 from ..views import guessed
 from .revert import link_key, linked, make_node, set_meta, temp_name
@@ -19,7 +19,8 @@ from .states import ATTIC, States, State, Tree, state_of_stat
 
 def resolve_point(j: Journal, spec: str, refuse_dropped: bool = True) -> int:
     """A point as a sequence number: SEQ, a time (ISO 8601 or @epoch-seconds), turn:N, call:ID,
-    and before:/after: either of those (after: is the default); ``end`` (or ``now``): the
+    session:S (its start and end; ``last``: the session begun last), and before:/after: any of
+    those (after: is the default); ``end`` (or ``now``): the
     record's last event.  Anything else, or a number
     no sequence number can reach (2**63 or more), is a SelectionError (one past the last event
     is the tree as the record ends: ``replay`` says so); so is a point before the record's start
@@ -35,7 +36,8 @@ def resolve_point(j: Journal, spec: str, refuse_dropped: bool = True) -> int:
 def _resolve_point(j: Journal, spec: str) -> int:
     import math
     import re
-    usage = "SEQ, a time (ISO 8601 or @epoch), turn:N, call:ID, before:/after: either, end"
+    usage = "SEQ, a time (ISO 8601 or @epoch), turn:N, call:ID, session:S, before:/after: " \
+        "any of those, end"
     shown = repr(spec if len(spec) <= 60 else spec[:57] + "...")
     side = "after"
     if spec.startswith(("before:", "after:")):
@@ -60,6 +62,17 @@ def _resolve_point(j: Journal, spec: str) -> int:
             raise SelectionError(f"no call {cid}")
         c = calls[0]
         return (c["begin_seq"] or 1) - 1 if side == "before" else (c["end_seq"] or j.last_seq())
+    if spec.startswith("session:"):
+        sid = session_named(j, spec[8:])
+        rec = j.record("sessions", sid.encode("utf-8", "surrogateescape"))
+        if rec is None:
+            raise SelectionError(f"no session {sid}")
+        # a session has no begin and end marks in the journal, as a turn or a call has: its
+        # start and end times (every event is stamped by the daemon's clock, on this host)
+        if side == "before":
+            return _last_before(j, int(rec.get("started") or 0), strictly=True)
+        ended = rec.get("ended")
+        return _last_before(j, int(ended)) if ended else j.last_seq()
     try:
         t = float(spec[1:]) if spec.startswith("@") else \
             dt.datetime.fromisoformat(spec).timestamp()
@@ -70,10 +83,14 @@ def _resolve_point(j: Journal, spec: str) -> int:
     t_ns = t * 1e9
     if not math.isfinite(t_ns):  # a time beyond any event, or before them all
         return j.last_seq() if t_ns > 0 else 0
-    t_ns = int(t_ns)
+    return _last_before(j, int(t_ns))
+
+
+def _last_before(j: Journal, t_ns: int, strictly: bool = False) -> int:
+    """The last event made at or before ``t_ns`` (``strictly``: before it); 0 when none was."""
     last = 0
     for e in j.events():
-        if e["t"] > t_ns:
+        if e["t"] > t_ns or (strictly and e["t"] == t_ns):
             break
         last = e["seq"]
     return last
