@@ -45,7 +45,7 @@ import uuid
 from typing import Callable
 
 from .attribution import Attribution, live_stat, proc_start_and_ppid, read_actor
-from .journal import Journal
+from .journal import Journal, JournalError
 from .journal.schema import call_key, turn_key
 
 log = logging.getLogger(__name__)
@@ -314,6 +314,7 @@ class Calls:
                         path = None
                 call, how = self._choose(session.active, path=path)
                 return Unit(call.unit, candidates=[c.unit for c in session.active], chosen=how)
+            self._end_exited_first(session)
             return Unit(session.own_unit())
         return self._child_unit(session, child, actor)
 
@@ -418,6 +419,7 @@ class Calls:
         return Unit(call.unit), call
 
     def _implicit_call(self, session: Session, child: dict) -> Call:
+        self._end_exited_first(session)
         info = read_actor(child["pid"])
         argv = info.get("argv") or [os.path.basename(info.get("exe") or "?")]
         call = Call(session, f"implicit-{child['key'].replace(':', '-')}",
@@ -431,6 +433,19 @@ class Calls:
         self.live_implicit.append(call)
         self._join(session, call, child["key"], child["pid"])
         return call
+
+    def _end_exited_first(self, session: Session) -> None:
+        """End ``session``'s implicit calls whose processes have all exited before the agent
+        changes anything else, not at the next look (every 0.25 s): an agent that runs its
+        commands one after another (``a; b; echo x > f``) goes on before that look, and the
+        call of ``a`` would end after the next command's or the agent's own first change, its
+        span (its seq range, its commit in an export) holding that as another writer's."""
+        if not any(c.session is session for c in self.live_implicit):
+            return
+        try:
+            self.end_exited_calls(session)
+        except JournalError as e:  # the next look ends them (and says so when it cannot)
+            log.debug("implicit calls not ended before the agent went on: %s", e)
 
     @staticmethod
     def _join(session: Session, call: Call, key: str, pid: int) -> None:

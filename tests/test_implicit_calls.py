@@ -131,6 +131,43 @@ def test_run_without_hooks_ends_the_implicit_call_and_reverts_it(make_mount):
     assert not os.path.lexists(os.path.join(m.ws, "f"))
 
 
+def test_commands_run_one_after_another_have_spans_of_their_own(make_mount):
+    """An agent without hooks that runs its commands one after another (``a; b; echo > f``)
+    goes on before the daemon's look for exited processes (every 0.25 s): each call still ends
+    before the next command's or the agent's own first change, so no call's span (its seq
+    range; its commit in ``export git``) holds another's change.  It did: a call ended after
+    the next one's writes, its commit held them (``Other-Writer``) and the next commit was
+    empty, though ``diff --call`` named each change rightly."""
+    m = make_mount()
+    for i in (1, 2, 3):
+        with open(os.path.join(m.ws, f"f{i}"), "w") as f:
+            f.write(f"{i}\n")
+    m.mount()
+    script = "sed -i s/1/one/ f1; sed -i s/2/two/ f2; echo own > f4; cp f3 f5; rm f3"
+    overlayrec("run", "-w", m.ws, "--session", "S", "--", "sh", "-c", script, cwd=m.ws)
+    m.umount()
+    calls = sorted(_calls_of(m, "S"), key=lambda c: c["begin_seq"])
+    assert [c["summary"] for c in calls] == ["sed -i s/1/one/ f1", "sed -i s/2/two/ f2",
+                                             "cp f3 f5", "rm f3"]
+    units = {e["seq"]: e.get("unit") for e in m.events()}
+    for a, b in zip(calls, calls[1:]):
+        assert a["end_seq"] < b["begin_seq"], (a, b)
+    for c in calls:  # every change inside a call's span is its own
+        inside = {units[s] for s in units if c["begin_seq"] <= s <= c["end_seq"] and units[s]}
+        assert inside == {f"call:S:{c['id']}"}, (c["summary"], inside)
+    overlayrec("export", "git", m.ws)
+    gd = os.path.join(m.state, "git")
+    for c, changed in zip(calls, (["f1"], ["f2"], ["f5"], ["f3"])):
+        ref = f"refs/overlayrec/S/calls/{c['id']}"
+        shown = subprocess.run(["git", "--git-dir", gd, "show", "--name-only", "--format=%B", ref],
+                               capture_output=True, text=True, check=True).stdout
+        assert "Overlayrec-Other-Writer" not in shown, shown
+        names = subprocess.run(["git", "--git-dir", gd, "diff-tree", "--no-commit-id",
+                                "--name-only", "-r", ref], capture_output=True, text=True,
+                               check=True).stdout.split()
+        assert names == changed, (c["summary"], names)
+
+
 def test_a_background_process_keeps_its_implicit_call_open(make_mount, tmp_path):
     """The call's shell starts a background writer and exits; the writer, adopted by the
     runner, keeps the call open until it exits, and its write is the call's own."""
