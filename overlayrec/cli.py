@@ -927,7 +927,7 @@ _fmt_time = readers.fmt_time
 
 
 @main.command(name="log")
-@click.argument("workspace", type=PATH, default=".")
+@click.argument("workspace", default=".")  # not click.Path: it would stat a hung mount
 @click.option("--path", "glob", help="Only events on this path, paths beneath it or paths matching this glob (either side of a rename).")
 @click.option("--limit", type=click.IntRange(min=1), help="Only the last N events.")
 @click.option("--call", "call_id", help="Only events of this call.")
@@ -1226,7 +1226,7 @@ def _set_subreaper() -> None:
 
 @main.command(context_settings={"ignore_unknown_options": True,
                                 "allow_interspersed_args": False})
-@click.option("-w", "--workspace", default=".", show_default=True, type=PATH,
+@click.option("-w", "--workspace", default=".", show_default=True,
               help="The workspace to record (mounted unless it already is).")
 @click.option("--session", "name", help="The session's name (default: a new id).")
 @click.option("--state-dir", type=PATH, help="Where the journal lives, when mounting.")
@@ -1436,7 +1436,7 @@ def _listing_net(j, ws: str | None, sd: str, quiet: bool = False):
 
 
 @main.command()
-@click.argument("workspace", type=PATH, default=".")
+@click.argument("workspace", default=".")  # not click.Path: it would stat a hung mount
 @click.option("--session", "sid", type=ID,
               help="Only this session (last: the session begun last).")
 @click.option("--all", "churn", is_flag=True, help="Count every path written, also those left "
@@ -1455,7 +1455,7 @@ def turns(workspace, sid, churn, as_json, state_dir):
 
 
 @main.command()
-@click.argument("workspace", type=PATH, default=".")
+@click.argument("workspace", default=".")  # not click.Path: it would stat a hung mount
 @click.option("--session", "sid", type=ID,
               help="Only this session (last: the session begun last).")
 @click.option("--turn", "turn_index", type=int, help="Only calls of this turn.")
@@ -1493,7 +1493,7 @@ def _tree_for(ws: str, sd: str):
 
 
 @main.command()
-@click.argument("workspace", type=PATH, default=".")
+@click.argument("workspace", default=".")  # not click.Path: it would stat a hung mount
 @click.option("--call", "call_id", help="What this call changed.")
 @click.option("--turn", "turn_sel", type=TURN,
               help="What this turn changed: N, last, or -1, -2 ...")

@@ -88,7 +88,9 @@ def parse(args: list[str]) -> tuple[str, dict] | None:
             if workspace is not None:
                 return None  # click: "unexpected extra argument"
             workspace = arg
-        params["workspace"] = _convert("path", "." if workspace is None else workspace)
+        # a plain string, as click takes it (a stat here would wait on a hung mount: the
+        # reader's resolve_workspace looks at the mount first)
+        params["workspace"] = "." if workspace is None else workspace
     except _NotPlain:
         return None
     return cmd, params

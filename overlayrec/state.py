@@ -305,7 +305,9 @@ def resolve_workspace(path: str, must_exist: bool = True, upward: bool = False) 
     """``path`` as a workspace: resolved, and (``must_exist``) a directory.  ``upward`` (the
     reading commands): the recorded workspace at or above it, so that a command run in a
     subdirectory reads the workspace around it, as git finds its repository from anywhere in
-    it."""
+    it.  A path at or below a mount whose daemon does not answer is refused (StateError) before
+    anything stats it: that would wait on the daemon for good."""
+    refuse_hung(path)
     ws = os.path.realpath(os.path.abspath(path))
     if upward:
         ws = recorded_at_or_above(ws)
@@ -320,6 +322,25 @@ def resolve_workspace(path: str, must_exist: bool = True, upward: bool = False) 
         if not _s.S_ISDIR(st.st_mode):
             raise StateError(f"workspace {path}: not a directory")
     return ws
+
+
+_HUNG: set[str] = set()  # mounts found not answering by this process
+
+
+def refuse_hung(path: str) -> None:
+    """StateError when ``path`` (as written: a cwd in the mount is one) lies at or below an
+    overlayrec mount whose daemon does not answer (stopped, or hung): a stat, a realpath or
+    click's check of a path there waits on that daemon, and a reader would never return."""
+    mount = overlayrec_mount_containing(os.path.abspath(path))
+    if mount is None:
+        return
+    if mount not in _HUNG:  # asked once a process (a reader fastcli hands on to click asks twice)
+        if mount_answers(mount) is not False:
+            return
+        _HUNG.add(mount)
+    raise StateError(f"{mount} is mounted, but its daemon does not answer (stopped or hung): "
+                     f"`overlayrec status {mount}` says more; `overlayrec umount {mount}` stops "
+                     "it and detaches the mount (the record stays), then read it")
 
 
 def named_workspace(path: str) -> str:

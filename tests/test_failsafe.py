@@ -244,6 +244,54 @@ def test_a_workspace_named_through_a_symlink_hung_or_not(make_mount):
         m.umount()
 
 
+def test_readers_of_a_hung_mount_say_so_and_return(make_mount, tmp_path):
+    """With the daemon stopped, every command that reads or writes the record through a path in
+    the mount returns at once with one line saying what is wrong and what to do (it waited for
+    good: click's check of the workspace argument, and each reader's realpath, stat the mount);
+    run from a shell whose cwd is in the mount, too.  Unmounted, they read the record."""
+    m = make_mount().mount()
+    m.sh("echo one > f && mkdir d && echo two > d/g")
+    pid = json.load(open(os.path.join(m.state, "daemon.json")))["pid"]
+    commands = [["diff", m.ws, "--since", "0", "--stat"], ["turns", m.ws], ["calls", m.ws],
+                ["log", m.ws], ["check", m.ws], ["storage", m.ws], ["blame", "f", "-w", m.ws],
+                ["show", "1", "-w", m.ws], ["replay", m.ws, "--to", str(tmp_path / "r")],
+                ["revert", m.ws, "--since", "0"], ["export", "git", m.ws],
+                ["run", "-w", m.ws, "--", "true"]]
+    # a shell in the mount, entered while the daemon answered (entering it now would wait for
+    # good, in the kernel): it runs the readers with their default workspace, its cwd, by the
+    # installed script (``python -m`` would look for the package in that cwd first)
+    script = os.path.join(os.path.dirname(sys.executable), "overlayrec")
+    inside = subprocess.Popen(["sh", "-c", f'read go; for c in log "diff --since 0" turns; do '
+                               f'{script} $c; echo "rc=$?"; done'], cwd=os.path.join(m.ws, "d"),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        for cmd in commands:
+            r = subprocess.run([sys.executable, "-m", "overlayrec", *cmd], capture_output=True,
+                               text=True, timeout=60 * SLOW)
+            assert r.returncode == 1 and r.stdout == "", (cmd, r.stdout, r.stderr)
+            assert r.stderr.startswith(f"overlayrec: error: {m.ws} is mounted, but its daemon "
+                                       "does not answer") and r.stderr.count("\n") == 1, \
+                (cmd, r.stderr)
+        out, _ = inside.communicate("go\n", timeout=60 * SLOW)
+        said = out.splitlines()
+        assert said[1::2] == ["rc=1"] * 3 and all(
+            line.startswith(f"overlayrec: error: {m.ws} is mounted, but its daemon does not")
+            for line in said[0::2]), out
+        assert "killed it" in _run_or_explain([sys.executable, "-m", "overlayrec", "umount",
+                                               m.ws, "--timeout", "2"], 30 * SLOW, pid)
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if inside.poll() is None:
+            inside.kill()
+    assert not is_mounted(m.ws)
+    assert "d/g" in overlayrec("diff", m.ws, "--since", "0", "--stat").stdout
+
+
 def test_umount_of_a_hung_daemon_does_not_hang(make_mount):
     m = make_mount().mount()
     m.sh("echo before > f")

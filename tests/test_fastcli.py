@@ -24,19 +24,21 @@ PLAIN = [
      "--drift", "--session", "s", "--json", "--state-dir", "sd"],
     ["diff", "--patch", "--turn", "3"], ["diff", "--call", "-x"], ["diff", "--path", ""],
     ["diff", "--turn", "9223372036854775807"], ["diff", "--since=9223372036854775807"],
+    # the workspace is a plain string to both (click.Path's check would stat a hung mount):
+    # the reader says what is wrong with it
+    ["calls", "-"], ["diff", "-"], ["calls", "unreadable"], ["calls", "a\0b"],
 ]
 REFUSED_OR_OTHER = [
     ["calls", "-h"], ["calls", "--help"], ["calls", "a", "b"], ["calls", "--turn", "x"],
     ["calls", "--turn"], ["calls", "--json=1"], ["calls", "--session", ""],
     ["calls", "--session", "s", "--session", "t"], ["calls", "--bogus"], ["calls", "--jso"],
-    ["calls", "-"], ["calls", "--turn", "1.5"], ["calls", "--session", os.fsdecode(b"\xff")],
-    ["calls", "unreadable"], ["calls", "a\0b"], ["calls", "--", "a", "b"], ["calls", "a", "--",
-                                                                             "b"],
+    ["calls", "--turn", "1.5"], ["calls", "--session", os.fsdecode(b"\xff")],
+    ["calls", "--", "a", "b"], ["calls", "a", "--", "b"],
     ["turns", "--turn", "1"], ["diff", "--turn", "1.5"], ["diff", "--turn", "+1"],
     ["diff", "--turn", "lastx"], ["diff", "--turn", "-"], ["diff", "--turn", "1" * 20],
     ["diff", "--since", "-1"], ["diff", "--since", "9223372036854775808"],
     ["diff", "--since", "1" * 20], ["diff", "--stat", "--patch"], ["diff", "--stat=1"],
-    ["diff", "--turn"], ["diff", "-"], ["diff", "--bogus"], ["diff", "-stat"],
+    ["diff", "--turn"], ["diff", "--bogus"], ["diff", "-stat"],
     ["log"], ["--version"], [], ["calls", "ws", "-x"],
 ]
 
@@ -63,8 +65,7 @@ def test_fastcli_takes_what_click_takes_as_click_does(args, tmp_path, monkeypatc
     if args in PLAIN:
         assert got is not None, args
     else:
-        unreadable_ok = os.geteuid() == 0 and "unreadable" in args  # root reads anything
-        assert got is None or unreadable_ok, args
+        assert got is None, args
     if got is None:
         return
     assert got[0] == args[0]
