@@ -136,7 +136,10 @@ def _echo_err(text: str) -> None:
 def tree_for(ws: str, sd: str):
     """The live tree: beneath the mount via the daemon's fd, or the workspace itself."""
     from .engines.states import Tree
-    if state.fuse_mount_at(ws) and not state.is_dead_mount(ws):
+    if state.fuse_mount_at(ws):
+        if state.is_dead_mount(ws):  # every path in it answers ENOTCONN: say what it is
+            raise Refusal(f"{ws} holds a dead mount (its daemon is gone): clear it with: "
+                          f"overlayrec umount {ws} (the record stays)")
         from . import client
         try:
             tree = Tree(client.underlay_fd(os.path.join(sd, "control.sock")))

@@ -94,6 +94,15 @@ def test_sigkill_mid_workload_loses_no_pre_image(make_mount):
     assert is_mounted(m.ws)
     st = json.loads(overlayrec("status", m.ws, "--json").stdout)
     assert st["dead_mount"] is True and st["mounted"] is False
+    # the readers that read the tree say what it is (they said "f000: Transport endpoint is
+    # not connected"); the journal's own listing reads on
+    for cmd in (["diff", m.ws, "--since", "0", "--stat"], ["check", m.ws],
+                ["blame", "f000", "-w", m.ws], ["export", "git", m.ws]):
+        r = overlayrec(*cmd, check=False)
+        assert r.returncode == 1 and r.stderr == (
+            f"overlayrec: error: {m.ws} holds a dead mount (its daemon is gone): clear it "
+            f"with: overlayrec umount {m.ws} (the record stays)\n"), (cmd, r.stderr)
+    assert "f000" in overlayrec("log", m.ws).stdout
     r = overlayrec("umount", m.ws)
     assert "cleared a dead mount" in r.stdout
     assert not is_mounted(m.ws)
