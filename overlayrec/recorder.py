@@ -1826,13 +1826,22 @@ class Recorder:
         for path, seq in list(j.seals()):
             if j.last_seq_for_path(path) != seq:
                 continue  # changed again after this seal: not the end of its chain
-            name = path
+            # the object's names since: a directory's rename may have moved it on, and under
+            # any of them an event after it came there (a rename of the file itself, a write)
+            # ends the seal's rule; the seal then says nothing of the path it was moved back to
+            # (a stale seal taken as the record's end was journaled as drift, and a revert of
+            # the call that moved the directory back was refused, "changed")
+            name, since = path, seq
             lo = renames.upto(seq)
             while name is not None and (i := renames.touching(
                     name, lo, len(renames.seqs), itself=True)) is not None:
-                name = _moved_name(name, renames.renames[i])
+                r = renames.renames[i]
+                if name != path and _named_between(j, name, since, r["seq"]):
+                    name = None
+                    break
+                name, since = _moved_name(name, r), r["seq"]
                 lo = i + 1
-            if name is None or (name != path and (j.last_seq_for_path(name) or 0) > seq):
+            if name is None or (name != path and _named_between(j, name, since, None)):
                 continue
             checked += 1
             seal = j.event(seq)["pre"]
@@ -1930,6 +1939,14 @@ AROUND_ACTOR = {"key": AROUND, "pid": 0, "start": 0, "ppid": 0, "uid": -1, "exe"
                 "argv": ["(around the mount)"], "cwd": "", "first_seen": 0}
 RECORDER_ACTOR = {"key": "overlayrec", "pid": 0, "start": 0, "ppid": 0, "uid": -1, "exe": "",
                   "argv": ["(overlayrec)"], "cwd": "", "first_seen": 0}
+
+
+def _named_between(j: Journal, name: str, lo: int, hi: int | None) -> bool:
+    """Does an event name ``name`` after seq ``lo`` (and before ``hi``, None: the end)?"""
+    last = j.last_seq_for_path(name)
+    if last is None or last <= lo:
+        return False
+    return hi is None or any(lo < s < hi for s in j.seqs_for_path(name))
 
 
 def _moved_name(name: str, r: dict) -> str | None:

@@ -1096,3 +1096,40 @@ def test_a_linked_pair_renamed_away_keeps_a_name_linked_to_it_since(make_mount, 
         f.write("more\n")
     assert open(os.path.join(m.ws, "r")).read() == open(os.path.join(m.ws, "d/y")).read() == \
         "same\nmore\n"
+
+
+def test_a_seal_moved_away_and_back_with_its_directory_is_not_drift(make_mount):
+    """A file sealed as d/d (its call's end) moves with ``mv d b`` to b/d, is renamed away
+    there, and ``mv b d`` (another call) moves the directory back: d/d is absent at the record's
+    end.  The mount's drift check followed the stale seal of d/d through both renames without
+    looking at b/d's own later events, called d/d changed while unmounted (a drift event), and
+    a revert of the last call, after an edit of another file while unmounted, was refused:
+    "changed: d/d" (found by the history model, unmounted cases, a random seed)."""
+    m = make_mount()
+    os.makedirs(os.path.join(m.ws, "d"))
+    m.mount()
+    calls = ["echo x > d/d",               # sealed as d/d at this call's end
+             "mv d b; mv b/d b/e",         # moved to b/d, renamed away there
+             "mv b d; echo fresh > f"]     # the directory moved back: no d/d now
+    for n, script in enumerate(calls):
+        overlayrec("run", "-w", m.ws, "--session", f"s{n}", "--", "sh", "-c", script, cwd=m.ws)
+    m.umount()
+    with open(os.path.join(m.ws, "f"), "a") as f:
+        f.write("the user's line\n")  # while unmounted
+    r = overlayrec("revert", m.ws, "--session", "s2", "--json", check=False)
+    steps = {s["path"]: s for s in json.loads(r.stdout)["steps"]}
+    assert {p: s["conflict"] for p, s in steps.items() if s["conflict"]} == {"f": "changed"}, \
+        r.stdout
+    assert "d/d" not in steps and "b/d" not in steps, r.stdout
+    m.mount()
+    try:
+        drifted = [e["path"] for e in m.events() if e["op"] == "drift"]
+        assert drifted == ["f"], drifted
+        # the rest of the call is reverted; the user's f is left, reported
+        r = overlayrec("revert", m.ws, "--session", "s2", "--force", "--yes", check=False)
+        assert "f" in r.stdout + r.stderr and "d/d" not in r.stdout + r.stderr, r
+        assert sorted(os.listdir(os.path.join(m.ws, "b"))) == ["e"]
+        assert not os.path.exists(os.path.join(m.ws, "d"))
+        assert open(os.path.join(m.ws, "f")).read() == "fresh\nthe user's line\n"
+    finally:
+        m.umount()
