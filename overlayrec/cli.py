@@ -1667,8 +1667,17 @@ def blame(path, workspace, at, state_dir, as_json):
             (" (after the call ended)" if r.get("late") else "")
         click.echo(f"{_fmt_time(r['t_first'])} seq {r['first_seq']}-{r['last_seq']} "
                    f"{r['unit']}{guess}{named}: {one_line(', '.join(r['ops']))}  "
-                   f"{r['before']['kind']} {r['before']['size']}B -> "
-                   f"{r['after']['kind']} {r['after']['size']}B  [{procs}]")
+                   f"{_blame_side(r['before'])} -> {_blame_side(r['after'])}  [{procs}]")
+    if not as_json and any(not r[s].get("exact", True) for r in rows for s in ("before",
+                                                                              "after")):
+        click.echo("(~: a size the record does not know exactly, its nearest kept state's)",
+                   err=True)
+
+
+def _blame_side(side: dict) -> str:
+    """A run's state before or after in blame's line: kind and size, ``~`` when the record
+    does not know it exactly (diff and replay say so of such a path: 'inexact')."""
+    return f"{side['kind']} {'' if side.get('exact', True) else '~'}{side['size']}B"
 
 
 @main.command()

@@ -97,7 +97,7 @@ from overlayrec import client
 from overlayrec.engines.diff import Side, changed, net_of, select
 from overlayrec.engines.export import Exporter
 from overlayrec.engines.gitdiff import ObjectStore
-from overlayrec.engines.replay import replay
+from overlayrec.engines.replay import blame, replay
 from overlayrec.engines.states import States, Tree
 from overlayrec.journal import Journal
 from overlayrec.views import call_rows
@@ -109,7 +109,7 @@ CASES = int(os.environ.get("OVERLAYREC_MODEL_CASES", "400"))
 UNMOUNTED_CASES = int(os.environ.get("OVERLAYREC_MODEL_UNMOUNTED_CASES", str(max(24, CASES // 16))))
 PER_MOUNT = int(os.environ.get("OVERLAYREC_MODEL_CASES_PER_MOUNT", "50"))
 CHECKS = set((os.environ.get("OVERLAYREC_MODEL_CHECKS") or
-              "diff,range,replay,export,revert,listing").split(","))
+              "diff,range,replay,export,revert,listing,blame").split(","))
 PHASES = tuple(Phase) if os.environ.get("OVERLAYREC_MODEL_SHRINK", "1") != "0" else \
     tuple(p for p in Phase if p is not Phase.shrink)
 FIXED = not os.environ.get("OVERLAYREC_MODEL_RANDOM")  # CI: the same cases every run
@@ -1015,15 +1015,19 @@ def call_id(case: str, k: int) -> str:
     return f"{case}-c{k}"
 
 
-def execute(rec: Recorder, case: str, plan: Plan, ids: dict) -> list[tuple[int, int]]:
+def execute(rec: Recorder, case: str, plan: Plan, ids: dict,
+            marks: list | None = None) -> list[tuple[int, int]]:
     """Carry the plan out in ws/<case>, checking the real tree against the model after every
     operation.  Returns the unit boundaries, (seq, index into plan.states): the start, each
     point where the writing unit changes, and the end (a call's begin and end come from its
-    record).  Two runs of one unit with nothing between are one run: no boundary there."""
+    record).  Two runs of one unit with nothing between are one run: no boundary there.
+    ``marks`` (given) gets the same after every operation."""
     j = rec.open_journal()
     root = os.path.join(rec.m.ws, case)
     os.mkdir(root)
     bounds = [(j.last_seq(), 0)]
+    if marks is not None:
+        marks.append(bounds[0])
     idx = 0
     prev = None
     open_call = None
@@ -1038,6 +1042,8 @@ def execute(rec: Recorder, case: str, plan: Plan, ids: dict) -> list[tuple[int, 
                 unit = "O" if o.unit == "O" else ids[o.unit]
                 rec.do(unit, root, o.op)
                 idx += 1
+                if marks is not None:
+                    marks.append((j.last_seq(), idx))
                 got = snapshot(root)
                 d = snap_diff(plan.states[idx], got)
                 assert not d, (f"model self-check after operation {idx} ({o.unit}: {o.op}): the "
@@ -1151,6 +1157,70 @@ def check_listing(rec, j, case, plan, ids, tree) -> None:
         said = sorted(p for p in row["inexact"] + [a for a in row["around"] if a in mine]
                       if p.startswith(case + "/"))
         assert said == vague, f"calls says c{k}'s {said} are not known exactly, its diff {vague}"
+
+
+def check_blame(j, states, case, plan, marks) -> None:
+    """``blame`` of every path the case ever held: each run it lists went from the state the
+    model held before the operation its first event is part of (under the name the path had
+    then: a directory's rename is followed back) to the state the model held after the
+    operation its last event is part of (kind, and a file's size); the runs chain (each begins
+    as the one before it ended); the first begins as the case began, the last ends as it
+    ended.  ``marks``: (the journal's last seq, the operation's index) after each operation."""
+    import bisect
+    seqs = [s for s, _ in marks]
+
+    def at(seq: int, end: bool):
+        # the operation whose events hold ``seq``: the first mark at or after it
+        k = min(bisect.bisect_left(seqs, seq), len(marks) - 1)
+        idx = marks[k][1]
+        return plan.states[idx if end else max(idx - 1, 0)]
+
+    def model(snap, name: str) -> tuple:
+        if not name.startswith(case + "/"):
+            return ("absent", None)
+        st_ = snap.entries.get(name[len(case) + 1:])
+        if st_ is None:
+            return ("absent", None)
+        return (st_[0], len(st_[2]) if st_[0] == "file" else None)
+
+    def said(side: dict) -> tuple:
+        return (side["kind"], side["size"] if side["kind"] == "file" else None)
+
+    ever = set()
+    for snap in plan.states:
+        ever.update(snap.entries)
+    for rel in sorted(ever):
+        path = f"{case}/{rel}"
+        rows = [r for r in reversed(blame(j, states, path)) if r["unit"] != "drift"]
+        first, last = model(plan.states[0], path), model(plan.states[-1], path)
+        if not rows:
+            assert first == last, f"blame {rel}: no history, but the model went {first} -> {last}"
+            continue
+        last_of: dict[str, dict] = {}
+        for r in rows:
+            name = r.get("name", path)
+            moved = re.match(r"moved with (.*)/ -> (.*)/$", r["ops"][0])
+            old = moved.group(1) + name[len(moved.group(2)):] if moved else name
+            was = model(at(r["first_seq"], False), old)
+            now = model(at(r["last_seq"], True), name)
+            assert said(r["before"]) == was or not r["before"]["exact"], \
+                f"blame {rel}: the run {r['first_seq']}-{r['last_seq']} ({r['unit']}, " \
+                f"{r['ops']}) begins as {said(r['before'])}, the model as {was} ({old})"
+            if r["after"]["exact"]:  # else: said so, as diff and replay say it
+                assert said(r["after"]) == now, \
+                    f"blame {rel}: the run {r['first_seq']}-{r['last_seq']} ({r['unit']}, " \
+                    f"{r['ops']}) ends as {said(r['after'])}, the model as {now}"
+            # the runs of one name chain (those of the names a directory's rename brought
+            # here interleave with them: each is followed as the name it had then)
+            prev = last_of.get(old)
+            if prev is not None and prev["after"]["exact"] and r["before"]["exact"]:
+                assert said(r["before"]) == said(prev["after"]), \
+                    f"blame {rel}: the run {r['first_seq']}-{r['last_seq']} begins as " \
+                    f"{said(r['before'])}, the one before it ({old}) ended as " \
+                    f"{said(prev['after'])}"
+            last_of[name] = r
+        assert said(rows[-1]["after"]) == last or not rows[-1]["after"]["exact"], \
+            f"blame {rel}: its last run ends as {said(rows[-1]['after'])}, the case as {last}"
 
 
 def check_replay(rec, j, states, tree, case, plan, points, work, boundaries=()) -> None:
@@ -1575,7 +1645,8 @@ def run_case(model_env, plan: Plan, which: int) -> tuple[list[AssertionError], s
     root = os.path.join(rec.m.ws, case)
     failures, outcome = [], None
     try:
-        bounds = execute(rec, case, plan, ids)
+        marks: list[tuple[int, int]] = []  # (seq, operation): after each one, for blame
+        bounds = execute(rec, case, plan, ids, marks if "blame" in CHECKS else None)
         j = rec.open_journal()
         recs = call_records(j, rec.session, ids)
         points = dict((seq, idx) for seq, idx in bounds)
@@ -1599,7 +1670,8 @@ def run_case(model_env, plan: Plan, which: int) -> tuple[list[AssertionError], s
                     ("range", lambda: check_range(rec, j, states, case, plan,
                                                   {s: points[s] for s in boundaries}, which,
                                                   work)),
-                    ("listing", lambda: check_listing(rec, j, case, plan, ids, tree))):
+                    ("listing", lambda: check_listing(rec, j, case, plan, ids, tree)),
+                    ("blame", lambda: check_blame(j, states, case, plan, marks))):
                 if name in CHECKS:
                     try:
                         check()

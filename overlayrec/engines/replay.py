@@ -585,7 +585,7 @@ def blame(j: Journal, states: States, path: str, at: int | None = None) -> list[
         before = states.state(r.pop("first_name"), r["first_seq"] - 1)
         # what the run left: once a write run still writing at its last event was done
         after = states.state(r["name"], states.settle(r["name"], r["last_seq"]))
-        r["before"] = {"kind": before.kind, "size": len(before.data)}
+        r["before"] = {"kind": before.kind, "size": len(before.data), "exact": before.exact}
         r["after"] = {"kind": after.kind, "size": len(after.data), "exact": after.exact}
         for side, s in (("before", before), ("after", after)):
             if s.withheld:  # the size is the placeholder's: the content was never kept
