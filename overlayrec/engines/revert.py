@@ -234,6 +234,7 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
         if unlisted == UNLISTED_NOTE and not step.conflict:
             step.conflict, step.note = "unrecorded", unlisted
     _holding_others(plan, live)
+    _beneath_a_non_directory(plan)
     names: list[set[str]] = []
 
     def candidates() -> set[str]:  # asked only when a hard-linked target needs them
@@ -369,6 +370,23 @@ def _holding_others(plan: Plan, live: Tree) -> None:
         if st is not None and stat.S_ISDIR(st.st_mode) and \
                 any(c not in gone for c in live.walk(step.path)):
             step.conflict = "changed"
+
+
+def _beneath_a_non_directory(plan: Plan) -> None:
+    """A path the plan puts back beneath one it turns into a file (a fifo, a symlink): the
+    selection made that directory, another unit put the path in it, and the selection moved
+    it on; the two targets cannot both be made.  An ``interleaved`` conflict, not a revert
+    that stops half way, pending, on "not a directory" (found by the history model: an
+    outside process moved a directory into one a call had made in a file's place)."""
+    not_dirs = {s.path for s in plan.steps if s.target.present and s.target.kind != "dir"}
+    if not not_dirs:
+        return
+    for step in plan.steps:
+        if step.conflict or not step.target.present:
+            continue
+        parts = step.path.split("/")
+        if any("/".join(parts[:i]) in not_dirs for i in range(1, len(parts))):
+            step.conflict = "interleaved"
 
 
 def _find_partners(plan: Plan, live: Tree, by_ino, states: States) -> None:
