@@ -73,6 +73,7 @@ mounted: every reader meets them in the attic; test_every_reader_with_pre_images
 """
 from __future__ import annotations
 
+import bisect
 import copy
 import errno
 import hashlib
@@ -1170,10 +1171,10 @@ def check_blame(j, states, case, plan, marks) -> None:
     """``blame`` of every path the case ever held: each run it lists went from the state the
     model held before the operation its first event is part of (under the name the path had
     then: a directory's rename is followed back) to the state the model held after the
-    operation its last event is part of (kind, and a file's size); the runs chain (each begins
-    as the one before it ended); the first begins as the case began, the last ends as it
-    ended.  ``marks``: (the journal's last seq, the operation's index) after each operation."""
-    import bisect
+    operation its last event is part of (kind, and a file's size); the runs of one name chain
+    (each begins as that name's run before it ended); the last ends as the case ended.  A side
+    blame calls inexact is not compared.  ``marks``: (the journal's last seq, the operation's
+    index) after each operation."""
     seqs = [s for s, _ in marks]
 
     def at(seq: int, end: bool):
