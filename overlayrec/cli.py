@@ -744,7 +744,9 @@ def check(workspace, state_dir, as_json):
     j = Journal(sd, readonly=True)
     try:
         root_fd = None
-        if os.path.isdir(ws):
+        # a dead mount is a workspace too (its stat may fail or be answered from the kernel's
+        # cache): the tree's reader says what it is, not "no workspace, the attic not looked at"
+        if os.path.isdir(ws) or state.fuse_mount_at(ws):
             root_fd = _tree_for(ws, sd).root_fd
         shown_progress = readers.Progress("checking event", not as_json)
         try:
