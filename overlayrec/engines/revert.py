@@ -28,13 +28,14 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..journal import Journal
-from ..journal.schema import UNMOUNTED
+from ..journal.schema import UNMOUNTED, JournalError
 from ..secrets import PLACEHOLDER
 from ..underlay import O_PATH, Escape, resolve_beneath
 from ..views import guessed, path_matcher, shown
+from . import gitindex
 from .diff import (SelectionError, changed_around, file_events, placed_elsewhere, touched,
                    _find_turn, _visible)
-from .large import same_as_fd, write_to
+from .large import over_limit, same_as_fd, whole, write_to
 from .states import ATTIC, INF, UNLISTED_NOTE, States, State, Tree
 
 
@@ -208,7 +209,7 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
                 step.note = _attic_gone(j, states, p) or _changed_around(states, p, first) or (
                     STILL_WRITING if not expected.exact and states.still_writing(p, last)
                     else states.tree.unreadable.get(p) or live.unreadable.get(p))
-        elif any(first < s < last for s in others.get(p, [])):
+        elif any(first < s < last and not _a_refresh(states, p, s) for s in others.get(p, [])):
             step.conflict = "interleaved"
         else:
             now = live.state(p)
@@ -220,7 +221,7 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
                 end = states.state(p, INF)
                 if now.kind != "file" or end.drifted or not expected.same(end):
                     step.conflict, step.note = "unrecorded", unknown
-            elif not expected.same(now):
+            elif not expected.same(now) and not _refreshed(p, expected, now):
                 step.conflict = "changed"
         plan.steps.append(step)
         if target.kind == "dir":
@@ -317,6 +318,25 @@ def _holds_ino(step: Step, live: Tree, ino: int) -> bool:
 
 AROUND_NOTE = ("changed around the mount while its unit went on (by a process that bypassed "
                "the mount): what the unit left is not known")
+
+
+def _refreshed(path: str, a: State, b: State) -> bool:
+    """Do ``a`` and ``b`` differ only as a git index refreshed by git itself (a `git
+    status` after a file's stat changed: engines.gitindex)?  Then putting back one over the
+    other loses nothing, and it is not a conflict."""
+    if not (a.kind == b.kind == "file" and a.mode == b.mode and a.exact and b.exact and
+            gitindex.is_index(path)) or over_limit(a.data) or over_limit(b.data):
+        return False
+    try:
+        return gitindex.refreshed(path, whole(a.data), whole(b.data))
+    except (OSError, JournalError):  # a content that cannot be read now: a conflict, as before
+        return False
+
+
+def _a_refresh(states: States, path: str, seq: int) -> bool:
+    """Was another unit's event ``seq`` on ``path`` git refreshing its index (_refreshed)?"""
+    return gitindex.is_index(path) and _refreshed(path, states.state(path, seq - 1),
+                                                  states.state(path, seq))
 
 
 def _changed_around(states: States, path: str, first: int) -> str | None:
