@@ -1624,7 +1624,8 @@ def replay(workspace, at, dest, full, state_dir, as_json):
 
 @main.command()
 @click.argument("path")
-@click.option("-w", "--workspace", default=".")
+@click.option("-w", "--workspace", help="The workspace (default: the recorded one around the "
+              "current directory, else the one around PATH).")
 @click.option("--at", "at", help="Only history up to this point.")
 @click.option("--state-dir", type=PATH)
 @click.option("--json", "as_json", is_flag=True)
@@ -1636,7 +1637,7 @@ def blame(path, workspace, at, state_dir, as_json):
     from .views import one_line, shown
     from .engines.replay import blame as do_blame, resolve_point
     from .engines.states import States
-    ws = state.resolve_workspace(workspace, must_exist=False, upward=True)
+    ws = state.resolve_workspace(workspace or ".", must_exist=False, upward=True)
     # a path is the cwd's, as git takes it (`blame app.py` in src/, `blame ws/app.py` above
     # the workspace); a relative one that leads out of the workspace is the workspace's
     try:
@@ -1644,6 +1645,14 @@ def blame(path, workspace, at, state_dir, as_json):
     except OSError:
         here = ws
     near = os.path.normpath(os.path.join(here, path))
+    if workspace is None and not state.is_recorded(ws):
+        # run outside any recorded workspace (`blame ws/app.py` from its parent, `blame
+        # /abs/ws/app.py`): the workspace is the recorded one around the path
+        state.refuse_hung(near)
+        up = os.path.realpath(os.path.dirname(near))
+        around = state.recorded_at_or_above(up)
+        if state.is_recorded(around):
+            ws, near = around, os.path.join(up, os.path.basename(near))
     rel = os.path.relpath(near, ws) if _beneath(near, ws) or os.path.isabs(path) else \
         os.path.normpath(path)
     if rel.startswith(".."):

@@ -363,20 +363,28 @@ def recorded_at_or_above(path: str) -> str:
     """The nearest recorded workspace at or above the resolved ``path``: an overlayrec mount
     point, or a directory the registry names or whose default state dir holds a journal;
     ``path`` itself when none is (its readers then say it is not recorded)."""
-    def known(p: str) -> bool:
-        return os.path.exists(registry_path(p)) or \
-            os.path.exists(os.path.join(default_state_dir(p), "journal", "data.mdb"))
-    if known(path):  # the common case: named as it is (no mount table read)
+    if _known(path):  # the common case: named as it is (no mount table read)
         return path
     mount = overlayrec_mount_containing(path)
     p = path
     while True:
-        if p == mount or known(p):
+        if p == mount or _known(p):
             return p
         up = os.path.dirname(p)
         if up == p:
             return path
         p = up
+
+
+def is_recorded(path: str) -> bool:
+    """Is the resolved ``path`` a recorded workspace (``recorded_at_or_above`` would stop at
+    it): one the registry names, whose default state dir holds a journal, or a mount point?"""
+    return _known(path) or overlayrec_mount_containing(path) == path
+
+
+def _known(p: str) -> bool:
+    return os.path.exists(registry_path(p)) or \
+        os.path.exists(os.path.join(default_state_dir(p), "journal", "data.mdb"))
 
 
 def state_home() -> str:

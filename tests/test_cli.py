@@ -261,6 +261,11 @@ def test_a_subdirectory_reads_and_records_its_workspace(make_mount, tmp_path):
         # from above the workspace, a path through it is the cwd's too
         assert overlayrec("blame", os.path.join("ws", "src", "app.py"), "-w", m.ws,
                           cwd=m.base).stdout == blame
+        # and without -w, the workspace is the recorded one around the path (it was the cwd,
+        # which no record names: "workspace ... is not recorded")
+        assert overlayrec("blame", os.path.join("ws", "src", "app.py"),
+                          cwd=m.base).stdout == blame
+        assert overlayrec("blame", os.path.join(src, "app.py"), cwd="/").stdout == blame
         status = overlayrec("status", cwd=src).stdout
         assert status.startswith(f"{m.ws}: {'mounted' if mounted else 'not mounted'}"), status
 
