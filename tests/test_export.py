@@ -262,3 +262,33 @@ def test_a_new_sessions_base_reads_unrecorded_files_changed_since(make_mount, tm
     for ref in (base, "refs/overlayrec/b/head"):
         assert git(gd, "rev-parse", ref) == git(str(one), "rev-parse", ref)
     assert "fsck" not in git(gd, "fsck", "--strict", "--no-dangling")
+
+
+def test_a_sessions_base_is_the_workspace_before_it(make_mount, tmp_path):
+    """The base commit is the workspace before the session, not before its first call: the
+    agent's own change made before any call (a shell's `>>`, an agent without hooks) was in the
+    base, which then showed the session's first change as there before it, and no commit of the
+    session held it (`records blame` said nothing changed the path).  Found by hand."""
+    m = make_mount()
+    for name, text in {"own.txt": "before\n", "f.txt": "abc\n"}.items():
+        with open(os.path.join(m.ws, name), "w") as f:
+            f.write(text)
+    m.mount()
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", "sh", "-c",
+               "echo own >> own.txt; sed -i s/a/A/ f.txt; echo later >> own.txt", cwd=m.ws)
+    gd = json.loads(overlayrec("export", "git", m.ws, "--json").stdout)["git_dir"]
+    base = "refs/overlayrec/s/base"
+    assert git(gd, "show", f"{base}:own.txt") == "before\n"
+    assert git(gd, "show", f"{base}:f.txt") == "abc\n"
+    chain = git(gd, "log", "--reverse", "--format=%H %s", "refs/overlayrec/s/head").splitlines()
+    assert [line.split(" ", 1)[1] for line in chain] == [
+        "session s: the workspace before it", "changes between calls by the agent",
+        "sed: sed -i s/a/A/ f.txt", "changes after the last call by the agent"], chain
+    shas = [line.split()[0] for line in chain]
+    assert git(gd, "diff", "--name-only", shas[0], shas[1]).split() == ["own.txt"]
+    assert git(gd, "show", f"{shas[1]}:own.txt") == "before\nown\n"
+    assert git(gd, "diff", "--name-only", shas[1], shas[2]).split() == ["f.txt"]
+    assert git(gd, "show", "refs/overlayrec/s/head:own.txt") == "before\nown\nlater\n"
+    # the session's whole diff is the base against its head
+    assert git(gd, "diff", "--stat", base, "refs/overlayrec/s/head") == \
+        overlayrec("diff", m.ws, "--session", "s", "--stat").stdout

@@ -305,6 +305,14 @@ class Exporter:
         if not st["head"]:
             first = points[0][3]
             point = max(0, (first.get("begin_seq") or points[0][0]) - 1)
+            # the base is the workspace before the session, not before its first call: what
+            # the agent itself (or another process) changed in between is a commit of its own
+            # (it was folded into the base, which then held the session's first changes)
+            begun = next((e["seq"] for e in self.j.events_of(
+                ("session_begin",), max(1, self._since.get(sid, 0)), point)
+                if e.get("session") == sid), None)
+            if begun is not None:
+                point = begun
         fill = [p for p in paths if p not in self.files]
         self._update(fill, point)
         if not st["head"]:
@@ -344,8 +352,12 @@ class Exporter:
             # what its calls' processes wrote after its last turn ended, up to their last write
             late = [e for e in self._events(point, horizon) if unit_session(e.get("unit")) == sid]
             if late and self._changed(point, late[-1]["seq"]):
-                self._commit_interim(sid, st, point, late[-1]["seq"], paths,
-                                     subject="late writes by the session's calls after its end")
+                by_calls = {(e.get("unit") or "").startswith("call:") for e in late}
+                self._commit_interim(sid, st, point, late[-1]["seq"], paths, subject={
+                    frozenset({True}): "late writes by the session's calls after its end",
+                    frozenset({False}): "changes after the last call by the agent"}.get(
+                        frozenset(by_calls), "changes after the last call by the agent, and "
+                        "late writes by its calls"))
                 st["point"] = late[-1]["seq"]
                 # their calls' sides are made again: their diffs hold these writes too
                 units = {e.get("unit") for e in late}
