@@ -2271,6 +2271,7 @@ def records_diff(git_dir, origin, sid, call_id, turn_sel, fmt, binary):
 def records_blame(path, git_dir, origin, as_json):
     """Each exported commit that changed PATH (relative to its workspace), newest first."""
     from .engines.gitdiff import GitError
+    from .views import one_line
     try:
         rows = _records(git_dir).blame(os.path.normpath(path), origin)
     except GitError as e:
@@ -2281,10 +2282,11 @@ def records_blame(path, git_dir, origin, as_json):
         if as_json:
             click.echo(json.dumps(r))
             continue
-        click.echo(f"{_fmt_time(r['t'])} {r['origin']} seq {r['first_seq']}-{r['last_seq']} "
-                   f"{r['unit']}: {r['subject']}  {r['before']['kind']} {r['before']['size']}B "
-                   f"-> {r['after']['kind']} {r['after']['size']}B  "
-                   f"[{'; '.join(p[:60] for p in r['processes'])}]")
+        click.echo(one_line(
+            f"{_fmt_time(r['t'])} {r['origin']} seq {r['first_seq']}-{r['last_seq']} "
+            f"{r['unit']}: {r['subject']}  {r['before']['kind']} {r['before']['size']}B "
+            f"-> {r['after']['kind']} {r['after']['size']}B  "
+            f"[{'; '.join(p[:60] for p in r['processes'])}]"))
 
 
 @records.command(name="report")

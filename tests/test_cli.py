@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 import textwrap
 import time
@@ -307,6 +308,21 @@ def test_names_with_control_characters_stay_on_their_line(make_mount, tmp_path):
     js = json.loads(overlayrec("diff", "--call", "c1", "--json", cwd=m.ws).stdout)
     assert [(f["path"], f["status"], f["added"]) for f in js["files"]] == \
         [("\x1b[31mred", "A", 1), ("new\nline", "A", 1)], js["files"]
+    # an exported commit's subject and trailers, one line each (a newline in a summary or a
+    # process's argument cut the subject there and broke the trailers)
+    overlayrec("run", "--no-hooks", "--", "sh", "-c", "mv \"$(printf 'new\\nline')\" moved",
+               cwd=m.ws)
+    gd = json.loads(overlayrec("export", "git", "--json", cwd=m.ws).stdout)["git_dir"]
+    msgs = subprocess.run(["git", "--git-dir", gd, "log", "--all", "--format=%B%x00"],
+                          capture_output=True, text=True, check=True).stdout.split("\0")
+    c1 = [msg.strip("\n") for msg in msgs if "Overlayrec-Call: c1" in msg][0].splitlines()
+    assert c1[0] == "Bash: make\\nodd \\033[2Jnames" and c1[1] == "", c1
+    assert all(line.startswith("Overlayrec-") for line in c1[2:]), c1
+    mv = [msg.strip("\n") for msg in msgs if "Overlayrec-Tool: mv" in msg][0].splitlines()
+    assert mv[0] == "mv: mv new\\nline moved", mv
+    assert all(line.startswith("Overlayrec-") for line in mv[2:]), mv
+    assert any(line.endswith(" mv new\\nline moved") for line in mv
+               if line.startswith("Overlayrec-Actor: ")), mv
 
 
 @needs_fuse

@@ -30,7 +30,7 @@ import time
 from stat import S_ISLNK, S_ISREG
 
 from ..journal import Journal
-from ..views import guessed, shown, unit_session
+from ..views import guessed, one_line, shown, unit_session
 from .diff import file_events, touched, side_of, _visible
 from .gitdiff import FastImport, GitError, ObjectStore, git_refuses, quote_path
 from .states import States, State
@@ -75,10 +75,13 @@ def side_key(kind: str, key) -> str:
     return "session"
 
 
-def _trailer_value(text) -> str:
-    """One line of free text as a trailer's value (its first line, at most 200 characters)."""
-    lines = str(text).splitlines()
-    return lines[0].strip()[:200] if lines else ""
+def _trailer_value(text, first_line: bool = True) -> str:
+    """Free text as a trailer's value, on one line (at most 200 characters): a prompt's first
+    line; a command (``first_line`` false) whole, its newlines and control characters escaped
+    as the listings show them (a file name in an argument may hold a newline: cut there, `mv
+    'dir with space' $'dir\\nnl'` read as a move to `dir`, and the rest broke the trailers)."""
+    lines = str(text).splitlines() if first_line else [str(text)]
+    return one_line(lines[0].strip())[:200] if lines else ""
 
 
 class Exporter:
@@ -532,21 +535,21 @@ class Exporter:
             if unit is not None and e.get("unit") != unit:
                 continue
             a = self._actor(e["actor"])
-            line = f"{a.get('pid', '?')} {' '.join(a.get('argv') or [])[:120]}"
+            line = f"{a.get('pid', '?')} {one_line(' '.join(a.get('argv') or []))[:120]}"
             if line not in out:
                 out.append(line)
         return out
 
     def _call_message(self, sid: str, c: dict, lo: int, hi: int):
         unit = f"call:{sid}:{c['id']}"
-        subject = f"{c['tool']}: {c.get('summary') or c['id']}".splitlines()[0][:72]
-        trailers = [("Overlayrec-Call", c["id"]), ("Overlayrec-Tool", c["tool"]),
+        subject = one_line(f"{c['tool']}: {c.get('summary') or c['id']}")[:72]
+        trailers = [("Overlayrec-Call", c["id"]), ("Overlayrec-Tool", one_line(c["tool"])),
                     ("Overlayrec-Turn", str(c.get("turn"))), ("Overlayrec-Session", sid),
                     ("Overlayrec-Seq", f"{lo + 1}..{hi}"), ("Overlayrec-Status", str(c.get("status"))),
                     ("Overlayrec-Begin", str(c["begin_t"])), ("Overlayrec-End", str(c["end_t"]))]
         if EXTRA_TRAILERS:
             if c.get("summary"):
-                trailers.append(("Overlayrec-Summary", _trailer_value(c["summary"])))
+                trailers.append(("Overlayrec-Summary", _trailer_value(c["summary"], False)))
             if c.get("implicit"):
                 trailers.append(("Overlayrec-Implicit", "yes"))
         mine = self._actors(lo, hi, unit)
@@ -564,7 +567,7 @@ class Exporter:
 
     def _turn_message(self, sid: str, t: dict, lo: int, hi: int):
         prompt = (t.get("prompt") or "").splitlines()
-        subject = f"turn {t['index']} ends" + (f": {prompt[0]}" if prompt else "")
+        subject = f"turn {t['index']} ends" + (f": {one_line(prompt[0])}" if prompt else "")
         trailers = [("Overlayrec-Turn", str(t["index"])), ("Overlayrec-Session", sid),
                     ("Overlayrec-Seq", f"{t['begin_seq']}..{hi}"),
                     ("Overlayrec-Begin", str(t["begin_t"])), ("Overlayrec-End", str(t["end_t"]))]
