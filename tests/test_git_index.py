@@ -108,6 +108,30 @@ def test_what_is_not_a_git_index_is_never_a_refresh(tmp_path):
     assert not gitindex.refreshed(".git/index", b"", b"DIRC")
 
 
+def test_a_revert_read_back_takes_an_index_git_refreshed_meanwhile(tmp_path):
+    """A revert reads back every path it wrote; an index an editor's `git status` refreshed
+    in between holds what was put back (``unmet`` is None), one whose staging changed does
+    not."""
+    from overlayrec.engines.revert import Step, unmet
+    from overlayrec.engines.states import State, Tree
+    r = repo(str(tmp_path / "r"))
+    put_back = index(r)
+    target = State("file", 0o644, put_back)
+    step = Step(".git/index", target, target)
+    fd = os.open(r, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert unmet(Tree(fd), step, "replaced") is None
+        touch_all(r)
+        git(r, "status", "--short")
+        assert index(r) != put_back, "git did not rewrite its index: the test shows nothing"
+        assert unmet(Tree(fd), step, "replaced") is None
+        git(r, "rm", "-q", "--cached", "d0/f0")
+        assert unmet(Tree(fd), step, "replaced") == \
+            "holds other content than the revert put back"
+    finally:
+        os.close(fd)
+
+
 CALLS = ("echo b > b; git add b; git commit -qm second; sleep 1.1; touch d0/* b; "
          "git status --short; echo c > c")
 

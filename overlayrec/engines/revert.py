@@ -739,6 +739,8 @@ def unmet(live: Tree, step: Step, result: str, around: set[str] = frozenset()) -
     if t.same(now, owner=False) or t.kind == now.kind == "dir" or \
             (now.kind == "dir" and (result == KEPT or step.path in around)):
         return None  # a directory's mode is its DirMode step's
+    if _refreshed(step.path, t, now):
+        return None  # git refreshed the index it put back (an editor's git panel polling)
     if now.kind != t.kind:
         return f"holds {_a(now.kind)} where the revert put back {_a(t.kind)}"
     if t.kind != "symlink" and now.mode != t.mode:
