@@ -292,3 +292,30 @@ def test_a_sessions_base_is_the_workspace_before_it(make_mount, tmp_path):
     # the session's whole diff is the base against its head
     assert git(gd, "diff", "--stat", base, "refs/overlayrec/s/head") == \
         overlayrec("diff", m.ws, "--session", "s", "--stat").stdout
+
+
+def test_a_session_without_calls_is_exported_too(make_mount, tmp_path):
+    """An agent without hooks whose changes were all its own (a shell's builtins: no child,
+    so no implicit call) had no chain at all: `diff --session` showed its changes, `export git`
+    wrote nothing ("0 commit(s) for 0 session(s)").  Now its chain is its base and one commit
+    of its changes; a session that changed nothing has none.  Found by hand."""
+    m = make_mount()
+    with open(os.path.join(m.ws, "f.txt"), "w") as f:
+        f.write("one\n")
+    m.mount()
+    overlayrec("run", "-w", m.ws, "--session", "q", "--", "sh", "-c",
+               "echo two >> f.txt; echo new > g.txt", cwd=m.ws)
+    overlayrec("run", "-w", m.ws, "--session", "n", "--", "sh", "-c", "true", cwd=m.ws)
+    out = json.loads(overlayrec("export", "git", m.ws, "--json").stdout)
+    assert (out["commits"], out["sessions"]) == (2, 1), out
+    gd = out["git_dir"]
+    refs = git(gd, "for-each-ref", "--format=%(refname)").split()
+    assert sorted(refs) == ["refs/overlayrec/q/base", "refs/overlayrec/q/head",
+                            "refs/overlayrec/q/sides"], refs
+    assert git(gd, "show", "refs/overlayrec/q/base:f.txt") == "one\n"
+    assert git(gd, "log", "--format=%s", "refs/overlayrec/q/head").splitlines() == \
+        ["changes by the agent", "session q: the workspace before it"]
+    assert git(gd, "diff", "--stat", "refs/overlayrec/q/base", "refs/overlayrec/q/head") == \
+        overlayrec("diff", m.ws, "--session", "q", "--stat").stdout
+    again = json.loads(overlayrec("export", "git", m.ws, "--json").stdout)
+    assert (again["commits"], again["sessions"]) == (0, 1), again

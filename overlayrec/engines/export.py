@@ -147,6 +147,10 @@ class Exporter:
         # an ended session whose calls' processes wrote after its chain's last commit (a
         # server one of them left running): a commit of those late writes follows
         self._ended = {r["id"] for r in self.j.records("sessions") if r.get("ended")}
+        # an ended session with neither calls nor turns (an agent without hooks that wrote
+        # only itself: a shell's builtins) is a chain too, once: its base and its changes
+        work += [(sid, [], []) for sid in sorted(self._ended - set(sessions))
+                 if sid not in self.done["sessions"]]
         late = self._late_writers(self._ended, horizon, {w[0] for w in work})
         work += [(sid, [], []) for sid in sorted(late)]
         # the sessions recorded by now (read after the horizon: a session's record is written
@@ -221,7 +225,9 @@ class Exporter:
         with open(tmp, "w") as f:
             json.dump(self.done, f)
         os.replace(tmp, self.state_file)
-        return {"commits": self.written, "sessions": len(sessions), "paths": len(paths),
+        chains = sum(1 for st in self.done["sessions"].values()
+                     if isinstance(st, dict) and st.get("head"))
+        return {"commits": self.written, "sessions": chains, "paths": len(paths),
                 "git_left_out": left_out}
 
     # -- the journal's events, read once a run ----------------------------------------------------
@@ -292,8 +298,10 @@ class Exporter:
         for t in turns:
             points.append((t["end_seq"], 2, "turn", t))
         points.sort(key=lambda p: (p[0], p[1]))
-        if not points and not (st["head"] and sid in self._ended):
+        if not points and sid not in self._ended:
             return
+        if not points and not st["head"] and not self._changed_by(sid, horizon):
+            return  # a session that changed nothing: no chain (and not looked at again)
         self.pending: list[bytes] = []
         # the paths staged for the next commit whose content is not known exactly (content
         # the record could not keep): a tree holds bytes, so the commit's message names them
@@ -306,8 +314,8 @@ class Exporter:
                                                   st["head"]).split("\0") if p)
         point = st["point"]
         if not st["head"]:
-            first = points[0][3]
-            point = max(0, (first.get("begin_seq") or points[0][0]) - 1)
+            first = points[0][3] if points else {}
+            point = max(0, (first.get("begin_seq") or points[0][0]) - 1) if points else horizon
             # the base is the workspace before the session, not before its first call: what
             # the agent itself (or another process) changed in between is a commit of its own
             # (it was folded into the base, which then held the session's first changes)
@@ -324,7 +332,8 @@ class Exporter:
             self._fill_unrecorded(paths)
             msg = (f"session {sid}: the workspace before it\n\n"
                    f"Overlayrec-Session: {sid}\nOverlayrec-Seq: ..{point}\n")
-            t0 = points[0][3].get("begin_t") or 0
+            t0 = first.get("begin_t") or (self.j.record("sessions", sid.encode()) or {}).get(
+                "started") or 0
             # a root commit, whatever was there
             self.fi.reset(self._refname(self._in(sid, "head")))
             st["head"] = self._commit(sid, st, _ident(f"agent (session {sid})",
@@ -358,7 +367,8 @@ class Exporter:
                 by_calls = {(e.get("unit") or "").startswith("call:") for e in late}
                 self._commit_interim(sid, st, point, late[-1]["seq"], paths, subject={
                     frozenset({True}): "late writes by the session's calls after its end",
-                    frozenset({False}): "changes after the last call by the agent"}.get(
+                    frozenset({False}): "changes after the last call by the agent"
+                    if points or calls else "changes by the agent"}.get(
                         frozenset(by_calls), "changes after the last call by the agent, and "
                         "late writes by its calls"))
                 st["point"] = late[-1]["seq"]
@@ -371,6 +381,11 @@ class Exporter:
             st["late_checked"] = horizon
         if self.sides:
             self._sides(sid, st, calls, turns, horizon)
+
+    def _changed_by(self, sid: str, horizon: int) -> bool:
+        """Did a unit of session ``sid`` change a path a tree holds, up to ``horizon``?"""
+        return any(unit_session(e.get("unit")) == sid and self._counts(e)
+                   for e in self._events(self._since.get(sid, 0), horizon))
 
     def _refname(self, name: str) -> str:
         return f"{self.prefix}/{name}"
