@@ -1658,6 +1658,7 @@ def blame(path, workspace, at, state_dir, as_json):
     if rel.startswith(".."):
         raise Fail(f"{path} is outside the workspace {ws}")
     _, sd, j, tree = _open_journal_and_tree(ws, state_dir)
+    cut = j.cut
     try:
         rows = do_blame(j, States(j, tree), rel, resolve_point(j, at) if at else None)
     except SelectionError as e:
@@ -1666,7 +1667,8 @@ def blame(path, workspace, at, state_dir, as_json):
         os.close(tree.root_fd)
         j.close()
     if not rows:
-        raise Fail(f"nothing recorded for {rel}")
+        raise Fail(f"nothing recorded for {rel}" + (
+            f" since seq {cut} (retention dropped the record before it)" if cut > 1 else ""))
     for r in rows:
         if as_json:
             click.echo(json.dumps(r))

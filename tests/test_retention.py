@@ -213,6 +213,14 @@ def test_gc_keep_last_then_readers(make_mount, tmp_path):
                          check=False), "seq 5 was dropped by retention")
         fails(overlayrec("blame", "shared.txt", "-w", m.ws, "--state-dir", m.state, "--at",
                          "2", check=False), "seq 2 was dropped by retention")
+        # a point named by a dropped session or call, and a path whose history was all dropped
+        for at, why in (("session:s1", "session s1 was dropped by retention on"),
+                        ("before:call:make2", "call make2 of session s2 was dropped by")):
+            fails(overlayrec("replay", m.ws, "--state-dir", m.state, "--at", at, "--to",
+                             str(tmp_path / "no"), check=False), why)
+        fails(overlayrec("blame", "old1/g.txt", "-w", m.ws, "--state-dir", m.state,
+                         check=False), f"nothing recorded for old1/g.txt since seq "
+              f"{spans['s3'][0]} (retention dropped the record before it)")
         assert not is_mounted(m.ws)
         # a kept session still reverts exactly (the revert mounts, and unmounts)
         overlayrec("revert", m.ws, "--state-dir", m.state, "--session", "s4", "--yes")

@@ -36,6 +36,7 @@ def resolve_point(j: Journal, spec: str, refuse_dropped: bool = True) -> int:
 def _resolve_point(j: Journal, spec: str) -> int:
     import math
     import re
+    from ..retention import dropped_selection
     usage = "SEQ, a time (ISO 8601 or @epoch), turn:N, call:ID, session:S, before:/after: " \
         "any of those, end"
     shown = repr(spec if len(spec) <= 60 else spec[:57] + "...")
@@ -59,14 +60,14 @@ def _resolve_point(j: Journal, spec: str) -> int:
         cid = spec[5:]
         calls = [c for c in j.records("calls") if c["id"] == cid]
         if not calls:
-            raise SelectionError(f"no call {cid}")
+            raise SelectionError(dropped_selection(j, call=cid) or f"no call {cid}")
         c = calls[0]
         return (c["begin_seq"] or 1) - 1 if side == "before" else (c["end_seq"] or j.last_seq())
     if spec.startswith("session:"):
         sid = session_named(j, spec[8:])
         rec = j.record("sessions", sid.encode("utf-8", "surrogateescape"))
         if rec is None:
-            raise SelectionError(f"no session {sid}")
+            raise SelectionError(dropped_selection(j, session=sid) or f"no session {sid}")
         # a session has no begin and end marks in the journal, as a turn or a call has: its
         # start and end times (every event is stamped by the daemon's clock, on this host)
         if side == "before":
