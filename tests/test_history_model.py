@@ -4,7 +4,9 @@ against a model of the tree.
 A generated case works in a directory of its own: an optional seed tree, then segments, each a
 tool call (begun, its operations, ended), a run of outside writes, or late writes by an earlier
 call's process after its call ended.  A call's operations may have intruders: an outside write,
-or a write by an earlier call's process, in the middle of the call.  The operations are writes,
+a write by an earlier call's process, or one by the agent process itself (the call's: the call
+open when the agent opened the file), in the middle of the call; the agent's own writes between
+calls are its session's (``session:<id>``).  The operations are writes,
 appends, truncates and deletes of files; mkdir and rmdir; renames of files and of directories
 with their contents (into each other's places, twice in one call, back and forth, nested); fifos;
 hard links; symlinks, to directories too, and writes through them; chmod of files and
@@ -243,6 +245,9 @@ AGENT = textwrap.dedent(r'''
                 reply("ok")
             elif cmd == "end":
                 c.call_end(m["id"])
+                reply("ok")
+            elif cmd == "op" and m["id"] == "A":  # the agent's own write
+                apply(m["root"], m["op"])
                 reply("ok")
             elif cmd == "op":
                 _, wf, rf = workers[m["id"]]
@@ -597,9 +602,12 @@ SEEDS = {
 
 @dataclass
 class Op:
-    unit: str                 # "c<k>": call k's process (also after the call ended); "O": outside
+    unit: str                 # "c<k>": call k's process (also after the call ended); "O": outside;
+    #                           "S": the session's own unit (the agent's write outside any call)
     op: dict
     touched: frozenset        # paths whose state it changes or that it names
+    by: str = ""              # "A": made by the agent process itself (its unit: the call open
+    #                           then, else "S"; calls.py: the agent's own writes); "": by unit
 
 
 @dataclass
@@ -628,7 +636,8 @@ class Plan:
                 op = o.op
                 args = {k: v for k, v in op.items() if k not in ("op", "path", "rpath", "rto")}
                 via = f" (= {op['rpath']})" if op["rpath"] != op["path"] else ""
-                out.append(f"  {o.unit}: {op['op']} {op['path']}{via} "
+                who = o.unit + (" (the agent)" if o.by else "")
+                out.append(f"  {who}: {op['op']} {op['path']}{via} "
                            + " ".join(f"{k}={v!r}" if k != "mode" else f"mode={v:o}"
                                       for k, v in args.items()))
         return "\n".join(out)
@@ -649,13 +658,13 @@ def make_plan(seed: int, raw_segments, final_call_steps=None) -> Plan:
     segments: list[Segment] = []
     ncalls = 0
 
-    def add(seg: Segment, unit: str, op: dict):
+    def add(seg: Segment, unit: str, op: dict, by: str = ""):
         before = states[-1]
         named = m.apply(op)
         after = m.snapshot()
         changed = {p for p in set(before.entries) | set(after.entries)
                    if before.entries.get(p) != after.entries.get(p)}
-        o = Op(unit, op, frozenset(changed | named))
+        o = Op(unit, op, frozenset(changed | named), by)
         seg.ops.append(o)
         history.append(o)
         states.append(after)
@@ -680,9 +689,12 @@ def make_plan(seed: int, raw_segments, final_call_steps=None) -> Plan:
         for who, kind, i, j, text in steps:
             if kind not in KINDS:
                 continue
-            unit = unit_of(who, i)
+            if who == "agent":  # the agent itself: the open call's, else the session's own
+                unit, by = (f"c{seg.call}" if seg.kind == "call" else "S"), "A"
+            else:
+                unit, by = unit_of(who, i), ""
             for op in gen_ops(m, kind, i, j, text, tok):
-                add(seg, unit, op)
+                add(seg, unit, op, by)
 
     for skind, which, steps in raw_segments:
         if skind == "call":
@@ -1047,7 +1059,7 @@ def execute(rec: Recorder, case: str, plan: Plan, ids: dict,
             for o in seg.ops:
                 if prev is not None and o.unit != prev:
                     bounds.append((j.last_seq(), idx))
-                unit = "O" if o.unit == "O" else ids[o.unit]
+                unit = o.by or ("O" if o.unit == "O" else ids[o.unit])
                 rec.do(unit, root, o.op)
                 idx += 1
                 if marks is not None:
@@ -1371,7 +1383,7 @@ def check_revert(rec, case, plan, ids, unit) -> str:
 
 # -- the generated cases ----------------------------------------------------------------------
 
-STEP = st.tuples(st.sampled_from(["own"] * 6 + ["O", "late"]), st.sampled_from(KINDS),
+STEP = st.tuples(st.sampled_from(["own"] * 6 + ["O", "late", "agent"]), st.sampled_from(KINDS),
                  st.integers(0, 1 << 12), st.integers(0, 1 << 12), st.sampled_from("xyz"))
 SEGMENT = st.tuples(st.sampled_from(["call", "call", "call", "outside", "late"]),
                     st.integers(0, 7), st.lists(STEP, min_size=1, max_size=5))

@@ -364,13 +364,15 @@ class Exporter:
             # what its calls' processes wrote after its last turn ended, up to their last write
             late = [e for e in self._events(point, horizon) if unit_session(e.get("unit")) == sid]
             if late and self._changed(point, late[-1]["seq"]):
-                by_calls = {(e.get("unit") or "").startswith("call:") for e in late}
-                self._commit_interim(sid, st, point, late[-1]["seq"], paths, subject={
-                    frozenset({True}): "late writes by the session's calls after its end",
-                    frozenset({False}): "changes after the last call by the agent"
-                    if points or calls else "changes by the agent"}.get(
-                        frozenset(by_calls), "changes after the last call by the agent, and "
-                        "late writes by its calls"))
+                by_calls = [(e.get("unit") or "").startswith("call:") for e in late]
+                if all(by_calls):
+                    subject = "late writes by the session's calls after its end"
+                elif not (points or st["calls"] or st["turns"]):
+                    subject = "changes by the agent"  # a session without calls or turns
+                else:
+                    subject = "changes after the last call by the agent" + (
+                        ", and late writes by its calls" if any(by_calls) else "")
+                self._commit_interim(sid, st, point, late[-1]["seq"], paths, subject=subject)
                 st["point"] = late[-1]["seq"]
                 # their calls' sides are made again: their diffs hold these writes too
                 units = {e.get("unit") for e in late}
