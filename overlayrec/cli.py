@@ -1304,7 +1304,10 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
         c.session_end(session=sid)
         if mounted_here:
             _stop_daemon(ws)
-        raise Fail(f"{cmd[0]}: {e.strerror}") from None
+        # exit as a shell does for a command it cannot run: 127 not found, 126 not runnable
+        err = Fail(f"{cmd[0]}: {e.strerror}")
+        err.exit_code = 127 if isinstance(e, FileNotFoundError) else 126
+        raise err from None
     try:
         c.session_agent(child.pid, session=sid)
     except client.ClientError as e:

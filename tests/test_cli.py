@@ -39,6 +39,21 @@ def test_missing_workspace(tmp_path):
     one_line_error(overlayrec("mount", str(tmp_path / "nope"), check=False), "No such file")
 
 
+@needs_fuse
+def test_an_agent_that_cannot_be_run_exits_as_a_shell_says(tmp_path):
+    """`run` of a program not found exits 127 and of one not runnable 126 (as sh does, so a
+    script can tell them from the agent's own failure); the mount it made is gone."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (tmp_path / "plain").write_text("not a program\n")
+    for cmd, code, why in (("no-such-agent-here", 127, "No such file or directory"),
+                           (str(tmp_path / "plain"), 126, "Permission denied")):
+        r = overlayrec("run", "-w", str(ws), "--", cmd, check=False)
+        assert r.returncode == code, (r.returncode, r.stderr)
+        assert r.stderr.strip() == f"overlayrec: error: {cmd}: {why}", r.stderr
+        assert not is_mounted(str(ws))
+
+
 def test_workspace_is_a_file(tmp_path):
     (tmp_path / "f").write_text("x")
     one_line_error(overlayrec("mount", str(tmp_path / "f"), check=False), "not a directory")
