@@ -733,7 +733,8 @@ def check(workspace, state_dir, as_json):
     Exit status: 0 whole, 1 not (one line per finding and a summary on stdout, one error
     line on stderr), 2 bad usage.
     --json: {"workspace", "state_dir", "events", "actors", "blobs", "attic_entries",
-      "attic_looked_at", "whole", "findings": [{"kind": "actor" | "blob" | "attic", "name",
+      "attic_looked_at", "whole", "findings": [{"kind": "actor" | "blob" | "attic" |
+      "attic-changed", "name",
       "events" (how many name it), "seq" and "path" (the first)} or {"kind": "ahead",
       "name" (the file kept aside)} or {"kind": "event", "name" (what is wrong), "seq"},
       ...]}"""
@@ -763,7 +764,9 @@ def check(workspace, state_dir, as_json):
                               ensure_ascii=False))
     else:
         said = {"actor": "no process (actor) recorded for", "blob": "no content held for",
-                "attic": "no attic entry"}
+                "attic": "no attic entry",
+                "attic-changed": "changed since kept (written through a hard link outside the "
+                                 "record: the pre-image is lost): attic entry"}
         for f in found:
             if f["kind"] == "ahead":
                 click.echo(f"unread bytes of the log ahead kept aside in {f['name']}")

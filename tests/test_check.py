@@ -178,3 +178,43 @@ def test_bad_input_is_one_line(make_mount, tmp_path):
     r = overlayrec("check", str(tmp_path / "nowhere"), check=False)
     lines = r.stderr.strip().splitlines()
     assert r.returncode != 0 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+
+
+def test_an_entry_written_through_a_link_outside_the_record_is_a_finding(make_mount, tmp_path):
+    """A package manager's store (pnpm) hard-links its files into node_modules; the agent's
+    `rm -rf node_modules` keeps each file in the attic (past the whole-file limit: no copy in the
+    store), and a later write to the store's name changes the entry: the pre-image is lost.
+    Readers said so (revert: `unrecorded`), `check` said "record whole".  A hard link inside
+    the record (whose writes the record saw) is no finding."""
+    store = tmp_path / "store"
+    store.mkdir()
+    knobs = dict(os.environ, OVERLAYREC_TEST_WHOLE_FILE_LIMIT="2",
+                 OVERLAYREC_TEST_SMALL_PREIMAGE="-1")
+    m = make_mount(env=knobs)
+    os.makedirs(os.path.join(m.ws, "node_modules", "p"))
+    for name in ("f.js", "g.js"):
+        (store / name).write_text(f"{name} v1\n" * 100)
+        os.link(store / name, os.path.join(m.ws, "node_modules", "p", name))
+    with open(os.path.join(m.ws, "inside.txt"), "w") as f:
+        f.write("in\n" * 100)
+    m.mount()
+    m.sh("ln inside.txt inside2.txt; rm -rf node_modules inside.txt; echo more >> inside2.txt")
+    m.umount()
+    r = check(m)
+    assert r.returncode == 0 and r.stdout.startswith("record whole: "), r.stdout + r.stderr
+    with open(store / "f.js", "a") as f:
+        f.write("v2\n")
+    r = check(m, "--json")
+    assert r.returncode == 1, r.stdout + r.stderr
+    found = json.loads(r.stdout)["findings"]
+    assert [(f["kind"], f["path"]) for f in found] == \
+        [("attic-changed", "node_modules/p/f.js")], found
+    r = check(m)
+    assert r.returncode == 1 and "changed since kept" in r.stdout and \
+        "node_modules/p/f.js" in r.stdout, r.stdout
+    # as the readers say: the revert of the rm refuses that path, unrecorded
+    r = overlayrec("revert", m.ws, "--state-dir", m.state, "--since", "0", "--json",
+                   check=False)
+    steps = {s["path"]: s["conflict"] for s in json.loads(r.stdout)["steps"]}
+    assert steps["node_modules/p/f.js"] == "unrecorded" and \
+        steps["node_modules/p/g.js"] is None, steps

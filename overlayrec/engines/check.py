@@ -7,7 +7,12 @@ cut left), looking for what a reader would need and not find:
   ``data``) is held, in the journal's ``blobs`` table or the content store;
 * **attic**: each attic entry a pre-image names is in the workspace's attic, unless a
   ``reclaim`` event says the daemon dropped it for want of space (readers then know the state
-  is inexact);
+  is inexact); and an entry kept of a file that had other names (hard links) and no copy in
+  the store (past the whole-file limit) still has the size and mtime it had when it left the
+  path, unless the record holds another name of it (a write through that name saved what it
+  destroyed there): else a process wrote it through a link outside the record (a package
+  manager's store, `pnpm`), the pre-image is gone, and readers say the state is inexact
+  (``attic-changed``);
 * **the log ahead**: no bytes of it were kept aside unread (``ahead.log.unread-*``);
 * **events**: each record of the ``events`` table is an event (a reader refuses to answer
   over one that is not).
@@ -46,6 +51,7 @@ def check(j: Journal, root_fd: int | None, progress=None) -> dict:
     actors: dict[str, list] = {}   # key -> [events, first seq, its path]
     blobs: dict[str, list] = {}
     attic: dict[str, list] = {}
+    linked: list[tuple] = []  # (entry, seq, path, size, mtime_ns): kept of a hard-linked file
     events = 0
     last = j.last_seq()
     for seq, raw in j.scan_raw(1):
@@ -65,10 +71,14 @@ def check(j: Journal, root_fd: int | None, progress=None) -> dict:
             continue
         for dg in digests(ev):
             _name(blobs, dg, where)
-        for k in ("pre", "pre2"):
+        for k, pk in (("pre", "path"), ("pre2", "path2")):
             pre = ev.get(k)
             if isinstance(pre, dict) and isinstance(pre.get("attic"), str):
                 _name(attic, pre["attic"], where)
+                if pre.get("kind") == "file" and "blob" not in pre and \
+                        isinstance(pre.get("nlink"), int) and pre["nlink"] > 1:
+                    linked.append((pre["attic"], seq, ev.get(pk), pre.get("size"),
+                                   pre.get("mtime_ns")))
     if progress is not None:
         progress(last, last)
     for key, (n, seq, path) in actors.items():
@@ -79,6 +89,7 @@ def check(j: Journal, root_fd: int | None, progress=None) -> dict:
             findings.append(_finding("blob", dg, n, seq, path))
     if root_fd is not None:  # no workspace to look in: the attic is not looked at
         findings += _missing_from_attic(j, root_fd, attic, dropped)
+        findings += _changed_in_attic(j, root_fd, linked, dropped)
     findings += [{"kind": "ahead", "name": path}
                  for path, _ in kept_aside(os.path.join(j.state_dir, "journal"))]
     return {"events": events, "actors": len(actors), "blobs": len(blobs),
@@ -107,6 +118,36 @@ def _missing_from_attic(j: Journal, root_fd: int, attic: dict, dropped: set) -> 
             now = j.event(seq, fresh=True) or {}
             if name in ((now.get("pre") or {}).get("attic"), (now.get("pre2") or {}).get("attic")):
                 out.append(_finding("attic", name, n, seq, path))
+    finally:
+        if afd is not None:
+            os.close(afd)
+    return out
+
+
+def _changed_in_attic(j: Journal, root_fd: int, linked: list[tuple], dropped: set) -> list[dict]:
+    """The entries of ``linked`` (kept of a file with other names, no copy in the store) whose
+    size or mtime moved since, where the record holds no other name of the file: written
+    through a hard link outside the record (the readers' rule: States._from_pre)."""
+    out = []
+    afd = open_attic(root_fd) if linked else None
+    try:
+        for name, seq, path, size, mtime_ns in linked:
+            if name in dropped or "/" in name or afd is None:
+                continue
+            try:
+                st = os.lstat(name, dir_fd=afd)
+            except FileNotFoundError:
+                continue  # missing: _missing_from_attic's, or copied into the store since
+            if (st.st_size, st.st_mtime_ns) == (size, mtime_ns):
+                continue
+            now = j.event(seq, fresh=True) or {}
+            if not any(isinstance(p, dict) and p.get("attic") == name and "blob" not in p
+                       for p in (now.get("pre"), now.get("pre2"))):
+                continue  # copied into the store meanwhile
+            if any(path in (e.get("path"), e.get("source"))
+                   for e in j.events_of(("link", "alias"), 1, seq)):
+                continue  # another name in the record: the readers follow it
+            out.append(_finding("attic-changed", name, 1, seq, path))
     finally:
         if afd is not None:
             os.close(afd)
