@@ -726,8 +726,9 @@ def _record_size(ws: str, sd: str, mounted: bool) -> dict | None:
 def check(workspace, state_dir, as_json):
     """Say whether the record of WORKSPACE is whole: that every event's process is known, every
     content an event names (a pre-image, a recorded write) is held, every attic entry a
-    pre-image names is in the attic (unless the daemon said it dropped it for want of space),
-    and that nothing of the log ahead was left unread.  Mounted or not; it only reads.
+    pre-image names is in the attic (unless the daemon said it dropped it for want of space)
+    and was not written since through a hard link outside the record, and that nothing of the
+    log ahead was left unread.  Mounted or not; it only reads.
 
     \b
     Exit status: 0 whole, 1 not (one line per finding and a summary on stdout, one error
