@@ -1655,11 +1655,7 @@ def blame(path, workspace, at, state_dir, as_json):
     if workspace is None and not state.is_recorded(ws):
         # run outside any recorded workspace (`blame ws/app.py` from its parent, `blame
         # /abs/ws/app.py`): the workspace is the recorded one around the path
-        state.refuse_hung(near)
-        up = os.path.realpath(os.path.dirname(near))
-        around = state.recorded_at_or_above(up)
-        if state.is_recorded(around):
-            ws, near = around, os.path.join(up, os.path.basename(near))
+        ws, near = state.recorded_around(near) or (ws, near)
     rel = os.path.relpath(near, ws) if _beneath(near, ws) or os.path.isabs(path) else \
         os.path.normpath(path)
     if rel.startswith(".."):

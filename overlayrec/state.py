@@ -382,6 +382,16 @@ def is_recorded(path: str) -> bool:
     return _known(path) or overlayrec_mount_containing(path) == path
 
 
+def recorded_around(path: str) -> tuple[str, str] | None:
+    """The recorded workspace at or above the absolute ``path``'s directory, and ``path``
+    with that directory resolved; None when there is none.  A path at or below a mount whose
+    daemon does not answer is refused first (StateError), as ``resolve_workspace`` does."""
+    refuse_hung(path)
+    up = os.path.realpath(os.path.dirname(path))
+    around = recorded_at_or_above(up)
+    return (around, os.path.join(up, os.path.basename(path))) if is_recorded(around) else None
+
+
 def _known(p: str) -> bool:
     return os.path.exists(registry_path(p)) or \
         os.path.exists(os.path.join(default_state_dir(p), "journal", "data.mdb"))
