@@ -130,6 +130,16 @@ def _changed_in_attic(j: Journal, root_fd: int, linked: list[tuple], dropped: se
     through a hard link outside the record (the readers' rule: States._from_pre)."""
     out = []
     afd = open_attic(root_fd) if linked else None
+    partnered: dict | None = None  # path -> the first link or alias event naming it
+
+    def partner_before(path, seq) -> bool:
+        nonlocal partnered
+        if partnered is None:
+            partnered = {}
+            for e in j.events_of(("link", "alias")):
+                for p in (e.get("path"), e.get("source")):
+                    partnered.setdefault(p, e["seq"])
+        return partnered.get(path, seq) < seq
     try:
         for name, seq, path, size, mtime_ns in linked:
             if name in dropped or "/" in name or afd is None:
@@ -144,8 +154,7 @@ def _changed_in_attic(j: Journal, root_fd: int, linked: list[tuple], dropped: se
             if not any(isinstance(p, dict) and p.get("attic") == name and "blob" not in p
                        for p in (now.get("pre"), now.get("pre2"))):
                 continue  # copied into the store meanwhile
-            if any(path in (e.get("path"), e.get("source"))
-                   for e in j.events_of(("link", "alias"), 1, seq)):
+            if partner_before(path, seq):
                 continue  # another name in the record: the readers follow it
             out.append(_finding("attic-changed", name, 1, seq, path))
     finally:
