@@ -1,10 +1,12 @@
 """The journal as real git commits.
 
-Per session, a chain of commits: for each call, in the order calls ended, one commit whose tree
-is the recorded paths as they stood at the call's end and whose parent is the chain's previous
-commit; when something changed between two calls (the agent's own edits, another process), an
-interim commit for it comes first; at each turn's end a commit (possibly empty) marks the
-turn.  So a call's commit, diffed against its parent, is what happened during that call.
+Per session, a chain of commits from its base (the workspace when the session began): for each
+call, in the order calls ended, one commit whose tree is the recorded paths as they stood at
+the call's end and whose parent is the chain's previous commit; when something changed between
+two calls (the agent's own edits, another process), an interim commit for it comes first; at
+each turn's end a commit (possibly empty) marks the turn; once the session ended, a commit of
+what its units changed after its last call (a session without calls or turns: all of it).  So
+a call's commit, diffed against its parent, is what happened during that call.
 
 A commit's tree holds every path recorded up to the export (files and symlinks; directories are
 implied; fifos and devices cannot be stored in git), each as it stood at the commit's point:
@@ -327,7 +329,7 @@ class Exporter:
         fill = [p for p in paths if p not in self.files]
         self._update(fill, point)
         if not st["head"]:
-            # the session's base: the workspace as it stood before its first call (the
+            # the session's base: the workspace as it stood when the session began (the
             # recorded paths rolled back, every other file as it is: nothing changed it)
             self._fill_unrecorded(paths)
             msg = (f"session {sid}: the workspace before it\n\n"
