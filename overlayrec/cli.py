@@ -1900,7 +1900,8 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
 @click.argument("workspace", default=".")
 @click.option("--call", "call_id", help="Revert this call.")
 @click.option("--turn", "turn_sel", type=TURN,
-              help="Revert this turn's own calls: N, last, -1 ...")
+              help="Revert this turn: its calls and the agent's own changes in it, not another "
+              "writer's (N, last, -1 ...).")
 @click.option("--session", "sid", type=ID,
               help="Revert this session (or: narrows --call/--turn); last: the session "
               "begun last.")
