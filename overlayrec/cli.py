@@ -954,7 +954,7 @@ def log_cmd(workspace, glob, limit, call_id, turn_index, sid, actor, since, unti
     """The recorded events, newest last: time, actor (pid and command), operation and path."""
     from .views import unit_session, command_name, one_line, path_matcher, shown
     from .engines.replay import resolve_point
-    from .engines.diff import SelectionError
+    from .engines.diff import SelectionError, find_call
     ws = state.resolve_workspace(workspace, must_exist=False, upward=True)
     sd = _state_dir_for(ws, state_dir)
     _warn_low_space(sd)
@@ -978,10 +978,10 @@ def log_cmd(workspace, glob, limit, call_id, turn_index, sid, actor, since, unti
                 raise Fail(f"turn {turn_index} exists in several sessions: say --session")
             lo, hi = ts[0]["begin_seq"], ts[0]["end_seq"]
         if call_id is not None:
-            cs = [c for c in j.records("calls") if c["id"] == call_id
-                  and (sid is None or c["session"] == sid)]
-            if not cs:
-                raise Fail(f"no call {call_id}")
+            try:  # an id two sessions hold is refused, as diff and revert refuse it
+                find_call(j, call_id, sid)
+            except SelectionError as e:
+                raise Fail(str(e)) from None
         actor_cache: dict = {}
 
         def actor_matches(key):
@@ -1559,9 +1559,9 @@ def _beneath(path: str, top: str) -> bool:
 @main.command()
 @click.argument("workspace", default=".")
 @click.option("--at", "at", default="end", show_default=True,
-              help="SEQ, a time (ISO 8601 or @epoch), turn:N, call:ID, session:S (last: the "
-              "session begun last), before:/after: any of those, or end (the record's last "
-              "event).")
+              help="SEQ, a time (ISO 8601 or @epoch), turn:N, call:ID (call:SESSION:ID where "
+              "two sessions hold the id), session:S (last: the session begun last), "
+              "before:/after: any of those, or end (the record's last event).")
 @click.option("--to", "dest", required=True, type=_NewPath(),
               help="A new directory, outside the workspace.")
 @click.option("--full", is_flag=True, help="The whole workspace as it stood, not just the "

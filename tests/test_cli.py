@@ -603,3 +603,48 @@ def test_mount_and_run_name_the_processes_that_work_around_the_recorder(make_mou
     finally:
         around.kill()
         around.wait()
+
+
+@needs_fuse
+def test_a_call_id_two_sessions_hold_is_refused_alike(make_mount, tmp_path):
+    """An agent's own call ids may repeat across sessions.  `diff --call c1` refused the id,
+    but `revert --call c1` took the first session's (and called the file changed since: the
+    second's call had changed it), and `replay --at call:c1` and `log --call c1` took or
+    mixed both.  Each now refuses it the same way, and takes it with its session."""
+    m = make_mount()
+    with open(os.path.join(m.ws, "f"), "w") as f:
+        f.write("0\n")
+    m.mount()
+    agent = tmp_path / "agent.py"
+    agent.write_text(textwrap.dedent(r'''
+        import sys
+        from overlayrec import client
+        with client.connect() as c:
+            c.call_begin("c1", "Bash")
+            with open("f", "a") as f:
+                f.write(sys.argv[1] + "\n")
+            c.call_end("c1")
+    '''))
+    snaps = {}
+    for s in ("s1", "s2"):
+        overlayrec("run", "-w", m.ws, "--session", s, "--", sys.executable, str(agent), s,
+                   cwd=m.ws)
+        with open(os.path.join(m.ws, "f")) as f:
+            snaps[s] = f.read()
+    why = "call c1 exists in several sessions (s1, s2)"
+    for args in (["diff", m.ws, "--call", "c1"], ["revert", m.ws, "--call", "c1", "--yes"],
+                 ["log", m.ws, "--call", "c1"],
+                 ["replay", m.ws, "--at", "call:c1", "--to", str(tmp_path / "r")],
+                 ["blame", "f", "-w", m.ws, "--at", "before:call:c1"]):
+        one_line_error(overlayrec(*args, check=False), why)
+    assert open(os.path.join(m.ws, "f")).read() == snaps["s2"]  # nothing reverted
+    # named with its session, each takes it
+    assert overlayrec("diff", m.ws, "--call", "c1", "--session", "s1", "--name-status").stdout \
+        == "M\tf\n"
+    assert [line.split()[0] for line in overlayrec("log", m.ws, "--call", "c1", "--session",
+                                                    "s2").stdout.splitlines()] == \
+        [str(e["seq"]) for e in m.events() if e["op"] == "write" and "s2" in e["unit"]]
+    overlayrec("replay", m.ws, "--at", "before:call:s2:c1", "--to", str(tmp_path / "r1"))
+    assert open(tmp_path / "r1" / "f").read() == snaps["s1"]
+    overlayrec("revert", m.ws, "--call", "c1", "--session", "s2", "--yes")
+    assert open(os.path.join(m.ws, "f")).read() == snaps["s1"]

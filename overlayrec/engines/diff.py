@@ -87,14 +87,9 @@ def select(j: Journal, states: States, *, call: str | None = None, turn: int | s
     last = j.last_seq()
     keep = path_matcher(glob) if glob else None
     if call is not None:
-        calls = [c for c in j.records("calls") if c["id"] == call
-                 and (session is None or c["session"] == session)]
-        if not calls:
-            raise SelectionError(f"no call {call}" + (f" in session {session}" if session else ""))
-        if len({c["session"] for c in calls}) > 1:
-            raise SelectionError(f"call {call} exists in several sessions: say --session")
-        unit = f"call:{calls[0]['session']}:{call}"
-        evs = _selection_events(j, calls[0].get("begin_seq") or 1)
+        c = find_call(j, call, session)
+        unit = f"call:{c['session']}:{call}"
+        evs = _selection_events(j, c.get("begin_seq") or 1)
         mine = [e for e in evs if e.get("unit") == unit]
         side = _selected(states, mine, keep=keep)
         side.guessed = guessed(mine)["guessed"]
@@ -166,6 +161,22 @@ def drift_side(states: States, glob: str | None = None) -> Side:
         after[p] = states.tree.state(p)
         writers[p] = {"drift"}
     return Side(before, after, writers)
+
+
+def find_call(j: Journal, call: str, session: str | None = None,
+              several: str = "say --session") -> dict:
+    """The record of call ``call`` (of ``session``, when given).  An id two sessions hold
+    (an agent's own ids may repeat across sessions) is refused, never taken as the first:
+    every command that selects a call says so alike (``several``: how to name one)."""
+    calls = [c for c in j.records("calls") if c["id"] == call
+             and (session is None or c["session"] == session)]
+    if not calls:
+        raise SelectionError(f"no call {call}" + (f" in session {session}" if session else ""))
+    sessions = sorted({c["session"] for c in calls})
+    if len(sessions) > 1:
+        raise SelectionError(f"call {call} exists in several sessions ({', '.join(sessions)}): "
+                             f"{several}")
+    return calls[0]
 
 
 def _find_turn(j: Journal, turn, session: str | None) -> dict:

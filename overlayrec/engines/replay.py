@@ -9,7 +9,7 @@ import tempfile
 
 from ..journal import Journal
 from ..underlay import O_PATH, Escape, chmod_fd, kind_of, resolve_beneath
-from .diff import SelectionError, _find_turn, _visible, session_named
+from .diff import SelectionError, _find_turn, _visible, find_call, session_named
 from ..secrets import PLACEHOLDER, public_in
 from ..views import guessed
 from .revert import link_key, linked, make_node, set_meta, temp_name
@@ -18,7 +18,8 @@ from .states import ATTIC, States, State, Tree, state_of_stat
 
 
 def resolve_point(j: Journal, spec: str, refuse_dropped: bool = True) -> int:
-    """A point as a sequence number: SEQ, a time (ISO 8601 or @epoch-seconds), turn:N, call:ID,
+    """A point as a sequence number: SEQ, a time (ISO 8601 or @epoch-seconds), turn:N, call:ID
+    (call:SESSION:ID: an id two sessions hold is refused otherwise, as every command refuses it),
     session:S (its start and end; ``last``: the session begun last), and before:/after: any of
     those (after: is the default); ``end`` (or ``now``): the
     record's last event.  Anything else, or a number
@@ -57,11 +58,13 @@ def _resolve_point(j: Journal, spec: str) -> int:
         t = _find_turn(j, sel, None)
         return max(t["begin_seq"] - 1, 0) if side == "before" else (t["end_seq"] or j.last_seq())
     if spec.startswith("call:"):
-        cid = spec[5:]
-        calls = [c for c in j.records("calls") if c["id"] == cid]
-        if not calls:
-            raise SelectionError(dropped_selection(j, call=cid) or f"no call {cid}")
-        c = calls[0]
+        cid, sid = spec[5:], None
+        if not any(c["id"] == cid for c in j.records("calls")) and ":" in cid:
+            sid, cid = cid.split(":", 1)  # call:SESSION:ID, where an id repeats
+        try:
+            c = find_call(j, cid, sid, several=f"name one as call:SESSION:{cid}")
+        except SelectionError as e:
+            raise SelectionError(dropped_selection(j, call=cid, session=sid) or str(e)) from None
         return (c["begin_seq"] or 1) - 1 if side == "before" else (c["end_seq"] or j.last_seq())
     if spec.startswith("session:"):
         sid = session_named(j, spec[8:])

@@ -33,8 +33,8 @@ from ..secrets import PLACEHOLDER
 from ..underlay import O_PATH, Escape, resolve_beneath
 from ..views import guessed, path_matcher, shown
 from . import gitindex
-from .diff import (SelectionError, changed_around, file_events, placed_elsewhere, touched,
-                   _find_turn, _visible)
+from .diff import (SelectionError, changed_around, file_events, find_call, placed_elsewhere,
+                   touched, _find_turn, _visible)
 from .large import over_limit, same_as_fd, whole, write_to
 from .states import ATTIC, INF, UNLISTED_NOTE, States, State, Tree
 
@@ -82,12 +82,9 @@ def selected_units(j: Journal, *, call=None, turn=None, session=None, since=None
     if revert_id is not None:
         return {f"revert:{revert_id}"}, 1, None
     if call is not None:
-        calls = [c for c in j.records("calls") if c["id"] == call
-                 and (session is None or c["session"] == session)]
-        if not calls:
-            raise SelectionError(f"no call {call}")
+        c = find_call(j, call, session)
         # none of a call's events comes before its begin
-        return {f"call:{calls[0]['session']}:{call}"}, calls[0].get("begin_seq") or 1, None
+        return {f"call:{c['session']}:{call}"}, c.get("begin_seq") or 1, None
     if turn is not None:
         t = _find_turn(j, turn, session)
         sid = t["session"]
