@@ -937,7 +937,8 @@ _fmt_time = readers.fmt_time
 @click.option("--path", "glob", help="Only events on this path, paths beneath it or paths matching this glob (either side of a rename).")
 @click.option("--limit", type=click.IntRange(min=1), help="Only the last N events.")
 @click.option("--call", "call_id", help="Only events of this call.")
-@click.option("--turn", "turn_index", type=int, help="Only events recorded during this turn.")
+@click.option("--turn", "turn_sel", type=TURN,
+              help="Only events recorded during this turn: N, last, -1 ...")
 @click.option("--session", "sid", help="Only events of this session's calls, turns and agent "
               "(last: the session begun last).")
 @click.option("--actor", help="Only events by this process: a pid or a command name.")
@@ -949,7 +950,7 @@ _fmt_time = readers.fmt_time
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 @click.option("--state-dir", type=PATH, help="Read this state dir.")
 @_guard
-def log_cmd(workspace, glob, limit, call_id, turn_index, sid, actor, since, until, ops, outside,
+def log_cmd(workspace, glob, limit, call_id, turn_sel, sid, actor, since, until, ops, outside,
             follow, as_json, state_dir):
     """The recorded events, newest last: time, actor (pid and command), operation and path."""
     from .views import unit_session, command_name, one_line, path_matcher, shown
@@ -969,7 +970,11 @@ def log_cmd(workspace, glob, limit, call_id, turn_index, sid, actor, since, unti
                 hi = resolve_point(j, until, refuse_dropped=False)
         except (SelectionError, readers.Refusal) as e:
             raise Fail(str(e)) from None
-        if turn_index is not None:
+        if turn_sel is not None:
+            try:  # N, last, -1 ... as diff and calls take it
+                turn_index = readers.turn_index(j, sid, turn_sel)
+            except readers.Refusal as e:
+                raise Fail(str(e)) from None
             ts = [t for t in j.records("turns") if t["index"] == turn_index
                   and (sid is None or t["session"] == sid)]
             if not ts:
@@ -1467,21 +1472,22 @@ def turns(workspace, sid, churn, as_json, state_dir):
 @click.argument("workspace", default=".")  # not click.Path: it would stat a hung mount
 @click.option("--session", "sid", type=ID,
               help="Only this session (last: the session begun last).")
-@click.option("--turn", "turn_index", type=int, help="Only calls of this turn.")
+@click.option("--turn", "turn_sel", type=TURN,
+              help="Only calls of this turn: N, last, -1 ...")
 @click.option("--all", "churn", is_flag=True, help="Count every path written, also those left "
               "as they were (temp files, same-content rewrites); --json carries both.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 @click.option("--state-dir", type=PATH)
 @_guard
 @_without_cycle_gc
-def calls(workspace, sid, turn_index, churn, as_json, state_dir):
+def calls(workspace, sid, turn_sel, churn, as_json, state_dir):
     """One row per call: tool, files changed (net: the state differs between just before the
     call's first change and just after its last), summary, the processes it ran; under it the
     paths, the workspace's own first and those under .git/ as a count, and a line for paths
     whose change is not known (changed around the mount meanwhile, not known exactly on one
     side as diff says, changed after the call ended: "around", "inexact", "late" in
     --json)."""
-    readers.emit(readers.calls(workspace, sid, turn_index, churn, as_json, state_dir))
+    readers.emit(readers.calls(workspace, sid, turn_sel, churn, as_json, state_dir))
 
 
 # -- diffs ----------------------------------------------------------------------------------------

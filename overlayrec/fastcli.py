@@ -21,7 +21,7 @@ _COMMON = {"--session": ("sid", "id"), "--json": ("as_json", "flag"),
            "--state-dir": ("state_dir", "path")}
 _OPTIONS = {
     "turns": {**_COMMON, "--all": ("churn", "flag")},
-    "calls": {**_COMMON, "--all": ("churn", "flag"), "--turn": ("turn_index", "int")},
+    "calls": {**_COMMON, "--all": ("churn", "flag"), "--turn": ("turn_sel", "turn")},
     "diff": {**_COMMON, "--call": ("call_id", "str"), "--turn": ("turn_sel", "turn"),
              "--since": ("since", "seq0"), "--until": ("until", "seq0"),
              "--drift": ("drift", "flag"), "--stat": ("fmt", ("flag_value", "stat")),
@@ -32,7 +32,7 @@ _OPTIONS = {
 }
 _DEFAULTS = {
     "turns": {"sid": None, "churn": False, "as_json": False, "state_dir": None},
-    "calls": {"sid": None, "turn_index": None, "churn": False, "as_json": False,
+    "calls": {"sid": None, "turn_sel": None, "churn": False, "as_json": False,
               "state_dir": None},
     "diff": {"call_id": None, "turn_sel": None, "sid": None, "since": None, "until": None,
              "drift": False, "fmt": "patch", "binary": False, "glob": None,

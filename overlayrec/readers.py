@@ -282,6 +282,26 @@ def turns(workspace, sid, churn, as_json, state_dir) -> Parts:
         j.close()
 
 
+def turn_index(j, sid: str | None, sel) -> int:
+    """A turn as ``diff --turn`` takes it (N, ``last``, or -1, -2 ... counting back from the
+    last) as its index; ``last`` and a count back need the turns of one session (``sid``, or
+    the only one holding turns): else a Refusal saying --session, as diff says."""
+    s = str(sel)
+    if s != "last" and not s.startswith("-"):
+        return int(s)
+    prefix = (sid.encode("utf-8", "surrogateescape") + b"\0") if sid else b""
+    turns = j.records("turns", prefix)
+    if len({t["session"] for t in turns}) > 1:
+        raise Refusal("turns of several sessions are recorded: say --session ID, or "
+                      "--session last")
+    indexes = sorted(t["index"] for t in turns)
+    n = -1 if s == "last" else int(s)
+    if not indexes or -n > len(indexes):
+        raise Refusal(f"no turn {s}: {len(indexes)} recorded"
+                      + (f" in session {sid}" if sid else ""))
+    return indexes[n]
+
+
 def _turn_held(j, sid: str | None, index: int) -> None:
     """Refused (as ``log --turn`` and ``diff --turn`` refuse it) when the record holds no turn
     ``index`` (in session ``sid``): a mistyped turn would list nothing, as if it had made no
@@ -316,18 +336,20 @@ def turn_lines(rows: list[dict], churn: bool, as_json: bool) -> Parts:
     return text_of_lines(out)
 
 
-def calls(workspace, sid, turn_index, churn, as_json, state_dir) -> Parts:
+def calls(workspace, sid, turn_sel, churn, as_json, state_dir) -> Parts:
     """The answer of ``overlayrec calls``."""
     ws = state.resolve_workspace(workspace, must_exist=False, upward=True)
     sd = state_dir_for(ws, state_dir)
     j = Journal(sd, readonly=True)
     try:
         sid = session_of(j, sid)
-        if turn_index is not None:
-            _turn_held(j, sid, turn_index)
-        return listing("calls", j, ws, sd, ["calls", sid, turn_index, churn, as_json],
+        turn = None
+        if turn_sel is not None:
+            turn = turn_index(j, sid, turn_sel)  # an index before the kept answer's key
+            _turn_held(j, sid, turn)
+        return listing("calls", j, ws, sd, ["calls", sid, turn, churn, as_json],
                        lambda rows: call_lines(rows, churn, as_json),
-                       Progress("calls", not as_json), sid=sid, turn=turn_index)
+                       Progress("calls", not as_json), sid=sid, turn=turn)
     finally:
         j.close()
 

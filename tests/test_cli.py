@@ -648,3 +648,33 @@ def test_a_call_id_two_sessions_hold_is_refused_alike(make_mount, tmp_path):
     assert open(tmp_path / "r1" / "f").read() == snaps["s1"]
     overlayrec("revert", m.ws, "--call", "c1", "--session", "s2", "--yes")
     assert open(os.path.join(m.ws, "f")).read() == snaps["s1"]
+
+
+@needs_fuse
+def test_calls_and_log_take_a_turn_as_diff_does(make_mount, tmp_path):
+    """`diff --turn last` and `--turn -1` worked; `calls --turn last` and `log --turn last` were
+    usage errors and `log --turn -1` said "no turn -1".  Each takes N, last and -N alike, and a
+    count back past the first turn is one line."""
+    m = make_mount().mount()
+    agent = tmp_path / "agent.py"
+    agent.write_text(textwrap.dedent(r'''
+        from overlayrec import client
+        with client.connect() as c:
+            for n in (1, 2, 3):
+                c.turn_begin(prompt=f"turn {n}")
+                c.call_begin(f"k{n}", "Bash")
+                with open(f"f{n}", "w") as f:
+                    f.write("x\n")
+                c.call_end(f"k{n}")
+                c.turn_end()
+    '''))
+    overlayrec("run", "-w", m.ws, "--", sys.executable, str(agent), cwd=m.ws)
+    for cmd in ("calls", "log"):
+        by_index = {n: overlayrec(cmd, m.ws, "--turn", str(n)).stdout for n in (1, 2, 3)}
+        assert len(set(by_index.values())) == 3 and "k2" in by_index[2], by_index
+        assert overlayrec(cmd, m.ws, "--turn", "last").stdout == by_index[3]
+        assert overlayrec(cmd, m.ws, "--turn", "-1").stdout == by_index[3]
+        assert overlayrec(cmd, m.ws, "--turn", "-3").stdout == by_index[1]
+        one_line_error(overlayrec(cmd, m.ws, "--turn", "-4", check=False),
+                       "no turn -4: 3 recorded")
+    assert "f2" in overlayrec("log", m.ws, "--turn", "-2").stdout

@@ -13,8 +13,8 @@ from overlayrec import cli, fastcli
 
 PLAIN = [
     ["calls"], ["calls", "ws"], ["calls", "--json", "ws"], ["calls", "ws", "--turn", "5"],
-    ["calls", "--turn=5", "ws"], ["calls", "--turn", " 7 "], ["calls", "--all", "--state-dir",
-                                                              "sd", "ws"],
+    ["calls", "--turn=5", "ws"], ["calls", "--turn", "last"], ["calls", "--turn", "-2"],
+    ["calls", "--all", "--state-dir", "sd", "ws"],
     ["calls", "--session", "s", "--json", "--all", "--turn", "-3"], ["calls", "--", "-ws"],
     ["calls", "--session=s"], ["calls", "readable"], ["turns"], ["turns", "ws", "--all"],
     ["turns", "--json", "--session", "s1", "--state-dir=sd"], ["turns", "--", "ws"],
@@ -32,7 +32,8 @@ REFUSED_OR_OTHER = [
     ["calls", "-h"], ["calls", "--help"], ["calls", "a", "b"], ["calls", "--turn", "x"],
     ["calls", "--turn"], ["calls", "--json=1"], ["calls", "--session", ""],
     ["calls", "--session", "s", "--session", "t"], ["calls", "--bogus"], ["calls", "--jso"],
-    ["calls", "--turn", "1.5"], ["calls", "--session", os.fsdecode(b"\xff")],
+    ["calls", "--turn", "1.5"], ["calls", "--turn", " 7 "],
+    ["calls", "--session", os.fsdecode(b"\xff")],
     ["calls", "--", "a", "b"], ["calls", "a", "--", "b"],
     ["turns", "--turn", "1"], ["diff", "--turn", "1.5"], ["diff", "--turn", "+1"],
     ["diff", "--turn", "lastx"], ["diff", "--turn", "-"], ["diff", "--turn", "1" * 20],
