@@ -1719,7 +1719,10 @@ def show(seq, workspace, state_dir, as_json):
     try:
         ev = j.event(seq)
         if ev is None:
-            raise Fail(f"no event {seq} (the journal holds 1..{j.last_seq()})")
+            if 1 < j.cut and seq < j.cut:  # kept seals below the cut are events still
+                raise Fail(f"event {seq} was dropped by retention (the record starts at seq "
+                           f"{j.cut})")
+            raise Fail(f"no event {seq} (the journal holds {max(j.cut, 1)}..{j.last_seq()})")
         actor = j.actor(ev.get("actor") or "") or {}
         diff_text = ""
         paths = [p for p in (ev.get("path"), ev.get("path2")) if p]

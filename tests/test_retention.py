@@ -218,6 +218,8 @@ def test_gc_keep_last_then_readers(make_mount, tmp_path):
                         ("before:call:make2", "call make2 of session s2 was dropped by")):
             fails(overlayrec("replay", m.ws, "--state-dir", m.state, "--at", at, "--to",
                              str(tmp_path / "no"), check=False), why)
+        fails(overlayrec("show", "3", "-w", m.ws, "--state-dir", m.state, check=False),
+              f"event 3 was dropped by retention (the record starts at seq {spans['s3'][0]})")
         fails(overlayrec("blame", "old1/g.txt", "-w", m.ws, "--state-dir", m.state,
                          check=False), f"nothing recorded for old1/g.txt since seq "
               f"{spans['s3'][0]} (retention dropped the record before it)")
