@@ -287,15 +287,15 @@ def turn_index(j, sid: str | None, sel) -> int:
     last) as its index; ``last`` and a count back need the turns of one session (``sid``, or
     the only one holding turns): else a Refusal saying --session, as diff says."""
     s = str(sel)
-    if s != "last" and not s.startswith("-"):
-        return int(s)
+    n = -1 if s == "last" else int(s)
+    if n >= 0:  # an index as it is ("-0" too, as diff takes it)
+        return n
     prefix = (sid.encode("utf-8", "surrogateescape") + b"\0") if sid else b""
     turns = j.records("turns", prefix)
     if len({t["session"] for t in turns}) > 1:
         raise Refusal("turns of several sessions are recorded: say --session ID, or "
                       "--session last")
     indexes = sorted(t["index"] for t in turns)
-    n = -1 if s == "last" else int(s)
     if not indexes or -n > len(indexes):
         raise Refusal(f"no turn {s}: {len(indexes)} recorded"
                       + (f" in session {sid}" if sid else ""))
