@@ -284,22 +284,16 @@ def turns(workspace, sid, churn, as_json, state_dir) -> Parts:
 
 def turn_index(j, sid: str | None, sel) -> int:
     """A turn as ``diff --turn`` takes it (N, ``last``, or -1, -2 ... counting back from the
-    last) as its index; ``last`` and a count back need the turns of one session (``sid``, or
-    the only one holding turns): else a Refusal saying --session, as diff says."""
-    s = str(sel)
-    n = -1 if s == "last" else int(s)
+    last) as its index: ``last`` and a count back as diff resolves them (engines.diff, which
+    ``session_of`` has imported already); N as it is, its record looked up by the caller."""
+    n = -1 if str(sel) == "last" else int(sel)
     if n >= 0:  # an index as it is ("-0" too, as diff takes it)
         return n
-    prefix = (sid.encode("utf-8", "surrogateescape") + b"\0") if sid else b""
-    turns = j.records("turns", prefix)
-    if len({t["session"] for t in turns}) > 1:
-        raise Refusal("turns of several sessions are recorded: say --session ID, or "
-                      "--session last")
-    indexes = sorted(t["index"] for t in turns)
-    if not indexes or -n > len(indexes):
-        raise Refusal(f"no turn {s}: {len(indexes)} recorded"
-                      + (f" in session {sid}" if sid else ""))
-    return indexes[n]
+    from .engines.diff import SelectionError, _find_turn
+    try:
+        return _find_turn(j, sel, sid)["index"]
+    except SelectionError as e:
+        raise Refusal(str(e)) from None
 
 
 def _turn_held(j, sid: str | None, index: int) -> None:

@@ -46,12 +46,14 @@ def index(path) -> bytes:
         return f.read()
 
 
-def touch_all(path) -> None:
-    """Change every tracked file's stat (not its content): the next `git status` refreshes."""
+def touch_all(root) -> None:
+    """Change every file's stat outside .git (not its content): the next `git status`
+    refreshes the index."""
     time.sleep(1.05)  # past the index's own mtime, so git does not take the files as racy
-    for d in ("d0", "d1", "d2"):
-        for name in os.listdir(os.path.join(path, d)):
-            os.utime(os.path.join(path, d, name))
+    for d, dirs, names in os.walk(root):
+        dirs[:] = [x for x in dirs if x not in (".git", ".overlayrec-attic")]
+        for n in names:
+            os.utime(os.path.join(d, n), follow_symlinks=False)
 
 
 @pytest.mark.parametrize("object_format", ["sha1", "sha256"])
@@ -136,6 +138,20 @@ CALLS = ("echo b > b; git add b; git commit -qm second; sleep 1.1; touch d0/* b;
          "git status --short; echo c > c")
 
 
+def committed(make_mount, path: str):
+    """A Mount (not mounted yet) whose workspace is a git repository with ``path`` committed."""
+    m = make_mount()
+    git(m.ws, "init", "-q")
+    git(m.ws, "config", "user.email", "t@example.org")
+    git(m.ws, "config", "user.name", "t")
+    os.makedirs(os.path.dirname(os.path.join(m.ws, path)), exist_ok=True)
+    with open(os.path.join(m.ws, path), "w") as f:
+        f.write("a\n")
+    git(m.ws, "add", "-A")
+    git(m.ws, "commit", "-qm", "first")
+    return m
+
+
 def calls_of(ws) -> list[dict]:
     out = overlayrec("calls", ws, "--json").stdout
     return [json.loads(line) for line in out.splitlines()]
@@ -144,15 +160,7 @@ def calls_of(ws) -> list[dict]:
 @needs_fuse
 @pytest.mark.timeout(int(180 * SLOW))
 def test_revert_a_commit_after_git_status_and_unrevert_after_another(make_mount, tmp_path):
-    m = make_mount()
-    git(m.ws, "init", "-q")
-    git(m.ws, "config", "user.email", "t@example.org")
-    git(m.ws, "config", "user.name", "t")
-    os.mkdir(os.path.join(m.ws, "d0"))
-    with open(os.path.join(m.ws, "d0", "a"), "w") as f:
-        f.write("a\n")
-    git(m.ws, "add", "-A")
-    git(m.ws, "commit", "-qm", "first")
+    m = committed(make_mount, "d0/a")
     m.mount()
     # an agent without hooks: each command a call of its own (git add, git commit, touch,
     # git status), snapshots between the commit and the touch
@@ -174,7 +182,7 @@ def test_revert_a_commit_after_git_status_and_unrevert_after_another(make_mount,
     assert git(m.ws, "diff", "--cached", "--name-only").split() == ["b"]
     # git status (just run, mounted) refreshed the index again; and once more while unmounted
     m.umount()
-    touch_all_files(m.ws)
+    touch_all(m.ws)
     git(m.ws, "status", "--short")
     m.mount()
     overlayrec("unrevert", m.ws, "--yes")
@@ -186,26 +194,10 @@ def test_revert_a_commit_after_git_status_and_unrevert_after_another(make_mount,
     assert git(m.ws, "ls-files", "-s") == git(snap, "ls-files", "-s")
 
 
-def touch_all_files(ws) -> None:
-    time.sleep(1.05)
-    for d, _, names in os.walk(ws):
-        if "/.git" in d + "/" or d.endswith("/.git") or ".overlayrec-attic" in d:
-            continue
-        for n in names:
-            os.utime(os.path.join(d, n), follow_symlinks=False)
-
-
 @needs_fuse
 @pytest.mark.timeout(int(180 * SLOW))
 def test_a_refresh_between_interleaves_nothing_a_staged_change_conflicts(make_mount, tmp_path):
-    m = make_mount()
-    git(m.ws, "init", "-q")
-    git(m.ws, "config", "user.email", "t@example.org")
-    git(m.ws, "config", "user.name", "t")
-    with open(os.path.join(m.ws, "a"), "w") as f:
-        f.write("a\n")
-    git(m.ws, "add", "-A")
-    git(m.ws, "commit", "-qm", "first")
+    m = committed(make_mount, "a")
     before = git(m.ws, "ls-files", "-s")
     m.mount()
     # one call stages b, waits, commits; while it waits an outside process (this test)
@@ -221,7 +213,7 @@ def test_a_refresh_between_interleaves_nothing_a_staged_change_conflicts(make_mo
             assert time.monotonic() < deadline and agent.poll() is None, "b was never staged"
             time.sleep(0.05)
         staged = index(m.ws)
-        touch_all_files(m.ws)
+        touch_all(m.ws)
         git(m.ws, "status", "--short")
         assert index(m.ws) != staged, "git did not rewrite its index: the test shows nothing"
         go.write_text("")
