@@ -319,3 +319,58 @@ def test_a_session_without_calls_is_exported_too(make_mount, tmp_path):
         overlayrec("diff", m.ws, "--session", "q", "--stat").stdout
     again = json.loads(overlayrec("export", "git", m.ws, "--json").stdout)
     assert (again["commits"], again["sessions"]) == (0, 1), again
+
+
+def test_a_sessions_chain_in_every_shape(make_mount):
+    """A session's chain beyond plain files: the agent's own write before its first call and
+    between calls, a directory renamed with files beneath, a hard link, a symlink to a
+    directory and a write through it, a fifo (which git cannot hold), a path of some 4,000
+    bytes, and an edit made while unmounted before the session.  Its base is the workspace as
+    the session began, its head the workspace as it ended (the test's own snapshots: files and
+    symlinks, as git holds them)."""
+    m = make_mount()
+    deep = "/".join(["d" * 200] * 19)  # 3,819 bytes of directories, then the file
+    os.makedirs(os.path.join(m.ws, "src", "pkg"))
+    os.makedirs(os.path.join(m.ws, deep))
+    for p, text in (("src/pkg/a.py", "a\n"), ("src/pkg/b.py", "b\n"), ("edited", "one\n"),
+                    (f"{deep}/{'f' * 150}", "deep\n")):
+        with open(os.path.join(m.ws, p), "w") as f:
+            f.write(text)
+    m.mount()
+    m.umount()
+    with open(os.path.join(m.ws, "edited"), "a") as f:  # while unmounted
+        f.write("two\n")
+
+    def snap() -> dict:
+        out = {}
+        for d, dirs, names in os.walk(m.ws):
+            dirs[:] = [x for x in dirs if x != ".overlayrec-attic"]
+            for n in names + [x for x in dirs if os.path.islink(os.path.join(d, x))]:
+                p = os.path.join(d, n)
+                rel = os.path.relpath(p, m.ws)
+                if os.path.islink(p):
+                    out[rel] = ("link", os.readlink(p))
+                elif os.path.isfile(p):
+                    out[rel] = ("file", open(p).read())
+        return out
+    before = snap()
+    m.mount()
+    overlayrec("run", "-w", m.ws, "--session", "q", "--", "sh", "-c",
+               f"echo c >> src/pkg/a.py; mv src lib; echo d >> lib/pkg/a.py; "
+               f"ln lib/pkg/b.py hard; ln -s lib/pkg dl; "
+               f"mkfifo pipe; echo more >> '{deep}/{'f' * 150}'; echo x > dl/new.py", cwd=m.ws)
+    after = snap()
+    gd = json.loads(overlayrec("export", "git", m.ws, "--json").stdout)["git_dir"]
+
+    def tree(ref: str) -> dict:
+        out = {}
+        for line in git(gd, "ls-tree", "-r", "-z", ref).split("\0"):
+            if line:
+                meta, path = line.split("\t", 1)
+                mode, _, sha = meta.split()
+                text = git(gd, "cat-file", "-p", sha)
+                out[path] = ("link", text) if mode == "120000" else ("file", text)
+        return out
+    assert tree("refs/overlayrec/q/base") == before
+    assert tree("refs/overlayrec/q/head") == after
+    assert "pipe" not in after and before["edited"] == ("file", "one\ntwo\n")
