@@ -1,10 +1,13 @@
 """A model test of revert on a real mount: random sequences of writes, appends, truncates,
-deletes, renames, mkdir/rmdir, chmods and symlinks by two calls and an outside process; reverting a call gives the
-tree a simple model predicts without that call's changes, or the conflicts the model predicts,
-and unrevert gives back the tree before the revert.
+deletes, renames, mkdir/rmdir, chmods and symlinks by two calls, the agent process itself
+(between its calls) and an outside process; reverting a call gives the tree a simple model
+predicts without that call's changes, or the conflicts the model predicts, and unrevert gives
+back the tree before the revert.
 
 The calls' writers are long-lived workers started during each call (so every write of theirs
-is that call's), driven through FIFOs outside the workspace; the outside writer is this test
+is that call's), driven through FIFOs outside the workspace; the agent, once its calls have
+ended, takes operations the same way and applies them in its own process (the session's own
+writes, which a call's revert must not take for its own); the outside writer is this test
 process itself, which descends from no agent.  Each generated case works in a directory of
 its own and reverts with --path, so one mount serves all cases.  OVERLAYREC_MODEL_CASES sets the
 number of cases; OVERLAYREC_MODEL_RANDOM=1 explores other cases than CI's fixed ones (with
@@ -31,15 +34,21 @@ CASES = int(os.environ.get("OVERLAYREC_MODEL_CASES", "200"))
 FIXED = not os.environ.get("OVERLAYREC_MODEL_RANDOM")  # CI: the same cases every run
 NAMES = ["a", "b", "c"]
 
+SERVE = textwrap.dedent(r'''
+    import json
+    def serve(fin, fout):
+        """Apply each operation read from ``fin`` in this process; acknowledge it on ``fout``."""
+        from op_apply import apply
+        with open(fin) as cmds, open(fout, "w") as acks:
+            for line in cmds:
+                apply(json.loads(line))
+                acks.write("ok\n"); acks.flush()
+''')
+
 WORKER = textwrap.dedent(r'''
-    import json, os, sys
-    fin, fout = sys.argv[1], sys.argv[2]
-    with open(fin) as cmds, open(fout, "w") as acks:
-        for line in cmds:
-            op = json.loads(line)
-            apply = __import__("op_apply").apply
-            apply(op)
-            acks.write("ok\n"); acks.flush()
+    import sys
+    from op_serve import serve
+    serve(sys.argv[1], sys.argv[2])
 ''')
 
 APPLY = textwrap.dedent(r'''
@@ -79,7 +88,9 @@ AGENT = textwrap.dedent(r'''
                                              os.path.join(tmp, name + ".in"),
                                              os.path.join(tmp, name + ".out")], env=env))
             c.call_end(name)
-    open(os.path.join(tmp, "ready"), "w").close()
+    sys.path.insert(0, tmp)
+    from op_serve import serve
+    serve(os.path.join(tmp, "S.in"), os.path.join(tmp, "S.out"))  # the agent's own writes
     for w in workers:
         w.wait()
 ''')
@@ -92,10 +103,11 @@ class Env:
         self.m = Mount(self.base)
         self.tmp = os.path.join(self.base, "ctl")
         os.makedirs(self.tmp)
-        for name, text in (("worker.py", WORKER), ("op_apply.py", APPLY), ("agent.py", AGENT)):
+        for name, text in (("worker.py", WORKER), ("op_apply.py", APPLY),
+                           ("op_serve.py", SERVE), ("agent.py", AGENT)):
             with open(os.path.join(self.tmp, name), "w") as f:
                 f.write(text)
-        for n in ("A", "B"):
+        for n in ("A", "B", "S"):
             for suffix in (".in", ".out"):
                 os.mkfifo(os.path.join(self.tmp, n + suffix))
         self.m.mount()
@@ -103,7 +115,7 @@ class Env:
                                      "--session", "model", "--", sys.executable,
                                      os.path.join(self.tmp, "agent.py"), self.tmp], cwd=self.m.ws)
         self.pipes = {}
-        for n in ("A", "B"):
+        for n in ("A", "B", "S"):
             # opening order matches the worker's: its input first, then its output
             self.pipes[n] = (open(os.path.join(self.tmp, n + ".in"), "w"),
                              open(os.path.join(self.tmp, n + ".out")))
@@ -156,7 +168,7 @@ def snapshot(d: str) -> dict:
 
 
 ops = st.lists(st.tuples(
-    st.sampled_from(["A", "A", "B", "O"]),
+    st.sampled_from(["A", "A", "B", "S", "O"]),
     st.sampled_from(["write", "append", "delete", "rename", "chmod", "symlink", "truncate",
                      "mkdir", "rmdir"]),
     st.sampled_from(NAMES), st.sampled_from(NAMES), st.text("xyz", min_size=1, max_size=3),
