@@ -971,17 +971,11 @@ def log_cmd(workspace, glob, limit, call_id, turn_sel, sid, actor, since, until,
         except (SelectionError, readers.Refusal) as e:
             raise Fail(str(e)) from None
         if turn_sel is not None:
-            try:  # N, last, -1 ... as diff and calls take it
-                turn_index = readers.turn_index(j, sid, turn_sel)
+            try:  # N, last, -1 ... as diff and calls take it, refused alike
+                t = readers.find_turn(j, sid, turn_sel)
             except readers.Refusal as e:
                 raise Fail(str(e)) from None
-            ts = [t for t in j.records("turns") if t["index"] == turn_index
-                  and (sid is None or t["session"] == sid)]
-            if not ts:
-                raise Fail(f"no turn {turn_index}" + (f" in session {sid}" if sid else ""))
-            if len({t["session"] for t in ts}) > 1:
-                raise Fail(f"turn {turn_index} exists in several sessions: say --session")
-            lo, hi = ts[0]["begin_seq"], ts[0]["end_seq"]
+            lo, hi = t["begin_seq"], t["end_seq"]
         if call_id is not None:
             try:  # an id two sessions hold is refused, as diff and revert refuse it
                 find_call(j, call_id, sid)
@@ -1565,8 +1559,8 @@ def _beneath(path: str, top: str) -> bool:
 @main.command()
 @click.argument("workspace", default=".")
 @click.option("--at", "at", default="end", show_default=True,
-              help="SEQ, a time (ISO 8601 or @epoch), turn:N, call:ID (call:SESSION:ID where "
-              "two sessions hold the id), session:S (last: the session begun last), "
+              help="SEQ, a time (ISO 8601 or @epoch), turn:N (turn:SESSION:N where several "
+              "sessions hold turns), call:ID (call:SESSION:ID where two sessions hold the id), session:S (last: the session begun last), "
               "before:/after: any of those, or end (the record's last event).")
 @click.option("--to", "dest", required=True, type=_NewPath(),
               help="A new directory, outside the workspace.")

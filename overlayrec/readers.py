@@ -282,32 +282,20 @@ def turns(workspace, sid, churn, as_json, state_dir) -> Parts:
         j.close()
 
 
-def turn_index(j, sid: str | None, sel) -> int:
-    """A turn as ``diff --turn`` takes it (N, ``last``, or -1, -2 ... counting back from the
-    last) as its index: ``last`` and a count back as diff resolves them (engines.diff, which
-    ``session_of`` has imported already); N as it is, its record looked up by the caller."""
-    n = -1 if str(sel) == "last" else int(sel)
-    if n >= 0:  # an index as it is ("-0" too, as diff takes it)
-        return n
-    from .engines.diff import SelectionError, _find_turn
+def find_turn(j, sid: str | None, sel) -> dict:
+    """The record of a turn as ``diff --turn`` takes it (N, ``last``, or -1, -2 ... counting
+    back from the last), refused alike (engines.diff.find_turn, which ``session_of`` has
+    imported already): a mistyped turn would list nothing, as if it had made no call, and a
+    turn N two sessions hold would list both."""
+    from .engines.diff import SelectionError, find_turn as find
     try:
-        return _find_turn(j, sel, sid)["index"]
+        return find(j, sel, sid)
     except SelectionError as e:
-        raise Refusal(str(e)) from None
-
-
-def _turn_held(j, sid: str | None, index: int) -> None:
-    """Refused (as ``log --turn`` and ``diff --turn`` refuse it) when the record holds no turn
-    ``index`` (in session ``sid``): a mistyped turn would list nothing, as if it had made no
-    call."""
-    prefix = (sid.encode("utf-8", "surrogateescape") + b"\0") if sid else b""
-    if any(t["index"] == index for t in j.records("turns", prefix)):
-        return
-    why = None
-    if j.cut:  # only a gc's cut drops a turn (retention: imported then)
-        from .retention import dropped_selection
-        why = dropped_selection(j, turn=index, session=sid)
-    raise Refusal(why or f"no turn {index}" + (f" in session {sid}" if sid else ""))
+        why = None
+        if j.cut:  # only a gc's cut drops a turn (retention: imported then)
+            from .retention import dropped_selection
+            why = dropped_selection(j, turn=sel, session=sid)
+        raise Refusal(why or str(e)) from None
 
 
 def turn_lines(rows: list[dict], churn: bool, as_json: bool) -> Parts:
@@ -339,8 +327,8 @@ def calls(workspace, sid, turn_sel, churn, as_json, state_dir) -> Parts:
         sid = session_of(j, sid)
         turn = None
         if turn_sel is not None:
-            turn = turn_index(j, sid, turn_sel)  # an index before the kept answer's key
-            _turn_held(j, sid, turn)
+            t = find_turn(j, sid, turn_sel)  # an index before the kept answer's key
+            sid, turn = t["session"], t["index"]
         return listing("calls", j, ws, sd, ["calls", sid, turn, churn, as_json],
                        lambda rows: call_lines(rows, churn, as_json),
                        Progress("calls", not as_json), sid=sid, turn=turn)

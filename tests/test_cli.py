@@ -678,3 +678,79 @@ def test_calls_and_log_take_a_turn_as_diff_does(make_mount, tmp_path):
         one_line_error(overlayrec(cmd, m.ws, "--turn", "-4", check=False),
                        "no turn -4: 3 recorded")
     assert "f2" in overlayrec("log", m.ws, "--turn", "-2").stdout
+
+
+@needs_fuse
+def test_a_turn_several_sessions_hold_is_refused_alike(make_mount, tmp_path):
+    """Sessions number their turns from 1, so two sessions hold a turn 2.  `diff --turn 3`
+    was refused though one session alone had a turn 3, `calls --turn 2` listed both sessions'
+    turn 2 while `log --turn 2` refused it, and `replay --at turn:2` told the user to say
+    --session, which replay has no way to take.  Each command now refuses exactly the turns
+    several sessions could mean, naming them, and takes one named with its session
+    (`--session`, or `turn:SESSION:N` in a point)."""
+    m = make_mount()
+    with open(os.path.join(m.ws, "f"), "w") as f:
+        f.write("0\n")
+    m.mount()
+    agent = tmp_path / "agent.py"
+    agent.write_text(textwrap.dedent(r'''
+        import sys
+        from overlayrec import client
+        with client.connect() as c:
+            for n in range(1, int(sys.argv[2]) + 1):
+                c.turn_begin(prompt=f"turn {n}")
+                c.call_begin(f"{sys.argv[1]}-k{n}", "Bash")
+                with open("f", "a") as f:
+                    f.write(f"{sys.argv[1]}-t{n}\n")
+                c.call_end(f"{sys.argv[1]}-k{n}")
+                c.turn_end()
+    '''))
+    for s, turns in (("s1", 3), ("s2", 2)):
+        overlayrec("run", "-w", m.ws, "--session", s, "--", sys.executable, str(agent), s,
+                   str(turns), cwd=m.ws)
+    ahead = "0\ns1-t1\ns1-t2\ns1-t3\ns2-t1\ns2-t2\n"
+    assert open(os.path.join(m.ws, "f")).read() == ahead
+    # a turn one session alone holds is taken by every command, without --session
+    assert overlayrec("diff", m.ws, "--turn", "3", "--name-status").stdout == "M\tf\n"
+    assert "+s1-t3" in overlayrec("diff", m.ws, "--turn", "3").stdout
+    assert [l.split()[2] for l in overlayrec("calls", m.ws, "--turn", "3").stdout.splitlines()
+            if not l.startswith(" ")] == ["s1-k3"]
+    assert overlayrec("log", m.ws, "--turn", "3").stdout.count("\n") == \
+        overlayrec("log", m.ws, "--turn", "3", "--session", "s1").stdout.count("\n") > 0
+    overlayrec("replay", m.ws, "--at", "before:turn:3", "--to", str(tmp_path / "r3"))
+    assert open(tmp_path / "r3" / "f").read() == "0\ns1-t1\ns1-t2\n"
+    # a turn two sessions hold: one line, naming both, from every command
+    for args, how in ((["diff", m.ws, "--turn", "2"], "say --session"),
+                      (["revert", m.ws, "--turn", "2", "--yes"], "say --session"),
+                      (["calls", m.ws, "--turn", "2"], "say --session"),
+                      (["log", m.ws, "--turn", "2"], "say --session"),
+                      (["replay", m.ws, "--at", "turn:2", "--to", str(tmp_path / "x")],
+                       "name one as turn:SESSION:2"),
+                      (["blame", "f", "-w", m.ws, "--at", "turn:2"],
+                       "name one as turn:SESSION:2")):
+        one_line_error(overlayrec(*args, check=False),
+                       "turn 2 exists in several sessions (s1, s2)", how)
+    for args in (["diff", m.ws, "--turn", "last"], ["calls", m.ws, "--turn", "-1"],
+                 ["replay", m.ws, "--at", "turn:last", "--to", str(tmp_path / "x")]):
+        one_line_error(overlayrec(*args, check=False),
+                       "turns of several sessions are recorded (s1, s2)")
+    assert not os.path.exists(tmp_path / "x")
+    assert open(os.path.join(m.ws, "f")).read() == ahead  # nothing reverted
+    # named with its session, each takes it
+    assert "+s2-t2" in overlayrec("diff", m.ws, "--turn", "2", "--session", "s2").stdout
+    assert "s1-k2" in overlayrec("calls", m.ws, "--turn", "2", "--session", "s1").stdout
+    assert "s2-k2" not in overlayrec("calls", m.ws, "--turn", "2", "--session", "s1").stdout
+    for at, want in (("turn:s1:2", "0\ns1-t1\ns1-t2\n"),
+                     ("before:turn:s2:last", "0\ns1-t1\ns1-t2\ns1-t3\ns2-t1\n"),
+                     ("turn:s2:-2", "0\ns1-t1\ns1-t2\ns1-t3\ns2-t1\n")):
+        dest = tmp_path / at.replace(":", "_")
+        overlayrec("replay", m.ws, "--at", at, "--to", str(dest))
+        assert open(dest / "f").read() == want, at
+    one_line_error(overlayrec("replay", m.ws, "--at", "turn:s3:1", "--to",
+                              str(tmp_path / "y"), check=False),
+                   "no turns recorded in session s3")
+    # s1's turn 2 is under later turns' changes to f: a conflict, not s2's turn taken for it
+    one_line_error(overlayrec("revert", m.ws, "--turn", "2", "--session", "s1", "--yes",
+                              check=False), "conflicts, nothing reverted: changed: f")
+    overlayrec("revert", m.ws, "--turn", "2", "--session", "s2", "--yes")
+    assert open(os.path.join(m.ws, "f")).read() == ahead.replace("s2-t2\n", "")

@@ -438,7 +438,8 @@ def test_kept_rows_are_read_by_the_turn(make_mount, tmp_path):
                (["log", "--session", "nope"], "no session nope"),
                (["calls", "--turn", "3"], "no turn 3"),
                (["calls", "--turn", "0", "--json"], "no turn 0"),
-               (["calls", "--turn", "1", "--session", "s2"], "no turn 1 in session s2")]
+               (["calls", "--turn", "1", "--session", "s2"], "no turns recorded in session s2"),
+               (["diff", "--turn", "1", "--session", "s2"], "no turns recorded in session s2")]
     for q, said in refused:
         r = overlayrec(q[0], m.ws, "--state-dir", m.state, *q[1:], check=False)
         assert (r.returncode, r.stdout, r.stderr) == (1, "", f"overlayrec: error: {said}\n"), \

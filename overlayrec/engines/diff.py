@@ -97,7 +97,7 @@ def select(j: Journal, states: States, *, call: str | None = None, turn: int | s
         side.late = late(mine)
         return side
     if turn is not None:
-        t = _find_turn(j, turn, session)
+        t = find_turn(j, turn, session)
         sid = t["session"]
         lo, hi = t["begin_seq"], t["end_seq"] or last
         return _selected(states, [e for e in _selection_events(j, lo, hi)
@@ -179,25 +179,32 @@ def find_call(j: Journal, call: str, session: str | None = None,
     return calls[0]
 
 
-def _find_turn(j: Journal, turn, session: str | None) -> dict:
+def find_turn(j: Journal, turn, session: str | None = None,
+              several: str = "say --session ID, or --session last") -> dict:
+    """The record of turn ``turn`` (N, ``last``, or -1, -2 ... counting back from the last) of
+    ``session``, when given.  A turn several sessions could mean (N when two hold a turn N;
+    last or -N when two hold turns) is refused, never taken as the first, naming the
+    sessions: every command that selects a turn says so alike (``several``: how to name one),
+    as ``find_call`` does for a call."""
     turns = [t for t in j.records("turns") if session is None or t["session"] == session]
     if not turns:
         raise SelectionError("no turns recorded" + (f" in session {session}" if session else ""))
-    if len({t["session"] for t in turns}) > 1:
-        raise SelectionError("turns of several sessions are recorded: say --session ID, or "
-                             "--session last")
+    n = -1 if turn == "last" else int(turn)
+    if n >= 0:
+        turns = [t for t in turns if t["index"] == n]
+        if not turns:
+            raise SelectionError(f"no turn {n}" + (f" in session {session}" if session else ""))
+    sessions = sorted({t["session"] for t in turns})
+    if len(sessions) > 1:
+        which = "turns of several sessions are recorded" if n < 0 else \
+            f"turn {n} exists in several sessions"
+        raise SelectionError(f"{which} ({', '.join(sessions)}): {several}")
     turns.sort(key=lambda t: t["index"])
-    if turn == "last":
-        return turns[-1]
-    n = int(turn)
-    if n < 0:
-        if -n > len(turns):
-            raise SelectionError(f"no turn {n}: {len(turns)} recorded")
-        return turns[n]
-    for t in turns:
-        if t["index"] == n:
-            return t
-    raise SelectionError(f"no turn {n}")
+    if n >= 0:
+        return turns[0]
+    if -n > len(turns):
+        raise SelectionError(f"no turn {n}: {len(turns)} recorded")
+    return turns[n]
 
 
 def _selected(states: States, events: list[dict], bounds: tuple[int, int] | None = None, *,

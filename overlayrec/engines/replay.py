@@ -9,7 +9,7 @@ import tempfile
 
 from ..journal import Journal
 from ..underlay import O_PATH, Escape, chmod_fd, kind_of, resolve_beneath
-from .diff import SelectionError, _find_turn, _visible, find_call, session_named
+from .diff import SelectionError, _visible, find_call, find_turn, session_named
 from ..secrets import PLACEHOLDER, public_in
 from ..views import guessed
 from .revert import link_key, linked, make_node, set_meta, temp_name
@@ -18,8 +18,9 @@ from .states import ATTIC, States, State, Tree, state_of_stat
 
 
 def resolve_point(j: Journal, spec: str, refuse_dropped: bool = True) -> int:
-    """A point as a sequence number: SEQ, a time (ISO 8601 or @epoch-seconds), turn:N, call:ID
-    (call:SESSION:ID: an id two sessions hold is refused otherwise, as every command refuses it),
+    """A point as a sequence number: SEQ, a time (ISO 8601 or @epoch-seconds), turn:N
+    (turn:SESSION:N, turn:SESSION:last ...), call:ID (call:SESSION:ID: a turn or an id several
+    sessions could mean is refused otherwise, as every command refuses it),
     session:S (its start and end; ``last``: the session begun last), and before:/after: any of
     those (after: is the default); ``end`` (or ``now``): the
     record's last event.  Anything else, or a number
@@ -52,10 +53,12 @@ def _resolve_point(j: Journal, spec: str) -> int:
             raise SelectionError(f"no event {shown}: past any sequence number")
         return max(n - 1, 0) if side == "before" else n
     if spec.startswith("turn:"):
-        sel = spec[5:]
+        sid, _, sel = spec[5:].rpartition(":")  # turn:SESSION:N, where sessions hold turns N
         if not re.fullmatch(r"last|-?[0-9]{1,19}", sel):
-            raise SelectionError(f"not a turn: {shown} (turn:N, turn:last, turn:-1 ...)")
-        t = _find_turn(j, sel, None)
+            raise SelectionError(f"not a turn: {shown} (turn:N, turn:last, turn:-1, "
+                                 "turn:SESSION:N ...)")
+        t = find_turn(j, sel, session_named(j, sid) if sid else None,
+                      several=f"name one as turn:SESSION:{sel}")
         return max(t["begin_seq"] - 1, 0) if side == "before" else (t["end_seq"] or j.last_seq())
     if spec.startswith("call:"):
         cid, sid = spec[5:], None

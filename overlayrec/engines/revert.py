@@ -34,7 +34,7 @@ from ..underlay import O_PATH, Escape, resolve_beneath
 from ..views import guessed, path_matcher, shown
 from . import gitindex
 from .diff import (SelectionError, changed_around, file_events, find_call, placed_elsewhere,
-                   touched, _find_turn, _visible)
+                   touched, find_turn, _visible)
 from .large import over_limit, same_as_fd, whole, write_to
 from .states import ATTIC, INF, UNLISTED_NOTE, States, State, Tree
 
@@ -86,7 +86,7 @@ def selected_units(j: Journal, *, call=None, turn=None, session=None, since=None
         # none of a call's events comes before its begin
         return {f"call:{c['session']}:{call}"}, c.get("begin_seq") or 1, None
     if turn is not None:
-        t = _find_turn(j, turn, session)
+        t = find_turn(j, turn, session)
         sid = t["session"]
         units = {f"turn:{sid}:{t['index']}"} | {
             f"call:{sid}:{c['id']}" for c in j.records("calls", sid.encode() + b"\0")
