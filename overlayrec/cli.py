@@ -92,6 +92,33 @@ def _without_cycle_gc(fn):
     return wrapper
 
 
+def _workspace_param(default: str | None = ".", required: bool = False, type=None):
+    """WORKSPACE as the command's argument, or as ``-w``/``--workspace``, which the commands
+    whose argument is something else take (run, blame, show, unrevert): either, not both.
+    Given as neither, ``default`` (``required``: a usage error)."""
+    import functools
+
+    def deco(fn):
+        @functools.wraps(fn)
+        def wrapper(*a, workspace_opt=None, **kw):
+            if workspace_opt is not None:
+                if kw.get("workspace") is not None:
+                    raise Usage("the workspace is given twice: as WORKSPACE and as -w",
+                                click.get_current_context())
+                kw["workspace"] = workspace_opt
+            elif kw.get("workspace") is None:
+                if required:
+                    raise Usage("Missing argument 'WORKSPACE' (or -w WORKSPACE).",
+                                click.get_current_context())
+                kw["workspace"] = default
+            return fn(*a, **kw)
+        wrapper = click.option("-w", "--workspace", "workspace_opt", type=type,
+                               metavar="WORKSPACE", help="The workspace, as WORKSPACE: either "
+                               "one.")(wrapper)
+        return click.argument("workspace", required=False, type=type)(wrapper)
+    return deco
+
+
 def _guard(fn):
     import functools
 
@@ -299,7 +326,7 @@ def _daemon_pid(sd: str) -> tuple[int | None, dict | None, str | None]:
 
 
 @main.command()
-@click.argument("workspace", type=PATH)
+@_workspace_param(required=True, type=PATH)
 @click.option("--state-dir", type=PATH,
               help="Where the journal lives (default: $XDG_STATE_HOME/overlayrec/<id>).")
 @click.option("--foreground", is_flag=True, help="Serve in this process until unmounted.")
@@ -513,7 +540,7 @@ def _read_ready(fd: int, proc: subprocess.Popen, timeout: float) -> str:
 
 
 @main.command()
-@click.argument("workspace")  # a plain string: click.Path would stat a possibly hung mount
+@_workspace_param(required=True)  # a plain string: click.Path would stat a possibly hung mount
 @click.option("--timeout", type=SECONDS, default=20.0, show_default=True,
               help="Seconds to wait for the daemon to finish before detaching the mount.")
 @_guard
@@ -591,7 +618,7 @@ def _detach(cmd: list[str], timeout: float = 15.0) -> str | None:
 
 
 @main.command()
-@click.argument("workspace", default=".")  # not click.Path: it would stat a hung mount
+@_workspace_param()  # not click.Path: it would stat a hung mount
 @click.option("--json", "as_json", is_flag=True, help="One JSON object.")
 @click.option("--state-dir", type=PATH, help="The state dir the workspace was mounted with "
               "(default: the one the registry names, else the workspace's default).")
@@ -719,7 +746,7 @@ def _record_size(ws: str, sd: str, mounted: bool) -> dict | None:
 
 
 @main.command()
-@click.argument("workspace", default=".")
+@_workspace_param()
 @click.option("--state-dir", type=PATH, help="Read this state dir.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object (see below).")
 @_guard
@@ -789,7 +816,7 @@ def check(workspace, state_dir, as_json):
 
 
 @main.command()
-@click.argument("workspace", required=False)  # not click.Path: it would stat a hung mount
+@_workspace_param(default=None)  # not click.Path: it would stat a hung mount
 @click.option("--all", "every", is_flag=True, help="Every workspace in the registry (each one "
               "this user's overlayrec has mounted).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object (see below).")
@@ -933,7 +960,7 @@ _fmt_time = readers.fmt_time
 
 
 @main.command(name="log")
-@click.argument("workspace", default=".")  # not click.Path: it would stat a hung mount
+@_workspace_param()  # not click.Path: it would stat a hung mount
 @click.option("--path", "glob", help="Only events on this path, paths beneath it or paths matching this glob (either side of a rename).")
 @click.option("--limit", type=click.IntRange(min=1), help="Only the last N events.")
 @click.option("--call", "call_id", help="Only events of this call.")
@@ -1444,7 +1471,7 @@ def _listing_net(j, ws: str | None, sd: str, quiet: bool = False):
 
 
 @main.command()
-@click.argument("workspace", default=".")  # not click.Path: it would stat a hung mount
+@_workspace_param()  # not click.Path: it would stat a hung mount
 @click.option("--session", "sid", type=ID,
               help="Only this session (last: the session begun last).")
 @click.option("--all", "churn", is_flag=True, help="Count every path written, also those left "
@@ -1463,7 +1490,7 @@ def turns(workspace, sid, churn, as_json, state_dir):
 
 
 @main.command()
-@click.argument("workspace", default=".")  # not click.Path: it would stat a hung mount
+@_workspace_param()  # not click.Path: it would stat a hung mount
 @click.option("--session", "sid", type=ID,
               help="Only this session (last: the session begun last).")
 @click.option("--turn", "turn_sel", type=TURN,
@@ -1502,7 +1529,7 @@ def _tree_for(ws: str, sd: str):
 
 
 @main.command()
-@click.argument("workspace", default=".")  # not click.Path: it would stat a hung mount
+@_workspace_param()  # not click.Path: it would stat a hung mount
 @click.option("--call", "call_id", help="What this call changed.")
 @click.option("--turn", "turn_sel", type=TURN,
               help="What this turn changed: N, last, or -1, -2 ...")
@@ -1557,7 +1584,7 @@ def _beneath(path: str, top: str) -> bool:
 
 
 @main.command()
-@click.argument("workspace", default=".")
+@_workspace_param()
 @click.option("--at", "at", default="end", show_default=True,
               help="SEQ, a time (ISO 8601 or @epoch), turn:N (turn:SESSION:N where several "
               "sessions hold turns), call:ID (call:SESSION:ID where two sessions hold the id), session:S (last: the session begun last), "
@@ -1752,7 +1779,7 @@ def show(seq, workspace, state_dir, as_json):
 
 
 @main.command()
-@click.argument("workspace", default=".")
+@_workspace_param()
 @click.option("--html", "out", default="overlayrec-report.html", show_default=True,
               type=PATH, help="Where to write the page.")
 @click.option("--state-dir", type=PATH)
@@ -1900,7 +1927,7 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
 
 
 @main.command()
-@click.argument("workspace", default=".")
+@_workspace_param()
 @click.option("--call", "call_id", help="Revert this call.")
 @click.option("--turn", "turn_sel", type=TURN,
               help="Revert this turn: its calls and the agent's own changes in it, not another "
@@ -1974,7 +2001,7 @@ def unrevert(revert_id, workspace, yes, force, as_json, state_dir):
 # -- retention ------------------------------------------------------------------------------------
 
 @main.command()
-@click.argument("workspace", default=".")
+@_workspace_param()
 @click.option("--keep-last", type=click.IntRange(min=0), metavar="N",
               help="Keep the N most recent sessions.")
 @click.option("--keep-within", type=_Duration(), metavar="DURATION",
@@ -2110,7 +2137,7 @@ def export():
 
 
 @export.command(name="git")
-@click.argument("workspace", default=".")
+@_workspace_param()
 @click.option("--repo", type=PATH, help="Write into this repository (default: a private "
               "object store in the state dir, the workspace's objects as an alternate).")
 @click.option("--ref-prefix", type=ID, default="refs/overlayrec", show_default=True)

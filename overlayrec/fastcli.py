@@ -66,6 +66,13 @@ def parse(args: list[str]) -> tuple[str, dict] | None:
                 if positional:
                     workspace = positional[0]
                 break
+            if arg in ("-w", "--workspace") or arg.startswith("--workspace="):
+                # the workspace as an option (cli._workspace_param): once, and not beside it
+                if workspace is not None or "=" not in arg and i >= len(rest):
+                    return None
+                workspace = arg.partition("=")[2] if "=" in arg else rest[i]
+                i += "=" not in arg
+                continue
             if arg[:1] == "-" and len(arg) > 1:
                 name, eq, value = arg.partition("=")
                 spec = options.get(name)

@@ -754,3 +754,45 @@ def test_a_turn_several_sessions_hold_is_refused_alike(make_mount, tmp_path):
                               check=False), "conflicts, nothing reverted: changed: f")
     overlayrec("revert", m.ws, "--turn", "2", "--session", "s2", "--yes")
     assert open(os.path.join(m.ws, "f")).read() == ahead.replace("s2-t2\n", "")
+
+
+@needs_fuse
+def test_every_command_takes_its_workspace_as_w_too(make_mount, tmp_path):
+    """`run`, `blame`, `show` and `unrevert` take the workspace as -w, the commands whose
+    argument is the workspace took it only as that argument: `calls -w ws` (what `run -w ws`
+    teaches) was "No such option".  Each takes either, with the same answer; both at once is
+    a usage error, and mount and umount still need one of them."""
+    m = make_mount()
+    with open(os.path.join(m.ws, "f"), "w") as f:
+        f.write("0\n")
+    overlayrec("mount", "-w", m.ws, "--state-dir", m.state)
+    try:
+        overlayrec("run", "-w", m.ws, "--session", "s", "--", "sh", "-c",
+                   "cp f g && echo 1 >> f", cwd=m.ws)  # cp: an implicit call
+        same = [["calls"], ["turns", "--all"], ["diff", "--session", "s", "--stat"],
+                ["diff", "--session", "s", "--json"], ["log"], ["status"], ["check"],
+                ["storage"], ["revert", "--session", "s"], ["gc", "--keep-last", "0",
+                                                            "--dry-run"]]
+        for args in same:
+            as_argument = overlayrec(args[0], m.ws, *args[1:])
+            as_option = overlayrec(args[0], "-w", m.ws, *args[1:])
+            assert (as_option.stdout, as_option.stderr) == \
+                (as_argument.stdout, as_argument.stderr), args
+            assert as_option.stdout or args[0] == "turns", args  # no turns recorded
+            assert overlayrec(args[0], f"--workspace={m.ws}", *args[1:]).stdout == \
+                as_argument.stdout, args
+        overlayrec("replay", "-w", m.ws, "--at", "before:session:s", "--to",
+                   str(tmp_path / "then"))
+        assert open(tmp_path / "then" / "f").read() == "0\n"
+        for args in (["calls", m.ws, "-w", m.ws], ["diff", "-w", m.ws, m.ws, "--stat"],
+                     ["revert", "-w", m.ws, m.ws, "--session", "s", "--yes"]):
+            r = overlayrec(*args, check=False)
+            assert r.returncode == 2 and r.stderr.startswith(
+                "overlayrec: usage: the workspace is given twice"), (args, r.stderr)
+        assert open(os.path.join(m.ws, "f")).read() == "0\n1\n"  # nothing reverted
+        for cmd in ("umount", "mount"):
+            r = overlayrec(cmd, check=False)
+            assert r.returncode == 2 and "Missing argument 'WORKSPACE'" in r.stderr, r.stderr
+    finally:
+        overlayrec("umount", "-w", m.ws)
+    assert not is_mounted(m.ws)

@@ -27,6 +27,9 @@ PLAIN = [
     # the workspace is a plain string to both (click.Path's check would stat a hung mount):
     # the reader says what is wrong with it
     ["calls", "-"], ["diff", "-"], ["calls", "unreadable"], ["calls", "a\0b"],
+    # or an option, as the commands whose argument is something else take it
+    ["calls", "-w", "ws"], ["turns", "--workspace", "ws", "--json"],
+    ["diff", "--stat", "--workspace=ws", "--turn", "1"], ["calls", "-w", "-x"],
 ]
 REFUSED_OR_OTHER = [
     ["calls", "-h"], ["calls", "--help"], ["calls", "a", "b"], ["calls", "--turn", "x"],
@@ -41,6 +44,8 @@ REFUSED_OR_OTHER = [
     ["diff", "--since", "1" * 20], ["diff", "--stat", "--patch"], ["diff", "--stat=1"],
     ["diff", "--turn"], ["diff", "--bogus"], ["diff", "-stat"],
     ["log"], ["--version"], [], ["calls", "ws", "-x"],
+    ["calls", "ws", "-w", "ws"], ["calls", "-w", "a", "b"], ["calls", "-w", "a", "-w", "a"],
+    ["calls", "-w"], ["diff", "--workspace"],
 ]
 
 
@@ -50,11 +55,19 @@ def _clicks(args: list[str]):
                                 resilient_parsing=False)
     cmd = cli.main.get_command(ctx, args[0])
     try:
-        return cmd.make_context(args[0], list(args[1:]), parent=ctx).params
+        params = cmd.make_context(args[0], list(args[1:]), parent=ctx).params
     except click.exceptions.Exit as e:   # --help
         return e
     except click.ClickException as e:
         return e
+    # the workspace as the command receives it (cli._workspace_param): the option's, else the
+    # argument's, else "."; both given is a usage error
+    opt = params.pop("workspace_opt")
+    if opt is not None and params["workspace"] is not None:
+        return click.UsageError("the workspace is given twice")
+    ws = params["workspace"]
+    params["workspace"] = opt if opt is not None else ws if ws is not None else "."
+    return params
 
 
 @pytest.mark.parametrize("args", PLAIN + REFUSED_OR_OTHER)
