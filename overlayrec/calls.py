@@ -46,7 +46,8 @@ from typing import Callable
 
 from .attribution import Attribution, live_stat, proc_start_and_ppid, read_actor
 from .journal import Journal, JournalError
-from .journal.schema import call_key, turn_key
+from .journal.schema import (call_key, call_unit, outside_unit, revert_unit, session_unit,
+                             turn_key, turn_unit)
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +174,7 @@ class Call:
 
     @property
     def unit(self) -> str:
-        return f"call:{self.session.id}:{self.id}"
+        return call_unit(self.session.id, self.id)
 
     def covers(self, key: str, start_tick: int) -> bool:
         """Was the agent's child ``key`` (started at ``start_tick``) started during this call?"""
@@ -212,7 +213,7 @@ class Session:
 
     def own_unit(self) -> str:
         t = self.turn_index()
-        return f"turn:{self.id}:{t}" if t is not None else f"session:{self.id}"
+        return turn_unit(self.id, t) if t is not None else session_unit(self.id)
 
     def record(self) -> dict:
         return {"id": self.id, "agent": self.agent["key"] if self.agent else None,
@@ -296,12 +297,12 @@ class Calls:
         a function that names it) is looked at only for the agent's own change while several
         calls are active."""
         if actor["key"] in self.reverts:
-            return "revert:" + self.reverts[actor["key"]]
+            return revert_unit(self.reverts[actor["key"]])
         if not self.sessions:
-            return "outside:" + actor["key"]
+            return outside_unit(actor["key"])
         lin = self.lineage(actor)
         if lin is None:
-            return "outside:" + actor["key"]
+            return outside_unit(actor["key"])
         session, child = lin
         if child is None:  # the agent itself: the call active now (at open, for a handle)
             if len(session.active) == 1:
@@ -650,7 +651,7 @@ class Calls:
         s.ended = time.time_ns()
         self._control_event("session_end", s, caller)
         self.journal.put_record("sessions", s.id.encode(), s.record())
-        self._unit_ended(f"session:{s.id}")
+        self._unit_ended(session_unit(s.id))
         return s
 
     def _place_survivors(self, s: Session) -> None:
@@ -693,7 +694,7 @@ class Calls:
         t["end_seq"] = self._control_event("turn_end", s, caller, turn=t["index"])
         t["end_t"] = time.time_ns()
         self.journal.put_record("turns", turn_key(s.id, t["index"]), t)
-        self._unit_ended(f"turn:{s.id}:{t['index']}")
+        self._unit_ended(turn_unit(s.id, t["index"]))
         return t
 
     def call_begin(self, caller: dict, name: str | None, call_id: str, tool: str,
@@ -751,7 +752,7 @@ class Calls:
         self.journal.append({"op": "revert_end", "path": None, "revert": revert_id,
                              "actor": caller["key"]}, caller)
         self._boundary()
-        self._unit_ended("revert:" + revert_id)
+        self._unit_ended(revert_unit(revert_id))
 
     def status(self) -> dict:
         return {"sessions": [dict(s.record(), active_calls=[c.id for c in s.active],

@@ -980,7 +980,8 @@ _fmt_time = readers.fmt_time
 def log_cmd(workspace, glob, limit, call_id, turn_sel, sid, actor, since, until, ops, outside,
             follow, as_json, state_dir):
     """The recorded events, newest last: time, actor (pid and command), operation and path."""
-    from .views import unit_session, command_name, one_line, path_matcher, shown
+    from .journal.schema import parse_unit
+    from .views import command_name, one_line, path_matcher, shown
     from .engines.replay import resolve_point
     from .engines.diff import SelectionError, find_call
     ws = state.resolve_workspace(workspace, must_exist=False, upward=True)
@@ -1022,11 +1023,11 @@ def log_cmd(workspace, glob, limit, call_id, turn_sel, sid, actor, since, until,
         selects = path_matcher(glob) if glob else None
 
         def keep(ev) -> bool:
-            unit = ev.get("unit") or ""
-            if call_id is not None and not (unit.startswith("call:") and unit.split(":", 2)[2]
-                                            == call_id and (sid is None or unit_session(unit) == sid)):
+            u = parse_unit(ev.get("unit"))
+            if call_id is not None and not (u is not None and u.kind == "call" and u.id == call_id
+                                            and (sid is None or u.session == sid)):
                 return False
-            if sid is not None and call_id is None and unit_session(unit) != sid \
+            if sid is not None and call_id is None and (u.session if u else None) != sid \
                     and ev.get("session") != sid:
                 return False
             if actor is not None and not actor_matches(ev.get("actor")):
@@ -1035,7 +1036,7 @@ def log_cmd(workspace, glob, limit, call_id, turn_sel, sid, actor, since, until,
                 return False
             if not ops and ev["op"] in MARK_OPS:
                 return False  # seals change nothing: shown with --op seal
-            if outside and not unit.startswith("outside:"):
+            if outside and (u is None or u.kind != "outside"):
                 return False
             if glob and not any(p is not None and selects(p)
                                 for p in (ev.get("path"), ev.get("path2"))):

@@ -31,6 +31,7 @@ from .calls import Calls
 from .control import ControlServer
 from .fs import Operations
 from .journal import Journal, JournalError
+from .journal.schema import parse_unit
 from .recorder import Recorder, UnrecordedRecorder, moved_here, time_mutations
 from . import retention, secrets, serving, state, underlay
 
@@ -318,7 +319,7 @@ def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool, record_da
 
     def on_unit_end(unit, seal=calls.on_unit_end):
         seal(unit)
-        if unit.startswith("session:"):
+        if parse_unit(unit).kind == "session":
             control.budget_due = True  # a session can go now: the budget is looked at
     calls.on_unit_end = on_unit_end
     ops = Operations(recorder, root_fd, fault_name=os.environ.get("OVERLAYREC_INJECT_FAULT"))

@@ -411,9 +411,10 @@ LATE_LINE = "changed after the call ended, by a process it left running: "
 def guessed_line(paths: list[str], others: list[str]) -> str:
     """What a listing says of a unit's changes placed among calls active together without
     evidence (views.guessed)."""
+    from .journal.schema import parse_unit
     from .views import one_line, shown
     how = (f"by a guess (calls active together: "
-           f"{one_line(', '.join(u.rpartition(':')[2] for u in others))})" if others else
+           f"{one_line(', '.join(parse_unit(u).id for u in others))})" if others else
            "by time (written while it ran, by a process the agent started outside any call)")
     return (f"placed here {how}: "
             + ", ".join(map(shown, paths[:6])) + (" ..." if len(paths) > 6 else ""))
@@ -615,8 +616,9 @@ def guess_lines(side) -> list[str]:
                    "ended, by a process it left running (a server, a watcher, a build daemon; "
                    "another call may have set it to work): "
                    f"{', '.join(map(shown, side.late[:5]))}{' ...' if len(side.late) > 5 else ''}")
+    from .journal.schema import parse_unit
     for unit, paths in side.maybe_ours.items():
-        other = unit.rpartition(":")[2]
+        other = parse_unit(unit).id
         out.append(f"overlayrec: {len(paths)} path(s) placed by a guess in call {other}, active "
                    f"together with this one, may be this call's: "
                    f"{', '.join(map(shown, paths[:5]))}{' ...' if len(paths) > 5 else ''} "

@@ -40,7 +40,7 @@ from .attribution import Attribution
 from .calls import Calls
 from .journal import Journal, JournalError, preimage
 from .journal.renames import RenameIndex
-from .journal.schema import AROUND, UNMOUNTED
+from .journal.schema import AROUND, UNMOUNTED, outside_unit
 from .secrets import Secrets, META_NAMES, public_at
 
 log = logging.getLogger(__name__)
@@ -1857,7 +1857,7 @@ class Recorder:
                 continue
             drifted += 1
             events.append({"op": "drift", "path": name, "pre": seal, "epoch": True,
-                           "unit": "outside:" + UNMOUNTED, "actor": UNMOUNTED})
+                           "unit": outside_unit(UNMOUNTED), "actor": UNMOUNTED})
             events.append({"op": "seal", "path": name, "pre": self._seal_pre(name),
                            "actor": "overlayrec"})
             self._ctimes_after_reads([(name, events[-1]["pre"])])
@@ -1930,7 +1930,7 @@ def _around_event(path: str, seal: dict) -> dict:
     seal after it)."""
     pre = {k: seal[k] for k in ("kind", "mode", "uid", "gid") if k in seal}
     return {"op": "drift", "path": path, "pre": dict(pre, unkept=True), "epoch": True,
-            "unit": "outside:" + AROUND, "actor": AROUND}
+            "unit": outside_unit(AROUND), "actor": AROUND}
 
 
 UNMOUNTED_ACTOR = {"key": UNMOUNTED, "pid": 0, "start": 0, "ppid": 0, "uid": -1, "exe": "",

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from . import state
 from .journal import Journal, JournalError
 from .journal.renames import RenameIndex
+from .journal.schema import unit_session
 from .journal.store import WRITER_LOCK, compact, hold_lock
 
 log = logging.getLogger(__name__)
@@ -115,18 +116,6 @@ class Policy:
 
 
 # -- what the record holds -----------------------------------------------------------------------
-
-def unit_session(unit: str | None) -> str | None:
-    """The session of a unit key (as views.unit_session; that layer is above this one)."""
-    if not unit:
-        return None
-    kind, _, rest = unit.partition(":")
-    if kind == "turn":
-        return rest.rsplit(":", 1)[0]
-    if kind == "call":
-        return rest.split(":", 1)[0]
-    return rest if kind == "session" else None
-
 
 def _refs(obj, blobs: set, attic: set) -> None:
     """The blob digests and attic entry names a stored event (or plan) names."""

@@ -4,7 +4,8 @@ from __future__ import annotations
 import os
 
 from .journal import Journal
-from .journal.schema import CONTROL_OPS, MARK_OPS
+from .journal.schema import (CONTROL_OPS, MARK_OPS, call_unit as _call_unit, outside_unit,
+                             parse_unit, unit_session)
 
 
 ATTIC_PREFIX = ".overlayrec-attic/"  # the hidden attic's namespace (recorder.ATTIC_NAME)
@@ -80,18 +81,6 @@ def one_line(text: str) -> str:
     return text if text.isprintable() else _escaped(text, False)
 
 
-def unit_session(unit: str | None) -> str | None:
-    """The session a unit key belongs to (None for an outside actor)."""
-    if not unit:
-        return None
-    kind, _, rest = unit.partition(":")
-    if kind in ("call", "turn"):
-        return rest.rsplit(":", 1)[0] if kind == "turn" else rest.split(":", 1)[0]
-    if kind == "session":
-        return rest
-    return None
-
-
 def command_name(actor: dict | None) -> str:
     if not actor:
         return "?"
@@ -117,10 +106,11 @@ def _paths(ev: dict) -> list[str]:
 
 
 def writer_name(j: Journal, unit: str, actors: dict) -> str:
-    if unit.startswith("revert:"):
-        return unit.replace(":", " ", 1)
-    if unit.startswith("outside:"):
-        key = unit.split(":", 1)[1]
+    u = parse_unit(unit)
+    if u is not None and u.kind == "revert":
+        return "revert " + u.id
+    if u is not None and u.kind == "outside":
+        key = u.id
         if key not in actors:
             actors[key] = j.actor(key)
         a = actors[key]
@@ -205,7 +195,7 @@ def turn_fields(j: Journal, t: dict, last: int, net, actors: dict) -> dict:
         if unit_session(e.get("unit")) == s:
             mine.append(e)
         else:
-            others.add(writer_name(j, e.get("unit") or "outside:" + e["actor"], actors))
+            others.add(writer_name(j, e.get("unit") or outside_unit(e["actor"]), actors))
     fields = unit_listing(net, mine, (t["begin_seq"], t["end_seq"] or last))
     return {**fields, "others": sorted(others), "seq": [t["begin_seq"], t["end_seq"]],
             **_unknown(net, mine, fields)}
@@ -235,7 +225,8 @@ def calls_of(j: Journal, sid: str | None = None, turn: int | None = None) -> lis
 
 
 def call_unit(c: dict) -> str:
-    return f"call:{c['session']}:{c['id']}"
+    """The unit key of a call's record."""
+    return _call_unit(c["session"], c["id"])
 
 
 def call_fields(j: Journal, evs: list[dict], net, actors: dict) -> dict:
@@ -318,11 +309,11 @@ def session_summary(j: Journal, sid: str, net=None) -> list[str]:
     by_writer: dict[str, list] = {}
     actors: dict = {}
     for e in evs:
-        unit = e.get("unit") or "outside:" + e["actor"]
+        unit = e.get("unit") or outside_unit(e["actor"])
+        u = parse_unit(unit)
         if unit_session(unit) == sid:
-            who = unit.split(":")[0] if not unit.startswith("call:") else "calls"
-            who = "agent tool calls" if who == "calls" else "the agent itself"
-        elif unit.startswith("revert:"):
+            who = "agent tool calls" if u.kind == "call" else "the agent itself"
+        elif u is not None and u.kind == "revert":
             who = "reverts"
         elif unit_session(unit) is None:
             who = "outside: " + writer_name(j, unit, actors)

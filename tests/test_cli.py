@@ -796,3 +796,56 @@ def test_every_command_takes_its_workspace_as_w_too(make_mount, tmp_path):
     finally:
         overlayrec("umount", "-w", m.ws)
     assert not is_mounted(m.ws)
+
+
+@needs_fuse
+def test_ids_that_hold_a_colon_are_read_whole(make_mount, tmp_path):
+    """A unit key is ``call:<session>:<id>``, and `--session fix:10:30` is a session id a user
+    may well choose.  The readers cut such a key at its first ':' and took the call for
+    session "fix": `diff --session fix:10:30` and `log --session` left the session's calls'
+    changes out (a new file of a call missing from its session's diff), `run` said "session
+    fix" wrote it.  A call's id may hold ':' too.  Each reader now reads the key whole."""
+    m = make_mount()
+    for name in ("f", "h"):
+        with open(os.path.join(m.ws, name), "w") as f:
+            f.write("0\n")
+    m.mount()
+    agent = tmp_path / "agent.py"
+    agent.write_text(textwrap.dedent(r'''
+        import shutil
+        from overlayrec import client
+        with client.connect() as c:
+            c.call_begin("Bash:1%", "Bash")
+            shutil.copy("f", "g")
+            c.call_end("Bash:1%")
+            with open("f", "a") as f:
+                f.write("1\n")
+    '''))
+    r = overlayrec("run", "-w", m.ws, "--session", "fix:10:30", "--", sys.executable,
+                   str(agent), cwd=m.ws)
+    assert "agent tool calls: 1 file(s)" in r.stderr and "session fix:" not in r.stderr.replace(
+        "session fix:10:30:", ""), r.stderr
+    overlayrec("run", "-w", m.ws, "--session", "fix", "--", "sh", "-c", "echo 2 >> h",
+               cwd=m.ws)
+    assert overlayrec("diff", m.ws, "--session", "fix:10:30", "--name-status").stdout == \
+        "M\tf\nA\tg\n"
+    assert overlayrec("diff", m.ws, "--session", "fix", "--name-status").stdout == "M\th\n"
+    logged = overlayrec("log", m.ws, "--session", "fix:10:30").stdout
+    assert " g\n" in logged and " h\n" not in logged, logged
+    assert [(c["session"], c["id"]) for c in map(json.loads, overlayrec(
+        "calls", m.ws, "--json").stdout.splitlines())] == [("fix:10:30", "Bash:1%")]
+    assert overlayrec("diff", m.ws, "--call", "Bash:1%", "--name-status").stdout == "A\tg\n"
+    assert {l.split()[-1] for l in overlayrec("log", m.ws, "--call", "Bash:1%").stdout
+            .splitlines()} == {"g"}
+    # blame names the unit by its key: the call's id escaped (journal.schema.call_unit)
+    assert " call:fix:10:30:Bash%3A1%25: create" in overlayrec("blame", "g", "-w", m.ws).stdout
+    overlayrec("replay", m.ws, "--at", "before:call:fix:10:30:Bash:1%", "--to",
+               str(tmp_path / "then"))
+    assert sorted(os.listdir(tmp_path / "then")) == ["f", "h"]
+    exported = json.loads(overlayrec("export", "git", m.ws, "--json").stdout)
+    shown = subprocess.run(["git", "--git-dir", exported["git_dir"], "log", "--format=%s",
+                            "--name-only", "refs/overlayrec/fix%3A10%3A30/head"],
+                           capture_output=True, text=True, check=True).stdout
+    assert "Bash: Bash:1%\n\ng\n" in shown, shown
+    overlayrec("revert", m.ws, "--call", "Bash:1%", "--yes")
+    assert sorted(n for n in os.listdir(m.ws) if not n.startswith(".")) == ["f", "h"]

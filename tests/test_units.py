@@ -6,6 +6,7 @@ import errno
 import os
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from overlayrec import underlay
 from overlayrec.attribution import Attribution, proc_start_and_ppid
@@ -307,3 +308,35 @@ def test_a_reader_holds_little_in_all(tmp_path, monkeypatch):
             assert large.whole(s.data) == files[name] and s.data == files[name]
     finally:
         os.close(tree.root_fd)
+
+
+@settings(max_examples=300, deadline=None)
+@given(session=st.text(min_size=1), call_id=st.text(min_size=1), index=st.integers(0, 10**6))
+def test_unit_keys_read_back_as_written(session, call_id, index):
+    """A unit key is made and read in one place (journal.schema); a session's id and a call's
+    may hold ':' and '%' (``--session fix:10:30``): each reads back whole, and keys of
+    different units never meet."""
+    from overlayrec.journal.schema import (call_unit, outside_unit, parse_unit, revert_unit,
+                                           session_unit, turn_unit, unit_session)
+    assert parse_unit(call_unit(session, call_id)) == ("call", session, call_id)
+    assert parse_unit(turn_unit(session, index)) == ("turn", session, str(index))
+    assert parse_unit(session_unit(session)) == ("session", session, None)
+    assert parse_unit(revert_unit(call_id)) == ("revert", None, call_id)
+    assert parse_unit(outside_unit("123:456")) == ("outside", None, "123:456")
+    for unit in (call_unit(session, call_id), turn_unit(session, index), session_unit(session)):
+        assert unit_session(unit) == session
+    assert unit_session(outside_unit(session)) is None and unit_session(None) is None
+    u = parse_unit(call_unit(session, call_id))
+    assert (u.kind, u.session, u.id) == ("call", session, call_id)
+    assert call_unit(session, call_id) != call_unit(session + ":" + call_id, "x")
+
+
+def test_unit_keys_written_before_the_escaping_read_the_same():
+    """Keys of journals made before: a call's id without ':' or '%' is written as it was, and
+    a session's id with ':' now reads whole (it was cut at its first ':')."""
+    from overlayrec.journal.schema import call_unit, parse_unit
+    assert call_unit("s1", "toolu_01ABC") == "call:s1:toolu_01ABC"
+    assert call_unit("s1", "implicit-12-345") == "call:s1:implicit-12-345"
+    assert parse_unit("call:fix:10:30:implicit-12-345") == ("call", "fix:10:30",
+                                                          "implicit-12-345")
+    assert parse_unit("turn:fix:10:30:2") == ("turn", "fix:10:30", "2")

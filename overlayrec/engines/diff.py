@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..journal import Journal
-from ..journal.schema import AROUND, CONTROL_OPS, MARK_OPS, is_dir_rename
+from ..journal.schema import (AROUND, CONTROL_OPS, MARK_OPS, call_unit, is_dir_rename,
+                              outside_unit)
 from ..views import (file_events as _tree_events, guessed, late, path_matcher,
                      unit_session as _unit_session)
 from .states import States, State
@@ -88,7 +89,7 @@ def select(j: Journal, states: States, *, call: str | None = None, turn: int | s
     keep = path_matcher(glob) if glob else None
     if call is not None:
         c = find_call(j, call, session)
-        unit = f"call:{c['session']}:{call}"
+        unit = call_unit(c["session"], call)
         evs = _selection_events(j, c.get("begin_seq") or 1)
         mine = [e for e in evs if e.get("unit") == unit]
         side = _selected(states, mine, keep=keep)
@@ -133,7 +134,7 @@ def placed_elsewhere(evs: list[dict], unit: str) -> dict[str, list[str]]:
 def changed_around(states: States, path: str, after: int = 0) -> bool:
     """Did a seal find ``path`` changed around the mount (after seq ``after``) while a unit
     went on (a drift event of ``outside:around``, Recorder.seal)?"""
-    unit = "outside:" + AROUND
+    unit = outside_unit(AROUND)
     return any(e["op"] == "drift" and e.get("unit") == unit and e["seq"] > after
                for e in states.chain_on(path))
 
@@ -228,7 +229,7 @@ def spans_of(states: States, events: list[dict], bounds: tuple[int, int] | None 
             lo, hi = bounds if bounds else (e["seq"] - 1, e["seq"])
             cur = spans.get(p)
             spans[p] = [min(cur[0], lo), max(cur[1], hi)] if cur else [lo, hi]
-            writers.setdefault(p, set()).add(e.get("unit") or "outside:" + e.get("actor", "?"))
+            writers.setdefault(p, set()).add(e.get("unit") or outside_unit(e.get("actor", "?")))
     return spans, writers
 
 
@@ -314,7 +315,7 @@ class Net:
         for e in evs:
             for p in _paths(e):
                 last[p] = e["seq"]
-        unit = "outside:" + AROUND
+        unit = outside_unit(AROUND)
         out = []
         for p, seq in last.items():
             for f in self.states.chain_on(p):

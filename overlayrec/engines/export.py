@@ -32,6 +32,7 @@ import time
 from stat import S_ISLNK, S_ISREG
 
 from ..journal import Journal
+from ..journal.schema import call_unit, parse_unit
 from ..views import guessed, one_line, shown, unit_session
 from .diff import file_events, touched, side_of, _visible
 from .gitdiff import FastImport, GitError, ObjectStore, git_refuses, quote_path
@@ -366,7 +367,7 @@ class Exporter:
             # what its calls' processes wrote after its last turn ended, up to their last write
             late = [e for e in self._events(point, horizon) if unit_session(e.get("unit")) == sid]
             if late and self._changed(point, late[-1]["seq"]):
-                by_calls = [(e.get("unit") or "").startswith("call:") for e in late]
+                by_calls = [parse_unit(e.get("unit")).kind == "call" for e in late]
                 if all(by_calls):
                     subject = "late writes by the session's calls after its end"
                 elif not (points or st["calls"] or st["turns"]):
@@ -380,7 +381,7 @@ class Exporter:
                 units = {e.get("unit") for e in late}
                 done = {c["id"] for c in calls}
                 calls = calls + [c for c in self.j.records("calls", sid.encode() + b"\0")
-                                 if f"call:{sid}:{c['id']}" in units and c["id"] not in done
+                                 if call_unit(sid, c["id"]) in units and c["id"] not in done
                                  and c.get("end_seq")]
             st["late_checked"] = horizon
         if self.sides:
@@ -560,7 +561,7 @@ class Exporter:
         return out
 
     def _call_message(self, sid: str, c: dict, lo: int, hi: int):
-        unit = f"call:{sid}:{c['id']}"
+        unit = call_unit(sid, c["id"])
         subject = one_line(f"{c['tool']}: {c.get('summary') or c['id']}")[:72]
         trailers = [("Overlayrec-Call", c["id"]), ("Overlayrec-Tool", one_line(c["tool"])),
                     ("Overlayrec-Turn", str(c.get("turn"))), ("Overlayrec-Session", sid),
@@ -578,7 +579,7 @@ class Exporter:
         # changes placed in this call by a guess among calls active together (views.guessed)
         placed = guessed([e for e in self._events(lo, hi) if e.get("unit") == unit])
         trailers += [("Overlayrec-Guessed", shown(p)) for p in placed["guessed"]]
-        trailers += [("Overlayrec-Active-With", u.rpartition(":")[2])
+        trailers += [("Overlayrec-Active-With", parse_unit(u).id)
                      for u in placed["active_with"] if placed["guessed"]]
         msg = subject + "\n\n" + "\n".join(f"{k}: {v}" for k, v in trailers) + "\n"
         author = _ident(f"agent (session {sid})", "agent@overlayrec.invalid", c["end_t"])
@@ -600,7 +601,7 @@ class Exporter:
         self._advance(lo, hi, paths)
         evs = self._events(lo, hi)
         units = sorted({e.get("unit") or "" for e in evs})
-        outside = all(u.startswith("outside:") for u in units)
+        outside = all(u and parse_unit(u).kind == "outside" for u in units)
         actors = self._actors(lo, hi, None)
         t_ns = max((e["t"] for e in evs), default=0)
         who = ("outside process" if outside else f"agent (session {sid})")
@@ -643,7 +644,7 @@ class Exporter:
             for e in self._events(lo, horizon):
                 by_unit.setdefault(e.get("unit") or "", []).append(e)
             for c in calls:
-                unit = f"call:{sid}:{c['id']}"
+                unit = call_unit(sid, c["id"])
                 mine = by_unit.get(unit, [])
                 begin, end = c.get("begin_seq") or c["end_seq"], c["end_seq"]
                 if any(e["seq"] > end for e in mine) or any(

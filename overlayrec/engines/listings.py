@@ -31,7 +31,7 @@ except ImportError:
     orjson = None
 
 from ..journal import Journal
-from ..journal.schema import CONTROL_OPS, MARK_OPS
+from ..journal.schema import CONTROL_OPS, MARK_OPS, turn_unit
 from ..state import code_ident, replace_private
 from ..views import (call_fields, call_unit, calls_of, file_events, turn_fields,
                      turn_record_fields)
@@ -221,4 +221,4 @@ def _whole(row: dict) -> dict:
 
 
 def _turn_key(t: dict) -> str:
-    return f"turn:{t['session']}:{t['index']}"
+    return turn_unit(t["session"], t["index"])

@@ -8,6 +8,7 @@ import stat
 import tempfile
 
 from ..journal import Journal
+from ..journal.schema import outside_unit
 from ..underlay import O_PATH, Escape, chmod_fd, kind_of, resolve_beneath
 from .diff import SelectionError, _visible, find_call, find_turn, session_named
 from ..secrets import PLACEHOLDER, public_in
@@ -62,8 +63,14 @@ def _resolve_point(j: Journal, spec: str) -> int:
         return max(t["begin_seq"] - 1, 0) if side == "before" else (t["end_seq"] or j.last_seq())
     if spec.startswith("call:"):
         cid, sid = spec[5:], None
-        if not any(c["id"] == cid for c in j.records("calls")) and ":" in cid:
-            sid, cid = cid.split(":", 1)  # call:SESSION:ID, where an id repeats
+        calls = j.records("calls")
+        if not any(c["id"] == cid for c in calls) and ":" in cid:
+            # call:SESSION:ID, where an id repeats; a session's id (or a call's) may hold ':'
+            # too: the split that names a recorded call, else the first
+            splits = [(cid[:i], cid[i + 1:]) for i, ch in enumerate(cid) if ch == ":"]
+            sid, cid = next(((s, i) for s, i in splits
+                             if any(c["id"] == i and c["session"] == s for c in calls)),
+                            splits[0])
         try:
             c = find_call(j, cid, sid, several=f"name one as call:SESSION:{cid}")
         except SelectionError as e:
@@ -570,7 +577,7 @@ def blame(j: Journal, states: States, path: str, at: int | None = None) -> list[
     runs: list[dict] = []
     for e, name, how in steps:
         op = how
-        unit = e.get("unit") or "outside:" + e["actor"]
+        unit = e.get("unit") or outside_unit(e["actor"])
         if runs and runs[-1]["unit"] == unit and runs[-1]["name"] == name:
             r = runs[-1]
         else:

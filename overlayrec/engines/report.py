@@ -21,8 +21,9 @@ from __future__ import annotations
 import time
 
 from ..journal import Journal
-from ..views import (C_ESCAPES, call_rows, command_name, git_refuses, inexact_note,
-                     unit_session)
+from ..journal.schema import outside_unit, parse_unit, session_unit, turn_unit
+from ..views import (C_ESCAPES, call_rows, call_unit, command_name, git_refuses,
+                     inexact_note, unit_session)
 from .diff import changed, file_events, side_of, touched
 from .gitdiff import ObjectStore, left_out_note
 from .large import too_large
@@ -38,7 +39,7 @@ def report_data(j: Journal, states, store: ObjectStore, workspace: str) -> dict:
     by_unit: dict[str, list[dict]] = {}
     span: dict[str, list[int]] = {}   # session -> [first, last] event time
     for e in file_events(j):
-        unit = e.get("unit") or "outside:" + e["actor"]
+        unit = e.get("unit") or outside_unit(e["actor"])
         by_unit.setdefault(unit, []).append(e)
         sid = unit_session(unit)
         if sid:
@@ -60,10 +61,10 @@ def report_data(j: Journal, states, store: ObjectStore, workspace: str) -> dict:
         rep.lane("session", sid, f"Session {sid}",
                  f"{len(s_turns)} turn(s), {len(s_calls)} call(s)",
                  begin=rec.get("started") or span[sid][0], end=rec.get("ended") or span[sid][1])
-        own = by_unit.get(f"session:{sid}", [])
+        own = by_unit.get(session_unit(sid), [])
         if own:
             rep.lane("agent", f"{sid}:own", "the agent itself", "its writes outside any turn",
-                     unit=f"session:{sid}", events=own)
+                     unit=session_unit(sid), events=own)
         # turns and the calls outside any turn, in time order; a turn's calls beneath it
         indices = {t["index"] for t in s_turns}
         items = [("turn", t) for t in s_turns] + \
@@ -76,10 +77,10 @@ def report_data(j: Journal, states, store: ObjectStore, workspace: str) -> dict:
             lo, hi = t["begin_seq"], t["end_seq"] or last
             evs = [e for e in file_events(j, lo, hi) if unit_session(e.get("unit")) == sid]
             whole = rep.diffed(evs, (lo, hi))   # `diff --turn`: the turn's net, every unit's
-            turn_unit = f"turn:{sid}:{t['index']}"
+            tu = turn_unit(sid, t["index"])
             rep.lane("turn", f"{sid}:{t['index']}", f"Turn {t['index']}",
                      (t.get("prompt") or "").split("\n")[0], begin=t["begin_t"],
-                     end=t.get("end_t"), unit=turn_unit, events=by_unit.get(turn_unit, []),
+                     end=t.get("end_t"), unit=tu, events=by_unit.get(tu, []),
                      whole=whole, extra={"turn": t["index"], "session": sid})
             for c in s_calls:
                 if c.get("turn") == t["index"]:
@@ -88,23 +89,21 @@ def report_data(j: Journal, states, store: ObjectStore, workspace: str) -> dict:
     outside = rep.lane("outside", "outside", "outside the sessions",
                        "your editor, other terminals, edits while unmounted")
     for unit, evs in by_unit.items():
-        if unit.startswith("outside:"):
-            a = j.actor(unit.split(":", 1)[1])
+        if parse_unit(unit).kind == "outside":
+            a = j.actor(parse_unit(unit).id)
             rep.add_group(outside, evs, f"{command_name(a)}[{a['pid'] if a else '?'}]",
                           writer=unit)
     late = rep.lane("late", "late", "late writes",
                     "background processes, after their call had ended")
     for c in calls:
-        evs = [e for e in by_unit.get(f"call:{c['session']}:{c['id']}", [])
-               if e.get("after_end")]
+        evs = [e for e in by_unit.get(call_unit(c), []) if e.get("after_end")]
         if evs:
-            rep.add_group(late, evs, f"{c['tool']} {c['id']} (late)",
-                          writer=f"call:{c['session']}:{c['id']}")
-    reverts = [(u, evs) for u, evs in by_unit.items() if u.startswith("revert:")]
+            rep.add_group(late, evs, f"{c['tool']} {c['id']} (late)", writer=call_unit(c))
+    reverts = [(u, evs) for u, evs in by_unit.items() if parse_unit(u).kind == "revert"]
     if reverts:
         lane = rep.lane("revert", "revert", "reverts", "overlayrec revert and unrevert")
         for unit, evs in reverts:
-            rep.add_group(lane, evs, unit.replace(":", " ", 1), writer=unit)
+            rep.add_group(lane, evs, "revert " + parse_unit(unit).id, writer=unit)
     for lane in rep.lanes:
         lane["marks"].sort(key=lambda i: rep.changes[i]["t"])
         # the files it left changed (a moved file by both names): a turn's all, else its marks'
@@ -145,7 +144,7 @@ class _Report:
         return lane
 
     def call_lane(self, c: dict, by_unit: dict) -> None:
-        unit = f"call:{c['session']}:{c['id']}"
+        unit = call_unit(c)
         evs = by_unit.get(unit, [])
         now = [e for e in evs if not e.get("after_end")]
         summary = c.get("summary") or ""
@@ -163,7 +162,7 @@ class _Report:
                                 "late_events": c["late_events"],
                                 # placed here by a guess among calls active together
                                 "guessed": c["guessed"],
-                                "active_with": [u.rpartition(":")[2] for u in c["active_with"]],
+                                "active_with": [parse_unit(u).id for u in c["active_with"]],
                                 "touched": c["touched"]})   # all it wrote, own first
         if len(now) < len(evs):   # the bar shows what `diff --call` shows: the late writes too
             lane["patch"] = self.diffed(evs)

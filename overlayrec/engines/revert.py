@@ -28,7 +28,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..journal import Journal
-from ..journal.schema import UNMOUNTED, JournalError
+from ..journal.schema import (UNMOUNTED, JournalError, call_unit, outside_unit, revert_unit,
+                              session_unit, turn_unit)
 from ..secrets import PLACEHOLDER
 from ..underlay import O_PATH, Escape, resolve_beneath
 from ..views import guessed, path_matcher, shown
@@ -80,24 +81,24 @@ def selected_units(j: Journal, *, call=None, turn=None, session=None, since=None
                    revert_id=None) -> tuple[set[str] | None, int, int | None]:
     """The units a selection names (None: every unit) and its seq range."""
     if revert_id is not None:
-        return {f"revert:{revert_id}"}, 1, None
+        return {revert_unit(revert_id)}, 1, None
     if call is not None:
         c = find_call(j, call, session)
         # none of a call's events comes before its begin
-        return {f"call:{c['session']}:{call}"}, c.get("begin_seq") or 1, None
+        return {call_unit(c["session"], call)}, c.get("begin_seq") or 1, None
     if turn is not None:
         t = find_turn(j, turn, session)
         sid = t["session"]
-        units = {f"turn:{sid}:{t['index']}"} | {
-            f"call:{sid}:{c['id']}" for c in j.records("calls", sid.encode() + b"\0")
+        units = {turn_unit(sid, t["index"])} | {
+            call_unit(sid, c["id"]) for c in j.records("calls", sid.encode() + b"\0")
             if c.get("turn") == t["index"]}
         return units, t["begin_seq"], None
     if session is not None:
         if j.record("sessions", session.encode()) is None:
             raise SelectionError(f"no session {session}")
-        units = {f"session:{session}"} | {f"call:{session}:{c['id']}" for c in
+        units = {session_unit(session)} | {call_unit(session, c["id"]) for c in
                                           j.records("calls", session.encode() + b"\0")} | \
-            {f"turn:{session}:{t['index']}" for t in j.records("turns", session.encode() + b"\0")}
+            {turn_unit(session, t["index"]) for t in j.records("turns", session.encode() + b"\0")}
         return units, 1, None
     if since is not None:
         return None, since + 1, None
@@ -349,7 +350,7 @@ def _drifted_unkept(states: States, path: str, last: int) -> str | None:
     """Why ``path`` is a ``changed`` conflict when a change made while unmounted (a drift of
     ``outside:unmounted``; one around the mount is _changed_around's) followed the selection
     (through ``last``) and the seal it departed from kept no content."""
-    unit = "outside:" + UNMOUNTED
+    unit = outside_unit(UNMOUNTED)
     for e in states.chain_on(path):
         pre = e.get("pre") or {}
         if e["seq"] > last and e["op"] == "drift" and e.get("unit") == unit and \

@@ -32,7 +32,8 @@ from contextlib import contextmanager
 
 from ..journal import Journal, preimage
 from ..journal.renames import RenameIndex
-from ..journal.schema import MARK_OPS, is_dir_rename
+from ..journal.schema import (MARK_OPS, call_unit, is_dir_rename, revert_unit, session_unit,
+                              turn_unit)
 from ..secrets import Secrets, placeholder, public_in
 from ..underlay import ACL_ACCESS, kind_of
 from .large import Large, digest_of, holds, load, over_limit, source, whole
@@ -1199,15 +1200,15 @@ class States:
             ends = {}
             for c in self.j.records("calls"):
                 if c.get("end_seq"):
-                    ends[f"call:{c['session']}:{c['id']}"] = c["end_seq"]
+                    ends[call_unit(c["session"], c["id"])] = c["end_seq"]
             for t in self.j.records("turns"):
                 if t.get("end_seq"):
-                    ends[f"turn:{t['session']}:{t['index']}"] = t["end_seq"]
+                    ends[turn_unit(t["session"], t["index"])] = t["end_seq"]
             for e in self.j.events_of(("session_end", "revert_end")):
                 if e["op"] == "session_end":
-                    ends[f"session:{e['session']}"] = e["seq"]
+                    ends[session_unit(e["session"])] = e["seq"]
                 else:
-                    ends[f"revert:{e['revert']}"] = e["seq"]
+                    ends[revert_unit(e["revert"])] = e["seq"]
             self._ends = ends
         return self._ends
 

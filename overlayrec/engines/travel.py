@@ -21,6 +21,7 @@ import secrets
 import socket
 import subprocess
 
+from ..journal.schema import call_unit, turn_unit
 from ..views import shown
 from .export import from_ref_part, side_key
 from .gitdiff import EMPTY_TREE, GitError, ObjectStore
@@ -314,11 +315,11 @@ class Records:
                     continue   # the base: the workspace before the session, not a change
                 t = c["trailers"]
                 if "Call" in t:
-                    unit = f"call:{sid}:{t['Call'][0]}"
+                    unit = call_unit(sid, t["Call"][0])
                 elif "Unit" in t:
                     unit = ", ".join(t["Unit"])
                 else:
-                    unit = f"turn:{sid}:{t.get('Turn', ['?'])[0]}"
+                    unit = turn_unit(sid, t.get("Turn", ["?"])[0])
                 before, after = self._entry(c["parent"], path), self._entry(c["sha"], path)
                 if before == after and before["kind"] == "dir":
                     continue

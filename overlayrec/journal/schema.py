@@ -35,7 +35,10 @@ Sub-databases of the LMDB environment:
               ``op`` is one of OPS.  A unit key is ``call:<session>:<id>``, ``turn:<session>:<n>``
               (the agent's own writes outside any call), ``session:<session>``, or
               ``outside:<actor-key>`` (a process that does not descend from any agent), or
-              ``revert:<id>`` (the changes a revert made).
+              ``revert:<id>`` (the changes a revert made); made and read only by the unit
+              functions below (``call_unit`` ... ``parse_unit``): a session id may hold ``:``,
+              so a call's id, the part after the key's last ``:``, is written with ``:`` and
+              ``%`` escaped (``%3A``, ``%25``).
               ``candidates`` lists every call that was active when the agent opened the file, or
               when the agent's child at the top of the writer's line was started, when there
               were several; ``chosen`` says how ``unit`` was chosen among them
@@ -187,6 +190,70 @@ CONTROL_OPS = ("session_begin", "session_end", "turn_begin", "turn_end", "call_b
 MARK_OPS = ("seal", "reclaim")  # events that record a state or a drop and change no path
 UNMOUNTED = "unmounted"    # the actor key (and ``outside:`` unit) of changes made while unmounted
 AROUND = "around"  # ... of changes made around the mount while a unit went on (Recorder.seal)
+
+
+# -- unit keys: the one place they are spelled and read -------------------------------------
+# A session id may hold ':' (``--session fix:10:30``), and so may a call's id: the call's id is
+# the part after the key's last ':', written with ':' and '%' escaped; a turn's index is a
+# number.  (Keys written before the escaping read the same unless a call's id held ':' or '%'.)
+
+def _escaped(call_id: str) -> str:
+    if ":" not in call_id and "%" not in call_id:
+        return call_id
+    return call_id.replace("%", "%25").replace(":", "%3A")
+
+
+def call_unit(session: str, call_id: str) -> str:
+    return f"call:{session}:{_escaped(call_id)}"
+
+
+def turn_unit(session: str, index: int) -> str:
+    return f"turn:{session}:{index}"
+
+
+def session_unit(session: str) -> str:
+    """The agent's own writes outside any call and any turn."""
+    return f"session:{session}"
+
+
+def revert_unit(revert_id: str) -> str:
+    return f"revert:{revert_id}"
+
+
+def outside_unit(actor: str) -> str:
+    """A process that descends from no agent (its actor key), or UNMOUNTED, AROUND."""
+    return f"outside:{actor}"
+
+
+class Unit(tuple):
+    """A unit key read: ``kind`` (call, turn, session, revert, outside), ``session`` (None for
+    a revert or an outside actor), ``id`` (a call's id, a turn's index as text, a revert's id,
+    an actor key; None for a session's own unit)."""
+    __slots__ = ()
+    kind = property(lambda self: self[0])
+    session = property(lambda self: self[1])
+    id = property(lambda self: self[2])
+
+
+def parse_unit(unit: str | None) -> Unit | None:
+    """The parts of a unit key (None for no unit)."""
+    if not unit:
+        return None
+    kind, _, rest = unit.partition(":")
+    if kind in ("call", "turn"):
+        session, _, ident = rest.rpartition(":")
+        if kind == "call" and "%" in ident:
+            ident = ident.replace("%3A", ":").replace("%25", "%")
+        return Unit((kind, session, ident))
+    if kind == "session":
+        return Unit((kind, rest, None))
+    return Unit((kind, None, rest))  # revert, outside (or a kind no reader knows)
+
+
+def unit_session(unit: str | None) -> str | None:
+    """The session a unit key belongs to (None for a revert, an outside actor, no unit)."""
+    u = parse_unit(unit)
+    return u[1] if u is not None else None
 
 
 # meta ``renames_indexed``: "1" indexed every directory rename, refused ones too; "2" leaves
