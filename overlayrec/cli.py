@@ -1289,6 +1289,7 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
     Example: overlayrec run -- claude"""
     import subprocess
     from . import client
+    _stderr_outlives_its_reader()
     ws = state.resolve_workspace(workspace)
     outer = state.overlayrec_mount_containing(ws)
     if outer is not None and outer != ws:
@@ -1380,6 +1381,38 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
     except Exception as e:  # the summary must not hide CMD's status
         click.echo(f"overlayrec: no summary: {e}", err=True)
     sys.exit(rc if rc >= 0 else 128 - rc)
+
+
+class _Unbroken:
+    """A text stream whose writes to a pipe no one reads any more are dropped."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            return len(text)
+
+    def flush(self):
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            pass
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def _stderr_outlives_its_reader() -> None:
+    """`run`'s own lines (its warnings, its summary) must not end it: with its stderr a pipe
+    whose reader had gone (`overlayrec run -- agent 2>&1 | head`), a line killed it by
+    SIGPIPE between the mount and the unmount: the mount was left behind, and the agent not
+    run or its settings left wired.  The agent gets SIGPIPE as it had it (Popen restores it)."""
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    if sys.stderr is not None and not isinstance(sys.stderr, _Unbroken):
+        sys.stderr = _Unbroken(sys.stderr)
 
 
 def _put_back_agent_settings() -> None:

@@ -849,3 +849,32 @@ def test_ids_that_hold_a_colon_are_read_whole(make_mount, tmp_path):
     assert "Bash: Bash:1%\n\ng\n" in shown, shown
     overlayrec("revert", m.ws, "--call", "Bash:1%", "--yes")
     assert sorted(n for n in os.listdir(m.ws) if not n.startswith(".")) == ["f", "h"]
+
+
+@needs_fuse
+def test_run_outlives_a_stderr_no_one_reads(make_mount):
+    """`overlayrec run -- agent 2>&1 | head -1`: once head had gone, run's next line (here
+    the warning about a process working beneath the new mount) killed it by SIGPIPE between
+    the mount and the unmount: the agent never ran and the mount was left behind.  The run
+    now goes on, its lines dropped: the agent runs, the mount goes, the agent's status is
+    the exit status."""
+    m = make_mount()
+    holder = subprocess.Popen(["sleep", "60"], cwd=m.ws)  # beneath the mount: warned about
+    try:
+        r, w = os.pipe()
+        os.close(r)  # the reader has gone before the first line
+        try:
+            p = subprocess.run([sys.executable, "-m", "overlayrec", "run", "-w", m.ws,
+                                "--state-dir", m.state, "--", "sh", "-c",
+                                "echo x > made; exit 3"], stderr=w,
+                               stdout=subprocess.DEVNULL, timeout=60)
+        finally:
+            os.close(w)
+        assert p.returncode == 3
+        assert not is_mounted(m.ws)
+        with open(os.path.join(m.ws, "made")) as f:
+            assert f.read() == "x\n"
+    finally:
+        holder.kill()
+        holder.wait()
+        force_unmount(m.ws)
