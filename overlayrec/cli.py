@@ -1289,7 +1289,7 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
     Example: overlayrec run -- claude"""
     import subprocess
     from . import client
-    _stderr_outlives_its_reader()
+    _output_outlives_its_reader()
     ws = state.resolve_workspace(workspace)
     outer = state.overlayrec_mount_containing(ws)
     if outer is not None and outer != ws:
@@ -1405,14 +1405,18 @@ class _Unbroken:
         return getattr(self._stream, name)
 
 
-def _stderr_outlives_its_reader() -> None:
-    """`run`'s own lines (its warnings, its summary) must not end it: with its stderr a pipe
-    whose reader had gone (`overlayrec run -- agent 2>&1 | head`), a line killed it by
-    SIGPIPE between the mount and the unmount: the mount was left behind, and the agent not
-    run or its settings left wired.  The agent gets SIGPIPE as it had it (Popen restores it)."""
+def _output_outlives_its_reader() -> None:
+    """A command that mounts for the occasion (`run`, a revert of an unmounted workspace)
+    must not be ended by its own lines between the mount and the unmount: with its output a
+    pipe whose reader had gone (`overlayrec run -- agent 2>&1 | head -1`), a line killed it by
+    SIGPIPE there, and the mount was left behind (and run's agent not run, or its settings
+    left wired).  Its lines are dropped instead; an agent gets SIGPIPE as it had it (Popen
+    restores it)."""
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-    if sys.stderr is not None and not isinstance(sys.stderr, _Unbroken):
-        sys.stderr = _Unbroken(sys.stderr)
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, _Unbroken):
+            setattr(sys, name, _Unbroken(stream))
 
 
 def _put_back_agent_settings() -> None:
@@ -1860,6 +1864,7 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
         except reverts.RevertError as e:
             raise Fail(str(e)) from None
         if not state.fuse_mount_at(ws):
+            _output_outlives_its_reader()  # a closed pipe must not leave the mount behind
             _spawn_daemon(ws, sd)
             held.callback(_stop_daemon, ws)  # once the revert is done
         content = ContentStore(state.StateDir(sd).content)

@@ -857,7 +857,8 @@ def test_run_outlives_a_stderr_no_one_reads(make_mount):
     the warning about a process working beneath the new mount) killed it by SIGPIPE between
     the mount and the unmount: the agent never ran and the mount was left behind.  The run
     now goes on, its lines dropped: the agent runs, the mount goes, the agent's status is
-    the exit status."""
+    the exit status.  So do a revert and an unrevert that mount for the occasion
+    (`overlayrec revert --yes | head -1`)."""
     m = make_mount()
     holder = subprocess.Popen(["sleep", "60"], cwd=m.ws)  # beneath the mount: warned about
     try:
@@ -874,6 +875,18 @@ def test_run_outlives_a_stderr_no_one_reads(make_mount):
         assert not is_mounted(m.ws)
         with open(os.path.join(m.ws, "made")) as f:
             assert f.read() == "x\n"
+        for args, there in ((["revert", m.ws, "--state-dir", m.state, "--session", "last",
+                              "--yes"], False),
+                            (["unrevert", "-w", m.ws, "--state-dir", m.state, "--yes"], True)):
+            r, w = os.pipe()
+            os.close(r)
+            try:
+                p = subprocess.run([sys.executable, "-m", "overlayrec", *args], stdout=w,
+                                   stderr=w, timeout=60)
+            finally:
+                os.close(w)
+            assert p.returncode == 0 and not is_mounted(m.ws), (args, p.returncode)
+            assert os.path.exists(os.path.join(m.ws, "made")) == there, args
     finally:
         holder.kill()
         holder.wait()
