@@ -1290,6 +1290,12 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
     import subprocess
     from . import client
     _output_outlives_its_reader()
+    # a signal before the agent runs (Ctrl-C while mounting) is taken once the mount is made,
+    # so that it goes again: it killed the run there and left the mount behind
+    stopped: list[int] = []
+    early = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+    for sig in early:
+        signal.signal(sig, lambda s, f: stopped.append(s))
     ws = state.resolve_workspace(workspace)
     outer = state.overlayrec_mount_containing(ws)
     if outer is not None and outer != ws:
@@ -1330,7 +1336,17 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
     env = dict(os.environ, OVERLAYREC_SOCKET=sock, OVERLAYREC_SESSION=sid, OVERLAYREC_WORKSPACE=ws)
     argv, env, unwire = _wire_agent(list(cmd), env, cwd, no_hooks)
     try:
+        if stopped:  # stopped before the agent began: it does not
+            raise InterruptedError
         child = subprocess.Popen(argv, cwd=cwd, env=env)
+    except InterruptedError:
+        unwire()
+        c.session_end(session=sid)
+        if mounted_here:
+            _stop_daemon(ws)
+        err = Fail(f"stopped by {signal.Signals(stopped[0]).name} before {cmd[0]} began")
+        err.exit_code = 128 + stopped[0]  # as a shell says a command ended by a signal
+        raise err from None
     except OSError as e:
         unwire()
         c.session_end(session=sid)
@@ -1348,6 +1364,9 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
     for sig in forwarded:
         signal.signal(sig, lambda s, f: child.send_signal(s))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal sends it to CMD itself
+    for sig in stopped:  # while the agent was being started
+        if sig in forwarded:
+            child.send_signal(sig)
     try:
         rc = child.wait()
     finally:

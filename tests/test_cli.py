@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -890,4 +891,32 @@ def test_run_outlives_a_stderr_no_one_reads(make_mount):
     finally:
         holder.kill()
         holder.wait()
+        force_unmount(m.ws)
+
+
+@needs_fuse
+def test_run_stopped_while_mounting_leaves_no_mount(make_mount):
+    """A signal to `run` before its agent began (Ctrl-C, or a SIGTERM, while the mount was
+    being made) killed it there, the mount left behind.  It is taken once the mount is made:
+    the agent does not begin, the mount goes, the exit status says the signal.  (Sent as soon
+    as the mount is seen; should it land after the agent began, the agent gets it, and the
+    end is the same.)"""
+    m = make_mount()
+    p = subprocess.Popen([sys.executable, "-m", "overlayrec", "run", "-w", m.ws,
+                          "--state-dir", m.state, "--", "sh", "-c", "sleep 20; echo x > made"],
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not is_mounted(m.ws) and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+        assert p.returncode == 128 + signal.SIGTERM, (p.returncode, err)
+        assert "Traceback" not in err, err
+        assert not is_mounted(m.ws)
+        assert not os.path.exists(os.path.join(m.ws, "made"))
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
         force_unmount(m.ws)
