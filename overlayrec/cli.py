@@ -1884,6 +1884,8 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
             raise Fail(str(e)) from None
         if not state.fuse_mount_at(ws):
             _output_outlives_its_reader()  # a closed pipe must not leave the mount behind
+            for sig in (signal.SIGTERM, signal.SIGHUP):  # nor a kill: stopped as by Ctrl-C
+                signal.signal(sig, signal.default_int_handler)
             _spawn_daemon(ws, sd)
             held.callback(_stop_daemon, ws)  # once the revert is done
         content = ContentStore(state.StateDir(sd).content)
@@ -1953,6 +1955,11 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
                                         resume=resume, progress=shown_progress)
             except reverts.RevertError as e:
                 raise Fail(str(e)) from None
+            except KeyboardInterrupt:  # Ctrl-C, or a kill while it mounted (saved: resumable)
+                err = Fail("interrupted: `overlayrec revert --continue` carries the rest out, "
+                           "`overlayrec unrevert` undoes what it did")
+                err.exit_code = 130
+                raise err from None
             finally:
                 shown_progress.done()
             done, bad, wrong = rec["done"], rec["failed"], rec["unmet"]

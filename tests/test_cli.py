@@ -920,3 +920,49 @@ def test_run_stopped_while_mounting_leaves_no_mount(make_mount):
             p.kill()
             p.wait()
         force_unmount(m.ws)
+
+
+@needs_fuse
+def test_a_revert_killed_while_it_mounted_leaves_no_mount(make_mount):
+    """A revert of an unmounted workspace mounts it for the occasion; a SIGTERM while it ran
+    killed it with the mount left behind.  It is stopped as by Ctrl-C: the mount goes, and a
+    revert stopped halfway says how to carry the rest out, which then gives the tree the
+    whole revert gives."""
+    m = make_mount()
+    for i in range(800):
+        with open(os.path.join(m.ws, f"f{i}"), "w") as f:
+            f.write(f"{i}\n")
+    overlayrec("run", "-w", m.ws, "--state-dir", m.state, "--session", "s", "--", "sh", "-c",
+               "for f in f*; do echo x >> $f; done", timeout=120)
+    assert not is_mounted(m.ws)
+    p = subprocess.Popen([sys.executable, "-m", "overlayrec", "revert", m.ws, "--state-dir",
+                          m.state, "--session", "s", "--yes"], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        plans = os.path.join(m.state, "reverts")
+        deadline = time.monotonic() + 60
+        # the plan is saved just before the first change: the carrying out is under way
+        while p.poll() is None and time.monotonic() < deadline and not (
+                os.path.isdir(plans) and any(n.endswith(".json") for n in os.listdir(plans))):
+            time.sleep(0.001)
+        assert is_mounted(m.ws)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+        assert "Traceback" not in err, err
+        assert not is_mounted(m.ws), (p.returncode, err)
+        if p.returncode == 130:  # stopped halfway: said, and carried out on asking
+            assert "overlayrec revert --continue" in err, err
+            overlayrec("revert", m.ws, "--state-dir", m.state, "--continue", "--yes",
+                       timeout=120)
+        elif p.returncode != 0:  # stopped before it began: nothing changed
+            assert all(open(os.path.join(m.ws, f"f{i}")).read() == f"{i}\nx\n"
+                       for i in range(800)), (p.returncode, err)
+            overlayrec("revert", m.ws, "--state-dir", m.state, "--session", "s", "--yes",
+                       timeout=120)
+        assert not is_mounted(m.ws)
+        assert all(open(os.path.join(m.ws, f"f{i}")).read() == f"{i}\n" for i in range(800))
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        force_unmount(m.ws)
