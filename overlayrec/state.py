@@ -263,6 +263,8 @@ def check_private(path: str, what: str = "state dir") -> bool:
             raise StateError(f"{which} is owned by {_owner_name(st.st_uid)}, not by you or "
                              "root: refusing it")
         is_dir = _stat.S_ISDIR(st.st_mode)
+        if p != real and not is_dir:  # /dev/null/x: not a permission to mend
+            raise StateError(f"{what} {path}: cannot check {p}: Not a directory")
         sticky_above = is_dir and p != real and st.st_mode & _stat.S_ISVTX
         if not closed and st.st_mode & 0o022 and not sticky_above:
             who = "group and others" if st.st_mode & 0o022 == 0o022 else \

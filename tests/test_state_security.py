@@ -405,6 +405,15 @@ def test_check_private_rules(tmpbase):
     (tmp_path / "link").symlink_to(d)
     with pytest.raises(state.StateError, match=re.escape(f"link ({d}) is writable")):
         state.check_private(str(tmp_path / "link"))
+    # beneath what is no directory (a mistyped XDG_STATE_HOME=/dev/null/x): said so, not a
+    # permission to mend ("chmod go-w /dev/null")
+    for above in ("/dev/null", str(tmp_path / "afile")):
+        if above != "/dev/null":
+            (tmp_path / "afile").write_text("")
+            os.chmod(tmp_path / "afile", 0o666)
+        with pytest.raises(state.StateError, match=re.escape(
+                f"cannot check {above}: Not a directory")):
+            state.check_private(os.path.join(above, "x", "overlayrec"))
 
 
 # -- blobs --------------------------------------------------------------------------------------
