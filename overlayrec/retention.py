@@ -43,7 +43,7 @@ from . import state
 from .journal import Journal, JournalError
 from .journal.renames import RenameIndex
 from .journal.schema import unit_session
-from .journal.store import WRITER_LOCK, compact, hold_lock
+from .journal.store import WRITER_LOCK, compact, decode_event, hold_lock
 
 log = logging.getLogger(__name__)
 
@@ -172,13 +172,10 @@ class Scan:
         kept_seals = {seq for _, seq in j.seals()}
         total = 0
         for seq, raw in j.scan_raw(1):
-            try:
-                ev = json.loads(raw.decode("utf-8", "surrogateescape"))
-            except ValueError:
-                continue
             below = seq < self.cut
             if below and seq not in kept_seals:
                 continue  # a gc's cut made, not yet deleted
+            ev = _readable(j, seq, raw)  # or a session's begin would be missed too
             sid = ev.get("session") if ev.get("op") in ("session_begin", "session_end") \
                 else unit_session(ev.get("unit"))
             if ev.get("op") == "session_begin" and sid is not None:
@@ -561,6 +558,17 @@ def finish(j: Journal, sd: str, attic_fd: int | None, out: dict, drop_attic=None
     j.put_meta("gc", "")
 
 
+def _readable(j: Journal, seq: int, raw: bytes) -> dict:
+    """Event ``seq`` decoded, or RetentionError: an event not read could name the only copy
+    of a pre-image, which the sweep would then take for named by nothing."""
+    ev, why = decode_event(seq, raw)
+    if why is not None:
+        raise RetentionError(f"journal in {j.state_dir} is corrupt: event {seq} {why}: a gc "
+                             "drops nothing from a record it cannot read whole (overlayrec "
+                             "check says what is wrong)")
+    return ev
+
+
 def _sweep(j: Journal, sd: str, attic_fd: int | None, before_ns: int, drop_attic=None):
     """Step 3: the blobs and attic entries nothing kept names."""
     blobs: set = set()
@@ -570,10 +578,7 @@ def _sweep(j: Journal, sd: str, attic_fd: int | None, before_ns: int, drop_attic
     n = 0
     for seq, raw in j.scan_raw(cut):
         high = seq
-        try:
-            _refs(json.loads(raw.decode("utf-8", "surrogateescape")), blobs, attic)
-        except ValueError:
-            continue
+        _refs(_readable(j, seq, raw), blobs, attic)
         n += 1
         if n % SCAN_YIELD == 0:
             yield
@@ -585,10 +590,7 @@ def _sweep(j: Journal, sd: str, attic_fd: int | None, before_ns: int, drop_attic
     _fault("mid-sweep")
     # from here to the end nothing yields: what the daemon journaled meanwhile is read now
     for seq, raw in j.scan_raw(high + 1):
-        try:
-            _refs(json.loads(raw.decode("utf-8", "surrogateescape")), blobs, attic)
-        except ValueError:
-            continue
+        _refs(_readable(j, seq, raw), blobs, attic)
     for r in read_plans(sd):
         _refs(r.get("steps"), blobs, attic)
     nb, bb = j.content.sweep(blobs, before_ns)
@@ -787,7 +789,9 @@ def dropped_selection(j: Journal, *, call=None, turn=None, session=None, since=N
                 return why
     if revert_id is not None:
         for seq, raw in j.scan_raw(j.cut):
-            ev = json.loads(raw.decode("utf-8", "surrogateescape"))
+            ev, why = decode_event(seq, raw)
+            if why is not None:
+                raise JournalError(f"journal in {j.state_dir} is corrupt: event {seq} {why}")
             if ev.get("op") == "revert_begin" and ev.get("revert") == revert_id:
                 return None
         return f"revert {revert_id} was dropped by retention (the record starts at seq {j.cut})"

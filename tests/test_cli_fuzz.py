@@ -45,7 +45,9 @@ NOT_RUN = {
 }
 # options never given, and why
 NOT_GIVEN = {("log", "follow"): "waits for new events until interrupted, by design",
-             ("revert", "yes"): "would change the workspace", ("unrevert", "yes"): "the same"}
+             ("revert", "yes"): "would change the workspace", ("unrevert", "yes"): "the same",
+             ("gc", "dry_run"): "always given (command_line): a gc would drop from the worlds "
+             "what the tests after it read"}
 # commands run for their argument checks only, and how they are kept from blocking or mounting:
 # call/turn/session begin/end find no daemon (OVERLAYREC_SOCKET names no socket); revert and
 # unrevert, which mount to plan, plan on the unmounted workspace instead (cli._spawn_daemon does
@@ -252,7 +254,7 @@ def plausible(w: World, param: click.Parameter):
                                "2000-01-01T00:00:00", "@1"]),
         st.sampled_from(times).map(lambda t: f"@{t / 1e9}"))
     by_name = {
-        "workspace": st.just(w.ws),
+        "workspace": st.just(w.ws), "workspace_opt": st.just(w.ws),
         "state_dir": st.sampled_from([w.sd or w.base + "/nowhere"]),
         "dest": write_target(w), "out": write_target(w, ".html"), "into": write_target(w),
         "project": st.builds(lambda: w.fresh()),
@@ -332,6 +334,8 @@ def command_line(draw, w: World, path: tuple, cmd: click.Command):
     if path == ("replay",) and ["--full"] in chunks:  # copies the whole workspace: the world's
         positional = [w.ws if p.name == "workspace" else v for p, v in zip(arguments, positional)]
         chunks = [c for c in chunks if c[0] not in ("-w", "--workspace")]
+    if path == ("gc",):
+        chunks.append(["--dry-run"])
     chunks = draw(st.permutations(chunks))
     extra = draw(st.sampled_from([[], ["--bogus"], ["extra-arg"], ["-x", "1"]])) \
         if mode == "wild" else []

@@ -407,3 +407,48 @@ def test_a_seal_below_the_cut_superseded_later_goes_with_the_next_gc(make_mount,
         assert tree(m.ws) == want
     finally:
         m.umount()
+
+
+def test_a_corrupt_record_is_never_collected(make_mount, tmp_path):
+    """A gc read the events past one that was not JSON as if it were not there: the session
+    it began went uncounted (an internal error, `TypeError`, for --keep-last), and the blobs
+    only it named were taken for named by nothing, to be swept.  A gc, its --dry-run and the
+    sweep refuse a record they cannot read whole, in one line, and nothing is dropped."""
+    import lmdb
+    from overlayrec.journal import schema
+    m = make_mount()
+    try:
+        record(m, tmp_path, 3)
+    finally:
+        m.umount()
+    evs = m.events()
+    # an event whose pre-image is kept as a blob: the only record of that content
+    bad = next(e for e in evs if e["op"] in ("write", "truncate", "unlink", "rename")
+               and "blob" in json.dumps(e.get("pre") or {}))
+    env = lmdb.open(os.path.join(m.state, "journal"), max_dbs=len(schema.DBS) + 1)
+    try:
+        with env.begin(write=True, db=env.open_db(b"events", create=False)) as txn:
+            txn.put(schema.seq_key(bad["seq"]), b'{"seq": %d, "op": "wri' % bad["seq"])
+    finally:
+        env.close()
+
+    def blobs_on_disk() -> set:
+        croot = os.path.join(m.state, "content")
+        return {(d, x) for d in os.listdir(croot) if len(d) == 2
+                for x in os.listdir(os.path.join(croot, d))}
+    before, sessions = blobs_on_disk(), None
+    j = Journal(m.state, readonly=True)
+    try:
+        sessions, cut = sorted(r["id"] for r in j.records("sessions")), j.cut
+    finally:
+        j.close()
+    for args in (["--keep-last", "1"], ["--keep-last", "1", "--dry-run"], []):
+        fails(gc(m, *args, check=False), f"is corrupt: event {bad['seq']} is not valid JSON",
+              "a gc drops nothing")
+    j = Journal(m.state, readonly=True)
+    try:
+        assert sorted(r["id"] for r in j.records("sessions")) == sessions and j.cut == cut
+        assert not j.meta("gc")
+    finally:
+        j.close()
+    assert blobs_on_disk() == before
