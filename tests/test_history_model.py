@@ -1497,6 +1497,18 @@ LINKED_GROUP = [
           suppress_health_check=list(HealthCheck))
 @given(**CASE)
 # Cases that once failed, pinned so they run first every time.
+@example(seed=2, which=1, raw=[  # blame across a directory moved twice, a link renamed in it
+    ("call", 7, [("own", "append", 136, 239, "x"), ("own", "write", 31, 3274, "y"),
+                 ("own", "symlink", 3161, 1586, "z")]),
+    ("call", 4, [("own", "through", 2637, 535, "x"), ("late", "delete", 233, 1317, "x"),
+                 ("own", "chmod", 875, 198, "y"), ("own", "rename", 98, 585, "z"),
+                 ("own", "move2", 109, 402, "z")]),
+    ("call", 3, [("own", "link", 990, 812, "z"), ("own", "swap", 37, 30, "z"),
+                 ("agent", "move2", 283, 114, "y"), ("O", "rename", 1647, 480, "y"),
+                 ("own", "move2", 49, 42, "y")]),
+    ("call", 3, [("own", "link", 990, 812, "z"), ("own", "swap", 37, 30, "z"),
+                 ("agent", "move2", 283, 114, "y"), ("O", "rename", 1647, 480, "y"),
+                 ("own", "move2", 49, 42, "y")])])
 @example(seed=2, which=3, raw=[  # an outside dir moved into a dir the call made, then moved on
     ("call", 4, [("own", "swap", 4096, 13, "y"), ("own", "rmdir", 64, 272, "x"),
                  ("O", "swap", 2666, 1493, "x"), ("own", "link", 182, 861, "y")]),

@@ -543,37 +543,62 @@ def blame(j: Journal, states: States, path: str, at: int | None = None) -> list[
     """A path's history, newest first: one entry per run of changes by one unit.  The path is
     followed back through the renames of its directories (an entry for each such rename, and
     the runs under its earlier names), and a live path that departs from its seal says so."""
-    steps: dict[int, tuple[dict, str, str]] = {}   # seq -> (event, name then, how)
+    # (seq, name then) -> (event, name then, how): a rename from one name the path had to
+    # another (a file that came back) is a step of each
+    steps: dict[tuple[int, str], tuple[dict, str, str]] = {}
     seen: set[tuple[str, float]] = set()
 
-    def gather(name: str, hi: float) -> None:
+    def gather(name: str, hi: float, moved_here: bool = False) -> None:
+        """The steps of ``name`` up to ``hi``.  ``moved_here``: a name the path had before a
+        directory's rename brought it on; then only since the rename that brought it to this
+        name in turn (if one did): before that, the name was another directory's child, and
+        what happened to it there is another file's history (it was the path's if it was
+        neither: the path's own name, from its start)."""
         if (name, hi) in seen or len(seen) > 64:
             return
         seen.add((name, hi))
-        for e in states.events_on(name):
-            if e["seq"] <= hi and e["seq"] not in steps:
-                op = e["op"] if e.get("path2") is None else \
-                    f"{e['op']} {'to ' + e['path2'] if e['path'] == name else 'from ' + e['path']}"
-                steps[e["seq"]] = (e, name, op)
+        renames = []
         for r in states.renames():
             if r["seq"] > hi:
                 break
+            renames.append(r)
+        lo = float("-inf")
+        if moved_here:
+            for r in reversed(renames):
+                src, dst = r["src"], r["dst"]
+                if name.startswith(dst + "/") and \
+                        states.state(src + name[len(dst):], r["seq"] - 1).present:
+                    lo = r["seq"]
+                    break
+        for e in states.events_on(name):
+            if lo < e["seq"] <= hi and (e["seq"], name) not in steps:
+                op = e["op"] if e.get("path2") is None else \
+                    f"{e['op']} {'to ' + e['path2'] if e['path'] == name else 'from ' + e['path']}"
+                steps[e["seq"], name] = (e, name, op)
+        for r in renames:
+            if r["seq"] < lo:
+                continue
             src, dst = r["src"], r["dst"]
             # a rename of a directory carries only what was beneath it then: a name made
             # there later (or never) was not moved, and its earlier holder is another file
+            # (one move is one step: "moved with" under the name it went to, which the path
+            # is followed to, not also "moved away" under the name it left)
             if name.startswith(src + "/"):
-                if states.state(name, r["seq"] - 1).present:
-                    steps.setdefault(r["seq"], (j.event(r["seq"]), name,
-                                                f"moved away with {src}/ -> {dst}/"))
+                if states.state(name, r["seq"] - 1).present and \
+                        (r["seq"], dst + name[len(src):]) not in steps:
+                    steps.setdefault((r["seq"], name), (j.event(r["seq"]), name,
+                                                        f"moved away with {src}/ -> {dst}/"))
             elif name.startswith(dst + "/"):
                 old = src + name[len(dst):]
                 if states.state(old, r["seq"] - 1).present:
-                    steps[r["seq"]] = (j.event(r["seq"]), name, f"moved with {src}/ -> {dst}/")
-                    gather(old, r["seq"] - 1)
+                    steps[r["seq"], name] = (j.event(r["seq"]), name,
+                                             f"moved with {src}/ -> {dst}/")
+                    if steps.get((r["seq"], old), (None, None, ""))[2].startswith("moved away"):
+                        del steps[r["seq"], old]
+                    gather(old, r["seq"] - 1, moved_here=True)
 
     gather(path, at if at is not None else float("inf"))
-    steps = list(steps.values())
-    steps.sort(key=lambda x: x[0]["seq"])
+    steps = [steps[k] for k in sorted(steps)]
     runs: list[dict] = []
     for e, name, how in steps:
         op = how
