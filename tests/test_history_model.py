@@ -1655,6 +1655,14 @@ def check_case(model_env, seed, raw, which) -> None:
 @settings(max_examples=LARGE_CASES, deadline=None, derandomize=FIXED, database=None,
           phases=PHASES, suppress_health_check=list(HealthCheck))
 @given(**CASE)
+@example(seed=2, which=6, raw=[  # a hard link truncated longer, renamed back and forth
+    ("call", 5, [("agent", "symlink", 860, 3913, "x")]),
+    ("call", 1, [("own", "truncate", 269, 0, "x"), ("agent", "rename", 221, 52, "x"),
+                 ("late", "mkdir", 153, 1029, "y"), ("own", "chmod", 462, 111, "y"),
+                 ("own", "rmdir", 1, 1706, "y")]),
+    ("call", 6, [("own", "symlink", 2419, 329, "y"), ("own", "write", 87, 469, "y"),
+                 ("own", "backforth", 213, 187, "x"), ("agent", "backforth", 500, 238, "y")]),
+    ("outside", 7, [("own", "rename", 2927, 190, "y"), ("own", "append", 1753, 3862, "y")])])
 def test_every_reader_with_large_files(large_env, seed, raw, which):
     """The same cases recorded with every file kept as a large one is (content range by
     range, pre-images in the attic: LARGE_KNOBS): where a reader does not say it cannot know,

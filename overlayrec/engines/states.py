@@ -1377,6 +1377,10 @@ class States:
             return None   # not replayed in memory: the next full pre-image answers
         kind, mode, data = st.kind, st.mode, bytearray(whole(st.data))
         facts_of = st  # owner, inode and link count: whose they are now
+        # exact as far as the content it began from is, until an event replaces it whole: the
+        # writes replayed on a content the record did not keep (a file past the whole-file
+        # limit whose live copy changed since) give its size around unknown bytes, not it
+        exact = st.exact
         for e in evs[start:]:
             if e["seq"] > after:
                 break
@@ -1399,7 +1403,7 @@ class States:
                 if "run" in e and (self.j.extents(e["seq"]) or {}).get("writes") != 0:
                     return None  # its handle's first writes joined it: no events of theirs
                 kind, mode, data = "file", e.get("mode", 0o644) & 0o7777, bytearray()
-                facts_of = ABSENT
+                facts_of, exact = ABSENT, True
             elif op == "chmod":
                 mode = e["mode"]
             elif op == "chown":
@@ -1415,22 +1419,22 @@ class States:
             elif op in ("utimens", "setxattr", "removexattr"):
                 pass
             elif op in ("unlink", "rmdir"):
-                kind, mode, data = "absent", 0, bytearray()
+                kind, mode, data, exact = "absent", 0, bytearray(), True
             elif op == "mkdir":
                 kind, mode, data = "dir", e.get("mode", 0o755), bytearray()
-                facts_of = ABSENT
+                facts_of, exact = ABSENT, True
             elif op == "symlink":
                 kind, mode, data = "symlink", 0o120000, bytearray(os.fsencode(e["target"]))
-                facts_of = ABSENT
+                facts_of, exact = ABSENT, True
             elif _exchanged(e, path):
                 s2 = self.state(e["path2"] if e.get("path") == path else e["path"],
                                 e["seq"] - 1)
                 if not s2.exact or over_limit(s2.data):
                     return None
                 kind, mode, data = s2.kind, s2.mode, bytearray(whole(s2.data))
-                facts_of = s2
+                facts_of, exact = s2, True
             elif op == "rename" and e.get("path") == path and e.get("path2") != path:
-                kind, mode, data = "absent", 0, bytearray()
+                kind, mode, data, exact = "absent", 0, bytearray(), True
             elif op in ("rename", "link"):
                 src = e["path"] if op == "rename" else e.get("source")
                 if not src:
@@ -1440,11 +1444,12 @@ class States:
                     return None
                 kind, mode, data = s2.kind, s2.mode, bytearray(whole(s2.data))
                 facts_of = s2 if op == "rename" else s2.but(nlink=s2.nlink + 1)
+                exact = True
             else:
                 return None
         if kind == "absent":
             return ABSENT
-        return State(kind, mode, bytes(data), uid=facts_of.uid, gid=facts_of.gid,
+        return State(kind, mode, bytes(data), exact=exact, uid=facts_of.uid, gid=facts_of.gid,
                      rdev=facts_of.rdev, block=facts_of.block, ino=facts_of.ino,
                      nlink=facts_of.nlink)
 
