@@ -1705,6 +1705,11 @@ class Recorder:
                 return pre  # no blob and no hash: a short secret's fast hash is brute-forced
             if pre["kind"] == "file":
                 pre["ctime_ns"] = st.st_ctime_ns  # an edit that puts the mtime back moves it
+                if st.st_nlink != pre["nlink"]:
+                    # the attic holds links of it too: the link count a stat outside the mount
+                    # sees, which preimage.matches compares (a link counted apart from the
+                    # attic's was taken for a link made, and the ctime an edit moved for it)
+                    pre["links"] = st.st_nlink
             if pre["kind"] == "file" and pre["size"] <= self.whole_file_limit:
                 fd = underlay.open_own(dfd, name, os.O_RDONLY | os.O_NONBLOCK)
                 try:

@@ -1863,6 +1863,16 @@ LARGE_UNMOUNTED_CASES = int(os.environ.get("OVERLAYREC_MODEL_LARGE_UNMOUNTED_CAS
           phases=PHASES, suppress_health_check=list(HealthCheck))
 @given(seed=st.sampled_from([1, 2]), raw=st.lists(SEGMENT, max_size=2),
        last=st.lists(STEP, max_size=4), edit=st.sampled_from(EDITS), i=st.integers(0, 1 << 12))
+@example(seed=2, raw=[  # an overwrite keeping size and mtime of a file the attic links too
+    ("call", 5, [("late", "link", 189, 548, "y"), ("own", "chmod", 3433, 466, "z"),
+                 ("O", "append", 72, 2862, "y"), ("own", "rmdir", 474, 1497, "x"),
+                 ("own", "write", 1756, 153, "z")]),
+    ("call", 2, [("own", "append", 50, 2993, "y"), ("late", "move2", 27, 2501, "y"),
+                 ("own", "symlink", 3419, 302, "z"), ("own", "write", 498, 83, "z"),
+                 ("late", "link", 11, 534, "x")])],
+    last=[("O", "truncate", 4095, 2248, "y"), ("own", "rename", 107, 218, "y"),
+          ("own", "write", 216, 280, "z"), ("own", "truncate", 128, 737, "x")],
+    edit="overwrite", i=258)
 def test_an_edit_while_unmounted_with_large_files(large_unmounted_env, seed, raw, last, edit,
                                                    i):
     """As above, every file kept as a large one (LARGE_KNOBS: changed ranges, no content in

@@ -82,10 +82,11 @@ def matches(seal: dict, st: os.stat_result | None, target=None, digest=None) -> 
         # no hash (a file past the whole-file limit, a withheld one): another inode, or the
         # same one with the ctime moved by nothing the stat explains, may hold anything; a
         # link made or removed (the link count moved) moves the ctime too, and is taken for
-        # that alone
+        # that alone.  The count as a stat beneath the mount sees it: the attic's links too
+        # (``links``, where the seal's ``nlink`` left them out)
         if seal.get("ino") not in (None, st.st_ino):
             return False
-        return seal.get("nlink") not in (None, st.st_nlink)
+        return seal.get("links", seal.get("nlink")) not in (None, st.st_nlink)
     if seal.get("hash") is None or digest is None or st.st_size != seal.get("size"):
         return False
     return digest() == seal["hash"]
