@@ -606,18 +606,25 @@ def test_mount_and_run_name_the_processes_that_work_around_the_recorder(make_mou
         around.wait()
 
 
+def _mounted_with_agent(make_mount, tmp_path, source: str):
+    """A mounted workspace holding ``f`` ("0"), and an agent script (``source``, dedented) to
+    run in it."""
+    m = make_mount()
+    with open(os.path.join(m.ws, "f"), "w") as f:
+        f.write("0\n")
+    m.mount()
+    agent = tmp_path / "agent.py"
+    agent.write_text(textwrap.dedent(source))
+    return m, agent
+
+
 @needs_fuse
 def test_a_call_id_two_sessions_hold_is_refused_alike(make_mount, tmp_path):
     """An agent's own call ids may repeat across sessions.  `diff --call c1` refused the id,
     but `revert --call c1` took the first session's (and called the file changed since: the
     second's call had changed it), and `replay --at call:c1` and `log --call c1` took or
     mixed both.  Each now refuses it the same way, and takes it with its session."""
-    m = make_mount()
-    with open(os.path.join(m.ws, "f"), "w") as f:
-        f.write("0\n")
-    m.mount()
-    agent = tmp_path / "agent.py"
-    agent.write_text(textwrap.dedent(r'''
+    m, agent = _mounted_with_agent(make_mount, tmp_path, r'''
         import sys
         from overlayrec import client
         with client.connect() as c:
@@ -625,7 +632,7 @@ def test_a_call_id_two_sessions_hold_is_refused_alike(make_mount, tmp_path):
             with open("f", "a") as f:
                 f.write(sys.argv[1] + "\n")
             c.call_end("c1")
-    '''))
+    ''')
     snaps = {}
     for s in ("s1", "s2"):
         overlayrec("run", "-w", m.ws, "--session", s, "--", sys.executable, str(agent), s,
@@ -689,12 +696,7 @@ def test_a_turn_several_sessions_hold_is_refused_alike(make_mount, tmp_path):
     --session, which replay has no way to take.  Each command now refuses exactly the turns
     several sessions could mean, naming them, and takes one named with its session
     (`--session`, or `turn:SESSION:N` in a point)."""
-    m = make_mount()
-    with open(os.path.join(m.ws, "f"), "w") as f:
-        f.write("0\n")
-    m.mount()
-    agent = tmp_path / "agent.py"
-    agent.write_text(textwrap.dedent(r'''
+    m, agent = _mounted_with_agent(make_mount, tmp_path, r'''
         import sys
         from overlayrec import client
         with client.connect() as c:
@@ -705,7 +707,7 @@ def test_a_turn_several_sessions_hold_is_refused_alike(make_mount, tmp_path):
                     f.write(f"{sys.argv[1]}-t{n}\n")
                 c.call_end(f"{sys.argv[1]}-k{n}")
                 c.turn_end()
-    '''))
+    ''')
     for s, turns in (("s1", 3), ("s2", 2)):
         overlayrec("run", "-w", m.ws, "--session", s, "--", sys.executable, str(agent), s,
                    str(turns), cwd=m.ws)
