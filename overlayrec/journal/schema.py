@@ -149,6 +149,9 @@ Pre-image JSON (``pre``)::
         ["ctime_ns": n]           seals with a hash: the ctime then (an edit that keeps the
                                   size and puts the mtime back still moves it, and then
                                   the hash says whether the content is the same)
+        ["links": n]              seals: the link count a stat beneath the mount sees, where
+                                  it differs from ``nlink`` (which leaves the attic's links
+                                  out); preimage.matches compares it with the live count
         ["unkept": true]          an ``alias`` whose inode's data changed at once through
                                   another name, and whose content was not kept (past the
                                   whole-file limit), or a file of another filesystem mounted
