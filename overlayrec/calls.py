@@ -654,6 +654,24 @@ class Calls:
         self._unit_ended(session_unit(s.id))
         return s
 
+    def end_abandoned_sessions(self) -> list[Session]:
+        """End each live session ``overlayrec run`` began whose runner and agent have both
+        exited without ending it (the runner killed by SIGKILL, or by the OOM killer, with its
+        agent): nothing would ever end it, and it would stay "running" in every listing and
+        keep a mount `run` made from going.  Ended by the daemon, as the runner would have; the
+        sessions the agents' hooks began are left to their agents (their hooks end them)."""
+        ended = []
+        for s in list(self.sessions.values()):
+            if s.ended is not None or s.runner is None:
+                continue
+            if _alive(s.runner["key"], s.runner["pid"]):
+                continue
+            if s.agent is not None and _alive(s.agent["key"], s.agent["pid"]):
+                continue  # the agent works on without its runner: its session goes on
+            self.session_end(self._daemon_actor(), s.id)
+            ended.append(s)
+        return ended
+
     def _place_survivors(self, s: Session) -> None:
         """The session's processes still alive at its end (a server a call started) keep their
         call: once the runner has exited they are init's, and /proc no longer leads from them

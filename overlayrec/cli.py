@@ -467,8 +467,11 @@ SOCKET_PATH_MAX = 107  # sockaddr_un.sun_path: 108 bytes with its NUL
 
 def _spawn_daemon(ws: str, sd: str, *, durable=False, allow_other=False, timeout=30.0,
                   record_data=False, secret=(), no_default_secrets=False,
-                  max_bytes=None) -> int:
-    """Start the daemon in its own process and wait until the mount is ready; its pid."""
+                  max_bytes=None, for_this=False) -> int:
+    """Start the daemon in its own process and wait until the mount is ready; its pid.
+    ``for_this``: the mount is this command's (run, a revert of an unmounted workspace), and
+    goes once the command is gone even if it was killed where it could not unmount (the
+    daemon's ``--owner``)."""
     import subprocess
     _refuse_nested(ws)  # mount, run and a revert's own mount alike
     sock = os.path.join(sd, "control.sock")
@@ -492,6 +495,8 @@ def _spawn_daemon(ws: str, sd: str, *, durable=False, allow_other=False, timeout
         cmd.append("--no-default-secrets")
     if max_bytes is not None:
         cmd.append(f"--max-bytes={max_bytes}")
+    if for_this:
+        cmd.append(f"--owner={os.getpid()}")
     log_fd = state.open_private(state.StateDir(sd).daemon_log,
                                 os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     started = time.time_ns()
@@ -1312,7 +1317,8 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
         sd = state.check_state_dir(ws, _mount_state_dir(ws, state_dir))
         state.make_state_dir(sd)
         daemon_pid = _spawn_daemon(ws, sd, record_data=record_data, secret=secret,
-                                   no_default_secrets=no_default_secrets, max_bytes=max_bytes)
+                                   no_default_secrets=no_default_secrets, max_bytes=max_bytes,
+                                   for_this=True)
         mounted_here = True
         # the shell that started this run waits for it: only the others write around us
         _warn_holders(ws, _ancestors(os.getpid()) | {daemon_pid})
@@ -1384,15 +1390,16 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
         # processes the agent left working in the workspace (a server, a watcher) would lose
         # it at the unmount: every operation of theirs would fail (ENOTCONN)
         users = [] if others else state.mount_users(ws, _ancestors(os.getpid()) | {daemon_pid})
+        # the daemon unmounts once they are done (its --owner: this run, gone by then)
         if others:
             click.echo(f"overlayrec: leaving {ws} mounted: session(s) {', '.join(others)} "
-                       "still running", err=True)
+                       "still running; it is unmounted once they end and nothing works in it",
+                       err=True)
         elif users:
             named = ", ".join(f"{u['pid']} {u['command']}" for u in users[:3])
             click.echo(f"overlayrec: leaving {ws} mounted: {len(users)} process(es) still work "
                        f"in it ({named}{' ...' if len(users) > 3 else ''}), recorded as "
-                       f"before; `overlayrec umount {ws}` once they are done",
-                       err=True)
+                       f"before; it is unmounted once they are done", err=True)
         else:
             _stop_daemon(ws)
     try:
@@ -1886,7 +1893,7 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
             _output_outlives_its_reader()  # a closed pipe must not leave the mount behind
             for sig in (signal.SIGTERM, signal.SIGHUP):  # nor a kill: stopped as by Ctrl-C
                 signal.signal(sig, signal.default_int_handler)
-            _spawn_daemon(ws, sd)
+            _spawn_daemon(ws, sd, for_this=True)
             held.callback(_stop_daemon, ws)  # once the revert is done
         content = ContentStore(state.StateDir(sd).content)
         j = Journal(sd, readonly=True)

@@ -26,7 +26,7 @@ import pyfuse3
 import trio
 import trio.testing  # wait_all_tasks_blocked: the run loop's own idle check (_commit_held_notes)
 
-from .attribution import Attribution
+from .attribution import Attribution, live_stat
 from .calls import Calls
 from .control import ControlServer
 from .fs import Operations
@@ -67,7 +67,7 @@ def _setup_logging(state_dir: str, foreground: bool) -> None:
                         format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s")
 
 
-async def _serve(control: ControlServer) -> None:
+async def _serve(control: ControlServer, ws: str, owner: dict | None) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(control.serve)
         async def on_signal():
@@ -97,6 +97,7 @@ async def _serve(control: ControlServer) -> None:
                 except Exception:  # a failed check must not take the mount down: retried
                     log.exception("checking implicit calls for exited processes failed")
         nursery.start_soon(end_exited_calls)
+        nursery.start_soon(_follow_runners, control, ws, owner)
         await nursery.start(_commit_held_notes, control.calls.journal)
         if not isinstance(control.recorder, UnrecordedRecorder) and \
                 os.environ.get("OVERLAYREC_TEST_COPY_SMALL_NOW") != "1":
@@ -109,6 +110,55 @@ async def _serve(control: ControlServer) -> None:
         serving.install()  # fewer passes through trio's run loop per request
         await pyfuse3.main(min_tasks=1, max_tasks=1)
         nursery.cancel_scope.cancel()
+
+
+# how often the daemon looks for a session whose runner has gone without ending it, and for
+# the end of the process it mounted for
+RUNNER_CHECK = 1.0
+
+
+async def _follow_runners(control: ControlServer, ws: str, owner: dict | None) -> None:
+    """End the sessions whose runner and agent went without ending them (``Calls.
+    end_abandoned_sessions``: `overlayrec run` killed by SIGKILL); and, for a mount made for a
+    command (``owner``: the `run` or the revert that mounted, ``--owner``), unmount once that
+    command is gone, no session is live and no process uses the mount.  The command unmounts
+    itself when it ends well; this is for when it was killed where nothing could catch it
+    (the mount stayed for good, its session "running" in every listing).  A mount `run` left
+    for processes still working in it goes when they are done."""
+    calls = control.calls
+    failed_logged = float("-inf")
+    while True:
+        await trio.sleep(RUNNER_CHECK)
+        try:
+            for s in calls.end_abandoned_sessions():
+                log.info("session %s: its runner and agent exited without ending it: ended",
+                         s.id)
+        except JournalError as e:  # the state dir full: tried again next time
+            if time.monotonic() - failed_logged > 60:
+                failed_logged = time.monotonic()
+                log.warning("cannot journal the end of an abandoned session now: %s", e)
+            continue
+        except Exception:  # must not take the mount down: tried again next time
+            log.exception("ending abandoned sessions failed")
+            continue
+        if owner is None or _alive(owner):
+            continue
+        if any(s.ended is None for s in calls.sessions.values()):
+            continue
+        # a scan of /proc that asks no filesystem anything (state._holders): off the trio
+        # thread only so that requests are served meanwhile
+        users = await trio.to_thread.run_sync(state.mount_users, ws, {os.getpid()})
+        if users:
+            continue
+        log.info("pid %d, which mounted %s for itself, is gone, and nothing uses the mount: "
+                 "unmounting", owner["pid"], ws)
+        pyfuse3.terminate()
+        return
+
+
+def _alive(proc: dict) -> bool:
+    st = live_stat(proc["pid"])
+    return st is not None and st[0] == proc["start"]
 
 
 # what waits for a commit (Journal.hold_notes: extents notes, held events, records written
@@ -355,12 +405,17 @@ def _writable_mountpoint(root_fd: int):
 
 def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other: bool,
         ready_fd: int | None, record_data: bool = False, secret: tuple = (),
-        no_default_secrets: bool = False, max_bytes: int | None = None) -> int:
+        no_default_secrets: bool = False, max_bytes: int | None = None,
+        owner: int | None = None) -> int:
     # what the daemon makes for itself is the user's alone whatever the caller's umask
     # (docs/storage.md; LMDB's files take their mode from it); the umask drops to 0 only to
     # serve, where the kernel has applied the caller's umask to each request already
     os.umask(0o077)
     started = time.time_ns()
+    # the command that mounts for itself (it waits for "ready": alive now), known by its start
+    # tick too, so that a new process given its pid is not taken for it
+    st = live_stat(owner) if owner is not None else None
+    owning = None if owner is None else {"pid": owner, "start": st[0] if st else -1}
     _raise_fd_limit()
     sd = state.StateDir(state_dir)
 
@@ -426,7 +481,7 @@ def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other
     os.umask(0)
     cpu0 = _cpu_seconds()
     try:
-        trio.run(_serve, control)
+        trio.run(_serve, control, ws, owning)
     except BaseException:
         log.exception("serve loop failed")
         raise
@@ -510,11 +565,13 @@ def main(argv=None) -> int:
     p.add_argument("--no-default-secrets", action="store_true")
     p.add_argument("--ready-fd", type=int)
     p.add_argument("--max-bytes", type=int)
+    p.add_argument("--owner", type=int, help="the pid of the command that mounts for itself: "
+                   "once it is gone, no session is live and nothing uses the mount, unmount")
     a = p.parse_args(argv)
     return run(a.workspace, a.state_dir, foreground=a.foreground, durable=a.durable,
                allow_other=a.allow_other, ready_fd=a.ready_fd, record_data=a.record_data,
                secret=tuple(a.secret), no_default_secrets=a.no_default_secrets,
-               max_bytes=a.max_bytes)
+               max_bytes=a.max_bytes, owner=a.owner)
 
 
 if __name__ == "__main__":

@@ -118,7 +118,12 @@ def _writer_left_running(m, agent, go: str, done: str) -> None:
         ["late.txt", "status.txt"]
     # its call's revert takes its late writes too
     overlayrec("revert", m.ws, "--call", "c1", "--yes")
-    assert sorted(os.listdir(m.ws)) == []
+    # (the attic is seen once the mount is gone: it went when the writer was done)
+    assert [n for n in os.listdir(m.ws) if n != ".overlayrec-attic"] == []
+    deadline = time.monotonic() + 30 * SLOW
+    while is_mounted(m.ws):  # as run said: unmounted once the writer was done
+        assert time.monotonic() < deadline, "the mount stayed after the writer was done"
+        time.sleep(0.1)
 
 
 def test_umount_names_the_processes_that_lose_the_workspace(make_mount):
@@ -163,3 +168,53 @@ def test_umount_names_a_process_that_only_maps_a_file_of_the_mount(make_mount, t
     finally:
         proc.kill()
         proc.wait()
+
+
+KILLED_RUN_AGENT = textwrap.dedent(r'''
+    import os, sys, time
+    go = sys.argv[1]  # a marker outside the workspace
+    with open("before.txt", "w") as f:
+        f.write("written while run lived\n")
+    while not os.path.exists(go):
+        time.sleep(0.05)
+    with open("after.txt", "w") as f:
+        f.write("written after run was killed\n")
+''')
+
+
+def test_a_run_killed_by_sigkill_leaves_no_mount_behind(make_mount, tmp_path):
+    """`run` killed where nothing can catch it (SIGKILL, the OOM killer) could not unmount nor
+    end its session: the mount stayed for good, its session with no end.  The daemon, whose
+    mount it was, records the agent that works on without it, ends the session once the agent
+    is gone too, and then unmounts."""
+    m = make_mount()  # not mounted: `run` mounts it
+    agent = tmp_path / "agent.py"
+    agent.write_text(KILLED_RUN_AGENT)
+    go = tmp_path / "go"
+    run = subprocess.Popen([sys.executable, "-m", "overlayrec", "run", "-w", m.ws,
+                            "--state-dir", m.state, "--session", "k", "--",
+                            sys.executable, str(agent), str(go)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for(os.path.join(m.ws, "before.txt"))
+        run.kill()
+        run.wait()
+        # the agent goes on without its runner: recorded, its session live, the mount kept
+        time.sleep(3 * 1.0)  # the daemon looks once a second
+        assert is_mounted(m.ws)
+        go.touch()
+        deadline = time.monotonic() + 30 * SLOW
+        while is_mounted(m.ws):
+            assert time.monotonic() < deadline, "the mount stayed after its run and agent"
+            time.sleep(0.1)
+    finally:
+        go.touch()
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    with open(os.path.join(m.ws, "after.txt")) as f:
+        assert f.read() == "written after run was killed\n"
+    ends = [e for e in m.events() if e["op"] == "session_end"]
+    assert [e["session"] for e in ends] == ["k"]
+    stat = json.loads(overlayrec("diff", m.ws, "--session", "k", "--json").stdout)
+    assert sorted(f["path"] for f in stat["files"]) == ["after.txt", "before.txt"]
