@@ -1732,7 +1732,7 @@ def blame(path, workspace, at, state_dir, as_json):
     """The history of one path, newest first: each run of changes with its call, turn,
     session or outside actor, the processes, the time and the size.  Deleted paths work."""
     from .engines.diff import SelectionError
-    from .views import one_line, shown
+    from .views import one_line, shown, unit_shown
     from .engines.replay import blame as do_blame, resolve_point
     from .engines.states import States
     ws = state.resolve_workspace(workspace or ".", must_exist=False, upward=True)
@@ -1773,7 +1773,7 @@ def blame(path, workspace, at, state_dir, as_json):
         guess = (" (placed in it by a guess)" if r.get("guessed") else "") + \
             (" (after the call ended)" if r.get("late") else "")
         click.echo(f"{_fmt_time(r['t_first'])} seq {r['first_seq']}-{r['last_seq']} "
-                   f"{r['unit']}{guess}{named}: {one_line(', '.join(r['ops']))}  "
+                   f"{unit_shown(r['unit'])}{guess}{named}: {one_line(', '.join(r['ops']))}  "
                    f"{_blame_side(r['before'])} -> {_blame_side(r['after'])}  [{procs}]")
     if not as_json and any(not r[s].get("exact", True) for r in rows for s in ("before",
                                                                               "after")):
@@ -1796,7 +1796,7 @@ def _blame_side(side: dict) -> str:
 def show(seq, workspace, state_dir, as_json):
     """One event in full: what, who (process and unit), its pre-image, and its diff."""
     from .engines.gitdiff import ObjectStore
-    from .views import shown
+    from .views import shown, unit_shown
     from .engines.large import over_limit
     from .engines.states import States
     from .views import human_size
@@ -1831,7 +1831,7 @@ def show(seq, workspace, state_dir, as_json):
         return
     click.echo(f"event {seq}: {ev['op']} {' -> '.join(map(shown, paths))}")
     click.echo(f"  time:    {_fmt_time(ev['t'])}")
-    click.echo(f"  unit:    {ev.get('unit') or '-'}" + (" (after its call ended)"
+    click.echo(f"  unit:    {unit_shown(ev.get('unit'))}" + (" (after its call ended)"
                                                         if ev.get("after_end") else ""))
     click.echo(f"  process: {actor.get('pid')} {' '.join(actor.get('argv') or [])}")
     click.echo(f"  cwd:     {actor.get('cwd')}")
@@ -2379,7 +2379,7 @@ def records_diff(git_dir, origin, sid, call_id, turn_sel, fmt, binary):
 def records_blame(path, git_dir, origin, as_json):
     """Each exported commit that changed PATH (relative to its workspace), newest first."""
     from .engines.gitdiff import GitError
-    from .views import one_line
+    from .views import one_line, unit_shown
     try:
         rows = _records(git_dir).blame(os.path.normpath(path), origin)
     except GitError as e:
@@ -2392,7 +2392,8 @@ def records_blame(path, git_dir, origin, as_json):
             continue
         click.echo(one_line(
             f"{_fmt_time(r['t'])} {r['origin']} seq {r['first_seq']}-{r['last_seq']} "
-            f"{r['unit']}: {r['subject']}  {r['before']['kind']} {r['before']['size']}B "
+            f"{unit_shown(r['unit'])}: {r['subject']}  "
+            f"{r['before']['kind']} {r['before']['size']}B "
             f"-> {r['after']['kind']} {r['after']['size']}B  "
             f"[{'; '.join(p[:60] for p in r['processes'])}]"))
 

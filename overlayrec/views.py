@@ -75,6 +75,16 @@ def inexact_note(paths: list[str]) -> str:
             f"{' ...' if len(paths) > 5 else ''}")
 
 
+def unit_shown(unit: str | None) -> str:
+    """A unit key for a terminal: a call's id as the agent gave it (the key escapes ':' and
+    '%' in it: ``call:S:Bash%3A1`` is ``call:S:Bash:1``, which ``replay --at`` takes too), on
+    one line; ``-`` for none."""
+    u = parse_unit(unit)
+    if u is None:
+        return "-"
+    return one_line(f"call:{u[1]}:{u[2]}" if u[0] == "call" else unit)
+
+
 def one_line(text: str) -> str:
     """Free text (a call's summary, a prompt's first line) on one line of a terminal: control
     characters and invisible marks escaped, nothing quoted."""

@@ -840,8 +840,15 @@ def test_ids_that_hold_a_colon_are_read_whole(make_mount, tmp_path):
     assert overlayrec("diff", m.ws, "--call", "Bash:1%", "--name-status").stdout == "A\tg\n"
     assert {l.split()[-1] for l in overlayrec("log", m.ws, "--call", "Bash:1%").stdout
             .splitlines()} == {"g"}
-    # blame names the unit by its key: the call's id escaped (journal.schema.call_unit)
-    assert " call:fix:10:30:Bash%3A1%25: create" in overlayrec("blame", "g", "-w", m.ws).stdout
+    # blame and show name the call as the agent gave its id (the key escapes it:
+    # journal.schema.call_unit), in the form replay --at takes; --json keeps the key
+    blamed = overlayrec("blame", "g", "-w", m.ws)
+    assert " call:fix:10:30:Bash:1%: create" in blamed.stdout, blamed.stdout
+    first = json.loads(overlayrec("blame", "g", "-w", m.ws, "--json").stdout.splitlines()[0])
+    assert first["unit"] == "call:fix:10:30:Bash%3A1%25"
+    seq = first["first_seq"]
+    assert "  unit:    call:fix:10:30:Bash:1%\n" in overlayrec("show", str(seq), "-w",
+                                                                m.ws).stdout
     overlayrec("replay", m.ws, "--at", "before:call:fix:10:30:Bash:1%", "--to",
                str(tmp_path / "then"))
     assert sorted(os.listdir(tmp_path / "then")) == ["f", "h"]
