@@ -1936,6 +1936,10 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
                     mark = f"  CONFLICT ({s.conflict}" + (f": {s.note}" if s.note else "") \
                         + ")" if s.conflict else ""
                     click.echo(f"  {reverts.describe(s):<8} {shown(s.path)}{mark}")
+            if plan.already and not as_json:
+                click.echo(f"overlayrec: {len(plan.already)} path(s) already hold what they "
+                           f"held before (put back since by another unit): "
+                           f"{named(map(shown, plan.already))}", err=True)
             if not plan.steps:
                 click.echo("nothing to revert")
                 return

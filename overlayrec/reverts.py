@@ -119,7 +119,8 @@ def preview(plan: Plan) -> dict:
                                       "conflict": s.conflict, **({"note": s.note} if s.note
                                                                  else {})}
                                      for s in plan.steps],
-            "guessed": plan.guessed, "maybe_ours": plan.maybe_ours, "late": plan.late}
+            "guessed": plan.guessed, "maybe_ours": plan.maybe_ours, "late": plan.late,
+            "already": plan.already}
 
 
 def plan_for(j, states, live, selection: dict, glob: str | None, content,

@@ -3,7 +3,8 @@
 The plan is made from the journal alone and checked for every path before anything is
 written; one conflict refuses the whole revert (``--force`` reverts the paths without one):
 
-* *changed*: the path no longer holds what the reverted changes left;
+* *changed*: the path no longer holds what the reverted changes left (nor what it held
+  before them: one another unit has put back needs nothing, ``Plan.already``);
 * *interleaved*: another unit changed the path between two of the reverted changes;
 * *unrecorded*: the journal cannot say exactly what the path held (a change it could not
   record, a point inside a run of writes it did not see one by one, a secret path, whose
@@ -71,6 +72,9 @@ class Plan:
     late: list[str] = field(default_factory=list)  # a call's paths changed after it ended
     # the actors (pid:start) whose events the plan's steps undo (reverts.still_running)
     writers: set[str] = field(default_factory=set)
+    # paths the selection changed that another unit has put back as they were before it:
+    # nothing to do, no step
+    already: list[str] = field(default_factory=list)
 
     @property
     def conflicts(self) -> list[Step]:
@@ -220,6 +224,12 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
                 if now.kind != "file" or end.drifted or not expected.same(end):
                     step.conflict, step.note = "unrecorded", unknown
             elif not expected.same(now) and not _refreshed(p, expected, now):
+                if now.exact and target.exact and target.same(now):
+                    # another unit has put back since what the selection changed (a revert
+                    # of one of its calls run inside the turn, the user undoing it by hand):
+                    # nothing to write, so nothing to refuse; said, not a step
+                    plan.already.append(p)
+                    continue
                 step.conflict = "changed"
         plan.steps.append(step)
         if target.kind == "dir":
