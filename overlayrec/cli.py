@@ -1937,9 +1937,8 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
                         + ")" if s.conflict else ""
                     click.echo(f"  {reverts.describe(s):<8} {shown(s.path)}{mark}")
             if plan.already and not as_json:
-                click.echo(f"overlayrec: {len(plan.already)} path(s) already hold what they "
-                           f"held before (put back since by another unit): "
-                           f"{named(map(shown, plan.already))}", err=True)
+                click.echo(f"overlayrec: {len(plan.already)} path(s) were put back already by "
+                           f"an earlier revert: {named(map(shown, plan.already))}", err=True)
             if not plan.steps:
                 click.echo("nothing to revert")
                 return

@@ -415,11 +415,9 @@ def test_a_file_written_twice_then_moved_by_another_process_is_a_conflict(make_m
                            lambda: os.rename(os.path.join(m.ws, "a"), os.path.join(m.ws, "b")))
     after = tree_of(m.ws)
     r = overlayrec("revert", m.ws, "--call", "c1", "--json", check=False)
-    preview = json.loads(r.stdout)
-    steps = {s["path"]: s["conflict"] for s in preview["steps"]}
-    assert steps == {"a/a": "changed"}, r.stdout
-    # the directory the call made holds nothing again, as before it: no step of its own
-    assert preview["already"] == (["a"] if made_dir else []), r.stdout
+    steps = {s["path"]: s["conflict"] for s in json.loads(r.stdout)["steps"]}
+    assert steps == ({"a": "changed", "a/a": "changed"} if made_dir else {"a/a": "changed"}), \
+        r.stdout
     r = overlayrec("revert", m.ws, "--call", "c1", "--yes", check=False)
     assert r.returncode == 1 and "changed:" in r.stderr and "a/a" in r.stderr, r.stderr
     assert tree_of(m.ws) == after  # nothing written
@@ -520,11 +518,12 @@ REVERTS_ITS_OWN_CALL = textwrap.dedent(r'''
 ''')
 
 
-def test_a_path_put_back_since_needs_nothing_and_refuses_nothing(make_mount, tmp_path):
-    """An agent's call reverts an earlier call of its turn (or the user undoes a call's edit
-    by hand): the turn's diff shows only what the turn left, but its revert refused the whole
-    turn, every path the earlier call changed a ``changed`` conflict though it held what the
-    revert would put back.  Such a path needs nothing: said, and the rest reverted."""
+def test_a_path_an_earlier_revert_put_back_needs_nothing(make_mount, tmp_path):
+    """An agent's call reverts an earlier call of its turn: the turn's diff shows only what
+    the turn left, but its revert refused the whole turn, every path of the earlier call a
+    ``changed`` conflict though it held what the revert would put back.  A path an earlier
+    revert put back needs nothing: said, and the rest reverted.  Put back by anyone else (the
+    user's undo by hand) it stays a conflict: a revert over another unit's change is one."""
     m = setup_ws(make_mount, tmp_path)
     m.mount()
     (tmp_path / "agent.py").write_text(REVERTS_ITS_OWN_CALL)
@@ -533,20 +532,20 @@ def test_a_path_put_back_since_needs_nothing_and_refuses_nothing(make_mount, tmp
     assert overlayrec("diff", m.ws, "--turn", "1", "--name-status").stdout == "A\tz.txt\n"
     before = tree_of(m.ws)
     r = overlayrec("revert", m.ws, "--turn", "1", "--yes")
-    assert "3 path(s) already hold what they held before (put back since by another unit): " \
-        "a.txt, k.txt, n.txt" in r.stderr, r.stderr
+    assert "3 path(s) were put back already by an earlier revert: a.txt, k.txt, n.txt" \
+        in r.stderr, r.stderr
     after = dict(before)
     del after["z.txt"]
     assert tree_of(m.ws) == after
     overlayrec("unrevert", "-w", m.ws, "--yes")
     assert tree_of(m.ws) == before
-    # the user's own undo by hand, the same: a.txt as before the call, k.txt changed since
     run_call(m, tmp_path, "echo again >> a.txt && echo again >> k.txt")
     m.sh("printf 'one\\n' > a.txt")
     r = overlayrec("revert", m.ws, "--call", "c1", "--session", "s.2", "--json", check=False)
     preview = json.loads(r.stdout)
-    assert preview["already"] == ["a.txt"], r.stdout
-    assert [(s["path"], s["conflict"]) for s in preview["steps"]] == [("k.txt", None)]
+    assert preview["already"] == [], r.stdout
+    assert [(s["path"], s["conflict"]) for s in preview["steps"]] == \
+        [("a.txt", "changed"), ("k.txt", None)]
 
 
 def test_path_selects_a_name_as_written_a_directory_beneath_or_a_glob(make_mount, tmp_path):

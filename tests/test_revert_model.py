@@ -235,8 +235,6 @@ def predict(history: list, states: list, unit: str):
         if any(u != unit and p in touched for u, _, touched in history[first + 1:last]):
             conflict = True
         elif final.get(p) != expected:
-            if final.get(p) == target:
-                continue  # put back since by another unit: nothing to do
             conflict = True
         if target is None:
             tree.pop(p, None)

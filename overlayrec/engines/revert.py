@@ -3,8 +3,8 @@
 The plan is made from the journal alone and checked for every path before anything is
 written; one conflict refuses the whole revert (``--force`` reverts the paths without one):
 
-* *changed*: the path no longer holds what the reverted changes left (nor what it held
-  before them: one another unit has put back needs nothing, ``Plan.already``);
+* *changed*: the path no longer holds what the reverted changes left (one an earlier revert
+  put back as it was before them needs nothing: ``Plan.already``);
 * *interleaved*: another unit changed the path between two of the reverted changes;
 * *unrecorded*: the journal cannot say exactly what the path held (a change it could not
   record, a point inside a run of writes it did not see one by one, a secret path, whose
@@ -72,7 +72,7 @@ class Plan:
     late: list[str] = field(default_factory=list)  # a call's paths changed after it ended
     # the actors (pid:start) whose events the plan's steps undo (reverts.still_running)
     writers: set[str] = field(default_factory=set)
-    # paths the selection changed that another unit has put back as they were before it:
+    # paths the selection changed that an earlier revert put back as they were before it:
     # nothing to do, no step
     already: list[str] = field(default_factory=list)
 
@@ -127,6 +127,7 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
     writers: set[str] = set()
     late_paths: set[str] = set()  # a call's, changed after it ended (views.late)
     drifts: set[int] = set()  # seals' drifts: changes the record found, not saw made
+    by_reverts: set[int] = set()  # other units' events that are reverts'
     # from the selection's first event: what came before it neither interleaves nor extends a
     # span; the links made before it are read only when a hard-linked target asks (below)
     for e in file_events(j, lo, hi):
@@ -151,6 +152,8 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
                     late_paths.add(p)
             else:
                 others.setdefault(p, []).append(e["seq"])
+                if (e.get("unit") or "").startswith("revert:"):
+                    by_reverts.add(e["seq"])
     ends = states._unit_ends()
     unrecorded = {e.get("path") for e in j.events_of(("unrecorded",), lo, hi)}
     plan = Plan(revert_id or time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6], selection,
@@ -224,10 +227,13 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
                 if now.kind != "file" or end.drifted or not expected.same(end):
                     step.conflict, step.note = "unrecorded", unknown
             elif not expected.same(now) and not _refreshed(p, expected, now):
-                if now.exact and target.exact and target.same(now):
-                    # another unit has put back since what the selection changed (a revert
-                    # of one of its calls run inside the turn, the user undoing it by hand):
-                    # nothing to write, so nothing to refuse; said, not a step
+                since = [q for q in others.get(p, ()) if q > last]
+                if now.exact and target.exact and target.same(now) and since and \
+                        all(q in by_reverts for q in since):
+                    # an earlier revert put back since what the selection changed (one of
+                    # the turn's calls reverted by the agent inside the turn): nothing to
+                    # write, so nothing to refuse; said, not a step.  Put back by another
+                    # unit (the user by hand, a change around the mount) it stays a conflict
                     plan.already.append(p)
                     continue
                 step.conflict = "changed"
