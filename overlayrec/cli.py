@@ -17,18 +17,12 @@ import re
 import signal
 import sys
 import time
-from typing import TYPE_CHECKING
-
 import click
 
 from . import readers, state
 from .journal import Journal, JournalError
 from .journal.schema import CONTROL_OPS, MARK_OPS
 from .state import StateError
-
-if TYPE_CHECKING:
-    import subprocess
-
 
 _one_line = readers.one_line
 
@@ -316,10 +310,9 @@ _state_dir_for = readers.state_dir_for  # the state dir a reading command looks 
 
 
 def _daemon_pid(sd: str) -> tuple[int | None, dict | None, str | None]:
-    """The state dir's daemon pid, verified before anything signals it (state.verify_daemon),
-    daemon.json's record, and why a live pid it names failed (said on stderr too)."""
-    info = state.daemon_info(sd)
-    pid, why = state.verify_daemon(info, sd)
+    """``mounting.daemon_pid``, saying on stderr why a live pid it names failed the check."""
+    from .mounting import daemon_pid
+    pid, info, why = daemon_pid(sd)
     if why:
         click.echo(f"overlayrec: warning: {why}", err=True)
     return pid, info, why
@@ -359,7 +352,8 @@ def mount(workspace, state_dir, foreground, allow_other, durable, record_data, s
         raise Fail(f"{ws} holds a dead mount; clear it with: overlayrec umount {ws}")
     if state.fuse_mount_at(ws):
         raise Fail(f"{ws} is already mounted")
-    _refuse_nested(ws)
+    from .mounting import refuse_nested
+    refuse_nested(ws)
     _check_secrets(secret)
     sd = state.check_state_dir(ws, _mount_state_dir(ws, state_dir))
     state.make_state_dir(sd)
@@ -438,21 +432,6 @@ def _refuse_a_moved_record(ws: str) -> None:
                    f"{os.path.join(ws, ATTIC_NAME)} (its pre-images) to begin a new one")
 
 
-def _refuse_nested(ws: str) -> None:
-    """A mount inside another overlayrec mount, or over one, would record its changes twice,
-    the outer record blaming the inner daemon for all of them (an outside process), or the
-    inner one the outer: refused."""
-    outer = state.overlayrec_mount_containing(ws)
-    if outer is not None and outer != ws:
-        raise Fail(f"{ws} is inside the overlayrec mount {outer}, which records it already")
-    # and the other way: the inner record would blame this daemon for every change made
-    # through the new mount beneath it (the daemon writes there, not the process)
-    inner = state.overlayrec_mounts_beneath(ws)
-    if inner:
-        raise Fail(f"{ws} holds the overlayrec mount {inner[0]}, which records that part of "
-                   f"it already: unmount it first (overlayrec umount {inner[0]})")
-
-
 def _check_secrets(patterns) -> None:
     from .secrets import SecretError, check_pattern
     try:
@@ -462,86 +441,16 @@ def _check_secrets(patterns) -> None:
         raise Fail(str(e)) from None
 
 
-SOCKET_PATH_MAX = 107  # sockaddr_un.sun_path: 108 bytes with its NUL
-
-
-def _spawn_daemon(ws: str, sd: str, *, durable=False, allow_other=False, timeout=30.0,
-                  record_data=False, secret=(), no_default_secrets=False,
-                  max_bytes=None, for_this=False) -> int:
-    """Start the daemon in its own process and wait until the mount is ready; its pid.
-    ``for_this``: the mount is this command's (run, a revert of an unmounted workspace), and
-    goes once the command is gone even if it was killed where it could not unmount (the
-    daemon's ``--owner``)."""
-    import subprocess
-    _refuse_nested(ws)  # mount, run and a revert's own mount alike
-    sock = os.path.join(sd, "control.sock")
-    if len(os.fsencode(sock)) > SOCKET_PATH_MAX:
-        # the hooks reach the daemon by this path (nc -U, the client): it must fit as it is
-        raise Fail(f"the state dir's path is too long for its control socket "
-                   f"({len(os.fsencode(sock))} bytes with /control.sock; a unix socket's path "
-                   f"holds {SOCKET_PATH_MAX}): use --state-dir (or XDG_STATE_HOME) with a "
-                   f"shorter path")
-    r, w = os.pipe()
-    cmd = [sys.executable, "-m", "overlayrec.daemon", "--workspace", ws, "--state-dir", sd,
-           "--ready-fd", str(w)]
-    if durable:
-        cmd.append("--durable")
-    if allow_other:
-        cmd.append("--allow-other")
-    if record_data:
-        cmd.append("--record-data")
-    cmd += [f"--secret={p}" for p in secret]  # "=": a pattern may begin with "-"
-    if no_default_secrets:
-        cmd.append("--no-default-secrets")
-    if max_bytes is not None:
-        cmd.append(f"--max-bytes={max_bytes}")
-    if for_this:
-        cmd.append(f"--owner={os.getpid()}")
-    log_fd = state.open_private(state.StateDir(sd).daemon_log,
-                                os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    started = time.time_ns()
-    with open(os.devnull, "rb") as devnull, os.fdopen(log_fd, "ab") as logf:
-        proc = subprocess.Popen(cmd, stdin=devnull, stdout=logf, stderr=logf, pass_fds=(w,),
-                                start_new_session=True, cwd="/")
-    os.close(w)
-    msg = _read_ready(r, proc, timeout)
-    if msg != "ready":
-        raise Fail(msg.removeprefix("error: ") if msg else
-                   f"daemon exited without mounting (see {os.path.join(sd, 'daemon.log')})")
-    _warn_unread_ahead(sd, started)
-    return proc.pid
-
-
-def _warn_unread_ahead(sd: str, since: int) -> None:
-    """Say what the daemon's open of the journal kept aside of the log ahead (bytes after its
-    last whole record: ``AheadLog.keep_tail``), which only its log said."""
-    from .journal.ahead import kept_aside
-    for path, when in kept_aside(os.path.join(sd, "journal")):
-        if when >= since:
-            click.echo(f"overlayrec: warning: the log ahead of the journal ended in bytes that "
-                       f"are no whole record (a crash's torn write, or damage): not applied, "
-                       f"kept in {path}", err=True)
-
-
-def _read_ready(fd: int, proc: subprocess.Popen, timeout: float) -> str:
-    import select
-    buf = b""
-    deadline = time.monotonic() + timeout
-    try:
-        while b"\n" not in buf:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                proc.terminate()
-                return f"timed out after {timeout:g}s waiting for the mount"
-            ready, _, _ = select.select([fd], [], [], left)
-            if ready:
-                chunk = os.read(fd, 4096)
-                if not chunk:
-                    break
-                buf += chunk
-    finally:
-        os.close(fd)
-    return buf.decode(errors="replace").strip()
+def _spawn_daemon(ws: str, sd: str, **kw) -> int:
+    """``mounting.spawn``: the daemon started and serving; its pid.  Says what its open of the
+    journal kept aside of the log ahead, which only its log would say."""
+    from .mounting import spawn
+    pid, aside = spawn(ws, sd, **kw)
+    for path in aside:
+        click.echo(f"overlayrec: warning: the log ahead of the journal ended in bytes that "
+                   f"are no whole record (a crash's torn write, or damage): not applied, "
+                   f"kept in {path}", err=True)
+    return pid
 
 
 @main.command()
@@ -572,54 +481,14 @@ def umount(workspace, timeout):
         named = ", ".join(f"{u['pid']} {u['command']}" for u in users[:3])
         click.echo(f"overlayrec: warning: {len(users)} process(es) still work in {ws} ({named}"
                    f"{' ...' if len(users) > 3 else ''}): they lose it now", err=True)
-    killed = False
-    if pid:
-        os.kill(pid, signal.SIGTERM)
-        # the same process still (not a later one given its pid) before it is killed
-        if not _wait_gone(pid, timeout) and \
-                state.proc_start_ticks(pid) == (info or {}).get("start_ticks"):
-            os.kill(pid, signal.SIGKILL)  # hung: what it journaled is safe (write-ahead)
-            _wait_gone(pid, 5)
-            killed = True
+    from .mounting import end_daemon, unmount_now
+    killed = end_daemon(pid, info, timeout) if pid else False
     if state.fuse_mount_at(ws):
-        _unmount_now(ws)
+        unmount_now(ws)
     note = " (daemon did not stop: killed it)" if killed else \
         " (detached it; no daemon signalled)" if refused else \
         " (cleared a dead mount)" if not pid else ""
     click.echo(f"unmounted {ws}{note}")
-
-
-def _wait_gone(pid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not state.pid_alive(pid):
-            return True
-        time.sleep(0.05)
-    return not state.pid_alive(pid)
-
-
-def _unmount_now(ws: str) -> None:
-    err = _detach(["fusermount3", "-u", "-z", ws])
-    if err is not None and state.fuse_mount_at(ws):
-        err2 = _detach(["umount", "-l", ws])
-        if err2 is not None:
-            raise Fail(f"cannot unmount {ws}: {err or err2}")
-
-
-def _detach(cmd: list[str], timeout: float = 15.0) -> str | None:
-    """Run a lazy-unmount command; None on success, else why not.  A helper stuck in the
-    kernel is left behind rather than waited for: umount must come back."""
-    import subprocess
-    try:
-        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    except OSError as e:
-        return f"{cmd[0]}: {e.strerror}"
-    try:
-        _, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        return f"{cmd[0]} did not finish in {timeout:.0f} s"
-    return None if p.returncode == 0 else (err.strip() or f"{cmd[0]} exited with {p.returncode}")
 
 
 @main.command()
@@ -1499,14 +1368,11 @@ def _call_processes(sd: str) -> list[dict]:
 
 
 def _stop_daemon(ws: str) -> None:
-    pid, _, _ = _daemon_pid(state.find_state_dir(ws))
-    if pid:
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and state.pid_alive(pid):
-            time.sleep(0.05)
-    if state.fuse_mount_at(ws) or state.is_dead_mount(ws):
-        _unmount_now(ws)
+    """``mounting.stop``, saying on stderr why the daemon's pid was not signalled."""
+    from .mounting import stop
+    why = stop(ws)
+    if why:
+        click.echo(f"overlayrec: warning: {why}", err=True)
 
 
 def _print_summary(sd: str, sid: str) -> None:

@@ -2,7 +2,7 @@
 
 Opens the underlay root fd *before* mounting (afterwards the path is the mount), opens the
 journal, mounts with pyfuse3, serves until unmounted or signalled (SIGINT/SIGTERM unmount
-cleanly), then closes.  Run as ``python -m overlayrec.daemon``; ``overlayrec mount`` starts it in
+cleanly), then closes.  Run as ``python -m overlayrec.daemon``; ``mounting.spawn`` starts it in
 its own process (pyfuse3 serves one mount per process) and waits on a pipe for "ready" or the
 reason it failed.
 """

@@ -1,0 +1,180 @@
+"""A command's side of a mount: start a workspace's daemon and wait until it serves, stop it,
+and lift a mount whose daemon is gone or hung.
+
+The daemon itself (``daemon.py``) lives in its own process, since pyfuse3 serves one mount per
+process; ``mount``, ``run``, ``umount`` and a revert of an unmounted workspace start and stop it
+through here.  Nothing here prints: a refusal is a ``MountError`` (one line, for the command to
+show), and what a command should warn of is returned.
+"""
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+from . import state
+
+SOCKET_PATH_MAX = 107  # sockaddr_un.sun_path: 108 bytes with its NUL
+
+
+class MountError(state.StateError):
+    """A mount refused or failed: the message is the one line the user reads (a StateError:
+    every command shows one as its error line)."""
+
+
+def refuse_nested(ws: str) -> None:
+    """A mount inside another overlayrec mount, or over one, would record its changes twice,
+    the outer record blaming the inner daemon for all of them (an outside process), or the
+    inner one the outer: refused."""
+    outer = state.overlayrec_mount_containing(ws)
+    if outer is not None and outer != ws:
+        raise MountError(f"{ws} is inside the overlayrec mount {outer}, which records it "
+                         "already")
+    # and the other way: the inner record would blame this daemon for every change made
+    # through the new mount beneath it (the daemon writes there, not the process)
+    inner = state.overlayrec_mounts_beneath(ws)
+    if inner:
+        raise MountError(f"{ws} holds the overlayrec mount {inner[0]}, which records that part "
+                         f"of it already: unmount it first (overlayrec umount {inner[0]})")
+
+
+def spawn(ws: str, sd: str, *, durable=False, allow_other=False, timeout=30.0,
+          record_data=False, secret=(), no_default_secrets=False, max_bytes=None,
+          for_this=False) -> tuple[int, list[str]]:
+    """Start the daemon in its own process and wait until the mount is ready: its pid, and
+    what its open of the journal kept aside of the log ahead (``kept_aside``: bytes after the
+    last whole record, a crash's torn write or damage; only its log says so otherwise).
+
+    ``for_this``: the mount is this command's (run, a revert of an unmounted workspace), and
+    goes once the command is gone even if it was killed where it could not unmount (the
+    daemon's ``--owner``)."""
+    refuse_nested(ws)  # mount, run and a revert's own mount alike
+    sock = os.path.join(sd, "control.sock")
+    if len(os.fsencode(sock)) > SOCKET_PATH_MAX:
+        # the hooks reach the daemon by this path (nc -U, the client): it must fit as it is
+        raise MountError(f"the state dir's path is too long for its control socket "
+                         f"({len(os.fsencode(sock))} bytes with /control.sock; a unix "
+                         f"socket's path holds {SOCKET_PATH_MAX}): use --state-dir (or "
+                         f"XDG_STATE_HOME) with a shorter path")
+    r, w = os.pipe()
+    cmd = [sys.executable, "-m", "overlayrec.daemon", "--workspace", ws, "--state-dir", sd,
+           "--ready-fd", str(w)]
+    if durable:
+        cmd.append("--durable")
+    if allow_other:
+        cmd.append("--allow-other")
+    if record_data:
+        cmd.append("--record-data")
+    cmd += [f"--secret={p}" for p in secret]  # "=": a pattern may begin with "-"
+    if no_default_secrets:
+        cmd.append("--no-default-secrets")
+    if max_bytes is not None:
+        cmd.append(f"--max-bytes={max_bytes}")
+    if for_this:
+        cmd.append(f"--owner={os.getpid()}")
+    log_fd = state.open_private(state.StateDir(sd).daemon_log,
+                                os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    started = time.time_ns()
+    with open(os.devnull, "rb") as devnull, os.fdopen(log_fd, "ab") as logf:
+        proc = subprocess.Popen(cmd, stdin=devnull, stdout=logf, stderr=logf, pass_fds=(w,),
+                                start_new_session=True, cwd="/")
+    os.close(w)
+    msg = _read_ready(r, proc, timeout)
+    if msg != "ready":
+        raise MountError(msg.removeprefix("error: ") if msg else
+                         f"daemon exited without mounting (see "
+                         f"{os.path.join(sd, 'daemon.log')})")
+    from .journal.ahead import kept_aside
+    aside = [path for path, when in kept_aside(os.path.join(sd, "journal")) if when >= started]
+    return proc.pid, aside
+
+
+def _read_ready(fd: int, proc: subprocess.Popen, timeout: float) -> str:
+    """The daemon's one line on its ready pipe: "ready", or why it did not mount."""
+    buf = b""
+    deadline = time.monotonic() + timeout
+    try:
+        while b"\n" not in buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                proc.terminate()
+                return f"timed out after {timeout:g}s waiting for the mount"
+            ready, _, _ = select.select([fd], [], [], left)
+            if ready:
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    break
+                buf += chunk
+    finally:
+        os.close(fd)
+    return buf.decode(errors="replace").strip()
+
+
+def daemon_pid(sd: str) -> tuple[int | None, dict | None, str | None]:
+    """The state dir's daemon pid, verified before anything signals it (state.verify_daemon),
+    daemon.json's record, and why a live pid it names failed the check (for a warning)."""
+    info = state.daemon_info(sd)
+    pid, why = state.verify_daemon(info, sd)
+    return pid, info, why
+
+
+def stop(ws: str) -> str | None:
+    """Stop the daemon of ``ws`` (SIGTERM: it unmounts, seals and closes) and lift the mount if
+    it stays (a dead or hung daemon's); why the daemon's pid was not signalled, if it was not."""
+    pid, _, why = daemon_pid(state.find_state_dir(ws))
+    if pid:
+        os.kill(pid, signal.SIGTERM)
+        wait_gone(pid, 20)
+    if state.fuse_mount_at(ws) or state.is_dead_mount(ws):
+        unmount_now(ws)
+    return why
+
+
+def end_daemon(pid: int, info: dict | None, timeout: float) -> bool:
+    """SIGTERM to a verified daemon pid, and SIGKILL if it has not gone within ``timeout``
+    (hung: what it journaled is safe, written ahead); whether it had to be killed."""
+    os.kill(pid, signal.SIGTERM)
+    # the same process still (not a later one given its pid) before it is killed
+    if not wait_gone(pid, timeout) and \
+            state.proc_start_ticks(pid) == (info or {}).get("start_ticks"):
+        os.kill(pid, signal.SIGKILL)
+        wait_gone(pid, 5)
+        return True
+    return False
+
+
+def wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not state.pid_alive(pid):
+            return True
+        time.sleep(0.05)
+    return not state.pid_alive(pid)
+
+
+def unmount_now(ws: str) -> None:
+    """Detach the mount at ``ws`` lazily (fusermount3, else umount): nothing here touches the
+    mounted path, so a hung daemon cannot hang the caller."""
+    err = _detach(["fusermount3", "-u", "-z", ws])
+    if err is not None and state.fuse_mount_at(ws):
+        err2 = _detach(["umount", "-l", ws])
+        if err2 is not None:
+            raise MountError(f"cannot unmount {ws}: {err or err2}")
+
+
+def _detach(cmd: list[str], timeout: float = 15.0) -> str | None:
+    """Run a lazy-unmount command; None on success, else why not.  A helper stuck in the
+    kernel is left behind rather than waited for: umount must come back."""
+    try:
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    except OSError as e:
+        return f"{cmd[0]}: {e.strerror}"
+    try:
+        _, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        return f"{cmd[0]} did not finish in {timeout:.0f} s"
+    return None if p.returncode == 0 else (err.strip() or f"{cmd[0]} exited with {p.returncode}")
