@@ -115,6 +115,7 @@ async def _serve(control: ControlServer, ws: str, owner: dict | None) -> None:
 # how often the daemon looks for a session whose runner has gone without ending it, and for
 # the end of the process it mounted for
 RUNNER_CHECK = 1.0
+USERS_CHECK = 5.0  # and for the processes still working in such a mount, once one was found
 
 
 async def _follow_runners(control: ControlServer, ws: str, owner: dict | None) -> None:
@@ -126,7 +127,7 @@ async def _follow_runners(control: ControlServer, ws: str, owner: dict | None) -
     (the mount stayed for good, its session "running" in every listing).  A mount `run` left
     for processes still working in it goes when they are done."""
     calls = control.calls
-    failed_logged = float("-inf")
+    failed_logged = next_scan = float("-inf")
     while True:
         await trio.sleep(RUNNER_CHECK)
         try:
@@ -145,10 +146,14 @@ async def _follow_runners(control: ControlServer, ws: str, owner: dict | None) -
             continue
         if any(s.ended is None for s in calls.sessions.values()):
             continue
+        if time.monotonic() < next_scan:
+            continue
         # a scan of /proc that asks no filesystem anything (state._holders): off the trio
-        # thread only so that requests are served meanwhile
+        # thread only so that requests are served meanwhile; a few milliseconds a hundred
+        # processes, so while some process works in the mount, every USERS_CHECK seconds
         users = await trio.to_thread.run_sync(state.mount_users, ws, {os.getpid()})
         if users:
+            next_scan = time.monotonic() + USERS_CHECK
             continue
         log.info("pid %d, which mounted %s for itself, is gone, and nothing uses the mount: "
                  "unmounting", owner["pid"], ws)

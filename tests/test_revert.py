@@ -682,6 +682,43 @@ def test_sigkill_mid_revert_then_continue_or_roll_back(make_mount, tmp_path):
         assert not is_mounted(m.ws)
 
 
+def test_a_revert_that_mounted_killed_half_way_leaves_no_mount(make_mount, tmp_path):
+    """A revert of an unmounted workspace mounts it for itself; killed where nothing can catch
+    it (SIGKILL) half way, it left that mount for good.  The daemon, whose mount it was, lifts
+    it once the revert is gone, and ``--continue`` finishes the revert."""
+    m = make_mount()
+    os.makedirs(m.ws, exist_ok=True)
+    (tmp_path / "call.py").write_text(CALL)
+    m.mount()
+    before = tree_of(m.ws)
+    run_call(m, tmp_path, "for i in $(seq 1 300); do echo $i > f$i; done")
+    m.umount()
+    env = dict(os.environ, OVERLAYREC_TEST_REVERT_DELAY="0.01")
+    p = subprocess.Popen([sys.executable, "-m", "overlayrec", "revert", m.ws, "--call", "c1",
+                          "--yes"], env=env, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60 * SLOW
+        while not (is_mounted(m.ws) and
+                   sum(1 for n in os.listdir(m.ws) if n.startswith("f")) < 250):
+            assert time.monotonic() < deadline, "the revert did not get half way"
+            time.sleep(0.02)
+        p.kill()
+        p.wait()
+        deadline = time.monotonic() + 30 * SLOW
+        while is_mounted(m.ws):
+            assert time.monotonic() < deadline, "the revert's mount stayed after it was killed"
+            time.sleep(0.1)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert json.loads(overlayrec("status", m.ws, "--json").stdout)["pending_revert"]
+    overlayrec("revert", m.ws, "--continue")
+    assert tree_of(m.ws) == before
+    assert not is_mounted(m.ws)
+
+
 AGENT_OPEN = textwrap.dedent(r'''
     import json, subprocess, sys, time
     from overlayrec import client
