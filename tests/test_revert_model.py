@@ -235,6 +235,9 @@ def predict(history: list, states: list, unit: str):
         if any(u != unit and p in touched for u, _, touched in history[first + 1:last]):
             conflict = True
         elif final.get(p) != expected:
+            since = [u for u, _, touched in history[last + 1:] if p in touched]
+            if final.get(p) == target and since and all(u == "R" for u in since):
+                continue  # an earlier revert ("R") put it back: nothing to do
             conflict = True
         if target is None:
             tree.pop(p, None)
@@ -246,8 +249,8 @@ def predict(history: list, states: list, unit: str):
 @pytest.mark.timeout(2400)  # the whole run of generated cases, not one of them
 @settings(max_examples=CASES, deadline=None, derandomize=FIXED,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(raw=ops, which=st.sampled_from(["A", "A", "B"]))
-def test_revert_matches_the_model(env, raw, which):
+@given(raw=ops, which=st.sampled_from(["A", "A", "B"]), stack=st.booleans())
+def test_revert_matches_the_model(env, raw, which, stack):
     history = plan_ops(raw)
     case = f"case{next(env.counter)}"
     d = os.path.join(env.m.ws, case)
@@ -274,6 +277,37 @@ def test_revert_matches_the_model(env, raw, which):
     assert r.returncode == 0, (history, r.stdout, r.stderr)
     assert snapshot(d) == predicted, (history, r.stdout)
     if "reverted" in r.stdout:
+        if stack:  # the other call reverted on top of it: the first revert is a unit ("R")
+            _then_the_other(env, case, d, history, model_states, which, before)
         u = overlayrec("unrevert", "-w", env.m.ws, "--yes", check=False)
         assert u.returncode == 0, (history, u.stdout, u.stderr)
         assert snapshot(d) == before, history
+
+
+def _then_the_other(env, case, d, history, model_states, which, before) -> None:
+    """Revert the other call after ``which``'s revert: the model's tree or its conflicts, the
+    first revert an ordinary unit but for the paths it put back as they were before the other
+    call (nothing to do); then unrevert it, back to the tree after the first revert."""
+    other = "B" if which == "A" else "A"
+    after = snapshot(d)
+    touched = [p for p in set(before) | set(after) if before.get(p) != after.get(p)]
+    history2 = history + [("R", None, touched)]
+    states2 = dict(model_states)
+    states2[len(history)] = after
+    conflict, predicted = predict(history2, states2, other)
+    r = overlayrec("revert", env.m.ws, "--call", other, "--path", f"{case}/*", "--yes",
+                   check=False)
+    event("stacked: " + ("nothing to revert" if conflict is None else
+                         "conflict" if conflict else "reverted"))
+    if conflict is None:
+        assert "nothing to revert" in r.stdout, (history2, r.stdout, r.stderr)
+    elif conflict:
+        assert r.returncode == 1 and "conflicts" in r.stderr, (history2, r.stdout, r.stderr)
+        assert snapshot(d) == after
+    else:
+        assert r.returncode == 0, (history2, r.stdout, r.stderr)
+        assert snapshot(d) == predicted, (history2, r.stdout, r.stderr)
+        if "reverted" in r.stdout:
+            u = overlayrec("unrevert", "-w", env.m.ws, "--yes", check=False)
+            assert u.returncode == 0, (history2, u.stdout, u.stderr)
+            assert snapshot(d) == after, history2
