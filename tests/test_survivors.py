@@ -218,3 +218,40 @@ def test_a_run_killed_by_sigkill_leaves_no_mount_behind(make_mount, tmp_path):
     assert [e["session"] for e in ends] == ["k"]
     stat = json.loads(overlayrec("diff", m.ws, "--session", "k", "--json").stdout)
     assert sorted(f["path"] for f in stat["files"]) == ["after.txt", "before.txt"]
+
+
+def test_a_mount_run_left_for_another_session_goes_when_that_one_ends(make_mount, tmp_path):
+    """`run` A mounts, `run` B joins, A ends first: A leaves the mount to B's session (it said
+    so, and was left mounted for good); once B's session ends and nothing works in the mount,
+    the daemon, whose mount was A's, unmounts."""
+    m = make_mount()  # not mounted: run A mounts it
+    go = tmp_path / "go"
+    a = subprocess.Popen([sys.executable, "-m", "overlayrec", "run", "-w", m.ws,
+                          "--state-dir", m.state, "--session", "a", "--", "sh", "-c",
+                          f"echo a > a.txt; while [ ! -e {tmp_path}/b-in ]; do sleep 0.05; done"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    b = None
+    try:
+        _wait_for(os.path.join(m.ws, "a.txt"))
+        b = subprocess.Popen([sys.executable, "-m", "overlayrec", "run", "-w", m.ws, "--session",
+                              "b", "--", "sh", "-c", f"touch {tmp_path}/b-in; echo b > b.txt; "
+                              f"while [ ! -e {go} ]; do sleep 0.05; done"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _, err = a.communicate(timeout=60 * SLOW)
+        assert a.returncode == 0, err
+        assert f"leaving {m.ws} mounted: session(s) b still running" in err, err
+        time.sleep(3 * 1.0)  # the daemon looks once a second: B's session holds the mount
+        assert is_mounted(m.ws)
+        go.touch()
+        assert b.wait(timeout=60 * SLOW) == 0
+        deadline = time.monotonic() + 30 * SLOW
+        while is_mounted(m.ws):
+            assert time.monotonic() < deadline, "the mount stayed after both runs ended"
+            time.sleep(0.1)
+    finally:
+        go.touch()
+        for p in (a, b):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+    assert sorted(e["session"] for e in m.events() if e["op"] == "session_end") == ["a", "b"]
