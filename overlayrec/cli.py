@@ -528,12 +528,13 @@ def status(workspace, as_json, state_dir):
     drifted = _drifted(ws, sd) if events is not None and not hung and not dead else None
     size = _record_size(ws, sd, mounted) if events is not None and not hung and not dead \
         else None
+    live, owner = _live_sessions(sd) if mounted and not hung and pid else (None, None)
     out = {"workspace": ws, "mounted": mounted, "dead_mount": dead, "daemon_pid": pid,
            "state_dir": sd, "journal": journal_path if events is not None else None,
            "events": events, "underlay_holders": holders, "pending_revert": pending,
            "responding": not hung, "drifted": drifted,
            "record_bytes": size["total"] if size else None,
-           "attic": size["attic"] if size else None}
+           "attic": size["attic"] if size else None, "sessions": live, "mounted_for": owner}
     if as_json:
         click.echo(json.dumps(out))
         return
@@ -562,6 +563,15 @@ def status(workspace, as_json, state_dir):
                    "while unmounted or around the mount): "
                    f"{', '.join(map(shown, drifted[:5]))}"
                    + (" ..." if len(drifted) > 5 else ""))
+    for x in live or ():
+        agent = x["agent_pid"] if x["agent_alive"] else None
+        click.echo(f"  session {x['id']}: running since {_fmt_time(x['started'])[:19]}"
+                   + (f", agent pid {agent}" if agent else "")
+                   + ("" if x["runner_alive"] in (None, True) else
+                      ", its `run` gone (ended once its agent has exited too)"))
+    if owner and not owner["alive"]:
+        click.echo(f"  mounted for pid {owner['pid']}, gone: unmounted once no session is "
+                   "live and no process works in it")
     if pending:
         click.echo(f"  pending revert {pending[-1]}: finish it with `overlayrec revert "
                    "--continue` or roll it back with `overlayrec unrevert`")
@@ -570,6 +580,35 @@ def status(workspace, as_json, state_dir):
                    "not recorded; `cd .` re-enters through the mount):")
         for h in holders:
             click.echo(f"    {h['pid']:>7} {h['command']:<16} {'; '.join(h['holds'][:3])}")
+
+
+def _live_sessions(sd: str) -> tuple[list[dict] | None, dict | None]:
+    """The daemon's live sessions (each: id, started, agent pid and whether the agent and the
+    `run` that began it still run), and the command the mount was made for (``--owner``: pid
+    and whether it still runs); None for what cannot be known (a daemon that does not
+    answer)."""
+    from . import client
+    from .attribution import live_stat
+
+    def alive(key: str | None) -> bool | None:
+        if not key:
+            return None
+        pid, start = map(int, key.split(":"))
+        st = live_stat(pid)
+        return st is not None and st[0] == start
+    owner = (state.daemon_info(sd) or {}).get("owner")
+    if isinstance(owner, dict) and isinstance(owner.get("pid"), int):
+        owner = {"pid": owner["pid"], "alive": alive(f"{owner['pid']}:{owner.get('start')}")}
+    else:
+        owner = None
+    try:
+        with client.Client(state.StateDir(sd).control_sock, session="", timeout=5.0) as c:
+            sessions = c.status()["sessions"]
+    except (client.ClientError, KeyError, TypeError):
+        return None, owner
+    return [{"id": x["id"], "started": x["started"], "agent_pid": x.get("agent_pid"),
+             "agent_alive": alive(x.get("agent")), "runner_alive": alive(x.get("runner"))}
+            for x in sessions if x.get("ended") is None], owner
 
 
 def _drifted(ws: str, sd: str) -> list[str] | None:

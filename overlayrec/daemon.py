@@ -457,7 +457,8 @@ def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other
         log.warning("tidying the state dir: %s", e)
     # pid, start ticks and boot id: umount verifies them before it signals this process
     info = {**state.daemon_identity(), "workspace": ws, "state_dir": state_dir,
-            "started": time.time_ns(), "durable": durable, "record_data": record_data}
+            "started": time.time_ns(), "durable": durable, "record_data": record_data,
+            "owner": owning}
     state.write_private(sd.daemon_json, json.dumps(info).encode())
     try:
         state.write_registry(ws, state_dir)

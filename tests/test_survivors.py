@@ -202,6 +202,14 @@ def test_a_run_killed_by_sigkill_leaves_no_mount_behind(make_mount, tmp_path):
         # the agent goes on without its runner: recorded, its session live, the mount kept
         time.sleep(3 * 1.0)  # the daemon looks once a second
         assert is_mounted(m.ws)
+        # status says why the mount stays, and until when
+        st = json.loads(overlayrec("status", m.ws, "--json").stdout)
+        assert [(x["id"], x["agent_alive"], x["runner_alive"]) for x in st["sessions"]] == \
+            [("k", True, False)], st
+        assert st["mounted_for"] == {"pid": run.pid, "alive": False}, st
+        said = overlayrec("status", m.ws).stdout
+        assert "its `run` gone (ended once its agent has exited too)" in said, said
+        assert f"mounted for pid {run.pid}, gone: unmounted once no session is live" in said
         go.touch()
         deadline = time.monotonic() + 30 * SLOW
         while is_mounted(m.ws):
