@@ -564,9 +564,9 @@ def status(workspace, as_json, state_dir):
                    f"{', '.join(map(shown, drifted[:5]))}"
                    + (" ..." if len(drifted) > 5 else ""))
     for x in live or ():
-        agent = x["agent_pid"] if x["agent_alive"] else None
         click.echo(f"  session {x['id']}: running since {_fmt_time(x['started'])[:19]}"
-                   + (f", agent pid {agent}" if agent else "")
+                   + (f", agent pid {x['agent_pid']}" if x["agent_alive"] else
+                      f", its agent (pid {x['agent_pid']}) gone" if x["agent_pid"] else "")
                    + ("" if x["runner_alive"] in (None, True) else
                       ", its `run` gone (ended once its agent has exited too)"))
     if owner and not owner["alive"]:
