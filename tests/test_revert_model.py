@@ -213,13 +213,14 @@ def plan_ops(raw):
     return out
 
 
-def predict(history: list, states: list, unit: str):
-    """(conflict?, predicted tree) for reverting ``unit``; states[i] is the tree after op i
-    (states[-1]: before any)."""
+def predict(history: list, states: list, unit):
+    """(conflict?, predicted tree) for reverting ``unit`` (or a set of units: a session's);
+    states[i] is the tree after op i (states[-1]: before any)."""
+    units = {unit} if isinstance(unit, str) else set(unit)
     final = states[len(history) - 1]
     mine = {}
     for i, (u, _, touched) in enumerate(history):
-        if u == unit:
+        if u in units:
             for p in touched:
                 lo, hi = mine.get(p, (i, i))
                 mine[p] = (min(lo, i), max(hi, i))
@@ -232,7 +233,7 @@ def predict(history: list, states: list, unit: str):
         expected = states[last].get(p)
         if target == expected:
             continue
-        if any(u != unit and p in touched for u, _, touched in history[first + 1:last]):
+        if any(u not in units and p in touched for u, _, touched in history[first + 1:last]):
             conflict = True
         elif final.get(p) != expected:
             since = [u for u, _, touched in history[last + 1:] if p in touched]
@@ -249,8 +250,9 @@ def predict(history: list, states: list, unit: str):
 @pytest.mark.timeout(2400)  # the whole run of generated cases, not one of them
 @settings(max_examples=CASES, deadline=None, derandomize=FIXED,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(raw=ops, which=st.sampled_from(["A", "A", "B"]), stack=st.booleans())
-def test_revert_matches_the_model(env, raw, which, stack):
+@given(raw=ops, which=st.sampled_from(["A", "A", "B"]),
+       then=st.sampled_from([None, None, "other", "session"]))
+def test_revert_matches_the_model(env, raw, which, then):
     history = plan_ops(raw)
     case = f"case{next(env.counter)}"
     d = os.path.join(env.m.ws, case)
@@ -277,28 +279,33 @@ def test_revert_matches_the_model(env, raw, which, stack):
     assert r.returncode == 0, (history, r.stdout, r.stderr)
     assert snapshot(d) == predicted, (history, r.stdout)
     if "reverted" in r.stdout:
-        if stack:  # the other call reverted on top of it: the first revert is a unit ("R")
-            _then_the_other(env, case, d, history, model_states, which, before)
+        if then:  # the other call, or the session, reverted on top of it (the first revert
+            # a unit of its own, "R")
+            _then_the_other(env, case, d, history, model_states, which, before, then)
         u = overlayrec("unrevert", "-w", env.m.ws, "--yes", check=False)
         assert u.returncode == 0, (history, u.stdout, u.stderr)
         assert snapshot(d) == before, history
 
 
-def _then_the_other(env, case, d, history, model_states, which, before) -> None:
-    """Revert the other call after ``which``'s revert: the model's tree or its conflicts, the
-    first revert an ordinary unit but for the paths it put back as they were before the other
-    call (nothing to do); then unrevert it, back to the tree after the first revert."""
-    other = "B" if which == "A" else "A"
+def _then_the_other(env, case, d, history, model_states, which, before, then) -> None:
+    """Revert the other call (``then``: "other"), or the whole session ("session": both calls
+    and the agent's own writes), after ``which``'s revert: the model's tree or its conflicts,
+    the first revert an ordinary unit but for the paths it put back as they were before the
+    selection (nothing to do); then unrevert it, back to the tree after the first revert."""
     after = snapshot(d)
     touched = [p for p in set(before) | set(after) if before.get(p) != after.get(p)]
     history2 = history + [("R", None, touched)]
     states2 = dict(model_states)
     states2[len(history)] = after
-    conflict, predicted = predict(history2, states2, other)
-    r = overlayrec("revert", env.m.ws, "--call", other, "--path", f"{case}/*", "--yes",
-                   check=False)
-    event("stacked: " + ("nothing to revert" if conflict is None else
-                         "conflict" if conflict else "reverted"))
+    if then == "other":
+        units, selection = ("B" if which == "A" else "A"), ["--call", "B" if which == "A" else "A"]
+    else:
+        units, selection = {"A", "B", "S"}, ["--session", "model"]
+    conflict, predicted = predict(history2, states2, units)
+    r = overlayrec("revert", env.m.ws, *selection, "--path", f"{case}/*", "--yes", check=False)
+    event(f"then the {then}: " + ("nothing to revert" if conflict is None else
+                                  "conflict" if conflict else "reverted")
+          + (" (put back already)" if "put back already" in r.stderr else ""))
     if conflict is None:
         assert "nothing to revert" in r.stdout, (history2, r.stdout, r.stderr)
     elif conflict:
