@@ -317,7 +317,7 @@ def test_unit_keys_read_back_as_written(session, call_id, index):
     may hold ':' and '%' (``--session fix:10:30``): each reads back whole, and keys of
     different units never meet."""
     from overlayrec.journal.schema import (call_unit, outside_unit, parse_unit, revert_unit,
-                                           session_unit, turn_unit, unit_session)
+                                           session_unit, turn_unit, unit_kind, unit_session)
     assert parse_unit(call_unit(session, call_id)) == ("call", session, call_id)
     assert parse_unit(turn_unit(session, index)) == ("turn", session, str(index))
     assert parse_unit(session_unit(session)) == ("session", session, None)
@@ -326,6 +326,10 @@ def test_unit_keys_read_back_as_written(session, call_id, index):
     for unit in (call_unit(session, call_id), turn_unit(session, index), session_unit(session)):
         assert unit_session(unit) == session
     assert unit_session(outside_unit(session)) is None and unit_session(None) is None
+    for unit in (call_unit(session, call_id), turn_unit(session, index), session_unit(session),
+                 revert_unit(call_id), outside_unit(call_id)):
+        assert unit_kind(unit) == parse_unit(unit).kind
+    assert unit_kind(None) is None
     u = parse_unit(call_unit(session, call_id))
     assert (u.kind, u.session, u.id) == ("call", session, call_id)
     assert call_unit(session, call_id) != call_unit(session + ":" + call_id, "x")

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from ..journal import Journal
 from ..journal.schema import (UNMOUNTED, JournalError, call_unit, outside_unit, revert_unit,
-                              session_unit, turn_unit)
+                              session_unit, turn_unit, unit_kind)
 from ..secrets import PLACEHOLDER
 from ..underlay import O_PATH, Escape, resolve_beneath
 from ..views import guessed, path_matcher, shown
@@ -152,7 +152,7 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
                     late_paths.add(p)
             else:
                 others.setdefault(p, []).append(e["seq"])
-                if (e.get("unit") or "").startswith("revert:"):
+                if unit_kind(e.get("unit")) == "revert":
                     by_reverts.add(e["seq"])
     ends = states._unit_ends()
     unrecorded = {e.get("path") for e in j.events_of(("unrecorded",), lo, hi)}

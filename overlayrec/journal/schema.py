@@ -253,6 +253,11 @@ def parse_unit(unit: str | None) -> Unit | None:
     return Unit((kind, None, rest))  # revert, outside (or a kind no reader knows)
 
 
+def unit_kind(unit: str | None) -> str | None:
+    """A unit key's kind: call, turn, session, revert, outside (None for no unit)."""
+    return unit.partition(":")[0] if unit else None
+
+
 def unit_session(unit: str | None) -> str | None:
     """The session a unit key belongs to (None for a revert, an outside actor, no unit)."""
     u = parse_unit(unit)
