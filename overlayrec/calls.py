@@ -640,19 +640,55 @@ class Calls:
         s = self.resolve(name, caller)
         if s.ended is not None:
             return s  # a hook's SessionEnd and the runner's both end it: once is enough
-        if s.turns and s.turns[-1]["end_t"] is None:
-            self.turn_end(caller, s.id)
+        # its calls end before its turn, as a turn holds them: a turn ended first took the
+        # open call's changes into its own end (`export git`'s "turn ends" commit held them,
+        # the call's was empty) while `diff --call` showed them the call's
         for c in list(s.active):
             self.call_end(caller, s.id, c.id, "abandoned")
         self.end_exited_calls(s, caller)
         for c in [c for c in self.live_implicit if c.session is s]:
             self._end_call(s, c, caller, "abandoned")  # its processes outlive the session
+        if s.turns and s.turns[-1]["end_t"] is None:
+            self.turn_end(caller, s.id)
         self._place_survivors(s)
         s.ended = time.time_ns()
         self._control_event("session_end", s, caller)
         self.journal.put_record("sessions", s.id.encode(), s.record())
         self._unit_ended(session_unit(s.id))
         return s
+
+    def end_left_open(self) -> list[str]:
+        """At a daemon's start: end the sessions an earlier daemon left open (it was killed: a
+        crash, SIGKILL, the OOM killer), with their open turn and calls (``abandoned``).  No
+        daemon goes on with them (a session lives in its daemon: an agent that asks again under
+        its name begins a new part, ``_next_part``), and what waits for a session's end (`export
+        git`'s commit of a session without calls, its calls' late writes) waited for good while
+        `diff --session` showed its changes.  Ended by this daemon, at its start; their ids."""
+        actor = self._daemon_actor()
+        ended = []
+        for rec in self.journal.records("sessions"):
+            sid = rec.get("id")
+            if rec.get("ended") is not None or not isinstance(sid, str) or sid in self.sessions:
+                continue
+            s = Session(sid, None, None)  # its id only: what the end events name
+            now = time.time_ns()
+            # calls first, then the turn that holds them (see session_end)
+            for c in self.journal.records("calls", sid.encode() + b"\0"):
+                if c.get("end_t") is None and c.get("session") == sid:
+                    c["end_seq"] = self._control_event("call_end", s, actor, call=c["id"],
+                                                       status="abandoned")
+                    c["end_t"], c["status"] = now, "abandoned"
+                    self.journal.put_record("calls", call_key(sid, c["id"]), c)
+            for t in self.journal.records("turns", sid.encode() + b"\0"):
+                if t.get("end_t") is None and t.get("session") == sid:
+                    t["end_seq"] = self._control_event("turn_end", s, actor, turn=t["index"])
+                    t["end_t"] = now
+                    self.journal.put_record("turns", turn_key(sid, t["index"]), t)
+            rec["ended"] = time.time_ns()
+            self._control_event("session_end", s, actor)
+            self.journal.put_record("sessions", sid.encode(), rec)
+            ended.append(sid)
+        return ended
 
     def end_abandoned_sessions(self) -> list[Session]:
         """End each live session ``overlayrec run`` began whose runner and agent have both

@@ -365,6 +365,13 @@ def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool, record_da
         raise MountError(f"cannot check the workspace against the record: {e}") from None
     if found["drifted"] or found["recovered"]:
         log.info("record opened: %s", found)
+    try:  # before this daemon's own units: their ends need no seal (open_record sealed)
+        left = calls.end_left_open()
+    except JournalError as e:
+        raise MountError(f"cannot end the sessions an earlier daemon left open: {e}") from None
+    if left:
+        log.info("ended %d session(s) an earlier daemon left open: %s", len(left),
+                 ", ".join(left))
     calls.on_unit_end = recorder.seal  # a unit's end ends its epochs: seal what they left
     calls.on_boundary = recorder.end_epochs  # every unit boundary ends every epoch
     control = ControlServer(state.StateDir(state_dir).control_sock, calls, attribution,

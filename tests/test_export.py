@@ -321,6 +321,35 @@ def test_a_session_without_calls_is_exported_too(make_mount, tmp_path):
     assert (again["commits"], again["sessions"]) == (0, 1), again
 
 
+CRASHES_MID_CALL = textwrap.dedent(r'''
+    import subprocess
+    from overlayrec import client
+    c = client.connect()
+    c.turn_begin(prompt="begin a call, then crash")
+    c.call_begin("c1", "Bash")
+    subprocess.run(["bash", "-c", "echo x > x.txt"], check=True)
+''')
+
+
+def test_a_call_open_when_its_session_ends_keeps_its_changes(make_mount, tmp_path):
+    """An agent that exits in the middle of a call (a crash: no call end, no turn end): its
+    session's end ended the turn first and the call after, so `export git`'s "turn ends"
+    commit held the call's change and the call's own commit was empty, while `diff --call`
+    showed the change the call's.  The call ends first now, as the turn holds it.  Found by
+    hand."""
+    m = make_mount()
+    m.mount()
+    agent = tmp_path / "agent.py"
+    agent.write_text(CRASHES_MID_CALL)
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", sys.executable, str(agent), cwd=m.ws)
+    ends = [(e["op"], e.get("status")) for e in m.events() if e["op"].endswith("_end")]
+    assert ends == [("call_end", "abandoned"), ("turn_end", None), ("session_end", None)], ends
+    gd = json.loads(overlayrec("export", "git", m.ws, "--json").stdout)["git_dir"]
+    assert git(gd, "show", "--stat", "--format=", "refs/overlayrec/s/calls/c1") == \
+        overlayrec("diff", m.ws, "--call", "c1", "--stat").stdout
+    assert git(gd, "show", "--stat", "--format=", "refs/overlayrec/s/turns/1") == ""
+
+
 def test_a_sessions_chain_in_every_shape(make_mount):
     """A session's chain beyond plain files: the agent's own write before its first call and
     between calls, a directory renamed with files beneath, a hard link, a symlink to a

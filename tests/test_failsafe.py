@@ -325,3 +325,65 @@ def test_umount_of_a_hung_daemon_does_not_hang(make_mount):
             pass
     assert open(os.path.join(m.ws, "f")).read() == "before\n"
     assert [e["op"] for e in m.events()][:1] == ["create"]
+
+
+LEFT_OPEN_AGENT = r'''
+import os, subprocess, sys, time
+from overlayrec import client
+ready = sys.argv[1]
+with client.connect() as c:
+    c.turn_begin(prompt="work, then lose the daemon")
+    c.call_begin("c1", "Bash")
+    subprocess.run(["bash", "-c", "echo one > one.txt"], check=True)
+    c.call_end("c1")
+    c.call_begin("c2", "Bash")
+    subprocess.run(["bash", "-c", "echo two > two.txt"], check=True)
+    open(ready, "w").close()
+    time.sleep(600)
+'''
+
+
+def test_a_session_a_killed_daemon_left_open_ends_at_the_next_mount(make_mount, tmp_path):
+    """A daemon killed by SIGKILL mid-session leaves the session, its turn and its open call
+    without an end, and no daemon could ever give them one: `export git` left the session's
+    last call out for good while `diff --session` showed its change.  The next daemon ends
+    them at its start (the open call ``abandoned``), and every reader agrees again."""
+    m = make_mount()
+    m.mount()
+    agent = tmp_path / "agent.py"
+    agent.write_text(LEFT_OPEN_AGENT)
+    ready = tmp_path / "ready"
+    run = subprocess.Popen([sys.executable, "-m", "overlayrec", "run", "-w", m.ws, "--session",
+                            "s", "--", sys.executable, str(agent), str(ready)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60 * SLOW
+        while not ready.exists():
+            assert time.monotonic() < deadline and run.poll() is None, "the agent did not start"
+            time.sleep(0.05)
+        pid = json.load(open(os.path.join(m.state, "daemon.json")))["pid"]
+        os.kill(pid, signal.SIGKILL)
+    finally:
+        run.kill()  # and its agent: the session cannot end by itself
+        run.wait()
+        subprocess.run(["pkill", "-f", str(agent)])
+    overlayrec("umount", m.ws)
+    assert [e["op"] for e in m.events() if e["op"].endswith("_end")] == ["call_end"]
+    m.mount()  # the next daemon
+    ends = [e for e in m.events() if e["op"].endswith("_end")]
+    assert [(e["op"], e.get("call"), e.get("status")) for e in ends] == [
+        ("call_end", "c1", "ok"), ("call_end", "c2", "abandoned"), ("turn_end", None, None),
+        ("session_end", None, None)], ends
+    rows = {r["id"]: r for r in map(json.loads, overlayrec("calls", m.ws, "--json").stdout
+                                    .splitlines())}
+    assert rows["c2"]["status"] == "abandoned" and rows["c2"]["paths"] == ["two.txt"], rows
+    exported = json.loads(overlayrec("export", "git", m.ws, "--json").stdout)
+    shown = subprocess.run(["git", "--git-dir", exported["git_dir"], "show", "--stat",
+                            "--format=", "refs/overlayrec/s/calls/c2"], capture_output=True,
+                           text=True, check=True).stdout
+    log = subprocess.run(["git", "--git-dir", exported["git_dir"], "log", "--stat",
+                          "--format=%s", "refs/overlayrec/s/head"], capture_output=True,
+                         text=True, check=True).stdout
+    assert "two.txt" in shown, log
+    assert overlayrec("diff", m.ws, "--session", "s", "--name-status").stdout == \
+        "A\tone.txt\nA\ttwo.txt\n"

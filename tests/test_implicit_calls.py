@@ -49,13 +49,13 @@ def test_unit_ends_reach_the_hook_in_order(tmp_path):
     calls.call_begin(me, "s", "b", "Bash", None)
     calls.turn_begin(me, "s", "second")  # ends b (interrupted), then turn 1
     calls.call_begin(me, "s", "c", "Bash", None)
-    calls.session_end(me, "s")            # ends turn 2, abandons c, ends the session
-    calls.session_end(me, "s")            # a second end is a no-op
-    assert seen == ["call:s:a", "call:s:b", "turn:s:1", "turn:s:2", "call:s:c", "session:s"]
+    calls.session_end(me, "s")            # abandons c, ends turn 2 (which holds c), ends
+    calls.session_end(me, "s")            # the session; a second end is a no-op
+    assert seen == ["call:s:a", "call:s:b", "turn:s:1", "call:s:c", "turn:s:2", "session:s"]
     ends = [e for e in j.events() if e["op"] in ("call_end", "turn_end", "session_end")]
     assert [(e["op"], e.get("call") or e.get("turn"), e.get("status")) for e in ends] == \
         [("call_end", "a", "ok"), ("call_end", "b", "interrupted"), ("turn_end", 1, None),
-         ("turn_end", 2, None), ("call_end", "c", "abandoned"), ("session_end", None, None)]
+         ("call_end", "c", "abandoned"), ("turn_end", 2, None), ("session_end", None, None)]
     j.close()
 
 
