@@ -350,6 +350,47 @@ def test_a_call_open_when_its_session_ends_keeps_its_changes(make_mount, tmp_pat
     assert git(gd, "show", "--stat", "--format=", "refs/overlayrec/s/turns/1") == ""
 
 
+TURN_ENDS_INSIDE_A_CALL = textwrap.dedent(r'''
+    import subprocess, time
+    from overlayrec import client
+    with client.connect() as c:
+        c.turn_begin(prompt="a call still active when the turn ends")
+        c.call_begin("c1", "Bash")
+        p = subprocess.Popen(["bash", "-c", "echo x > x.txt; read l; echo y > y.txt"],
+                             stdin=subprocess.PIPE, text=True)
+        while True:  # x.txt written
+            try:
+                open("x.txt").close()
+                break
+            except FileNotFoundError:
+                time.sleep(0.02)
+        c.turn_end()  # the call's end hook has not come
+        p.communicate("go\n")
+        c.call_end("c1")
+''')
+
+
+def test_a_call_the_chain_commits_inside_has_its_sides(make_mount, tmp_path):
+    """A turn ended while a call was still active: the turn's commit holds what the call
+    wrote until then, the call's commit only the rest, so the call's commit against its
+    parent is not its diff; nor did its sides hold it (only another unit's writes inside its
+    span, or its own after its end, made them), and `records diff --call` answered from the
+    commit: half the call.  Found by hand."""
+    m = make_mount()
+    m.mount()
+    agent = tmp_path / "agent.py"
+    agent.write_text(TURN_ENDS_INSIDE_A_CALL)
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", sys.executable, str(agent), cwd=m.ws)
+    gd = json.loads(overlayrec("export", "git", m.ws, "--json").stdout)["git_dir"]
+    assert git(gd, "show", "--name-only", "--format=", "refs/overlayrec/s/calls/c1") == \
+        "y.txt\n"  # the chain, as it is
+    sides = git(gd, "ls-tree", "-r", "--name-only", "refs/overlayrec/s/sides").split()
+    assert [p for p in sides if p.startswith("calls/")] == \
+        ["calls/c-c1/b/x.txt", "calls/c-c1/b/y.txt"], sides
+    assert overlayrec("diff", m.ws, "--call", "c1", "--name-status").stdout == \
+        "A\tx.txt\nA\ty.txt\n"
+
+
 def test_a_sessions_chain_in_every_shape(make_mount):
     """A session's chain beyond plain files: the agent's own write before its first call and
     between calls, a directory renamed with files beneath, a hard link, a symlink to a

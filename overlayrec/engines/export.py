@@ -625,8 +625,9 @@ class Exporter:
         """One commit on ``<session>/sides``: the before (``a/``) and after (``b/``) trees of
         the diffs ``overlayrec diff`` makes (engines/diff.py), each only its selection's paths:
         every new turn's, the session's (kept up to date path by path), and a new call's only
-        where the chain cannot show it (another unit wrote inside its span, or it wrote after
-        its end): else its commit against its parent is that diff already."""
+        where the chain cannot show it (another unit wrote inside its span, it wrote after its
+        end, or the chain commits inside its span): else its commit against its parent is that
+        diff already."""
         changes: list[bytes] = []
 
         def put(key: str, events: list[dict], bounds=None) -> None:
@@ -643,11 +644,21 @@ class Exporter:
             by_unit: dict[str, list[dict]] = {}
             for e in self._events(lo, horizon):
                 by_unit.setdefault(e.get("unit") or "", []).append(e)
+            # where the chain may commit: each call's begin (an interim commit) and end, each
+            # turn's end.  One inside a call's span takes what the call wrote before it: a
+            # turn ended while a call was still active (a tool's end hook that never came)
+            # held the call's first writes in its commit, the call's commit only the rest
+            prefix = sid.encode() + b"\0"
+            marks = sorted({x for r in self.j.records("calls", prefix)
+                            for x in (r.get("begin_seq"), r.get("end_seq")) if x} |
+                           {r["end_seq"] for r in self.j.records("turns", prefix)
+                            if r.get("end_seq")})
             for c in calls:
                 unit = call_unit(sid, c["id"])
                 mine = by_unit.get(unit, [])
                 begin, end = c.get("begin_seq") or c["end_seq"], c["end_seq"]
-                if any(e["seq"] > end for e in mine) or any(
+                crossed = bisect.bisect_left(marks, end) > bisect.bisect_right(marks, begin)
+                if crossed or any(e["seq"] > end for e in mine) or any(
                         e.get("unit") != unit and self._counts(e)
                         for e in self._events(begin - 1, end)):
                     put(side_key("call", c["id"]), mine)
