@@ -358,12 +358,14 @@ TURN_ENDS_INSIDE_A_CALL = textwrap.dedent(r'''
         c.call_begin("c1", "Bash")
         p = subprocess.Popen(["bash", "-c", "echo x > x.txt; read l; echo y > y.txt"],
                              stdin=subprocess.PIPE, text=True)
-        while True:  # x.txt written
+        while True:  # x.txt written (and closed: bash's redirection ends with the line)
             try:
-                open("x.txt").close()
-                break
+                with open("x.txt") as f:
+                    if f.read() == "x\n":
+                        break
             except FileNotFoundError:
-                time.sleep(0.02)
+                pass
+            time.sleep(0.02)
         c.turn_end()  # the call's end hook has not come
         p.communicate("go\n")
         c.call_end("c1")
@@ -386,9 +388,58 @@ def test_a_call_the_chain_commits_inside_has_its_sides(make_mount, tmp_path):
         "y.txt\n"  # the chain, as it is
     sides = git(gd, "ls-tree", "-r", "--name-only", "refs/overlayrec/s/sides").split()
     assert [p for p in sides if p.startswith("calls/")] == \
-        ["calls/c-c1/b/x.txt", "calls/c-c1/b/y.txt"], sides
+        ["calls/c-c1/.sides", "calls/c-c1/b/x.txt", "calls/c-c1/b/y.txt"], sides
     assert overlayrec("diff", m.ws, "--call", "c1", "--name-status").stdout == \
         "A\tx.txt\nA\ty.txt\n"
+
+
+EMPTY_DIR_WHILE_ANOTHER_WRITES = textwrap.dedent(r'''
+    import os, subprocess, sys, time
+    from overlayrec import client
+    go, done = sys.argv[1], sys.argv[2]
+    with client.connect() as c:
+        c.call_begin("c1", "Bash")
+        subprocess.run(["mkdir", "empty"], check=True)
+        open(go, "w").close()  # the outside writer writes now, inside the call's span
+        while not os.path.exists(done):
+            time.sleep(0.02)
+        c.call_end("c1")
+''')
+
+
+def test_a_call_whose_sides_hold_no_file_is_read_as_empty_from_the_refs(make_mount, tmp_path):
+    """A call that changed nothing git holds (an empty directory) while another process wrote
+    in its span: its sides hold no file, and a reader of the refs took them for absent and
+    answered its diff from its commit, the other process's file included.  Found by the
+    history model's new check of the records' diffs."""
+    m = make_mount()
+    m.mount()
+    agent = tmp_path / "agent.py"
+    agent.write_text(EMPTY_DIR_WHILE_ANOTHER_WRITES)
+    go, done = tmp_path / "go", tmp_path / "done"
+    run = subprocess.Popen([sys.executable, "-m", "overlayrec", "run", "-w", m.ws, "--session",
+                            "s", "--", sys.executable, str(agent), str(go), str(done)],
+                           cwd=m.ws, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not go.exists():
+            assert time.monotonic() < deadline and run.poll() is None
+            time.sleep(0.02)
+        with open(os.path.join(m.ws, "theirs.txt"), "w") as f:  # this process: outside
+            f.write("not the call's\n")
+        done.touch()
+        assert run.wait(timeout=60) == 0
+    finally:
+        done.touch()
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    assert overlayrec("diff", m.ws, "--call", "c1", "--stat").stdout == ""
+    remote = tmp_path / "remote.git"
+    subprocess.run(["git", "init", "-q", "--bare", str(remote)], check=True)
+    overlayrec("export", "git", m.ws, "--push", str(remote))
+    r = overlayrec("records", "diff", "--git", str(remote), "--call", "c1", "--stat")
+    assert r.stdout == "", r.stdout
 
 
 def test_a_sessions_chain_in_every_shape(make_mount):

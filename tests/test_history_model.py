@@ -98,8 +98,8 @@ from hypothesis import HealthCheck, Phase, event, example, given, note, settings
 from conftest import HAVE_FUSE, SLOW, Mount, force_unmount, is_mounted, overlayrec
 from overlayrec import client
 from overlayrec.engines.diff import Side, changed, net_of, select
-from overlayrec.engines.export import Exporter
-from overlayrec.engines.gitdiff import ObjectStore
+from overlayrec.engines.export import Exporter, side_key
+from overlayrec.engines.gitdiff import EMPTY_TREE, ObjectStore
 from overlayrec.engines.replay import blame, replay
 from overlayrec.engines.states import States, Tree
 from overlayrec.journal import Journal
@@ -1313,6 +1313,35 @@ def check_export(rec, j, states, case, plan, ids, recs) -> None:
             d = view_diff(want, got)
             assert not d, f"export: the commit {rev} is not the model's tree at the call's " \
                           f"{what}:\n{d}"
+    # what a copy of the refs answers for `diff --call` (engines.travel.Records.diff: the
+    # call's sides, else its commit against its parent) is the journal's `diff --call`
+    sides = f"refs/overlayrec/{rec.session}/sides"
+    for seg in plan.segments:
+        if seg.kind != "call":
+            continue
+        cid = ids[f"c{seg.call}"]
+        key = side_key("call", cid)
+        r = git("ls-tree", sides, f"{key}/", env=store.env)
+        halves = {line.split("\t", 1)[1].rsplit("/", 1)[-1]: line.split()[2]
+                  for line in r.stdout.decode().splitlines()} if r.returncode == 0 else {}
+        if halves:
+            a, b = (halves.get(h, EMPTY_TREE) for h in ("a", "b"))
+        else:
+            ref = f"refs/overlayrec/{rec.session}/calls/{cid}"
+            a, b = ref + "^", ref
+        side, vague = exact_side(select(j, states, call=cid, glob=f"{case}/*"))
+        want = changes_between(ls_tree(store, store.tree(side.before), case),
+                               ls_tree(store, store.tree(side.after), case))
+        got = changes_between(ls_tree(store, a, case), ls_tree(store, b, case))
+        want, got = without(want, vague), without(got, vague)
+        assert want == got, f"export: the records' diff of call c{seg.call} " \
+            f"({'its sides' if halves else 'its commit against its parent'}) is not its " \
+            f"diff:\n  journal: {sorted(want.items())}\n  records: {sorted(got.items())}"
+
+
+def changes_between(a: dict, b: dict) -> dict:
+    """The paths two git views hold differently: path -> (before, after), None for absent."""
+    return {p: (a.get(p), b.get(p)) for p in set(a) | set(b) if a.get(p) != b.get(p)}
 
 
 def revert_cli(ws: str, cid: str, case: str):

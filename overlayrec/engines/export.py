@@ -66,6 +66,12 @@ def _ident(name: str, email: str, t_ns: int) -> dict:
     return {"name": name, "email": email, "date": f"{t_ns // 10**9} +0000"}
 
 
+# beside a unit's ``a/`` and ``b/`` in the sides tree: says that its sides are there
+SIDES_NAME = ".sides"
+SIDES_NOTE = (b"a/ holds what this unit's paths held before it, b/ what they held after it, "
+              b"each only its paths that git can hold (none: neither is there)\n")
+
+
 def side_key(kind: str, key) -> str:
     """Where one unit's diff sides live in a session's ``sides`` tree: ``calls/c-<id>``
     (the id percent-encoded: any text is a valid id), ``turns/<n>``, ``session``; beneath it
@@ -633,6 +639,12 @@ class Exporter:
         def put(key: str, events: list[dict], bounds=None) -> None:
             side = side_of(self, events, bounds)
             changes.append(b"D " + quote_path(key))
+            # a unit's sides are there even when they hold no file (it changed only what git
+            # cannot hold, an empty directory, or nothing): without this a reader of the refs
+            # took them for absent and answered a call's diff from its commit, another unit's
+            # writes inside its span included (found by the history model)
+            changes.append(f"M 100644 {self.fi.blob(SIDES_NOTE)} ".encode()
+                           + quote_path(f"{key}/{SIDES_NAME}"))
             for half, states in (("a/", side.before), ("b/", side.after)):
                 for p in sorted(states):
                     s = states[p]
