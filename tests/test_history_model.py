@@ -1337,6 +1337,16 @@ def check_export(rec, j, states, case, plan, ids, recs) -> None:
         assert want == got, f"export: the records' diff of call c{seg.call} " \
             f"({'its sides' if halves else 'its commit against its parent'}) is not its " \
             f"diff:\n  journal: {sorted(want.items())}\n  records: {sorted(got.items())}"
+    # and of `diff --session`: the session's sides, kept up to date path by path
+    side, vague = exact_side(select(j, states, session=rec.session, glob=f"{case}/*"))
+    want = changes_between(ls_tree(store, store.tree(side.before), case),
+                           ls_tree(store, store.tree(side.after), case))
+    got = changes_between(*({p[len(f"session/{h}/"):]: v for p, v in
+                             ls_tree(store, sides, f"session/{h}/{case}").items()}
+                            for h in ("a", "b")))
+    want, got = without(want, vague), without(got, vague)
+    assert want == got, f"export: the records' diff of the session is not its diff:\n" \
+        f"  journal: {sorted(want.items())}\n  records: {sorted(got.items())}"
 
 
 def changes_between(a: dict, b: dict) -> dict:
