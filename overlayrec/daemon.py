@@ -367,8 +367,9 @@ def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool, record_da
         log.info("record opened: %s", found)
     try:  # before this daemon's own units: their ends need no seal (open_record sealed)
         left = calls.end_left_open()
-    except JournalError as e:
-        raise MountError(f"cannot end the sessions an earlier daemon left open: {e}") from None
+    except JournalError as e:  # the state dir full: they stay open until a later mount
+        log.warning("cannot end the sessions an earlier daemon left open now: %s", e)
+        left = []
     if left:
         log.info("ended %d session(s) an earlier daemon left open: %s", len(left),
                  ", ".join(left))
