@@ -442,6 +442,43 @@ def test_a_call_whose_sides_hold_no_file_is_read_as_empty_from_the_refs(make_mou
     assert r.stdout == "", r.stdout
 
 
+EMPTY_TURN = textwrap.dedent(r'''
+    import subprocess
+    from overlayrec import client
+    with client.connect() as c:
+        c.turn_begin(prompt="only an empty directory")
+        c.call_begin("c1", "Bash")
+        subprocess.run(["mkdir", "d"], check=True)
+        c.call_end("c1")
+        c.turn_end()
+        c.turn_begin(prompt="a file")
+        c.call_begin("c2", "Bash")
+        subprocess.run(["bash", "-c", "echo x > d/x"], check=True)
+        c.call_end("c2")
+        c.turn_end()
+''')
+
+
+def test_a_turn_that_changed_nothing_git_holds_reads_as_empty_from_the_refs(make_mount,
+                                                                            tmp_path):
+    """A turn whose sides hold no file (its call made only an empty directory): a reader of
+    the refs said "turn 1 has no diff sides" and failed where `diff --turn 1` shows an empty
+    diff; its sides are there now (``.sides``), and empty."""
+    m = make_mount()
+    m.mount()
+    agent = tmp_path / "agent.py"
+    agent.write_text(EMPTY_TURN)
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", sys.executable, str(agent), cwd=m.ws)
+    remote = tmp_path / "remote.git"
+    subprocess.run(["git", "init", "-q", "--bare", str(remote)], check=True)
+    overlayrec("export", "git", m.ws, "--push", str(remote))
+    for turn in ("1", "2"):
+        assert overlayrec("records", "diff", "--git", str(remote), "--turn", turn,
+                          "--stat").stdout == \
+            overlayrec("diff", m.ws, "--turn", turn, "--stat").stdout
+    assert overlayrec("diff", m.ws, "--turn", "1", "--stat").stdout == ""
+
+
 def test_a_sessions_chain_in_every_shape(make_mount):
     """A session's chain beyond plain files: the agent's own write before its first call and
     between calls, a directory renamed with files beneath, a hard link, a symlink to a
