@@ -41,6 +41,16 @@ def proc_start_and_ppid(pid: int) -> tuple[int, int] | None:
     return int(rest[19]), int(rest[1])
 
 
+def alive(key: str | None) -> bool:
+    """Is the process of ``key`` ("pid:start tick", an actor's key) still running (not exited,
+    not a zombie, and not a later process given its pid)?"""
+    if not key:
+        return False
+    pid, _, start = key.partition(":")
+    st = live_stat(int(pid))
+    return st is not None and str(st[0]) == start
+
+
 def live_stat(pid: int) -> tuple[int, int] | None:
     """(start tick, ppid) of a process that has not exited: None when it is gone or a zombie
     (which keeps its /proc entry until reaped, and nobody may reap an orphan's in a container

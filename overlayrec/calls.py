@@ -44,7 +44,7 @@ import time
 import uuid
 from typing import Callable
 
-from .attribution import Attribution, live_stat, proc_start_and_ppid, read_actor
+from .attribution import Attribution, alive, live_stat, proc_start_and_ppid, read_actor
 from .journal import Journal, JournalError
 from .journal.schema import (call_key, call_unit, outside_unit, revert_unit, session_unit,
                              turn_key, turn_unit)
@@ -143,11 +143,6 @@ def live_children_of(pid: int) -> dict[str, int]:
         if st is not None:
             out[f"{c}:{st[0]}"] = c
     return out
-
-
-def _alive(key: str, pid: int) -> bool:
-    st = live_stat(pid)
-    return st is not None and f"{pid}:{st[0]}" == key
 
 
 class Call:
@@ -475,7 +470,7 @@ class Calls:
                 todo = list(c.procs.items())
                 while todo:
                     key, pid = todo.pop()
-                    if not _alive(key, pid):
+                    if not alive(key):
                         del c.procs[key]
                         if s.members.get(key) is c:
                             del s.members[key]
@@ -485,7 +480,7 @@ class Calls:
                             self._join(s, c, kkey, kpid)
                             todo.append((kkey, kpid))
             runner = s.runner
-            if runner is not None and _alive(runner["key"], runner["pid"]):
+            if runner is not None and alive(runner["key"]):
                 agent = s.agent["key"] if s.agent else None
                 for key, pid in live_children_of(runner["pid"]).items():
                     if key == agent or key in s.members or key in s.child_units:
@@ -700,9 +695,9 @@ class Calls:
         for s in list(self.sessions.values()):
             if s.ended is not None or s.runner is None:
                 continue
-            if _alive(s.runner["key"], s.runner["pid"]):
+            if alive(s.runner["key"]):
                 continue
-            if s.agent is not None and _alive(s.agent["key"], s.agent["pid"]):
+            if s.agent is not None and alive(s.agent["key"]):
                 continue  # the agent works on without its runner: its session goes on
             self.session_end(self._daemon_actor(), s.id)
             ended.append(s)

@@ -588,14 +588,10 @@ def _live_sessions(sd: str) -> tuple[list[dict] | None, dict | None]:
     and whether it still runs); None for what cannot be known (a daemon that does not
     answer)."""
     from . import client
-    from .attribution import live_stat
+    from .attribution import alive as running
 
     def alive(key: str | None) -> bool | None:
-        if not key:
-            return None
-        pid, start = map(int, key.split(":"))
-        st = live_stat(pid)
-        return st is not None and st[0] == start
+        return running(key) if key else None
     owner = (state.daemon_info(sd) or {}).get("owner")
     if isinstance(owner, dict) and isinstance(owner.get("pid"), int):
         owner = {"pid": owner["pid"], "alive": alive(f"{owner['pid']}:{owner.get('start')}")}

@@ -26,7 +26,7 @@ import pyfuse3
 import trio
 import trio.testing  # wait_all_tasks_blocked: the run loop's own idle check (_commit_held_notes)
 
-from .attribution import Attribution, live_stat
+from .attribution import Attribution, alive, live_stat
 from .calls import Calls
 from .control import ControlServer
 from .fs import Operations
@@ -142,7 +142,7 @@ async def _follow_runners(control: ControlServer, ws: str, owner: dict | None) -
         except Exception:  # must not take the mount down: tried again next time
             log.exception("ending abandoned sessions failed")
             continue
-        if owner is None or _alive(owner):
+        if owner is None or alive(f"{owner['pid']}:{owner['start']}"):
             continue
         if any(s.ended is None for s in calls.sessions.values()):
             continue
@@ -159,11 +159,6 @@ async def _follow_runners(control: ControlServer, ws: str, owner: dict | None) -
                  "unmounting", owner["pid"], ws)
         pyfuse3.terminate()
         return
-
-
-def _alive(proc: dict) -> bool:
-    st = live_stat(proc["pid"])
-    return st is not None and st[0] == proc["start"]
 
 
 # what waits for a commit (Journal.hold_notes: extents notes, held events, records written

@@ -45,6 +45,15 @@ def is_mounted(path: str) -> bool:
         return any(line.split()[4] == path for line in f)
 
 
+def wait_unmounted(path: str, why: str, limit: float = 30.0) -> None:
+    """Wait until nothing is mounted at ``path`` (a daemon that unmounts on its own); fail
+    with ``why`` after ``limit`` seconds (times OVERLAYREC_TEST_SLOWDOWN)."""
+    deadline = time.monotonic() + limit * SLOW
+    while is_mounted(path):
+        assert time.monotonic() < deadline, why
+        time.sleep(0.1)
+
+
 def force_unmount(path: str) -> None:
     for _ in range(3):
         if not is_mounted(path):

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import SLOW, needs_fuse, overlayrec, is_mounted
+from conftest import SLOW, needs_fuse, overlayrec, is_mounted, wait_unmounted
 from test_replay import tree_of
 
 pytestmark = needs_fuse
@@ -705,10 +705,7 @@ def test_a_revert_that_mounted_killed_half_way_leaves_no_mount(make_mount, tmp_p
             time.sleep(0.02)
         p.kill()
         p.wait()
-        deadline = time.monotonic() + 30 * SLOW
-        while is_mounted(m.ws):
-            assert time.monotonic() < deadline, "the revert's mount stayed after it was killed"
-            time.sleep(0.1)
+        wait_unmounted(m.ws, "the revert's mount stayed after it was killed")
     finally:
         if p.poll() is None:
             p.kill()

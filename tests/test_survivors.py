@@ -11,7 +11,7 @@ import sys
 import textwrap
 import time
 
-from conftest import SLOW, is_mounted, needs_fuse, overlayrec
+from conftest import SLOW, is_mounted, needs_fuse, overlayrec, wait_unmounted
 
 pytestmark = needs_fuse
 
@@ -120,10 +120,8 @@ def _writer_left_running(m, agent, go: str, done: str) -> None:
     overlayrec("revert", m.ws, "--call", "c1", "--yes")
     # (the attic is seen once the mount is gone: it went when the writer was done)
     assert [n for n in os.listdir(m.ws) if n != ".overlayrec-attic"] == []
-    deadline = time.monotonic() + 30 * SLOW
-    while is_mounted(m.ws):  # as run said: unmounted once the writer was done
-        assert time.monotonic() < deadline, "the mount stayed after the writer was done"
-        time.sleep(0.1)
+    # as run said: unmounted once the writer was done
+    wait_unmounted(m.ws, "the mount stayed after the writer was done")
 
 
 def test_umount_names_the_processes_that_lose_the_workspace(make_mount):
@@ -211,10 +209,7 @@ def test_a_run_killed_by_sigkill_leaves_no_mount_behind(make_mount, tmp_path):
         assert "its `run` gone (ended once its agent has exited too)" in said, said
         assert f"mounted for pid {run.pid}, gone: unmounted once no session is live" in said
         go.touch()
-        deadline = time.monotonic() + 30 * SLOW
-        while is_mounted(m.ws):
-            assert time.monotonic() < deadline, "the mount stayed after its run and agent"
-            time.sleep(0.1)
+        wait_unmounted(m.ws, "the mount stayed after its run and agent")
     finally:
         go.touch()
         if run.poll() is None:
@@ -252,10 +247,7 @@ def test_a_mount_run_left_for_another_session_goes_when_that_one_ends(make_mount
         assert is_mounted(m.ws)
         go.touch()
         assert b.wait(timeout=60 * SLOW) == 0
-        deadline = time.monotonic() + 30 * SLOW
-        while is_mounted(m.ws):
-            assert time.monotonic() < deadline, "the mount stayed after both runs ended"
-            time.sleep(0.1)
+        wait_unmounted(m.ws, "the mount stayed after both runs ended")
     finally:
         go.touch()
         for p in (a, b):
