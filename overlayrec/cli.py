@@ -1777,12 +1777,9 @@ def report(workspace, out, state_dir):
 def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, unreverts=None,
                 resume=None):
     """Plan, check, confirm and carry out a revert (overlayrec.reverts) through the mount,
-    mounting it for the occasion when it is not."""
+    mounting it for the occasion when it is not; what it says is said here."""
     from . import reverts
     from .views import named, one_line, shown
-    from .engines.diff import SelectionError, session_named
-    from .engines.states import States, Tree
-    from .journal import ContentStore
     if state.is_dead_mount(ws):
         raise Fail(f"{ws} holds a dead mount; clear it with: overlayrec umount {ws}")
     with contextlib.ExitStack() as held:
@@ -1796,110 +1793,72 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
                 signal.signal(sig, signal.default_int_handler)
             _spawn_daemon(ws, sd, for_this=True)
             held.callback(_stop_daemon, ws)  # once the revert is done
-        content = ContentStore(state.StateDir(sd).content)
-        j = Journal(sd, readonly=True)
-        under = _tree_for(ws, sd)
-        live = Tree.at(ws)  # through the mount: what every process sees
+        src = reverts.Sources(ws, sd, _tree_for(ws, sd))
+        held.callback(src.close)
         try:
-            from .retention import dropped_selection
-            if selection.get("session") is not None:
-                try:
-                    selection["session"] = session_named(j, selection["session"])
-                except SelectionError as e:
-                    raise Fail(str(e)) from None
-            why = dropped_selection(j, **selection) if resume is None else None
-            if why:  # what the revert needs was dropped by retention
-                raise Fail(why)
-            try:
-                plan = reverts.plan_for(j, States(j, under), live, selection, glob, content,
-                                        revert_id, resume)
-            except SelectionError as e:
-                raise Fail(str(e)) from None
-            conflicts = plan.conflicts
-            preview = reverts.preview(plan)
-            running = reverts.still_running(j, plan, _call_processes(sd),
-                                             _ancestors(os.getpid())) \
-                if resume is None else []
-            preview["still_running"] = running
-            if not as_json:  # the call's changes may hold another's, or miss one of its own
-                for line in readers.guess_lines(plan):
-                    click.echo(line, err=True)
-                if running:  # a server a call started: said, not refused
-                    click.echo(f"overlayrec: warning: {len(running)} process(es) of what this "
-                               f"reverts still run ({'; '.join(map(one_line, running[:3]))}"
-                               f"{' ...' if len(running) > 3 else ''}): what they write next "
-                               "follows the revert (stop them first for a revert that holds)",
-                               err=True)
-            if as_json and not (yes and (not conflicts or force)):
-                click.echo(json.dumps(preview))
-            elif not as_json:
-                for s in plan.steps:
-                    mark = f"  CONFLICT ({s.conflict}" + (f": {s.note}" if s.note else "") \
-                        + ")" if s.conflict else ""
-                    click.echo(f"  {reverts.describe(s):<8} {shown(s.path)}{mark}")
-            if plan.already and not as_json:
-                click.echo(f"overlayrec: {len(plan.already)} path(s) were put back already by "
-                           f"an earlier revert: {named(map(shown, plan.already))}", err=True)
-            if not plan.steps:
-                click.echo("nothing to revert")
+            plan = reverts.plan_for(src, selection, glob, revert_id, resume)
+        except reverts.RevertError as e:
+            raise Fail(str(e)) from None
+        preview = reverts.preview(plan)
+        running = reverts.still_running(src.j, plan, _call_processes(sd),
+                                        _ancestors(os.getpid())) if resume is None else []
+        preview["still_running"] = running
+        if not as_json:  # the call's changes may hold another's, or miss one of its own
+            for line in readers.guess_lines(plan):
+                click.echo(line, err=True)
+            if running:  # a server a call started: said, not refused
+                click.echo(f"overlayrec: warning: {len(running)} process(es) of what this "
+                           f"reverts still run ({'; '.join(map(one_line, running[:3]))}"
+                           f"{' ...' if len(running) > 3 else ''}): what they write next "
+                           "follows the revert (stop them first for a revert that holds)",
+                           err=True)
+        if as_json and not (yes and (not plan.conflicts or force)):
+            click.echo(json.dumps(preview))
+        elif not as_json:
+            for s in plan.steps:
+                mark = f"  CONFLICT ({s.conflict}" + (f": {s.note}" if s.note else "") \
+                    + ")" if s.conflict else ""
+                click.echo(f"  {reverts.describe(s):<8} {shown(s.path)}{mark}")
+        if plan.already and not as_json:
+            click.echo(f"overlayrec: {len(plan.already)} path(s) were put back already by "
+                       f"an earlier revert: {named(map(shown, plan.already))}", err=True)
+        if not plan.steps:
+            click.echo("nothing to revert")
+            return
+        if plan.conflicts and not force:
+            raise Fail(reverts.refusal(plan))
+        if not yes:
+            if not (sys.stdin.isatty() and click.confirm(
+                    f"revert {len(plan.steps) - len(plan.conflicts)} path(s)?")):
+                if not as_json:
+                    click.echo("preview only: run again with --yes to revert")
                 return
-            noted = sorted({s.note for s in conflicts if s.note})
-            if conflicts and not force:
-                raise Fail("conflicts, nothing reverted: " + reverts.conflict_summary(plan)
-                           + "".join(f" ({n}: " + named(shown(s.path) for s in conflicts
-                                                         if s.note == n) + ")"
-                                     for n in noted))
-            if not yes:
-                if not (sys.stdin.isatty() and click.confirm(
-                        f"revert {len(plan.steps) - len(conflicts)} path(s)?")):
-                    if not as_json:
-                        click.echo("preview only: run again with --yes to revert")
-                    return
-            if resume is None:  # before the plan is saved: a refusal here changes nothing
-                try:
-                    reverts.check_room(ws, plan, under.root_fd)
-                except reverts.RevertError as e:
-                    raise Fail(str(e)) from None
-            shown_progress = readers.Progress("reverting", not as_json)
+        if resume is None:  # before the plan is saved: a refusal here changes nothing
             try:
-                rec = reverts.carry_out(ws, sd, plan, content, unreverts=unreverts,
-                                        resume=resume, progress=shown_progress)
+                reverts.check_room(ws, plan, src.under.root_fd)
             except reverts.RevertError as e:
                 raise Fail(str(e)) from None
-            except KeyboardInterrupt:  # Ctrl-C, or a kill while it mounted (saved: resumable)
-                err = Fail("interrupted: `overlayrec revert --continue` carries the rest out, "
-                           "`overlayrec unrevert` undoes what it did")
-                err.exit_code = 130
-                raise err from None
-            finally:
-                shown_progress.done()
-            done, bad, wrong = rec["done"], rec["failed"], rec["unmet"]
-            if as_json:
-                click.echo(json.dumps(dict(preview, done=done, status="done", failed=bad,
-                                           unmet=wrong)))
-            else:
-                # a directory the plan empties that holds what it does not remove (files made
-                # later, by others) stays: said, as its step line said "delete"
-                kept = sorted({p for p, result in done if result == reverts.KEPT})
-                which = "directory that holds" if len(kept) == 1 else "directories that hold"
-                verb = f"unreverted {unreverts}: restored" if unreverts else "reverted"
-                click.echo(f"{verb} {len({p for p, _ in done})} path(s) as revert {plan.id}"
-                           + (f"; {len(conflicts)} conflicting path(s) left alone"
-                              if conflicts else "")
-                           + (f"; kept {len(kept)} {which} what it does not remove: "
-                              f"{named(map(shown, kept))}" if kept else ""))
-            if bad:  # a path the revert could not make whole is never a silent success
-                raise Fail(f"{len(bad)} path(s) not restored: " + "; ".join(
-                    f"{f['path']}: {f['result'][len('failed: '):]}" for f in bad))
-            if wrong:  # read back: what the revert made was changed since, or it erred
-                raise Fail(f"{len(wrong)} path(s) do not hold what the revert put back "
-                           "(written by another process while it ran?): " + "; ".join(
-                               f"{shown(w['path'])} {w['how']}" for w in wrong[:5])
-                           + (" ..." if len(wrong) > 5 else ""))
+        progress = readers.Progress("reverting", not as_json)
+        try:
+            rec = reverts.carry_out(ws, sd, plan, src.content, unreverts=unreverts,
+                                    resume=resume, progress=progress)
+        except reverts.RevertError as e:
+            raise Fail(str(e)) from None
+        except KeyboardInterrupt:  # Ctrl-C, or a kill while it mounted (saved: resumable)
+            err = Fail("interrupted: `overlayrec revert --continue` carries the rest out, "
+                       "`overlayrec unrevert` undoes what it did")
+            err.exit_code = 130
+            raise err from None
         finally:
-            os.close(under.root_fd)
-            os.close(live.root_fd)
-            j.close()
+            progress.done()
+        line, errors = reverts.outcome(plan, rec, unreverts)
+        if as_json:
+            click.echo(json.dumps(dict(preview, done=rec["done"], status="done",
+                                       failed=rec["failed"], unmet=rec["unmet"])))
+        else:
+            click.echo(line)
+        if errors:  # a path the revert could not make whole is never a silent success
+            raise Fail("; and ".join(errors))
 
 
 @main.command()

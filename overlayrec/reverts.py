@@ -123,13 +123,51 @@ def preview(plan: Plan) -> dict:
             "already": plan.already}
 
 
-def plan_for(j, states, live, selection: dict, glob: str | None, content,
-             revert_id: str | None = None, resume: dict | None = None) -> Plan:
-    """A fresh plan for ``selection`` (SelectionError when it names nothing), or the saved one
-    of an interrupted revert (``resume``)."""
+class Sources:
+    """What a revert reads: the journal (read-only), the content store, the tree beneath the
+    mount (what the record saw: ``under``, from ``readers.tree_for``) and the live tree
+    through the mount (what every process sees).  Closed together."""
+
+    def __init__(self, ws: str, sd: str, under: Tree):
+        from .journal import ContentStore, Journal
+        self.under = under
+        self.content = ContentStore(state.StateDir(sd).content)
+        self.live = None
+        self.j = None
+        try:
+            self.j = Journal(sd, readonly=True)
+            self.live = Tree.at(ws)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        os.close(self.under.root_fd)
+        if self.live is not None:
+            os.close(self.live.root_fd)
+        if self.j is not None:
+            self.j.close()
+
+
+def plan_for(src: Sources, selection: dict, glob: str | None, revert_id: str | None = None,
+             resume: dict | None = None) -> Plan:
+    """A fresh plan for ``selection`` (its session named as ``diff`` names it), or the saved one
+    of an interrupted revert (``resume``).  RevertError when the selection names nothing, or
+    reaches into what retention dropped."""
+    from .engines.diff import SelectionError, session_named
+    from .engines.states import States
+    from .retention import dropped_selection
     if resume is not None:
-        return plan_from_json(resume, functools.partial(large.load, content))
-    return make_plan(j, states, live, selection, glob, revert_id)
+        return plan_from_json(resume, functools.partial(large.load, src.content))
+    try:
+        if selection.get("session") is not None:
+            selection["session"] = session_named(src.j, selection["session"])
+        why = dropped_selection(src.j, **selection)
+        if why:
+            raise RevertError(why)
+        return make_plan(src.j, States(src.j, src.under), src.live, selection, glob, revert_id)
+    except SelectionError as e:
+        raise RevertError(str(e)) from None
 
 
 def still_running(j, plan: Plan, processes: list[dict], exclude: set[int]) -> list[str]:
@@ -167,6 +205,44 @@ def conflict_summary(plan: Plan) -> str:
         kinds.setdefault(s.conflict, []).append(shown(s.path))
     # one line that stays one: the plan above (or --json) lists every path
     return "; ".join(f"{k}: {named(v)}" for k, v in sorted(kinds.items()))
+
+
+def refusal(plan: Plan) -> str:
+    """Why a plan with conflicts is refused whole (without --force): the conflicts by kind,
+    and the paths behind each note that says more than its kind's name."""
+    from .views import named, shown
+    noted = sorted({s.note for s in plan.conflicts if s.note})
+    return ("conflicts, nothing reverted: " + conflict_summary(plan)
+            + "".join(f" ({n}: " + named(shown(s.path) for s in plan.conflicts if s.note == n)
+                      + ")" for n in noted))
+
+
+def outcome(plan: Plan, rec: dict, unreverts: str | None) -> tuple[str, list[str]]:
+    """What a carried-out revert says: its one line of what it did, and the failures that make
+    its exit 1 (paths it could not make whole, paths read back otherwise than it put them:
+    never a silent success)."""
+    from .views import named, shown
+    done, bad, wrong = rec["done"], rec["failed"], rec["unmet"]
+    # a directory the plan empties that holds what it does not remove (files made later, by
+    # others) stays: said, as its step line said "delete"
+    kept = sorted({p for p, result in done if result == KEPT})
+    which = "directory that holds" if len(kept) == 1 else "directories that hold"
+    verb = f"unreverted {unreverts}: restored" if unreverts else "reverted"
+    line = (f"{verb} {len({p for p, _ in done})} path(s) as revert {plan.id}"
+            + (f"; {len(plan.conflicts)} conflicting path(s) left alone" if plan.conflicts
+               else "")
+            + (f"; kept {len(kept)} {which} what it does not remove: "
+               f"{named(map(shown, kept))}" if kept else ""))
+    errors = []
+    if bad:
+        errors.append(f"{len(bad)} path(s) not restored: " + "; ".join(
+            f"{f['path']}: {f['result'][len('failed: '):]}" for f in bad))
+    if wrong:
+        errors.append(f"{len(wrong)} path(s) do not hold what the revert put back (written by "
+                      "another process while it ran?): " + "; ".join(
+                          f"{shown(w['path'])} {w['how']}" for w in wrong[:5])
+                      + (" ..." if len(wrong) > 5 else ""))
+    return line, errors
 
 
 
