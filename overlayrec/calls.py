@@ -204,7 +204,11 @@ class Session:
         self.members: dict[str, Call] = {}  # live process key -> the implicit call it is of
 
     def turn_index(self) -> int | None:
-        return self.turns[-1]["index"] if self.turns else None
+        """The open turn's index; None between turns (after a turn's end, before the next
+        prompt): what is done then is the session's own, not the ended turn's, or `revert
+        --turn` took what `diff --turn` (the turn's span) did not show."""
+        return self.turns[-1]["index"] if self.turns and self.turns[-1]["end_t"] is None \
+            else None
 
     def own_unit(self) -> str:
         t = self.turn_index()
@@ -717,8 +721,17 @@ class Calls:
             if st is not None and st[0] == start:
                 self.lineage({"key": key, "pid": pid, "ppid": st[1]})
 
-    def turn_begin(self, caller: dict, name: str | None, prompt: str | None) -> dict:
+    def _open(self, name: str | None, caller: dict) -> Session:
+        """The session a request that begins something names (``resolve``), refused once it
+        has ended: a call or turn begun then had no end for good, and was listed under the
+        session's ended turn."""
         s = self.resolve(name, caller)
+        if s.ended is not None:
+            raise ControlError(f"session {s.id} has ended")
+        return s
+
+    def turn_begin(self, caller: dict, name: str | None, prompt: str | None) -> dict:
+        s = self._open(name, caller)
         # a call announced and never ended before the next prompt was interrupted (an agent
         # sends no end for a tool call the user stopped, nor a turn end): it ends here, or it
         # would stay active beside every later call (calls active together: each later change
@@ -748,7 +761,7 @@ class Calls:
 
     def call_begin(self, caller: dict, name: str | None, call_id: str, tool: str,
                    summary: str | None) -> Call:
-        s = self.resolve(name, caller)
+        s = self._open(name, caller)
         if call_id in s.calls:
             raise ControlError(f"call {call_id} already begun in session {s.id}")
         s.announced = True

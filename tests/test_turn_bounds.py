@@ -1,0 +1,62 @@
+"""What an agent does between turns (after a turn's end, before the next prompt) is its
+session's own, not the ended turn's: `diff --turn`, `revert --turn`, `calls --turn` and the
+journal's units agree on what a turn holds.  Nothing begins in a session that has ended."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from conftest import SLOW, overlayrec
+
+pytestmark = pytest.mark.timeout(int(120 * SLOW))
+
+AGENT = """
+O="$OVERLAYREC"
+$O turn begin --prompt one; echo in > in1; $O turn end
+echo between > between; cp in1 ext_between
+$O turn begin --prompt two; echo in2 > in2; $O turn end
+"""
+
+
+def _names(out: str) -> set[str]:
+    return {line.split("|")[0].strip() for line in out.splitlines() if "|" in line}
+
+
+def test_what_is_done_between_turns_is_the_sessions(make_mount):
+    m = make_mount().mount()
+    env = dict(os.environ, OVERLAYREC=f"{sys.executable} -m overlayrec")
+    overlayrec("run", "-w", m.ws, "--session", "t", "--", "sh", "-c", AGENT, cwd=m.ws, env=env)
+    units = {e["path"]: e.get("unit") for e in m.events() if e.get("op") == "create"}
+    assert units["in1"].startswith(("turn:t:1", "call:t:")), units
+    assert units["between"] == "session:t" and units["in2"] != "session:t", units
+    # the external command run between turns is an implicit call of no turn
+    calls = [json.loads(line) for line in overlayrec("calls", m.ws, "--json").stdout.splitlines()]
+    between = [c for c in calls if "ext_between" in c["paths"]]
+    assert len(between) == 1 and between[0]["turn"] is None, calls
+    assert overlayrec("calls", m.ws, "--turn", "1", "--json").stdout.count("ext_between") == 0
+    assert _names(overlayrec("diff", m.ws, "--turn", "1", "--stat").stdout) == {"in1"}
+    plan = json.loads(overlayrec("revert", m.ws, "--turn", "1", "--json").stdout)
+    assert {s["path"] for s in plan["steps"]} == {"in1"}, plan
+    assert _names(overlayrec("diff", m.ws, "--session", "t", "--stat").stdout) == \
+        {"in1", "between", "ext_between", "in2"}
+    r = overlayrec("revert", m.ws, "--turn", "1", "--yes")
+    assert r.returncode == 0
+    assert sorted(n for n in os.listdir(m.ws) if not n.startswith(".")) == \
+        ["between", "ext_between", "in2"]
+
+
+def test_nothing_begins_in_an_ended_session(make_mount):
+    m = make_mount().mount()
+    env = dict(os.environ, OVERLAYREC=f"{sys.executable} -m overlayrec")
+    script = ('O="$OVERLAYREC"; $O turn begin --prompt hi; $O turn end; $O session end; '
+              '$O call begin --id late --tool Bash; echo "call:$?"; '
+              '$O turn begin --prompt again; echo "turn:$?"')
+    r = overlayrec("run", "-w", m.ws, "--session", "q", "--", "sh", "-c", script, cwd=m.ws,
+                   env=env, check=False)
+    assert "call:1" in r.stdout and "turn:1" in r.stdout, (r.stdout, r.stderr)
+    assert r.stderr.count("session q has ended") == 2, r.stderr
+    assert not [e for e in m.events() if e.get("op") in ("call_begin", "turn_begin")
+                and (e.get("call") == "late" or e.get("turn") == 2)]
