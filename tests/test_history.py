@@ -297,3 +297,22 @@ def test_blame_follows_a_directory_rename_only_for_what_it_moved(make_mount):
     assert "moved with unpack/ -> work/" in moved and moved[0] == "create", moved
     made = ops("work/new.txt")
     assert made == ["create"], made  # its write joined the create's run
+
+
+def test_blame_of_a_name_a_directory_rename_left_then_another_moved_onto(make_mount):
+    """A name a directory's rename left (``mv l e`` takes ``l/e`` to ``e/e``) and another
+    directory renamed onto later (``mv e l/e``), both followed back from ``e/e``: the move is
+    one step, "moved with" under the name it went to, and the name it left begins its next run
+    as absent (the history model's random seed 43001: its check took that for a broken chain)."""
+    m = make_mount().mount()
+    m.sh("mkdir l && mkdir l/e && mv l e")   # e/e: the directory made as l/e
+    m.sh("mkdir l && mv e l/e && mv l e")    # e/e: the one made as e (it held the first)
+    runs = [json.loads(line) for line in
+            overlayrec("blame", "e/e", "-w", m.ws, "--json").stdout.splitlines()]
+    got = [(r.get("name", "e/e"), r["ops"], r["before"]["kind"], r["after"]["kind"])
+           for r in reversed(runs)]
+    assert got == [("l/e", ["mkdir"], "absent", "dir"),
+                   ("e/e", ["moved with l/ -> e/"], "dir", "dir"),       # l/e left absent
+                   ("e/e", ["moved away with e/ -> l/e/"], "dir", "absent"),
+                   ("l/e", ["rename from e"], "absent", "dir"),          # so it begins
+                   ("e/e", ["moved with l/ -> e/"], "dir", "dir")], got
