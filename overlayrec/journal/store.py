@@ -46,7 +46,7 @@ except ImportError:
 from . import preimage, schema
 from .ahead import AheadLog, Batch, encode as encode_batch
 from .content import ContentStore, RecordContent
-from ..state import private_dir
+from ..state import private_dir, write_private
 from ..underlay import madvise_dontneed
 from .schema import JournalError, seq_key, key_seq, path_key_split
 
@@ -153,7 +153,12 @@ class Journal:
         files = ContentStore(os.path.join(state_dir, "content")) if not readonly else \
             _ReadOnlyContent(os.path.join(state_dir, "content"))
         self.content = RecordContent(files, self)
-        self._check_format(workspace)
+        try:
+            self._check_format(workspace)
+        except BaseException:
+            self.env.close()
+            self._release_lock()
+            raise
         self.load_cut()
         self._next_seq = self._load_next_seq()
         self._known_actors: set[str] = set()
@@ -326,29 +331,53 @@ class Journal:
 
     # -- format ---------------------------------------------------------------------------------
     def _check_format(self, workspace: str | None) -> None:
+        made = os.path.join(self._path, MADE_NAME)
         try:
             with self.env.begin(db=self.dbs["meta"], write=not self.readonly) as txn:
                 fmt = txn.get(b"format")
                 if fmt is None:
-                    if self.readonly:
-                        raise JournalError(f"journal in {self.state_dir} is empty or corrupt "
-                                           "(no format record)")
-                    txn.put(b"format", str(schema.FORMAT_VERSION).encode())
+                    if self.readonly or self._made_before(made):
+                        # a journal kept here lost its data (data.mdb truncated or damaged):
+                        # never a fresh record over it, its blobs and attic orphaned
+                        raise JournalError(
+                            f"journal in {self.state_dir} is empty or corrupt (no format "
+                            "record)" + ("" if self.readonly else
+                                         ", though a record was kept there: move the state "
+                                         "dir aside to begin a new one"))
+                    fmt = str(schema.FORMAT_VERSION).encode()
+                    txn.put(b"format", fmt)
                     txn.put(b"created", str(time.time_ns()).encode())
                     if workspace:
                         txn.put(b"workspace", workspace.encode("utf-8", "surrogateescape"))
-                    return
-                try:
-                    version = int(fmt)
-                except ValueError:
-                    raise JournalError(f"journal in {self.state_dir} is corrupt "
-                                       f"(format record {fmt!r})") from None
-                if version != schema.FORMAT_VERSION:
-                    raise JournalError(
-                        f"journal in {self.state_dir} has format {version}; this overlayrec "
-                        f"reads format {schema.FORMAT_VERSION}")
         except lmdb.Error as e:
             raise JournalError(f"journal in {self.state_dir} is corrupt: {e}") from None
+        try:
+            version = int(fmt)
+        except ValueError:
+            raise JournalError(f"journal in {self.state_dir} is corrupt "
+                               f"(format record {fmt!r})") from None
+        if version != schema.FORMAT_VERSION:
+            raise JournalError(
+                f"journal in {self.state_dir} has format {version}; this overlayrec "
+                f"reads format {schema.FORMAT_VERSION}")
+        if not self.readonly and not os.path.exists(made):
+            # once the format record is committed: the mark that a record is kept here
+            try:
+                write_private(made, fmt + b"\n")
+            except OSError as e:
+                raise JournalError(f"journal write failed: {e}", e.errno) from None
+
+    def _made_before(self, made: str) -> bool:
+        """Was a record kept in this state dir (a journal without its format record is then
+        damaged, not new)?  Its mark (MADE_NAME, written since), or blobs in its content
+        store (a journal made before the mark was)."""
+        if os.path.exists(made):
+            return True
+        try:
+            with os.scandir(os.path.join(self.state_dir, "content")) as it:
+                return any(e.name != "tmp" for e in it)
+        except OSError:
+            return False
 
     def put_meta(self, key: str, value: str) -> None:
         db = self.dbs["meta"]
@@ -1219,6 +1248,7 @@ class Journal:
 
 
 _SESSION_DBS = {"sessions": "id", "turns": "session", "calls": "session"}
+MADE_NAME = "made"  # written once a journal's format record is: a record is kept here
 COMPACT_LOCK = "compact.lock"  # held shared by every open Journal; alone by a compaction
 WRITER_LOCK = "writer.lock"    # held by the one process that writes: the daemon, or a gc
 
