@@ -815,7 +815,11 @@ def saved_reverts(sd: str) -> list[dict]:
 def revert_undoable(r: dict, every: list[dict]) -> bool:
     """Can an unrevert still undo revert record ``r`` (``every``: all of them, saved_reverts)?
     By its id whenever this holds; by default also, unless ``r`` is itself a finished unrevert
-    (``reverts.to_undo``).  Retention keeps what such a revert reaches into."""
+    (``reverts.to_undo``).  Retention keeps what such a revert reaches into.  One that changed
+    nothing is not: an unrevert by default passed it by (``nothing to revert``) and never
+    reached the revert below it."""
+    if r.get("status") == "done" and not r.get("done"):
+        return False  # it changed nothing (every path a conflict, left alone by --force)
     return not r.get("unreverted_by") and not r.get("unreverts_done") \
         and r.get("status") in ("done", "running") \
         and not any(o.get("unreverts") == r["id"] and o.get("status") == "done" for o in every)

@@ -122,6 +122,33 @@ def test_unrevert_peels_stacked_reverts_newest_first(make_mount, tmp_path):
     assert tree_of(m.ws) == trees[2]
 
 
+def test_a_forced_revert_that_changed_nothing_is_passed_by(make_mount, tmp_path):
+    """Revert A takes a session back; a forced revert B of an earlier session whose every path
+    is a conflict (edited while unmounted) changes nothing; then ``unrevert`` undoes A.  It
+    said "nothing to revert" for good: B was the newest not undone, and undoing it did
+    nothing."""
+    m = make_mount()
+    for name in ("f", "g"):
+        with open(os.path.join(m.ws, name), "w") as f:
+            f.write("base\n")
+    m.mount()
+    for sid, name in (("s1", "g"), ("s2", "f")):
+        overlayrec("run", "-w", m.ws, "--session", sid, "--", "sh", "-c",
+                   f"echo {sid} >> {name}", cwd=m.ws)
+    overlayrec("revert", m.ws, "--session", "s2", "--yes")
+    m.umount()
+    with open(os.path.join(m.ws, "g"), "a") as f:
+        f.write("user\n")
+    m.mount()
+    r = overlayrec("revert", m.ws, "--session", "s1", "--yes", "--force")
+    assert "reverted 0 path(s)" in r.stdout, r.stdout
+    assert open(os.path.join(m.ws, "f")).read() == "base\n"
+    out = overlayrec("unrevert", "-w", m.ws, "--yes").stdout
+    assert "unreverted" in out, out
+    assert open(os.path.join(m.ws, "f")).read() == "base\ns2\n"
+    assert open(os.path.join(m.ws, "g")).read() == "base\ns1\nuser\n"
+
+
 def _acl(*entries) -> bytes:
     """A POSIX access ACL as the kernel stores it in ``system.posix_acl_access``."""
     return (2).to_bytes(4, "little") + b"".join(
