@@ -894,6 +894,10 @@ def log_cmd(workspace, glob, limit, call_id, turn_sel, sid, actor, since, until,
     from .engines.replay import resolve_point
     from .engines.diff import SelectionError, find_call
     ws = state.resolve_workspace(workspace, must_exist=False, upward=True)
+    try:
+        glob = readers.workspace_glob(ws, glob)
+    except readers.Refusal as e:
+        raise Fail(str(e)) from None
     sd = _state_dir_for(ws, state_dir)
     _warn_low_space(sd)
     j = Journal(sd, readonly=True)
@@ -1889,6 +1893,10 @@ def revert(workspace, call_id, turn_sel, sid, since, glob, yes, force, cont, as_
     process wrote it meanwhile) is named, and the exit is 1."""
     from . import reverts
     ws = state.resolve_workspace(workspace, upward=True)
+    try:
+        glob = readers.workspace_glob(ws, glob)
+    except readers.Refusal as e:
+        raise Fail(str(e)) from None
     sd = _state_dir_for(ws, state_dir)
     if cont:
         rec = reverts.pending(sd)

@@ -422,6 +422,20 @@ def guessed_line(paths: list[str], others: list[str]) -> str:
 
 # -- diffs ------------------------------------------------------------------------------------
 
+def workspace_glob(ws: str, glob: str | None) -> str | None:
+    """``--path`` as the workspace-relative pattern the readers match: an absolute one is
+    taken as beneath the workspace (None: the workspace itself, every path), and refused when
+    it is not (it matched nothing, silently: an empty diff, "nothing to revert")."""
+    if glob is None or not os.path.isabs(glob):
+        return glob
+    for p in (os.path.normpath(glob), os.path.realpath(glob)):
+        if p == ws:
+            return None
+        if p.startswith(ws.rstrip("/") + "/"):
+            return p[len(ws.rstrip("/")) + 1:] + ("/" if glob.endswith("/") else "")
+    raise Refusal(f"--path {glob} is outside the workspace {ws}")
+
+
 def diff(workspace, call_id, turn_sel, sid, since, until, drift, fmt, binary, glob, by_writer,
          as_json, state_dir) -> Parts:
     """The answer of ``overlayrec diff``."""
@@ -431,6 +445,7 @@ def diff(workspace, call_id, turn_sel, sid, since, until, drift, fmt, binary, gl
         raise Refusal("say what to diff: --call ID, --turn N, --session S, --since SEQ or "
                       "--drift")
     ws = state.resolve_workspace(workspace, must_exist=False, upward=True)
+    glob = workspace_glob(ws, glob)
     sd = state_dir_for(ws, state_dir)
     j = Journal(sd, readonly=True)
     try:

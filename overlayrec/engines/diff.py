@@ -112,6 +112,8 @@ def select(j: Journal, states: States, *, call: str | None = None, turn: int | s
     lo = since if since is not None else 1
     hi = until if until is not None else last
     if hi < lo - 1:
+        if until is None:
+            raise SelectionError(f"--since {since} is past the record's end (seq {last})")
         raise SelectionError(f"--until {until} is before --since {since}: nothing between")
     return _selected(states, _selection_events(j, lo, hi), (lo - 1, hi), keep=keep)
 
