@@ -141,6 +141,50 @@ def test_corrupt_journal_is_reported_not_raised(tmp_path):
     assert (sd / "journal" / "data.mdb").read_bytes() == before  # nothing overwritten
 
 
+@needs_fuse
+def test_a_journal_that_lost_its_data_is_never_begun_again(make_mount):
+    """data.mdb emptied (or damaged so that its format record is gone) after a record was kept:
+    a mount, and a revert that mounts for the occasion, refuse it in one line; they began a
+    fresh record over it, its sessions gone and its blobs and attic entries orphaned."""
+    m = make_mount()
+    big = os.path.join(m.ws, "big.bin")
+    with open(big, "wb") as f:
+        f.write(os.urandom(300_000))
+    m.mount()
+    overlayrec("run", "-w", m.ws, "--session", "s1", "--", "rm", "big.bin")
+    m.umount()
+    data = os.path.join(m.state, "journal", "data.mdb")
+    open(data, "wb").close()
+    one_line_error(overlayrec("mount", m.ws, "--state-dir", m.state, check=False),
+                   "no format record")
+    assert not is_mounted(m.ws)
+    one_line_error(overlayrec("revert", m.ws, "--session", "s1", "--state-dir", m.state,
+                              check=False), "no format record")
+    assert not is_mounted(m.ws)
+    # no record was begun over it (LMDB lays out its empty pages, nothing more)
+    one_line_error(overlayrec("log", m.ws, "--state-dir", m.state, check=False),
+                   "no format record")
+    from overlayrec.recorder import is_attic_entry
+    assert [n for n in os.listdir(os.path.join(m.ws, ".overlayrec-attic"))
+            if is_attic_entry(n)]  # big.bin's pre-image still there
+
+
+def test_a_journal_made_before_its_mark_is_known_by_its_blobs(tmp_path):
+    j = Journal(str(tmp_path))
+    j.close()
+    os.unlink(tmp_path / "journal" / "made")  # as an older overlayrec left it
+    with open(tmp_path / "journal" / "data.mdb", "wb"):
+        pass
+    Journal(str(tmp_path)).close()  # no blob either: nothing was kept, a new record begins
+    assert (tmp_path / "journal" / "made").exists()
+    os.unlink(tmp_path / "journal" / "made")
+    (tmp_path / "content" / "ab").mkdir(parents=True)
+    with open(tmp_path / "journal" / "data.mdb", "wb"):
+        pass
+    with pytest.raises(JournalError, match="though a record was kept there"):
+        Journal(str(tmp_path))
+
+
 def test_format_version_is_checked(tmp_path):
     j = Journal(str(tmp_path))
     with j.env.begin(write=True, db=j.dbs["meta"]) as txn:
@@ -975,3 +1019,24 @@ def test_a_revert_killed_while_it_mounted_leaves_no_mount(make_mount):
             p.kill()
             p.wait()
         force_unmount(m.ws)
+
+
+@needs_fuse
+def test_an_absolute_path_is_taken_beneath_the_workspace_or_refused(make_mount):
+    """``--path`` given as an absolute path matched nothing, silently: an empty diff, "nothing
+    to revert".  It is the workspace's path beneath it, or refused in one line."""
+    m = make_mount().mount()
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", "sh", "-c", "echo a > a; echo b > b",
+               cwd=m.ws)
+    a = os.path.join(m.ws, "a")
+    out = overlayrec("diff", m.ws, "--session", "s", "--path", a, "--name-status").stdout
+    assert out.split() == ["A", "a"], out
+    assert "delete   a" in overlayrec("revert", m.ws, "--session", "s", "--path", a).stdout
+    assert [l.split()[-1] for l in overlayrec("log", m.ws, "--path", a).stdout.splitlines()] \
+        == ["a"]
+    for cmd in (["diff", m.ws, "--session", "s"], ["revert", m.ws, "--session", "s"],
+                ["log", m.ws]):
+        one_line_error(overlayrec(*cmd, "--path", "/etc/passwd", check=False),
+                       "--path /etc/passwd is outside the workspace")
+    one_line_error(overlayrec("diff", m.ws, "--since", "999", check=False),
+                   "--since 999 is past the record's end")
