@@ -663,8 +663,8 @@ def check(workspace, state_dir, as_json):
     """Say whether the record of WORKSPACE is whole: that every event's process is known, every
     content an event names (a pre-image, a recorded write) is held, every attic entry a
     pre-image names is in the attic (unless the daemon said it dropped it for want of space)
-    and was not written since through a hard link outside the record, and that nothing of the
-    log ahead was left unread.  Mounted or not; it only reads.
+    and was not written since around the record (by hand while unmounted, or through a hard
+    link outside it), and that nothing of the log ahead was left unread.  Mounted or not; it only reads.
 
     \b
     Exit status: 0 whole, 1 not (one line per finding and a summary on stdout, one error
@@ -702,8 +702,8 @@ def check(workspace, state_dir, as_json):
     else:
         said = {"actor": "no process (actor) recorded for", "blob": "no content held for",
                 "attic": "no attic entry",
-                "attic-changed": "changed since kept (written through a hard link outside the "
-                                 "record: the pre-image is lost): attic entry"}
+                "attic-changed": "changed since kept (written around the record, or through a "
+                                 "hard link outside it: the pre-image is lost): attic entry"}
         for f in found:
             if f["kind"] == "ahead":
                 click.echo(f"unread bytes of the log ahead kept aside in {f['name']}")

@@ -218,3 +218,43 @@ def test_an_entry_written_through_a_link_outside_the_record_is_a_finding(make_mo
     steps = {s["path"]: s["conflict"] for s in json.loads(r.stdout)["steps"]}
     assert steps["node_modules/p/f.js"] == "unrecorded" and \
         steps["node_modules/p/g.js"] is None, steps
+
+
+def test_an_entry_changed_around_the_record_is_known_by_every_reader(make_mount, tmp_path):
+    """A large file removed by the agent is kept whole in the attic under its one name; the
+    entry truncated by hand while unmounted.  `check` said "record whole", and diff, replay
+    and revert took the entry as it is now for what the file held (exact, a 1,000-byte
+    file).  The entry is taken only while its size and mtime are those the pre-image noted:
+    else the state is inexact, as for a hard-linked entry written through another name.  One
+    written through a descriptor left open on it (its own events) is read from those."""
+    knobs = dict(os.environ, OVERLAYREC_TEST_SMALL_PREIMAGE="-1")
+    m = make_mount(env=knobs)
+    for name in ("big.bin", "open.bin"):
+        with open(os.path.join(m.ws, name), "wb") as f:
+            f.write(os.urandom(300_000))
+    m.mount()
+    # open.bin: removed while a descriptor stays open on it, then written through it
+    overlayrec("run", "-w", m.ws, "--session", "s1", "--", "sh", "-c",
+               "exec 3>>open.bin; rm big.bin open.bin; echo late >&3", cwd=m.ws)
+    m.umount()
+    assert check(m).returncode == 0
+    attic = os.path.join(m.ws, ".overlayrec-attic")
+    pre = {e["path"]: e["pre"]["attic"] for e in m.events() if e["op"] == "unlink"}
+    os.truncate(os.path.join(attic, pre["big.bin"]), 1000)
+    r = check(m, "--json")
+    assert r.returncode == 1
+    assert [(f["kind"], f["path"]) for f in json.loads(r.stdout)["findings"]] == \
+        [("attic-changed", "big.bin")], r.stdout
+    plan = json.loads(overlayrec("revert", m.ws, "--state-dir", m.state, "--session", "s1",
+                                 "--json", check=False).stdout)
+    steps = {s["path"]: s["conflict"] for s in plan["steps"]}
+    assert steps == {"big.bin": "unrecorded", "open.bin": None}, steps
+    out = json.loads(overlayrec("replay", m.ws, "--state-dir", m.state, "--at",
+                                "before:session:s1", "--to", str(tmp_path / "r"),
+                                "--json").stdout)
+    assert out["inexact"] == ["big.bin"], out
+    assert (tmp_path / "r" / "open.bin").stat().st_size == 300_000
+    diff = json.loads(overlayrec("diff", m.ws, "--state-dir", m.state, "--session", "s1",
+                                 "--json").stdout)
+    assert diff["inexact"] == ["big.bin"], diff
+    assert {f["path"] for f in diff["files"]} == {"big.bin", "open.bin"}, diff

@@ -29,6 +29,7 @@ import os
 from ..journal import Journal
 from ..journal.ahead import kept_aside
 from ..journal.store import decode_event
+from .states import ATTIC
 from .usage import digests, open_attic
 
 
@@ -51,7 +52,9 @@ def check(j: Journal, root_fd: int | None, progress=None) -> dict:
     actors: dict[str, list] = {}   # key -> [events, first seq, its path]
     blobs: dict[str, list] = {}
     attic: dict[str, list] = {}
-    linked: list[tuple] = []  # (entry, seq, path, size, mtime_ns): kept of a hard-linked file
+    # (entry, seq, path, size, mtime_ns, nlink): a file's kept whole in the attic
+    linked: list[tuple] = []
+    written: set[str] = set()  # entries with events of their own
     events = 0
     last = j.last_seq()
     for seq, raw in j.scan_raw(1):
@@ -76,9 +79,12 @@ def check(j: Journal, root_fd: int | None, progress=None) -> dict:
             if isinstance(pre, dict) and isinstance(pre.get("attic"), str):
                 _name(attic, pre["attic"], where)
                 if pre.get("kind") == "file" and "blob" not in pre and \
-                        isinstance(pre.get("nlink"), int) and pre["nlink"] > 1:
+                        isinstance(pre.get("mtime_ns"), int):
                     linked.append((pre["attic"], seq, ev.get(pk), pre.get("size"),
-                                   pre.get("mtime_ns")))
+                                   pre.get("mtime_ns"), pre.get("nlink", 1)))
+        for p in (ev.get("path"), ev.get("path2")):
+            if isinstance(p, str) and p.startswith(ATTIC + "/"):
+                written.add(p[len(ATTIC) + 1:])  # written through a descriptor left open
     if progress is not None:
         progress(last, last)
     for key, (n, seq, path) in actors.items():
@@ -89,7 +95,7 @@ def check(j: Journal, root_fd: int | None, progress=None) -> dict:
             findings.append(_finding("blob", dg, n, seq, path))
     if root_fd is not None:  # no workspace to look in: the attic is not looked at
         findings += _missing_from_attic(j, root_fd, attic, dropped)
-        findings += _changed_in_attic(j, root_fd, linked, dropped)
+        findings += _changed_in_attic(j, root_fd, linked, dropped, written)
     findings += [{"kind": "ahead", "name": path}
                  for path, _ in kept_aside(os.path.join(j.state_dir, "journal"))]
     return {"events": events, "actors": len(actors), "blobs": len(blobs),
@@ -124,10 +130,13 @@ def _missing_from_attic(j: Journal, root_fd: int, attic: dict, dropped: set) -> 
     return out
 
 
-def _changed_in_attic(j: Journal, root_fd: int, linked: list[tuple], dropped: set) -> list[dict]:
-    """The entries of ``linked`` (kept of a file with other names, no copy in the store) whose
-    size or mtime moved since, where the record holds no other name of the file: written
-    through a hard link outside the record (the readers' rule: States._from_pre)."""
+def _changed_in_attic(j: Journal, root_fd: int, linked: list[tuple], dropped: set,
+                      written: set) -> list[dict]:
+    """The entries of ``linked`` (a file's kept whole in the attic, no copy in the store) whose
+    size or mtime moved since, where the record holds nothing that explains it (the readers'
+    rule: States._from_pre): a file with other names, none of which the record holds, was
+    written through a hard link outside the record; one kept under its one name, with no
+    events of its own (a descriptor left open on it), was changed around the record."""
     out = []
     afd = open_attic(root_fd) if linked else None
     partnered: dict | None = None  # path -> the first link or alias event naming it
@@ -141,7 +150,7 @@ def _changed_in_attic(j: Journal, root_fd: int, linked: list[tuple], dropped: se
                     partnered.setdefault(p, e["seq"])
         return partnered.get(path, seq) < seq
     try:
-        for name, seq, path, size, mtime_ns in linked:
+        for name, seq, path, size, mtime_ns, nlink in linked:
             if name in dropped or "/" in name or afd is None:
                 continue
             try:
@@ -154,7 +163,9 @@ def _changed_in_attic(j: Journal, root_fd: int, linked: list[tuple], dropped: se
             if not any(isinstance(p, dict) and p.get("attic") == name and "blob" not in p
                        for p in (now.get("pre"), now.get("pre2"))):
                 continue  # copied into the store meanwhile
-            if partner_before(path, seq):
+            if nlink < 2 and name in written:
+                continue  # its own chain holds what it was
+            if nlink > 1 and partner_before(path, seq):
                 continue  # another name in the record: the readers follow it
             out.append(_finding("attic-changed", name, 1, seq, path))
     finally:

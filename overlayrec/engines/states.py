@@ -1301,8 +1301,15 @@ class States:
                 # the attic's copy too, which its size and mtime tell.  Such a write saved
                 # what it destroyed under the name it went through: that name's state then
                 # is this one's
-                if not s.exact or pre.get("nlink", 1) < 2 or self._attic_as_left(pre):
+                if not s.exact or self._attic_as_left(pre):
                     return s
+                if pre.get("nlink", 1) < 2:
+                    # the entry was the inode's one name: only a descriptor still open on it
+                    # writes it since, in its own chain (then ``kept`` is read from that);
+                    # else it was changed around the record (by hand, a tool walking hidden
+                    # directories), and what it holds now is not what the path held
+                    written = any(ev["seq"] > e["seq"] for ev in self.events_on(entry))
+                    return s if written or "mtime_ns" not in pre else s.but(exact=False)
                 other = self._partner_state(path, e["seq"] - 1, pre.get("ino"))
                 return s.but(exact=False) if other is None else \
                     State("file", mode, other.data, True, **facts(pre))
