@@ -192,6 +192,8 @@ def test_gc_keep_last_then_readers(make_mount, tmp_path):
         assert overlayrec("log", m.ws, "--state-dir", m.state, "--since", "1").returncode == 0
         # the kept sessions replay exactly at their boundaries
         replay_equals(m, tmp_path, spans["s3"][0] - 1, snaps[2], "r2")
+        # ... named as the point before the first session kept (it was "seq 0 was dropped")
+        replay_equals(m, tmp_path, "before:session:s3", snaps[2], "r2b")
         replay_equals(m, tmp_path, spans["s3"][1], snaps[3], "r3")
         replay_equals(m, tmp_path, spans["s4"][1], snaps[4], "r4")
         # ... and diff

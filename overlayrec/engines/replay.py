@@ -101,8 +101,16 @@ def _resolve_point(j: Journal, spec: str) -> int:
 
 
 def _last_before(j: Journal, t_ns: int, strictly: bool = False) -> int:
-    """The last event made at or before ``t_ns`` (``strictly``: before it); 0 when none was."""
+    """The last event made at or before ``t_ns`` (``strictly``: before it); 0 when none was.
+    Below a gc's cut (``j.events`` starts there) it is the cut's last dropped seq when every
+    session the gc dropped had ended by then: the state the record starts with, which
+    ``before:session:S`` of the first session kept names (it was "seq 0 was dropped")."""
     last = 0
+    if j.cut > 1:
+        ends = [r.get("ended") for r in j.dropped_sessions()]
+        if ends and all(isinstance(t, int) and (t < t_ns if strictly else t <= t_ns)
+                        for t in ends):
+            last = j.cut - 1
     for e in j.events():
         if e["t"] > t_ns or (strictly and e["t"] == t_ns):
             break
