@@ -95,6 +95,41 @@ def test_a_cut_off_or_damaged_record_ends_the_log(tmp_path):
     assert [b.last_seq for b in log.batches()] == [1]
 
 
+def _record(head: bytes) -> bytes:
+    payload = struct.pack("<I", len(head)) + head
+    return struct.pack("<II", len(payload), zlib.crc32(payload)) + payload
+
+
+@pytest.mark.parametrize("head", [b'{"e":[{"foo":1}]}', b'{"e":[{"seq":1}],"a":[],"x":[]}',
+                                  b'not json', b'[1, 2]', b'{"e":[3],"a":[],"x":[],"b":[]}',
+                                  b'{"e":[],"a":[],"x":[],"b":[["d", -1]]}', b''],
+                         ids=["no-keys", "no-blobs", "not-json", "a-list", "no-event",
+                              "bad-blob", "empty"])
+def test_a_record_whose_crc_holds_but_that_is_no_batch_ends_the_log(tmp_path, head):
+    """Damage (or a hand) that left a record whose CRC matches but which holds no batch made
+    every command, the mount included, an internal error (KeyError, TypeError, struct.error)
+    until the file was removed by hand: it ends the log, as a torn record does, and the
+    writer's open keeps it aside."""
+    sd = str(tmp_path / "state")
+    Journal(sd).close()
+    path = os.path.join(sd, "journal", NAME)
+    good = encode(Batch([ev("chmod", "f", seq=1, mode=0o600, t=1)], [ACTOR], {}), store._dumps)
+    bad = _record(head) if head else struct.pack("<II", 2, zlib.crc32(b"ab")) + b"ab"
+    with open(path, "wb") as f:
+        f.write(good + bad + good)
+    assert [b.last_seq for b in AheadLog(os.path.join(sd, "journal"), store._loads).batches()] \
+        == [1]
+    r = Journal(sd, readonly=True)
+    try:
+        assert [e["op"] for e in r.events()] == ["chmod"]
+    finally:
+        r.close()
+    Journal(sd).close()
+    kept = [n for n in os.listdir(os.path.join(sd, "journal")) if ".unread-" in n]
+    with open(os.path.join(sd, "journal", kept[0]), "rb") as f:
+        assert f.read() == bad + good
+
+
 def test_a_write_that_fails_leaves_no_part_behind(tmp_path, monkeypatch):
     log = AheadLog(str(tmp_path), store._loads)
     log.append(encode(Batch([ev("chmod", "f", seq=1, mode=0o600)], [], {}), store._dumps),

@@ -19,8 +19,8 @@ order, each whole in one transaction.  Applying one twice puts the same keys and
 The file is ``journal/ahead.log`` (0600).  A record is its payload's length and CRC-32
 (``<II``), then the payload: a JSON header (the events, the actors the journal may not have
 yet, the extents notes held before them, and the length of each blob) followed by the
-blobs' bytes.  A record that is short or
-whose CRC does not match ends the log: a write cut off by a crash never reached the underlay
+blobs' bytes.  A record that is short, whose
+CRC does not match, or that holds no batch (damage that kept its CRC) ends the log: a write cut off by a crash never reached the underlay
 (its change came after it).  Only the journal's one writer (the daemon, or a gc holding the
 writer lock) empties the file, once everything in it is in LMDB; the bytes after the last whole
 record it keeps aside first (``keep_tail``): damage would have ended the log before records
@@ -97,13 +97,25 @@ def encode(batch: Batch, dumps: Callable[[object], bytes]) -> bytes:
 
 
 def decode(payload: bytes, loads: Callable[[bytes], object]) -> Batch:
-    (n,) = _JSON_LEN.unpack_from(payload)
-    head = loads(payload[4:4 + n])
-    blobs, at = {}, 4 + n
-    for digest, size in head["b"]:
-        blobs[digest] = payload[at:at + size]
-        at += size
-    return Batch(head["e"], head["a"], blobs, head["x"])
+    """The batch a record's payload holds; ValueError when it holds none (its CRC matched,
+    yet it is no record this module wrote: damage, or a hand's)."""
+    try:
+        (n,) = _JSON_LEN.unpack_from(payload)
+        head = loads(payload[4:4 + n])
+        blobs, at = {}, 4 + n
+        for digest, size in head["b"]:
+            if not isinstance(digest, str) or not isinstance(size, int) or size < 0:
+                raise ValueError("a blob's digest or size")
+            blobs[digest] = payload[at:at + size]
+            at += size
+        events, actors, notes = head["e"], head["a"], head["x"]
+        if at != len(payload) or not all(isinstance(x, list) for x in (events, actors, notes)) \
+                or not all(isinstance(ev, dict) and type(ev.get("seq")) is int and ev["seq"] > 0
+                           for ev in events):
+            raise ValueError("its events, actors or blobs")
+    except (struct.error, KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"not a record of the log ahead ({e})") from None
+    return Batch(events, actors, blobs, notes)
 
 
 class AheadLog:
@@ -155,7 +167,11 @@ class AheadLog:
             payload = data[at + _HEAD.size:at + _HEAD.size + size]
             if len(payload) != size or zlib.crc32(payload) != crc:
                 break  # cut off, or being written now: the end of the log
-            yield decode(payload, self._loads)
+            try:
+                batch = decode(payload, self._loads)
+            except ValueError:
+                break  # damage that kept its CRC: the end of the log, as a torn record
+            yield batch
             at += _HEAD.size + size
         self.tail = data[at:]
 
