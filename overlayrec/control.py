@@ -19,6 +19,7 @@ import trio
 
 from . import agents
 from .calls import Calls, ControlError
+from .journal import JournalError
 from .attribution import Attribution
 
 log = logging.getLogger(__name__)
@@ -242,6 +243,9 @@ class ControlServer:
             out = {"ok": False, "error": str(e)}
         except (ValueError, KeyError, TypeError) as e:
             out = {"ok": False, "error": f"bad request: {e}"}
+        except JournalError as e:  # the state dir full, say: said as it is, no traceback
+            log.warning("control request not recorded: %s", e)
+            out = {"ok": False, "error": f"not recorded: {e}"}
         except Exception as e:  # the endpoint must never take the mount down
             log.exception("control request failed")
             out = {"ok": False, "error": f"internal error: {e}"}

@@ -209,6 +209,12 @@ def test_full_state_dir_is_enospc_and_recording_resumes(make_mount):
             assert made["errno"] == "ENOSPC", (made, r.stderr)
             assert not os.path.exists(os.path.join(m.ws, "j-%d" % made["made"]))
             assert_alive(m, pid)
+            # a control request is refused in one line, as the record cannot take it (it was
+            # an "internal error", with a traceback in the daemon's log)
+            r = overlayrec("session", "begin", "--session", "full", cwd=m.ws, check=False)
+            assert r.returncode == 1 and "internal error" not in r.stderr and \
+                "not recorded: " in r.stderr and len(r.stderr.strip().splitlines()) == 1, \
+                r.stderr
 
             # while full: status and log warn, in one line; no partial blob was left behind
             r = overlayrec("status", m.ws)
