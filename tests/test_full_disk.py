@@ -506,3 +506,49 @@ def test_the_room_a_revert_takes_counts_what_small_files_it_replaces_give_back()
     assert bytes_written(plan, 8 * k) == 7 * k
     # with nothing small enough to be given back: 3 + 2 + 4 + 6 = 15k
     assert bytes_written(plan, 0) == 15 * k
+
+
+@needs_fuse
+@needs_root
+@pytest.mark.timeout(int(90 * SLOW))
+def test_a_file_whose_attic_entry_was_reclaimed_is_read_from_its_seal(make_mount, tmp_path):
+    """A call writes a large file until the workspace is full (its end seals it: the content
+    kept); the next call removes it (kept whole in the attic) and its next write, refused, has
+    the mount drop that entry to free room.  The seal holds what the file held as it left (the
+    same inode, size and mtime): replay before that call gave it empty and inexact, `show`
+    the deletion of an empty file, and revert refused it as unrecorded."""
+    m = make_mount()
+    with tmpfs(os.path.join(m.base, "wsfs"), "4m") as wsfs:
+        m.ws = os.path.join(wsfs, "ws")
+        os.mkdir(m.ws)
+        calls = tmp_path / "agent.sh"
+        calls.write_text(
+            f'O="{sys.executable} -m overlayrec"\n'
+            "$O call begin --id p1 --tool Bash\n"
+            "head -c 6000000 /dev/urandom > partial.bin 2>/dev/null\n"
+            "$O call end --id p1\n"
+            "$O call begin --id p3 --tool Bash\n"
+            "rm partial.bin; head -c 6000000 /dev/zero > z.bin 2>/dev/null\n"
+            "$O call end --id p3\n")
+        try:
+            m.mount()
+            overlayrec("run", "-w", m.ws, "--session", "s", "--", "sh", str(calls), cwd=m.ws)
+            evs = m.events()
+            assert any(e["op"] == "reclaim" for e in evs), [e["op"] for e in evs]
+            at_p1 = tmp_path / "p1"
+            overlayrec("replay", m.ws, "--at", "call:p1", "--to", str(at_p1))
+            kept = (at_p1 / "partial.bin").read_bytes()
+            assert len(kept) > 1 << 20
+            out = json.loads(overlayrec("replay", m.ws, "--at", "before:call:p3", "--to",
+                                        str(tmp_path / "b3"), "--json").stdout)
+            assert out["inexact"] == [], out
+            assert (tmp_path / "b3" / "partial.bin").read_bytes() == kept
+            plan = json.loads(overlayrec("revert", m.ws, "--call", "p3", "--json",
+                                         check=False).stdout)
+            steps = {s["path"]: (s["action"], s["conflict"]) for s in plan["steps"]}
+            assert steps["partial.bin"] == ("create", None), steps
+            unlink = next(e for e in evs if e["op"] == "unlink" and e["path"] == "partial.bin")
+            shown = overlayrec("show", str(unlink["seq"]), "-w", m.ws).stdout
+            assert "e69de29" not in shown and "deleted file" in shown, shown
+        finally:
+            m.umount()

@@ -1270,6 +1270,26 @@ class States:
         pre = self.pre_for(fresh, path) if fresh is not None else None
         return pre if pre is not None and "blob" in pre and "attic" not in pre else None
 
+    def _sealed_as_left(self, path: str, seq: int, pre: dict) -> State | None:
+        """The state of ``path``'s last event before ``seq`` when it is a seal that kept the
+        content of the very inode ``pre`` records, with the size and mtime it had as it left
+        (so nothing wrote it since, through any name); else None."""
+        if pre.get("mtime_ns") is None or not pre.get("ino"):
+            return None
+        last = None
+        for ev in self.chain_on(path):
+            if ev["seq"] >= seq:
+                break
+            last = ev
+        if last is None or last["op"] != "seal":
+            return None
+        sp = self.pre_for(last, path)
+        if sp is None or sp.get("kind") != "file" or "blob" not in sp or \
+                (sp.get("ino"), sp.get("size"), sp.get("mtime_ns")) != \
+                (pre.get("ino"), pre.get("size"), pre.get("mtime_ns")):
+            return None
+        return self.sealed_state(sp)
+
     def _attic_as_left(self, pre: dict) -> bool:
         """Does the attic entry of ``pre`` still have the size and mtime its inode had when
         it left the path?"""
@@ -1317,7 +1337,11 @@ class States:
             if stored is not None:  # copied into the store after this reader read the event
                 return self.sealed_state(stored)
             # the entry is gone (dropped to free space: a ``reclaim`` marker; or removed by
-            # hand): nothing else holds that inode's content, so never guess it
+            # hand): a seal that kept the inode's content as it left the path says what it
+            # held, else nothing does, so never guess it
+            sealed = self._sealed_as_left(path, e["seq"], pre)
+            if sealed is not None:
+                return sealed
             return State("file", mode, b"", exact=False, **facts(pre))
         if e["op"] == "rename" and (e.get("path") == path or _exchanged(e, path)):
             s = self._moved(path, e)
