@@ -271,7 +271,7 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
                     found.setdefault(st.st_ino, []).append(name)
             inodes.append(found)
         return inodes[0]
-    _find_partners(plan, live, by_ino, states)
+    _find_partners(plan, live, by_ino, states, spans)
     _joined_since(plan, live, by_ino)
     return plan
 
@@ -423,7 +423,8 @@ def _beneath_a_non_directory(plan: Plan) -> None:
             step.conflict = "interleaved"
 
 
-def _find_partners(plan: Plan, live: Tree, by_ino, states: States) -> None:
+def _find_partners(plan: Plan, live: Tree, by_ino, states: States,
+                   spans: dict[str, list[int]]) -> None:
     """For each hard-linked target whose group had more names than the plan makes: a live
     path outside the plan (a recorded name; ``by_ino()`` maps the live inodes of them, asked
     only when needed) still holding that inode and content, which the group's steps link to.
@@ -454,6 +455,11 @@ def _find_partners(plan: Plan, live: Tree, by_ino, states: States) -> None:
         else:
             if _inode_at(live, step.path) == t.ino:
                 continue  # the inode is still here
+            if _parked_alone(states, step.path, spans[step.path][0]):
+                # it left the path removed or renamed over, its one name: the attic held it,
+                # no live name can, and one with its number holds another inode (the number
+                # given anew once the attic let it go: a revert linked two files never linked)
+                continue
             seed = t.but(nlink=2)  # one group with its partner (``linked``)
         for name in by_ino().get(t.ino, ()):
             if _visible(name) and live.state(name).same(t) and \
@@ -461,6 +467,23 @@ def _find_partners(plan: Plan, live: Tree, by_ino, states: States) -> None:
                 # (same(): chmodded since, it is a name of another group)
                 plan.partners[link_key(t)] = (name, t.ino, seed)
                 break
+
+
+def _parked_alone(states: States, path: str, first: int) -> bool:
+    """Did the file ``path`` held before event ``first`` leave it by an unlink or by another
+    renamed over it (not renamed away itself), with no other name then?"""
+    for e in states.events_on(path):
+        if e["seq"] < first:
+            continue
+        if e["op"] == "rename" and e.get("flags", 0) & 2:
+            return False  # an exchange: it lives on under the other name
+        if e["op"] == "unlink" and e.get("path") == path or \
+                e["op"] == "rename" and e.get("path2") == path:
+            pre = states.pre_for(e, path)
+            return pre is not None and pre.get("kind") == "file" and pre.get("nlink", 1) <= 1
+        if e["op"] == "rename" and e.get("path") == path:
+            return False  # renamed away: it lives on under the new name
+    return False
 
 
 def _inode_at(live: Tree, path: str) -> int | None:
