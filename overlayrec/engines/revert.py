@@ -448,18 +448,16 @@ def _find_partners(plan: Plan, live: Tree, by_ino, states: States,
                 # it since, as for one name below (history model: a linked pair renamed away
                 # by one call, a third name linked by another; the revert of the first gave
                 # the pair back as a new file, and the third name was no longer one with it)
-                if any(_inode_at(live, o.path) == t.ino for o in group):
+                if any(_inode_at(live, o.path) == t.ino for o in group) or \
+                        _gone_with(states, group, spans):
                     continue
                 moved = True
             seed = t
         else:
             if _inode_at(live, step.path) == t.ino:
                 continue  # the inode is still here
-            if _parked_alone(states, step.path, spans[step.path][0]):
-                # it left the path removed or renamed over, its one name: the attic held it,
-                # no live name can, and one with its number holds another inode (the number
-                # given anew once the attic let it go: a revert linked two files never linked)
-                continue
+            if _gone_with(states, [step], spans):
+                continue  # (a revert linked two files never linked, a name with that number)
             seed = t.but(nlink=2)  # one group with its partner (``linked``)
         for name in by_ino().get(t.ino, ()):
             if _visible(name) and live.state(name).same(t) and \
@@ -469,21 +467,31 @@ def _find_partners(plan: Plan, live: Tree, by_ino, states: States,
                 break
 
 
-def _parked_alone(states: States, path: str, first: int) -> bool:
-    """Did the file ``path`` held before event ``first`` leave it by an unlink or by another
-    renamed over it (not renamed away itself), with no other name then?"""
+def _parked(states: States, path: str, first: int) -> int | None:
+    """The names the file ``path`` held before event ``first`` had as it left the path by an
+    unlink or by another renamed over it (into the attic); None when it left otherwise
+    (renamed away, exchanged: it lives on under another name) or not at all."""
     for e in states.events_on(path):
         if e["seq"] < first:
             continue
         if e["op"] == "rename" and e.get("flags", 0) & 2:
-            return False  # an exchange: it lives on under the other name
+            return None  # an exchange: it lives on under the other name
         if e["op"] == "unlink" and e.get("path") == path or \
                 e["op"] == "rename" and e.get("path2") == path:
             pre = states.pre_for(e, path)
-            return pre is not None and pre.get("kind") == "file" and pre.get("nlink", 1) <= 1
+            return pre.get("nlink", 1) if pre is not None and pre.get("kind") == "file" \
+                else None
         if e["op"] == "rename" and e.get("path") == path:
-            return False  # renamed away: it lives on under the new name
-    return False
+            return None
+    return None
+
+
+def _gone_with(states: States, steps: list[Step], spans: dict[str, list[int]]) -> bool:
+    """Did the inode the targets of ``steps`` (its names then) held leave them all into the
+    attic, the last with no other name left?  Then no live name holds it: one with its number
+    holds another file, given the number once the attic let the inode go."""
+    left = [_parked(states, s.path, spans[s.path][0]) for s in steps]
+    return all(n is not None for n in left) and min(left) <= 1
 
 
 def _inode_at(live: Tree, path: str) -> int | None:
