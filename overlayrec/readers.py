@@ -556,8 +556,12 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
     groups = [(None, sorted(side.before))]
     if by_writer:
         units = sorted({u for us in side.writers.values() for u in us})
+        # a directory is no path of git's: as a pathspec it would take every change beneath
+        # it, whoever made it (a call that renamed the directory got them all)
+        blob = {p for p in side.writers if side.before.get(p, tree_absent).kind not in ("dir",
+                "absent") or side.after.get(p, tree_absent).kind not in ("dir", "absent")}
         groups = [(u, sorted(p for p, us in side.writers.items()
-                             if u in us and not git_refuses(p))) for u in units]
+                             if u in us and p in blob and not git_refuses(p))) for u in units]
         groups = [(u, ps) for u, ps in groups if ps]
     a, b = store.trees(side.before, side.after)
     if as_json:  # it names the trees: kept while the object store that holds them is there

@@ -502,3 +502,32 @@ def test_a_link_made_in_the_call_itself_is_no_name_the_record_never_saw(make_mou
     assert js["unseen_links"] == ["b/second.txt"], js
     m.umount()
     assert open(os.path.join(m.ws, "a", "w.txt")).read() == "orig\nmore\n"
+
+
+BY_WRITER = textwrap.dedent(r'''
+    import subprocess
+    from overlayrec import client
+    with client.connect() as c:
+        for call, cmd in (("c1", "mv src lib"), ("c2", "echo by-c2 > lib/new"),
+                          ("c3", "mkdir lib/empty")):
+            c.call_begin(call, "Bash")
+            subprocess.run(["bash", "-c", cmd], check=True)
+            c.call_end(call)
+''')
+
+
+def test_by_writer_puts_under_a_call_only_its_own_changes(make_mount, tmp_path):
+    """A call that renamed a directory held the directory among its paths, and git took it as
+    a pathspec: `--by-writer`'s text forms listed every change beneath it under that call,
+    whoever made it, where `--json` named each change's own writer."""
+    m = make_mount()
+    os.makedirs(os.path.join(m.ws, "src"))
+    with open(os.path.join(m.ws, "src", "a"), "w") as f:
+        f.write("a\n")
+    m.mount()
+    (tmp_path / "agent.py").write_text(BY_WRITER)
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", sys.executable,
+               str(tmp_path / "agent.py"), cwd=m.ws)
+    out = overlayrec("diff", m.ws, "--session", "s", "--by-writer", "--name-status").stdout
+    assert out.splitlines() == ["# call:s:c1", "R100\tsrc/a\tlib/a",
+                                "# call:s:c2", "A\tlib/new"], out
