@@ -202,6 +202,27 @@ def test_a_file_given_a_freed_inodes_number_is_no_partner(make_mount, tmp_path):
             m.umount()
 
 
+def test_a_group_written_anew_by_a_revert_is_linked_again_by_the_next(make_mount, tmp_path):
+    """``ln d/a out``, ``mv d e``, ``mv e f; echo w >> out``; reverted newest first: the first
+    revert writes the pair back as a new inode (linked), and the second, looking for the
+    group's old inode, gave ``d/a`` back as a copy cut from ``out``, silently."""
+    m = make_mount()
+    os.makedirs(os.path.join(m.ws, "d"))
+    with open(os.path.join(m.ws, "d", "a"), "w") as f:
+        f.write("one\n")
+    (tmp_path / "calln.py").write_text(CALL_N)
+    m.mount()
+    for i, script in enumerate(("ln d/a out", "mv d e", "mv e f; echo w >> out")):
+        overlayrec("run", "-w", m.ws, "--session", f"s{i}", "--", sys.executable,
+                   str(tmp_path / "calln.py"), f"c{i}", script, cwd=m.ws)
+    for call in ("c2", "c1"):
+        overlayrec("revert", m.ws, "--call", call, "--yes")
+    a, out = (os.stat(os.path.join(m.ws, n)) for n in ("d/a", "out"))
+    assert (a.st_ino, a.st_nlink) == (out.st_ino, 2), (a, out)
+    assert open(os.path.join(m.ws, "out")).read() == "one\n"
+    assert sorted(n for n in os.listdir(m.ws) if not n.startswith(".")) == ["d", "out"]
+
+
 def _acl(*entries) -> bytes:
     """A POSIX access ACL as the kernel stores it in ``system.posix_acl_access``."""
     return (2).to_bytes(4, "little") + b"".join(

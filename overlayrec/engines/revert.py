@@ -465,6 +465,34 @@ def _find_partners(plan: Plan, live: Tree, by_ino, states: States,
                 # (same(): chmodded since, it is a name of another group)
                 plan.partners[link_key(t)] = (name, t.ino, seed)
                 break
+        else:
+            if t.nlink > 1 and not moved:
+                found = _partner_anew(plan, t, live, by_ino, states, spans[step.path][0])
+                if found is not None:
+                    plan.partners[link_key(t)] = (found[0], found[1], seed)
+
+
+def _partner_anew(plan: Plan, t: State, live: Tree, by_ino, states: States,
+                  first: int) -> tuple[str, int] | None:
+    """(name, live inode) of a name outside the plan that was of ``t``'s group then (it held
+    ``t``'s inode before event ``first``) and is linked now with a path of the plan, in
+    another inode: the group was written anew since, as one (an earlier revert made the pair
+    again).  Only where that inode's every name is the plan's or was of the group then, and
+    it holds ``t``.  A revert of the move before that gave the name back as a copy, cut from
+    its group (found by hand: ``ln d/a out``, ``mv d e``, ``mv e f``, reverted newest first)."""
+    paths = {s.path for s in plan.steps}
+    for s in plan.steps:
+        st = live.lstat(s.path)
+        if st is None or not stat.S_ISREG(st.st_mode) or st.st_nlink < 2 or st.st_ino == t.ino:
+            continue
+        names = [n for n in by_ino().get(st.st_ino, ()) if n not in paths and _visible(n)]
+        inside = sum(1 for p in paths if _inode_at(live, p) == st.st_ino)
+        if not names or st.st_nlink != len(names) + inside:
+            continue  # a name the record does not know holds it too
+        if all(states.state(n, first - 1).ino == t.ino for n in names) and \
+                live.state(names[0]).same(t):
+            return names[0], st.st_ino
+    return None
 
 
 def _parked(states: States, path: str, first: int) -> int | None:
