@@ -1068,8 +1068,8 @@ class Recorder:
             st = os.fstat(src_fd)
         except OSError:
             return
-        self._stamp_names(st)  # a name more: its ctime moved
         self._named(st, source, ev["path"])
+        self._stamp_names(st, ev["unit"], ev["path"])  # a name more: its ctime moved
         self._capture_afresh((st.st_dev, st.st_ino))
 
     def _capture_afresh(self, key: tuple[int, int]) -> None:
@@ -1123,7 +1123,7 @@ class Recorder:
         pre, st = self._pre_at(parent_fd, name)
         if st is None:
             raise FileNotFoundError(errno.ENOENT, "unlink", name)
-        self._stamp_names(st)
+        self._stamp_names(st, unit, path)
         if stat.S_ISDIR(st.st_mode):
             raise IsADirectoryError(errno.EISDIR, "unlink", name)
         if self._withhold(path, pre, lambda: underlay.open_own(parent_fd, name, _READ)):
@@ -1190,9 +1190,9 @@ class Recorder:
         ev["pre"] = pre
         withheld = self._withhold(path, pre, lambda: underlay.open_own(pfd, name, _READ))
         pre2, st2 = self._pre_at(npfd, nname)
-        self._stamp_names(st)
+        self._stamp_names(st, unit, path, path2)
         if st2 is not None:
-            self._stamp_names(st2)
+            self._stamp_names(st2, unit, path, path2)
         # a secret renamed over is really gone: no attic link, no copy (overlayrec.secrets)
         withheld2 = self._withhold(path2, pre2, lambda: underlay.open_own(npfd, nname, _READ))
         seq = self.journal.reserve_seq()
@@ -1287,11 +1287,32 @@ class Recorder:
         for p in [p for p in self.left if p.startswith(beneath)]:
             del self.left[p]
 
-    def _stamp_names(self, st: os.stat_result) -> None:
-        """The inode ``st`` loses or gains a name: its ctime moves under its other names too,
-        known or not (a link made before the mount): ``served_ino``, seal."""
+    def _stamp_names(self, st: os.stat_result, unit: str, *own: str) -> None:
+        """The inode ``st`` loses or gains a name, or one of its names moves: its ctime moves
+        under its other names too, known or not (a link made before the mount): ``served_ino``,
+        seal.  Each other name the daemon knows (not ``own``, the names the change journals
+        itself) whose epoch has ended owes a seal at ``unit``'s end: its last seal kept the
+        ctime from before, and where that seal has no hash (a file past the whole-file limit)
+        a moved ctime with the link count unmoved (a rename) reads as an edit made while
+        unmounted (a false drift: a revert of the call refused, "changed")."""
         if st.st_nlink > 1:
             self.served_ino[st.st_ino] = time.time_ns()
+            if not self.names or not stat.S_ISREG(st.st_mode):
+                return
+            key = (st.st_dev, st.st_ino)
+            for other in sorted(self.names.get(key, frozenset()) - set(own)):
+                if other in self.epochs or other in self.unsealed:
+                    continue  # sealed at its own epoch's end anyway, after this
+                try:
+                    ost = self._lstat(other)
+                except (FileNotFoundError, NotADirectoryError):
+                    ost = None
+                except OSError:  # a way its owner may not search: the seal finds it
+                    ost = st
+                if ost is None or (ost.st_dev, ost.st_ino) != key:
+                    self.names.discard(key, other)  # not a name of it any more (as _alias)
+                    continue
+                self.unsealed[other] = str(unit)
 
     def _end_runs(self, st: os.stat_result, name: str) -> None:
         """A linked inode has a new name (``name``): the write runs through its other names end

@@ -1936,6 +1936,15 @@ LARGE_UNMOUNTED_CASES = int(os.environ.get("OVERLAYREC_MODEL_LARGE_UNMOUNTED_CAS
     last=[("O", "truncate", 4095, 2248, "y"), ("own", "rename", 107, 218, "y"),
           ("own", "write", 216, 280, "z"), ("own", "truncate", 128, 737, "x")],
     edit="overwrite", i=258)
+@example(seed=2, raw=[  # a linked name's partner renamed by the last call, then its directory
+    ("call", 1, [("own", "truncate", 1413, 3759, "z"), ("late", "chmod", 200, 484, "y"),
+                 ("late", "backforth", 366, 4095, "z"), ("O", "chmod", 929, 161, "y")]),
+    ("call", 7, [("own", "mkdir", 297, 1020, "y"), ("own", "rmdir", 1040, 569, "y"),
+                 ("own", "mkfifo", 227, 0, "y"), ("O", "append", 200, 274, "z"),
+                 ("own", "link", 1314, 333, "z")])],
+    last=[("own", "swap", 1628, 1324, "x"), ("late", "chmod", 289, 3186, "x"),
+          ("own", "swap", 3123, 2212, "x")],
+    edit="replace-by-dir", i=437)
 def test_an_edit_while_unmounted_with_large_files(large_unmounted_env, seed, raw, last, edit,
                                                    i):
     """As above, every file kept as a large one (LARGE_KNOBS: changed ranges, no content in
