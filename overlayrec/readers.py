@@ -686,12 +686,21 @@ def not_in_patch(side, paths: list[str], unlisted: bool = False) -> list[tuple[s
     from .engines.large import over_limit
     from .views import human_size
     hidden, shown_under, partly = [], set(), {}
+    masked_before, masked_after = _masked(side.before), _masked(side.after)
     for p in paths:
         b, a = side.before.get(p, ABSENT), side.after.get(p, ABSENT)
         big = [s for s in (b, a) if over_limit(s.data)]
         if big:  # left out of both trees (ObjectStore.trees): gigabytes in a patch help no one
             partly[p] = (f"a file of {human_size(max(len(s.data) for s in big))}, too large "
                          "for a patch")
+            continue
+        if p in masked_before or p in masked_after:
+            # each path's side is read at its own point (just before the selection's first
+            # change to it, just after its last), so one side may hold a file at a name and
+            # paths beneath that name, as a directory took it later: one git tree holds the
+            # paths beneath, and the file's change went missing without a word
+            partly[p] = (f"{(b if p in masked_before else a).kind} {'before' if p in masked_before else 'after'}, "
+                         "its name a directory's on that side")
             continue
         if _git_entry(b) != _git_entry(a):
             parent = p.rpartition("/")[0]
@@ -723,6 +732,22 @@ def not_in_patch(side, paths: list[str], unlisted: bool = False) -> list[tuple[s
             what = "changed"
         out.append((p, what))
     return sorted(out, key=lambda pw: pw[0])
+
+
+def _masked(states: dict) -> set[str]:
+    """The paths whose file or symlink in ``states`` (one side of a diff) a git tree of that
+    side cannot hold: other paths of the side lie beneath their name."""
+    from .engines.large import over_limit
+    from .views import git_refuses
+    held = [p for p, s in states.items() if _git_entry(s) is not None and
+            not over_limit(s.data) and not git_refuses(p)]
+    dirs: set[str] = set()
+    for p in held:
+        parent = p.rpartition("/")[0]
+        while parent and parent not in dirs:
+            dirs.add(parent)
+            parent = parent.rpartition("/")[0]
+    return dirs.intersection(held)
 
 
 def _owners_differ(b, a) -> bool:

@@ -8,10 +8,11 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
-from conftest import linked_before_mount, needs_fuse, overlayrec
+from conftest import SLOW, linked_before_mount, needs_fuse, overlayrec
 
 pytestmark = needs_fuse
 
@@ -531,3 +532,51 @@ def test_by_writer_puts_under_a_call_only_its_own_changes(make_mount, tmp_path):
     out = overlayrec("diff", m.ws, "--session", "s", "--by-writer", "--name-status").stdout
     assert out.splitlines() == ["# call:s:c1", "R100\tsrc/a\tlib/a",
                                 "# call:s:c2", "A\tlib/new"], out
+
+
+MASKED = textwrap.dedent(r'''
+    import os, subprocess, sys, time
+    subprocess.run(["mv", "b", "x"], check=True)
+    open(sys.argv[1], "w").close()
+    while not os.path.exists(sys.argv[2]):
+        time.sleep(0.02)
+    with open("b/e/y", "a") as f:
+        f.write("more\n")
+''')
+
+
+def test_a_file_whose_name_a_directory_took_on_the_same_side_is_said(make_mount, tmp_path):
+    """Each path's side is read at its own point: the session renames the file ``b`` away, an
+    outside process renames the directory ``d`` to ``b``, the session writes ``b/e/y``.  The
+    side before holds ``b`` (a file, before the session's first change to it) and ``b/e/y``
+    (before its own first change), and one git tree holds only the second: the patch showed no
+    trace of the file ``b`` leaving (found by the history model's export check), and now the
+    diff says so, as it says of what else a patch cannot show."""
+    m = make_mount()
+    with open(os.path.join(m.ws, "b"), "w") as f:
+        f.write("a file\n")
+    os.makedirs(os.path.join(m.ws, "d", "e"))
+    with open(os.path.join(m.ws, "d", "e", "y"), "w") as f:
+        f.write("y\n")
+    m.mount()
+    (tmp_path / "agent.py").write_text(MASKED)
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    run = subprocess.Popen([sys.executable, "-m", "overlayrec", "run", "-w", m.ws, "--session",
+                            "s", "--", sys.executable, str(tmp_path / "agent.py"), str(ready),
+                            str(go)], cwd=m.ws)
+    try:
+        deadline = time.monotonic() + 30 * SLOW
+        while not ready.exists():
+            assert time.monotonic() < deadline and run.poll() is None
+            time.sleep(0.02)
+        os.rename(os.path.join(m.ws, "d"), os.path.join(m.ws, "b"))  # outside the session
+        go.touch()
+        assert run.wait(timeout=30 * SLOW) == 0
+    finally:
+        if run.poll() is None:
+            run.kill()
+    r = overlayrec("diff", m.ws, "--session", "s", "--name-status")
+    assert "b (file before, its name a directory's on that side)" in r.stderr, r.stderr
+    js = json.loads(overlayrec("diff", m.ws, "--session", "s", "--json").stdout)
+    assert {"path": "b", "change": "file before, its name a directory's on that side"} in \
+        js["not_in_patch"], js
