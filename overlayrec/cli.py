@@ -464,7 +464,12 @@ def umount(workspace, timeout):
     A daemon that does not stop within --timeout is killed and its mount detached; nothing here
     touches the mounted path itself, so a hung mount cannot hang this command."""
     ws = state.named_workspace(workspace)
-    mounted = state.fuse_mount_at(ws) is not None
+    mount = state.fuse_mount_at(ws)
+    mounted = mount is not None
+    if mounted and os.geteuid() != 0 and mount["uid"] not in (None, os.geteuid()):
+        # fusermount3 would say "entry not found in /etc/mtab": it is not this user's
+        raise Fail(f"{ws} is mounted by another user (uid {mount['uid']}): only that user, or "
+                   "root, can unmount it")
     sd = state.find_state_dir(ws)
     pid, info, refused = _daemon_pid(sd)  # a pid that fails the check is left alone
     if not mounted:

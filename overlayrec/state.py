@@ -595,7 +595,8 @@ def _unescape(field: str) -> str:
 
 
 def fuse_mount_at(path: str) -> dict | None:
-    """The FUSE mount whose mountpoint is exactly ``path`` (the topmost one), or None."""
+    """The FUSE mount whose mountpoint is exactly ``path`` (the topmost one), or None:
+    ``fstype``, ``source`` and ``uid``, the user who mounted it (None when not said)."""
     found = None
     try:
         with open("/proc/self/mountinfo") as f:
@@ -605,7 +606,11 @@ def fuse_mount_at(path: str) -> dict | None:
                 if len(lf) < 5 or len(rf) < 2:
                     continue
                 if _unescape(lf[4]) == path and rf[0].startswith("fuse"):
-                    found = {"fstype": rf[0], "source": _unescape(rf[1])}
+                    opts = dict(o.partition("=")[::2] for o in
+                                (rf[2] if len(rf) > 2 else "").split(","))
+                    owner = opts.get("user_id", "")
+                    found = {"fstype": rf[0], "source": _unescape(rf[1]),
+                             "uid": int(owner) if owner.isdigit() else None}
     except OSError:
         return None
     return found

@@ -409,3 +409,17 @@ def test_other_shapes_beneath_a_directory_its_owner_may_not_search(tmpbase, owne
         assert oct(os.stat(outside).st_mode) == oct(stat.S_IFDIR | 0o600)
     finally:
         u.umount()
+
+
+@needs_fuse
+def test_another_users_mount_is_not_theirs_to_unmount(make_mount, tmpbase):
+    """root's mount, and `overlayrec umount` by nobody: it ran fusermount3, which said "entry
+    not found in /etc/mtab"; it says whose the mount is, in one line, and the mount stays."""
+    m = make_mount().mount()
+    nobody = Owner(tmpbase, "nobody")
+    r = nobody.ask("umount", m.ws, check=False)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1, r.stderr
+    assert "is mounted by another user (uid 0): only that user, or root, can unmount it" \
+        in lines[0], r.stderr
+    assert is_mounted(m.ws)
