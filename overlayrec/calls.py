@@ -568,25 +568,37 @@ class Calls:
         """Begin a session.  ``runner``: the caller (``overlayrec run``) will start the agent as
         its child and name it with ``session_agent``.  Otherwise the caller is a hook: the agent
         is its first ancestor that is not a shell, or the session it already runs under."""
+        before = None  # the ended session of this hook's agent, which this one follows
         if not runner:
             lin = self.lineage(caller)
-            if lin is not None:  # a hook inside a session `run` started: the same session
+            if lin is not None and lin[0].ended is None:
+                # a hook inside a session `run` started (or one begun already): the same
                 return self.resolve(name, caller)
             agent = self.agent_for_hook(caller)
-            if agent["key"] in self._by_agent:
-                s = self._by_agent[agent["key"]]
-                self._alias(s, name)
-                return s
+            before = lin[0] if lin is not None else self._by_agent.get(agent["key"])
+            if before is not None and before.ended is None:
+                self._alias(before, name)
+                return before
+            # ``before`` ended: its agent goes on with a new session in the same process
+            # (Claude Code's /clear ends one and begins the next); taken for the ended one's,
+            # its calls were refused and what it did was the ended session's own
         sid = name or uuid.uuid4().hex[:12]
         if name and (name in self._names or self._recorded(name)):
             sid = self._next_part(name, caller)
-        s = Session(sid, None if runner else agent, caller if runner else None)
-        s.command = command
+        if before is not None and before.runner is not None:
+            # under the same `run`: its runner's and agent's processes lead here from now on
+            s = Session(sid, before.agent, before.runner)
+            self._by_runner[before.runner["key"]] = s
+            if s.agent is not None:
+                self._by_agent[s.agent["key"]] = s
+        else:
+            s = Session(sid, None if runner else agent, caller if runner else None)
+        s.command = command if before is None else before.command
         self.sessions[sid] = s
         self._names[sid] = sid
         if runner:
             self._by_runner[caller["key"]] = s
-        else:
+        elif before is None or before.runner is None:
             self._by_agent[agent["key"]] = s
             self.journal.append_many([], [agent])
         if name and sid != name:  # the name the agent goes on using is this session's now

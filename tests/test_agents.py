@@ -26,6 +26,7 @@ AGENT = __AGENT__
 args = sys.argv[1:]
 cwd = os.getcwd()
 ts = "2026-11-30T12:00:00Z"
+SID = "S1"  # the agent's session id: a /clear begins another in the same process
 
 
 def hooks_for(event):
@@ -65,13 +66,13 @@ def fire(event, env=None, **payload):
 
 def base(**kw):
     if AGENT == "claude-code":
-        return dict(session_id="S1", transcript_path="/t.jsonl", cwd=cwd, **kw)
+        return dict(session_id=SID, transcript_path="/t.jsonl", cwd=cwd, **kw)
     if AGENT == "codex":
-        return dict(session_id="S1", transcript_path=None, cwd=cwd, model="gpt-5-codex",
+        return dict(session_id=SID, transcript_path=None, cwd=cwd, model="gpt-5-codex",
                     permission_mode="default", **kw)
     if AGENT == "gemini":
-        return dict(session_id="S1", transcript_path="/t.json", cwd=cwd, timestamp=ts, **kw)
-    return dict(conversation_id="S1", generation_id="g1", workspace_roots=[cwd],
+        return dict(session_id=SID, transcript_path="/t.json", cwd=cwd, timestamp=ts, **kw)
+    return dict(conversation_id=SID, generation_id="g1", workspace_roots=[cwd],
                 model="m", cursor_version="2.0", **kw)
 
 
@@ -136,6 +137,13 @@ prompt("again, and drop a", 2)
 call("c3", "echo a > a.txt", 2)          # the same command as c1: a repeat
 call("c4", "rm a.txt && echo c > c.txt", 2, slow=True)
 stop(2)
+if os.environ.get("FAKE_CLEAR"):  # Claude Code's /clear: the session ends, the next begins
+    fire("SessionEnd", **base(reason="clear"))
+    SID = "S2"
+    fire("SessionStart", **base(source="clear"))
+    prompt("after the clear", 1)
+    call("c5", "echo e > e.txt", 1)
+    stop(1)
 if AGENT in ("claude-code", "gemini", "cursor"):
     fire({"cursor": "sessionEnd"}.get(AGENT, "SessionEnd"), **base(reason="exit"))
 '''
@@ -413,6 +421,33 @@ def test_agent_hooks_under_run_record_turns_and_calls(make_mount, tmp_path, name
     assert len(calls) == 3 and len(every) == 4
     if name != "gemini":  # the agent's own ids; Gemini's are made from tool and arguments
         assert {c["id"] for c in every} == {"c1", "c2", "c3", "c4"}
+
+
+@needs_fuse
+@pytest.mark.parametrize("under", ["run", "mount"])
+def test_a_cleared_session_goes_on_as_a_new_one_of_the_same_agent(make_mount, tmp_path, under):
+    """Claude Code's /clear ends its session and begins another in the same process: the
+    second session was taken for the first, ended one (its calls refused, its files the ended
+    session's own, under a run and under hooks installed in the workspace alike)."""
+    m = make_mount().mount()
+    env = dict(run_env(tmp_path), FAKE_CLEAR="1")
+    agent = fake_agent(tmp_path, "claude-code")
+    if under == "run":
+        overlayrec("run", "-w", m.ws, "--session", "R", "--", agent, env=env, cwd=m.ws)
+    else:
+        overlayrec("install-hooks", "claude-code", "--project", m.ws, env=env)
+        settings = os.path.join(m.ws, ".claude", "settings.json")
+        subprocess.run([agent, "--settings", settings], env=env, cwd=m.ws, check=True,
+                       timeout=120)
+    calls = {c["id"]: c for c in rows("calls", m.ws, env=env)}
+    assert calls["c5"]["session"] == "S2" and calls["c5"]["paths"] == ["e.txt"], calls
+    assert calls["c5"]["turn"] == 1 and calls["c5"]["status"] == "ok"
+    first = calls["c1"]["session"]
+    assert first != "S2" and all(calls[c]["session"] == first for c in ("c2", "c3", "c4"))
+    turns = {(t["session"], t["index"]): t for t in rows("turns", m.ws, env=env)}
+    assert turns[("S2", 1)]["prompt"] == "after the clear" and turns[("S2", 1)]["end_t"]
+    sessions = {r["unit"] for r in rows("blame", "e.txt", "-w", m.ws, env=env)}
+    assert sessions == {"call:S2:c5"}, sessions
 
 
 @needs_fuse
