@@ -1831,6 +1831,11 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
         if plan.already and not as_json:
             click.echo(f"overlayrec: {len(plan.already)} path(s) were put back already by "
                        f"an earlier revert: {named(map(shown, plan.already))}", err=True)
+        if plan.kept_objects and not as_json:
+            click.echo(f"overlayrec: {len(plan.kept_objects)} git object(s) this made stay: "
+                       "their repository was changed since by what is not reverted (a branch, "
+                       "a tag, the index may name them; `git gc` drops them once nothing does)",
+                       err=True)
         if not plan.steps:
             click.echo("nothing to revert")
             return

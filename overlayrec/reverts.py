@@ -120,7 +120,7 @@ def preview(plan: Plan) -> dict:
                                                                  else {})}
                                      for s in plan.steps],
             "guessed": plan.guessed, "maybe_ours": plan.maybe_ours, "late": plan.late,
-            "already": plan.already}
+            "already": plan.already, "kept_objects": plan.kept_objects}
 
 
 class Sources:

@@ -223,6 +223,41 @@ def test_a_group_written_anew_by_a_revert_is_linked_again_by_the_next(make_mount
     assert sorted(n for n in os.listdir(m.ws) if not n.startswith(".")) == ["d", "out"]
 
 
+def test_git_objects_a_later_branch_may_name_stay(make_mount, tmp_path):
+    """Call A commits, call B tags and branches it (new files under .git/refs only).  Reverting
+    A took its objects away with it, and the repository was left corrupt (`git fsck`: invalid
+    sha1 pointer; `git log --all`: bad object), exit 0, nothing said.  The objects stay, said
+    on stderr; the rest of A is reverted.  With nothing after it, they go as before."""
+    m = make_mount()
+    git = ["git", "-C", m.ws]
+    subprocess.run(["git", "init", "-q", "-b", "main", m.ws], check=True)
+    for k, v in (("user.name", "u"), ("user.email", "u@example.org")):
+        subprocess.run(git + ["config", k, v], check=True)
+    with open(os.path.join(m.ws, "f.txt"), "w") as f:
+        f.write("one\n")
+    subprocess.run(git + ["add", "-A"], check=True)
+    subprocess.run(git + ["commit", "-qm", "init"], check=True)
+    (tmp_path / "calln.py").write_text(CALL_N)
+    m.mount()
+    for call, script in (("A", "echo two >> f.txt && git commit -qam 'agent commit'"),
+                         ("B", "git tag v1 && git branch keep")):
+        overlayrec("run", "-w", m.ws, "--session", f"s{call}", "--", sys.executable,
+                   str(tmp_path / "calln.py"), call, script, cwd=m.ws)
+    r = overlayrec("revert", m.ws, "--call", "A", "--yes")
+    assert "git object(s) this made stay" in r.stderr, r.stderr
+    assert open(os.path.join(m.ws, "f.txt")).read() == "one\n"
+    fsck = subprocess.run(git + ["fsck", "--no-dangling"], capture_output=True, text=True)
+    assert fsck.returncode == 0 and "invalid" not in fsck.stdout + fsck.stderr, fsck
+    log = subprocess.run(git + ["log", "--format=%s", "keep"], capture_output=True, text=True)
+    assert log.stdout.split("\n")[:2] == ["agent commit", "init"], log
+    # unrevert, then revert everything recorded: nothing after it, the objects go
+    overlayrec("unrevert", "-w", m.ws, "--yes")
+    r = overlayrec("revert", m.ws, "--since", "0", "--yes")
+    assert "git object(s)" not in r.stderr, r.stderr
+    assert subprocess.run(git + ["fsck"], capture_output=True).returncode == 0
+    assert subprocess.run(git + ["cat-file", "-e", "keep"], capture_output=True).returncode != 0
+
+
 def _acl(*entries) -> bytes:
     """A POSIX access ACL as the kernel stores it in ``system.posix_acl_access``."""
     return (2).to_bytes(4, "little") + b"".join(

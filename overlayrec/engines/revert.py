@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import stat
 import time
 import uuid
@@ -75,6 +76,9 @@ class Plan:
     # paths the selection changed that an earlier revert put back as they were before it:
     # nothing to do, no step
     already: list[str] = field(default_factory=list)
+    # git objects the selection made that stay: another unit changed their repository since,
+    # and what it wrote there (a branch, a tag, the index) may name them (_keep_git_objects)
+    kept_objects: list[str] = field(default_factory=list)
 
     @property
     def conflicts(self) -> list[Step]:
@@ -242,6 +246,7 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
             # this plan puts a directory here first (order(): dirs first); if the directory
             # has a conflict of its own the revert is refused there, not on what lies beneath
             made_dirs.add(p)
+    _keep_git_objects(plan, spans, others)
     for step in plan.steps:
         # a directory the plan moves, makes or removes whose entries could not be listed: what
         # it holds is unknown, so the revert would not be the tree before
@@ -274,6 +279,46 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
     _find_partners(plan, live, by_ino, states, spans)
     _joined_since(plan, live, by_ino)
     return plan
+
+
+_OBJECT = re.compile(r"(?:[0-9a-f]{2}/[0-9a-f]{38,62}|pack/pack-[0-9a-f]+\.[a-z]+)")
+
+
+def _git_dir(path: str) -> tuple[str, str] | None:
+    """(the repository's ``.git`` directory, the rest of ``path`` beneath it), or None."""
+    parts = path.split("/")
+    if ".git" not in parts[:-1]:
+        return None
+    i = parts.index(".git")
+    return "/".join(parts[:i + 1]), "/".join(parts[i + 1:])
+
+
+def _keep_git_objects(plan: Plan, spans: dict[str, list[int]],
+                      others: dict[str, list[int]]) -> None:
+    """The git objects the selection made (a loose object, a pack) are not removed where
+    another unit changed their repository after the selection first wrote them: a branch, a
+    tag or the index it wrote may name them, and removing them left the repository corrupt
+    (`git fsck`: invalid sha1 pointer) with nothing in the plan to say so, since the other
+    unit's own paths were new ones.  An object no one names is harmless (``git gc`` drops it),
+    so they stay, said (``kept_objects``)."""
+    changed: dict[str, int] = {}  # a .git directory -> the last seq another unit changed it
+    for p, seqs in others.items():
+        g = _git_dir(p)
+        if g is not None:
+            changed[g[0]] = max(changed.get(g[0], 0), max(seqs))
+    if not changed:
+        return
+    keep = []
+    for step in plan.steps:
+        g = _git_dir(step.path)
+        if g is None or step.target.present or step.expected.kind != "file" or \
+                not g[1].startswith("objects/") or not _OBJECT.fullmatch(g[1][8:]):
+            continue
+        if changed.get(g[0], 0) > spans[step.path][0]:
+            keep.append(step)
+    if keep:
+        plan.steps = [s for s in plan.steps if not any(s is k for k in keep)]
+        plan.kept_objects = sorted(s.path for s in keep)
 
 
 def _joined_since(plan: Plan, live: Tree, by_ino) -> None:
