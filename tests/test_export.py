@@ -477,6 +477,19 @@ def test_a_turn_that_changed_nothing_git_holds_reads_as_empty_from_the_refs(make
                           "--stat").stdout == \
             overlayrec("diff", m.ws, "--turn", turn, "--stat").stdout
     assert overlayrec("diff", m.ws, "--turn", "1", "--stat").stdout == ""
+    # a second session with one turn: turn 2 is the first session's alone, as `diff --turn 2`
+    # picks it (it was "turns: in several sessions"); a turn no session holds is said so
+    one = tmp_path / "one.py"
+    one.write_text("from overlayrec import client\nwith client.connect() as c:\n"
+                   "    c.turn_begin(prompt='p'); open('y', 'w').write('y'); c.turn_end()\n")
+    overlayrec("run", "-w", m.ws, "--session", "s2", "--", sys.executable, str(one), cwd=m.ws)
+    overlayrec("export", "git", m.ws, "--push", str(remote))
+    assert overlayrec("records", "diff", "--git", str(remote), "--turn", "2",
+                      "--stat").stdout == overlayrec("diff", m.ws, "--turn", "2", "--stat").stdout
+    for args, said in ((["--turn", "7"], "no turn 7 in the fetched records"),
+                       (["--session", "nosuch"], "no session nosuch in the fetched records")):
+        r = overlayrec("records", "diff", "--git", str(remote), *args, check=False)
+        assert r.returncode == 1 and r.stderr.strip() == f"overlayrec: error: {said}", r.stderr
 
 
 def test_a_sessions_chain_in_every_shape(make_mount):

@@ -200,7 +200,8 @@ class Records:
         if not found:
             raise SelectionError(f"no {what} in the fetched records"
                                  + (f" of origin {origin}" if origin else "")
-                                 + (f" in session {session}" if session else ""))
+                                 + (f" in session {session}" if session and
+                                    what != f"session {session}" else ""))
         if len(found) > 1:
             raise SelectionError(f"{what}: in several sessions ("
                                  + ", ".join(f"{o}/{s}" for o, s in sorted(found))
@@ -230,7 +231,11 @@ class Records:
             if ab is None:   # the chain shows it exactly: its commit against its parent
                 ab = (s["calls"][call] + "^", s["calls"][call])
         elif turn is not None:
-            k = self.pick(origin, session, lambda s: bool(s["turns"]), "turns")
+            # turn N: the session that holds one (as `diff --turn N` picks it); last, -1 ...:
+            # the one session with turns
+            n = int(turn) if str(turn).isdigit() else None
+            k = self.pick(origin, session, lambda s: n in s["turns"] if n is not None
+                          else bool(s["turns"]), f"turn {turn}" if n is not None else "turns")
             s = self.sessions[k]
             n = self._turn_index(s, turn)
             ab = self._side(s["sides"], side_key("turn", n))
