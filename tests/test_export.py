@@ -545,3 +545,42 @@ def test_a_sessions_chain_in_every_shape(make_mount):
     assert tree("refs/overlayrec/q/base") == before
     assert tree("refs/overlayrec/q/head") == after
     assert "pipe" not in after and before["edited"] == ("file", "one\ntwo\n")
+
+
+MID_EXPORT = textwrap.dedent(r'''
+    import os, subprocess, sys, time
+    from overlayrec import client
+    flag = sys.argv[1]
+    with client.connect() as c:
+        c.turn_begin(prompt="p1")
+        c.call_begin("c1", "Bash")
+        subprocess.run(["bash", "-c", "echo one > one.txt; (while [ ! -e %s ]; do sleep 0.05; "
+                        "done; echo late > late.txt) &" % flag], check=True)
+        c.call_end("c1")
+        c.turn_end()
+        subprocess.run([sys.executable, "-m", "overlayrec", "export", "git"], check=True,
+                       capture_output=True)
+        open(flag, "w").close()
+        while not os.path.exists("late.txt"):
+            time.sleep(0.05)
+''')
+
+
+def test_a_calls_late_write_after_an_export_mid_session_keeps_its_first_writes(make_mount,
+                                                                               tmp_path):
+    """A call's process writes after the call ended, once an export has taken the call's
+    commit (mid-session); the export after the session's end makes the call's sides again,
+    and they held only the late write: the states before its first writes were read from
+    the run's floor up (after them), so its first files stood on both sides."""
+    m = make_mount().mount()
+    agent = tmp_path / "agent.py"
+    agent.write_text(MID_EXPORT)
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", sys.executable, str(agent),
+               str(tmp_path / "flag"), cwd=m.ws)
+    remote = tmp_path / "remote.git"
+    subprocess.run(["git", "init", "-q", "--bare", str(remote)], check=True)
+    overlayrec("export", "git", m.ws, "--push", str(remote))
+    want = overlayrec("diff", m.ws, "--call", "c1", "--name-status").stdout
+    assert want.split() == ["A", "late.txt", "A", "one.txt"], want
+    assert overlayrec("records", "diff", "--git", str(remote), "--call", "c1",
+                      "--name-status").stdout == want

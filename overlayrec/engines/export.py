@@ -32,7 +32,7 @@ import time
 from stat import S_ISLNK, S_ISREG
 
 from ..journal import Journal
-from ..journal.schema import call_unit, parse_unit
+from ..journal.schema import call_key, call_unit, parse_unit
 from ..views import guessed, one_line, shown, unit_session
 from .diff import file_events, touched, side_of, _visible
 from .gitdiff import FastImport, GitError, ObjectStore, git_refuses, quote_path
@@ -187,6 +187,11 @@ class Exporter:
                 lo = min([lo, since]
                          + [(c.get("begin_seq") or c["end_seq"]) - 1 for c in c_new]
                          + [t["begin_seq"] - 1 for t in t_new])
+            # an exported call of an ended session that wrote since (a process it left
+            # running): its sides are made again, from its begin (below ``lo``: the states
+            # there were read from the floor up, and its sides took its first writes' results
+            # for what the paths held before them)
+            lo = min([lo] + self._late_call_begins({w[0] for w in work}, horizon))
             lo = max(0, lo)
             # the states asked for are at ``lo`` or later: each path's chain is read from there
             # (States.floor: only its events after ``lo`` and its last one before).  When most
@@ -274,6 +279,30 @@ class Exporter:
         if key not in self._actor_cache:
             self._actor_cache[key] = self.j.actor(key) or {}
         return self._actor_cache[key]
+
+    def _late_call_begins(self, sids: set[str], horizon: int) -> list[int]:
+        """The seq before the begin of each exported call of an ended session in ``sids``
+        that has events after the session's chain point (late writes, whose sides are made
+        again)."""
+        points = {sid: st["point"] for sid, st in self.done["sessions"].items()
+                  if sid in sids and sid in self._ended and st.get("head") and st.get("calls")}
+        if not points:
+            return []
+        begins = []
+        seen: set[str] = set()
+        for e in file_events(self.j, min(points.values()) + 1, horizon):
+            u = e.get("unit") or ""
+            if u in seen:
+                continue
+            sid = unit_session(u)
+            if sid in points and e["seq"] > points[sid] and parse_unit(u).kind == "call":
+                seen.add(u)
+                cid = parse_unit(u).id
+                if cid in self.done["sessions"][sid]["calls"]:
+                    rec = self.j.record("calls", call_key(sid, cid))
+                    if rec and (rec.get("begin_seq") or rec.get("end_seq")):
+                        begins.append((rec.get("begin_seq") or rec["end_seq"]) - 1)
+        return begins
 
     def _late_writers(self, ended: set[str], horizon: int, busy: set[str]) -> set[str]:
         """The ended sessions (chain exported, no new call or turn: ``busy`` have some) whose
