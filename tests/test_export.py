@@ -8,7 +8,7 @@ import sys
 import textwrap
 import time
 
-from conftest import needs_fuse, overlayrec
+from conftest import SLOW, needs_fuse, overlayrec
 from test_diff import AGENT, seed
 
 pytestmark = needs_fuse
@@ -584,3 +584,53 @@ def test_a_calls_late_write_after_an_export_mid_session_keeps_its_first_writes(m
     assert want.split() == ["A", "late.txt", "A", "one.txt"], want
     assert overlayrec("records", "diff", "--git", str(remote), "--call", "c1",
                       "--name-status").stdout == want
+
+
+OUTSIDE_IN_CALL = textwrap.dedent(r'''
+    import os, sys, time
+    from overlayrec import client
+    with client.connect() as c:
+        c.call_begin("c1", "Bash")
+        open("agent.txt", "w").write("agent\n")
+        open(sys.argv[1], "w").close()
+        while not os.path.exists(sys.argv[2]):
+            time.sleep(0.02)
+        c.call_end("c1")
+''')
+
+
+def test_records_blame_names_another_writer_inside_a_call_as_such(make_mount, tmp_path):
+    """A user's edit while a call is active lies in the call's commit (its Other-Writer);
+    `records blame` named the call as its unit, where the journal's blame and `records diff
+    --call` (the call's sides) say it is not the call's."""
+    m = make_mount()
+    with open(os.path.join(m.ws, "user.txt"), "w") as f:
+        f.write("orig\n")
+    m.mount()
+    (tmp_path / "agent.py").write_text(OUTSIDE_IN_CALL)
+    ready, done = tmp_path / "ready", tmp_path / "done"
+    run = subprocess.Popen([sys.executable, "-m", "overlayrec", "run", "-w", m.ws, "--session",
+                            "s", "--", sys.executable, str(tmp_path / "agent.py"), str(ready),
+                            str(done)], cwd=m.ws)
+    try:
+        deadline = time.monotonic() + 30 * SLOW
+        while not ready.exists():
+            assert time.monotonic() < deadline and run.poll() is None
+            time.sleep(0.02)
+        with open(os.path.join(m.ws, "user.txt"), "a") as f:  # this test: outside the session
+            f.write("user edit\n")
+        done.touch()
+        assert run.wait(timeout=30 * SLOW) == 0
+    finally:
+        if run.poll() is None:
+            run.kill()
+    remote = tmp_path / "remote.git"
+    subprocess.run(["git", "init", "-q", "--bare", str(remote)], check=True)
+    overlayrec("export", "git", m.ws, "--push", str(remote))
+    rows = [json.loads(line) for line in overlayrec(
+        "records", "blame", "user.txt", "--git", str(remote), "--json").stdout.splitlines()]
+    assert [r["unit"] for r in rows] == ["other writers during call c1"], rows
+    assert all(f"{os.getpid()} " in p for r in rows for p in r["processes"]), rows
+    rows = [json.loads(line) for line in overlayrec(
+        "records", "blame", "agent.txt", "--git", str(remote), "--json").stdout.splitlines()]
+    assert [r["unit"] for r in rows] == ["call:s:c1"], rows

@@ -306,6 +306,16 @@ class Records:
         kind = {"120000": "symlink", "040000": "dir", "160000": "commit"}.get(meta[0], "file")
         return {"kind": kind, "size": int(meta[3]) if meta[3].isdigit() else 0}
 
+    def _in_sides(self, sides: str | None, call: str, path: str) -> bool:
+        """Does ``call``'s diff, as its sides hold it, change ``path``?  True where it has no
+        sides (its commit then is its diff)."""
+        ab = self._side(sides, side_key("call", call))
+        if ab is None:
+            return True
+        a, b = (self.store._git("ls-tree", "-z", tree, "--", path).split("\0")[0]
+                for tree in ab)
+        return a != b
+
     def blame(self, path: str, origin=None) -> list[dict]:
         """Each exported commit that changed ``path``, newest first, per origin: its unit
         (call, turn's end, or the units of the changes between calls), the sequence range,
@@ -319,7 +329,14 @@ class Records:
                 if c["parent"] is None:
                     continue   # the base: the workspace before the session, not a change
                 t = c["trailers"]
-                if "Call" in t:
+                processes = t.get("Actor", []) + t.get("Other-Writer", [])
+                if "Call" in t and t.get("Other-Writer") and \
+                        not self._in_sides(s["sides"], t["Call"][0], path):
+                    # another writer's change inside the call's span: the call's sides (made
+                    # since another unit wrote there) say what was the call's own
+                    unit = f"other writers during call {t['Call'][0]}"
+                    processes = t["Other-Writer"]
+                elif "Call" in t:
                     unit = call_unit(sid, t["Call"][0])
                 elif "Unit" in t:
                     unit = ", ".join(t["Unit"])
@@ -332,7 +349,7 @@ class Records:
                              "first_seq": c["seq"][0], "last_seq": c["seq"][1],
                              "t": int((t.get("End") or [c["t"] * 10**9])[0]),
                              "subject": c["subject"], "before": before, "after": after,
-                             "processes": t.get("Actor", []) + t.get("Other-Writer", [])})
+                             "processes": processes})
         seen, out = set(), []
         for r in sorted(rows, key=lambda r: (r["origin"], r["last_seq"], r["first_seq"]),
                         reverse=True):
