@@ -2117,14 +2117,27 @@ def export_git(workspace, repo, ref_prefix, remote, origin, state_dir, as_json):
     ws, sd, j, tree = _open_journal_and_tree(workspace, state_dir)
     try:
         if repo:
-            r = subprocess.run(["git", "-C", repo, "rev-parse", "--absolute-git-dir"],
-                               capture_output=True, text=True)
-            if r.returncode != 0:
+            # git walks up from a directory (across the mount's boundary too, as the user's
+            # git does from outside it): a directory inside a repository names that one,
+            # which may be the workspace's own (its refs written, against the promise)
+            env = dict(os.environ, GIT_DISCOVERY_ACROSS_FILESYSTEM="1")
+
+            def rev_parse(where: str, what: str) -> str | None:
+                r = subprocess.run(["git", "-C", where, "rev-parse", what], env=env,
+                                   capture_output=True, text=True)
+                return os.path.realpath(r.stdout.strip()) if r.returncode == 0 else None
+            git_dir = rev_parse(repo, "--absolute-git-dir")
+            if git_dir is None:
                 raise Fail(f"{repo} is not a git repository")
-            git_dir = r.stdout.strip()
-            if os.path.realpath(git_dir) == os.path.realpath(os.path.join(ws, ".git")):
-                raise Fail("refusing to write into the workspace's own repository; "
-                           "name another one, or leave --repo out")
+            top = rev_parse(repo, "--show-toplevel")  # none for a bare repository
+            if os.path.realpath(repo) not in {git_dir, top}:
+                raise Fail(f"{repo} is not a git repository itself: it lies in "
+                           f"{top or git_dir}; name a repository's own directory")
+            if git_dir in {os.path.realpath(os.path.join(ws, ".git")),
+                           rev_parse(os.path.dirname(ws), "--absolute-git-dir")} or \
+                    git_dir.startswith(os.path.realpath(ws).rstrip("/") + "/"):
+                raise Fail("refusing to write into the workspace's own repository (or one "
+                           "inside it); name another one, or leave --repo out")
             store = ObjectStore(sd, git_dir=git_dir)
         else:
             with state.private_umask():  # the private store is the user's alone

@@ -634,3 +634,35 @@ def test_records_blame_names_another_writer_inside_a_call_as_such(make_mount, tm
     rows = [json.loads(line) for line in overlayrec(
         "records", "blame", "agent.txt", "--git", str(remote), "--json").stdout.splitlines()]
     assert [r["unit"] for r in rows] == ["call:s:c1"], rows
+
+
+def test_export_never_writes_a_repository_that_holds_the_workspace(make_mount, tmp_path):
+    """The workspace is a package of a larger repository (a monorepo): `--repo` of the
+    workspace, or of any directory inside that repository, named the enclosing one (git walks
+    up) and the export wrote its refs there, against the promise that the workspace's own
+    repository is never written.  A directory that is no repository itself is refused, and so
+    is the repository that holds the workspace, or one inside it; a repository elsewhere is
+    written."""
+    m = make_mount()
+    mono = os.path.dirname(m.ws)
+    subprocess.run(["git", "init", "-q", mono], check=True)
+    with open(os.path.join(m.ws, "a.txt"), "w") as f:
+        f.write("a\n")
+    m.mount()
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", "sh", "-c", "echo b > b.txt; "
+               "mkdir sub && git init -q inner", cwd=m.ws)
+    for repo, said in ((m.ws, "is not a git repository itself"),
+                       (mono, "the workspace's own repository"),
+                       (os.path.join(m.ws, "sub"), "is not a git repository itself"),
+                       (os.path.join(m.ws, "inner"), "the workspace's own repository"),
+                       (str(tmp_path / "nowhere"), "is not a git repository")):
+        r = overlayrec("export", "git", m.ws, "--repo", repo, check=False)
+        assert r.returncode == 1 and said in r.stderr, (repo, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not subprocess.run(["git", "-C", mono, "for-each-ref", "refs/overlayrec"],
+                              capture_output=True, text=True).stdout
+    other = tmp_path / "other"
+    subprocess.run(["git", "init", "-q", str(other)], check=True)
+    overlayrec("export", "git", m.ws, "--repo", str(other))
+    assert subprocess.run(["git", "-C", str(other), "for-each-ref", "refs/overlayrec"],
+                          capture_output=True, text=True).stdout
