@@ -1038,5 +1038,6 @@ def test_an_absolute_path_is_taken_beneath_the_workspace_or_refused(make_mount):
                 ["log", m.ws]):
         one_line_error(overlayrec(*cmd, "--path", "/etc/passwd", check=False),
                        "--path /etc/passwd is outside the workspace")
-    one_line_error(overlayrec("diff", m.ws, "--since", "999", check=False),
-                   "--since 999 is past the record's end")
+    for cmd in ("diff", "revert"):
+        one_line_error(overlayrec(cmd, m.ws, "--since", "999", check=False),
+                       "--since 999 is past the record's end")

@@ -109,6 +109,9 @@ def selected_units(j: Journal, *, call=None, turn=None, session=None, since=None
             {turn_unit(session, t["index"]) for t in j.records("turns", session.encode() + b"\0")}
         return units, 1, None
     if since is not None:
+        if since > j.last_seq():
+            raise SelectionError(f"--since {since} is past the record's end (seq "
+                                 f"{j.last_seq()})")
         return None, since + 1, None
     raise SelectionError("say what to revert: --call, --turn, --session or --since")
 
