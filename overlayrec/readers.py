@@ -458,7 +458,10 @@ def diff(workspace, call_id, turn_sel, sid, since, until, drift, fmt, binary, gl
         # the same question of the same record: the answer kept last time (engines.answers)
         answers = answers_of(sd, j, tree)
         question = ["diff", call_id, turn_sel, sid, since, until, drift, fmt, binary, glob,
-                    by_writer, as_json]
+                    by_writer, as_json,
+                    # a turn or call several sessions hold is the caller's own, where it says
+                    # (engines.diff.callers_session): another caller's answer is another
+                    os.environ.get("OVERLAYREC_SESSION") if sid is None else None]
         parts = answers.get(question)
         if parts is None:
             parts = Parts()

@@ -4,6 +4,7 @@ journal's units agree on what a turn holds.  Nothing begins in a session that ha
 from __future__ import annotations
 
 import json
+import subprocess
 import os
 import sys
 
@@ -60,3 +61,31 @@ def test_nothing_begins_in_an_ended_session(make_mount):
     assert r.stderr.count("session q has ended") == 2, r.stderr
     assert not [e for e in m.events() if e.get("op") in ("call_begin", "turn_begin")
                 and (e.get("call") == "late" or e.get("turn") == 2)]
+
+
+TWO = """
+O="$OVERLAYREC"
+$O turn begin --prompt "$1"; echo "$1" > "$1.txt"; sleep "$2"
+$O diff --turn last --name-status > "$3/diff-$1"; echo "rc=$?" >> "$3/diff-$1"
+$O turn end
+"""
+
+
+def test_a_turn_asked_from_inside_an_agent_is_its_own_sessions(make_mount, tmp_path):
+    """Two agents at once on one mount, each with a turn: `diff --turn last` from inside one
+    was refused ("turns of several sessions"), and its advice (`--session last`) named the
+    other's.  Inside a `run`, OVERLAYREC_SESSION says whose: the agent's own."""
+    m = make_mount().mount()
+    env = dict(os.environ, OVERLAYREC=f"{sys.executable} -m overlayrec")
+    env.pop("OVERLAYREC_SESSION", None)
+    runs = [subprocess.Popen([sys.executable, "-m", "overlayrec", "run", "-w", m.ws,
+                              "--session", name, "--", "sh", "-c", TWO, "sh", name, delay,
+                              str(tmp_path)], cwd=m.ws, env=env)
+            for name, delay in (("A", "2"), ("B", "0.5"))]
+    for r in runs:
+        assert r.wait(timeout=60 * SLOW) == 0
+    for name in ("A", "B"):
+        out = (tmp_path / f"diff-{name}").read_text()
+        assert out.split() == ["A", f"{name}.txt", "rc=0"], out
+    r = overlayrec("diff", m.ws, "--turn", "last", check=False, env=env)
+    assert r.returncode == 1 and "several sessions" in r.stderr, r.stderr

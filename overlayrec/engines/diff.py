@@ -6,6 +6,7 @@ touched between the turn's begin and end; for a range, every path changed in it.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from ..journal import Journal
@@ -176,10 +177,29 @@ def find_call(j: Journal, call: str, session: str | None = None,
     if not calls:
         raise SelectionError(f"no call {call}" + (f" in session {session}" if session else ""))
     sessions = sorted({c["session"] for c in calls})
-    if len(sessions) > 1:
+    if len(sessions) > 1 and (mine := callers_session(j, sessions)) is not None:
+        calls = [c for c in calls if c["session"] == mine]
+    elif len(sessions) > 1:
         raise SelectionError(f"call {call} exists in several sessions ({', '.join(sessions)}): "
                              f"{several}")
     return calls[0]
+
+
+def callers_session(j: Journal, among: list[str]) -> str | None:
+    """The session of ``among`` the caller runs in, where it says (``OVERLAYREC_SESSION``, as
+    `run` sets it for its agent and the Python client sends it): an agent's tool that asks
+    for its own turn or call while another agent's session holds one too (two `run`s on one
+    mount) means its own."""
+    name = os.environ.get("OVERLAYREC_SESSION")
+    if not name:
+        return None
+    if name in among:
+        return name
+    for sid in among:
+        rec = j.record("sessions", sid.encode("utf-8", "surrogateescape")) or {}
+        if name in (rec.get("aliases") or ()):
+            return sid
+    return None
 
 
 def find_turn(j: Journal, turn, session: str | None = None,
@@ -198,6 +218,8 @@ def find_turn(j: Journal, turn, session: str | None = None,
         if not turns:
             raise SelectionError(f"no turn {n}" + (f" in session {session}" if session else ""))
     sessions = sorted({t["session"] for t in turns})
+    if len(sessions) > 1 and (mine := callers_session(j, sessions)) is not None:
+        turns, sessions = [t for t in turns if t["session"] == mine], [mine]
     if len(sessions) > 1:
         which = "turns of several sessions are recorded" if n < 0 else \
             f"turn {n} exists in several sessions"
