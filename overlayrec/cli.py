@@ -1229,12 +1229,18 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
         _check_secrets(secret)
         sd = state.check_state_dir(ws, _mount_state_dir(ws, state_dir))
         state.make_state_dir(sd)
-        daemon_pid = _spawn_daemon(ws, sd, record_data=record_data, secret=secret,
-                                   no_default_secrets=no_default_secrets, max_bytes=max_bytes,
-                                   for_this=True)
-        mounted_here = True
-        # the shell that started this run waits for it: only the others write around us
-        _warn_holders(ws, _ancestors(os.getpid()) | {daemon_pid})
+        from .mounting import one_mounter
+        with one_mounter(sd):
+            # two runs started together: the second waits here for the first's mount, and
+            # joins it (it failed, "already mounted", and its agent never ran)
+            if not state.fuse_mount_at(ws):
+                daemon_pid = _spawn_daemon(ws, sd, record_data=record_data, secret=secret,
+                                           no_default_secrets=no_default_secrets,
+                                           max_bytes=max_bytes, for_this=True)
+                mounted_here = True
+                # the shell that started this run waits for it: only the others write around
+                # us
+                _warn_holders(ws, _ancestors(os.getpid()) | {daemon_pid})
     elif secret or no_default_secrets:  # the daemon there applies the list it mounted with
         click.echo(f"overlayrec: warning: {ws} is already mounted: --secret and "
                    "--no-default-secrets apply at mount only", err=True)

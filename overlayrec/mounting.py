@@ -8,6 +8,7 @@ show), and what a command should warn of is returned.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -178,3 +179,21 @@ def _detach(cmd: list[str], timeout: float = 15.0) -> str | None:
         p.kill()
         return f"{cmd[0]} did not finish in {timeout:.0f} s"
     return None if p.returncode == 0 else (err.strip() or f"{cmd[0]} exited with {p.returncode}")
+
+
+MOUNT_LOCK = "mount.lock"
+
+
+@contextlib.contextmanager
+def one_mounter(sd: str):
+    """Held by a command from its look at whether the workspace is mounted to its mount being
+    served: another one (two `run`s started together) waits, then finds the mount and joins
+    it."""
+    import fcntl
+    fd = os.open(os.path.join(sd, MOUNT_LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW |
+                 os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)

@@ -11,7 +11,7 @@ import sys
 import textwrap
 import time
 
-from conftest import SLOW, is_mounted, needs_fuse, overlayrec, wait_unmounted
+from conftest import SLOW, force_unmount, is_mounted, needs_fuse, overlayrec, wait_unmounted
 
 pytestmark = needs_fuse
 
@@ -255,3 +255,28 @@ def test_a_mount_run_left_for_another_session_goes_when_that_one_ends(make_mount
                 p.kill()
                 p.wait()
     assert sorted(e["session"] for e in m.events() if e["op"] == "session_end") == ["a", "b"]
+
+
+def test_runs_started_together_on_an_unmounted_workspace_all_run(tmpbase):
+    """Three `run`s started at once on a workspace no one has mounted: the second and third
+    failed ("already mounted": the first's daemon mounted between their look and their
+    daemon's) and their agents never ran.  They wait for the first's mount and join it."""
+    from pathlib import Path
+    ws = Path(tmpbase) / "ws"
+    ws.mkdir()
+    env = dict(os.environ, XDG_STATE_HOME=os.path.join(tmpbase, "st"))
+    runs = [subprocess.Popen([sys.executable, "-m", "overlayrec", "run", "-w", str(ws),
+                              "--session", f"R{i}", "--", "sh", "-c",
+                              f"sleep 1; echo {i} > f{i}.txt"], env=env,
+                             stderr=subprocess.PIPE, text=True) for i in (1, 2, 3)]
+    try:
+        for r in runs:
+            assert r.wait(timeout=60 * SLOW) == 0, r.stderr.read()
+        assert sorted(p.name for p in ws.iterdir()) == ["f1.txt", "f2.txt", "f3.txt"]
+        wait_unmounted(str(ws), "the mount outlived the runs")
+    finally:
+        force_unmount(str(ws))
+    evs = {e["path"]: e["unit"] for e in map(json.loads, overlayrec(
+        "log", str(ws), "--json", env=env).stdout.splitlines()) if e["op"] == "create"}
+    assert {p: u.split(":")[1] for p, u in evs.items()} == \
+        {"f1.txt": "R1", "f2.txt": "R2", "f3.txt": "R3"}, evs
