@@ -1329,7 +1329,14 @@ class States:
                     # else it was changed around the record (by hand, a tool walking hidden
                     # directories), and what it holds now is not what the path held
                     written = any(ev["seq"] > e["seq"] for ev in self.events_on(entry))
-                    return s if written or "mtime_ns" not in pre else s.but(exact=False)
+                    if written or "mtime_ns" not in pre:
+                        return s
+                    stored = self.stored_since(e, path) if \
+                        self.tree.lstat(f"{ATTIC}/{pre['attic']}") is None else None
+                    # (gone since it was read: the daemon, idle, copied it into the store and
+                    # let it go; the copy, checked against the entry as it left, says)
+                    return self.sealed_state(stored) if stored is not None else \
+                        s.but(exact=False)
                 other = self._partner_state(path, e["seq"] - 1, pre.get("ino"))
                 return s.but(exact=False) if other is None else \
                     State("file", mode, other.data, True, **facts(pre))
