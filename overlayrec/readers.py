@@ -633,6 +633,13 @@ def guess_lines(side) -> list[str]:
                    "outside any call wrote while it ran, and nothing said whose they are): "
                    f"{', '.join(map(shown, side.guessed[:5]))}"
                    f"{' ...' if len(side.guessed) > 5 else ''}")
+    mixed = getattr(side, "interleaved", None)
+    if mixed:
+        out.append(f"overlayrec: {len(mixed)} path(s) here were changed by another writer too, "
+                   "between this call's own changes (the diff holds theirs; `revert` refuses "
+                   "them, interleaved): " + ", ".join(
+                       f"{shown(p)} ({', '.join(us)})" for p, us in sorted(mixed.items())[:5])
+                   + (" ..." if len(mixed) > 5 else ""))
     if side.late:
         out.append(f"overlayrec: {len(side.late)} path(s) here were changed after the call "
                    "ended, by a process it left running (a server, a watcher, a build daemon; "

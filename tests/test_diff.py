@@ -580,3 +580,56 @@ def test_a_file_whose_name_a_directory_took_on_the_same_side_is_said(make_mount,
     js = json.loads(overlayrec("diff", m.ws, "--session", "s", "--json").stdout)
     assert {"path": "b", "change": "file before, its name a directory's on that side"} in \
         js["not_in_patch"], js
+
+
+BETWEEN = textwrap.dedent(r'''
+    import os, sys, time
+    from overlayrec import client
+    with client.connect() as c:
+        c.call_begin("c1", "Edit")
+        with open("f.txt", "a") as f:
+            f.write("call-1\n")
+        open(sys.argv[1], "w").close()
+        while not os.path.exists(sys.argv[2]):
+            time.sleep(0.02)
+        with open("f.txt", "a") as f:
+            f.write("call-2\n")
+        c.call_end("c1")
+''')
+
+
+def test_another_writers_change_between_a_calls_own_is_said(make_mount, tmp_path):
+    """A call appends, a user appends, the call appends again: `diff --call` holds the user's
+    line (the call's diff runs from its first change to its last) and said nothing; its
+    `--json` writers named the call alone, where `revert --call` refuses it (interleaved)."""
+    m = make_mount()
+    with open(os.path.join(m.ws, "f.txt"), "w") as f:
+        f.write("base\n")
+    m.mount()
+    (tmp_path / "agent.py").write_text(BETWEEN)
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    run = subprocess.Popen([sys.executable, "-m", "overlayrec", "run", "-w", m.ws, "--session",
+                            "s", "--", sys.executable, str(tmp_path / "agent.py"), str(ready),
+                            str(go)], cwd=m.ws)
+    try:
+        deadline = time.monotonic() + 30 * SLOW
+        while not ready.exists():
+            assert time.monotonic() < deadline and run.poll() is None
+            time.sleep(0.02)
+        with open(os.path.join(m.ws, "f.txt"), "a") as f:  # outside the session
+            f.write("OUTSIDE\n")
+        go.touch()
+        assert run.wait(timeout=30 * SLOW) == 0
+    finally:
+        if run.poll() is None:
+            run.kill()
+    r = overlayrec("diff", m.ws, "--call", "c1")
+    assert "+call-1\n+OUTSIDE\n+call-2\n" in r.stdout, r.stdout
+    assert "1 path(s) here were changed by another writer too" in r.stderr and \
+        f"f.txt (outside:{os.getpid()}:" in r.stderr, r.stderr
+    js = json.loads(overlayrec("diff", m.ws, "--call", "c1", "--json").stdout)
+    [f] = js["files"]
+    assert f["writers"][0] == "call:s:c1" and f["writers"][1].startswith(
+        f"outside:{os.getpid()}:"), f
+    plan = json.loads(overlayrec("revert", m.ws, "--call", "c1", "--json", check=False).stdout)
+    assert [s["conflict"] for s in plan["steps"]] == ["interleaved"], plan

@@ -35,6 +35,9 @@ class Side:
     guessed: list[str] = field(default_factory=list)
     maybe_ours: dict[str, list[str]] = field(default_factory=dict)  # unit -> its paths
     late: list[str] = field(default_factory=list)  # a call's paths changed after it ended
+    # a call's paths another unit changed between the call's own changes (its diff, from the
+    # call's first change to its last, holds them): path -> those units
+    interleaved: dict[str, list[str]] = field(default_factory=dict)
 
 
 def file_events(j: Journal, lo: int = 1, hi: int | None = None) -> list[dict]:
@@ -97,6 +100,7 @@ def select(j: Journal, states: States, *, call: str | None = None, turn: int | s
         side.guessed = guessed(mine)["guessed"]
         side.maybe_ours = placed_elsewhere(evs, unit)
         side.late = late(mine)
+        _interleaved(states, side, mine, evs, unit)
         return side
     if turn is not None:
         t = find_turn(j, turn, session)
@@ -165,6 +169,30 @@ def drift_side(states: States, glob: str | None = None) -> Side:
         after[p] = states.tree.state(p)
         writers[p] = {"drift"}
     return Side(before, after, writers)
+
+
+def _interleaved(states: States, side: Side, mine: list[dict], evs: list[dict],
+                 unit: str) -> None:
+    """Another unit's change of a call's path between the call's first change to it and its
+    last: the call's diff holds it (as `revert --call` refuses it, ``interleaved``), so its
+    writers name that unit and the diff says so; a user's edit between two of the agent's
+    read as the agent's, without a word."""
+    if not mine:
+        return
+    first, last = mine[0]["seq"], mine[-1]["seq"]
+    spans = None
+    for e in evs:
+        if not first < e["seq"] < last or e.get("unit") == unit:
+            continue
+        if spans is None:
+            spans = spans_of(states, mine)[0]
+        for p in touched(states, e):
+            span = spans.get(p)
+            if span is not None and span[0] + 1 < e["seq"] < span[1] and p in side.writers:
+                other = e.get("unit") or outside_unit(e.get("actor", "?"))
+                side.writers[p].add(other)
+                if other not in side.interleaved.setdefault(p, []):
+                    side.interleaved[p].append(other)
 
 
 def find_call(j: Journal, call: str, session: str | None = None,
