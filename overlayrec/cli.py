@@ -1686,7 +1686,8 @@ def blame(path, workspace, at, state_dir, as_json):
         procs = "; ".join(f"{p['pid']} {one_line(' '.join(p['argv'] or [])[:60])}"
                           for p in r["processes"])
         named = f" (as {shown(r['name'])})" if r.get("name") else ""
-        guess = (" (placed in it by a guess)" if r.get("guessed") else "") + \
+        guess = (" (placed in it by a guess)" if r.get("by_guess") else
+                 " (placed in it by time)" if r.get("by_time") else "") + \
             (" (after the call ended)" if r.get("late") else "")
         click.echo(f"{_fmt_time(r['t_first'])} seq {r['first_seq']}-{r['last_seq']} "
                    f"{unit_shown(r['unit'])}{guess}{named}: {one_line(', '.join(r['ops']))}  "

@@ -513,6 +513,9 @@ def test_a_persistent_shell_writes_for_the_call_that_sent_it_each_command(make_m
         (["a.txt"], ["a.txt"]), (["b.txt", "late.txt"], []), (["c.txt"], ["c.txt"])]
     assert "placed here by time (written while it ran, by a process the agent started " \
         "outside any call): a.txt" in overlayrec("calls", m.ws).stdout
+    # blame says it alike (it said "by a guess", as for calls active together)
+    assert " call:ps:a (placed in it by time): " in overlayrec("blame", "a.txt", "-w",
+                                                               m.ws).stdout
     r = overlayrec("revert", m.ws, "--turn", "2")
     assert sorted(line.split()[-1] for line in r.stdout.splitlines()[:-1]) == \
         ["between.txt", "c.txt"]

@@ -624,6 +624,9 @@ def blame(j: Journal, states: States, path: str, at: int | None = None) -> list[
             r["ops"].append(op)
         if guessed([e])["guessed"]:  # placed in its call without the process tree's word
             r["guessed"] = True
+            # by time (written while the call ran, by a process no call started), or by a
+            # guess among calls active together
+            r["by_time" if e.get("chosen") == "during" else "by_guess"] = True
         if e.get("after_end"):  # by a process its call left running, after the call ended
             r["late"] = True
         if e["actor"] not in r["actors"]:
