@@ -1308,7 +1308,10 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
     if mounted_here:
         # processes the agent left working in the workspace (a server, a watcher) would lose
         # it at the unmount: every operation of theirs would fail (ENOTCONN)
-        users = [] if others else state.mount_users(ws, _ancestors(os.getpid()) | {daemon_pid})
+        # (the shell that started this run too: one that entered the mount meanwhile works
+        # in it, and lost its directory at the unmount; one whose directory is the workspace
+        # from before is beneath the mount, no user of it)
+        users = [] if others else state.mount_users(ws, {os.getpid(), daemon_pid})
         # the daemon unmounts once they are done (its --owner: this run, gone by then)
         if others:
             click.echo(f"overlayrec: leaving {ws} mounted: session(s) {', '.join(others)} "

@@ -280,3 +280,25 @@ def test_runs_started_together_on_an_unmounted_workspace_all_run(tmpbase):
         "log", str(ws), "--json", env=env).stdout.splitlines()) if e["op"] == "create"}
     assert {p: u.split(":")[1] for p, u in evs.items()} == \
         {"f1.txt": "R1", "f2.txt": "R2", "f3.txt": "R3"}, evs
+
+
+def test_a_run_leaves_its_mount_to_the_shell_that_started_it_and_entered_it(tmpbase):
+    """The shell that started `run` in the background entered the mount meanwhile: run
+    unmounted under it at its end (its ancestors were never counted as users), and its next
+    `ls` failed, "Transport endpoint is not connected".  It is a user like any other: the
+    mount stays while it is in it, and goes once it has left."""
+    ws = os.path.join(tmpbase, "ws")
+    os.mkdir(ws)
+    env = dict(os.environ, XDG_STATE_HOME=os.path.join(tmpbase, "st"))
+    script = (f"{sys.executable} -m overlayrec run -w {ws} --session r -- "
+              "sh -c 'sleep 1; echo x > x.txt' & "
+              f"until grep -q ' {ws} fuse' /proc/mounts; do sleep 0.05; done; "
+              f"cd {ws}; wait; ls")
+    try:
+        r = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True,
+                           timeout=60 * SLOW)
+        assert r.returncode == 0 and r.stdout.split() == ["x.txt"], r
+        assert "leaving " + ws + " mounted: 1 process(es) still work in it" in r.stderr, r.stderr
+        wait_unmounted(ws, "the mount outlived the shell that was in it")
+    finally:
+        force_unmount(ws)
