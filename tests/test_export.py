@@ -666,3 +666,36 @@ def test_export_never_writes_a_repository_that_holds_the_workspace(make_mount, t
     overlayrec("export", "git", m.ws, "--repo", str(other))
     assert subprocess.run(["git", "-C", str(other), "for-each-ref", "refs/overlayrec"],
                           capture_output=True, text=True).stdout
+
+
+def test_an_interim_commit_of_another_sessions_call_is_not_this_agents(make_mount, tmp_path):
+    """Session B's call runs between two of session A's: A's chain commits it between its
+    calls, and said it was A's agent's ("changes between calls by the agent")."""
+    m = make_mount().mount()
+    o = f"{sys.executable} -m overlayrec"
+    (tmp_path / "a.sh").write_text(
+        f"{o} call begin --id a1 --tool Bash; echo a1 > a1.txt; {o} call end --id a1\n"
+        f"touch {tmp_path}/a1done; while [ ! -e {tmp_path}/bdone ]; do sleep 0.05; done\n"
+        f"{o} call begin --id a2 --tool Bash; echo a2 > a2.txt; {o} call end --id a2\n")
+    a = subprocess.Popen([sys.executable, "-m", "overlayrec", "run", "-w", m.ws, "--session",
+                          "A", "--", "sh", str(tmp_path / "a.sh")], cwd=m.ws)
+    try:
+        deadline = time.monotonic() + 30 * SLOW
+        while not (tmp_path / "a1done").exists():
+            assert time.monotonic() < deadline and a.poll() is None
+            time.sleep(0.05)
+        overlayrec("run", "-w", m.ws, "--session", "B", "--", "sh", "-c",
+                   f"{o} call begin --id b1 --tool Bash; echo b1 > b1.txt; "
+                   f"{o} call end --id b1", cwd=m.ws)
+        (tmp_path / "bdone").touch()
+        assert a.wait(timeout=30 * SLOW) == 0
+    finally:
+        if a.poll() is None:
+            a.kill()
+    overlayrec("export", "git", m.ws)
+    log = subprocess.run(["git", "--git-dir", os.path.join(m.state, "git"), "log",
+                          "--format=%an|%s", "refs/overlayrec/A/head"], capture_output=True,
+                         text=True, check=True).stdout.splitlines()
+    assert log[1] == "other writers|changes between calls by other writers (another " \
+        "session's, outside processes)", log
+    assert log[0].startswith("agent (session A)|") and log[2].startswith("agent (session A)|")

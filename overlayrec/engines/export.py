@@ -637,16 +637,22 @@ class Exporter:
         evs = self._events(lo, hi)
         units = sorted({e.get("unit") or "" for e in evs})
         outside = all(u and parse_unit(u).kind == "outside" for u in units)
+        # none of this session's own (another session's call, with outside processes or
+        # not): no change of its agent's, as the commit said it was
+        others = not outside and not any(unit_session(u) == sid for u in units)
         actors = self._actors(lo, hi, None)
         t_ns = max((e["t"] for e in evs), default=0)
-        who = ("outside process" if outside else f"agent (session {sid})")
-        subject = subject or \
-            f"changes between calls by {'outside processes' if outside else 'the agent'}"
+        who = "outside process" if outside else "other writers" if others else \
+            f"agent (session {sid})"
+        subject = subject or "changes between calls by " + (
+            "outside processes" if outside else "other writers (another session's, outside "
+            "processes)" if others else "the agent")
         msg = (f"{subject}\n\n"
                + "\n".join([f"Overlayrec-Session: {sid}", f"Overlayrec-Seq: {lo + 1}..{hi}"]
                            + [f"Overlayrec-Unit: {u}" for u in units]
                            + [f"Overlayrec-Actor: {a}" for a in actors]) + "\n")
-        email = "outside@overlayrec.invalid" if outside else "agent@overlayrec.invalid"
+        email = "outside@overlayrec.invalid" if outside or others else \
+            "agent@overlayrec.invalid"
         st["head"] = self._commit(sid, st, _ident(who, email, t_ns), msg, t_ns)
 
     # -- the sides of each unit's diff ----------------------------------------------------------
