@@ -54,6 +54,30 @@ def wait_unmounted(path: str, why: str, limit: float = 30.0) -> None:
         time.sleep(0.1)
 
 
+def run_with_outside_step(m: "Mount", tmp_path, agent: str, outside, session: str = "s"):
+    """`overlayrec run` of the Python ``agent`` (its arguments: a ready flag and a go flag) in
+    ``m``'s workspace: once the agent has made its ready flag, ``outside()`` runs in this
+    process (no descendant of the session: an outside writer), then the go flag lets the agent
+    on; the run must succeed."""
+    (tmp_path / "agent.py").write_text(agent)
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    run = subprocess.Popen([sys.executable, "-m", "overlayrec", "run", "-w", m.ws, "--session",
+                            session, "--", sys.executable, str(tmp_path / "agent.py"),
+                            str(ready), str(go)], cwd=m.ws)
+    try:
+        deadline = time.monotonic() + 30 * SLOW
+        while not ready.exists():
+            assert time.monotonic() < deadline and run.poll() is None
+            time.sleep(0.02)
+        outside()
+        go.touch()
+        assert run.wait(timeout=30 * SLOW) == 0
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+
+
 def force_unmount(path: str) -> None:
     for _ in range(3):
         if not is_mounted(path):

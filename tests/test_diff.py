@@ -8,11 +8,10 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
-from conftest import SLOW, linked_before_mount, needs_fuse, overlayrec
+from conftest import linked_before_mount, needs_fuse, overlayrec, run_with_outside_step
 
 pytestmark = needs_fuse
 
@@ -559,22 +558,8 @@ def test_a_file_whose_name_a_directory_took_on_the_same_side_is_said(make_mount,
     with open(os.path.join(m.ws, "d", "e", "y"), "w") as f:
         f.write("y\n")
     m.mount()
-    (tmp_path / "agent.py").write_text(MASKED)
-    ready, go = tmp_path / "ready", tmp_path / "go"
-    run = subprocess.Popen([sys.executable, "-m", "overlayrec", "run", "-w", m.ws, "--session",
-                            "s", "--", sys.executable, str(tmp_path / "agent.py"), str(ready),
-                            str(go)], cwd=m.ws)
-    try:
-        deadline = time.monotonic() + 30 * SLOW
-        while not ready.exists():
-            assert time.monotonic() < deadline and run.poll() is None
-            time.sleep(0.02)
-        os.rename(os.path.join(m.ws, "d"), os.path.join(m.ws, "b"))  # outside the session
-        go.touch()
-        assert run.wait(timeout=30 * SLOW) == 0
-    finally:
-        if run.poll() is None:
-            run.kill()
+    run_with_outside_step(m, tmp_path, MASKED,  # the rename: outside the session
+                          lambda: os.rename(os.path.join(m.ws, "d"), os.path.join(m.ws, "b")))
     r = overlayrec("diff", m.ws, "--session", "s", "--name-status")
     assert "b (file before, its name a directory's on that side)" in r.stderr, r.stderr
     js = json.loads(overlayrec("diff", m.ws, "--session", "s", "--json").stdout)
@@ -606,23 +591,10 @@ def test_another_writers_change_between_a_calls_own_is_said(make_mount, tmp_path
     with open(os.path.join(m.ws, "f.txt"), "w") as f:
         f.write("base\n")
     m.mount()
-    (tmp_path / "agent.py").write_text(BETWEEN)
-    ready, go = tmp_path / "ready", tmp_path / "go"
-    run = subprocess.Popen([sys.executable, "-m", "overlayrec", "run", "-w", m.ws, "--session",
-                            "s", "--", sys.executable, str(tmp_path / "agent.py"), str(ready),
-                            str(go)], cwd=m.ws)
-    try:
-        deadline = time.monotonic() + 30 * SLOW
-        while not ready.exists():
-            assert time.monotonic() < deadline and run.poll() is None
-            time.sleep(0.02)
+    def outside():
         with open(os.path.join(m.ws, "f.txt"), "a") as f:  # outside the session
             f.write("OUTSIDE\n")
-        go.touch()
-        assert run.wait(timeout=30 * SLOW) == 0
-    finally:
-        if run.poll() is None:
-            run.kill()
+    run_with_outside_step(m, tmp_path, BETWEEN, outside)
     r = overlayrec("diff", m.ws, "--call", "c1")
     assert "+call-1\n+OUTSIDE\n+call-2\n" in r.stdout, r.stdout
     assert "1 path(s) here were changed by another writer too" in r.stderr and \

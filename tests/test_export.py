@@ -8,7 +8,7 @@ import sys
 import textwrap
 import time
 
-from conftest import SLOW, needs_fuse, overlayrec
+from conftest import SLOW, needs_fuse, overlayrec, run_with_outside_step
 from test_diff import AGENT, seed
 
 pytestmark = needs_fuse
@@ -607,23 +607,10 @@ def test_records_blame_names_another_writer_inside_a_call_as_such(make_mount, tm
     with open(os.path.join(m.ws, "user.txt"), "w") as f:
         f.write("orig\n")
     m.mount()
-    (tmp_path / "agent.py").write_text(OUTSIDE_IN_CALL)
-    ready, done = tmp_path / "ready", tmp_path / "done"
-    run = subprocess.Popen([sys.executable, "-m", "overlayrec", "run", "-w", m.ws, "--session",
-                            "s", "--", sys.executable, str(tmp_path / "agent.py"), str(ready),
-                            str(done)], cwd=m.ws)
-    try:
-        deadline = time.monotonic() + 30 * SLOW
-        while not ready.exists():
-            assert time.monotonic() < deadline and run.poll() is None
-            time.sleep(0.02)
+    def outside():
         with open(os.path.join(m.ws, "user.txt"), "a") as f:  # this test: outside the session
             f.write("user edit\n")
-        done.touch()
-        assert run.wait(timeout=30 * SLOW) == 0
-    finally:
-        if run.poll() is None:
-            run.kill()
+    run_with_outside_step(m, tmp_path, OUTSIDE_IN_CALL, outside)
     remote = tmp_path / "remote.git"
     subprocess.run(["git", "init", "-q", "--bare", str(remote)], check=True)
     overlayrec("export", "git", m.ws, "--push", str(remote))

@@ -295,9 +295,12 @@ class Exporter:
             if u in seen:
                 continue
             sid = unit_session(u)
-            if sid in points and e["seq"] > points[sid] and parse_unit(u).kind == "call":
+            if sid not in points or e["seq"] <= points[sid]:
+                continue
+            unit = parse_unit(u)
+            if unit.kind == "call":
                 seen.add(u)
-                cid = parse_unit(u).id
+                cid = unit.id
                 if cid in self.done["sessions"][sid]["calls"]:
                     rec = self.j.record("calls", call_key(sid, cid))
                     if rec and (rec.get("begin_seq") or rec.get("end_seq")):

@@ -483,6 +483,7 @@ def _find_partners(plan: Plan, live: Tree, by_ino, states: States,
     and it holds the target's state.  The revert links the path to it, as renaming the file
     back would have (found by the history model: a file renamed over another by one call,
     linked by the next; reverting the first gave the file back as a copy)."""
+    shared: list = []  # _linked_with_outside's answer, made once if a target asks
     for step in plan.steps:
         t = step.target
         if not link_key(t) or link_key(t) in plan.partners or t.kind != "file":
@@ -515,31 +516,44 @@ def _find_partners(plan: Plan, live: Tree, by_ino, states: States,
                 break
         else:
             if t.nlink > 1 and not moved:
-                found = _partner_anew(plan, t, live, by_ino, states, spans[step.path][0])
+                if not shared:  # once, when a target first asks
+                    shared.append(_linked_with_outside(plan, live, by_ino))
+                found = _partner_anew(t, shared[0], live, states, spans[step.path][0])
                 if found is not None:
                     plan.partners[link_key(t)] = (found[0], found[1], seed)
 
 
-def _partner_anew(plan: Plan, t: State, live: Tree, by_ino, states: States,
+def _linked_with_outside(plan: Plan, live: Tree, by_ino) -> list[tuple[int, list[str]]]:
+    """The live inodes that paths of the plan hold linked with names outside it, every name
+    of each known (the plan's and the recorded ones: its link count says so), in the plan's
+    order: (inode, the names outside)."""
+    paths = {s.path for s in plan.steps}
+    inside: dict[int, list[int]] = {}  # inode -> [plan paths holding it, its link count]
+    for s in plan.steps:
+        st = live.lstat(s.path)
+        if st is not None and stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+            inside.setdefault(st.st_ino, [0, st.st_nlink])[0] += 1
+    out = []
+    for ino, (n, nlink) in inside.items():
+        names = [x for x in by_ino().get(ino, ()) if x not in paths and _visible(x)]
+        if names and nlink == len(names) + n:  # else a name the record does not know
+            out.append((ino, names))
+    return out
+
+
+def _partner_anew(t: State, shared: list[tuple[int, list[str]]], live: Tree, states: States,
                   first: int) -> tuple[str, int] | None:
     """(name, live inode) of a name outside the plan that was of ``t``'s group then (it held
     ``t``'s inode before event ``first``) and is linked now with a path of the plan, in
-    another inode: the group was written anew since, as one (an earlier revert made the pair
-    again).  Only where that inode's every name is the plan's or was of the group then, and
-    it holds ``t``.  A revert of the move before that gave the name back as a copy, cut from
-    its group (found by hand: ``ln d/a out``, ``mv d e``, ``mv e f``, reverted newest first)."""
-    paths = {s.path for s in plan.steps}
-    for s in plan.steps:
-        st = live.lstat(s.path)
-        if st is None or not stat.S_ISREG(st.st_mode) or st.st_nlink < 2 or st.st_ino == t.ino:
-            continue
-        names = [n for n in by_ino().get(st.st_ino, ()) if n not in paths and _visible(n)]
-        inside = sum(1 for p in paths if _inode_at(live, p) == st.st_ino)
-        if not names or st.st_nlink != len(names) + inside:
-            continue  # a name the record does not know holds it too
-        if all(states.state(n, first - 1).ino == t.ino for n in names) and \
+    another inode (``shared``: _linked_with_outside): the group was written anew since, as
+    one (an earlier revert made the pair again).  Only where that inode's every name is the
+    plan's or was of the group then, and it holds ``t``.  A revert of the move before that gave
+    the name back as a copy, cut from its group (found by hand: ``ln d/a out``, ``mv d e``,
+    ``mv e f``, reverted newest first)."""
+    for ino, names in shared:
+        if ino != t.ino and all(states.state(n, first - 1).ino == t.ino for n in names) and \
                 live.state(names[0]).same(t):
-            return names[0], st.st_ino
+            return names[0], ino
     return None
 
 
