@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 
 import lmdb
 
@@ -258,3 +259,39 @@ def test_an_entry_changed_around_the_record_is_known_by_every_reader(make_mount,
                                  "--json").stdout)
     assert diff["inexact"] == ["big.bin"], diff
     assert {f["path"] for f in diff["files"]} == {"big.bin", "open.bin"}, diff
+
+
+def test_entries_changed_around_the_record_beneath_a_renamed_long_path(make_mount, tmp_path):
+    """The same rule off the first shapes: two large files in a directory some 3,800 bytes
+    deep, beside a fifo and a symlink; the session renames the directory, then removes both
+    files under their new names; one attic entry is truncated while unmounted.  Only that one
+    is a finding and inexact; the other, and the fifo and symlink renamed with them, read back
+    exactly."""
+    knobs = dict(os.environ, OVERLAYREC_TEST_SMALL_PREIMAGE="-1")
+    m = make_mount(env=knobs)
+    deep = "/".join(["d" * 200] * 19)
+    os.makedirs(os.path.join(m.ws, deep))
+    for name in ("one.bin", "two.bin"):
+        with open(os.path.join(m.ws, deep, name), "wb") as f:
+            f.write(os.urandom(300_000))
+    os.mkfifo(os.path.join(m.ws, deep, "p"))
+    os.symlink("one.bin", os.path.join(m.ws, deep, "l"))
+    m.mount()
+    moved = "e" + deep[1:]
+    overlayrec("run", "-w", m.ws, "--session", "s1", "--", "sh", "-c",
+               f"mv {'d' * 200} {'e' + 'd' * 199} && rm {moved}/one.bin {moved}/two.bin",
+               cwd=m.ws)
+    m.umount()
+    entries = {e["path"]: e["pre"]["attic"] for e in m.events() if e["op"] == "unlink"}
+    assert set(entries) == {f"{moved}/one.bin", f"{moved}/two.bin"}, entries
+    os.truncate(os.path.join(m.ws, ".overlayrec-attic", entries[f"{moved}/one.bin"]), 10)
+    found = json.loads(check(m, "--json").stdout)["findings"]
+    assert [(f["kind"], f["path"]) for f in found] == \
+        [("attic-changed", f"{moved}/one.bin")], found
+    out = json.loads(overlayrec("replay", m.ws, "--state-dir", m.state, "--at",
+                                "before:session:s1", "--to", str(tmp_path / "r"),
+                                "--json").stdout)
+    assert out["inexact"] == [f"{deep}/one.bin"], out
+    r = tmp_path / "r" / deep
+    assert (r / "two.bin").stat().st_size == 300_000 and os.readlink(r / "l") == "one.bin"
+    assert stat.S_ISFIFO((r / "p").lstat().st_mode)
