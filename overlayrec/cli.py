@@ -486,10 +486,9 @@ def umount(workspace, timeout):
         named = ", ".join(f"{u['pid']} {u['command']}" for u in users[:3])
         click.echo(f"overlayrec: warning: {len(users)} process(es) still work in {ws} ({named}"
                    f"{' ...' if len(users) > 3 else ''}): they lose it now", err=True)
-    from .mounting import end_daemon, unmount_now
+    from .mounting import end_daemon, lift_if_left
     killed = end_daemon(pid, info, timeout) if pid else False
-    if state.fuse_mount_at(ws):
-        unmount_now(ws)
+    lift_if_left(ws, sd, mount)
     note = " (daemon did not stop: killed it)" if killed else \
         " (detached it; no daemon signalled)" if refused else \
         " (cleared a dead mount)" if not pid else ""
@@ -533,13 +532,15 @@ def status(workspace, as_json, state_dir):
     drifted = _drifted(ws, sd) if events is not None and not hung and not dead else None
     size = _record_size(ws, sd, mounted) if events is not None and not hung and not dead \
         else None
-    live, owner = _live_sessions(sd) if mounted and not hung and pid else (None, None)
+    live, owner, ending = _live_sessions(sd) if mounted and not hung and pid else \
+        (None, None, False)
     out = {"workspace": ws, "mounted": mounted, "dead_mount": dead, "daemon_pid": pid,
            "state_dir": sd, "journal": journal_path if events is not None else None,
            "events": events, "underlay_holders": holders, "pending_revert": pending,
            "responding": not hung, "drifted": drifted,
            "record_bytes": size["total"] if size else None,
-           "attic": size["attic"] if size else None, "sessions": live, "mounted_for": owner}
+           "attic": size["attic"] if size else None, "sessions": live, "mounted_for": owner,
+           "ending": ending}
     if as_json:
         click.echo(json.dumps(out))
         return
@@ -549,7 +550,8 @@ def status(workspace, as_json, state_dir):
         click.echo(f"{ws}: mounted, but daemon pid {pid} does not answer "
                    f"(overlayrec umount {ws} stops it)")
     elif mounted:
-        click.echo(f"{ws}: mounted by daemon pid {pid}" if pid else f"{ws}: mounted")
+        click.echo((f"{ws}: mounted by daemon pid {pid}" if pid else f"{ws}: mounted")
+                   + (", ending (its unmount under way)" if ending else ""))
     else:
         click.echo(f"{ws}: not mounted")
     click.echo(f"  journal: {journal_path if events is not None else '(none yet)'}")
@@ -587,11 +589,11 @@ def status(workspace, as_json, state_dir):
             click.echo(f"    {h['pid']:>7} {h['command']:<16} {'; '.join(h['holds'][:3])}")
 
 
-def _live_sessions(sd: str) -> tuple[list[dict] | None, dict | None]:
+def _live_sessions(sd: str) -> tuple[list[dict] | None, dict | None, bool]:
     """The daemon's live sessions (each: id, started, agent pid and whether the agent and the
-    `run` that began it still run), and the command the mount was made for (``--owner``: pid
-    and whether it still runs); None for what cannot be known (a daemon that does not
-    answer)."""
+    `run` that began it still run), the command the mount was made for (``--owner``: pid
+    and whether it still runs), and whether the mount is ending; None for what cannot be
+    known (a daemon that does not answer)."""
     from . import client
     from .attribution import alive as running
 
@@ -604,12 +606,13 @@ def _live_sessions(sd: str) -> tuple[list[dict] | None, dict | None]:
         owner = None
     try:
         with client.Client(state.StateDir(sd).control_sock, session="", timeout=5.0) as c:
-            sessions = c.status()["sessions"]
+            answer = c.status()
+            sessions = answer["sessions"]
     except (client.ClientError, KeyError, TypeError):
-        return None, owner
+        return None, owner, False
     return [{"id": x["id"], "started": x["started"], "agent_pid": x.get("agent_pid"),
              "agent_alive": alive(x.get("agent")), "runner_alive": alive(x.get("runner"))}
-            for x in sessions if x.get("ended") is None], owner
+            for x in sessions if x.get("ended") is None], owner, bool(answer.get("ending"))
 
 
 def _drifted(ws: str, sd: str) -> list[str] | None:
@@ -1222,14 +1225,21 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
         click.echo(f"overlayrec: {ws} is inside the workspace {outer}: recording there",
                    err=True)
         ws = outer
-    mounted_here = False
-    if state.is_dead_mount(ws):
-        raise Fail(f"{ws} holds a dead mount; clear it with: overlayrec umount {ws}")
-    if not state.fuse_mount_at(ws):
-        _check_secrets(secret)
-        sd = state.check_state_dir(ws, _mount_state_dir(ws, state_dir))
-        state.make_state_dir(sd)
-        from .mounting import one_mounter
+    if state.fuse_mount_at(ws) and (secret or no_default_secrets):
+        # the daemon there applies the list it mounted with
+        click.echo(f"overlayrec: warning: {ws} is already mounted: --secret and "
+                   "--no-default-secrets apply at mount only", err=True)
+    for attempt in range(5):
+        mounted_here = False
+        if state.is_dead_mount(ws):
+            raise Fail(f"{ws} holds a dead mount; clear it with: overlayrec umount {ws}")
+        if not state.fuse_mount_at(ws):
+            _check_secrets(secret)
+            sd = state.check_state_dir(ws, _mount_state_dir(ws, state_dir))
+            state.make_state_dir(sd)
+        else:
+            sd = state.find_state_dir(ws)
+        from .mounting import one_mounter, wait_released
         with one_mounter(sd):
             # two runs started together: the second waits here for the first's mount, and
             # joins it (it failed, "already mounted", and its agent never ran)
@@ -1241,21 +1251,24 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
                 # the shell that started this run waits for it: only the others write around
                 # us
                 _warn_holders(ws, _ancestors(os.getpid()) | {daemon_pid})
-    elif secret or no_default_secrets:  # the daemon there applies the list it mounted with
-        click.echo(f"overlayrec: warning: {ws} is already mounted: --secret and "
-                   "--no-default-secrets apply at mount only", err=True)
-    sd = state.find_state_dir(ws)
-    sock = os.path.join(sd, "control.sock")
+        sock = os.path.join(sd, "control.sock")
+        try:
+            # a session of its own, also when run inside another one (an agent may start
+            # one): not the OVERLAYREC_SESSION it inherited
+            c = client.Client(sock, session="")
+            sid = c.session_begin(session=name, runner=True, command=list(cmd))["session"]
+            break
+        except client.MountEnding:
+            # the run that mounted let the mount go as we joined: once it is gone, mount anew
+            c.close()
+            wait_released(ws, sd)
+        except client.ClientError as e:
+            if mounted_here:
+                _stop_daemon(ws)
+            raise Fail(str(e)) from None
+    else:
+        raise Fail(f"{ws}: its mount kept ending as this run joined it")
     _set_subreaper()
-    try:
-        # a session of its own, also when run inside another one (an agent may start one):
-        # not the OVERLAYREC_SESSION it inherited
-        c = client.Client(sock, session="")
-        sid = c.session_begin(session=name, runner=True, command=list(cmd))["session"]
-    except client.ClientError as e:
-        if mounted_here:
-            _stop_daemon(ws)
-        raise Fail(str(e)) from None
     here = os.path.realpath(os.getcwd()) if os.path.exists(os.getcwd()) else ws
     cwd = here if _beneath(here, ws) else ws  # re-entered by path
     env = dict(os.environ, OVERLAYREC_SOCKET=sock, OVERLAYREC_SESSION=sid, OVERLAYREC_WORKSPACE=ws)
@@ -1298,32 +1311,13 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
         unwire()  # the agent's settings as they were, also when this run is being stopped
     for sig in forwarded + (signal.SIGINT,):
         signal.signal(sig, signal.SIG_DFL)
-    others = []
     try:
         c.session_end(session=sid)
-        others = [x["id"] for x in c.status()["sessions"] if x["ended"] is None]
-        c.close()
     except client.ClientError as e:
         click.echo(f"overlayrec: warning: {e}", err=True)
+    c.close()
     if mounted_here:
-        # processes the agent left working in the workspace (a server, a watcher) would lose
-        # it at the unmount: every operation of theirs would fail (ENOTCONN)
-        # (the shell that started this run too: one that entered the mount meanwhile works
-        # in it, and lost its directory at the unmount; one whose directory is the workspace
-        # from before is beneath the mount, no user of it)
-        users = [] if others else state.mount_users(ws, {os.getpid(), daemon_pid})
-        # the daemon unmounts once they are done (its --owner: this run, gone by then)
-        if others:
-            click.echo(f"overlayrec: leaving {ws} mounted: session(s) {', '.join(others)} "
-                       "still running; it is unmounted once they end and nothing works in it",
-                       err=True)
-        elif users:
-            named = ", ".join(f"{u['pid']} {u['command']}" for u in users[:3])
-            click.echo(f"overlayrec: leaving {ws} mounted: {len(users)} process(es) still work "
-                       f"in it ({named}{' ...' if len(users) > 3 else ''}), recorded as "
-                       f"before; it is unmounted once they are done", err=True)
-        else:
-            _stop_daemon(ws)
+        _release_mount(ws, sd)
     try:
         _print_summary(sd, sid)
     except Exception as e:  # the summary must not hide CMD's status
@@ -1418,6 +1412,35 @@ def _call_processes(sd: str) -> list[dict]:
             return c.processes()
     except (client.ClientError, OSError):
         return []
+
+
+def _release_mount(ws: str, sd: str) -> None:
+    """Unmount a mount this command made for itself, unless something works in it: a session
+    live (a `run` that joined it), or a process the agent left working in the workspace (a
+    server, a watcher: every operation of theirs would fail, ENOTCONN), which the daemon waits
+    for (its --owner: this command, gone by then).  The daemon looks and ends in one step
+    (ControlServer.release): a `run` joining meanwhile is either seen or told to mount anew."""
+    from . import client
+    from .mounting import wait_released
+    try:
+        with client.Client(os.path.join(sd, "control.sock")) as c:
+            out = c.release()
+    except client.ClientError as e:
+        click.echo(f"overlayrec: warning: {e}; unmounting", err=True)
+        _stop_daemon(ws)
+        return
+    if out["released"]:
+        wait_released(ws, sd)
+    elif out["sessions"]:
+        click.echo(f"overlayrec: leaving {ws} mounted: session(s) {', '.join(out['sessions'])} "
+                   "still running; it is unmounted once they end and nothing works in it",
+                   err=True)
+    else:
+        users = out["users"]
+        named = ", ".join(f"{u['pid']} {u['command']}" for u in users[:3])
+        click.echo(f"overlayrec: leaving {ws} mounted: {len(users)} process(es) still work "
+                   f"in it ({named}{' ...' if len(users) > 3 else ''}), recorded as "
+                   f"before; it is unmounted once they are done", err=True)
 
 
 def _stop_daemon(ws: str) -> None:
@@ -1810,8 +1833,11 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
             _output_outlives_its_reader()  # a closed pipe must not leave the mount behind
             for sig in (signal.SIGTERM, signal.SIGHUP):  # nor a kill: stopped as by Ctrl-C
                 signal.signal(sig, signal.default_int_handler)
-            _spawn_daemon(ws, sd, for_this=True)
-            held.callback(_stop_daemon, ws)  # once the revert is done
+            from .mounting import one_mounter
+            with one_mounter(sd):  # a `run` starting meanwhile joins this mount
+                if not state.fuse_mount_at(ws):
+                    _spawn_daemon(ws, sd, for_this=True)
+                    held.callback(_release_mount, ws, sd)  # once the revert is done
         src = reverts.Sources(ws, sd, _tree_for(ws, sd))
         held.callback(src.close)
         try:

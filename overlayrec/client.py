@@ -23,6 +23,10 @@ class ClientError(Exception):
     """The daemon refused a request, or could not be reached; the message says which."""
 
 
+class MountEnding(ClientError):
+    """The mount is ending (its daemon let it go): mount anew."""
+
+
 class NoMount(ClientError):
     """No overlayrec mount was found for this process."""
 
@@ -71,6 +75,8 @@ class Client:
         line, self._buf = self._buf.split(b"\n", 1)
         out = wire.loads(line.decode())
         if not out.get("ok"):
+            if out.get("ending"):
+                raise MountEnding(out.get("error") or "the mount is ending")
             raise ClientError(out.get("error") or "request refused")
         return out
 
@@ -95,6 +101,11 @@ class Client:
 
     def call_end(self, call_id, status="ok", session=None):
         return self.request("call_end", id=call_id, status=status, session=session)
+
+    def release(self):
+        """Let the mount go if nothing works in it (ControlServer.release): ``released``, or
+        the live ``sessions`` and the ``users`` that keep it."""
+        return self.request("release")
 
     def status(self):
         return self.request("status")

@@ -17,7 +17,7 @@ import struct
 
 import trio
 
-from . import agents
+from . import agents, state
 from .calls import Calls, ControlError
 from .journal import JournalError
 from .attribution import Attribution
@@ -30,6 +30,10 @@ MAX_REQUEST = 1 << 20
 def peer_pid(sock) -> int:
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     return struct.unpack("3i", raw)[0]
+
+
+class MountEnding(ControlError):
+    """A session asked to begin in a mount that is ending."""
 
 
 class _Local:
@@ -71,8 +75,15 @@ class ControlServer:
         self.max_bytes = None     # a budget set at mount (``mount --max-bytes``)
         self.budget_due = False   # a session ended: the budget is looked at soon
         self._gc_lock = trio.Lock()
+        self.workspace = None     # set by the daemon, with ``stop``: what a release needs
+        self.stop = None          # ends the mount (pyfuse3.terminate)
+        self.ending = False       # the mount is ending: no session begins in it any more
 
     def handle(self, req: dict, caller: dict) -> dict:
+        if self.ending and (req.get("op") == "session_begin" or "op" not in req):
+            # a session begun now would lose the mount under its agent (a `run` joining just
+            # as the one that mounted lets it go): said, so that it mounts anew
+            raise MountEnding("the mount is ending: mount again")
         if "hook_event_name" in req and "op" not in req:
             # an agent's hook payload piped straight in (the fast hook: nc, no interpreter);
             # the registry says whose it is (docs/agents.md)
@@ -87,7 +98,7 @@ class ControlServer:
         if op == "ping":
             return {"pid": os.getpid()}
         if op == "status":
-            return c.status()
+            return {**c.status(), "ending": self.ending}
         if op == "processes":
             return {"processes": c.processes()}
         if op == "session_begin":
@@ -119,6 +130,8 @@ class ControlServer:
         if op == "revert_end":
             c.revert_end(caller, str(req["id"]))
             return {}
+        if op == "release":
+            return self.release(caller)
         if op in ("pin", "unpin"):
             from . import retention
             if not req.get("session"):
@@ -151,6 +164,26 @@ class ControlServer:
         out["compaction"] = {"compacted": False, "why": "mounted: the free pages are reused "
                              "by the journal, and given back by a gc while unmounted"}
         return out
+
+    def release(self, caller: dict) -> dict:
+        """End the mount if nothing works in it: no session live and no process (but the
+        caller, the command that mounted for itself) with its directory or a file there.  One
+        step on the trio thread, so that no session can begin between the look and the end;
+        the /proc scan asks the mount nothing (state.mount_users)."""
+        live = [s.id for s in self.calls.sessions.values() if s.ended is None]
+        if live:
+            return {"released": False, "sessions": live, "users": []}
+        users = state.mount_users(self.workspace, {os.getpid(), caller["pid"]})
+        if users:
+            return {"released": False, "sessions": [], "users": users}
+        log.info("released by pid %d: nothing works in the mount: unmounting", caller["pid"])
+        self.end()
+        return {"released": True}
+
+    def end(self) -> None:
+        """The mount ends: no session begins from here on."""
+        self.ending = True
+        self.stop()
 
     def bind(self) -> None:
         """Bind before the mount is announced ready, so a client can connect at once."""
@@ -239,6 +272,8 @@ class ControlServer:
             if not isinstance(req, dict):
                 raise ValueError("a request is a JSON object")
             out = {"ok": True, **self.handle(req, caller)}
+        except MountEnding as e:
+            out = {"ok": False, "error": str(e), "ending": True}
         except ControlError as e:
             out = {"ok": False, "error": str(e)}
         except (ValueError, KeyError, TypeError) as e:

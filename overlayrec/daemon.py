@@ -69,12 +69,18 @@ def _setup_logging(state_dir: str, foreground: bool) -> None:
 
 async def _serve(control: ControlServer, ws: str, owner: dict | None) -> None:
     async with trio.open_nursery() as nursery:
+        delay = float(os.environ.get("OVERLAYREC_TEST_END_DELAY") or 0)
+        if delay:  # tests: a mount that takes its time to end, as a busy one may
+            async def end_later():
+                await trio.sleep(delay)
+                pyfuse3.terminate()
+            control.stop = lambda: nursery.start_soon(end_later)
         nursery.start_soon(control.serve)
         async def on_signal():
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as sigs:
                 async for signum in sigs:
                     log.info("signal %d: unmounting", signum)
-                    pyfuse3.terminate()
+                    control.end()
                     return
         nursery.start_soon(on_signal)
         async def end_exited_calls(calls=control.calls):
@@ -155,9 +161,11 @@ async def _follow_runners(control: ControlServer, ws: str, owner: dict | None) -
         if users:
             next_scan = time.monotonic() + USERS_CHECK
             continue
+        if any(s.ended is None for s in calls.sessions.values()):
+            continue  # one began during the scan (a `run` joined)
         log.info("pid %d, which mounted %s for itself, is gone, and nothing uses the mount: "
                  "unmounting", owner["pid"], ws)
-        pyfuse3.terminate()
+        control.end()  # with no await since the look: nothing began meanwhile
         return
 
 
@@ -374,6 +382,7 @@ def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool, record_da
                             os.fstat(root_fd).st_uid, root_fd)
     control.bind()
     control.recorder = recorder
+    control.workspace, control.stop = ws, pyfuse3.terminate
 
     def on_unit_end(unit, seal=calls.on_unit_end):
         seal(unit)

@@ -125,13 +125,40 @@ def daemon_pid(sd: str) -> tuple[int | None, dict | None, str | None]:
 def stop(ws: str) -> str | None:
     """Stop the daemon of ``ws`` (SIGTERM: it unmounts, seals and closes) and lift the mount if
     it stays (a dead or hung daemon's); why the daemon's pid was not signalled, if it was not."""
-    pid, _, why = daemon_pid(state.find_state_dir(ws))
+    sd = state.find_state_dir(ws)
+    mount = state.fuse_mount_at(ws)
+    pid, _, why = daemon_pid(sd)
     if pid:
         os.kill(pid, signal.SIGTERM)
         wait_gone(pid, 20)
-    if state.fuse_mount_at(ws) or state.is_dead_mount(ws):
-        unmount_now(ws)
+    lift_if_left(ws, sd, mount)
     return why
+
+
+def wait_released(ws: str, sd: str, timeout: float = 20.0) -> None:
+    """Wait for a daemon that is ending its mount (released, or stopped by another command)
+    to be gone, and lift the mount if it stays (a hung daemon's)."""
+    mount = state.fuse_mount_at(ws)
+    pid, _, _ = daemon_pid(sd)
+    if pid:
+        wait_gone(pid, timeout)
+    lift_if_left(ws, sd, mount)
+
+
+def lift_if_left(ws: str, sd: str, mount: dict | None) -> None:
+    """Lift ``mount`` (state.fuse_mount_at, taken before its daemon was stopped) if it is still
+    at ``ws`` once the daemon is gone (a hung or dead daemon's); not a mount made anew there
+    since (a `run` that was told the old one was ending), nor while one is being made."""
+    if mount is None:
+        return
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(one_mounter(sd))
+        except OSError:  # no state dir of ours there (a dead mount's): nothing mounts by it
+            pass
+        now = state.fuse_mount_at(ws)
+        if now is not None and now["id"] == mount["id"]:
+            unmount_now(ws)
 
 
 def end_daemon(pid: int, info: dict | None, timeout: float) -> bool:

@@ -596,7 +596,8 @@ def _unescape(field: str) -> str:
 
 def fuse_mount_at(path: str) -> dict | None:
     """The FUSE mount whose mountpoint is exactly ``path`` (the topmost one), or None:
-    ``fstype``, ``source`` and ``uid``, the user who mounted it (None when not said)."""
+    ``fstype``, ``source``, ``uid``, the user who mounted it (None when not said), and ``id``,
+    the mount's id (a mount made anew at the same path has another)."""
     found = None
     try:
         with open("/proc/self/mountinfo") as f:
@@ -610,7 +611,7 @@ def fuse_mount_at(path: str) -> dict | None:
                                 (rf[2] if len(rf) > 2 else "").split(","))
                     owner = opts.get("user_id", "")
                     found = {"fstype": rf[0], "source": _unescape(rf[1]),
-                             "uid": int(owner) if owner.isdigit() else None}
+                             "uid": int(owner) if owner.isdigit() else None, "id": int(lf[0])}
     except OSError:
         return None
     return found

@@ -304,3 +304,91 @@ def test_a_run_leaves_its_mount_to_the_shell_that_started_it_and_entered_it(tmpb
         wait_unmounted(ws, "the mount outlived the shell that was in it")
     finally:
         force_unmount(ws)
+
+
+def _run_waiting(ws: str, env: dict, name: str, started: str, go: str) -> subprocess.Popen:
+    """A `run` whose agent marks that it began (its session is live) and writes once ``go``
+    exists (markers outside the workspace)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "overlayrec", "run", "-w", ws, "--session", name, "--", "sh",
+         "-c", f"touch {started}; while [ ! -e {go} ]; do sleep 0.05; done; echo b > b.txt"],
+        env=env, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_run_that_joined_a_reverts_mount_keeps_it(tmpbase):
+    """A revert of an unmounted workspace mounts for itself; a `run` started meanwhile joins
+    that mount, and the revert's end unmounted under its agent (whose next write failed,
+    "Transport endpoint is not connected").  The mount stays while a session is live, and goes
+    once nothing works in it."""
+    import pty
+    ws = os.path.join(tmpbase, "ws")
+    os.mkdir(ws)
+    env = dict(os.environ, XDG_STATE_HOME=os.path.join(tmpbase, "st"))
+    started, go = os.path.join(tmpbase, "started"), os.path.join(tmpbase, "go")
+    overlayrec("run", "-w", ws, "--session", "A", "--", "sh", "-c", "echo a > a.txt", env=env)
+    master, slave = pty.openpty()  # the revert asks before it reverts, on a terminal only
+    revert = subprocess.Popen([sys.executable, "-m", "overlayrec", "revert", "-w", ws,
+                               "--session", "A"], env=env, stdin=slave, stdout=slave,
+                              stderr=slave)
+    os.close(slave)
+    runner = None
+    try:
+        out = b""
+        deadline = time.monotonic() + 60 * SLOW
+        while b"revert 1 path(s)?" not in out:  # mounted, planned, asking
+            assert time.monotonic() < deadline and revert.poll() is None, out
+            out += os.read(master, 4096)
+        assert is_mounted(ws)
+        runner = _run_waiting(ws, env, "B", started, go)
+        _wait_for(started)
+        os.write(master, b"y\n")
+        assert revert.wait(timeout=60 * SLOW) == 0
+        assert not os.path.exists(os.path.join(ws, "a.txt"))
+        assert is_mounted(ws), "the revert unmounted under the run that joined its mount"
+        open(go, "w").close()
+        assert runner.wait(timeout=60 * SLOW) == 0, runner.stderr.read()
+        with open(os.path.join(ws, "b.txt")) as f:
+            assert f.read() == "b\n"
+        wait_unmounted(ws, "the mount outlived the revert and the run")
+    finally:
+        os.close(master)
+        for p in (revert, runner):
+            if p is not None and p.poll() is None:
+                p.kill()
+        force_unmount(ws)
+    evs = {e["path"]: e["unit"] for e in map(json.loads, overlayrec(
+        "log", ws, "--json", env=env).stdout.splitlines()) if e["op"] == "create"}
+    assert evs["b.txt"].split(":")[1] == "B", evs
+
+
+def test_a_run_joining_a_mount_that_is_ending_mounts_anew(tmpbase):
+    """A `run` that joins a mount its maker is letting go (its session asked for in the moment
+    between the maker's look and the daemon's end) lost it: its agent's writes failed.  The
+    ending daemon refuses the session, and the run mounts anew once it is gone."""
+    ws = os.path.join(tmpbase, "ws")
+    os.mkdir(ws)
+    env = dict(os.environ, XDG_STATE_HOME=os.path.join(tmpbase, "st"))
+    started, go = os.path.join(tmpbase, "started"), os.path.join(tmpbase, "go")
+    open(go, "w").close()
+    # a daemon that takes 3 s to end once told to: the run below joins in that moment
+    overlayrec("mount", ws, env=dict(env, OVERLAYREC_TEST_END_DELAY=str(3 * SLOW)))
+    runner = None
+    try:
+        stop = subprocess.Popen([sys.executable, "-m", "overlayrec", "umount", ws], env=env)
+        deadline = time.monotonic() + 30 * SLOW
+        while "ending" not in overlayrec("status", ws, env=env, check=False).stdout:
+            assert time.monotonic() < deadline, "the daemon never said it was ending"
+            time.sleep(0.05)
+        runner = _run_waiting(ws, env, "B", started, go)
+        assert runner.wait(timeout=60 * SLOW) == 0, runner.stderr.read()
+        assert stop.wait(timeout=30 * SLOW) == 0
+        with open(os.path.join(ws, "b.txt")) as f:
+            assert f.read() == "b\n"
+        wait_unmounted(ws, "the run's own mount outlived it")
+    finally:
+        if runner is not None and runner.poll() is None:
+            runner.kill()
+        force_unmount(ws)
+    evs = {e["path"]: e["unit"] for e in map(json.loads, overlayrec(
+        "log", ws, "--json", env=env).stdout.splitlines()) if e["op"] == "create"}
+    assert evs["b.txt"].split(":")[1] == "B", evs
