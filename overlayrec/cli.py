@@ -2128,7 +2128,7 @@ def export():
 @export.command(name="git")
 @_workspace_param()
 @click.option("--repo", type=PATH, help="Write into this repository (default: a private "
-              "object store in the state dir, the workspace's objects as an alternate).")
+              "object store in the state dir).")
 @click.option("--ref-prefix", type=ID, default="refs/overlayrec", show_default=True)
 @click.option("--push", "remote", help="Then send the refs to this git remote (a path or URL "
               "git understands) under refs/overlayrec/origins/<origin>/: only what it lacks.")
@@ -2177,7 +2177,7 @@ def export_git(workspace, repo, ref_prefix, remote, origin, state_dir, as_json):
             store = ObjectStore(sd, git_dir=git_dir)
         else:
             with state.private_umask():  # the private store is the user's alone
-                store = ObjectStore(sd, workspace=ws)
+                store = ObjectStore(sd)
         tag = hashlib.sha256(f"{store.git_dir}\0{ref_prefix}".encode()).hexdigest()[:12]
         state_file = state.StateDir(sd).export_state(tag)
         ex = Exporter(j, States(j, tree), store, state_file, ref_prefix)

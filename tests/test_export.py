@@ -686,3 +686,71 @@ def test_an_interim_commit_of_another_sessions_call_is_not_this_agents(make_moun
     assert log[1] == "other writers|changes between calls by other writers (another " \
         "session's, outside processes)", log
     assert log[0].startswith("agent (session A)|") and log[2].startswith("agent (session A)|")
+
+
+def test_the_private_store_keeps_what_the_agent_removes_with_its_repository(make_mount):
+    """The private store borrowed the workspace repository's objects (an alternate), so git
+    wrote none that repository held: once the agent removed its `.git`, the next export
+    wrote commits whose trees were gone (`git fsck`: missing tree), said it had succeeded,
+    and every push failed.  Found by a bug hunt."""
+    m = make_mount()
+    with open(os.path.join(m.ws, "README"), "w") as f:
+        f.write("hello\n")
+    for cmd in (["init", "-q"], ["add", "README"],
+                ["-c", "user.email=a@b", "-c", "user.name=A", "commit", "-qm", "first"],
+                ["gc", "-q"]):
+        subprocess.run(["git", "-C", m.ws, *cmd], check=True)
+    m.mount()
+    overlayrec("run", "-w", m.ws, "--session", "s1", "--", "sh", "-c", "echo one > one.txt",
+               cwd=m.ws)
+    gd = json.loads(overlayrec("export", "git", m.ws, "--json").stdout)["git_dir"]
+    overlayrec("run", "-w", m.ws, "--session", "s2", "--", "sh", "-c",
+               "rm -rf .git; echo two > two.txt", cwd=m.ws)
+    overlayrec("export", "git", m.ws)
+    assert "missing" not in git(gd, "fsck", "--strict", "--no-dangling")
+    for ref in ("s1/base", "s1/head", "s2/head"):
+        assert git(gd, "show", f"refs/overlayrec/{ref}:README") == "hello\n", ref
+    assert not os.path.exists(os.path.join(gd, "objects", "info", "alternates"))
+    assert git(gd, "show", "refs/overlayrec/s2/head:two.txt") == "two\n"
+    remote = os.path.join(m.base, "remote.git")
+    subprocess.run(["git", "init", "-q", "--bare", remote], check=True)
+    overlayrec("export", "git", m.ws, "--push", remote)
+
+
+def test_a_store_that_borrowed_from_the_workspace_is_dissociated(tmp_path):
+    """A private store an earlier version made names objects only the workspace repository
+    holds (its alternate): opened, it copies them in and drops the alternate, so the
+    repository's removal takes nothing of it; one whose borrowed objects are gone already
+    is refused in one line that says what to do."""
+    from overlayrec.engines.gitdiff import GitError, ObjectStore
+    ws, sd = tmp_path / "ws", tmp_path / "state"
+    ws.mkdir()
+    sd.mkdir()
+    (ws / "f.txt").write_text("theirs\n")
+    env = dict(os.environ, GIT_AUTHOR_NAME="a", GIT_AUTHOR_EMAIL="a@b", GIT_COMMITTER_NAME="a",
+               GIT_COMMITTER_EMAIL="a@b")
+    for cmd in (["init", "-q"], ["add", "f.txt"], ["commit", "-qm", "one"], ["gc", "-q"]):
+        subprocess.run(["git", "-C", str(ws), *cmd], check=True, env=env)
+    gd = str(sd / "git")
+    subprocess.run(["git", "init", "-q", "--bare", gd], check=True)
+    with open(os.path.join(gd, "objects", "info", "alternates"), "w") as f:
+        f.write(str(ws / ".git" / "objects") + "\n")
+    head = subprocess.run(["git", "-C", str(ws), "rev-parse", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    git(gd, "update-ref", "refs/overlayrec/s/head", head)  # borrowed whole: nothing its own
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-a", gd, str(copy)], check=True)
+    ObjectStore(str(sd))
+    subprocess.run(["rm", "-rf", str(ws / ".git")], check=True)
+    assert not os.path.exists(os.path.join(gd, "objects", "info", "alternates"))
+    assert git(gd, "show", "refs/overlayrec/s/head:f.txt") == "theirs\n"
+    assert "missing" not in git(gd, "fsck", "--strict", "--no-dangling")
+    # the same store, its lender gone before it was opened
+    subprocess.run(["rm", "-rf", gd], check=True)
+    os.rename(copy, gd)
+    try:
+        ObjectStore(str(sd))
+    except GitError as e:
+        assert "move it aside and run the command again" in str(e), e
+    else:
+        raise AssertionError("a store that lost what it borrowed was taken as whole")

@@ -1300,7 +1300,7 @@ def ls_tree(store: ObjectStore, rev: str, case: str) -> dict:
 def check_export(rec, j, states, case, plan, ids, recs) -> None:
     """Each call's commit holds the model's tree at the call's end; its parent, the tree at
     the call's begin (an interim commit when something happened between calls)."""
-    store = ObjectStore(rec.m.state, workspace=rec.m.ws)
+    store = ObjectStore(rec.m.state)
     ex = Exporter(j, states, store, os.path.join(rec.m.state, "export-model-test.json"),
                   "refs/overlayrec")
     try:

@@ -81,10 +81,12 @@ def blob_id(data: bytes | Large) -> str:
 
 class ObjectStore:
     """A git object store: the private one in the state dir (default), or a repository the
-    user names.  The private one borrows the workspace repository's objects as an alternate
-    (read only: nothing is ever written there)."""
+    user names.  Each holds every object its refs name: the private one once borrowed the
+    workspace repository's objects as an alternate, and git then wrote no object that
+    repository held, so an agent's `rm -rf .git` (or its `git gc` pruning a branch) took
+    objects of the store's recorded commits with it."""
 
-    def __init__(self, state_dir: str, git_dir: str | None = None, workspace: str | None = None):
+    def __init__(self, state_dir: str, git_dir: str | None = None):
         self.git_dir = git_dir or os.path.join(state_dir, "git")
         # the private store is the user's alone whatever their umask (docs/storage.md): every
         # git it runs makes its files so (a diff's blobs too, not only an export's); a
@@ -97,21 +99,36 @@ class ObjectStore:
             if git_dir is not None:
                 raise GitError(f"{git_dir} is not a git repository")
             self._git("init", "-q", "--bare", self.git_dir, git_dir=False)
-            theirs = os.path.join(workspace, ".git", "objects") if workspace else None
-            if theirs and os.path.isdir(theirs):
-                with open(os.path.join(self.git_dir, "objects", "info", "alternates"), "w") as f:
-                    f.write(theirs + "\n")
         # paths as they are (UTF-8), not octal-quoted: diffs read as the workspace's names
         self.env = dict(os.environ, GIT_DIR=self.git_dir, GIT_CONFIG_NOSYSTEM="1",
                         GIT_CONFIG_GLOBAL=os.devnull, GIT_CONFIG_COUNT="1",
                         GIT_CONFIG_KEY_0="core.quotepath", GIT_CONFIG_VALUE_0="false")
+        if git_dir is None:
+            self._dissociate()
         self.left_out: set[str] = set()   # paths git refuses, filtered out before git saw them
         self.warnings: list[str] = []     # what git said on stderr when it succeeded
         self._entries: dict[str, dict] = {EMPTY_TREE: {}}  # trees made here: path -> (mode, id)
         self._last_changes: tuple = (None, [])  # _changes: the last pair asked, its answer
         # trees named here but not written, the store holding them already (trees): written
-        # should git not find what they name after all (a blob only the alternate held)
+        # should git not find what they name after all
         self._unwritten: list[dict[str, tuple[str, str]]] = []
+
+    def _dissociate(self) -> None:
+        """A private store made by an earlier version borrows from the workspace repository
+        (``objects/info/alternates``): what it borrows is copied in (as ``git clone
+        --dissociate`` does: a repack that takes the borrowed objects too; unreachable ones of
+        its own are kept, loose) and the alternate dropped."""
+        alternates = os.path.join(self.git_dir, "objects", "info", "alternates")
+        if not os.path.exists(alternates):
+            return
+        try:
+            self._git("repack", "-A", "-d", "-q")
+        except GitError as e:
+            raise GitError(f"the object store {self.git_dir} names objects it borrowed from "
+                           f"the workspace's own repository, which lost them ({e}); move it "
+                           "aside and run the command again: a new one is written from the "
+                           "journal") from None
+        os.unlink(alternates)
 
     def _git(self, *args, input=None, env=None, git_dir=True) -> str:
         cmd = ["git", *args]
@@ -135,8 +152,8 @@ class ObjectStore:
     def write_blobs(self, blobs: list[bytes]) -> list[str]:
         """Write these blobs into the store; their object names.  One ``git fast-import``
         stream for them all (no file or process per object), each content once: git writes
-        one pack of what the store's packs do not hold yet (an earlier diff's, an export's,
-        the workspace repository's), or loose objects when that is under 100 of them (its
+        one pack of what the store's packs do not hold yet (an earlier diff's, an export's),
+        or loose objects when that is under 100 of them (its
         ``fastimport.unpackLimit``, as a fetch does)."""
         if not blobs:
             return []
@@ -217,7 +234,7 @@ class ObjectStore:
         fi.close()
 
     def _holds(self, name: str) -> bool:
-        """Does the store itself (not an alternate) hold object ``name``, loose or packed?"""
+        """Does the store hold object ``name``, loose or packed?"""
         objects = os.path.join(self.git_dir, "objects")
         if os.path.exists(os.path.join(objects, name[:2], name[2:])):
             return True
