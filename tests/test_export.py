@@ -754,3 +754,42 @@ def test_a_store_that_borrowed_from_the_workspace_is_dissociated(tmp_path):
         assert "move it aside and run the command again" in str(e), e
     else:
         raise AssertionError("a store that lost what it borrowed was taken as whole")
+
+
+def test_an_interim_commit_of_the_agent_and_the_user_names_both(make_mount, tmp_path):
+    """The agent wrote a file between its calls and the user added a line to another
+    meanwhile: the interim commit holding both was the agent's alone, by its author and its
+    subject ("changes between calls by the agent").  Found by a bug hunt."""
+    m = make_mount()
+    with open(os.path.join(m.ws, "user.txt"), "w") as f:
+        f.write("u\n")
+    m.mount()
+    agent = textwrap.dedent('''
+        import os, subprocess, sys, time
+        from overlayrec import client
+        with client.connect() as c:
+            c.turn_begin(prompt="p")
+            with open("agent_own.txt", "w") as f:
+                f.write("the agent's own\\n")
+            open(sys.argv[1], "w").close()
+            while not os.path.exists(sys.argv[2]):
+                time.sleep(0.02)
+            c.call_begin("c1", "Bash")
+            subprocess.run(["sh", "-c", "echo c1 > c1.txt"], check=True)
+            c.call_end("c1")
+            c.turn_end()
+    ''')
+
+    def outside():
+        with open(os.path.join(m.ws, "user.txt"), "a") as f:
+            f.write("the user's line\n")
+    run_with_outside_step(m, tmp_path, agent, outside)
+    overlayrec("export", "git", m.ws)
+    gd = os.path.join(m.state, "git")
+    an, subject = git(gd, "log", "-1", "--format=%an|%s", "refs/overlayrec/s/calls/c1^") \
+        .strip().split("|")
+    assert git(gd, "diff", "--name-only", "refs/overlayrec/s/calls/c1^^",
+               "refs/overlayrec/s/calls/c1^").split() == ["agent_own.txt", "user.txt"]
+    assert an == "agent (session s) and other writers", an
+    assert subject == "changes between calls by the agent and other writers (another " \
+        "session's, outside processes)", subject

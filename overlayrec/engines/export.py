@@ -643,13 +643,18 @@ class Exporter:
         # none of this session's own (another session's call, with outside processes or
         # not): no change of its agent's, as the commit said it was
         others = not outside and not any(unit_session(u) == sid for u in units)
+        # some of the agent's, some another's (the user's edit between two of its commands):
+        # the agent's name alone said the other's change was its
+        mixed = not outside and not others and \
+            any(unit_session(u) != sid for u in units)
         actors = self._actors(lo, hi, None)
         t_ns = max((e["t"] for e in evs), default=0)
         who = "outside process" if outside else "other writers" if others else \
-            f"agent (session {sid})"
+            f"agent (session {sid}) and other writers" if mixed else f"agent (session {sid})"
         subject = subject or "changes between calls by " + (
             "outside processes" if outside else "other writers (another session's, outside "
-            "processes)" if others else "the agent")
+            "processes)" if others else "the agent and other writers (another session's, "
+            "outside processes)" if mixed else "the agent")
         msg = (f"{subject}\n\n"
                + "\n".join([f"Overlayrec-Session: {sid}", f"Overlayrec-Seq: {lo + 1}..{hi}"]
                            + [f"Overlayrec-Unit: {u}" for u in units]
