@@ -264,3 +264,33 @@ def test_sessions_and_calls_any_git_ref_would_refuse_are_exported(make_mount, tm
     assert read_fetched(clone, "here", session, ODD_IDS) == seen
     for i, cid in enumerate(ODD_IDS):
         assert f"+++ b/f{i}\n" in seen[(cid, "patch")], cid
+
+
+def test_a_push_under_an_origin_another_workspace_pushes_as_is_refused(make_mount, tmp_path):
+    """Two workspaces pushed under the same `--origin`: the second push moved the first's
+    refs by force ("updated 3") and the remote mixed the two records (calls of one beside
+    the base and head of the other).  Refused in one line, nothing moved; the first
+    workspace's own later pushes go on as before.  Found by a bug hunt."""
+    a, b = make_mount(sub="a"), make_mount(sub="b")
+    remote = tmp_path / "server.git"
+    subprocess.run(["git", "init", "-q", "--bare", str(remote)], check=True)
+    push = lambda m, *more: overlayrec("export", "git", m.ws, "--state-dir", m.state,  # noqa
+                                       "--push", str(remote), "--origin", "ci", *more,
+                                       check=False)
+    for m in (a, b):
+        seed(m.ws)
+        m.mount()
+    record(a, tmp_path, AGENT, "d")
+    record(b, tmp_path, AGENT_B, "d")
+    assert push(a).returncode == 0
+    before = refs(remote)
+    r = push(b)
+    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r
+    assert "another workspace as origin 'ci'" in r.stderr and "--origin" in r.stderr, r.stderr
+    assert refs(remote) == before
+    record(a, tmp_path, AGENT_B, "e")
+    r = push(a, "--json")
+    assert r.returncode == 0, r.stderr
+    assert "refs/overlayrec/origins/ci/e/head" in json.loads(r.stdout)["push"]["new"]
+    assert refs(remote)["refs/overlayrec/origins/ci/d/head"] == before[
+        "refs/overlayrec/origins/ci/d/head"]

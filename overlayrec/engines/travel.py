@@ -74,6 +74,7 @@ def push(git_dir: str, prefix: str, remote: str, origin: str) -> dict:
     """Send every ref under ``prefix`` to ``remote`` beneath ``ORIGINS/<origin>/``: git sends
     only the objects the remote lacks and moves only the refs that changed."""
     spec = f"+{prefix.rstrip('/')}/*:{ORIGINS}/{origin}/*"
+    _refuse_anothers(git_dir, prefix, remote, origin)
     r = subprocess.run(["git", "push", "--porcelain", remote, spec], capture_output=True,
                        env=_user_env(git_dir))
     out = r.stdout.decode("utf-8", "surrogateescape")
@@ -93,6 +94,43 @@ def push(git_dir: str, prefix: str, remote: str, origin: str) -> dict:
             same += 1
     return {"remote": remote, "origin": origin, "refs_prefix": f"{ORIGINS}/{origin}/",
             "new": new, "updated": updated, "up_to_date": same}
+
+
+def _refuse_anothers(git_dir: str, prefix: str, remote: str, origin: str) -> None:
+    """The push moves refs by force (a session's ``sides`` are made anew as it goes on): a ref
+    of ``origin`` on the remote that it would move must hold a commit of this record's own
+    (pushed before), not another workspace's pushed under the same ``--origin``, whose
+    records it overwrote and mixed with these without a word."""
+    env = _user_env(git_dir)
+    r = subprocess.run(["git", "ls-remote", remote], capture_output=True, env=env)
+    if r.returncode != 0:
+        raise GitError(f"git ls-remote {remote} failed: {_git_says(r.stderr)}")
+    theirs = {}
+    for line in r.stdout.decode("utf-8", "surrogateescape").splitlines():
+        sha, _, name = line.partition("\t")
+        if name.startswith(f"{ORIGINS}/{origin}/"):
+            theirs[name[len(f"{ORIGINS}/{origin}/"):]] = sha
+    if not theirs:
+        return
+    r = subprocess.run(["git", "for-each-ref", "--format=%(objectname) %(refname)",
+                        prefix.rstrip("/") + "/"], capture_output=True, env=env, check=True)
+    moved = {}
+    for line in r.stdout.decode("utf-8", "surrogateescape").splitlines():
+        sha, _, name = line.partition(" ")
+        rel = name[len(prefix.rstrip("/")) + 1:]
+        if rel in theirs and theirs[rel] != sha:
+            moved[theirs[rel]] = rel
+    if not moved:
+        return
+    r = subprocess.run(["git", "cat-file", "--batch-check=%(objectname)"],
+                       input="".join(f"{sha}\n" for sha in moved).encode(),
+                       capture_output=True, env=env)
+    foreign = [moved[line.split()[0]] for line in r.stdout.decode().splitlines()
+               if line.endswith(" missing")]
+    if foreign:
+        raise GitError(f"{remote} holds records of another workspace as origin {origin!r} "
+                       f"({ORIGINS}/{origin}/{foreign[0]} is no commit of this record): "
+                       "name another with --origin")
 
 
 def default_records_dir() -> str:
