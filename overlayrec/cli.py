@@ -2204,6 +2204,12 @@ def export_git(workspace, repo, ref_prefix, remote, origin, state_dir, as_json):
                 click.echo(f"pushed to {remote} as {p['refs_prefix']}: {len(p['new'])} new "
                            f"ref(s), {len(p['updated'])} moved, {p['up_to_date']} up to date")
         _say_left_out(out["git_left_out"], store, "exported")
+        from .views import shown
+        for sid, unsure in out["unsure_bases"].items():
+            click.echo(f"overlayrec: session {sid}'s base holds {len(unsure)} file(s) the "
+                       "record never saw as they are now, not as they stood: changed after it "
+                       "began, while unmounted (" + ", ".join(map(shown, unsure[:3]))
+                       + (" ..." if len(unsure) > 3 else "") + ")", err=True)
     except GitError as e:
         raise Fail(str(e)) from None
     finally:

@@ -793,3 +793,40 @@ def test_an_interim_commit_of_the_agent_and_the_user_names_both(make_mount, tmp_
     assert an == "agent (session s) and other writers", an
     assert subject == "changes between calls by the agent and other writers (another " \
         "session's, outside processes)", subject
+
+
+def test_a_base_says_which_files_changed_unseen_after_its_session_began(make_mount, tmp_path):
+    """The files the record never touched are in a session's base as they are at the export:
+    a file edited, or made, while unmounted after session A was in A's base when A was
+    exported after it (a fresh re-export, or a first one), with nothing said, as if it stood
+    so before A.  The export names them (stderr, `unsure_bases`, the base's trailers); a later
+    session's base, begun after the edits, names none.  Found by a bug hunt."""
+    m = make_mount()
+    with open(os.path.join(m.ws, "untouched.txt"), "w") as f:
+        f.write("v1\n")
+    m.mount()
+    overlayrec("run", "-w", m.ws, "--session", "a", "--", "sh", "-c", "echo a > a.txt",
+               cwd=m.ws)
+    m.umount()
+    with open(os.path.join(m.ws, "untouched.txt"), "a") as f:
+        f.write("v2 edited while unmounted\n")
+    with open(os.path.join(m.ws, "new.txt"), "w") as f:
+        f.write("made while unmounted\n")
+    time.sleep(0.05)
+    m.mount()
+    overlayrec("run", "-w", m.ws, "--session", "b", "--", "sh", "-c", "echo b > b.txt",
+               cwd=m.ws)
+    repo = tmp_path / "fresh.git"
+    subprocess.run(["git", "init", "-q", "--bare", str(repo)], check=True)
+    r = overlayrec("export", "git", m.ws, "--repo", str(repo))
+    assert "session a's base holds 2 file(s) the record never saw as they are now" in \
+        r.stderr, r.stderr
+    assert "session b's" not in r.stderr, r.stderr
+    msg = git(str(repo), "log", "-1", "--format=%B", "refs/overlayrec/a/base")
+    assert "Overlayrec-Changed-Unseen: new.txt" in msg and \
+        "Overlayrec-Changed-Unseen: untouched.txt" in msg, msg
+    assert "Changed-Unseen" not in git(str(repo), "log", "-1", "--format=%B",
+                                       "refs/overlayrec/b/base")
+    # the private store, its first export now: the same said, in --json too
+    out = json.loads(overlayrec("export", "git", m.ws, "--json").stdout)
+    assert out["unsure_bases"] == {"a": ["new.txt", "untouched.txt"]}, out

@@ -68,6 +68,7 @@ def _ident(name: str, email: str, t_ns: int) -> dict:
 
 # beside a unit's ``a/`` and ``b/`` in the sides tree: says that its sides are there
 SIDES_NAME = ".sides"
+UNSURE_NAMED = 50  # files changed unseen that a base's message names (then a count)
 SIDES_NOTE = (b"a/ holds what this unit's paths held before it, b/ what they held after it, "
               b"each only its paths that git can hold (none: neither is there)\n")
 
@@ -119,6 +120,9 @@ class Exporter:
         self._live_base: str | None = None   # the mark of the last session base made
         self._ended: set[str] = set()  # sessions ended by this run's horizon (run)
         self._live_new: dict[str, list] = {}
+        # per session whose base this run made: files the record never saw that changed after
+        # the session began (while unmounted): the base holds them as they are now
+        self.unsure_bases: dict[str, list[str]] = {}
 
     def _git(self, *args, input=None, env=None) -> str:
         return self.store._git(*args, input=input, env=env)
@@ -242,7 +246,7 @@ class Exporter:
         chains = sum(1 for st in self.done["sessions"].values()
                      if isinstance(st, dict) and st.get("head"))
         return {"commits": self.written, "sessions": chains, "paths": len(paths),
-                "git_left_out": left_out}
+                "git_left_out": left_out, "unsure_bases": self.unsure_bases}
 
     # -- the journal's events, read once a run ----------------------------------------------------
     def _load(self, lo: int, hi: int) -> None:
@@ -369,12 +373,19 @@ class Exporter:
         self._update(fill, point)
         if not st["head"]:
             # the session's base: the workspace as it stood when the session began (the
-            # recorded paths rolled back, every other file as it is: nothing changed it)
-            self._fill_unrecorded(paths)
+            # recorded paths rolled back, every other file as it is: nothing the record saw
+            # changed it, but something it did not see may have, while unmounted)
+            started = (self.j.record("sessions", sid.encode()) or {}).get("started")
+            t0 = first.get("begin_t") or started or 0
+            unsure = self._fill_unrecorded(paths, started or t0)
             msg = (f"session {sid}: the workspace before it\n\n"
                    f"Overlayrec-Session: {sid}\nOverlayrec-Seq: ..{point}\n")
-            t0 = first.get("begin_t") or (self.j.record("sessions", sid.encode()) or {}).get(
-                "started") or 0
+            if unsure:
+                self.unsure_bases[sid] = unsure
+                msg += "".join(f"Overlayrec-Changed-Unseen: {shown(p)}\n"
+                               for p in unsure[:UNSURE_NAMED]) + \
+                    (f"Overlayrec-Changed-Unseen-More: {len(unsure) - UNSURE_NAMED}\n"
+                     if len(unsure) > UNSURE_NAMED else "")
             # a root commit, whatever was there
             self.fi.reset(self._refname(self._in(sid, "head")))
             st["head"] = self._commit(sid, st, _ident(f"agent (session {sid})",
@@ -440,9 +451,11 @@ class Exporter:
         return f"{ref_part(sid)}/{tail}"
 
     # -- trees ----------------------------------------------------------------------------------
-    def _fill_unrecorded(self, paths: list[str]) -> None:
+    def _fill_unrecorded(self, paths: list[str], since_ns: int) -> list[str]:
         """Add every file and symlink of the live tree the record never touched (so a commit
-        holds the whole workspace, not only what changed).
+        holds the whole workspace, not only what changed); those among them changed after
+        ``since_ns`` (their ctime: edited, made or chmodded while unmounted), whose state at
+        that time the record cannot know.
 
         Their blob ids are kept beside the export state (``.live.json``) with each one's
         lstat, as git's index keeps them: a file whose mode, size, mtime, ctime and inode are
@@ -457,10 +470,13 @@ class Exporter:
         racy = time.time_ns() - 3 * 10**9
         fresh: dict[str, list] = {}
         states, ids = {}, {}
+        unsure = []
         for p, st in tree.walk_stat("", skip={".git"}):
             if p in known or not _visible(p) or git_refuses(p) or \
                     not (S_ISREG(st.st_mode) or S_ISLNK(st.st_mode)):
                 continue
+            if since_ns and st.st_ctime_ns > since_ns:
+                unsure.append(p)
             key = [st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
             k = kept.get(p)
             if k is not None and k[:5] == key:
@@ -484,6 +500,7 @@ class Exporter:
             self.pending.append(f"M {mode} {sha} ".encode() + quote_path(p))
             self._placed(p)
         self._live_new = fresh
+        return sorted(unsure)
 
     def _live_file(self) -> str:
         return self.state_file[:-5] + ".live.json" if self.state_file.endswith(".json") \
