@@ -100,13 +100,15 @@ class Parts(list):
 
 def emit(parts) -> None:
     """Write ``parts`` as click.echo(text, nl=False) would, without importing click where
-    that changes nothing: a text stream of a real encoding (click rewraps an ASCII one) and no
-    escape character (click strips ANSI codes when the stream is no terminal)."""
+    that changes nothing: a text stream of a real encoding (click rewraps an ASCII one) and,
+    on stderr, no escape character (click strips ANSI codes when the stream is no terminal).
+    What goes to stdout (a patch, a file's content) keeps its escape characters, as git's
+    own diff does: stripped, `diff | git apply -R` failed on a file holding one."""
     for stream, text in parts:
         f = sys.stderr if stream == 2 else sys.stdout
-        if f is None or "\x1b" in text or not _plain_stream(f):
+        if f is None or (stream == 2 and "\x1b" in text) or not _plain_stream(f):
             import click
-            click.echo(text, nl=False, err=stream == 2)
+            click.echo(text, nl=False, err=stream == 2, color=None if stream == 2 else True)
             continue
         f.write(text)
         f.flush()
@@ -636,8 +638,8 @@ def guess_lines(side) -> list[str]:
     mixed = getattr(side, "interleaved", None)
     if mixed:
         out.append(f"overlayrec: {len(mixed)} path(s) here were changed by another writer too, "
-                   "between this call's own changes (the diff holds theirs; `revert` refuses "
-                   "them, interleaved): " + ", ".join(
+                   "between this selection's own changes (or, in a turn, before or after them "
+                   "within it; the diff holds theirs, and `revert` refuses them): " + ", ".join(
                        f"{shown(p)} ({', '.join(us)})" for p, us in sorted(mixed.items())[:5])
                    + (" ..." if len(mixed) > 5 else ""))
     if side.late:

@@ -605,3 +605,77 @@ def test_another_writers_change_between_a_calls_own_is_said(make_mount, tmp_path
         f"outside:{os.getpid()}:"), f
     plan = json.loads(overlayrec("revert", m.ws, "--call", "c1", "--json", check=False).stdout)
     assert [s["conflict"] for s in plan["steps"]] == ["interleaved"], plan
+
+
+TURN_AROUND = textwrap.dedent('''
+    import os, sys, time
+    from overlayrec import client
+    with client.connect() as c:
+        c.turn_begin(prompt="p")
+        c.call_begin("c1", "Edit")
+        with open("f.txt", "a") as f:
+            f.write("call-1\\n")
+        c.call_end("c1")
+        open(sys.argv[1], "w").close()
+        while not os.path.exists(sys.argv[2]):
+            time.sleep(0.02)
+        if os.environ.get("SECOND") == "1":
+            c.call_begin("c2", "Edit")
+            with open("f.txt", "a") as f:
+                f.write("call-2\\n")
+            c.call_end("c2")
+        c.turn_end()
+''')
+
+
+@pytest.mark.parametrize("second", [True, False], ids=["between-calls", "after-last-call"])
+def test_another_writers_change_inside_a_turn_is_said(make_mount, tmp_path, monkeypatch,
+                                                       second):
+    """A user's line between two of a turn's calls, or after its last call but before its
+    end: `diff --turn` (and `diff --session`, for the first) held it as the turn's, with
+    nothing said and only the calls as writers, where `revert --turn` refuses the path.
+    Found by a bug hunt."""
+    monkeypatch.setenv("SECOND", "1" if second else "0")
+    m = make_mount()
+    with open(os.path.join(m.ws, "f.txt"), "w") as f:
+        f.write("base\n")
+    m.mount()
+
+    def outside():
+        with open(os.path.join(m.ws, "f.txt"), "a") as f:  # outside the session
+            f.write("OUTSIDE\n")
+    run_with_outside_step(m, tmp_path, TURN_AROUND, outside)
+    selections = [("--turn", "1")] + ([("--session", "s")] if second else [])
+    for sel in selections:
+        r = overlayrec("diff", m.ws, *sel)
+        assert "+OUTSIDE\n" in r.stdout, (sel, r.stdout)
+        assert "1 path(s) here were changed by another writer too" in r.stderr and \
+            f"f.txt (outside:{os.getpid()}:" in r.stderr, (sel, r.stderr)
+        [f] = json.loads(overlayrec("diff", m.ws, *sel, "--json").stdout)["files"]
+        assert any(w.startswith(f"outside:{os.getpid()}:") for w in f["writers"]), (sel, f)
+    plan = json.loads(overlayrec("revert", m.ws, "--turn", "1", "--json", check=False).stdout)
+    assert [s["conflict"] for s in plan["steps"]] in (["interleaved"], ["changed"]), plan
+
+
+def test_a_patch_keeps_the_escape_characters_of_what_it_shows(make_mount, tmp_path):
+    """A file's content and a symlink's target holding ANSI escapes (a test's coloured
+    fixture): `diff` and `show`, written to a pipe, dropped them (click strips them where no
+    terminal reads), so the patch was not the change and `git apply -R` failed.  Found by a
+    bug hunt."""
+    m = make_mount()
+    with open(os.path.join(m.ws, "f.txt"), "w") as f:
+        f.write("color: \x1b[31mred\x1b[0m\n")
+    m.mount()
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", "sh", "-c",
+               r'printf "color: \033[32mgreen\033[0m\n" > f.txt; '
+               r'ln -s "$(printf "\033[1mbold")" lnk', cwd=m.ws)
+    patch = overlayrec("diff", m.ws, "--session", "s").stdout
+    assert "+color: \x1b[32mgreen\x1b[0m\n" in patch and "+\x1b[1mbold\n" in patch, patch
+    copy = tmp_path / "copy"
+    shutil.copytree(m.ws, copy, symlinks=True, ignore=shutil.ignore_patterns(".overlayrec-*"))
+    subprocess.run(["git", "apply", "-R"], input=patch, text=True, cwd=copy, check=True)
+    assert (copy / "f.txt").read_text() == "color: \x1b[31mred\x1b[0m\n"
+    assert not os.path.lexists(copy / "lnk")
+    seq = [e["seq"] for e in map(json.loads, overlayrec("log", m.ws, "--json").stdout
+                                 .splitlines()) if e["path"] == "f.txt"][-1]
+    assert "+color: \x1b[32mgreen\x1b[0m\n" in overlayrec("show", "-w", m.ws, str(seq)).stdout

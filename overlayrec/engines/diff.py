@@ -100,20 +100,26 @@ def select(j: Journal, states: States, *, call: str | None = None, turn: int | s
         side.guessed = guessed(mine)["guessed"]
         side.maybe_ours = placed_elsewhere(evs, unit)
         side.late = late(mine)
-        _interleaved(states, side, mine, evs, unit)
+        _interleaved(states, side, mine, evs, lambda u: u == unit)
         return side
     if turn is not None:
         t = find_turn(j, turn, session)
         sid = t["session"]
         lo, hi = t["begin_seq"], t["end_seq"] or last
-        return _selected(states, [e for e in _selection_events(j, lo, hi)
-                                  if _unit_session(e.get("unit")) == sid], (lo, hi), keep=keep)
+        evs = _selection_events(j, lo, hi)
+        mine = [e for e in evs if _unit_session(e.get("unit")) == sid]
+        side = _selected(states, mine, (lo, hi), keep=keep)
+        _interleaved(states, side, mine, evs, lambda u: _unit_session(u) == sid, (lo, hi))
+        return side
     if session is not None:
         rec = j.record("sessions", session.encode())
         if rec is None:
             raise SelectionError(f"no session {session}")
-        return _selected(states, [e for e in _selection_events(j)
-                                  if _unit_session(e.get("unit")) == session], keep=keep)
+        evs = _selection_events(j)
+        mine = [e for e in evs if _unit_session(e.get("unit")) == session]
+        side = _selected(states, mine, keep=keep)
+        _interleaved(states, side, mine, evs, lambda u: _unit_session(u) == session)
+        return side
     lo = since if since is not None else 1
     hi = until if until is not None else last
     if hi < lo - 1:
@@ -171,24 +177,29 @@ def drift_side(states: States, glob: str | None = None) -> Side:
     return Side(before, after, writers)
 
 
-def _interleaved(states: States, side: Side, mine: list[dict], evs: list[dict],
-                 unit: str) -> None:
-    """Another unit's change of a call's path between the call's first change to it and its
-    last: the call's diff holds it (as `revert --call` refuses it, ``interleaved``), so its
-    writers name that unit and the diff says so; a user's edit between two of the agent's
-    read as the agent's, without a word."""
+def _interleaved(states: States, side: Side, mine: list[dict], evs: list[dict], own,
+                 bounds: tuple[int, int] | None = None) -> None:
+    """Another unit's change of a selection's path that its diff holds: between the
+    selection's first change to it and its last (a call, a session), or anywhere within
+    ``bounds`` (a turn: its sides are taken at its begin and end).  ``own(unit)``: is the
+    unit the selection's.  The diff holds that change (as `revert` refuses it,
+    ``interleaved``), so its writers name that unit and the diff says so; a user's edit
+    between two of the agent's read as the agent's, without a word (a turn's and a
+    session's until 2026-12-05, a call's before)."""
     if not mine:
         return
-    first, last = mine[0]["seq"], mine[-1]["seq"]
+    first, last = bounds if bounds else (mine[0]["seq"], mine[-1]["seq"])
+    inside = (lambda seq, lo, hi: lo < seq <= hi) if bounds else \
+        (lambda seq, lo, hi: lo + 1 < seq < hi)
     spans = None
     for e in evs:
-        if not first < e["seq"] < last or e.get("unit") == unit:
+        if not inside(e["seq"], first - (0 if bounds else 1), last) or own(e.get("unit")):
             continue
         if spans is None:
-            spans = spans_of(states, mine)[0]
+            spans = spans_of(states, mine, bounds)[0]
         for p in touched(states, e):
             span = spans.get(p)
-            if span is not None and span[0] + 1 < e["seq"] < span[1] and p in side.writers:
+            if span is not None and inside(e["seq"], *span) and p in side.writers:
                 other = e.get("unit") or outside_unit(e.get("actor", "?"))
                 side.writers[p].add(other)
                 if other not in side.interleaved.setdefault(p, []):
