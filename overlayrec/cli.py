@@ -1782,7 +1782,7 @@ def show(seq, workspace, state_dir, as_json):
         if ev.get(k):
             click.echo(f"  {k}:{' ' * (7 - len(k))}{json.dumps(ev[k])}")
     if diff_text:
-        click.echo(diff_text, nl=False)
+        click.echo(diff_text, nl=False, color=True)  # a file's escapes kept
 
 
 @main.command()
@@ -2297,7 +2297,7 @@ def records_diff(git_dir, origin, sid, call_id, turn_sel, fmt, binary):
     try:
         recs = _records(git_dir)
         click.echo(recs.diff(fmt, binary, origin=origin, session=sid, call=call_id,
-                             turn=turn_sel), nl=False)
+                             turn=turn_sel), nl=False, color=True)  # a file's escapes kept
         vague = recs.inexact(origin, sid, call_id) if call_id is not None else []
         if vague:  # as `overlayrec diff` said on the origin
             from .views import inexact_note

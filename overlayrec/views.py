@@ -305,8 +305,9 @@ def _around(net, evs: list[dict]) -> list[str]:
 
 
 def session_summary(j: Journal, sid: str, net=None) -> list[str]:
-    """The lines ``run`` prints at the end: per writer, the files left changed (with ``net``,
-    see unit_listing; without, every file written)."""
+    """The lines ``run`` prints at the end: the files the session left changed (with ``net``,
+    see unit_listing; without, every file written), then the same per writer since it began
+    (its calls, the agent itself, other sessions, the user's processes, reverts)."""
     rec = j.record("sessions", sid.encode()) or {}
     start = None
     for ev in j.events():
@@ -318,10 +319,12 @@ def session_summary(j: Journal, sid: str, net=None) -> list[str]:
     ncalls = len(j.records("calls", sid.encode() + b"\0"))
     by_writer: dict[str, list] = {}
     actors: dict = {}
+    own = []
     for e in evs:
         unit = e.get("unit") or outside_unit(e["actor"])
         u = parse_unit(unit)
         if unit_session(unit) == sid:
+            own.append(e)
             who = "agent tool calls" if u.kind == "call" else "the agent itself"
         elif u is not None and u.kind == "revert":
             who = "reverts"
@@ -334,7 +337,9 @@ def session_summary(j: Journal, sid: str, net=None) -> list[str]:
     def count(row):
         return f"{row['files']} file(s)" + \
             (f" + {row['git_changes']} under .git/" if row["git_changes"] else "")
-    total = unit_listing(net, evs)
+    # the session's own: another session's files, or the user's, are on their own lines (the
+    # header counted them as this session's)
+    total = unit_listing(net, own)
     lines = [f"overlayrec: session {sid}: {len(turns)} turn(s), {ncalls} call(s), "
              f"{count(total).replace('file(s)', 'file(s) changed', 1)}"]
     for who, wevs in sorted(by_writer.items()):

@@ -546,3 +546,35 @@ def test_call_lines_escape_what_one_line_and_shown_escape():
     got = call_lines(pairs, churn=False, as_json=False)
     assert [stream for stream, _ in got] == [1]
     assert got[0][1] == "\n".join(want) + "\n", (got, want)
+
+
+def test_runs_summary_counts_its_own_files_and_names_the_others(tmpbase):
+    """Session B wrote three files while session A's agent ran: A's summary said "4 file(s)
+    changed" for a session that changed one (its lines below named B's apart).  Found by a
+    bug hunt."""
+    from conftest import SLOW, force_unmount, wait_unmounted
+    ws = os.path.join(tmpbase, "ws")
+    os.mkdir(ws)
+    env = dict(os.environ, XDG_STATE_HOME=os.path.join(tmpbase, "st"))
+    a_in, b_done = os.path.join(tmpbase, "a_in"), os.path.join(tmpbase, "b_done")
+    a = subprocess.Popen([sys.executable, "-m", "overlayrec", "run", "-w", ws, "--session", "A",
+                          "--", "sh", "-c", f"echo a > a.txt; touch {a_in}; "
+                          f"while [ ! -e {b_done} ]; do sleep 0.05; done"],
+                         env=env, stderr=subprocess.PIPE, text=True, cwd=ws)
+    try:
+        deadline = time.monotonic() + 30 * SLOW
+        while not os.path.exists(a_in):
+            assert time.monotonic() < deadline and a.poll() is None
+            time.sleep(0.05)
+        overlayrec("run", "-w", ws, "--session", "B", "--", "sh", "-c",
+                   "echo 1 > b1.txt; echo 2 > b2.txt; echo 3 > b3.txt", env=env, cwd=ws)
+        open(b_done, "w").close()
+        _, err = a.communicate(timeout=60 * SLOW)
+        assert a.returncode == 0, err
+        assert "session A: 0 turn(s), 0 call(s), 1 file(s) changed\n" in err, err
+        assert "  session B: 3 file(s)" in err, err
+        wait_unmounted(ws, "the mount outlived the runs")
+    finally:
+        if a.poll() is None:
+            a.kill()
+        force_unmount(ws)
