@@ -19,7 +19,7 @@ import time
 
 from . import client, state
 from .engines import large
-from .engines.revert import KEPT, Plan, apply_step, bytes_written, failed, make_plan, order, \
+from .engines.revert import KEPT, Plan, apply_step, bytes_written, clear_stale_temps, failed, make_plan, order, \
     plan_from_json, plan_to_json, unmet, ways
 from .engines.states import Tree
 
@@ -320,6 +320,8 @@ def carry_out(ws: str, sd: str, plan: Plan, content, *, unreverts: str | None = 
             try:
                 delay = float(os.environ.get("OVERLAYREC_TEST_REVERT_DELAY", "0"))
                 steps = order([s for s in plan.steps if not s.conflict], root_fd)
+                if resume is not None:  # what the killed run left half made
+                    clear_stale_temps(root_fd, [s.path for s in steps])
                 for s in steps:
                     done.append((s.path, apply_step(root_fd, s, made)))
                     if progress is not None:

@@ -228,6 +228,10 @@ class _Build:
                 st = os.stat(name, dir_fd=src_fd, follow_symlinks=False)
             except FileNotFoundError:
                 continue  # gone meanwhile
+            except OSError as e:  # a directory listed but not searchable (mode 600, a user's)
+                self.not_made[rel] = {"path": rel, "kind": "unknown",
+                                      "why": os.strerror(e.errno) if e.errno else str(e)}
+                continue
             kind = kind_of(st.st_mode)
             public = None  # a content-checked file's content, as looked at (overlayrec.secrets)
             if kind != "dir" and self.secrets is not None and \

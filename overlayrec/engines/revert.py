@@ -631,6 +631,45 @@ def temp_name(name: str, tag: str) -> str:
     return f".{name}{tail}"
 
 
+_TEMP = re.compile(r"\.overlayrec-revert-(\d+)\Z")
+
+
+def clear_stale_temps(root_fd: int, paths: list[str]) -> list[str]:
+    """Remove the temporary files (``temp_name``, tagged with the reverting process's pid) a
+    revert killed half way left beside these paths; those removed.  Reverts go one at a time
+    (``reverts.one_at_a_time``), so another pid's is no live one's: `revert --continue`
+    left them in the workspace for good."""
+    by_dir: dict[str, set[str]] = {}
+    for p in paths:
+        parent, _, name = p.rpartition("/")
+        if name:
+            by_dir.setdefault(parent, set()).add(name)
+    removed = []
+    for parent, names in by_dir.items():
+        try:
+            dfd = resolve_beneath(root_fd, parent, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:
+            continue
+        try:
+            for entry in os.listdir(dfd):
+                m = _TEMP.search(entry)
+                if m is None or int(m.group(1)) == os.getpid():
+                    continue
+                tag = f"overlayrec-revert-{m.group(1)}"
+                if not any(temp_name(n, tag) == entry for n in names):
+                    continue
+                try:
+                    if not stat.S_ISDIR(os.stat(entry, dir_fd=dfd,
+                                                follow_symlinks=False).st_mode):
+                        os.unlink(entry, dir_fd=dfd)
+                        removed.append(f"{parent}/{entry}" if parent else entry)
+                except OSError:
+                    pass
+        finally:
+            os.close(dfd)
+    return removed
+
+
 def _parent(root_fd: int, rel: str, create: bool) -> tuple[int, str]:
     """An O_PATH fd of ``rel``'s directory and its name there, reached from ``root_fd`` by
     ``resolve_beneath`` (no symlink followed, nothing climbs out); with ``create``, the
