@@ -1873,7 +1873,8 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
                        "a tag, the index may name them; `git gc` drops them once nothing does)",
                        err=True)
         if not plan.steps:
-            click.echo("nothing to revert")
+            if not as_json:  # the JSON preview said it (steps: []): one object, nothing after
+                click.echo("nothing to revert")
             return
         if plan.conflicts and not force:
             raise Fail(reverts.refusal(plan))

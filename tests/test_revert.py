@@ -1401,3 +1401,38 @@ def test_a_partner_renamed_by_the_last_call_is_not_drift_of_the_other_name(make_
         assert open(os.path.join(m.ws, "f")).read() == "fresh\nthe user's line\n"
     finally:
         m.umount()
+
+
+def test_since_with_session_takes_the_sessions_changes_after_that_point(make_mount, tmp_path):
+    """`revert --since SEQ --session S` (and `diff`) planned the whole session, --since
+    ignored without a word; `revert --json` with nothing to revert printed a line after its
+    object.  Found by a bug hunt."""
+    m = make_mount()
+    for n in ("f1", "f2"):
+        with open(os.path.join(m.ws, n), "w") as f:
+            f.write(n + "\n")
+    m.mount()
+    (tmp_path / "call.py").write_text(textwrap.dedent('''
+        import subprocess, sys
+        from overlayrec import client
+        with client.connect() as c:
+            for i, cmd in enumerate(sys.argv[1:]):
+                c.call_begin(f"c{i}", "Bash")
+                subprocess.run(["sh", "-c", cmd], check=True)
+                c.call_end(f"c{i}")
+    '''))
+    overlayrec("run", "-w", m.ws, "--session", "P", "--", sys.executable,
+               str(tmp_path / "call.py"), "echo early >> f1", "echo late >> f2", cwd=m.ws)
+    seq = next(e["seq"] for e in map(json.loads, overlayrec("log", m.ws, "--json").stdout
+                                     .splitlines()) if e["op"] == "call_end")
+    assert overlayrec("diff", m.ws, "--since", str(seq), "--session", "P",
+                      "--name-status").stdout.split() == ["M", "f2"]
+    plan = json.loads(overlayrec("revert", m.ws, "--since", str(seq), "--session", "P",
+                                 "--json").stdout)
+    assert [s["path"] for s in plan["steps"]] == ["f2"], plan
+    overlayrec("revert", m.ws, "--since", str(seq), "--session", "P", "--yes")
+    with open(os.path.join(m.ws, "f1")) as f1, open(os.path.join(m.ws, "f2")) as f2:
+        assert (f1.read(), f2.read()) == ("f1\nearly\n", "f2\n")
+    nothing = overlayrec("revert", m.ws, "--since", str(seq), "--session", "P", "--json",
+                         "--path", "nowhere")
+    assert json.loads(nothing.stdout)["steps"] == [], nothing.stdout

@@ -115,7 +115,7 @@ def select(j: Journal, states: States, *, call: str | None = None, turn: int | s
         rec = j.record("sessions", session.encode())
         if rec is None:
             raise SelectionError(f"no session {session}")
-        evs = _selection_events(j)
+        evs = _selection_events(j, since if since is not None else 1)  # with --since: after it
         mine = [e for e in evs if _unit_session(e.get("unit")) == session]
         side = _selected(states, mine, keep=keep)
         _interleaved(states, side, mine, evs, lambda u: _unit_session(u) == session)

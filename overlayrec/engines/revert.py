@@ -107,7 +107,9 @@ def selected_units(j: Journal, *, call=None, turn=None, session=None, since=None
         units = {session_unit(session)} | {call_unit(session, c["id"]) for c in
                                           j.records("calls", session.encode() + b"\0")} | \
             {turn_unit(session, t["index"]) for t in j.records("turns", session.encode() + b"\0")}
-        return units, 1, None
+        # with --since: the session's changes after that point (it was ignored: the whole
+        # session was planned)
+        return units, (since + 1 if since is not None else 1), None
     if since is not None:
         if since > j.last_seq():
             raise SelectionError(f"--since {since} is past the record's end (seq "
