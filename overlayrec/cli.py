@@ -1876,7 +1876,13 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
             if not as_json:  # the JSON preview said it (steps: []): one object, nothing after
                 click.echo("nothing to revert")
             return
-        if plan.conflicts and not force:
+        if resume is not None:
+            if plan.changed_since and not force:
+                raise Fail(f"not carried on: {len(plan.changed_since)} path(s) changed since "
+                           f"the interrupted revert began ({named(map(shown, plan.changed_since))}"
+                           "): `overlayrec revert --continue --force` carries it on and leaves "
+                           "them as they are; `overlayrec unrevert` rolls it back")
+        elif plan.conflicts and not force:
             raise Fail(reverts.refusal(plan))
         if not yes:
             if not (sys.stdin.isatty() and click.confirm(
@@ -1926,7 +1932,8 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
 @click.option("--path", "glob", help="Only this path, the paths beneath it, or those matching this glob "
               "(* crosses /).")
 @click.option("--yes", is_flag=True, help="Carry it out (default: preview only).")
-@click.option("--force", is_flag=True, help="Revert the paths without conflicts, report the rest.")
+@click.option("--force", is_flag=True, help="Revert the paths without conflicts, report the rest "
+              "(with --continue: carry on past the paths changed since the revert began).")
 @click.option("--continue", "cont", is_flag=True, help="Finish an interrupted revert.")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--state-dir", type=PATH)
@@ -1949,7 +1956,7 @@ def revert(workspace, call_id, turn_sel, sid, since, glob, yes, force, cont, as_
         rec = reverts.pending(sd)
         if rec is None:
             raise Fail("no interrupted revert to continue")
-        _run_revert(ws, sd, rec["selection"], None, True, True, as_json, resume=rec)
+        _run_revert(ws, sd, rec["selection"], None, True, force, as_json, resume=rec)
         return
     selection = {"call": call_id, "turn": turn_sel, "session": sid, "since": since}
     if sum(v is not None for k, v in selection.items() if k != "session") > 1:

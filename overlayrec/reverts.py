@@ -19,8 +19,8 @@ import time
 
 from . import client, state
 from .engines import large
-from .engines.revert import KEPT, Plan, apply_step, bytes_written, clear_stale_temps, failed, make_plan, order, \
-    plan_from_json, plan_to_json, unmet, ways
+from .engines.revert import KEPT, Plan, apply_step, bytes_written, clear_stale_temps, failed, \
+    make_plan, order, plan_from_json, plan_to_json, recheck, unmet, ways
 from .engines.states import Tree
 
 
@@ -158,7 +158,9 @@ def plan_for(src: Sources, selection: dict, glob: str | None, revert_id: str | N
     from .engines.states import States
     from .retention import dropped_selection
     if resume is not None:
-        return plan_from_json(resume, functools.partial(large.load, src.content))
+        plan = plan_from_json(resume, functools.partial(large.load, src.content))
+        recheck(plan, src.live)
+        return plan
     try:
         if selection.get("session") is not None:
             selection["session"] = session_named(src.j, selection["session"])

@@ -1436,3 +1436,33 @@ def test_since_with_session_takes_the_sessions_changes_after_that_point(make_mou
     nothing = overlayrec("revert", m.ws, "--since", str(seq), "--session", "P", "--json",
                          "--path", "nowhere")
     assert json.loads(nothing.stdout)["steps"] == [], nothing.stdout
+
+
+def test_continue_leaves_what_the_user_changed_since_the_revert_began(make_mount, tmp_path):
+    """An interrupted revert carried on (`--continue`) wrote its saved plan over a file the
+    user edited after the interruption, and over one the user made where the revert had
+    removed one already: both edits gone, exit 0.  Refused now, naming them; `--force`
+    carries on and leaves them.  Found by a bug hunt."""
+    m = make_mount()
+    os.makedirs(m.ws, exist_ok=True)
+    (tmp_path / "call.py").write_text(CALL)
+    m.mount()
+    run_call(m, tmp_path, "for i in $(seq 1 300); do echo $i > f$i; done")
+    _kill_daemon_mid_revert(m, tmp_path)
+    left = sorted(n for n in os.listdir(m.ws) if n.startswith("f"))
+    gone = sorted(f"f{i}" for i in range(1, 301) if f"f{i}" not in left)
+    assert left and gone
+    with open(os.path.join(m.ws, left[0]), "a") as f:
+        f.write("the user's line\n")
+    with open(os.path.join(m.ws, gone[0]), "w") as f:
+        f.write("the user's own file\n")
+    r = overlayrec("revert", m.ws, "--continue", check=False)
+    assert r.returncode == 1 and "not carried on: 2 path(s) changed since the interrupted " \
+        "revert began" in r.stderr and left[0] in r.stderr and gone[0] in r.stderr, r
+    assert json.loads(overlayrec("status", m.ws, "--json").stdout)["pending_revert"]
+    overlayrec("revert", m.ws, "--continue", "--force")
+    assert sorted(n for n in os.listdir(m.ws) if n.startswith("f")) == sorted([left[0],
+                                                                              gone[0]])
+    with open(os.path.join(m.ws, left[0])) as a, open(os.path.join(m.ws, gone[0])) as b:
+        assert a.read().endswith("the user's line\n") and b.read() == "the user's own file\n"
+    assert not json.loads(overlayrec("status", m.ws, "--json").stdout)["pending_revert"]

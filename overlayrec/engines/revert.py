@@ -73,6 +73,8 @@ class Plan:
     late: list[str] = field(default_factory=list)  # a call's paths changed after it ended
     # the actors (pid:start) whose events the plan's steps undo (reverts.still_running)
     writers: set[str] = field(default_factory=set)
+    # an interrupted revert carried on: its paths changed since it began (recheck)
+    changed_since: list[str] = field(default_factory=list)
     # paths the selection changed that an earlier revert put back as they were before it:
     # nothing to do, no step
     already: list[str] = field(default_factory=list)
@@ -1197,6 +1199,26 @@ def plan_to_json(plan: Plan, content_put) -> dict:
             "steps": [{"path": s.path, "target": st(s.target), "expected": st(s.expected),
                        "conflict": s.conflict, "note": s.note, "in_place": s.in_place}
                       for s in plan.steps]}
+
+
+CHANGED_SINCE = "changed since the interrupted revert began"
+
+
+def recheck(plan: Plan, live) -> None:
+    """A saved plan carried on (`revert --continue`): each path must hold what the plan found
+    (not reached yet) or what it puts there (reached): else someone changed it since the
+    revert began, and it is a conflict (``changed``), which --continue overwrote.  ``live``:
+    the live tree (states.Tree)."""
+    for s in plan.steps:
+        if s.conflict:
+            continue
+        try:
+            now = live.state(s.path)
+        except OSError:
+            continue  # read again by the step itself, which says what stops it
+        if not (now.same(s.expected) or now.same(s.target)):
+            s.conflict, s.note = "changed", CHANGED_SINCE
+            plan.changed_since.append(s.path)
 
 
 def plan_from_json(d: dict, content_get) -> Plan:
