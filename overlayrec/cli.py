@@ -1829,6 +1829,12 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
             held.enter_context(reverts.one_at_a_time(sd))
         except reverts.RevertError as e:
             raise Fail(str(e)) from None
+        waiting = reverts.pending(sd)
+        if resume is None and waiting is not None and unreverts != waiting["id"]:
+            # planned on a half-reverted tree, and stacked above it: the pending one's
+            # rollback (`unrevert`) would then undo this one instead (as Caudra, refused)
+            raise Fail(f"revert {waiting['id']} was interrupted: finish it with `overlayrec "
+                       "revert --continue` or roll it back with `overlayrec unrevert` first")
         if not state.fuse_mount_at(ws):
             _output_outlives_its_reader()  # a closed pipe must not leave the mount behind
             for sig in (signal.SIGTERM, signal.SIGHUP):  # nor a kill: stopped as by Ctrl-C

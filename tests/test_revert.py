@@ -1456,6 +1456,9 @@ def test_continue_leaves_what_the_user_changed_since_the_revert_began(make_mount
         f.write("the user's line\n")
     with open(os.path.join(m.ws, gone[0]), "w") as f:
         f.write("the user's own file\n")
+    # nor does a new revert begin on the half-reverted tree (its rollback would undo it)
+    r = overlayrec("revert", m.ws, "--call", "c1", "--yes", check=False)
+    assert r.returncode == 1 and "was interrupted: finish it" in r.stderr, r
     r = overlayrec("revert", m.ws, "--continue", check=False)
     assert r.returncode == 1 and "not carried on: 2 path(s) changed since the interrupted " \
         "revert began" in r.stderr and left[0] in r.stderr and gone[0] in r.stderr, r
