@@ -389,6 +389,7 @@ def no_mounting(monkeypatch):
     """revert and unrevert plan on the workspace as it is, unmounted (their preview reads it)."""
     monkeypatch.setattr(cli, "_spawn_daemon", lambda ws, sd, **kw: 0)
     monkeypatch.setattr(cli, "_stop_daemon", lambda ws: None)
+    monkeypatch.setattr(cli, "_release_mount", lambda ws, sd: None)
 
 
 @pytest.mark.parametrize("world", ["recorded", "corrupt", "missing"])
