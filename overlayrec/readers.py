@@ -719,9 +719,10 @@ def not_in_patch(side, paths: list[str], unlisted: bool = False) -> list[tuple[s
             while parent and parent not in shown_under:
                 shown_under.add(parent)
                 parent = parent.rpartition("/")[0]
-            left = _left_out_of_file(b, a)
+            left = [w for w in (_kind_left_out(p, b, a, side, paths), _left_out_of_file(b, a))
+                    if w]
             if left:
-                partly[p] = left
+                partly[p] = ", ".join(left)
         else:
             hidden.append((p, b, a))
     out = list(partly.items())
@@ -767,6 +768,27 @@ def _owners_differ(b, a) -> bool:
     state the record cannot know, such as what a unit left of a file removed around the
     mount, has none)?"""
     return None not in (b.uid, a.uid) and (b.uid, b.gid) != (a.uid, a.gid)
+
+
+def _kind_left_out(p: str, b, a, side, paths: list[str]) -> str | None:
+    """A file or symlink that became what no git tree holds, or came from it: a fifo, a socket,
+    a device, an empty directory (one with files is shown by them).  The patch shows only
+    the file's side: applied, it left the path missing, or failed on what stood there."""
+    from .engines.states import ABSENT
+
+    def unheld(s, states) -> str | None:
+        if s.kind in ("fifo", "socket", "device"):
+            return s.kind
+        if s.kind == "dir" and not any(q.startswith(p + "/") and
+                                       _git_entry(states.get(q, ABSENT)) for q in paths):
+            return "empty directory"
+        return None
+    after, before = unheld(a, side.after), unheld(b, side.before)
+    if after:
+        return f"{b.kind} -> {after}"
+    if before:
+        return f"{before} -> {a.kind}"
+    return None
 
 
 def _left_out_of_file(b, a) -> str | None:

@@ -679,3 +679,26 @@ def test_a_patch_keeps_the_escape_characters_of_what_it_shows(make_mount, tmp_pa
     seq = [e["seq"] for e in map(json.loads, overlayrec("log", m.ws, "--json").stdout
                                  .splitlines()) if e["path"] == "f.txt"][-1]
     assert "+color: \x1b[32mgreen\x1b[0m\n" in overlayrec("show", "-w", m.ws, str(seq)).stdout
+
+
+def test_a_file_that_became_what_git_cannot_hold_is_named(make_mount):
+    """A file replaced by a fifo or an empty directory, and a fifo or an empty directory
+    replaced by a file: the patch shows only the file's side, and nothing said what took
+    its place (applied, the path was missing, or git failed on what stood there).  Found by
+    a bug hunt."""
+    m = make_mount()
+    os.mkdir(os.path.join(m.ws, "e1"))
+    for n in ("f2", "f3"):
+        with open(os.path.join(m.ws, n), "w") as f:
+            f.write("f\n")
+    os.mkfifo(os.path.join(m.ws, "p"))
+    m.mount()
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", "sh", "-c",
+               "rmdir e1 && echo nowfile > e1; rm f2 && mkdir f2; rm f3 && mkfifo f3; "
+               "rm p && echo nowfile > p", cwd=m.ws)
+    got = {x["path"]: x["change"] for x in json.loads(
+        overlayrec("diff", m.ws, "--session", "s", "--json").stdout)["not_in_patch"]}
+    assert got == {"e1": "empty directory -> file", "f2": "file -> empty directory",
+                   "f3": "file -> fifo", "p": "fifo -> file"}, got
+    assert "4 change(s) a git patch cannot show" in \
+        overlayrec("diff", m.ws, "--session", "s", "--stat").stderr

@@ -1205,10 +1205,12 @@ CHANGED_SINCE = "changed since the interrupted revert began"
 
 
 def recheck(plan: Plan, live) -> None:
-    """A saved plan carried on (`revert --continue`): each path must hold what the plan found
-    (not reached yet) or what it puts there (reached): else someone changed it since the
-    revert began, and it is a conflict (``changed``), which --continue overwrote.  ``live``:
-    the live tree (states.Tree)."""
+    """A saved plan carried on (`revert --continue`): each path that holds something must hold
+    what the plan found (not reached yet) or what it puts there (reached): else someone put
+    it there since the revert began, and it is a conflict (``changed``), which --continue
+    overwrote.  A path that holds nothing (removed since, or beyond a directory made a
+    symlink, which the step itself refuses) loses nothing to the step.  ``live``: the live
+    tree (states.Tree)."""
     for s in plan.steps:
         if s.conflict:
             continue
@@ -1216,7 +1218,7 @@ def recheck(plan: Plan, live) -> None:
             now = live.state(s.path)
         except OSError:
             continue  # read again by the step itself, which says what stops it
-        if not (now.same(s.expected) or now.same(s.target)):
+        if now.present and not (now.same(s.expected) or now.same(s.target)):
             s.conflict, s.note = "changed", CHANGED_SINCE
             plan.changed_since.append(s.path)
 
