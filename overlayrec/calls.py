@@ -11,7 +11,8 @@ This is the second half of attribution (``attribution`` names the process; this 
 Rules (each has a test):
 * a process descending from an agent belongs to the call during which the agent's direct child
   at the top of its line was started: a shell command, its children, and a background process
-  that outlives the call (whose later writes are marked ``after_end``).  When no call started
+  that outlives the call (whose later writes are marked ``after_end``; so are the writes of
+  what it starts after its session ended, placed below it: ``lineage``).  When no call started
   that child (a persistent shell the agent sends each command to), the highest process below
   it that a call started decides, and a write by the shell itself goes to the call active
   then (``chosen``: ``during``), else to the turn or session as it is at that write.  Start times come from
@@ -231,6 +232,11 @@ class Unit(str):
         return u
 
 
+def late(unit: str) -> Unit:
+    """``unit`` (a call's) marked as changed after the call ended (``after_end``)."""
+    return Unit(unit, **dict(getattr(unit, "extra", {}), after_end=True))
+
+
 class Calls:
     """The live sessions of one mount and the unit of every actor."""
 
@@ -242,6 +248,10 @@ class Calls:
         self._by_agent: dict[str, Session] = {}  # agent actor key -> session
         self._by_runner: dict[str, Session] = {}
         self._lineage: dict[str, tuple[Session, dict | None] | None] = {}
+        # the processes of ended sessions placed at their end (_place_survivors), kept apart
+        # from _lineage (which a session's begin clears): where /proc no longer leads from a
+        # process to any session, its nearest placed ancestor does (lineage)
+        self._survivors: dict[str, tuple[Session, dict]] = {}
         self.reverts: dict[str, str] = {}  # actor key -> revert id, while it reverts
         self.live_implicit: list[Call] = []  # implicit calls not ended, oldest first
         # called with a unit's key once its end is journaled (the daemon seals the unit's paths)
@@ -257,7 +267,16 @@ class Calls:
 
         The line is walked up through /proc.  A session started by ``overlayrec run`` knows its
         runner: the runner's child is the agent, and a process that the runner adopted (it is
-        a child subreaper) after its parent exited is placed by its own start time."""
+        a child subreaper) after its parent exited is placed by its own start time.  A line
+        that leads to no agent nor runner (init's, once `run` has exited) is a survivor's when
+        it passes through one (a process of an ended session placed at its end,
+        ``_place_survivors``): what a background job starts after its session ended is the
+        job's, below it in its line.
+
+        Answers are kept (``_lineage``): this is asked on the write path, for every change,
+        and a walk reads /proc once per ancestor; a kept answer is a dict lookup.  The
+        survivors are looked at only on that walk, a dict lookup per ancestor, and only once
+        the walk has found no session: they never change an answer /proc gives."""
         key = actor["key"]
         if key in self._lineage:
             return self._lineage[key]
@@ -266,6 +285,7 @@ class Calls:
             result = (self._by_agent[key], None)
         elif self.sessions:
             chain = [{"key": key, "pid": actor["pid"]}]
+            placed = 0 if key in self._survivors else None  # the nearest survivor's index
             pid = actor.get("ppid") or 0
             while pid > 1 and len(chain) < 64:
                 st = proc_start_and_ppid(pid)
@@ -283,8 +303,15 @@ class Calls:
                     else:  # adopted by the runner: an orphan of some call
                         result = (s, dict(_with_below(chain, 1), orphan=True))
                     break
+                if placed is None and pkey in self._survivors:
+                    placed = len(chain)
                 chain.append({"key": pkey, "pid": pid})
                 pid = st[1]
+            if result is None and placed is not None:
+                s, child = self._survivors[chain[placed]["key"]]
+                below = child.get("below", []) + [c["key"] for c in reversed(chain[:placed])]
+                result = (s, dict(child, below=below, survivor=True) if below else
+                          dict(child, survivor=True))
         if len(self._lineage) > 100_000:
             self._lineage.clear()
         self._lineage[key] = result
@@ -348,7 +375,7 @@ class Calls:
             # session) writes for the call active now, by time, not by the process tree
             return self._during(session, actor)
         if call is not None and call.end_t is not None:
-            return Unit(unit, **dict(unit.extra, after_end=True))
+            return late(unit)
         if call is not None and call.implicit and actor is not None:
             self._join(session, call, actor["key"], actor["pid"])  # it keeps the call open
         return unit
@@ -432,6 +459,11 @@ class Calls:
         self._boundary()
         self.live_implicit.append(call)
         self._join(session, call, child["key"], child["pid"])
+        if session.ended is not None:
+            # a process of a session that ended (a background job it left, first writing
+            # after the end): its call ended at the session's end at the latest, as every
+            # implicit call's did; what the process writes is after that end
+            self._end_call(session, call, self._daemon_actor(), "abandoned")
         return call
 
     def _end_exited_first(self, session: Session) -> None:
@@ -535,13 +567,13 @@ class Calls:
                     # a name an ended session had, sent from inside another one that goes on
                     # (an agent resumed under a second `run` of this mount): the name is that
                     # one's now
-                    lin = self.lineage(caller)
+                    lin = self._session_line(caller)
                     if lin is not None and lin[0] is not s and lin[0].ended is None:
                         self._names.pop(name)
                         self._alias(lin[0], name)
                         return lin[0]
                 return s
-        lin = self.lineage(caller)
+        lin = self._session_line(caller)
         if lin is not None:
             self._alias(lin[0], name)
             return lin[0]
@@ -549,6 +581,16 @@ class Calls:
             return next(iter(self.sessions.values()))
         raise ControlError(f"no session {name!r}" if name else
                            "no session: start one (overlayrec run, or session begin)")
+
+    def _session_line(self, caller: dict) -> tuple[Session, dict | None] | None:
+        """``lineage`` of a control request's caller, None for one placed only as a survivor's
+        (a process a background job started after its session ended): its writes are that
+        session's, but it runs under no session (an agent it started begins one of its own;
+        a name it gives is no alias of the ended one)."""
+        lin = self.lineage(caller)
+        if lin is not None and lin[1] is not None and lin[1].get("survivor"):
+            return None
+        return lin
 
     def agent_for_hook(self, caller: dict) -> dict:
         """The agent behind a hook process: its first ancestor that is not a shell or us."""
@@ -570,7 +612,7 @@ class Calls:
         is its first ancestor that is not a shell, or the session it already runs under."""
         before = None  # the ended session of this hook's agent, which this one follows
         if not runner:
-            lin = self.lineage(caller)
+            lin = self._session_line(caller)
             if lin is not None and lin[0].ended is None:
                 # a hook inside a session `run` started (or one begun already): the same
                 return self.resolve(name, caller)
@@ -727,11 +769,19 @@ class Calls:
         top = s.runner or s.agent
         if top is None:
             return
+        # survivors of earlier sessions that have exited go (their keys are never reused)
+        for key in [k for k in self._survivors if not alive(k)]:
+            del self._survivors[key]
         for key in descendants_of(top["pid"]):
             pid, start = map(int, key.split(":"))
             st = live_stat(pid)
             if st is not None and st[0] == start:
-                self.lineage({"key": key, "pid": pid, "ppid": st[1]})
+                lin = self.lineage({"key": key, "pid": pid, "ppid": st[1]})
+                if lin is not None and lin[0] is s and lin[1] is not None:
+                    # what it starts later, once /proc no longer leads from it to the
+                    # session, is placed below it (lineage); kept also when a later
+                    # session's begin clears the lineage kept so far
+                    self._survivors[key] = lin
 
     def _open(self, name: str | None, caller: dict) -> Session:
         """The session a request that begins something names (``resolve``), refused once it

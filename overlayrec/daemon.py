@@ -27,7 +27,7 @@ import trio
 import trio.testing  # wait_all_tasks_blocked: the run loop's own idle check (_commit_held_notes)
 
 from .attribution import Attribution, alive, live_stat
-from .calls import Calls
+from .calls import Calls, late
 from .control import ControlServer
 from .fs import Operations
 from .journal import Journal, JournalError
@@ -386,10 +386,15 @@ def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool, record_da
 
     def on_unit_end(unit, seal=calls.on_unit_end):
         seal(unit)
-        if parse_unit(unit).kind == "session":
+        kind = parse_unit(unit).kind
+        if kind == "session":
             control.budget_due = True  # a session can go now: the budget is looked at
-    calls.on_unit_end = on_unit_end
+        elif kind == "call":
+            # its handles open across its end write after it from now on (the end just
+            # ended every epoch: their next write is an event, which says so)
+            ops.call_ended(unit, late)
     ops = Operations(recorder, root_fd, fault_name=os.environ.get("OVERLAYREC_INJECT_FAULT"))
+    calls.on_unit_end = on_unit_end  # once ops is there: a call's end looks at its handles
     recorder.on_around = ops.forget_cached
     options = set(pyfuse3.default_options) | {f"fsname={state.FSNAME}", f"subtype={state.FSNAME}"}
     if allow_other:

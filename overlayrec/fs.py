@@ -286,6 +286,16 @@ class Operations(pyfuse3.Operations):
             inode = inode.parent
         return "/".join(reversed(parts)) if inode is self.root else None
 
+    def call_ended(self, unit: str, late) -> None:
+        """The call ``unit`` has ended: what its handles still open write from now on (a
+        writer it left running, its file opened during the call) was written after its end,
+        ``late(unit)`` (its ``after_end``), as what its processes open from now on is.  A
+        handle's unit is taken at its open; looked at here, once per call's end, and not on
+        each write (the write path stays as it was)."""
+        for h in self.handles.values():
+            if isinstance(h, Handle) and h.unit is not None and h.unit == unit:
+                h.unit = late(h.unit)
+
     def forget_cached(self, path: str) -> None:
         """``path`` was changed or removed around the mount (Recorder.seal found it so): the
         kernel's cache of it, its entry, its attributes and pages and its directory's listing,

@@ -11,6 +11,8 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from conftest import SLOW, force_unmount, is_mounted, needs_fuse, overlayrec, wait_unmounted
 
 pytestmark = needs_fuse
@@ -392,3 +394,103 @@ def test_a_run_joining_a_mount_that_is_ending_mounts_anew(tmpbase):
     evs = {e["path"]: e["unit"] for e in map(json.loads, overlayrec(
         "log", ws, "--json", env=env).stdout.splitlines()) if e["op"] == "create"}
     assert evs["b.txt"].split(":")[1] == "B", evs
+
+
+def _run_and_release(m, script: str, go: str, done: str) -> None:
+    """`overlayrec run` of ``sh -c script`` in session "s"; once it has exited (its session
+    ended, what it left running still waiting for ``go``), ``go`` lets that on, and the mount
+    goes once it is done (``done``)."""
+    try:
+        overlayrec("run", "-w", m.ws, "--state-dir", m.state, "--session", "s", "--",
+                   "sh", "-c", script, cwd=m.ws)
+        assert [e["op"] for e in m.events() if e["op"] == "session_end"] == ["session_end"]
+    finally:
+        open(go, "w").close()  # what it left running ends, whatever failed
+    _wait_for(done)
+    wait_unmounted(m.ws, "the mount stayed after what the run left was done")
+
+
+def _call_script(body: str, explicit: bool) -> str:
+    """``body`` as an agent's command: in an announced call S, or the agent's own (each of
+    its commands an implicit call)."""
+    if not explicit:
+        return body
+    ovr = f"{sys.executable} -m overlayrec"
+    return f"{ovr} call begin --id S --tool Bash\n{body}\n{ovr} call end --id S"
+
+
+@pytest.mark.parametrize("explicit", [True, False], ids=["explicit", "implicit"])
+def test_what_a_background_job_starts_after_its_session_ended_is_its_calls(
+        make_mount, tmp_path, explicit):
+    """A call's background job (`( ...; cmd ) &`) outlives the call, its session and `run`;
+    the processes it starts after that (python3, cp) were outside actors, /proc leading from
+    them only to the job's shell, itself init's by then: only the shell's own write (`echo z >
+    z.txt`, placed at the session's end) stayed the call's, and `calls`, `diff --session`,
+    `revert --session` missed the others.  They are the call's, after its end."""
+    m = make_mount()  # not mounted: `run` mounts it
+    go, done = str(tmp_path / "go"), str(tmp_path / "done")
+    job = (f"(while [ ! -e {go} ]; do sleep 0.05; done; "
+           f"{sys.executable} -c \"open('x.txt', 'w').write('x')\"; cp x.txt y.txt; "
+           f"echo z > z.txt; touch {done}) > /dev/null 2>&1 &")
+    _run_and_release(m, _call_script(job, explicit), go, done)
+    made = {e["path"]: e for e in m.events() if e["op"] == "create"}
+    assert sorted(made) == ["x.txt", "y.txt", "z.txt"]
+    units = {e["unit"] for e in made.values()}
+    assert len(units) == 1, made
+    unit = units.pop()
+    assert unit == "call:s:S" if explicit else unit.startswith("call:s:implicit-"), unit
+    assert all(e.get("after_end") for e in made.values()), made
+    rows = [json.loads(r) for r in overlayrec("calls", m.ws, "--json").stdout.splitlines()]
+    assert [(r["paths"], r["late"], r["status"]) for r in rows] == \
+        [(["x.txt", "y.txt", "z.txt"], ["x.txt", "y.txt", "z.txt"],
+          "ok" if explicit else "abandoned")], rows
+    stat = json.loads(overlayrec("diff", m.ws, "--session", "s", "--json").stdout)
+    assert sorted(f["path"] for f in stat["files"]) == ["x.txt", "y.txt", "z.txt"]
+    assert overlayrec("log", m.ws, "--outside").stdout == ""
+    overlayrec("revert", m.ws, "--session", "s", "--yes")
+    assert [n for n in os.listdir(m.ws) if n != ".overlayrec-attic"] == []
+
+
+WRITER = textwrap.dedent(r'''
+    import os, sys, time
+    started, go, done = sys.argv[1:4]  # markers outside the workspace
+    with open("big.txt", "a") as f:
+        f.write("before\n")
+        f.flush()
+        open(started, "w").close()
+        while not os.path.exists(go):
+            time.sleep(0.05)
+        f.write("after\n")  # through the handle opened during the call
+        f.flush()
+    open(done, "w").close()
+''')
+
+
+@pytest.mark.parametrize("explicit", [True, False], ids=["explicit", "implicit"])
+def test_a_write_through_a_handle_opened_in_a_call_after_its_end_is_late(
+        make_mount, tmp_path, explicit):
+    """A writer a call left running writes on through the file it opened during the call;
+    its call ended (by its end, or an implicit call at its session's end: "abandoned"), and
+    those writes were not marked after its end (a handle's unit is taken at its open): `calls`
+    said late 0, blame nothing of it."""
+    m = make_mount()
+    (tmp_path / "writer.py").write_text(WRITER)
+    started, go, done = (str(tmp_path / n) for n in ("started", "go", "done"))
+    body = (f"{sys.executable} {tmp_path / 'writer.py'} {started} {go} {done} "
+            f"> /dev/null 2>&1 & while [ ! -e {started} ]; do sleep 0.05; done")
+    _run_and_release(m, _call_script(body, explicit), go, done)
+    with open(os.path.join(m.ws, "big.txt")) as f:
+        assert f.read() == "before\nafter\n"
+    evs = m.events()
+    end = [e["seq"] for e in evs if e["op"] == "call_end"]
+    assert len(end) == 1
+    changes = [e for e in evs if e.get("path") == "big.txt"]
+    assert {e["unit"] for e in changes} == {changes[0]["unit"]}
+    assert [e["op"] for e in changes if e["seq"] < end[0]] == ["create"]
+    assert not changes[0].get("after_end")
+    later = [e for e in changes if e["seq"] > end[0]]
+    assert [e["op"] for e in later] == ["write"] and later[0].get("after_end"), changes
+    row = json.loads(overlayrec("calls", m.ws, "--json").stdout)
+    assert (row["status"], row["late"], row["late_events"]) == \
+        ("ok" if explicit else "abandoned", ["big.txt"], 1), row
+    assert "(after the call ended)" in overlayrec("blame", "big.txt", "-w", m.ws).stdout
