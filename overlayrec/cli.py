@@ -1863,7 +1863,7 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
                            f"{' ...' if len(running) > 3 else ''}): what they write next "
                            "follows the revert (stop them first for a revert that holds)",
                            err=True)
-        if as_json and not (yes and (not plan.conflicts or force)):
+        if as_json and plan.steps and not (yes and (not plan.conflicts or force)):
             click.echo(json.dumps(preview))
         elif not as_json:
             for s in plan.steps:
@@ -1878,9 +1878,9 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
                        "their repository was changed since by what is not reverted (a branch, "
                        "a tag, the index may name them; `git gc` drops them once nothing does)",
                        err=True)
-        if not plan.steps:
-            if not as_json:  # the JSON preview said it (steps: []): one object, nothing after
-                click.echo("nothing to revert")
+        if not plan.steps:  # with --json one object that says so, nothing after it
+            click.echo(json.dumps(dict(preview, result="nothing to revert")) if as_json else
+                       "nothing to revert")
             return
         if resume is not None:
             if plan.changed_since and not force:
