@@ -461,6 +461,19 @@ def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other
         log.error("%s", e)
         tell(f"error: {e}")
         return 1
+    except PermissionError as e:
+        # another user's workspace (its attic is its owner's alone, 0700): said as that, with
+        # the path it names, not as "[Errno 13] Permission denied: '.'" and a traceback
+        try:
+            owner = os.stat(ws).st_uid
+        except OSError:
+            owner = None
+        why = (f"{ws} is uid {owner}'s, not this user's (uid {os.geteuid()}): only its owner "
+               "or root can record it" if owner is not None and owner != os.geteuid() else
+               f"permission denied reading {e.filename or ws} and beneath it")
+        log.error("cannot mount: %s", why)
+        tell(f"error: cannot mount {ws}: {why}")
+        return 1
     except Exception as e:  # an unexpected failure still gets a one-line reason
         log.exception("mount failed")
         tell(f"error: mount failed: {e}")

@@ -430,3 +430,25 @@ def test_another_users_mount_is_not_theirs_to_unmount(make_mount, tmpbase):
     assert "is mounted by another user (uid 0): only that user, or root, can unmount it" \
         in lines[0], r.stderr
     assert is_mounted(m.ws)
+
+
+@needs_fuse
+def test_another_users_recorded_workspace_is_not_theirs_to_mount(make_mount, tmpbase):
+    """root's recorded workspace, unmounted, and `overlayrec mount` by nobody: "mount failed:
+    [Errno 13] Permission denied: '.'" (its attic is root's alone), a traceback in the log.
+    It says whose the workspace is, in one line.  Found by a bug hunt."""
+    m = make_mount().mount()
+    with open(os.path.join(m.ws, "a"), "w") as f:
+        f.write("a\n")
+    m.umount()
+    os.chmod(m.base, 0o755)
+    os.chmod(m.ws, 0o755)
+    nobody = Owner(tmpbase, "nobody")
+    r = nobody.ask("mount", m.ws, "--state-dir", nobody.sd, check=False)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1, r.stderr
+    assert f"cannot mount {m.ws}: {m.ws} is uid 0's, not this user's (uid {NOBODY})" in \
+        lines[0], r.stderr
+    assert not is_mounted(m.ws)
+    with open(os.path.join(nobody.sd, "daemon.log")) as f:
+        assert "Traceback" not in f.read()
