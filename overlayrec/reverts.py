@@ -230,7 +230,8 @@ def outcome(plan: Plan, rec: dict, unreverts: str | None) -> tuple[str, list[str
     kept = sorted({p for p, result in done if result == KEPT})
     which = "directory that holds" if len(kept) == 1 else "directories that hold"
     verb = f"unreverted {unreverts}: restored" if unreverts else "reverted"
-    line = (f"{verb} {len({p for p, _ in done})} path(s) as revert {plan.id}"
+    # a kept directory is no path reverted (the unrevert's count then disagreed)
+    line = (f"{verb} {len({p for p, _ in done} - set(kept))} path(s) as revert {plan.id}"
             + (f"; {len(plan.conflicts)} conflicting path(s) left alone" if plan.conflicts
                else "")
             + (f"; kept {len(kept)} {which} what it does not remove: "

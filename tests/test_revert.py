@@ -335,6 +335,9 @@ def test_a_directory_later_work_filled_is_kept_and_said(make_mount, tmp_path):
     assert "  delete   lib\n" in r.stdout, r.stdout
     assert r.stdout.rstrip().endswith("; kept 1 directory that holds what it does not remove: "
                                       "lib"), r.stdout
+    # the paths it reverted, the kept one not among them (it was counted: found by a bug hunt)
+    reverted = [ln for ln in r.stdout.splitlines() if ln.startswith("reverted ")]
+    assert reverted and reverted[0].startswith("reverted 5 path(s) as revert "), r.stdout
     assert tree_of(m.ws)["lib/later.txt"] and tree_of(m.ws)["src/pkg/m.py"], tree_of(m.ws)
     assert not os.path.exists(os.path.join(m.ws, "lib", "pkg"))
 
