@@ -975,6 +975,8 @@ def log_cmd(workspace, glob, limit, call_id, turn_sel, sid, actor, since, until,
                 click.echo(json.dumps(dict(ev, actor=a or {"key": key}), ensure_ascii=False))
                 return
             where = shown(ev.get("path") or "")
+            if where.startswith(".overlayrec-attic/"):  # no reader shows the attic's names
+                where = readers.attic_shown(j, ev["path"], ev["seq"]) or where
             if ev["op"] in CONTROL_OPS:
                 where = one_line(" ".join(f"{k}={ev[k]}" for k in ("session", "turn", "call",
                                                                    "tool", "status", "revert")
@@ -1754,7 +1756,10 @@ def show(seq, workspace, state_dir, as_json):
         actor = j.actor(ev.get("actor") or "") or {}
         diff_text = ""
         paths = [p for p in (ev.get("path"), ev.get("path2")) if p]
-        if paths:
+        left = readers.attic_shown(j, paths[0], seq) if paths else None
+        if left:  # in no tree: a diff of it read as the file's deletion
+            diff_text = f"# {left}: in no tree, so no diff; its pre-image is above\n"
+        elif paths:
             st = States(j, tree)
             store = ObjectStore(sd)
             before = {p: st.state(p, seq - 1) for p in paths}
@@ -1772,7 +1777,8 @@ def show(seq, workspace, state_dir, as_json):
     if as_json:
         click.echo(json.dumps({"event": ev, "actor": actor, "diff": diff_text}))
         return
-    click.echo(f"event {seq}: {ev['op']} {' -> '.join(map(shown, paths))}")
+    click.echo(f"event {seq}: {ev['op']} {' -> '.join(map(shown, paths))}"
+               + (f" {left}" if left else ""))
     click.echo(f"  time:    {_fmt_time(ev['t'])}")
     click.echo(f"  unit:    {unit_shown(ev.get('unit'))}" + (" (after its call ended)"
                                                         if ev.get("after_end") else ""))

@@ -824,3 +824,36 @@ def left_out_lines(n: int, store, what: str = "shown") -> list[str]:
     from .engines.gitdiff import left_out_note
     return ([left_out_note(n, what)] if n else []) + \
         [f"overlayrec: git: {w}" for w in store.warnings]
+
+
+LEFT_LOOKS = 100_000  # events looked back through for the name an attic entry left
+
+
+def left_name(j, path: str, seq: int) -> str | None:
+    """The workspace name whose file an attic path holds (``.overlayrec-attic/<id>.gone.<ino>``:
+    a file replaced or removed while a process kept it open, written through that descriptor
+    since), from the last event before ``seq`` whose pre-image names its inode; None for any
+    other path, or when none of the last LEFT_LOOKS events does."""
+    if not path.startswith(".overlayrec-attic/"):
+        return None
+    ino = path.rpartition(".gone.")[2]
+    if not ino.isdigit():
+        return None
+    found = None
+    for e in j.events(max(1, seq - LEFT_LOOKS), seq - 1):
+        for pre, name in (("pre", e.get("path")), ("pre2", e.get("path2"))):
+            if name and not name.startswith(".overlayrec-attic") and \
+                    (e.get(pre) or {}).get("ino") == int(ino):
+                found = name
+    return found
+
+
+def attic_shown(j, path: str, seq: int) -> str | None:
+    """How a reader names an attic path an event wrote (``left_name``): the name its file left,
+    and how it was still written; None for a workspace path."""
+    from .views import shown
+    if not path.startswith(".overlayrec-attic/"):
+        return None
+    left = left_name(j, path, seq)
+    return (f"(the file that left {shown(left)}" if left else "(a file that left the workspace") \
+        + ", written through a descriptor still open on it)"

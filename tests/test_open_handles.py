@@ -568,3 +568,44 @@ def test_a_hard_link_renamed_over_another_name_while_written(make_mount, tmp_pat
            ["rename", "b", "d/y"], ["mkdir", "e"], ["write", 0, "<4>"], ["close", 0],
            ["mkdir", "z"]]
     run_and_check(make_mount, tmp_path, [{"dir": "c", "ops": ops}], min_exact=20)
+
+
+HELD_OVER = textwrap.dedent('''
+    import os, sys, time
+    from overlayrec import client
+    with client.connect() as c:
+        c.call_begin("C", "Bash")
+        fd = os.open("f.txt", os.O_WRONLY)
+        os.write(fd, b"AGENT1")
+        open(sys.argv[1], "w").close()
+        while not os.path.exists(sys.argv[2]):
+            time.sleep(0.02)
+        os.write(fd, b"AGENT2")  # into the file the user's rename took the name from
+        os.close(fd)
+        c.call_end("C")
+''')
+
+
+def test_a_write_to_a_file_renamed_over_is_named_by_the_name_it_left(make_mount, tmp_path):
+    """The agent writes through a descriptor to f.txt after the user renamed another file over
+    it: `log` printed the attic's own name (`.overlayrec-attic/...gone...`, which no reader is
+    to show) and `show` a patch deleting it.  Both name the file that left f.txt now.  Found
+    by a bug hunt."""
+    from conftest import run_with_outside_step
+    m = make_mount()
+    with open(os.path.join(m.ws, "f.txt"), "w") as f:
+        f.write("aaaaaaaaaabbbbbbbbbb\n")
+    m.mount()
+
+    def outside():
+        with open(os.path.join(m.ws, ".f.swp"), "w") as f:
+            f.write("USER\n")
+        os.rename(os.path.join(m.ws, ".f.swp"), os.path.join(m.ws, "f.txt"))
+    run_with_outside_step(m, tmp_path, HELD_OVER, outside)
+    lines = overlayrec("log", m.ws, "--call", "C").stdout.splitlines()
+    assert len(lines) == 2 and ".overlayrec-attic" not in lines[1], lines
+    assert lines[1].endswith("write       (the file that left f.txt, written through a "
+                             "descriptor still open on it)"), lines
+    seq = lines[1].split()[0]
+    out = overlayrec("show", "-w", m.ws, seq).stdout
+    assert "(the file that left f.txt" in out.splitlines()[0] and "deleted file" not in out, out
