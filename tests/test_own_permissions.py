@@ -452,3 +452,25 @@ def test_another_users_recorded_workspace_is_not_theirs_to_mount(make_mount, tmp
     assert not is_mounted(m.ws)
     with open(os.path.join(nobody.sd, "daemon.log")) as f:
         assert "Traceback" not in f.read()
+
+
+@needs_fuse
+@needs_root
+@pytest.mark.parametrize("owner", sorted(OWNERS))
+def test_a_selection_that_closed_a_directory_is_planned(tmpbase, owner):
+    """A call wrote beneath d and left it `chmod 000`: its revert, even the preview, failed as
+    the owner with "d/s: Permission denied" (looking for a symlink on the way), so an agent's
+    `chmod -R 000` could not be undone.  It plans: what lies beneath names what stops it
+    (cannot be reached), and d's own mode goes back.  Found by a bug hunt."""
+    u = Owner(tmpbase, owner)
+    u.sh("mkdir -p d/s && echo old > d/f && echo x > d/s/x")
+    try:
+        u.agent(["echo new > d/f && echo newx > d/s/x && chmod 000 d"])
+        r = u.ask("revert", u.ws, "--call", "c1", "--json", check=False)
+        assert "Permission denied" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+        steps = {s["path"]: s for s in json.loads(r.stdout)["steps"]}
+        assert steps["d"]["conflict"] is None, steps
+        assert {steps[p]["conflict"] for p in ("d/f", "d/s/x")} == {"unrecorded"}, steps
+        assert "cannot be reached" in steps["d/f"]["note"], steps
+    finally:
+        u.umount()

@@ -385,7 +385,11 @@ class Tree:
             fd, _ = self._open_parent(rel)
         except Escape:
             return True
-        except FileNotFoundError:
+        except (FileNotFoundError, PermissionError):
+            # not there (made by the revert), or a directory on the way this user may not
+            # search (`chmod 000 d` by the selection): no symlink known; what the path holds
+            # is read as unreachable, and said so (Tree.unreadable); a revert's preview failed,
+            # "d/s: Permission denied"
             return False
         os.close(fd)
         return False
