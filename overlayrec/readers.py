@@ -737,12 +737,11 @@ def not_in_patch(side, paths: list[str], unlisted: bool = False) -> list[tuple[s
                     what = f"directory made, mode {a.mode:04o}"
                 else:
                     continue
-        elif b.mode != a.mode and b.kind != "symlink":
-            what = f"mode {b.mode:04o} -> {a.mode:04o}"
-        elif _owners_differ(b, a):
-            what = f"owner {b.uid}:{b.gid} -> {a.uid}:{a.gid}"
         else:
-            what = "changed"
+            said = ([f"mode {b.mode:04o} -> {a.mode:04o}"]
+                    if b.mode != a.mode and b.kind != "symlink" else []) + \
+                ([f"owner {b.uid}:{b.gid} -> {a.uid}:{a.gid}"] if _owners_differ(b, a) else [])
+            what = ", ".join(said) or "changed"
         out.append((p, what))
     return sorted(out, key=lambda pw: pw[0])
 
@@ -798,11 +797,12 @@ def _left_out_of_file(b, a) -> str | None:
     if a.kind != "file":
         return None
     if b.kind == "file":
+        said = []  # both, where both changed (the owner went unsaid beside a mode)
         if b.mode != a.mode and not {b.mode, a.mode} <= {0o644, 0o755}:
-            return f"mode {b.mode:04o} -> {a.mode:04o}"
+            said.append(f"mode {b.mode:04o} -> {a.mode:04o}")
         if _owners_differ(b, a):
-            return f"owner {b.uid}:{b.gid} -> {a.uid}:{a.gid}"
-        return None
+            said.append(f"owner {b.uid}:{b.gid} -> {a.uid}:{a.gid}")
+        return ", ".join(said) or None
     if a.mode not in (0o644, 0o755):
         made = "file made" if b.kind == "absent" else f"{b.kind} -> file"
         return f"{made}, mode {a.mode:04o}"

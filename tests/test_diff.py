@@ -702,3 +702,17 @@ def test_a_file_that_became_what_git_cannot_hold_is_named(make_mount):
                    "f3": "file -> fifo", "p": "fifo -> file"}, got
     assert "4 change(s) a git patch cannot show" in \
         overlayrec("diff", m.ws, "--session", "s", "--stat").stderr
+
+
+def test_a_mode_and_an_owner_changed_together_are_both_named(make_mount):
+    """`chmod 600 f; chown 5:5 f`: a patch shows neither, and the note named the mode alone.
+    Found by a bug hunt."""
+    m = make_mount()
+    with open(os.path.join(m.ws, "f"), "w") as f:
+        f.write("a\n")
+    m.mount()
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", "sh", "-c",
+               "chmod 600 f; chown 5:5 f", cwd=m.ws)
+    got = json.loads(overlayrec("diff", m.ws, "--session", "s", "--json").stdout)
+    assert got["not_in_patch"] == [{"path": "f", "change": "mode 0644 -> 0600, owner 0:0 -> "
+                                    "5:5"}], got["not_in_patch"]
