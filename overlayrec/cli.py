@@ -1639,6 +1639,7 @@ def replay(workspace, at, dest, full, state_dir, as_json):
             raise Fail(f"cannot write {dest}: {os.strerror(e.errno)} (nothing written there: "
                        "free some room, or replay elsewhere)") from None
         out["drifted"] = states.drift()
+        out["grew"] = _grew_meanwhile(j, j_last, out)
     except SelectionError as e:
         raise Fail(str(e)) from None
     finally:
@@ -1658,10 +1659,36 @@ def replay(workspace, at, dest, full, state_dir, as_json):
         if out["owners_not_set"]:
             click.echo(f"owner not set ({len(out['owners_not_set'])}): "
                        + named(out["owners_not_set"]))
+        if out["grew"]:
+            click.echo(f"overlayrec: the record grew by {out['grew']} event(s) while replay "
+                       "read it (a mount is writing: a revert, an agent): what they changed may "
+                       "show as it is now; replay again once it is quiet", err=True)
         if out["drifted"]:  # the replay shows the record; the live tree departs from it here
             click.echo(f"drifted ({len(out['drifted'])}): {', '.join(out['drifted'][:5])}"
                        + (" ..." if len(out["drifted"]) > 5 else "")
                        + " (changed outside the record; `overlayrec diff --drift` shows how)")
+
+
+def _grew_meanwhile(j, last: int, out: dict) -> int:
+    """How many events the record took after ``last`` while a reader read it (a mount writing
+    meanwhile: a revert, an agent; ``j`` read-only, catches up); the paths they name are left
+    out of ``out["drifted"]``, which compares the live tree, read later, with the record read
+    before (a revert's paths read as changed outside the record)."""
+    now = j.last_seq()
+    if now <= last:
+        return 0
+    later = set()
+    for e in j.events(last + 1, now):
+        later.update(p for p in (e.get("path"), e.get("path2")) if p)
+
+    def since(p: str) -> bool:  # the path, or a directory above it, an event named
+        while p:
+            if p in later:
+                return True
+            p = p.rpartition("/")[0]
+        return False
+    out["drifted"] = [p for p in out["drifted"] if not since(p)]
+    return now - last
 
 
 @main.command()

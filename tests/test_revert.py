@@ -1472,3 +1472,30 @@ def test_continue_leaves_what_the_user_changed_since_the_revert_began(make_mount
     with open(os.path.join(m.ws, left[0])) as a, open(os.path.join(m.ws, gone[0])) as b:
         assert a.read().endswith("the user's line\n") and b.read() == "the user's own file\n"
     assert not json.loads(overlayrec("status", m.ws, "--json").stdout)["pending_revert"]
+
+
+def test_a_replay_during_a_revert_takes_its_paths_for_no_drift(make_mount, tmp_path):
+    """`replay --full` while a revert writes through the mount: the revert's paths, journaled
+    after the replay read the record and changed in the live tree it read next, were
+    "drifted (changed outside the record)".  They are left out, and the replay says the
+    record grew meanwhile.  Found by a bug hunt."""
+    m = make_mount()
+    os.makedirs(m.ws, exist_ok=True)
+    (tmp_path / "call.py").write_text(CALL)
+    m.mount()
+    run_call(m, tmp_path, "for i in $(seq 1 200); do echo $i > f$i; done")
+    env = dict(os.environ, OVERLAYREC_TEST_REVERT_DELAY="0.02")
+    p = subprocess.Popen([sys.executable, "-m", "overlayrec", "revert", m.ws, "--call", "c1",
+                          "--yes"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                         text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while sum(1 for n in os.listdir(m.ws) if n.startswith("f")) > 150:
+            assert time.monotonic() < deadline and p.poll() is None
+            time.sleep(0.02)
+        out = json.loads(overlayrec("replay", m.ws, "--full", "--json", "--to",
+                                    str(tmp_path / "then")).stdout)
+        assert p.poll() is None, "the revert ended before the replay: no overlap"
+        assert out["drifted"] == [] and out["grew"] > 0, out
+    finally:
+        assert p.wait(timeout=60) == 0, p.stderr.read()
