@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from conftest import SLOW, needs_fuse, overlayrec, is_mounted, wait_unmounted
+from conftest import (SLOW, needs_fuse, overlayrec, is_mounted, run_with_outside_step,
+                      wait_unmounted)
 from test_replay import tree_of
 
 pytestmark = needs_fuse
@@ -749,6 +750,108 @@ def test_interleaved_writer_is_a_conflict(make_mount, tmp_path):
     assert p.wait(timeout=30) == 0
     r = overlayrec("revert", m.ws, "--call", "c1", "--yes", check=False)
     assert r.returncode == 1 and "interleaved: a.txt" in r.stderr
+
+
+MOVED_ON = textwrap.dedent(r"""
+    import os, subprocess, sys, time
+    from overlayrec import client
+    one = os.environ.get("ONE_CALL") == "1"
+    with client.connect() as c:
+        c.turn_begin(prompt="p")
+        c.call_begin("c1", "Bash")
+        subprocess.run(["bash", "-c", os.environ["FIRST"]], check=True)
+        if not one:
+            c.call_end("c1")
+        open(sys.argv[1], "w").close()
+        while not os.path.exists(sys.argv[2]):
+            time.sleep(0.02)
+        if not one:
+            c.call_begin("c2", "Bash")
+        subprocess.run(["bash", "-c", os.environ["SECOND"]], check=True)
+        c.call_end("c2" if not one else "c1")
+        c.turn_end()
+""")
+
+
+def _moved_on(m, tmp_path, monkeypatch, first, second, edited, one_call=False):
+    """The agent runs ``first``; the user (outside the session) appends a line to ``edited``;
+    the agent runs ``second``; in two calls of one turn, or in one call."""
+    monkeypatch.setenv("FIRST", first)
+    monkeypatch.setenv("SECOND", second)
+    monkeypatch.setenv("ONE_CALL", "1" if one_call else "0")
+
+    def outside():
+        with open(os.path.join(m.ws, edited), "a") as f:  # outside the session
+            f.write("USER EDIT\n")
+    run_with_outside_step(m, tmp_path, MOVED_ON, outside)
+
+
+@pytest.mark.parametrize("how", ["turn", "session", "one-call"])
+def test_a_users_edit_under_an_agents_temporary_name_is_interleaved(make_mount, tmp_path,
+                                                                    monkeypatch, how):
+    """`mv a a.bak`, the user appends to a.bak, `mv a.bak a`: a revert of the turn, the
+    session or the one call doing both reported `replace a`, exit 0, and put back a's old
+    content, the user's line lost without a word (a.bak, made and unmade, was passed by before
+    the interleaved check, and a's own chain holds no other writer).  Now the file is followed
+    through the selection's renames: `a` is interleaved, nothing is reverted without --force,
+    and with it the user's edit stays.  Found by a bug hunt."""
+    m = make_mount()
+    with open(os.path.join(m.ws, "a"), "w") as f:
+        f.write("a0\n")
+    with open(os.path.join(m.ws, "other"), "w") as f:
+        f.write("o0\n")
+    m.mount()
+    _moved_on(m, tmp_path, monkeypatch, "mv a a.bak; echo o1 >> other", "mv a.bak a", "a.bak",
+              one_call=how == "one-call")
+    sel = {"turn": ("--turn", "1"), "session": ("--session", "s"),
+           "one-call": ("--call", "c1")}[how]
+    before = tree_of(m.ws)
+    assert before["a"][2] == b"a0\nUSER EDIT\n"
+    r = overlayrec("revert", m.ws, *sel, "--yes", check=False)
+    assert r.returncode == 1 and "interleaved: a" in r.stderr, (r.stdout, r.stderr)
+    assert tree_of(m.ws) == before  # nothing reverted
+    plan = json.loads(overlayrec("revert", m.ws, *sel, "--json", check=False).stdout)
+    [step] = [s for s in plan["steps"] if s["path"] == "a"]
+    assert step["conflict"] == "interleaved" and "a.bak" in step["note"], step
+    r = overlayrec("revert", m.ws, *sel, "--yes", "--force", check=False)
+    assert open(os.path.join(m.ws, "a"), "rb").read() == b"a0\nUSER EDIT\n"  # kept
+    assert open(os.path.join(m.ws, "other"), "rb").read() == b"o0\n"  # the rest reverted
+    assert not os.path.lexists(os.path.join(m.ws, "a.bak"))
+    if how == "turn":
+        # the diff names the outside writer for the path the file ends up at
+        out = overlayrec("diff", m.ws, "--session", "s", "--turn", "1", "--json").stdout
+        [f] = [f for f in json.loads(out)["files"] if f["path"] == "a"]
+        assert any(w.startswith(f"outside:{os.getpid()}:") for w in f["writers"]), f
+
+
+def test_a_users_edit_in_a_directory_the_agent_moved_on_is_interleaved(make_mount, tmp_path,
+                                                                      monkeypatch):
+    """`mv src lib`, the user edits lib/a, `mv lib code`: a revert of the session deleted
+    code/a and gave src/a its old content back, the user's edit lost.  Now code/a and src/a
+    (one file under the selection's renames) are interleaved, and --force keeps the edit."""
+    m = make_mount()
+    os.makedirs(os.path.join(m.ws, "src"))
+    for name, data in (("a", "a0\n"), ("b", "b0\n")):
+        with open(os.path.join(m.ws, "src", name), "w") as f:
+            f.write(data)
+    m.mount()
+    _moved_on(m, tmp_path, monkeypatch, "mv src lib", "mv lib code", "lib/a")
+    before = tree_of(m.ws)
+    assert before["code/a"][2] == b"a0\nUSER EDIT\n"
+    for sel in (("--session", "s"), ("--turn", "1")):
+        r = overlayrec("revert", m.ws, *sel, "--yes", check=False)
+        assert r.returncode == 1 and "interleaved: code/a" in r.stderr, (r.stdout, r.stderr)
+        assert tree_of(m.ws) == before
+        plan = json.loads(overlayrec("revert", m.ws, *sel, "--json", check=False).stdout)
+        conflicts = {s["path"]: s["conflict"] for s in plan["steps"] if s["conflict"]}
+        assert conflicts == {"code/a": "interleaved", "src/a": "interleaved"}, plan
+    js = json.loads(overlayrec("diff", m.ws, "--session", "s", "--json").stdout)
+    [f] = [f for f in js["files"] if f["path"] == "code/a"]
+    assert any(w.startswith(f"outside:{os.getpid()}:") for w in f["writers"]), f
+    overlayrec("revert", m.ws, "--session", "s", "--yes", "--force", check=False)
+    assert open(os.path.join(m.ws, "code/a"), "rb").read() == b"a0\nUSER EDIT\n"  # kept
+    assert open(os.path.join(m.ws, "src/b"), "rb").read() == b"b0\n"  # the rest reverted
+    assert not os.path.lexists(os.path.join(m.ws, "code/b"))
 
 
 def test_symlink_escape_is_refused(make_mount, tmp_path):

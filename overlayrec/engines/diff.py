@@ -76,6 +76,80 @@ def touched(states: States, e: dict) -> list[str]:
     return out
 
 
+def _moves(states: States, e: dict) -> tuple[list[str], list[tuple[str, str]]]:
+    """(touched(e), the (old name, new name) of what a rename event moved: the path itself,
+    both ways for an exchange, and for a directory everything beneath it), asking the
+    directory's descendants once."""
+    beneath = states.moved_with(e)
+    paths = _paths(e) + [x for pair in beneath for x in pair]
+    if e["op"] != "rename" or e.get("path2") in (None, e.get("path")):
+        return paths, []
+    out = [(e["path"], e["path2"])]
+    if e.get("flags", 0) & 2:
+        out.append((e["path2"], e["path"]))
+    return paths, out + beneath
+
+
+def moved_on(states: States, evs: list[dict], mine, anywhere: bool = False,
+             ignore=None) -> dict[str, tuple[dict[str, set[str]], set[str]]]:
+    """Another unit's change of a file that the selection then moved on, following the file
+    through the selection's renames (of it, or of a directory above it): path the file ends at
+    -> ({the other unit: the names it changed the file under}, every name the file had through
+    those renames).  A per-name check misses it: ``mv a a.bak``, the user appends to a.bak,
+    ``mv a.bak a`` leaves a.bak made and unmade and no other writer in a's own chain, so a
+    revert put a's old content back over the user's line, and a diff held it as the agent's.
+
+    ``evs``: the events in order, the selection's (``mine(e)``) and others'; another unit's
+    change counts where the selection changed that name before it and changes it again (the
+    change is between two of the selection's), or, with ``anywhere``, wherever it is among
+    ``evs`` (a turn's span); ``ignore(path, seq)``: a change that does not count (a git index
+    refresh).  What a name held goes with the file when it is renamed, by anyone, and a name it
+    leaves or that is removed holds none of it: a lock file another git wrote and renamed away
+    between two of the selection's is no change of the next one."""
+    Held = dict[str, set[str]]  # another unit -> the names it changed the file under
+    pending: dict[str, Held] = {}  # name -> others' changes since the selection's last there
+    held: dict[str, Held] = {}     # name -> others' changes between two of the selection's
+    moved: dict[str, Held] = {}    # name -> the same, its file since moved on by the selection
+    names: dict[str, set[str]] = {}  # name -> the names its file had before, through renames
+    seen: set[str] = set()
+
+    def join(into: dict[str, Held], p: str, got: Held) -> None:
+        for unit, where in got.items():
+            into.setdefault(p, {}).setdefault(unit, set()).update(where)
+    for e in evs:
+        paths, moves = _moves(states, e)
+        ours = mine(e)
+        if ours:  # the selection changes these names again: what came between is held
+            for p in paths:
+                seen.add(p)
+                join(held, p, pending.pop(p, {}))
+        went = {old: (pending.pop(old, {}), held.pop(old, {}), moved.pop(old, {}),
+                      names.pop(old, set())) for old, _ in moves}
+        for old, new in moves:  # the file goes on under its new name, with what it holds
+            pend, hold, carried, had = went[old]
+            names[new] = had | {old, new}
+            pending[new] = pend
+            if ours:  # moved on by the selection
+                held[new], moved[new] = {}, dict(carried)
+                join(moved, new, hold)
+            else:
+                held[new], moved[new] = hold, carried
+            if old in seen:
+                seen.add(new)
+        if e["op"] in ("unlink", "rmdir"):  # the file is gone, and what it held with it
+            for p in paths:
+                for d in (pending, held, moved, names):
+                    d.pop(p, None)
+        elif not ours:
+            unit = e.get("unit") or outside_unit(e.get("actor", "?"))
+            left = {old for old, _ in moves} - {new for _, new in moves}
+            for p in paths:
+                if p not in left and (anywhere or p in seen) and \
+                        not (ignore and ignore(p, e["seq"])):
+                    join(pending, p, {unit: {p}})
+    return {p: (got, names[p]) for p, got in moved.items() if got}
+
+
 def _visible(p: str) -> bool:
     return not (p == ".overlayrec-attic" or p.startswith(".overlayrec-attic/"))
 
@@ -204,6 +278,19 @@ def _interleaved(states: States, side: Side, mine: list[dict], evs: list[dict], 
                 side.writers[p].add(other)
                 if other not in side.interleaved.setdefault(p, []):
                     side.interleaved[p].append(other)
+    if spans is None:  # no other unit's change among them
+        return
+    # and the path a file ends up at, where another unit changed it under a name the selection
+    # then renamed it from (`mv a a.bak`, the user's edit of a.bak, `mv a.bak a`): the diff of
+    # that path holds the change, though no other writer is in its own chain
+    for p, (held, _) in moved_on(states, evs, lambda e: own(e.get("unit")),
+                                 anywhere=bounds is not None).items():
+        if p not in side.writers:
+            continue
+        for other in held:
+            side.writers[p].add(other)
+            if other not in side.interleaved.setdefault(p, []):
+                side.interleaved[p].append(other)
 
 
 def find_call(j: Journal, call: str, session: str | None = None,

@@ -36,8 +36,8 @@ from ..secrets import PLACEHOLDER
 from ..underlay import O_PATH, Escape, resolve_beneath
 from ..views import guessed, path_matcher, shown
 from . import gitindex
-from .diff import (SelectionError, changed_around, file_events, find_call, placed_elsewhere,
-                   touched, find_turn, _visible)
+from .diff import (SelectionError, changed_around, file_events, find_call, moved_on,
+                   placed_elsewhere, touched, find_turn, _visible)
 from .large import over_limit, same_as_fd, whole, write_to
 from .states import ATTIC, INF, UNLISTED_NOTE, States, State, Tree
 
@@ -139,9 +139,11 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
     late_paths: set[str] = set()  # a call's, changed after it ended (views.late)
     drifts: set[int] = set()  # seals' drifts: changes the record found, not saw made
     by_reverts: set[int] = set()  # other units' events that are reverts'
+    evs = file_events(j, lo, hi)
+    selected = {e["seq"] for e in evs if units is None or (e.get("unit") or "") in units}
     # from the selection's first event: what came before it neither interleaves nor extends a
     # span; the links made before it are read only when a hard-linked target asks (below)
-    for e in file_events(j, lo, hi):
+    for e in evs:
         if e["op"] in ("link", "alias"):
             linkish.update(x for x in (e.get("path"), e.get("source")) if x)
         elif e["op"] == "drift":
@@ -151,7 +153,7 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
         for p in touched(states, e):
             if not _visible(p):
                 continue
-            mine = e["seq"] >= lo and (units is None or (e.get("unit") or "") in units)
+            mine = e["seq"] in selected
             if mine:
                 if keep and not keep(p):
                     continue
@@ -172,6 +174,20 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
     if shared:
         plan.guessed = guessed([e for e in shared if e.get("unit") == call_unit])["guessed"]
         plan.maybe_ours = placed_elsewhere(shared, call_unit)
+    # a file another unit changed between two of the selection's changes under a name the
+    # selection moved it from or on to (`mv a a.bak`, the user's edit of a.bak, `mv a.bak a`;
+    # or of a directory above it): a per-name check sees a.bak made and unmade and no other
+    # writer in a's chain, and the revert put a's old content back over the user's line.  Every
+    # name the file had through those renames is interleaved, as the name it was changed under
+    # would be: path -> the names another unit changed it under
+    moved_over: dict[str, set[str]] = {}
+    if others:
+        for end, (held, had) in moved_on(
+                states, evs, lambda e: e["seq"] in selected,
+                ignore=lambda p, s: _a_refresh(states, p, s)).items():
+            where = set().union(*held.values())
+            for name in had | {end}:
+                moved_over.setdefault(name, set()).update(where)
     made_dirs: set[str] = set()
     for p, (first, last) in sorted(spans.items(), key=lambda kv: kv[0].split("/")):
         if p.startswith("/") or ".." in p.split("/"):
@@ -227,6 +243,11 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
                     else states.tree.unreadable.get(p) or live.unreadable.get(p))
         elif any(first < s < last and not _a_refresh(states, p, s) for s in others.get(p, [])):
             step.conflict = "interleaved"
+        elif p in moved_over:
+            step.conflict = "interleaved"
+            step.note = "the file was changed by another writer as " + ", ".join(
+                sorted(shown(w) for w in moved_over[p])) + ", between two of the reverted " \
+                "changes"
         else:
             now = live.state(p)
             unknown = None if now.exact else live.unreadable.get(p)
