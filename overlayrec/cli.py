@@ -1366,8 +1366,8 @@ def _output_outlives_its_reader() -> None:
 def _put_back_agent_settings() -> None:
     """Put back the agents' settings files a killed `run` left edited (a backup beside them)."""
     from . import agents
-    for path in agents.restore_left_behind():
-        click.echo(f"overlayrec: put back {path} (a run that was killed had edited it)", err=True)
+    for said in agents.restore_left_behind():
+        click.echo(f"overlayrec: {said}", err=True)
 
 
 def _wire_agent(argv: list, env: dict, cwd: str, no_hooks: bool):

@@ -535,3 +535,42 @@ def test_a_calls_summary_is_its_first_line_that_says_something_and_an_argv_joine
     assert summarize({"command": [1, 2]}) is None
     assert summarize({"command": "x" * 300}) == "x" * 200
     assert summarize("  ") is None
+
+
+def test_a_run_edits_a_symlinked_settings_file_through_its_link(tmp_path):
+    """~/.cursor/hooks.json a symlink into a dotfiles repository: the run's edit and its
+    restore replaced the link by a plain copy (the user's link gone, the hooks never in the
+    file it named).  Found by a bug hunt."""
+    from overlayrec.agents import _settings
+    real = tmp_path / "dotfiles" / "hooks.json"
+    real.parent.mkdir()
+    real.write_text('{"version": 1, "hooks": {}}\n')
+    link = tmp_path / "home" / ".cursor" / "hooks.json"
+    link.parent.mkdir(parents=True)
+    link.symlink_to(real)
+    assert _settings.edit_for_run(str(link), lambda s, how: '{"ours": true}\n')
+    assert link.is_symlink() and real.read_text() == '{"ours": true}\n'
+    assert _settings.restore(str(link))
+    assert link.is_symlink() and os.readlink(link) == str(real)
+    assert real.read_text() == '{"version": 1, "hooks": {}}\n'
+    assert sorted(p.name for p in real.parent.iterdir()) == ["hooks.json"]
+
+
+def test_a_settings_file_edited_during_the_run_is_kept(tmp_path):
+    """The user added a hook of their own to ~/.cursor/hooks.json while a run had it: the
+    restore put the backup's bytes back, the user's edit gone without a word.  It is kept,
+    the file as it was before the run set beside it, and said.  Found by a bug hunt."""
+    from overlayrec.agents import _settings
+    path = tmp_path / "hooks.json"
+    path.write_text('{"version": 1}\n')
+    assert _settings.edit_for_run(str(path), lambda s, how: '{"ours": true}\n')
+    path.write_text('{"ours": true, "mine": "the user\'s own"}\n')
+    try:
+        _settings.restore(str(path))
+    except _settings.EditedMeanwhile as e:
+        assert "was edited during the run: kept as it is" in str(e)
+    else:
+        raise AssertionError("the edit made during the run went unsaid")
+    assert path.read_text() == '{"ours": true, "mine": "the user\'s own"}\n'
+    assert (tmp_path / "hooks.json.overlayrec-before-run").read_text() == '{"version": 1}\n'
+    assert not (tmp_path / "hooks.json.overlayrec-backup").exists()

@@ -159,14 +159,17 @@ def wire_run(mod, argv: list, env: dict, scratch: str, cwd: str):
 
 
 def restore_left_behind() -> list[str]:
-    """Put back the settings files a killed run left edited (their backup beside them)."""
+    """Put back the settings files a killed run left edited (their backup beside them): what
+    to say of each."""
     from . import _settings
     done = []
     for m in modules():
         for path in (os.path.expanduser(m.SETTINGS["user"]),):
             try:
                 if _settings.restore(path, dead_only=True):
-                    done.append(path)
+                    done.append(f"put back {path} (a run that was killed had edited it)")
+            except _settings.EditedMeanwhile as e:
+                done.append(str(e))
             except OSError:
                 pass
     return done

@@ -14,9 +14,20 @@ are recognised by their command (``... # overlayrec hook AGENT``), never by posi
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+
+
+class EditedMeanwhile(OSError):
+    """The settings file was edited while the run had it: kept as it is, and said."""
+
+
+def _real(path: str) -> str:
+    """The file a settings path names: a symlink's target (a dotfiles link), which a write or
+    a restore replaced by a plain copy of it, the link gone."""
+    return os.path.realpath(path) if os.path.islink(path) else path
 
 
 class SettingsError(Exception):
@@ -68,7 +79,8 @@ def dumps(settings: dict, how: dict) -> str:
 
 
 def write(path: str, text: str) -> None:
-    """Replace ``path`` atomically, keeping its mode."""
+    """Replace ``path`` atomically, keeping its mode (and a symlink: its target is replaced)."""
+    path = _real(path)
     d = os.path.dirname(path) or "."
     os.makedirs(d, exist_ok=True)
     tmp = path + ".overlayrec.tmp"
@@ -168,6 +180,7 @@ def edit_for_run(path: str, new_text_for) -> bool:
     """Back ``path`` up beside itself, then write ``new_text_for(settings, layout)``.  False
     when another live run holds a backup already: the file is edited then, but that run's
     backup stays the one that puts it back."""
+    path = _real(path)
     restore(path, dead_only=True)  # a killed run's leftover: it holds the user's own bytes
     if os.path.exists(path + BACKUP_SUFFIX):
         settings, how = load(path)
@@ -179,7 +192,12 @@ def edit_for_run(path: str, new_text_for) -> bool:
         mode = os.stat(path).st_mode & 0o7777
     except FileNotFoundError:
         original, existed, mode = b"", False, None
-    header = json.dumps({"pid": os.getpid(), "existed": existed, "mode": mode}).encode()
+    settings, how = load(path)
+    text = new_text_for(settings, how)
+    # what the run wrote, to tell at the restore whether the file was edited meanwhile
+    wrote = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    header = json.dumps({"pid": os.getpid(), "existed": existed, "mode": mode,
+                         "wrote": wrote}).encode()
     bak = path + BACKUP_SUFFIX
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fd = os.open(bak + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -188,8 +206,7 @@ def edit_for_run(path: str, new_text_for) -> bool:
         f.flush()
         os.fsync(f.fileno())
     os.replace(bak + ".tmp", bak)
-    settings, how = load(path)
-    write(path, new_text_for(settings, how))
+    write(path, text)
     return True
 
 
@@ -203,7 +220,10 @@ def _alive(pid) -> bool:
 
 def restore(path: str, dead_only: bool = False) -> bool:
     """Put ``path`` back from the backup beside it, if there is one; True if it did.
-    ``dead_only``: only a backup whose run is gone (killed)."""
+    ``dead_only``: only a backup whose run is gone (killed).  A file edited while the run had
+    it (the user added a hook of their own) is kept as it is, the backup set aside beside it,
+    and EditedMeanwhile says so: the backup's bytes put back threw the edit away."""
+    path = _real(path)
     bak = path + BACKUP_SUFFIX
     try:
         with open(bak, "rb") as f:
@@ -217,6 +237,22 @@ def restore(path: str, dead_only: bool = False) -> bool:
         return False  # not ours: leave it
     if dead_only and meta.get("pid") != os.getpid() and _alive(meta.get("pid")):
         return False
+    if meta.get("wrote"):
+        try:
+            with open(path, "rb") as f:
+                now = hashlib.sha256(f.read()).hexdigest()
+        except FileNotFoundError:
+            now = None
+        if now != meta["wrote"]:
+            aside = path + ".overlayrec-before-run"
+            with open(aside + ".tmp", "wb") as f:
+                f.write(original)
+            os.replace(aside + ".tmp", aside)
+            os.unlink(bak)
+            raise EditedMeanwhile(
+                f"{path} was edited during the run: kept as it is, with the run's hooks in it "
+                f"(`overlayrec install-hooks <agent> --remove` takes them out); the file as it "
+                f"was before the run is {aside}")
     if meta.get("existed"):
         tmp = path + ".overlayrec.tmp"
         with open(tmp, "wb") as f:
