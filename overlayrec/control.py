@@ -24,7 +24,10 @@ from .attribution import Attribution
 
 log = logging.getLogger(__name__)
 
-MAX_REQUEST = 1 << 20
+# a hook's payload carries the tool's input and response whole: Claude Code's for a Read or a
+# Write of a large file is megabytes (at 1 MiB the connection was closed, and the call with
+# it); a larger one is refused, and said in the daemon's log
+MAX_REQUEST = 256 << 20
 
 
 def peer_pid(sock) -> int:
@@ -215,16 +218,20 @@ class ControlServer:
         with conn:
             try:
                 caller = self.attribution.actor(peer_pid(conn))
-                buf = b""
+                buf = bytearray()
                 while True:
-                    chunk = await conn.recv(65536)
+                    chunk = await conn.recv(1 << 20)
                     if not chunk:
                         if buf.strip():  # a payload that ends with the connection (nc -N)
-                            await conn.send(self._answer(buf, caller) + b"\n")
+                            await conn.send(self._answer(bytes(buf), caller) + b"\n")
                         return
-                    buf += chunk
+                    buf += chunk  # in place: a payload of megabytes is no quadratic copy
                     if len(buf) > MAX_REQUEST:
+                        log.warning("a control request of more than %d bytes from pid %s: "
+                                    "refused", MAX_REQUEST, caller.get("pid"))
                         return
+                    if b"\n" not in chunk:  # only the new bytes can hold the line's end
+                        continue
                     while b"\n" in buf:
                         line, buf = buf.split(b"\n", 1)
                         if line.strip() == b'{"op": "underlay"}' and self.root_fd is not None:

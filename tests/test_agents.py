@@ -574,3 +574,26 @@ def test_a_settings_file_edited_during_the_run_is_kept(tmp_path):
     assert path.read_text() == '{"ours": true, "mine": "the user\'s own"}\n'
     assert (tmp_path / "hooks.json.overlayrec-before-run").read_text() == '{"version": 1}\n'
     assert not (tmp_path / "hooks.json.overlayrec-backup").exists()
+
+
+def test_a_hook_payload_of_megabytes_is_taken(make_mount):
+    """Claude Code's PostToolUse for a Write or a Read of a large file carries it whole: at
+    1 MiB the daemon closed the connection, `nc` said nothing, and the call was gone (its
+    files the agent's own) or abandoned.  Found by a bug hunt."""
+    import socket
+    m = make_mount().mount()
+    payload = {"hook_event_name": "PreToolUse", "session_id": "s1", "tool_name": "Write",
+               "tool_use_id": "toolu_big", "cwd": m.ws,
+               "tool_input": {"file_path": "big.txt", "content": "x" * (3 << 20)}}
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(os.path.join(m.state, "control.sock"))
+        s.sendall(json.dumps({"op": "session_begin", "session": "s1"}).encode() + b"\n")
+        assert json.loads(s.makefile().readline())["ok"]
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(os.path.join(m.state, "control.sock"))
+        s.sendall(json.dumps(payload).encode() + b"\n")
+        answer = json.loads(s.makefile().readline())
+    assert answer.get("ok"), answer
+    r = overlayrec("log", m.ws, "--json")
+    assert any(e.get("call") == "toolu_big" for e in map(json.loads, r.stdout.splitlines())), \
+        r.stdout
