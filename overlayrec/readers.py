@@ -314,7 +314,7 @@ def turn_lines(rows: list[dict], churn: bool, as_json: bool) -> Parts:
             shared += f"  [{AROUND_LINE}{one_line(', '.join(r['around'][:6]))}]"
         if r.get("inexact"):
             shared += f"  [{INEXACT_LINE}{one_line(', '.join(r['inexact'][:6]))}]"
-        out.append(f"{one_line(r['session']):<14.14} {r['index']:>3} {fmt_time(r['begin_t'])} "
+        out.append(f"{one_line(r['session']):<14} {r['index']:>3} {fmt_time(r['begin_t'])} "
                    f"{r['touched_files' if churn else 'files']:>4} files  {paths:<40}  "
                    f"{prompt}{shared}")
     return text_of_lines(out)
@@ -353,7 +353,8 @@ AROUND_LINE = "changed around the mount meanwhile (what it left is not known): "
 INEXACT_LINE = "not known exactly on one side (content the record could not keep): "
 
 # a call's line; %-formatting: a quarter less time than the f-string's specs on 10k rows
-_CALL_LINE = "%-14.14s %3s %-24.24s %-10.10s %4d files  %-40.40s  %s"
+# (a session and a call id padded, never cut: a cut id was one no command found)
+_CALL_LINE = "%-14s %3s %-24s %-10.10s %4d files  %-40.40s  %s"
 _UNDER_CALL = " " * 20  # its paths' line
 
 

@@ -578,3 +578,19 @@ def test_runs_summary_counts_its_own_files_and_names_the_others(tmpbase):
         if a.poll() is None:
             a.kill()
         force_unmount(ws)
+
+
+def test_calls_and_turns_print_ids_whole(make_mount, tmp_path):
+    """A Claude Code call id (toolu_ and 24 more) and a session's UUID were cut to 24 and 14
+    characters in `calls` and `turns`: pasted back, "no call toolu_01A09q90qw90lq9178".
+    Found by a bug hunt."""
+    m = make_mount().mount()
+    sid, cid = "0b6c2a8e-1f3d-4c5e-9a7b-1234567890ab", "toolu_01A09q90qw90lq917835lq9"
+    o = f"{sys.executable} -m overlayrec"
+    overlayrec("run", "-w", m.ws, "--session", sid, "--", "sh", "-c",
+               f"{o} turn begin --prompt p; {o} call begin --id {cid} --tool Bash; "
+               f"echo x > x.txt; {o} call end --id {cid}; {o} turn end", cwd=m.ws)
+    calls = overlayrec("calls", m.ws).stdout
+    assert calls.split()[0] == sid and cid in calls.split(), calls
+    assert overlayrec("turns", m.ws).stdout.split()[0] == sid
+    assert "+x" in overlayrec("diff", m.ws, "--call", calls.split()[2]).stdout
