@@ -597,3 +597,20 @@ def test_a_hook_payload_of_megabytes_is_taken(make_mount):
     r = overlayrec("log", m.ws, "--json")
     assert any(e.get("call") == "toolu_big" for e in map(json.loads, r.stdout.splitlines())), \
         r.stdout
+
+
+@pytest.mark.parametrize("name", ["claude-code", "cursor"])
+def test_an_installed_hook_whose_interpreter_is_gone_exits_0(tmp_path, monkeypatch, name):
+    """The hooks name the interpreter they were installed with; a venv made anew since, and the
+    hook exited 127 ("exec: ...python: not found"), where a hook exits 0 whatever goes wrong
+    and gives the agent the answer it expects.  Found by a bug hunt."""
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "gone" / "python"))
+    mod = agents.get(name)
+    for ev in mod.EVENTS:
+        cmd = agents.hook_command(name, ev)
+        env = {k: v for k, v in os.environ.items() if k != "OVERLAYREC_SOCKET"}
+        r = subprocess.run(cmd, shell=True, input="{}", capture_output=True, text=True,
+                           env=env, timeout=30 * SLOW)
+        said = mod.answer(ev)
+        assert r.returncode == 0, (ev, r)
+        assert r.stdout == ("" if said is None else said + "\n"), (ev, r.stdout)

@@ -88,7 +88,11 @@ def hook_command(name: str, event: str | None = None) -> str:
     fast = ('if [ -S "${OVERLAYREC_SOCKET:-}" ] && command -v nc >/dev/null; then '
             'p=$(cat); if printf %s "$p" | nc -UN "$OVERLAYREC_SOCKET" >/dev/null 2>&1; '
             f'then {say}exit 0; fi; printf %s "$p" | {py}; exit 0; fi; ')
-    return "sh -c " + shlex.quote(fast + "exec " + py) + f" # overlayrec hook {name}"
+    # not exec'd: an interpreter gone since the hooks were installed (a venv made anew) exited
+    # 127, where a hook exits 0 whatever goes wrong; the agent's answer is given then too (the
+    # hook itself never exits other than 0)
+    return "sh -c " + shlex.quote(fast + f"{py} || {{ {say}exit 0; }}; exit 0") + \
+        f" # overlayrec hook {name}"
 
 
 def run_hook(name: str, stdin=None, stdout=None) -> int:
