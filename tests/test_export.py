@@ -830,3 +830,23 @@ def test_a_base_says_which_files_changed_unseen_after_its_session_began(make_mou
     # the private store, its first export now: the same said, in --json too
     out = json.loads(overlayrec("export", "git", m.ws, "--json").stdout)
     assert out["unsure_bases"] == {"a": ["new.txt", "untouched.txt"]}, out
+
+
+def test_an_interim_commit_of_a_calls_background_writes_is_not_the_agents(make_mount):
+    """A call left a process running that wrote between two later calls: the interim commit
+    holding its write was "changes between calls by the agent", authored by the agent, which
+    wrote nothing.  Found by a bug hunt."""
+    m = make_mount().mount()
+    o = f"{sys.executable} -m overlayrec"
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", "sh", "-c",
+               f"{o} turn begin --prompt p; {o} call begin --id K --tool Bash; "
+               "bash -c '(sleep 0.5; echo late > late.txt) >/dev/null 2>&1 &'; "
+               f"{o} call end --id K; {o} turn end; sleep 1.5; {o} turn begin --prompt q; "
+               f"{o} call begin --id L --tool Bash; bash -c 'echo l > l.txt'; "
+               f"{o} call end --id L; {o} turn end", cwd=m.ws)
+    overlayrec("export", "git", m.ws)
+    gd = os.path.join(m.state, "git")
+    log = git(gd, "log", "--reverse", "--format=%an|%s", "refs/overlayrec/s/head").splitlines()
+    assert "calls' processes (session s)|changes between calls by processes earlier calls " \
+        "left running" in log, log
+    assert not any(line.startswith("agent (session s)|changes between calls") for line in log)

@@ -664,14 +664,20 @@ class Exporter:
         # the agent's name alone said the other's change was its
         mixed = not outside and not others and \
             any(unit_session(u) != sid for u in units)
+        # all of them the session's calls' (a process a call left running, writing after its
+        # end): no change of the agent's own, as the commit said
+        by_calls = not (outside or others or mixed) and bool(units) and \
+            all(parse_unit(u).kind == "call" for u in units)
         actors = self._actors(lo, hi, None)
         t_ns = max((e["t"] for e in evs), default=0)
         who = "outside process" if outside else "other writers" if others else \
-            f"agent (session {sid}) and other writers" if mixed else f"agent (session {sid})"
+            f"agent (session {sid}) and other writers" if mixed else \
+            f"calls' processes (session {sid})" if by_calls else f"agent (session {sid})"
         subject = subject or "changes between calls by " + (
             "outside processes" if outside else "other writers (another session's, outside "
             "processes)" if others else "the agent and other writers (another session's, "
-            "outside processes)" if mixed else "the agent")
+            "outside processes)" if mixed else "processes earlier calls left running"
+            if by_calls else "the agent")
         msg = (f"{subject}\n\n"
                + "\n".join([f"Overlayrec-Session: {sid}", f"Overlayrec-Seq: {lo + 1}..{hi}"]
                            + [f"Overlayrec-Unit: {u}" for u in units]
