@@ -594,3 +594,19 @@ def test_calls_and_turns_print_ids_whole(make_mount, tmp_path):
     assert calls.split()[0] == sid and cid in calls.split(), calls
     assert overlayrec("turns", m.ws).stdout.split()[0] == sid
     assert "+x" in overlayrec("diff", m.ws, "--call", calls.split()[2]).stdout
+
+
+def test_readers_take_the_agents_own_name_for_its_session(make_mount):
+    """Claude Code names its session by its own id, which the record keeps as an alias of the
+    session `run` began: `diff`, `calls` and `turns --session <that id>` said "no session".
+    Found by a bug hunt."""
+    m = make_mount().mount()
+    o = f"{sys.executable} -m overlayrec"
+    overlayrec("run", "-w", m.ws, "--session", "R", "--", "sh", "-c",
+               f"{o} session begin --session claude-uuid-1; {o} turn begin --prompt p; "
+               f"{o} call begin --id c1 --tool Bash; echo x > x.txt; {o} call end --id c1; "
+               f"{o} turn end", cwd=m.ws)
+    assert "x.txt" in overlayrec("diff", m.ws, "--session", "claude-uuid-1", "--stat").stdout
+    assert overlayrec("calls", m.ws, "--session", "claude-uuid-1").stdout.split()[:3] == \
+        ["R", "1", "c1"]
+    assert overlayrec("turns", m.ws, "--session", "claude-uuid-1").stdout.split()[0] == "R"

@@ -229,6 +229,13 @@ def changed_around(states: States, path: str, after: int = 0) -> bool:
 def session_named(j: Journal, session: str | None) -> str | None:
     """``session`` as the record names it: ``last`` is the session begun last (unless one is
     called so), for the commands that take ``--session``, as ``--turn last``."""
+    if session is not None and session != "last" and \
+            j.record("sessions", session.encode("utf-8", "surrogateescape")) is None:
+        # the agent's own name for it (Claude Code's session_id, kept as an alias of the
+        # session `run` began): what the agent's transcript names it by
+        named = [s["id"] for s in j.records("sessions") if session in (s.get("aliases") or ())]
+        if len(named) == 1:
+            return named[0]
     if session != "last" or j.record("sessions", b"last") is not None:
         return session
     newest = max(j.records("sessions"), key=lambda s: s.get("started") or 0, default=None)
