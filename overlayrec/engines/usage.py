@@ -282,14 +282,9 @@ def _attic_seqs(ev: dict, prefix: str):
 
 
 def pins(j: Journal) -> set[str]:
-    """The pinned sessions (meta ``pins``, a JSON list, kept by retention); none when absent
-    or unreadable."""
-    try:
-        raw = j.meta("pins")
-        got = json.loads(raw) if raw else []
-    except (ValueError, TypeError):
-        return set()
-    return {p for p in got if isinstance(p, str)} if isinstance(got, list) else set()
+    """The pinned sessions: the journal's ``pins`` table, which `pin` writes (a meta ``pins``
+    was read here, which nothing writes: no session ever showed as pinned)."""
+    return set(j.pins())
 
 
 def sessions(j: Journal, content_root: str, attic: dict[int, dict] | None,
