@@ -573,12 +573,15 @@ def _sweep(j: Journal, sd: str, attic_fd: int | None, before_ns: int, drop_attic
     """Step 3: the blobs and attic entries nothing kept names."""
     blobs: set = set()
     attic: set = set()
+    actors: set = set()  # the processes kept events name
     cut = j.cut
     high = 0
     n = 0
     for seq, raw in j.scan_raw(cut):
         high = seq
-        _refs(_readable(j, seq, raw), blobs, attic)
+        ev = _readable(j, seq, raw)
+        _refs(ev, blobs, attic)
+        actors.add(ev.get("actor"))
         n += 1
         if n % SCAN_YIELD == 0:
             yield
@@ -587,12 +590,16 @@ def _sweep(j: Journal, sd: str, attic_fd: int | None, before_ns: int, drop_attic
             ev = j.event(seq)
             if ev is not None:
                 _refs(ev, blobs, attic)
+                actors.add(ev.get("actor"))
     _fault("mid-sweep")
     # from here to the end nothing yields: what the daemon journaled meanwhile is read now
     for seq, raw in j.scan_raw(high + 1):
-        _refs(_readable(j, seq, raw), blobs, attic)
+        ev = _readable(j, seq, raw)
+        _refs(ev, blobs, attic)
+        actors.add(ev.get("actor"))
     for r in read_plans(sd):
         _refs(r.get("steps"), blobs, attic)
+    _drop_actors(j, actors)
     nb, bb = j.content.sweep(blobs, before_ns)
     na = ba = 0
     jid = j.meta("journal_id")
@@ -611,6 +618,31 @@ def _sweep(j: Journal, sd: str, attic_fd: int | None, before_ns: int, drop_attic
     if na:
         log.info("gc: %d attic entries below seq %d removed", na, cut)
     return {"blobs": nb, "blob_bytes": bb, "attic": na, "attic_bytes": ba}
+
+
+_ACTOR_KEY = re.compile(r"\d+:\d+")
+
+
+def _drop_actors(j: Journal, named: set) -> int:
+    """The process rows (``actors``) that no kept event, session, turn or call names, of
+    processes that have exited (a live one may write again, its row known to the daemon):
+    a gc dropped every event and kept every row, one a process, so a record of many short
+    commands never shrank below them and a budget could not be met."""
+    for db in ("sessions", "turns", "calls"):
+        for rec in j.records(db):
+            for v in rec.values():
+                for x in (v if isinstance(v, list) else [v]):
+                    if isinstance(x, str) and _ACTOR_KEY.fullmatch(x):
+                        named.add(x)
+    gone = []
+    for key in j.actor_keys():
+        if key in named or not _ACTOR_KEY.fullmatch(key):
+            continue
+        pid, start = (int(x) for x in key.split(":"))
+        if state.proc_start_ticks(pid) != start:  # exited (or its pid another's since)
+            gone.append(key)
+    j.delete_actors(gone)
+    return len(gone)
 
 
 def gc_steps(j: Journal, sd: str, policy: Policy, out: dict, *, live=(), attic_fd=None,

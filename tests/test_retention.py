@@ -454,3 +454,32 @@ def test_a_corrupt_record_is_never_collected(make_mount, tmp_path):
     finally:
         j.close()
     assert blobs_on_disk() == before
+
+
+def test_gc_drops_the_process_rows_of_what_it_dropped(make_mount):
+    """A session of many short commands (one process row each), then a gc that drops it: the
+    events went, every process row stayed, so such a record never shrank below them and a
+    budget could not be met ("no session left to drop").  Rows a kept session names stay.
+    Found by a bug hunt."""
+    m = make_mount().mount()
+    overlayrec("run", "-w", m.ws, "--session", "many", "--", "sh", "-c",
+               "for i in $(seq 1 60); do /bin/sh -c \"echo $i > f$i\"; done", cwd=m.ws)
+    overlayrec("run", "-w", m.ws, "--session", "kept", "--", "sh", "-c",
+               "/bin/sh -c 'echo k > kept.txt'", cwd=m.ws)
+    m.umount()
+
+    def keys():
+        j = Journal(m.state, readonly=True)
+        try:
+            return set(j.actor_keys())
+        finally:
+            j.close()
+    before = keys()
+    assert len(before) > 60, len(before)
+    overlayrec("gc", m.ws, "--keep-last", "1")
+    after = keys()
+    assert len(after) < 10, len(after)
+    log = [json.loads(line) for line in overlayrec("log", m.ws, "--json").stdout.splitlines()]
+    named = {e["actor"]["key"] for e in log if e.get("actor", {}).get("key")}
+    assert named and named <= after, (named, after)
+    assert "kept.txt" in overlayrec("diff", m.ws, "--session", "kept", "--stat").stdout

@@ -1194,6 +1194,22 @@ class Journal:
             v = txn.get(key.encode())
         return _loads(v) if v is not None else None
 
+    def actor_keys(self) -> list[str]:
+        """Every actor row's key (``<pid>:<start-ticks>``)."""
+        with self._read(db=self.dbs["actors"]) as txn:
+            return [k.decode() for k in txn.cursor().iternext(keys=True, values=False)]
+
+    def delete_actors(self, keys) -> None:
+        """Step 3 of a gc: the rows of processes no kept record names any more."""
+        keys = list(keys)
+
+        def body(txn):
+            for k in keys:
+                txn.delete(k.encode(), db=self.dbs["actors"])
+        if keys:
+            self._write(body)
+            self._known_actors.difference_update(keys)
+
     def extents(self, seq: int) -> dict | None:
         self._settle()
         with self._read(db=self.dbs["extents"]) as txn:
