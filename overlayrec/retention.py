@@ -221,8 +221,7 @@ class Scan:
         self.attic_size: dict[str, int] = {}
         jid = j.meta("journal_id")
         self.attic_prefix = jid + "." if jid else None
-        for name, st in _attic_entries(attic_fd, self.attic_prefix):
-            self.attic_size[name] = st.st_blocks * 512
+        self.attic_size = _attic_charges(_attic_entries(attic_fd, self.attic_prefix))
         self.pages = j.pages()
 
     def weight_below(self, cut: int) -> int:
@@ -292,11 +291,26 @@ def record_size(j: Journal, attic_fd: int | None = None) -> dict:
     pages = j.pages()
     content = sum(st.st_blocks * 512 for _, st in _content(j.content.root).blobs())
     jid = j.meta("journal_id")
-    attic = sum(st.st_blocks * 512 for _, st in _attic_entries(attic_fd, jid + "." if jid
-                                                                else None))
+    attic = sum(_attic_charges(_attic_entries(attic_fd, jid + "." if jid else None)).values())
     return {"journal": pages["used"], "journal_file": pages["file"],
             "journal_free": pages["free"], "content": content, "attic": attic,
             "total": pages["used"] + content + attic}
+
+
+def _attic_charges(entries) -> dict[str, int]:
+    """What each attic entry costs the record on disk: an inode's blocks once (its several
+    attic names, a hard-link group, were each counted whole), and nothing for one the
+    workspace still links (dropping it frees nothing).  A budget counted those bytes and
+    dropped sessions for them (`storage` counts as this does)."""
+    names: dict[tuple, list] = {}
+    for name, st in entries:
+        names.setdefault((st.st_dev, st.st_ino), [st, []])[1].append(name)
+    out = {}
+    for st, group in names.values():
+        group.sort()
+        for i, name in enumerate(group):
+            out[name] = st.st_blocks * 512 if i == 0 and st.st_nlink <= len(group) else 0
+    return out
 
 
 def reclaimable_bytes(state_dir: str) -> int:
@@ -607,6 +621,9 @@ def _sweep(j: Journal, sd: str, attic_fd: int | None, before_ns: int, drop_attic
         if name in attic or int(name[len(jid) + 1:]) >= cut:
             continue
         try:
+            # its blocks are freed with its last name only (a name the workspace or another
+            # attic entry still links frees nothing: it was counted as freed)
+            last = os.stat(name, dir_fd=attic_fd, follow_symlinks=False).st_nlink == 1
             if drop_attic is not None:
                 drop_attic(name, st)
             else:
@@ -614,7 +631,7 @@ def _sweep(j: Journal, sd: str, attic_fd: int | None, before_ns: int, drop_attic
         except OSError:
             continue
         na += 1
-        ba += st.st_blocks * 512
+        ba += st.st_blocks * 512 if last else 0
     if na:
         log.info("gc: %d attic entries below seq %d removed", na, cut)
     return {"blobs": nb, "blob_bytes": bb, "attic": na, "attic_bytes": ba}

@@ -483,3 +483,18 @@ def test_gc_drops_the_process_rows_of_what_it_dropped(make_mount):
     named = {e["actor"]["key"] for e in log if e.get("actor", {}).get("key")}
     assert named and named <= after, (named, after)
     assert "kept.txt" in overlayrec("diff", m.ws, "--session", "kept", "--stat").stdout
+
+
+def test_a_budget_counts_an_attic_entry_the_workspace_still_links_as_nothing(make_mount):
+    """A file's attic entry whose inode the workspace still links (`ln big keep; rm big`)
+    costs no byte on disk (`storage` says so), but a budget counted it whole, and a hard-link
+    group's names each whole: `gc --max-bytes` dropped every session to free bytes it could
+    not free.  Found by a bug hunt."""
+    m = make_mount().mount()
+    for sid, cmd in (("A", "head -c 3000000 /dev/urandom > big.bin"),
+                     ("B", "ln big.bin keep.bin; rm big.bin"), ("C", "echo c > c.txt")):
+        overlayrec("run", "-w", m.ws, "--session", sid, "--", "sh", "-c", cmd, cwd=m.ws)
+    m.umount()
+    plan = json.loads(overlayrec("gc", m.ws, "--max-bytes", "5M", "--dry-run", "--json").stdout)
+    assert [r["action"] for r in plan["sessions"]] == ["keep", "keep", "keep"], plan
+    assert plan["size_before"]["attic"] == 0, plan["size_before"]
