@@ -498,3 +498,17 @@ def test_a_budget_counts_an_attic_entry_the_workspace_still_links_as_nothing(mak
     plan = json.loads(overlayrec("gc", m.ws, "--max-bytes", "5M", "--dry-run", "--json").stdout)
     assert [r["action"] for r in plan["sessions"]] == ["keep", "keep", "keep"], plan
     assert plan["size_before"]["attic"] == 0, plan["size_before"]
+
+
+def test_last_names_the_dropped_session_when_none_is_left(make_mount):
+    """A budget smaller than one session drops the session that just ended: `diff --session
+    last` then said "no session recorded", as if nothing had ever been.  Found by a bug
+    hunt."""
+    m = make_mount().mount()
+    overlayrec("run", "-w", m.ws, "--session", "A", "--", "sh", "-c", "echo a > a.txt",
+               cwd=m.ws)
+    m.umount()
+    overlayrec("gc", m.ws, "--keep-last", "0")
+    r = overlayrec("diff", m.ws, "--session", "last", check=False)
+    assert r.returncode == 1 and "session A was dropped by retention on" in r.stderr and \
+        "none is left" in r.stderr, r.stderr

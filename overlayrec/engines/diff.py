@@ -240,6 +240,11 @@ def session_named(j: Journal, session: str | None) -> str | None:
         return session
     newest = max(j.records("sessions"), key=lambda s: s.get("started") or 0, default=None)
     if newest is None:
+        gone = max(j.dropped_sessions(), key=lambda s: s.get("started") or 0, default=None)
+        if gone is not None:  # a budget at mount can drop the session that just ended
+            from ..retention import dropped_session_message
+            raise SelectionError(dropped_session_message(gone) + ", and every session "
+                                 "before it: none is left")
         raise SelectionError("no session recorded")
     return newest["id"]
 
