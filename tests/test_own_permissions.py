@@ -474,3 +474,26 @@ def test_a_selection_that_closed_a_directory_is_planned(tmpbase, owner):
         assert "cannot be reached" in steps["d/f"]["note"], steps
     finally:
         u.umount()
+
+
+@needs_fuse
+@needs_root
+@pytest.mark.parametrize("owner", sorted(OWNERS))
+def test_a_directory_the_revert_removes_is_opened_first(tmpbase, owner):
+    """A call made a directory with a file in it and left it `chmod 500`: its revert, which
+    removes both, stopped half way, pending, asking the user to make writable the directory
+    it was removing (its preview had promised a clean revert).  It opens it first.  Found by
+    a bug hunt."""
+    u = Owner(tmpbase, owner)
+    u.sh("echo keep > k")
+    try:
+        u.agent(["mkdir e && echo x > e/f && chmod 500 e", "mkdir g && echo y > g/h && "
+                 "mv g g2 && chmod 500 g2"])
+        for call in ("c2", "c1"):
+            r = u.ask("revert", u.ws, "--call", call, "--yes", check=False)
+            assert r.returncode == 0, r
+        u.ask("umount", u.ws, check=False)
+        assert sorted(n for n in os.listdir(u.ws) if not n.startswith(".overlayrec")) == \
+            ["k"], os.listdir(u.ws)
+    finally:
+        u.umount()

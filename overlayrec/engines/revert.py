@@ -864,6 +864,13 @@ class DirMode(Step):
     (a 0555 directory cannot be filled once it has its mode)."""
 
 
+@dataclass
+class Opening(Step):
+    """An early step: a directory the revert empties whose mode closes it to its owner (a
+    call's `chmod 500` on a directory it made): opened to its owner first (u+rwx), or the
+    revert stopped half way on what it was itself removing, asking the user to open it."""
+
+
 def apply_step(root_fd: int, step: Step, made: dict | None = None) -> str:
     """Make ``step.path`` hold ``step.target``; returns what was done (``failed(...)`` tells
     a path it could not make whole).  ``made``, shared by the steps of one plan, maps the
@@ -922,7 +929,7 @@ def unmet(live: Tree, step: Step, result: str, around: set[str] = frozenset()) -
     is not compared: a revert made by its user may not give a file away.  A name the step
     linked to its group's first name must still be one file with it."""
     t = step.target
-    if failed(result) or not t.exact or t.withheld or isinstance(step, DirMode):
+    if failed(result) or not t.exact or t.withheld or isinstance(step, (DirMode, Opening)):
         return None
     now, st = live.state_stat(step.path)
     if step.path in live.unreadable:
@@ -954,6 +961,12 @@ def _a(kind: str) -> str:
 def _apply_in(root_fd: int, dfd: int, name: str, step: Step, made: dict | None) -> str:
     """apply_step in ``step.path``'s directory ``dfd``, where it is ``name``."""
     t = step.target
+    if isinstance(step, Opening):
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        if not stat.S_ISDIR(st.st_mode):
+            return "nothing to open"
+        problem = set_meta(dfd, name, State("dir", stat.S_IMODE(st.st_mode) | 0o700))
+        return FAILED + problem if problem else "opened"
     if isinstance(step, DirMode):
         st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
         if not stat.S_ISDIR(st.st_mode):
@@ -1186,6 +1199,11 @@ def order(steps: list[Step], root_fd: int | None = None) -> list[Step]:
         opening = [s for s in mk if not _blocks(s.target.mode) and _blocks_now(root_fd, s.path)]
         mk = [s for s in mk if s not in opening]
     rm = sorted([s for s in steps if not s.target.present], key=lambda s: -s.path.count("/"))
+    if root_fd is not None:
+        # a directory the revert removes, closed to its owner now: opened before it is emptied
+        opening += [Opening(s.path, s.target, s.expected) for s in
+                    sorted(rm, key=lambda s: s.path.count("/"))
+                    if s.expected.kind == "dir" and _blocks_now(root_fd, s.path)]
     late = [DirMode(s.path, s.target, s.expected) for s in reversed(mk) if _blocks(s.target.mode)]
     return opening + rm + mk + files + late
 
