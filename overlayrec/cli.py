@@ -1227,6 +1227,12 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
         click.echo(f"overlayrec: {ws} is inside the workspace {outer}: recording there",
                    err=True)
         ws = outer
+    elif outer is None and (above := state.recorded_at_or_above(ws)) != ws:
+        # unmounted, the same: a record of its own began there, without a word, the session
+        # missing from the workspace's record and the edit drift in it
+        click.echo(f"overlayrec: {ws} is inside the recorded workspace {above}: recording "
+                   "there", err=True)
+        ws = above
     if state.fuse_mount_at(ws) and (secret or no_default_secrets):
         # the daemon there applies the list it mounted with
         click.echo(f"overlayrec: warning: {ws} is already mounted: --secret and "
@@ -1274,6 +1280,10 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
     here = os.path.realpath(os.getcwd()) if os.path.exists(os.getcwd()) else ws
     cwd = here if _beneath(here, ws) else ws  # re-entered by path
     env = dict(os.environ, OVERLAYREC_SOCKET=sock, OVERLAYREC_SESSION=sid, OVERLAYREC_WORKSPACE=ws)
+    # git stops looking for a repository at a filesystem's boundary, which the mount is: in a
+    # workspace inside a repository (a package of a monorepo) every git command of the agent
+    # failed, "not a git repository ... Stopping at filesystem boundary"
+    env.setdefault("GIT_DISCOVERY_ACROSS_FILESYSTEM", "1")
     argv, env, unwire = _wire_agent(list(cmd), env, cwd, no_hooks)
     try:
         if stopped:  # stopped before the agent began: it does not

@@ -494,3 +494,31 @@ def test_a_write_through_a_handle_opened_in_a_call_after_its_end_is_late(
     assert (row["status"], row["late"], row["late_events"]) == \
         ("ok" if explicit else "abandoned", ["big.txt"], 1), row
     assert "(after the call ended)" in overlayrec("blame", "big.txt", "-w", m.ws).stdout
+
+
+def test_a_run_in_a_subdirectory_of_a_recorded_workspace_records_there(tmpbase):
+    """`run` started in a package directory of a recorded, unmounted workspace that is itself
+    inside a git repository (a monorepo): it began a record of its own for the package, the
+    session missing from the workspace's record, and every git command of the agent failed at
+    the mount ("Stopping at filesystem boundary").  Found by a bug hunt."""
+    top = os.path.join(tmpbase, "mono")
+    ws = os.path.join(top, "ws")
+    os.makedirs(os.path.join(ws, "pkg"))
+    env = dict(os.environ, XDG_STATE_HOME=os.path.join(tmpbase, "st"))
+    env.pop("GIT_DISCOVERY_ACROSS_FILESYSTEM", None)
+    subprocess.run(["git", "init", "-q", top], check=True)
+    try:
+        overlayrec("run", "-w", ws, "--session", "first", "--", "sh", "-c", "echo 1 > one.txt",
+                   env=env)
+        r = subprocess.run([sys.executable, "-m", "overlayrec", "run", "--session", "second",
+                            "--", "sh", "-c", "echo 2 > two.txt && git status --short"],
+                           cwd=os.path.join(ws, "pkg"), env=env, capture_output=True,
+                           text=True, timeout=60 * SLOW)
+        assert r.returncode == 0, r.stderr
+        assert f"is inside the recorded workspace {ws}: recording there" in r.stderr, r.stderr
+        wait_unmounted(ws, "the run's mount outlived it")
+    finally:
+        force_unmount(ws)
+    assert "pkg/two.txt" in overlayrec("diff", ws, "--session", "second", "--stat",
+                                       env=env).stdout
+    assert not os.path.exists(os.path.join(ws, "pkg", ".overlayrec-attic"))
