@@ -716,3 +716,16 @@ def test_a_mode_and_an_owner_changed_together_are_both_named(make_mount):
     got = json.loads(overlayrec("diff", m.ws, "--session", "s", "--json").stdout)
     assert got["not_in_patch"] == [{"path": "f", "change": "mode 0644 -> 0600, owner 0:0 -> "
                                     "5:5"}], got["not_in_patch"]
+
+
+def test_since_is_after_that_event(make_mount):
+    """`diff --since SEQ` held event SEQ itself, where its help says "after this sequence
+    number", export.md (A, B], and `log --since`, `revert --since` and `replay --at SEQ` all
+    take SEQ as done.  Found by a bug hunt."""
+    m = make_mount().mount()
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", "sh", "-c", "echo g > g", cwd=m.ws)
+    [made] = [e["seq"] for e in map(json.loads, overlayrec("log", m.ws, "--json").stdout
+                                    .splitlines()) if e.get("path") == "g"]
+    assert overlayrec("diff", m.ws, "--since", str(made), "--stat").stdout == ""
+    assert "g | 1 +" in overlayrec("diff", m.ws, "--since", str(made - 1), "--stat").stdout
+    assert "nothing to revert" in overlayrec("revert", m.ws, "--since", str(made)).stdout

@@ -214,7 +214,7 @@ def test_a_refused_directory_rename_moves_nothing(make_mount, tmp_path):
         dest = tmp_path / f"at-{seq}"
         overlayrec("replay", m.ws, "--state-dir", m.state, "--at", str(seq), "--to", str(dest))
         assert set(tree(str(dest))) == want, (seq, sorted(tree(str(dest))))
-    status = names(overlayrec("diff", m.ws, "--state-dir", m.state, "--since", str(ok),
+    status = names(overlayrec("diff", m.ws, "--state-dir", m.state, "--since", str(ok - 1),
                               "--until", str(ok), "--name-status").stdout)
     assert status == {("R100", "d/y", "e/y")}, status
 

@@ -189,12 +189,14 @@ def select(j: Journal, states: States, *, call: str | None = None, turn: int | s
         rec = j.record("sessions", session.encode())
         if rec is None:
             raise SelectionError(f"no session {session}")
-        evs = _selection_events(j, since if since is not None else 1)  # with --since: after it
+        evs = _selection_events(j, since + 1 if since is not None else 1)  # --since: after it
         mine = [e for e in evs if _unit_session(e.get("unit")) == session]
         side = _selected(states, mine, keep=keep)
         _interleaved(states, side, mine, evs, lambda u: _unit_session(u) == session)
         return side
-    lo = since if since is not None else 1
+    # (since, until]: everything recorded after --since, as its help, export.md, `log`,
+    # `revert` and replay's points say (event ``since`` itself was in the diff)
+    lo = since + 1 if since is not None else 1
     hi = until if until is not None else last
     if hi < lo - 1:
         if until is None:
