@@ -850,3 +850,27 @@ def test_an_interim_commit_of_a_calls_background_writes_is_not_the_agents(make_m
     assert "calls' processes (session s)|changes between calls by processes earlier calls " \
         "left running" in log, log
     assert not any(line.startswith("agent (session s)|changes between calls") for line in log)
+
+
+def test_export_leaves_out_the_names_git_refuses(make_mount, tmp_path):
+    """GIT~1/x, .git./y and a .gitmodules symlink: `diff` leaves them out (git's own check),
+    the export's trees held them, so `git fsck --strict` failed on the store and a push to a
+    server that checks what it receives failed whole.  Found by a bug hunt."""
+    m = make_mount()
+    with open(os.path.join(m.ws, "base.txt"), "w") as f:
+        f.write("base\n")
+    m.mount()
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", "sh", "-c",
+               "mkdir GIT~1 .git.; echo x > GIT~1/x; echo y > .git./y; "
+               "ln -s target .gitmodules; echo ok > ok.txt", cwd=m.ws)
+    gd = json.loads(overlayrec("export", "git", m.ws, "--json").stdout)["git_dir"]
+    held = git(gd, "ls-tree", "-r", "--name-only", "refs/overlayrec/s/head").split()
+    assert sorted(held) == ["base.txt", "ok.txt"], held
+    r = subprocess.run(["git", "--git-dir", gd, "fsck", "--strict"], capture_output=True,
+                       text=True)
+    assert r.returncode == 0 and "hasDotgit" not in r.stdout + r.stderr, r
+    remote = tmp_path / "remote.git"
+    subprocess.run(["git", "init", "-q", "--bare", str(remote)], check=True)
+    subprocess.run(["git", "-C", str(remote), "config", "receive.fsckObjects", "true"],
+                   check=True)
+    overlayrec("export", "git", m.ws, "--push", str(remote))

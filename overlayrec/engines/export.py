@@ -35,7 +35,7 @@ from ..journal import Journal
 from ..journal.schema import call_key, call_unit, parse_unit
 from ..views import guessed, one_line, shown, unit_session
 from .diff import file_events, touched, side_of, _visible
-from .gitdiff import FastImport, GitError, ObjectStore, git_refuses, quote_path
+from .gitdiff import FastImport, GitError, ObjectStore, _git_may_refuse, git_refuses, quote_path
 from .states import States, State
 
 _REF_SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
@@ -67,6 +67,14 @@ def _ident(name: str, email: str, t_ns: int) -> dict:
 
 
 # beside a unit's ``a/`` and ``b/`` in the sides tree: says that its sides are there
+def _refused(p: str, s: State) -> bool:
+    """Is ``p`` a path git will not hold: ``.git/`` (git_refuses), or a name its path check
+    refuses (an NTFS alias of ``.git``, a ``.gitmodules`` symlink), which fast-import took as
+    it was: `git fsck --strict` then failed on the store, and a push to a server that checks
+    what it receives (receive.fsckObjects) failed whole."""
+    return git_refuses(p) or _git_may_refuse(p, s.kind == "symlink")
+
+
 SIDES_NAME = ".sides"
 UNSURE_NAMED = 50  # files changed unseen that a base's message names (then a count)
 SIDES_NOTE = (b"a/ holds what this unit's paths held before it, b/ what they held after it, "
@@ -473,7 +481,8 @@ class Exporter:
         unsure = []
         for p, st in tree.walk_stat("", skip={".git"}):
             if p in known or not _visible(p) or git_refuses(p) or \
-                    not (S_ISREG(st.st_mode) or S_ISLNK(st.st_mode)):
+                    not (S_ISREG(st.st_mode) or S_ISLNK(st.st_mode)) or \
+                    _git_may_refuse(p, S_ISLNK(st.st_mode)):
                 continue
             if since_ns and st.st_ctime_ns > since_ns:
                 unsure.append(p)
@@ -564,11 +573,16 @@ class Exporter:
         --index-info`` would: each present file or symlink written as a blob, each other path
         removed where it is a file).  Paths git refuses (``.git/``) are left out and remembered
         in the store's ``left_out``; so is the workspace's root."""
-        refused = {p for p in states if git_refuses(p)}
+        refused = {p for p, st in states.items() if _refused(p, st)}
         self.store.left_out |= refused
         present = []
         for p in sorted(states):
-            if not p or p in refused:
+            if not p:
+                continue
+            if p in refused:
+                if p in self.files:  # what it held before is no longer so
+                    self.pending.append(b"D " + quote_path(p))
+                    self.files.discard(p)
                 continue
             if states[p].kind in ("file", "symlink"):
                 present.append(p)
@@ -714,7 +728,7 @@ class Exporter:
             for half, states in (("a/", side.before), ("b/", side.after)):
                 for p in sorted(states):
                     s = states[p]
-                    if p and s.kind in ("file", "symlink") and not git_refuses(p):
+                    if p and s.kind in ("file", "symlink") and not _refused(p, s):
                         changes.append(self._blob_line(p, s, f"{key}/{half}"))
 
         if calls:
@@ -767,7 +781,7 @@ class Exporter:
             now = []
             for half, point, had in (("a/", lo, had_a), ("b/", hi, had_b)):
                 s = self.state(p, point)
-                there = bool(p) and s.kind in ("file", "symlink") and not git_refuses(p)
+                there = bool(p) and s.kind in ("file", "symlink") and not _refused(p, s)
                 if had:
                     drops.append(b"D " + quote_path(f"session/{half}{p}"))
                 if there:
