@@ -535,6 +535,10 @@ def test_a_calls_summary_is_its_first_line_that_says_something_and_an_argv_joine
     assert summarize({"command": [1, 2]}) is None
     assert summarize({"command": "x" * 300}) == "x" * 200
     assert summarize("  ") is None
+    # Cursor may send its tool_input as a JSON string: its raw text (`{"command": ...`) matched
+    # no process's command line, and writes went to another call (found by a bug hunt)
+    assert summarize('{"command": "sed -i s/a/b/ f"}') == "sed -i s/a/b/ f"
+    assert summarize("echo not json\nmore") == "echo not json"
 
 
 def test_a_run_edits_a_symlinked_settings_file_through_its_link(tmp_path):

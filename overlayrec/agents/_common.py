@@ -6,12 +6,20 @@ every hook: stdlib only, nothing heavy.
 """
 from __future__ import annotations
 
+import json
+
 from zlib import crc32
 
 
 def summarize(tool_input) -> str | None:
     """One line saying what a tool call was asked to do."""
     if isinstance(tool_input, str):  # some agents send the arguments as a JSON string
+        try:  # an object in it is read as one (its raw text matched no command line)
+            parsed = json.loads(tool_input)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict):
+            return summarize(parsed)
         return tool_input.splitlines()[0][:200] if tool_input.strip() else None
     if not isinstance(tool_input, dict):
         return None
