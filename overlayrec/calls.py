@@ -357,6 +357,9 @@ class Calls:
             scored = [(_carries(argv, c.summary), i) for i, c in enumerate(calls) if c.summary]
             best = max(scored, default=(0, 0))
             if best[0]:
+                tied = [i for score, i in scored if score == best[0]]
+                if len(tied) > 1:  # several announced it alike: the newest of them, a guess
+                    return calls[tied[-1]], "newest"  # (it went unsaid, "command")
                 return calls[best[1]], "command"
         if path is not None:
             names = {path}

@@ -204,3 +204,23 @@ def test_a_background_process_keeps_its_implicit_call_open(make_mount, tmp_path)
     assert {e["unit"] for e in evs} == {f"call:B:{rec['id']}"}
     assert not any(e.get("after_end") for e in evs)
     assert max(e["seq"] for e in evs) < rec["end_seq"]
+
+
+def test_two_calls_announcing_one_command_place_its_writes_by_a_guess(make_mount, tmp_path):
+    """Two calls active together announce the same command (a test script run twice): the
+    first run's file went to the newer call as "by command", no reader calling it a guess.
+    Found by a bug hunt."""
+    m = make_mount()
+    with open(os.path.join(m.ws, "t.sh"), "w") as f:
+        f.write('#!/bin/sh\necho "$1" > "$1.out"\n')
+    os.chmod(os.path.join(m.ws, "t.sh"), 0o755)
+    m.mount()
+    o = f"{sys.executable} -m overlayrec"
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", "sh", "-c",
+               f"{o} turn begin --prompt p; {o} call begin --id A --tool Bash --summary ./t.sh; "
+               f"{o} call begin --id B --tool Bash --summary ./t.sh; bash -c './t.sh first'; "
+               f"{o} call end --id A; bash -c './t.sh second'; {o} call end --id B; "
+               f"{o} turn end", cwd=m.ws)
+    rows = {c["id"]: c for c in map(json.loads, overlayrec("calls", m.ws, "--json").stdout
+                                    .splitlines())}
+    assert "first.out" in rows["B"]["guessed"], rows["B"]
