@@ -303,6 +303,9 @@ def _warn_low_space(sd: str) -> None:
 
 
 def _mib(n: int) -> str:
+    # under a tenth of a MiB in KiB: a budget of 1K read "0.0 MiB", a gc's small change none
+    if n < 100 << 10:
+        return f"{n / 1024:.1f} KiB"
     return f"{n / (1 << 20):.1f} MiB" if n < 10 << 30 else f"{n / (1 << 30):.0f} GiB"
 
 

@@ -512,3 +512,6 @@ def test_last_names_the_dropped_session_when_none_is_left(make_mount):
     r = overlayrec("diff", m.ws, "--session", "last", check=False)
     assert r.returncode == 1 and "session A was dropped by retention on" in r.stderr and \
         "none is left" in r.stderr, r.stderr
+    # a small budget is said as it is (1K read "0.0 MiB")
+    r = overlayrec("gc", m.ws, "--max-bytes", "1K")
+    assert "still over the budget of 1.0 KiB" in r.stdout + r.stderr, r
