@@ -742,6 +742,54 @@ class Prediction:
         return not self.steps
 
 
+def moved_on(history: list[Op], states: list[Snap], unit: str) -> set[str]:
+    """The names a file had that another unit changed between two of ``unit``'s changes of the
+    name it had then, and that ``unit`` then moved on (renamed it, or a directory above it):
+    the per-name check of predict() sees that name made and unmade (``mv a a.bak``, the other's
+    edit of a.bak, ``mv a.bak a``; or the unit deletes b, another unit writes a new b, the unit
+    renames b to d/a) and no other writer in the chain of the name the file ends at, yet the
+    revert puts the old content back over, or deletes, what the other unit wrote
+    (docs/revert.md: every name the file had through those renames is interleaved).  What a
+    name holds goes on with its file through every rename, anyone's; a name the file leaves, or
+    that is removed, holds none of it."""
+    seen: set[str] = set()        # names the unit changed (going on with their file)
+    pending: set[str] = set()     # another unit's change since the unit's last there
+    held: set[str] = set()        # another unit's change between two of the unit's
+    moved: set[str] = set()       # the same, since moved on by the unit
+    names: dict[str, set[str]] = {}  # name -> the names its file had before
+    for i, o in enumerate(history):
+        ours = o.unit == unit
+        if ours:
+            seen |= o.touched
+            held |= pending & o.touched
+            pending -= o.touched
+        moves = []
+        if o.op["op"] == "rename":
+            src, to = o.op["rpath"], o.op["rto"]
+            moves = [(q, to + q[len(src):]) for q in states[i].entries if under(q, src)]
+        went = {old: (old in pending, old in held, old in moved, names.pop(old, set()),
+                      old in seen) for old, _ in moves}
+        for old, _ in moves:
+            for d in (pending, held, moved):
+                d.discard(old)
+        for old, new in moves:
+            pend, hold, carried, had, was_seen = went[old]
+            names[new] = had | {old, new}
+            for flag, into in ((pend, pending), (hold and not ours, held),
+                               (carried or (hold and ours), moved)):
+                (into.add if flag else into.discard)(new)
+            if was_seen:
+                seen.add(new)
+        if o.op["op"] in ("delete", "rmdir"):
+            for d in (pending, held, moved):
+                d.discard(o.op["rpath"])
+            names.pop(o.op["rpath"], None)
+        elif not ours:
+            left = {old for old, _ in moves} - {new for _, new in moves}
+            pending |= (o.touched - left) & seen
+    return {n for p in moved for n in names[p] | {p}}
+
+
 def predict(history: list[Op], states: list[Snap], unit: str) -> Prediction:
     """Reverting ``unit`` (docs/revert.md, per path).  A path the unit changed (every path
     whose state an operation of the unit changed or that it named: the contents of a renamed
@@ -749,7 +797,8 @@ def predict(history: list[Op], states: list[Snap], unit: str) -> Prediction:
     unit's first change to it; a path the unit made and unmade needs nothing.  Conflicts, in
     the order make_plan checks them: ``escape`` (a directory on the path's way is now a symlink
     or a file, and the revert does not make it a directory again), ``interleaved`` (another
-    unit changed the path between two of the unit's changes), ``changed`` (the path no longer
+    unit changed the path between two of the unit's changes, or the file the unit then moved
+    on to or from it: moved_on()), ``changed`` (the path no longer
     holds what the unit left: kind, full mode, content or target).  Every operation here is
     journaled one by one and its handle closed before the next, so ``unrecorded`` is never
     right.  One conflict refuses the whole revert.  Which paths are listed, and with which
@@ -769,6 +818,7 @@ def predict(history: list[Op], states: list[Snap], unit: str) -> Prediction:
     if not steps:
         return Prediction()
     conflicts = {}
+    moved_over = moved_on(history, states, unit)
     for p, (target, expected, first, last) in steps.items():
         way = []
         for q in ancestors(p):
@@ -781,6 +831,8 @@ def predict(history: list[Op], states: list[Snap], unit: str) -> Prediction:
         if not all(way):
             conflicts[p] = "escape"
         elif any(o.unit != unit and p in o.touched for o in history[first + 1:last]):
+            conflicts[p] = "interleaved"
+        elif p in moved_over:
             conflicts[p] = "interleaved"
         elif final.entries.get(p) != expected:
             conflicts[p] = "changed"
