@@ -135,13 +135,27 @@ def stop(ws: str) -> str | None:
     return why
 
 
+def wait_previous(sd: str, timeout: float = 30.0) -> bool:
+    """Wait for the process daemon.json names (its pid and start time: the same process,
+    whatever verify_daemon says of it once it has closed the journal) to be gone; whether it
+    is.  A daemon ending after its mount is gone still seals, closes the journal and unlinks
+    its socket and daemon.json: one started meanwhile wrote the journal beside it, and lost
+    its socket to the old one's last unlink."""
+    info = state.daemon_info(sd) or {}
+    pid = info.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 1:
+        return True
+    if state.proc_start_ticks(pid) != info.get("start_ticks"):
+        return True  # gone, or its pid another process's since
+    wait_gone(pid, timeout)  # a zombie (not reaped yet by the command that started it) is gone
+    return not state.pid_alive(pid) or state.proc_start_ticks(pid) != info.get("start_ticks")
+
+
 def wait_released(ws: str, sd: str, timeout: float = 20.0) -> None:
     """Wait for a daemon that is ending its mount (released, or stopped by another command)
     to be gone, and lift the mount if it stays (a hung daemon's)."""
     mount = state.fuse_mount_at(ws)
-    pid, _, _ = daemon_pid(sd)
-    if pid:
-        wait_gone(pid, timeout)
+    wait_previous(sd, timeout)
     lift_if_left(ws, sd, mount)
 
 

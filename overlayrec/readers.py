@@ -138,18 +138,32 @@ def _echo_err(text: str) -> None:
 def tree_for(ws: str, sd: str):
     """The live tree: beneath the mount via the daemon's fd, or the workspace itself."""
     from .engines.states import Tree
-    if state.fuse_mount_at(ws):
-        if state.is_dead_mount(ws):  # every path in it answers ENOTCONN: say what it is
-            raise Refusal(f"{ws} holds a dead mount (its daemon is gone): clear it with: "
-                          f"overlayrec umount {ws} (the record stays)")
-        from . import client
+    from . import client
+    # a mount going away (its daemon unmounting: the end of a run, a release) answers as a
+    # dead one, or its socket is gone, for a moment: looked at again for a few seconds before
+    # it is taken for what it says (a reader run just then refused, "holds a dead mount")
+    deadline = time.monotonic() + UNMOUNTING_WAIT
+    while True:
+        if not state.fuse_mount_at(ws):
+            return Tree.at(ws)
         try:
-            tree = Tree(client.underlay_fd(os.path.join(sd, "control.sock")))
-        except client.ClientError as e:
-            raise Refusal(str(e)) from None
+            if state.is_dead_mount(ws):  # every path in it answers ENOTCONN: say what it is
+                raise Refusal(f"{ws} holds a dead mount (its daemon is gone): clear it with: "
+                              f"overlayrec umount {ws} (the record stays)")
+            try:
+                tree = Tree(client.underlay_fd(os.path.join(sd, "control.sock")))
+            except client.ClientError as e:
+                raise Refusal(str(e)) from None
+        except Refusal:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+            continue
         tree.served = True
         return tree
-    return Tree.at(ws)
+
+
+UNMOUNTING_WAIT = 5.0  # seconds a reader waits for a mount that looks dead to go
 
 
 def answers_of(sd: str, j, tree):
