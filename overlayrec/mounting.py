@@ -126,7 +126,7 @@ def stop(ws: str) -> str | None:
     """Stop the daemon of ``ws`` (SIGTERM: it unmounts, seals and closes) and lift the mount if
     it stays (a dead or hung daemon's); why the daemon's pid was not signalled, if it was not."""
     sd = state.find_state_dir(ws)
-    mount = state.fuse_mount_at(ws)
+    mount = mount_of(ws, sd)
     pid, _, why = daemon_pid(sd)
     if pid:
         os.kill(pid, signal.SIGTERM)
@@ -154,9 +154,30 @@ def wait_previous(sd: str, timeout: float = 30.0) -> bool:
 def wait_released(ws: str, sd: str, timeout: float = 20.0) -> None:
     """Wait for a daemon that is ending its mount (released, or stopped by another command)
     to be gone, and lift the mount if it stays (a hung daemon's)."""
-    mount = state.fuse_mount_at(ws)
+    mount = mount_of(ws, sd)
     wait_previous(sd, timeout)
     lift_if_left(ws, sd, mount)
+
+
+def mount_of(ws: str, sd: str) -> dict | None:
+    """The mount at ``ws`` (state.fuse_mount_at) and the daemon daemon.json names for it then
+    (pid and start time), as lift_if_left tells it from a mount made anew."""
+    mount = state.fuse_mount_at(ws)
+    if mount is None:
+        return None
+    info = state.daemon_info(sd) or {}
+    return dict(mount, daemon=(info.get("pid"), info.get("start_ticks")))
+
+
+def _serving_another(sd: str, mount: dict) -> bool:
+    """Does a daemon other than the one ``mount`` was taken with run for ``sd`` now (a mount
+    made anew, whose id may be the old one's: the kernel hands a freed mount id out again)?"""
+    info = state.daemon_info(sd) or {}
+    pid, start = info.get("pid"), info.get("start_ticks")
+    if (pid, start) == mount.get("daemon") or not isinstance(pid, int) or \
+            isinstance(pid, bool) or pid <= 1:
+        return False
+    return state.pid_alive(pid) and state.proc_start_ticks(pid) == start
 
 
 def lift_if_left(ws: str, sd: str, mount: dict | None) -> None:
@@ -171,7 +192,10 @@ def lift_if_left(ws: str, sd: str, mount: dict | None) -> None:
         except OSError:  # no state dir of ours there (a dead mount's): nothing mounts by it
             pass
         now = state.fuse_mount_at(ws)
-        if now is not None and now["id"] == mount["id"]:
+        # the same id is not enough: a run told the old mount was ending mounted anew, got
+        # the freed id, and the stopping command lifted its mount under its agent (whose
+        # writes then went to the directory beneath, unrecorded; CI at b74a836)
+        if now is not None and now["id"] == mount["id"] and not _serving_another(sd, mount):
             unmount_now(ws)
 
 
