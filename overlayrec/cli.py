@@ -489,8 +489,8 @@ def umount(workspace, timeout):
         named = ", ".join(f"{u['pid']} {u['command']}" for u in users[:3])
         click.echo(f"overlayrec: warning: {len(users)} process(es) still work in {ws} ({named}"
                    f"{' ...' if len(users) > 3 else ''}): they lose it now", err=True)
-    from .mounting import end_daemon, lift_if_left
-    mount = dict(mount, daemon=((info or {}).get("pid"), (info or {}).get("start_ticks")))
+    from .mounting import end_daemon, lift_if_left, mount_of
+    mount = mount_of(ws, sd) or mount
     killed = end_daemon(pid, info, timeout) if pid else False
     lift_if_left(ws, sd, mount)
     note = " (daemon did not stop: killed it)" if killed else \

@@ -141,14 +141,11 @@ def wait_previous(sd: str, timeout: float = 30.0) -> bool:
     is.  A daemon ending after its mount is gone still seals, closes the journal and unlinks
     its socket and daemon.json: one started meanwhile wrote the journal beside it, and lost
     its socket to the old one's last unlink."""
-    info = state.daemon_info(sd) or {}
-    pid = info.get("pid")
-    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 1:
-        return True
-    if state.proc_start_ticks(pid) != info.get("start_ticks"):
-        return True  # gone, or its pid another process's since
-    wait_gone(pid, timeout)  # a zombie (not reaped yet by the command that started it) is gone
-    return not state.pid_alive(pid) or state.proc_start_ticks(pid) != info.get("start_ticks")
+    named = _named_daemon(sd)
+    if not _running(named):
+        return True  # gone (a zombie not reaped yet counts), or its pid another's since
+    wait_gone(named[0], timeout)
+    return not _running(named)
 
 
 def wait_released(ws: str, sd: str, timeout: float = 20.0) -> None:
@@ -163,21 +160,29 @@ def mount_of(ws: str, sd: str) -> dict | None:
     """The mount at ``ws`` (state.fuse_mount_at) and the daemon daemon.json names for it then
     (pid and start time), as lift_if_left tells it from a mount made anew."""
     mount = state.fuse_mount_at(ws)
-    if mount is None:
-        return None
+    return None if mount is None else dict(mount, daemon=_named_daemon(sd))
+
+
+def _named_daemon(sd: str) -> tuple[int, object] | None:
+    """(pid, start ticks) of the daemon daemon.json names, whether it runs or not."""
     info = state.daemon_info(sd) or {}
-    return dict(mount, daemon=(info.get("pid"), info.get("start_ticks")))
+    pid = info.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 1:
+        return None
+    return pid, info.get("start_ticks")
+
+
+def _running(named: tuple | None) -> bool:
+    """Is that process still running (not exited, no zombie, not a later one given its pid)?"""
+    from .attribution import alive
+    return named is not None and alive(f"{named[0]}:{named[1]}")
 
 
 def _serving_another(sd: str, mount: dict) -> bool:
     """Does a daemon other than the one ``mount`` was taken with run for ``sd`` now (a mount
     made anew, whose id may be the old one's: the kernel hands a freed mount id out again)?"""
-    info = state.daemon_info(sd) or {}
-    pid, start = info.get("pid"), info.get("start_ticks")
-    if (pid, start) == mount.get("daemon") or not isinstance(pid, int) or \
-            isinstance(pid, bool) or pid <= 1:
-        return False
-    return state.pid_alive(pid) and state.proc_start_ticks(pid) == start
+    named = _named_daemon(sd)
+    return named != mount.get("daemon") and _running(named)
 
 
 def lift_if_left(ws: str, sd: str, mount: dict | None) -> None:

@@ -36,6 +36,7 @@ import json
 import logging
 import os
 import re
+import stat
 import time
 from dataclasses import dataclass
 
@@ -221,7 +222,7 @@ class Scan:
         self.attic_size: dict[str, int] = {}
         jid = j.meta("journal_id")
         self.attic_prefix = jid + "." if jid else None
-        self.attic_size = _attic_charges(_attic_entries(attic_fd, self.attic_prefix))
+        self.attic_size = _attic_charges(attic_fd, jid)
         self.pages = j.pages()
 
     def weight_below(self, cut: int) -> int:
@@ -291,25 +292,65 @@ def record_size(j: Journal, attic_fd: int | None = None) -> dict:
     pages = j.pages()
     content = sum(st.st_blocks * 512 for _, st in _content(j.content.root).blobs())
     jid = j.meta("journal_id")
-    attic = sum(_attic_charges(_attic_entries(attic_fd, jid + "." if jid else None)).values())
+    attic = sum(_attic_charges(attic_fd, jid).values())
     return {"journal": pages["used"], "journal_file": pages["file"],
             "journal_free": pages["free"], "content": content, "attic": attic,
             "total": pages["used"] + content + attic}
 
 
-def _attic_charges(entries) -> dict[str, int]:
-    """What each attic entry costs the record on disk: an inode's blocks once (its several
-    attic names, a hard-link group, were each counted whole), and nothing for one the
-    workspace still links (dropping it frees nothing).  A budget counted those bytes and
-    dropped sessions for them (`storage` counts as this does)."""
-    names: dict[tuple, list] = {}
-    for name, st in entries:
-        names.setdefault((st.st_dev, st.st_ino), [st, []])[1].append(name)
-    out = {}
-    for st, group in names.values():
-        group.sort()
-        for i, name in enumerate(group):
-            out[name] = st.st_blocks * 512 if i == 0 and st.st_nlink <= len(group) else 0
+def _attic_charges(attic_fd: int | None, journal_id: str | None) -> dict[str, int]:
+    """What each of this journal's attic entries costs the record on disk, by name
+    (``attic_costs``)."""
+    if attic_fd is None or not journal_id:
+        return {}
+    try:
+        dfd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=attic_fd)
+    except OSError:
+        return {}
+    try:
+        return {f"{journal_id}.{seq}": e["bytes"]
+                for seq, e in attic_costs(dfd, journal_id).items()}
+    finally:
+        os.close(dfd)
+
+
+_ATTIC_ENTRY = re.compile(r"([0-9a-f]+)\.([0-9]+)\Z")
+
+
+def attic_costs(attic_fd: int, journal_id: str | None) -> dict[int, dict]:
+    """This journal's attic entries by seq: ``{"bytes": charged, "size": length, "shared":
+    bool, "inode": (dev, ino)}``.  An inode the workspace still links (more links than the
+    attic's names of it) is shared and charged nothing; one only the attic holds is charged its
+    blocks once, to its first entry.  (`storage` shows these; a budget counts them: it counted
+    each name whole, and dropped sessions for bytes it could not free.)"""
+    names = os.listdir(attic_fd)
+    stats: dict[str, os.stat_result] = {}
+    attic_links: dict[tuple[int, int], int] = {}
+    for name in names:
+        try:
+            st = os.lstat(name, dir_fd=attic_fd)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            continue
+        stats[name] = st
+        k = (st.st_dev, st.st_ino)
+        attic_links[k] = attic_links.get(k, 0) + 1
+    out: dict[int, dict] = {}
+    charged: set[tuple[int, int]] = set()
+    mine = []
+    for name, st in stats.items():
+        m = _ATTIC_ENTRY.match(name)
+        if m and journal_id is not None and m.group(1) == journal_id:
+            mine.append((int(m.group(2)), st))
+    for seq, st in sorted(mine):
+        k = (st.st_dev, st.st_ino)
+        shared = st.st_nlink > attic_links[k]
+        cost = 0
+        if not shared and k not in charged:
+            charged.add(k)
+            cost = st.st_blocks * 512
+        out[seq] = {"bytes": cost, "size": st.st_size, "shared": shared, "inode": k}
     return out
 
 
@@ -651,13 +692,9 @@ def _drop_actors(j: Journal, named: set) -> int:
                 for x in (v if isinstance(v, list) else [v]):
                     if isinstance(x, str) and _ACTOR_KEY.fullmatch(x):
                         named.add(x)
-    gone = []
-    for key in j.actor_keys():
-        if key in named or not _ACTOR_KEY.fullmatch(key):
-            continue
-        pid, start = (int(x) for x in key.split(":"))
-        if state.proc_start_ticks(pid) != start:  # exited (or its pid another's since)
-            gone.append(key)
+    from .attribution import alive
+    gone = [key for key in j.actor_keys()
+            if key not in named and _ACTOR_KEY.fullmatch(key) and not alive(key)]
     j.delete_actors(gone)
     return len(gone)
 

@@ -583,18 +583,25 @@ BETWEEN = textwrap.dedent(r'''
 ''')
 
 
+def _f_with_base(make_mount):
+    """A mount whose f.txt holds "base"."""
+    m = make_mount()
+    with open(os.path.join(m.ws, "f.txt"), "w") as f:
+        f.write("base\n")
+    return m.mount()
+
+
+def _append_outside(m) -> None:
+    with open(os.path.join(m.ws, "f.txt"), "a") as f:  # this process: outside the session
+        f.write("OUTSIDE\n")
+
+
 def test_another_writers_change_between_a_calls_own_is_said(make_mount, tmp_path):
     """A call appends, a user appends, the call appends again: `diff --call` holds the user's
     line (the call's diff runs from its first change to its last) and said nothing; its
     `--json` writers named the call alone, where `revert --call` refuses it (interleaved)."""
-    m = make_mount()
-    with open(os.path.join(m.ws, "f.txt"), "w") as f:
-        f.write("base\n")
-    m.mount()
-    def outside():
-        with open(os.path.join(m.ws, "f.txt"), "a") as f:  # outside the session
-            f.write("OUTSIDE\n")
-    run_with_outside_step(m, tmp_path, BETWEEN, outside)
+    m = _f_with_base(make_mount)
+    run_with_outside_step(m, tmp_path, BETWEEN, lambda: _append_outside(m))
     r = overlayrec("diff", m.ws, "--call", "c1")
     assert "+call-1\n+OUTSIDE\n+call-2\n" in r.stdout, r.stdout
     assert "1 path(s) here were changed by another writer too" in r.stderr and \
@@ -636,15 +643,8 @@ def test_another_writers_change_inside_a_turn_is_said(make_mount, tmp_path, monk
     nothing said and only the calls as writers, where `revert --turn` refuses the path.
     Found by a bug hunt."""
     monkeypatch.setenv("SECOND", "1" if second else "0")
-    m = make_mount()
-    with open(os.path.join(m.ws, "f.txt"), "w") as f:
-        f.write("base\n")
-    m.mount()
-
-    def outside():
-        with open(os.path.join(m.ws, "f.txt"), "a") as f:  # outside the session
-            f.write("OUTSIDE\n")
-    run_with_outside_step(m, tmp_path, TURN_AROUND, outside)
+    m = _f_with_base(make_mount)
+    run_with_outside_step(m, tmp_path, TURN_AROUND, lambda: _append_outside(m))
     selections = [("--turn", "1")] + ([("--session", "s")] if second else [])
     for sel in selections:
         r = overlayrec("diff", m.ws, *sel)

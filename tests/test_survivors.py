@@ -308,6 +308,13 @@ def test_a_run_leaves_its_mount_to_the_shell_that_started_it_and_entered_it(tmpb
         force_unmount(ws)
 
 
+def _made_by_session(ws: str, env: dict, path: str, session: str) -> None:
+    """The record says ``path`` was made by a unit of ``session``."""
+    evs = {e["path"]: e["unit"] for e in map(json.loads, overlayrec(
+        "log", ws, "--json", env=env).stdout.splitlines()) if e["op"] == "create"}
+    assert evs[path].split(":")[1] == session, evs
+
+
 def _run_waiting(ws: str, env: dict, name: str, started: str, go: str) -> subprocess.Popen:
     """A `run` whose agent marks that it began (its session is live) and writes once ``go``
     exists (markers outside the workspace)."""
@@ -358,9 +365,7 @@ def test_a_run_that_joined_a_reverts_mount_keeps_it(tmpbase):
             if p is not None and p.poll() is None:
                 p.kill()
         force_unmount(ws)
-    evs = {e["path"]: e["unit"] for e in map(json.loads, overlayrec(
-        "log", ws, "--json", env=env).stdout.splitlines()) if e["op"] == "create"}
-    assert evs["b.txt"].split(":")[1] == "B", evs
+    _made_by_session(ws, env, "b.txt", "B")
 
 
 def test_a_run_joining_a_mount_that_is_ending_mounts_anew(tmpbase):
@@ -391,9 +396,7 @@ def test_a_run_joining_a_mount_that_is_ending_mounts_anew(tmpbase):
         if runner is not None and runner.poll() is None:
             runner.kill()
         force_unmount(ws)
-    evs = {e["path"]: e["unit"] for e in map(json.loads, overlayrec(
-        "log", ws, "--json", env=env).stdout.splitlines()) if e["op"] == "create"}
-    assert evs["b.txt"].split(":")[1] == "B", evs
+    _made_by_session(ws, env, "b.txt", "B")
 
 
 def _run_and_release(m, script: str, go: str, done: str) -> None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import stat
 import struct
 
@@ -36,7 +35,6 @@ from ..views import unit_session
 from .states import ATTIC
 
 BLOCK = 512
-_ENTRY = re.compile(r"([0-9a-f]+)\.([0-9]+)\Z")
 OUTSIDE = None  # the key of the row of events no session holds
 
 
@@ -133,39 +131,10 @@ def journal_pages(j: Journal) -> dict:
 # -- the attic ------------------------------------------------------------------------------------
 
 def attic_entries(attic_fd: int, journal_id: str | None) -> dict[int, dict]:
-    """This journal's attic entries by seq: ``{"bytes": charged, "size": length, "shared":
-    bool, "inode": (dev, ino)}``.  An inode the workspace still links (more links than the
-    attic's names of it) is shared and charged nothing; one only the attic holds is charged its
-    blocks once, to its first entry."""
-    names = os.listdir(attic_fd)
-    stats: dict[str, os.stat_result] = {}
-    attic_links: dict[tuple[int, int], int] = {}
-    for name in names:
-        try:
-            st = os.lstat(name, dir_fd=attic_fd)
-        except FileNotFoundError:
-            continue
-        if stat.S_ISDIR(st.st_mode):
-            continue
-        stats[name] = st
-        k = (st.st_dev, st.st_ino)
-        attic_links[k] = attic_links.get(k, 0) + 1
-    out: dict[int, dict] = {}
-    charged: set[tuple[int, int]] = set()
-    mine = []
-    for name, st in stats.items():
-        m = _ENTRY.match(name)
-        if m and journal_id is not None and m.group(1) == journal_id:
-            mine.append((int(m.group(2)), st))
-    for seq, st in sorted(mine):
-        k = (st.st_dev, st.st_ino)
-        shared = st.st_nlink > attic_links[k]
-        cost = 0
-        if not shared and k not in charged:
-            charged.add(k)
-            cost = on_disk(st)
-        out[seq] = {"bytes": cost, "size": st.st_size, "shared": shared, "inode": k}
-    return out
+    """This journal's attic entries by seq, as retention charges them (``attic_costs``, which a
+    budget counts by too)."""
+    from ..retention import attic_costs
+    return attic_costs(attic_fd, journal_id)
 
 
 def open_attic(root_fd: int) -> int | None:
