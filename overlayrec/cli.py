@@ -395,7 +395,7 @@ def _ancestors(pid: int) -> set[int]:
     while pid > 1 and pid not in out:
         out.add(pid)
         try:
-            with open(f"/proc/{pid}/stat") as f:
+            with open(f"/proc/{pid}/stat", errors="surrogateescape") as f:
                 pid = int(f.read().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             break

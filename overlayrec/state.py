@@ -600,7 +600,7 @@ def fuse_mount_at(path: str) -> dict | None:
     the mount's id (a mount made anew at the same path has another)."""
     found = None
     try:
-        with open("/proc/self/mountinfo") as f:
+        with open("/proc/self/mountinfo", errors="surrogateescape") as f:
             for line in f:
                 left, _, right = line.partition(" - ")
                 lf, rf = left.split(), right.split()
@@ -621,7 +621,7 @@ def overlayrec_mounts() -> list[str]:
     """Mountpoints of every overlayrec mount, from the mount table."""
     out = []
     try:
-        with open("/proc/self/mountinfo") as f:
+        with open("/proc/self/mountinfo", errors="surrogateescape") as f:
             for line in f:
                 left, _, right = line.partition(" - ")
                 lf, rf = left.split(), right.split()
@@ -650,7 +650,7 @@ def overlayrec_mounts_beneath(path: str) -> list[str]:
 def mount_id_at(path: str) -> int | None:
     found = None
     try:
-        with open("/proc/self/mountinfo") as f:
+        with open("/proc/self/mountinfo", errors="surrogateescape") as f:
             for line in f:
                 lf = line.split(" - ")[0].split()
                 if len(lf) >= 5 and _unescape(lf[4]) == path:
@@ -689,7 +689,7 @@ def underlay_holders(ws: str, exclude: set[int]) -> list[dict]:
 def _mount_device(mnt: int) -> str | None:
     """The device (``major:minor``, as /proc/PID/maps writes it, in hex) of mount ``mnt``."""
     try:
-        with open("/proc/self/mountinfo") as f:
+        with open("/proc/self/mountinfo", errors="surrogateescape") as f:
             for line in f:
                 fields = line.split()
                 if len(fields) > 2 and fields[0] == str(mnt):
@@ -703,7 +703,7 @@ def _mount_device(mnt: int) -> str | None:
 def _mapped_from(pid: int, dev: str) -> str | None:
     """A path of a file ``pid`` has mapped from device ``dev``, if any."""
     try:
-        with open(f"/proc/{pid}/maps") as f:
+        with open(f"/proc/{pid}/maps", errors="surrogateescape") as f:
             for line in f:
                 fields = line.split(maxsplit=5)
                 if len(fields) == 6 and fields[3] == dev:
@@ -763,7 +763,7 @@ def _holders(ws: str, exclude: set[int], beneath: bool) -> list[dict]:
                 what.append(f"maps {mapped}")
         if what:
             try:
-                with open(f"/proc/{pid}/comm") as f:
+                with open(f"/proc/{pid}/comm", errors="replace") as f:
                     comm = f.read().strip()
             except OSError:
                 comm = "?"

@@ -1041,3 +1041,23 @@ def test_an_absolute_path_is_taken_beneath_the_workspace_or_refused(make_mount):
     for cmd in ("diff", "revert"):
         one_line_error(overlayrec(cmd, m.ws, "--since", "999", check=False),
                        "--since 999 is past the record's end")
+
+
+@needs_fuse
+@pytest.mark.root
+def test_a_mount_point_not_in_utf8_elsewhere_breaks_no_command(mounted, tmp_path):
+    """Any mount on the machine whose mount point is not UTF-8 (another user's, another
+    tool's) is in the mount table every command reads: status and revert must still answer."""
+    odd = os.path.join(os.fsencode(str(tmp_path)), b"bad\xffname")
+    os.mkdir(odd)
+    subprocess.run(["mount", "-t", "tmpfs", "none", odd], check=True)
+    try:
+        r = overlayrec("status", mounted.ws, check=False)
+        assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+        assert "internal error" not in r.stderr
+        mounted.sh("echo x > f")
+        r = overlayrec("revert", mounted.ws, "--since", "0", check=False)  # a preview
+        assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+        assert "f" in r.stdout
+    finally:
+        subprocess.run(["umount", odd])

@@ -1399,7 +1399,7 @@ def _find_map(path: str, size: int) -> list[tuple[int, int]]:
     st = os.stat(path)
     real = os.path.realpath(path)
     spans = []
-    with open("/proc/self/maps") as f:
+    with open("/proc/self/maps", errors="surrogateescape") as f:
         for line in f:
             fields = line.split(None, 5)
             if len(fields) < 6 or fields[5].rstrip("\n") != real:
