@@ -104,6 +104,7 @@ async def _serve(control: ControlServer, ws: str, owner: dict | None) -> None:
                     log.exception("checking implicit calls for exited processes failed")
         nursery.start_soon(end_exited_calls)
         nursery.start_soon(_follow_runners, control, ws, owner)
+        nursery.start_soon(_stamp_alive, state.StateDir(control.calls.journal.state_dir).alive)
         await nursery.start(_commit_held_notes, control.calls.journal)
         if not isinstance(control.recorder, UnrecordedRecorder) and \
                 os.environ.get("OVERLAYREC_TEST_COPY_SMALL_NOW") != "1":
@@ -116,6 +117,34 @@ async def _serve(control: ControlServer, ws: str, owner: dict | None) -> None:
         serving.install()  # fewer passes through trio's run loop per request
         await pyfuse3.main(min_tasks=1, max_tasks=1)
         nursery.cancel_scope.cancel()
+
+
+# how often the serving daemon stamps its state dir's ``alive`` file (StateDir.alive): a daemon
+# killed (kill -9, a crash) did nothing to the workspace more than this, plus the scheduling's
+# delay, after the stamp its next mount finds (Recorder.open_record)
+ALIVE_EVERY = 0.25
+
+
+def last_alive(path: str) -> int | None:
+    """When a daemon of this state dir was last known alive (ns), or None: never stamped."""
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return None
+
+
+async def _stamp_alive(path: str) -> None:
+    """Stamp ``path`` (StateDir.alive) every ALIVE_EVERY seconds while serving."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        while True:
+            try:
+                os.utime(fd)
+            except OSError as e:  # a stamp missed makes the next recovery more careful only
+                log.debug("cannot stamp %s: %s", path, e)
+            await trio.sleep(ALIVE_EVERY)
+    finally:
+        os.close(fd)
 
 
 # how often the daemon looks for a session whose runner has gone without ending it, and for
@@ -363,7 +392,8 @@ def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool, record_da
                                   lambda name, st: recorder._drop_attic(
                                       name, (st.st_dev, st.st_ino))):
             pass
-        found = recorder.open_record()  # before the mount: nothing can change the tree meanwhile
+        # before the mount: nothing can change the tree meanwhile
+        found = recorder.open_record(last_alive(state.StateDir(state_dir).alive))
     except (OSError, JournalError) as e:
         raise MountError(f"cannot check the workspace against the record: {e}") from None
     if found["drifted"] or found["recovered"]:

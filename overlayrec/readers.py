@@ -541,7 +541,8 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
     if around and not as_json:
         parts.err(f"overlayrec: {len(around)} path(s) here were also changed around the mount "
                   "while the selection went on (by a process that bypassed it, such as a "
-                  "shell whose directory was entered before the mount): shown as they were "
+                  "shell whose directory was entered before the mount, or while its daemon "
+                  "was killed): shown as they were "
                   f"after, not exactly the selection's: {', '.join(map(shown, around[:5]))}"
                   f"{' ...' if len(around) > 5 else ''}")
     if not as_json:

@@ -900,9 +900,11 @@ class Recorder:
             if ep is not None:
                 ep.last = seq
 
-    def _left_by(self, ev: dict) -> None:
-        """The underlay took ``ev``'s change: what it left at its paths (``left``)."""
-        op, path, left = ev["op"], ev["path"], self.left
+    def _left_by(self, ev: dict, left: dict | None = None) -> None:
+        """The underlay took ``ev``'s change: what it left at its paths (in ``left``, by
+        default the daemon's own ``self.left``)."""
+        op, path = ev["op"], ev["path"]
+        left = self.left if left is None else left
         kind = _LEFT_KIND.get(op, "")
         if kind != "":
             left[path] = kind
@@ -1827,10 +1829,11 @@ class Recorder:
             self.unsealed.setdefault(p, ep.unit)
         self.epochs.clear()
 
-    def open_record(self) -> dict:
+    def open_record(self, last_alive_ns: int | None = None) -> dict:
         """At mount: seal what a daemon that did not unmount cleanly left open, then compare
         every sealed path with what the live tree holds and journal each difference as a
         ``drift`` event of the outside unit "while unmounted" (its pre-image: the seal).
+        ``last_alive_ns``: when that daemon was last known alive (StateDir.alive).
         Returns {"recovered": n, "drifted": n, "checked": n}."""
         j = self.journal
         j.append_many([], [UNMOUNTED_ACTOR, RECORDER_ACTOR, AROUND_ACTOR])
@@ -1841,9 +1844,19 @@ class Recorder:
                 last = j.last_seq_for_path(p)
                 ev = j.event(last) if last is not None else None
                 if ev is not None and ev["op"] != "seal":
-                    open_paths.append(p)
-            for p in open_paths:
+                    open_paths.append((p, ev))
+            for p, ev in open_paths:
                 self.epochs[p] = Epoch("recovered")
+                if last_alive_ns is not None:
+                    # what the killed daemon served ended by its last stamp: a file changed
+                    # later, or removed where its last event left one, was changed by another
+                    # writer while no daemon recorded (its unit's own end is then not known:
+                    # the seal's around check, as for a change around the mount)
+                    self.served[p] = last_alive_ns + ALIVE_SLACK_NS
+                    left: dict = {}
+                    self._left_by(ev, left)
+                    if p in left:
+                        self.left[p] = left[p]
             recovered = self.seal()
         self._find_small_kept()
         renames = RenameIndex(j.dir_renames())
@@ -1942,6 +1955,12 @@ class Recorder:
 # a file's ctime later than the daemon's last change to it by this much was changed around the
 # mount (kernel clocks are coarse, and a change is made just after its stamp)
 AROUND_SLACK_NS = 500_000_000
+
+
+# a killed daemon served nothing later than this after the last stamp its next mount finds
+# (daemon.ALIVE_EVERY, and the delay of the stamp under a stream of requests: a pass of the run
+# loop every few requests, serving.BURST); AROUND_SLACK_NS comes on top (Recorder._around)
+ALIVE_SLACK_NS = 500_000_000
 
 
 # what a change leaves at its path, by op ("": it depends, Recorder._left_by)

@@ -60,6 +60,12 @@ class StateDir:
         return os.path.join(self.path, "daemon.json")
 
     @property
+    def alive(self) -> str:
+        """Touched by the serving daemon every few tenths of a second (its mtime: when a
+        daemon was last known alive); after a crash, what changed later was not its doing."""
+        return os.path.join(self.path, "alive")
+
+    @property
     def daemon_log(self) -> str:
         return os.path.join(self.path, "daemon.log")
 

@@ -387,3 +387,62 @@ def test_a_session_a_killed_daemon_left_open_ends_at_the_next_mount(make_mount, 
     assert "two.txt" in shown, log
     assert overlayrec("diff", m.ws, "--session", "s", "--name-status").stdout == \
         "A\tone.txt\nA\ttwo.txt\n"
+
+
+KILLED_MID_CALL_AGENT = r'''
+import subprocess, sys, time
+from overlayrec import client
+ready = sys.argv[1]
+with client.connect() as c:
+    c.turn_begin("t")
+    c.call_begin("k1", "Bash")
+    subprocess.run(["bash", "-c", "echo two > s2; echo kept > quiet"], check=True)
+    c.call_end("k1")
+    c.call_begin("k2", "Bash")
+    subprocess.run(["bash", "-c", "echo k2 >> s2; echo y > y; echo k2 >> quiet"], check=True)
+    open(ready, "w").close()
+    time.sleep(600)
+'''
+
+
+def test_what_another_writer_did_after_the_daemon_was_killed_is_not_the_open_calls(
+        make_mount, tmp_path):
+    """The daemon killed (SIGKILL) while a call is open, its mount cleared: a user's edit of
+    the call's file and removal of the file it made, before the next mount, were sealed as the
+    call's own (diff showed the user's line as the call's; a revert of the call threw it away,
+    exit 0).  The daemon stamps its state dir while serving; the next mount finds what changed
+    after the last stamp and says the call's end there is not known: the revert refuses."""
+    m = make_mount()
+    m.mount()
+    agent = tmp_path / "agent.py"
+    agent.write_text(KILLED_MID_CALL_AGENT)
+    ready = tmp_path / "ready"
+    run = subprocess.Popen([sys.executable, "-m", "overlayrec", "run", "-w", m.ws, "--session",
+                            "k", "--", sys.executable, str(agent), str(ready)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60 * SLOW
+        while not ready.exists():
+            assert time.monotonic() < deadline and run.poll() is None, "the agent did not start"
+            time.sleep(0.05)
+        pid = json.load(open(os.path.join(m.state, "daemon.json")))["pid"]
+        os.kill(pid, signal.SIGKILL)
+    finally:
+        run.kill()
+        run.wait()
+        subprocess.run(["pkill", "-f", str(agent)])
+    overlayrec("umount", m.ws)
+    time.sleep(1.2)  # past the killed daemon's last stamp and its slack
+    with open(os.path.join(m.ws, "s2"), "a") as f:
+        f.write("user\n")
+    os.unlink(os.path.join(m.ws, "y"))
+    m.mount()
+    m.umount()
+    r = overlayrec("revert", m.ws, "--call", "k2", "--yes", check=False)
+    assert r.returncode != 0 and "s2" in r.stderr and "not known" in r.stderr, r.stderr
+    assert open(os.path.join(m.ws, "s2")).read() == "two\nk2\nuser\n"
+    # what nobody touched after the kill is the call's, as before: its revert goes on
+    r = overlayrec("revert", m.ws, "--call", "k2", "--path", "quiet", "--yes")
+    assert open(os.path.join(m.ws, "quiet")).read() == "kept\n"
+    diff = overlayrec("diff", m.ws, "--call", "k2", check=False)
+    assert "s2" in diff.stderr and "killed" in diff.stderr, diff.stderr

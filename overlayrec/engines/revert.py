@@ -404,7 +404,7 @@ def _holds_ino(step: Step, live: Tree, ino: int) -> bool:
 
 
 AROUND_NOTE = ("changed around the mount while its unit went on (by a process that bypassed "
-               "the mount): what the unit left is not known")
+               "the mount, or after its daemon was killed): what the unit left is not known")
 
 
 def _refreshed(path: str, a: State, b: State) -> bool:
