@@ -32,7 +32,7 @@ from .control import ControlServer
 from .fs import Operations
 from .journal import Journal, JournalError
 from .journal.schema import parse_unit
-from .recorder import Recorder, UnrecordedRecorder, moved_here, time_mutations
+from .recorder import ForeignAttic, Recorder, UnrecordedRecorder, moved_here, time_mutations
 from . import retention, secrets, serving, state, underlay
 
 log = logging.getLogger("overlayrec")
@@ -383,7 +383,12 @@ def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool, record_da
     # OVERLAYREC_BENCH_NORECORD=1: a bench switch, not a user feature (tools/bench's norecord
     # setup): the same filesystem layer over a recorder that journals no change. Read once here.
     make = UnrecordedRecorder if os.environ.get("OVERLAYREC_BENCH_NORECORD") == "1" else Recorder
-    recorder = make(journal, root_fd, attribution, units=calls, record_data=record_data)
+    try:
+        recorder = make(journal, root_fd, attribution, units=calls, record_data=record_data)
+    except ForeignAttic as e:
+        os.close(root_fd)
+        journal.close()
+        raise MountError(f"cannot mount {ws}: {e}") from None
     if make is not Recorder:
         log.info("OVERLAYREC_BENCH_NORECORD=1: changes are NOT recorded (a bench switch)")
     try:

@@ -31,6 +31,7 @@ import functools
 import json
 import logging
 import os
+import re
 import stat
 import time
 from typing import Callable
@@ -105,6 +106,31 @@ def moved_here(journal: Journal, recorded: str, ws: str) -> bool:
 def is_attic_entry(name: str) -> bool:
     """Is ``name`` (in the attic) a kept inode, not one of the attic's own files?"""
     return name not in ATTIC_OWN and name != ATTIC_RECORD and not name.startswith(".")
+
+
+class ForeignAttic(Exception):
+    """The workspace holds a directory of the attic's name that overlayrec did not make."""
+
+
+_ENTRY = re.compile(r"(?:[0-9a-f]+\.)?[0-9]+")  # "<journal id>.<seq>"; an older attic's "<seq>"
+
+
+def _not_an_attic(fd: int) -> str | None:
+    """Why the directory at ``fd`` (named as the attic) is not one overlayrec made, or None:
+    it is, or it is empty.  Ours notes its record (ATTIC_RECORD; an older overlayrec's did
+    not) and holds nothing but entries, its own files and their dot temp files."""
+    dfd = underlay.open_dir(fd)
+    try:
+        names = os.listdir(dfd)
+    finally:
+        os.close(dfd)
+    if ATTIC_RECORD in names and attic_record(f"/proc/self/fd/{fd}") is None:
+        return f"its {ATTIC_RECORD} is no record's note"
+    strange = sorted(n for n in names if is_attic_entry(n) and not _ENTRY.fullmatch(n))
+    if strange:
+        return f"it holds {strange[0]!r}" + (f" and {len(strange) - 1} more" if len(strange) > 1
+                                             else "")
+    return None
 
 
 def unit_fields(unit: str) -> dict:
@@ -433,6 +459,16 @@ class Recorder:
         if not stat.S_ISDIR(os.fstat(fd).st_mode):
             os.close(fd)
             raise OSError(errno.ENOTDIR, f"{ATTIC_NAME} in the workspace is not a directory")
+        try:
+            foreign = _not_an_attic(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        if foreign is not None:
+            os.close(fd)
+            raise ForeignAttic(
+                f"{ATTIC_NAME} in the workspace is not overlayrec's attic ({foreign}): overlayrec "
+                "keeps its pre-images under that name and would take it over; rename it first")
         note = json.dumps({"journal_id": jid,
                            "state_dir": os.path.realpath(self.journal.state_dir)}).encode()
         try:

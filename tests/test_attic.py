@@ -569,3 +569,38 @@ def test_a_filesystem_mounted_inside_the_workspace_is_recorded_without_an_attic(
                 assert tree_of(m.ws) == trees[i], i
         finally:
             m.umount()
+
+
+@needs_fuse
+@pytest.mark.parametrize("what", ["notes", "record"])
+def test_a_directory_of_the_attics_name_the_user_made_is_not_taken_over(tmp_path, what):
+    """A workspace holding a directory named as the attic that overlayrec never made (no
+    record's note in it, files of the user's): the mount took it as the attic without a word,
+    wrote its own .gitignore and RECORD over the user's and hid the directory from every
+    reader.  The mount refuses, naming it, and leaves it as it was."""
+    ws = tmp_path / "ws"
+    own = ws / ATTIC
+    own.mkdir(parents=True)
+    (own / ".gitignore").write_text("build/\n")
+    if what == "notes":
+        (own / "notes.txt").write_text("my notes\n")
+    else:
+        (own / "RECORD").write_text("my record keeping\n")
+    before = {p.name: p.read_bytes() for p in own.iterdir()}
+    r = overlayrec("mount", str(ws), "--state-dir", str(tmp_path / "state"), check=False)
+    try:
+        assert r.returncode != 0 and "not overlayrec's attic" in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+        assert not is_mounted(str(ws))
+    finally:
+        if is_mounted(str(ws)):
+            overlayrec("umount", str(ws), check=False)
+    assert {p.name: p.read_bytes() for p in own.iterdir()} == before
+    # an attic overlayrec made (empty here: no entry yet) mounts again, by any state dir
+    os.rename(own, tmp_path / "theirs")
+    for state in ("state", "state2", "state"):
+        overlayrec("mount", str(ws), "--state-dir", str(tmp_path / state))
+        subprocess.run(["bash", "-c", f"cd {ws} && seq 100000 > big && rm big"], check=True)
+        overlayrec("umount", str(ws))
+    names = set(os.listdir(own))
+    assert {".gitignore", "CACHEDIR.TAG", "RECORD"} < names  # and the removed files' entries
