@@ -149,9 +149,12 @@ class Exporter:
         horizon = self.j.last_seq()
         paths = {p for p in self.done["paths"] if not git_refuses(p)}
         refused = set()   # .git/ paths: git holds none, they are counted and left out
+        maybe = set()     # names git may take for .git (_refused: by their kind at a point)
         for p in self.states.all_names():  # path history: names beneath renamed dirs too
             if _visible(p):
                 (refused if git_refuses(p) else paths).add(p)
+                if _git_may_refuse(p, True):
+                    maybe.add(p)
         paths = sorted(paths)
         calls = self.j.records("calls")
         turns = self.j.records("turns")
@@ -225,12 +228,16 @@ class Exporter:
                 self.fi.cleanup()
                 raise
             new = {p for e in self._events(self.done["horizon"], horizon)
-                   for p in (e.get("path"), e.get("path2")) if p in refused}
+                   for p in (e.get("path"), e.get("path2")) if p in refused or p in maybe}
         else:
             new = {p for e in file_events(self.j, self.done["horizon"] + 1, horizon)
-                   for p in (e.get("path"), e.get("path2")) if p in refused}
-        left_out = sum(1 for p in new if not self.states.state(p, self.done["horizon"]).same(
-            self.states.state(p, horizon)))
+                   for p in (e.get("path"), e.get("path2")) if p in refused or p in maybe}
+        left_out = 0
+        for p in new:
+            was, now = self.states.state(p, self.done["horizon"]), self.states.state(p, horizon)
+            if not was.same(now) and (p in refused or any(
+                    x.kind in ("file", "symlink") and _refused(p, x) for x in (was, now))):
+                left_out += 1
         if work:
             # the marks of this run become object names in the state kept
             for st in self.done["sessions"].values():

@@ -21,7 +21,8 @@ EMPTY_TREE = "4b825dc642cb6eb9a060e54bf8d69288fbee4904"
 
 def left_out_note(n: int, what: str = "shown") -> str:
     """The line that says what a diff (or, ``what="exported"``, an export) could not hold."""
-    return (f"overlayrec: {n} change(s) under .git/ not {what} (git cannot hold them); "
+    return (f"overlayrec: {n} change(s) under .git/ or to a name git takes for .git not {what} "
+            "(git cannot hold them); "
             "`overlayrec replay` restores them")
 
 
@@ -341,12 +342,22 @@ class ObjectStore:
         return True
 
 
+# the code points HFS+ ignores in a name, which git's fsck ignores as well when it looks for a
+# ``.git`` (utf8.c, next_hfs_char): ".git" with a zero-width joiner in it is ``.git`` there
+_HFS_IGNORED = dict.fromkeys([0x200C, 0x200D, 0x200E, 0x200F, *range(0x202A, 0x202F),
+                              *range(0x206A, 0x2070), 0xFEFF])
+
+
 def _git_may_refuse(path: str, symlink: bool) -> bool:
     """Might git's own path check (``verify_path``, core.protectNTFS on as by default) refuse
     this path?  Besides ``.git`` (git_refuses) it refuses the names NTFS reads as ``.git``
-    (``git~1``, ``.git. ``, ``.git::$INDEX_ALLOCATION``: git's ``is_ntfs_dotgit``) and, for a
+    (``git~1``, ``.git. ``, ``.git::$INDEX_ALLOCATION``: git's ``is_ntfs_dotgit``) or HFS+
+    does (``.git`` with a zero-width code point in it: ``is_hfs_dotgit``) and, for a
     symlink, as ``.gitmodules``.  A wide net: what it catches goes through git's own check."""
     for part in path.lower().split("/"):
+        hfs = part.translate(_HFS_IGNORED)  # HFS+ reads a name without these (is_hfs_dotgit)
+        if hfs == ".git" or (symlink and hfs == ".gitmodules"):
+            return True
         for stem in (".git", "git~1"):
             if part.startswith(stem):
                 rest = part[len(stem):].lstrip(". ")
