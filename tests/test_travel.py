@@ -13,6 +13,7 @@ import pytest
 
 from conftest import needs_fuse, overlayrec
 from test_diff import AGENT, seed
+from overlayrec.journal import schema
 
 pytestmark = [needs_fuse, pytest.mark.timeout(400)]
 
@@ -264,6 +265,13 @@ def test_sessions_and_calls_any_git_ref_would_refuse_are_exported(make_mount, tm
     assert read_fetched(clone, "here", session, ODD_IDS) == seen
     for i, cid in enumerate(ODD_IDS):
         assert f"+++ b/f{i}\n" in seen[(cid, "patch")], cid
+    # the commits' trailers name each call whole: one holding a newline was cut there, so
+    # `records blame` named a call that never was and `records report` failed on it (a hunt)
+    for i, cid in enumerate(ODD_IDS):
+        rows = [json.loads(line) for line in overlayrec(
+            "records", "blame", "--git", str(clone), f"f{i}", "--json").stdout.splitlines()]
+        assert rows and all(r["unit"] == schema.call_unit(session, cid) for r in rows), rows
+    overlayrec("records", "report", "--git", str(clone), "--html", str(tmp_path / "r.html"))
 
 
 def test_a_push_under_an_origin_another_workspace_pushes_as_is_refused(make_mount, tmp_path):

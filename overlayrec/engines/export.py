@@ -93,6 +93,24 @@ def side_key(kind: str, key) -> str:
     return "session"
 
 
+# the trailers that carry an id (a call's, a session's), read back by the records' readers
+ID_TRAILERS = ("Call", "Session", "Active-With")
+
+
+def trailer_id(name: str) -> str:
+    """A call's id or a session's name as a trailer's value: as it is, or, when it holds what a
+    trailer cannot (a newline cut it there, and `records blame` named a call that never was),
+    a ``%`` or spaces at its ends, written as ``ref_part`` writes it (``from_trailer_id``)."""
+    if any(c in name for c in "\n\r%") or name != name.strip():
+        return ref_part(name)
+    return name
+
+
+def from_trailer_id(value: str) -> str:
+    """The id ``trailer_id`` wrote as ``value`` (one with a ``%`` was written so)."""
+    return from_ref_part(value)
+
+
 def _trailer_value(text, first_line: bool = True) -> str:
     """Free text as a trailer's value, on one line (at most 200 characters): a prompt's first
     line; a command (``first_line`` false) whole, its newlines and control characters escaped
@@ -394,7 +412,7 @@ class Exporter:
             t0 = first.get("begin_t") or started or 0
             unsure = self._fill_unrecorded(paths, started or t0)
             msg = (f"session {sid}: the workspace before it\n\n"
-                   f"Overlayrec-Session: {sid}\nOverlayrec-Seq: ..{point}\n")
+                   f"Overlayrec-Session: {trailer_id(sid)}\nOverlayrec-Seq: ..{point}\n")
             if unsure:
                 self.unsure_bases[sid] = unsure
                 msg += "".join(f"Overlayrec-Changed-Unseen: {shown(p)}\n"
@@ -639,8 +657,10 @@ class Exporter:
     def _call_message(self, sid: str, c: dict, lo: int, hi: int):
         unit = call_unit(sid, c["id"])
         subject = one_line(f"{c['tool']}: {c.get('summary') or c['id']}")[:72]
-        trailers = [("Overlayrec-Call", c["id"]), ("Overlayrec-Tool", one_line(c["tool"])),
-                    ("Overlayrec-Turn", str(c.get("turn"))), ("Overlayrec-Session", sid),
+        trailers = [("Overlayrec-Call", trailer_id(c["id"])),
+                    ("Overlayrec-Tool", one_line(c["tool"])),
+                    ("Overlayrec-Turn", str(c.get("turn"))),
+                    ("Overlayrec-Session", trailer_id(sid)),
                     ("Overlayrec-Seq", f"{lo + 1}..{hi}"), ("Overlayrec-Status", str(c.get("status"))),
                     ("Overlayrec-Begin", str(c["begin_t"])), ("Overlayrec-End", str(c["end_t"]))]
         if EXTRA_TRAILERS:
@@ -655,7 +675,7 @@ class Exporter:
         # changes placed in this call by a guess among calls active together (views.guessed)
         placed = guessed([e for e in self._events(lo, hi) if e.get("unit") == unit])
         trailers += [("Overlayrec-Guessed", shown(p)) for p in placed["guessed"]]
-        trailers += [("Overlayrec-Active-With", parse_unit(u).id)
+        trailers += [("Overlayrec-Active-With", trailer_id(parse_unit(u).id))
                      for u in placed["active_with"] if placed["guessed"]]
         msg = subject + "\n\n" + "\n".join(f"{k}: {v}" for k, v in trailers) + "\n"
         author = _ident(f"agent (session {sid})", "agent@overlayrec.invalid", c["end_t"])
@@ -664,7 +684,7 @@ class Exporter:
     def _turn_message(self, sid: str, t: dict, lo: int, hi: int):
         prompt = (t.get("prompt") or "").splitlines()
         subject = f"turn {t['index']} ends" + (f": {one_line(prompt[0])}" if prompt else "")
-        trailers = [("Overlayrec-Turn", str(t["index"])), ("Overlayrec-Session", sid),
+        trailers = [("Overlayrec-Turn", str(t["index"])), ("Overlayrec-Session", trailer_id(sid)),
                     ("Overlayrec-Seq", f"{t['begin_seq']}..{hi}"),
                     ("Overlayrec-Begin", str(t["begin_t"])), ("Overlayrec-End", str(t["end_t"]))]
         if EXTRA_TRAILERS and prompt:
@@ -700,7 +720,8 @@ class Exporter:
             "outside processes)" if mixed else "processes earlier calls left running"
             if by_calls else "the agent")
         msg = (f"{subject}\n\n"
-               + "\n".join([f"Overlayrec-Session: {sid}", f"Overlayrec-Seq: {lo + 1}..{hi}"]
+               + "\n".join([f"Overlayrec-Session: {trailer_id(sid)}",
+                             f"Overlayrec-Seq: {lo + 1}..{hi}"]
                            + [f"Overlayrec-Unit: {u}" for u in units]
                            + [f"Overlayrec-Actor: {a}" for a in actors]) + "\n")
         email = "outside@overlayrec.invalid" if outside or others else \
@@ -801,7 +822,7 @@ class Exporter:
                    + [e["t"] for e in self._events(since, horizon)
                       if unit_session(e.get("unit")) == sid], default=0)
         who = _ident("overlayrec", "overlayrec@localhost", t_ns)
-        msg = (f"session {sid}: the sides of its diffs\n\nOverlayrec-Session: {sid}\n"
+        msg = (f"session {sid}: the sides of its diffs\n\nOverlayrec-Session: {trailer_id(sid)}\n"
                f"Overlayrec-Seq: ..{horizon}\n")
         if not st.get("sides"):
             # a root commit, whatever was there

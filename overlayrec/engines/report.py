@@ -18,6 +18,7 @@ files' sections, so a mark shows its file's part and a bar the whole.
 """
 from __future__ import annotations
 
+import re
 import time
 
 from ..journal import Journal
@@ -314,7 +315,7 @@ def _quote(s: str) -> str:
 def _name_status(text: str) -> list[tuple[str, str, str]]:
     """``git diff-tree --name-status`` lines as (status letter, old name, new name)."""
     out = []
-    for line in text.splitlines():
+    for line in text.split("\n"):  # not splitlines: a name may hold U+2028, git leaves it
         if not line:
             continue
         parts = line.split("\t")
@@ -326,7 +327,10 @@ def _name_status(text: str) -> list[tuple[str, str, str]]:
 def _sections(patch: str) -> list[str]:
     """A patch cut at each file's ``diff --git`` header."""
     out: list[str] = []
-    for line in patch.splitlines(keepends=True):
+    # at git's newlines only, as _name_status
+    for line in re.split(r"(?<=\n)", patch):
+        if not line:
+            continue
         if line.startswith("diff --git ") or not out:
             out.append(line)
         else:

@@ -23,7 +23,7 @@ import subprocess
 
 from ..journal.schema import call_unit, turn_unit
 from ..views import shown
-from .export import from_ref_part, side_key
+from .export import ID_TRAILERS, from_ref_part, from_trailer_id, side_key
 from .gitdiff import EMPTY_TREE, GitError, ObjectStore
 
 ORIGINS = "refs/overlayrec/origins"
@@ -176,12 +176,19 @@ def _fetch(remote: str, into: str, umask: int) -> dict:
             "sessions": len(recs.sessions)}
 
 
+def _lines(text: str) -> list[str]:
+    """git's output cut at its newlines only (``str.splitlines`` also cuts at U+2028 and
+    U+0085, which git leaves unquoted in a name)."""
+    return [line for line in text.split("\n") if line]
+
+
 def _trailers(message: str) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
-    for line in message.splitlines():
+    for line in message.split("\n"):
         if line.startswith("Overlayrec-") and ": " in line:
             k, v = line.split(": ", 1)
-            out.setdefault(k[len("Overlayrec-"):], []).append(v)
+            k = k[len("Overlayrec-"):]
+            out.setdefault(k, []).append(from_trailer_id(v) if k in ID_TRAILERS else v)
     return out
 
 
@@ -416,20 +423,20 @@ class Records:
                                   "end_t": int(t.get("End", [0])[0]),
                                   "processes": t.get("Actor", []),
                                   "others": t.get("Other-Writer", []),
-                                  "files": files.splitlines(), "diff": patch})
+                                  "files": _lines(files), "diff": patch})
                 elif c["parent"] and "Turn" in t and "Call" not in t:
                     n = int(t["Turn"][0])
                     turns.append({"index": n, "prompt": (t.get("Prompt") or [""])[0]
                                   or c["subject"].partition(": ")[2],
                                   "begin_t": int(t.get("Begin", [0])[0]),
                                   "end_t": int(t.get("End", [0])[0]),
-                                  "files": self.diff("name-status", turn=n, origin=o,
-                                                     session=sid).splitlines()})
+                                  "files": _lines(self.diff("name-status", turn=n, origin=o,
+                                                     session=sid))})
                 elif c["parent"] and "Unit" in t:
                     outside.append({"units": t["Unit"], "processes": t.get("Actor", []),
                                     "t": c["t"], "seq": list(c["seq"]),
-                                    "files": self.store.diff(c["parent"], c["sha"],
-                                                             "name-status").splitlines()})
+                                    "files": _lines(self.store.diff(c["parent"], c["sha"],
+                                                                    "name-status"))})
             out.append({"origin": o, "session": sid, "turns": turns, "calls": calls,
                         "between": outside})
         return {"sessions": out}
