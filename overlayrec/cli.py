@@ -26,6 +26,8 @@ from .state import StateError
 
 _one_line = readers.one_line
 
+RENAME_EXCHANGE = 2  # renameat2's flag, as underlay has it (not imported for one number)
+
 
 def _shown(value: str, limit: int = 60) -> str:
     """A value as given, quoted, cut to ``limit`` characters."""
@@ -985,11 +987,14 @@ def log_cmd(workspace, glob, limit, call_id, turn_sel, sid, actor, since, until,
                 where = one_line(" ".join(f"{k}={ev[k]}" for k in ("session", "turn", "call",
                                                                    "tool", "status", "revert")
                                           if ev.get(k) is not None))
+            op = ev["op"]
             if ev.get("path2") is not None:
-                where += f" -> {shown(ev['path2'])}"
+                swapped = op == "rename" and ev.get("flags", 0) & RENAME_EXCHANGE
+                op = "exchange" if swapped else op  # both names stay, their objects swapped
+                where += f" {'<->' if swapped else '->'} {shown(ev['path2'])}"
             note = f"  (failed: {os.strerror(ev['failed_errno'])})" if "failed_errno" in ev else ""
             click.echo(f"{ev['seq']:>6} {_fmt_time(ev['t'])} {a['pid'] if a else '?':>7} "
-                       f"{one_line(command_name(a)):<12.12} {ev['op']:<11} {where}{note}")
+                       f"{one_line(command_name(a)):<12.12} {op:<11} {where}{note}")
 
         rows, last = [], lo - 1
         for ev in j.events(lo, hi):
@@ -1818,7 +1823,9 @@ def show(seq, workspace, state_dir, as_json):
     if as_json:
         click.echo(json.dumps({"event": ev, "actor": actor, "diff": diff_text}))
         return
-    click.echo(f"event {seq}: {ev['op']} {' -> '.join(map(shown, paths))}"
+    swapped = ev["op"] == "rename" and ev.get("flags", 0) & RENAME_EXCHANGE
+    click.echo(f"event {seq}: {'exchange' if swapped else ev['op']} "
+               f"{(' <-> ' if swapped else ' -> ').join(map(shown, paths))}"
                + (f" {left}" if left else ""))
     click.echo(f"  time:    {_fmt_time(ev['t'])}")
     click.echo(f"  unit:    {unit_shown(ev.get('unit'))}" + (" (after its call ended)"

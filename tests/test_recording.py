@@ -212,6 +212,15 @@ def test_renameat2_noreplace_and_exchange(make_mount):
     assert open(os.path.join(m.ws, "c"), "rb").read() == b"BBB"
     evs = only(m.events(), "rename")
     assert [(e["path"], e["path2"], e.get("flags")) for e in evs] == [("a", "b", 2), ("a", "c", 1)]
+    # the readers say the exchange is one: both names stay (it read as "rename a -> b", a gone
+    # and b replaced: found by a hunt)
+    m.umount()
+    log = overlayrec("log", m.ws, "--op", "rename").stdout.splitlines()
+    assert "exchange    a <-> b" in log[0] and "rename      a -> c" in log[1], log
+    seq = str(evs[0]["seq"])
+    assert overlayrec("show", "-w", m.ws, seq).stdout.startswith(f"event {seq}: exchange a <-> b")
+    blame = overlayrec("blame", "-w", m.ws, "b").stdout
+    assert "exchange with a" in blame and "rename" not in blame, blame
 
 
 def test_git_works_through_the_mount(make_mount):

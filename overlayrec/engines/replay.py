@@ -9,10 +9,10 @@ import tempfile
 
 from ..journal import Journal
 from ..journal.schema import outside_unit
-from ..underlay import O_PATH, Escape, chmod_fd, kind_of, resolve_beneath
+from ..underlay import O_PATH, RENAME_EXCHANGE, Escape, chmod_fd, kind_of, resolve_beneath
 from .diff import SelectionError, _visible, find_call, find_turn, session_named
 from ..secrets import PLACEHOLDER, public_in
-from ..views import guessed
+from ..views import guessed, shown
 from .revert import link_key, linked, make_node, set_meta, temp_name
 from .large import copy_fd, write_to
 from .states import ATTIC, States, State, Tree, state_of_stat
@@ -584,8 +584,13 @@ def blame(j: Journal, states: States, path: str, at: int | None = None) -> list[
                     break
         for e in states.events_on(name):
             if lo < e["seq"] <= hi and (e["seq"], name) not in steps:
-                op = e["op"] if e.get("path2") is None else \
-                    f"{e['op']} {'to ' + e['path2'] if e['path'] == name else 'from ' + e['path']}"
+                other = e.get("path2") if e["path"] == name else e["path"]
+                if e.get("path2") is None:
+                    op = e["op"]
+                elif e.get("flags", 0) & RENAME_EXCHANGE:  # both names stay, swapped
+                    op = f"exchange with {shown(other)}"
+                else:
+                    op = f"{e['op']} {'to' if e['path'] == name else 'from'} {shown(other)}"
                 steps[e["seq"], name] = (e, name, op)
         for r in renames:
             if r["seq"] < lo:
@@ -599,12 +604,13 @@ def blame(j: Journal, states: States, path: str, at: int | None = None) -> list[
                 if states.state(name, r["seq"] - 1).present and \
                         (r["seq"], dst + name[len(src):]) not in steps:
                     steps.setdefault((r["seq"], name), (j.event(r["seq"]), name,
-                                                        f"moved away with {src}/ -> {dst}/"))
+                                                        f"moved away with {shown(src + '/')} -> {shown(dst + '/')}"))
             elif name.startswith(dst + "/"):
                 old = src + name[len(dst):]
                 if states.state(old, r["seq"] - 1).present:
                     steps[r["seq"], name] = (j.event(r["seq"]), name,
-                                             f"moved with {src}/ -> {dst}/")
+                                             f"moved with {shown(src + '/')} -> "
+                                             f"{shown(dst + '/')}")
                     if steps.get((r["seq"], old), (None, None, ""))[2].startswith("moved away"):
                         del steps[r["seq"], old]
                     gather(old, r["seq"] - 1, moved_here=True)
