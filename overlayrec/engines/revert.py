@@ -1251,15 +1251,28 @@ def recheck(plan: Plan, live) -> None:
     symlink, which the step itself refuses) loses nothing to the step.  ``live``: the live
     tree (states.Tree)."""
     for s in plan.steps:
-        if s.conflict:
-            continue
-        try:
-            now = live.state(s.path)
-        except OSError:
-            continue  # read again by the step itself, which says what stops it
-        if now.present and not (now.same(s.expected) or now.same(s.target)):
+        if not s.conflict and changed_since(live, s):
             s.conflict, s.note = "changed", CHANGED_SINCE
             plan.changed_since.append(s.path)
+
+
+# a step's result when its path was changed by another writer after the plan was made
+KEPT_CHANGED = FAILED + "kept: another writer changed it after the revert was planned"
+
+
+def changed_since(live, step: Step) -> bool:
+    """Does ``step.path`` hold something the plan neither found there (``expected``) nor puts
+    there (``target``)?  Someone put it there after the plan was made, and the step would
+    write over it.  Nothing there loses nothing to the step; a path that cannot be read is
+    read again by the step itself, which says what stops it."""
+    try:
+        now = live.state(step.path)
+    except OSError:
+        return False
+    # a directory loses nothing to a step but by its removal, which keeps one not empty
+    # (KEPT); one on the way of the plan's paths is made by their steps (``ways``)
+    return now.present and now.kind != "dir" and \
+        not (now.same(step.expected) or now.same(step.target))
 
 
 def plan_from_json(d: dict, content_get) -> Plan:
