@@ -411,6 +411,10 @@ class Recorder:
         # a file whose ctime is later at its seal was changed around the mount (seal)
         self.served: dict[str, int] = {}
         self.served_ino: dict[int, int] = {}  # inode -> when a name of it came or went
+        # path -> the ctime its last seal found, for files of one link sealed by this daemon
+        # and not changed since: a later ctime at the next change is another writer's around
+        # the mount (_bypassed); at most SEALED_CTIMES kept, the oldest let go
+        self.sealed_ctime: dict[str, int] = {}
         # path -> the kind of what the daemon's last change to it left there (None: it removed
         # it), for the paths it changed since their seal: a file found absent at its seal that
         # the daemon left there was removed around the mount (seal)
@@ -872,8 +876,13 @@ class Recorder:
         if self.secrets.carried(src, dst, withheld):
             self.journal.put_meta(META_NAMES, self.secrets.names_json())
 
-    def _epoch(self, path: str, unit: str) -> tuple[Epoch, bool]:
+    def _epoch(self, path: str, unit: str, write: bool = False) -> tuple[Epoch, bool]:
+        if not write and (path in self.served or path in self.sealed_ctime):
+            # a change other than a write (which _capture's caller checks once a run):
+            # another writer's around the mount since the daemon's last is found first
+            self._bypassed(path, self._lstat_or_none(path))
         self.served[path] = time.time_ns()  # before every change the daemon makes to it
+        self.sealed_ctime.pop(path, None)
         ep = self.epochs.get(path)
         if self._undo is not None and path not in self._undo:
             self._undo[path] = None if ep is None else (
@@ -907,6 +916,61 @@ class Recorder:
                 ep.ranges.iv = iv
             self.epochs[path] = ep
 
+    def _lstat_or_none(self, path: str) -> os.stat_result | None:
+        try:
+            return self._lstat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError:
+            return None  # not looked at (a way its owner may not search): the seal says
+
+    def _bypassed(self, path: str, st: os.stat_result | None) -> bool:
+        """Was ``path`` (found as ``st``; None: nothing there) changed by another writer, around
+        the mount, since the daemon last changed it (``served``) or sealed it (``sealed_ctime``)?
+        A process whose working directory was entered before the mount writes beneath it: its
+        change, taken into the pre-image of the next change or the epoch going on, read as the
+        unit's own (its diff showed the user's line; a revert of the call removed it).  Found
+        by the ctime, as a seal finds one (``_around``): then a ``drift`` of the outside unit
+        "around" is journaled ahead of the next event (its pre-image: the seal it departed
+        from, or, inside an epoch, what the unit left, not known), and the path's epoch ends,
+        so the next change takes a pre-image of what the other writer left."""
+        if path.startswith(_ATTIC_SLASH):
+            return False
+        served, sealed = self.served.get(path), self.sealed_ctime.get(path)
+        if st is None:
+            changed = served is not None and self.left.get(path) == "file"
+        elif not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            return False  # a directory's ctime moves with its entries; a link's with its names
+        elif served is not None:
+            changed = st.st_ctime_ns > served + AROUND_SLACK_NS
+        else:
+            changed = sealed is not None and st.st_ctime_ns > sealed
+        if not changed:
+            return False
+        pre = None
+        if served is None:  # sealed, unchanged since by the daemon: the seal says what it held
+            last = self.journal.last_seq_for_path(path)
+            ev = self.journal.event(last) if last is not None else None
+            if ev is not None and ev["op"] == "seal":
+                pre = ev["pre"]
+        if pre is not None:
+            drift = {"op": "drift", "path": path, "pre": pre, "epoch": True,
+                     "unit": outside_unit(AROUND), "actor": AROUND}
+        else:
+            drift = _around_event(path, self._meta(st) if st is not None else {"kind": "file"})
+        self._pending.append(drift)
+        log.info("%s was changed around the mount (a process that bypassed it)", path)
+        self.epochs.pop(path, None)
+        self.unsealed.pop(path, None)
+        self.served[path] = time.time_ns()
+        self.sealed_ctime.pop(path, None)
+        if self.on_around is not None:
+            try:
+                self.on_around(path)
+            except Exception:  # the record is whole; only a cache is left as it was
+                log.exception("cannot drop the kernel's cache of %s", path)
+        return True
+
     # -- the write-ahead step -------------------------------------------------------------------
     def _append(self, ev: dict, actor: dict) -> int:
         """Commit ``ev`` (after any failed notes still owed, in the same commit); its seq.
@@ -914,7 +978,7 @@ class Recorder:
         committed: the caller must then leave the underlay alone."""
         aliases, self._pending = self._pending, []
         for a in aliases:
-            a["actor"] = ev.get("actor", actor["key"])
+            a.setdefault("actor", ev.get("actor", actor["key"]))  # a drift's is "around"
         if not self._unjournaled and not aliases:
             seq = self.journal.append(ev, actor)
             self._latest(ev, seq)
@@ -1367,7 +1431,7 @@ class Recorder:
 
         Returns the event to commit ahead of the change, or None when nothing new needs saving.
         """
-        ep, new = self._epoch(path, unit)
+        ep, new = self._epoch(path, unit, write=True)
         if ep.content_saved and not new:
             return None
         st = os.fstat(fd)
@@ -1498,6 +1562,11 @@ class Recorder:
         the tree can be replayed exactly at every event, not only at epoch boundaries.
         Returns the seq of the event it journaled, or None when the write joins the handle's
         run (the caller counts it in the run once the underlay has made it: ``write``)."""
+        if handle.path in self.served or handle.path in self.sealed_ctime:
+            ep = self.epochs.get(handle.path)
+            if handle.write_seq is None or ep is None or handle.epoch is not ep or \
+                    ep.last != handle.write_seq:  # a new run (below): looked at once a run
+                self._bypassed(handle.path, os.fstat(handle.fd))
         captured = ev = self._capture(handle.path, handle.fd, handle.unit, off, off + length)
         if self.record_data and data is not None:
             ev = ev or {"path": handle.path, **unit_fields(handle.unit)}
@@ -1687,7 +1756,8 @@ class Recorder:
         path = self.rel(fd)
         unit = self.units.unit_of(actor, path)
         ep = self.epochs.get(path)
-        if ep is None or ep.unit != unit or not ep.meta_saved:
+        if ep is None or ep.unit != unit or not ep.meta_saved or \
+                (path in self.served and self._bypassed(path, st)):
             return None, (path, unit)
         self.served[path] = time.time_ns()  # its ctime moves with it (seal)
         ev = {"op": op, "path": path, **unit_fields(unit), **kw, "actor": actor["key"]}
@@ -1809,6 +1879,10 @@ class Recorder:
                 events.append(_around_event(p, {"kind": "file"}))
             events.append({"op": "seal", "path": p, "pre": pre, "actor": "overlayrec"})
         self._ctimes_after_reads([(e["path"], e["pre"]) for e in events if e["op"] == "seal"])
+        sealed_ctimes = {e["path"]: e["pre"]["ctime_ns"] for e in events
+                         if e["op"] == "seal" and "ctime_ns" in e["pre"] and
+                         e["pre"].get("nlink", 1) == 1 and "links" not in e["pre"] and
+                         not e["path"].startswith(_ATTIC_SLASH)}
         try:
             self.journal.append_many(events, [])
         except JournalError as e:
@@ -1824,6 +1898,9 @@ class Recorder:
             self.unsealed.pop(p, None)
             self.served.pop(p, None)
             self.left.pop(p, None)
+        self.sealed_ctime.update(sealed_ctimes)
+        while len(self.sealed_ctime) > SEALED_CTIMES:  # the oldest first (insertion order)
+            del self.sealed_ctime[next(iter(self.sealed_ctime))]
         if self.on_around is not None:
             for e in events:
                 if e["op"] == "drift":
@@ -1991,6 +2068,11 @@ class Recorder:
 # a file's ctime later than the daemon's last change to it by this much was changed around the
 # mount (kernel clocks are coarse, and a change is made just after its stamp)
 AROUND_SLACK_NS = 500_000_000
+
+
+# at most this many sealed files' ctimes kept to find another writer's change at the next
+# change (Recorder.sealed_ctime): about 150 bytes each
+SEALED_CTIMES = 100_000
 
 
 # a killed daemon served nothing later than this after the last stamp its next mount finds

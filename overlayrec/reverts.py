@@ -328,14 +328,17 @@ def carry_out(ws: str, sd: str, plan: Plan, content, *, unreverts: str | None = 
                 steps = order([s for s in plan.steps if not s.conflict], root_fd)
                 if resume is not None:  # what the killed run left half made
                     clear_stale_temps(root_fd, [s.path for s in steps])
-                live = Tree(root_fd)
+                live, ours = Tree(root_fd), set()
                 for s in steps:
                     # a path saved by another writer while the revert went through the others
                     # (an editor's save): kept, said, never written over
-                    if not isinstance(s, (DirMode, Opening)) and changed_since(live, s):
+                    if not isinstance(s, (DirMode, Opening)) and changed_since(live, s, ours):
                         done.append((s.path, KEPT_CHANGED))
-                    else:
-                        done.append((s.path, apply_step(root_fd, s, made)))
+                        continue
+                    done.append((s.path, apply_step(root_fd, s, made)))
+                    st = live.state_stat(s.path)[1] if s.target.kind == "file" else None
+                    if st is not None and st.st_nlink > 1:
+                        ours.add((st.st_dev, st.st_ino))
                     if progress is not None:
                         progress(len(done), len(steps))
                     if delay:  # tests interrupt a revert half way

@@ -41,7 +41,7 @@ def overlayrec(*args, check=True, env=None, timeout=60, **kw):
 
 
 def is_mounted(path: str) -> bool:
-    with open("/proc/self/mountinfo") as f:
+    with open("/proc/self/mountinfo", errors="surrogateescape") as f:
         return any(line.split()[4] == path for line in f)
 
 

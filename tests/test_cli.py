@@ -302,7 +302,7 @@ def test_a_subdirectory_reads_and_records_its_workspace(make_mount, tmp_path):
     '''))
     r = overlayrec("run", "--", sys.executable, str(agent), cwd=src)
     assert "inside the workspace" in r.stderr
-    assert [line for line in open("/proc/self/mountinfo") if f" {src} " in line] == []
+    assert [line for line in open("/proc/self/mountinfo", errors="surrogateescape") if f" {src} " in line] == []
     r = overlayrec("mount", src, check=False)
     assert r.returncode != 0 and r.stderr.strip() == (
         f"overlayrec: error: {src} is inside the overlayrec mount {m.ws}, which records it "

@@ -1268,7 +1268,7 @@ READER = textwrap.dedent(r'''
 def _abort_fuse_connection(ws: str) -> None:
     """A daemon stuck in the kernel on its own connection dies only once the connection is
     aborted (fusectl): so that a regression here fails the test instead of hanging it."""
-    with open("/proc/self/mountinfo") as f:
+    with open("/proc/self/mountinfo", errors="surrogateescape") as f:
         minor = [line.split()[2].split(":")[1] for line in f if line.split()[4] == ws]
     if not minor:
         return
