@@ -876,8 +876,8 @@ class Recorder:
         if self.secrets.carried(src, dst, withheld):
             self.journal.put_meta(META_NAMES, self.secrets.names_json())
 
-    def _epoch(self, path: str, unit: str, write: bool = False) -> tuple[Epoch, bool]:
-        if not write and (path in self.served or path in self.sealed_ctime):
+    def _epoch(self, path: str, unit: str, checked: bool = False) -> tuple[Epoch, bool]:
+        if not checked and (path in self.served or path in self.sealed_ctime):
             # a change other than a write (which _capture's caller checks once a run):
             # another writer's around the mount since the daemon's last is found first
             self._bypassed(path, self._lstat_or_none(path))
@@ -933,7 +933,8 @@ class Recorder:
         by the ctime, as a seal finds one (``_around``): then a ``drift`` of the outside unit
         "around" is journaled ahead of the next event (its pre-image: the seal it departed
         from, or, inside an epoch, what the unit left, not known), and the path's epoch ends,
-        so the next change takes a pre-image of what the other writer left."""
+        so the next change takes a pre-image of what the other writer left.  The drift is
+        committed at once: its seq must come before any the change has reserved."""
         if path.startswith(_ATTIC_SLASH):
             return False
         served, sealed = self.served.get(path), self.sealed_ctime.get(path)
@@ -958,7 +959,7 @@ class Recorder:
                      "unit": outside_unit(AROUND), "actor": AROUND}
         else:
             drift = _around_event(path, self._meta(st) if st is not None else {"kind": "file"})
-        self._pending.append(drift)
+        self.journal.append(drift)
         log.info("%s was changed around the mount (a process that bypassed it)", path)
         self.epochs.pop(path, None)
         self.unsealed.pop(path, None)
@@ -978,7 +979,7 @@ class Recorder:
         committed: the caller must then leave the underlay alone."""
         aliases, self._pending = self._pending, []
         for a in aliases:
-            a.setdefault("actor", ev.get("actor", actor["key"]))  # a drift's is "around"
+            a["actor"] = ev.get("actor", actor["key"])
         if not self._unjournaled and not aliases:
             seq = self.journal.append(ev, actor)
             self._latest(ev, seq)
@@ -1297,6 +1298,8 @@ class Recorder:
             self._stamp_names(st2, unit, path, path2)
         # a secret renamed over is really gone: no attic link, no copy (overlayrec.secrets)
         withheld2 = self._withhold(path2, pre2, lambda: underlay.open_own(npfd, nname, _READ))
+        if path2 in self.served or path2 in self.sealed_ctime:
+            self._bypassed(path2, st2)  # before the seq is reserved: the drift comes first
         seq = self.journal.reserve_seq()
         ev["seq"] = seq
         attic_key = None
@@ -1315,7 +1318,7 @@ class Recorder:
                 attic_key = (st2.st_dev, st2.st_ino)
                 self._keep_if_linked(npfd, nname, st2, pre2)
         ev["pre2"] = pre2
-        ep2, new2 = self._epoch(path2, unit)
+        ep2, new2 = self._epoch(path2, unit, checked=True)
         if new2:
             ev["epoch2"] = True
         self._carry_secret(path, path2, withheld)
@@ -1431,7 +1434,7 @@ class Recorder:
 
         Returns the event to commit ahead of the change, or None when nothing new needs saving.
         """
-        ep, new = self._epoch(path, unit, write=True)
+        ep, new = self._epoch(path, unit, checked=True)  # a write: its caller looks
         if ep.content_saved and not new:
             return None
         st = os.fstat(fd)

@@ -5,7 +5,14 @@ change, which follows it, look like one made around the mount."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 import time
+
+import pytest
+
+from conftest import needs_fuse, overlayrec
 
 from overlayrec.attribution import Attribution
 from overlayrec.fs import Handle
@@ -55,3 +62,75 @@ def test_a_slow_preimage_is_not_taken_for_a_change_around_the_mount(tmp_path):
     finally:
         os.close(root_fd)
         j.close()
+
+
+BENEATH = r'''
+import os, sys, time
+go, done = sys.argv[1], sys.argv[2]
+while not os.path.exists(go):
+    time.sleep(0.01)
+with open("f", "a") as f:   # relative to a working directory entered before the mount
+    f.write("user-line\n")
+open(done, "w").close()
+'''
+
+
+@needs_fuse
+@pytest.mark.parametrize("between", ["calls", "inside"])
+def test_a_change_beneath_the_mount_is_found_at_the_next_change(make_mount, tmp_path, between):
+    """A shell whose directory was entered before the mount appends to a file beneath it,
+    between two calls or inside one call between two of its changes; the call then changes
+    the file again.  The next change's pre-image took the other writer's line as the call's
+    (diff showed it, a revert of the call removed it; found by hunts).  A drift of the outside
+    unit "around" is journaled ahead of it: diff names the other writer, the revert refuses."""
+    m = make_mount()
+    with open(os.path.join(m.ws, "f"), "w") as f:
+        f.write("base\n")
+    (tmp_path / "beneath.py").write_text(BENEATH)
+    go, done = tmp_path / "go", tmp_path / "done"
+    beneath = subprocess.Popen([sys.executable, str(tmp_path / "beneath.py"), str(go),
+                                str(done)], cwd=m.ws)
+    try:
+        m.mount()
+        (tmp_path / "agent.py").write_text(textwrap.dedent(f'''
+            import os, subprocess, time
+            from overlayrec import client
+
+            def user():  # past the slack the ctime is read with (the daemon's own changes)
+                time.sleep(1.0)
+                open({str(go)!r}, "w").close()
+                while not os.path.exists({str(done)!r}):
+                    time.sleep(0.01)
+                time.sleep(0.1)
+
+            with client.connect() as c:
+                c.call_begin("c1", "Bash")
+                subprocess.run(["bash", "-c", "echo agent1 >> f"], check=True)
+                {"c.call_end('c1'); user(); c.call_begin('c2', 'Bash')" if between == "calls"
+                 else "user()"}
+                subprocess.run(["bash", "-c", "sed -i s/base/BASE/ f"], check=True)
+                c.call_end({"'c2'" if between == "calls" else "'c1'"})
+        '''))
+        overlayrec("run", "-w", m.ws, "--session", "s", "--", sys.executable,
+                   str(tmp_path / "agent.py"), cwd=m.ws)
+        assert beneath.wait(timeout=30) == 0
+    finally:
+        if beneath.poll() is None:
+            beneath.kill()
+            beneath.wait()
+    last = "c2" if between == "calls" else "c1"
+    assert open(os.path.join(m.ws, "f")).read() == "BASE\nagent1\nuser-line\n"
+    drifts = [e for e in m.events() if e["op"] == "drift"]
+    assert [(e["path"], e["unit"]) for e in drifts] == [("f", "outside:around")], drifts
+    d = overlayrec("diff", m.ws, "--call", last)
+    if between == "calls":  # the call's own change only: the user's line was there before it
+        assert "+user-line" not in d.stdout and "-base\n+BASE" in d.stdout, d.stdout
+    else:
+        assert "outside:around" in d.stderr, d.stderr
+    r = overlayrec("revert", m.ws, "--call", last, "--yes", check=False)
+    if between == "calls":  # its revert gives back what the user left
+        assert r.returncode == 0, r.stderr
+        assert open(os.path.join(m.ws, "f")).read() == "base\nagent1\nuser-line\n"
+    else:
+        assert r.returncode != 0 and "f" in r.stderr, r.stderr
+        assert open(os.path.join(m.ws, "f")).read() == "BASE\nagent1\nuser-line\n"
