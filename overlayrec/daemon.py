@@ -67,6 +67,28 @@ def _setup_logging(state_dir: str, foreground: bool) -> None:
                         format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s")
 
 
+# how long the daemon, asked to end, waits for the kernel to write back what processes left
+# dirty in their shared mappings of the mount's files before it unmounts anyway
+FLUSH_WAIT = 10.0
+
+
+def _flush_mount(ws: str) -> None:
+    """syncfs(2) of the mount at ``ws``, from a thread while the daemon serves: the kernel's
+    dirty pages of its files come to the daemon as writes."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    try:
+        fd = os.open(ws, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        log.warning("cannot open %s to write back its dirty pages: %s", ws, e)
+        return
+    try:
+        if libc.syncfs(fd) != 0:
+            log.warning("syncfs of %s: %s", ws, os.strerror(ctypes.get_errno()))
+    finally:
+        os.close(fd)
+
+
 async def _serve(control: ControlServer, ws: str, owner: dict | None) -> None:
     async with trio.open_nursery() as nursery:
         delay = float(os.environ.get("OVERLAYREC_TEST_END_DELAY") or 0)
@@ -75,6 +97,15 @@ async def _serve(control: ControlServer, ws: str, owner: dict | None) -> None:
                 await trio.sleep(delay)
                 pyfuse3.terminate()
             control.stop = lambda: nursery.start_soon(end_later)
+
+        async def flush_then_stop(stop=control.stop):
+            # pages a process wrote through a shared mapping (mmap) that the kernel still holds
+            # dirty are written back while the daemon serves them: after the unmount they have
+            # nowhere to go, and the writes were lost without a word
+            with trio.move_on_after(FLUSH_WAIT):
+                await trio.to_thread.run_sync(_flush_mount, ws, abandon_on_cancel=True)
+            stop()
+        control.stop = lambda: nursery.start_soon(flush_then_stop)
         nursery.start_soon(control.serve)
         async def on_signal():
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as sigs:

@@ -3,6 +3,9 @@ with the right path, the right actor, and a pre-image equal to what the path hel
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 import stat
 import time
 
@@ -756,3 +759,30 @@ def test_a_write_through_a_link_made_before_the_mount_succeeds(make_mount):
     assert open(os.path.join(m.ws, "a", "w.txt")).read() == "orig\nmore\n"
     log = open(os.path.join(m.state, "daemon.log"), errors="replace").read()
     assert "Traceback" not in log, log[-2000:]
+
+
+def test_an_unmount_keeps_what_a_shared_mapping_wrote(make_mount, tmp_path):
+    """A process writes through a MAP_SHARED mapping and still holds it at `umount`: the
+    kernel's dirty pages had nowhere to go once the mount was gone, and the write, which every
+    reader had seen, was lost from the file and the record (found by a hunt).  The daemon has
+    the kernel write them back (syncfs) before it unmounts."""
+    m = seeded(make_mount, {"k": b"k" * 8192})
+    written = tmp_path / "written"
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import mmap, os, time
+        fd = os.open("k", os.O_RDWR); m = mmap.mmap(fd, 0); os.close(fd)
+        m[0:5] = b"HELLO"
+        open({str(written)!r}, "w").close()
+        time.sleep(30)
+    """)], cwd=m.ws)
+    try:
+        deadline = time.monotonic() + 30 * SLOW
+        while not written.exists():
+            assert time.monotonic() < deadline and holder.poll() is None
+            time.sleep(0.02)
+        overlayrec("umount", m.ws)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert open(os.path.join(m.ws, "k"), "rb").read(8) == b"HELLOkkk"
+    assert [e["path"] for e in m.events() if e["op"] == "write"] == ["k"]
