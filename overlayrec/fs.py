@@ -110,7 +110,8 @@ def _invalidating(q: "queue.SimpleQueue[int]") -> None:
 
 class Handle:
     __slots__ = ("fd", "inode", "actor", "unit", "_path", "_named_at", "write_seq", "epoch",
-                 "writes", "lo", "hi", "nbytes", "last_at", "recorder", "flags", "opened_run")
+                 "writes", "lo", "hi", "nbytes", "last_at", "recorder", "flags", "opened_run",
+                 "append")
 
     def __init__(self, fd: int, inode: Inode, actor: dict | None, unit: str | None,
                  recorder: Recorder):
@@ -130,6 +131,7 @@ class Handle:
         # the run was begun by the event that opened the handle (a create that made the file,
         # a truncating open), not by a write: it counts its writes from zero
         self.opened_run = False
+        self.append = False  # opened O_APPEND: each write goes to the file's end (fs.write)
 
     @property
     def path(self) -> str:
@@ -672,6 +674,7 @@ class Operations(pyfuse3.Operations):
         if flags & os.O_EXCL and not inode.no_xattr:
             inode.no_xattr = _NEW_FILE
         info = self._file_info(fd, inode, actor)
+        self.handles[info.fh].append = bool(flags & os.O_APPEND)
         self.recorder.begin_run(self.handles[info.fh])
         return info, self._attr(inode, st)
 
@@ -752,6 +755,7 @@ class Operations(pyfuse3.Operations):
                 raise
             info = self._file_info(fd, i, actor if writing else None)
             if writing:  # the truncate may have begun the handle's write run
+                self.handles[info.fh].append = bool(flags & os.O_APPEND)
                 self.recorder.begin_run(self.handles[info.fh])
             return info
         elif not writing:
@@ -763,7 +767,9 @@ class Operations(pyfuse3.Operations):
             return info
         else:
             fd = underlay.reopen_own(self._fd(i), io_flags)
-        return self._file_info(fd, i, actor if writing else None)
+        info = self._file_info(fd, i, actor if writing else None)
+        self.handles[info.fh].append = bool(flags & os.O_APPEND)
+        return info
 
     def _handle_fd(self, h: "Handle") -> int:
         """The underlay fd of a file handle, opened now if its open was left to the first
@@ -781,6 +787,17 @@ class Operations(pyfuse3.Operations):
         h = self.handles[fh]
         if h.unit is None:  # opened read-only: the kernel would not send this
             raise pyfuse3.FUSEError(errno.EBADF)
+        if h.append:
+            # the kernel appends at the size it cached: a process working beneath the mount (a
+            # shell whose directory was entered before it) may have made the file longer since,
+            # and the append wrote over its bytes.  Written at the end, as the underlay would
+            # (O_APPEND is not kept on our fd: the recorder journals each write where it lands);
+            # the kernel's size and pages of the file are dropped when they were stale
+            end = os.fstat(h.fd).st_size
+            if end != off:
+                n = self.recorder.write(h, end, buf)
+                _invalidate_inode_async(h.inode.fuse_ino)
+                return n
         return self.recorder.write(h, off, buf)
 
     async def flush(self, fh):

@@ -134,3 +134,26 @@ def test_a_change_beneath_the_mount_is_found_at_the_next_change(make_mount, tmp_
     else:
         assert r.returncode != 0 and "f" in r.stderr, r.stderr
         assert open(os.path.join(m.ws, "f")).read() == "BASE\nagent1\nuser-line\n"
+
+
+@needs_fuse
+def test_an_append_through_the_mount_goes_to_the_files_end(make_mount):
+    """A process working beneath the mount appends to a file the mount has served; then an
+    append through the mount: the kernel appended at the size it had cached, over the other
+    process's bytes (found by hunts).  The daemon writes an O_APPEND handle's writes at the
+    file's end, as the filesystem beneath would, and the kernel's stale size and pages go."""
+    m = make_mount()
+    beneath = subprocess.Popen(["sleep", "60"], cwd=m.ws)  # its directory: the one beneath
+    try:
+        m.mount()
+        under = f"/proc/{beneath.pid}/cwd/log"
+        m.sh(f"echo line1 > log; cat log > /dev/null; echo user-line >> {under}; "
+             "echo agent >> log")
+        assert m.sh("cat log").stdout == "line1\nuser-line\nagent\n"
+    finally:
+        beneath.kill()
+        beneath.wait()
+    m.umount()
+    assert open(os.path.join(m.ws, "log")).read() == "line1\nuser-line\nagent\n"
+    writes = [e for e in m.events() if e["op"] == "write" and e["path"] == "log"]
+    assert writes and writes[-1]["offset"] == len("line1\nuser-line\n"), writes
