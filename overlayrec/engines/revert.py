@@ -269,6 +269,13 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
                     plan.already.append(p)
                     continue
                 step.conflict = "changed"
+            elif any(q > last and q not in by_reverts and not _a_refresh(states, p, q)
+                     for q in others.get(p, ())):
+                # another unit changed it since and it holds what the selection left again
+                # (a later call made the same file anew after an earlier revert removed it):
+                # the revert would undo that unit's change, which writes nothing is no less
+                # a change (docs/revert.md); reverts' own changes since are no other writer's
+                step.conflict, step.note = "changed", SAME_AGAIN
         plan.steps.append(step)
         if target.kind == "dir":
             # this plan puts a directory here first (order(): dirs first); if the directory
@@ -1241,6 +1248,7 @@ def plan_to_json(plan: Plan, content_put) -> dict:
 
 
 CHANGED_SINCE = "changed since the interrupted revert began"
+SAME_AGAIN = "changed by another writer since, and holds what the selection left again"
 
 
 def recheck(plan: Plan, live) -> None:
