@@ -958,7 +958,8 @@ class Recorder:
             drift = {"op": "drift", "path": path, "pre": pre, "epoch": True,
                      "unit": outside_unit(AROUND), "actor": AROUND}
         else:
-            drift = _around_event(path, self._meta(st) if st is not None else {"kind": "file"})
+            drift = _around_event(path, self._meta(st) if st is not None else {"kind": "file"},
+                                  self.left.get(path, ""))
         self.journal.append(drift)
         log.info("%s was changed around the mount (a process that bypassed it)", path)
         self.epochs.pop(path, None)
@@ -1874,7 +1875,7 @@ class Recorder:
             if served is not None and pre.get("ino") in self.served_ino:
                 served = max(served, self.served_ino.pop(pre["ino"]))
             if served is not None and seen and self._around(pre, seen[-1], served):
-                events.append(_around_event(p, pre))
+                events.append(_around_event(p, pre, self.left.get(p, "")))
             elif served is not None and pre["kind"] == "absent" and \
                     self.left.get(p) == "file" and not p.startswith(_ATTIC_SLASH):
                 # the daemon left a file there, and no change of its removed it: a process
@@ -2089,11 +2090,15 @@ _LEFT_KIND = {"create": "file", "link": "file", "mkdir": "dir", "symlink": "syml
               "unlink": None, "rmdir": None}
 
 
-def _around_event(path: str, seal: dict) -> dict:
+def _around_event(path: str, seal: dict, left: str | None = "") -> dict:
     """A ``drift`` event found at a seal: the file changed around the mount while its unit
     went on, so what the unit left is not known (``unkept``: never taken as exact; its kind,
     mode and owner taken as the seal's), and what it holds now is that outside change's (the
-    seal after it)."""
+    seal after it).  ``left`` None: the daemon's last change removed the path, so what the
+    unit left there is known: nothing (a file made there since is the other writer's)."""
+    if left is None:
+        return {"op": "drift", "path": path, "pre": dict(preimage.ABSENT), "epoch": True,
+                "unit": outside_unit(AROUND), "actor": AROUND}
     pre = {k: seal[k] for k in ("kind", "mode", "uid", "gid") if k in seal}
     return {"op": "drift", "path": path, "pre": dict(pre, unkept=True), "epoch": True,
             "unit": outside_unit(AROUND), "actor": AROUND}

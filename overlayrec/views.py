@@ -124,6 +124,8 @@ def writer_name(j: Journal, unit: str, actors: dict) -> str:
         if key not in actors:
             actors[key] = j.actor(key)
         a = actors[key]
+        if a and not a.get("pid") and a.get("argv"):
+            return a["argv"][0]  # the record's own writers: "(while unmounted)", "(around ...)"
         return f"{command_name(a)}[{a['pid'] if a else '?'}]"
     return "session " + (unit_session(unit) or "?")
 

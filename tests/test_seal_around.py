@@ -4,6 +4,7 @@ whole content before its first write, the tail a truncate drops) must not make t
 change, which follows it, look like one made around the mount."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -157,3 +158,36 @@ def test_an_append_through_the_mount_goes_to_the_files_end(make_mount):
     assert open(os.path.join(m.ws, "log")).read() == "line1\nuser-line\nagent\n"
     writes = [e for e in m.events() if e["op"] == "write" and e["path"] == "log"]
     assert writes and writes[-1]["offset"] == len("line1\nuser-line\n"), writes
+
+
+@needs_fuse
+def test_a_file_made_beneath_where_a_call_removed_one_is_the_other_writers(make_mount,
+                                                                          tmp_path):
+    """A call removes f; a process working beneath the mount makes f anew while the call goes
+    on: what the call left there is known (nothing), so its diff shows the removal exactly and
+    its revert refuses to write over the other writer's file; `run` names that writer as
+    "(around the mount)", its file counted (it read "(around the mount)[0]: 0 file(s)")."""
+    m = make_mount()
+    with open(os.path.join(m.ws, "f"), "w") as f:
+        f.write("base\n")
+    (tmp_path / "beneath.py").write_text(BENEATH.replace('open("f", "a")', 'open("f", "w")'))
+    go, done = tmp_path / "go", tmp_path / "done"
+    beneath = subprocess.Popen([sys.executable, str(tmp_path / "beneath.py"), str(go),
+                                str(done)], cwd=m.ws)
+    try:
+        m.mount()
+        r = overlayrec("run", "-w", m.ws, "--session", "s", "--", "sh", "-c",
+                       f"sh -c 'rm f; sleep 0.7; touch {go}; while [ ! -e {done} ]; do "
+                       "sleep 0.05; done; sleep 0.2'", cwd=m.ws)
+        assert beneath.wait(timeout=30) == 0
+    finally:
+        if beneath.poll() is None:
+            beneath.kill()
+            beneath.wait()
+    assert "outside: (around the mount): 1 file(s)" in r.stderr, r.stderr
+    cid = json.loads(overlayrec("calls", m.ws, "--json").stdout.splitlines()[0])["id"]
+    d = overlayrec("diff", m.ws, "--call", cid).stdout
+    assert "deleted file mode 100644" in d and "-base" in d, d
+    r = overlayrec("revert", m.ws, "--call", cid, "--yes", check=False)
+    assert r.returncode != 0 and "changed: f" in r.stderr, r.stderr
+    assert open(os.path.join(m.ws, "f")).read() == "user-line\n"
