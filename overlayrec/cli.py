@@ -935,7 +935,8 @@ def log_cmd(workspace, glob, limit, call_id, turn_sel, sid, actor, since, until,
             try:  # an id two sessions hold is refused, as diff and revert refuse it
                 find_call(j, call_id, sid)
             except SelectionError as e:
-                raise Fail(str(e)) from None
+                from .retention import dropped_selection  # a dropped call is said to be so
+                raise Fail(dropped_selection(j, call=call_id, session=sid) or str(e)) from None
         actor_cache: dict = {}
 
         def actor_matches(key):

@@ -216,7 +216,11 @@ def test_gc_keep_last_then_readers(make_mount, tmp_path):
         fails(overlayrec("blame", "shared.txt", "-w", m.ws, "--state-dir", m.state, "--at",
                          "2", check=False), "seq 2 was dropped by retention")
         # a point named by a dropped session or call, and a path whose history was all dropped
+        # (log --call and replay --at turn:S:N said "no call", "no turns recorded": a hunt)
+        fails(overlayrec("log", m.ws, "--state-dir", m.state, "--call", "make2", check=False),
+              "call make2 of session s2 was dropped by retention")
         for at, why in (("session:s1", "session s1 was dropped by retention on"),
+                        ("turn:s1:1", "session s1 was dropped by retention on"),
                         ("before:call:make2", "call make2 of session s2 was dropped by")):
             fails(overlayrec("replay", m.ws, "--state-dir", m.state, "--at", at, "--to",
                              str(tmp_path / "no"), check=False), why)

@@ -58,8 +58,12 @@ def _resolve_point(j: Journal, spec: str) -> int:
         if not re.fullmatch(r"last|-?[0-9]{1,19}", sel):
             raise SelectionError(f"not a turn: {shown} (turn:N, turn:last, turn:-1, "
                                  "turn:SESSION:N ...)")
-        t = find_turn(j, sel, session_named(j, sid) if sid else None,
-                      several=f"name one as turn:SESSION:{sel}")
+        try:
+            t = find_turn(j, sel, session_named(j, sid) if sid else None,
+                          several=f"name one as turn:SESSION:{sel}")
+        except SelectionError as e:  # a dropped session's turn is said to be so
+            raise SelectionError(dropped_selection(j, turn=sel, session=sid or None)
+                                 or str(e)) from None
         return max(t["begin_seq"] - 1, 0) if side == "before" else (t["end_seq"] or j.last_seq())
     if spec.startswith("call:"):
         cid, sid = spec[5:], None
