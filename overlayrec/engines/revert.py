@@ -269,12 +269,13 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
                     plan.already.append(p)
                     continue
                 step.conflict = "changed"
-            elif any(q > last and q not in by_reverts and not _a_refresh(states, p, q)
-                     for q in others.get(p, ())):
-                # another unit changed it since and it holds what the selection left again
-                # (a later call made the same file anew after an earlier revert removed it):
-                # the revert would undo that unit's change, which writes nothing is no less
-                # a change (docs/revert.md); reverts' own changes since are no other writer's
+            elif (since := [q for q in others.get(p, ()) if q > last and
+                            not _a_refresh(states, p, q)]) and since[-1] not in by_reverts:
+                # another unit changed it last and it holds what the selection left again (a
+                # later call made the same file anew after an earlier revert removed it): the
+                # revert would undo that unit's change, which writes nothing is no less a
+                # change (docs/revert.md).  Last changed by a revert (one undoing the other
+                # unit, or a revert and its unrevert), it is as the reverts left it
                 step.conflict, step.note = "changed", SAME_AGAIN
         plan.steps.append(step)
         if target.kind == "dir":
