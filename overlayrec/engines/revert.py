@@ -189,6 +189,7 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
             for name in had | {end}:
                 moved_over.setdefault(name, set()).update(where)
     made_dirs: set[str] = set()
+    gone_ways: dict[str, bool] = {}  # _way_gone's answers, by directory
     for p, (first, last) in sorted(spans.items(), key=lambda kv: kv[0].split("/")):
         if p.startswith("/") or ".." in p.split("/"):
             raise SelectionError(f"refusing a path that leaves the workspace: {p}")
@@ -209,7 +210,15 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
             # two guesses alike say nothing of what the path held
             continue
         step = Step(p, target, expected)
-        if live.symlink_on_the_way(p) and live.blocker(p) not in made_dirs:
+        gone = _way_gone(p, last, target, states, live, others, gone_ways) \
+            if target.present else None
+        if gone is not None:
+            # a directory on its way that the selection left there was moved or removed by
+            # another writer since (`mv proj proj2` in a later session): the step made it
+            # anew, empty but for this path and with a mode of its own, without a word
+            step.conflict, step.note = "changed", f"its directory {shown(gone)} was moved or " \
+                "removed since by another writer"
+        elif live.symlink_on_the_way(p) and live.blocker(p) not in made_dirs:
             # a directory on its way is now a symlink (or a file) the plan does not itself
             # replace by a directory: never followed
             step.conflict = "escape"
@@ -318,6 +327,24 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
 
 
 _OBJECT = re.compile(r"(?:[0-9a-f]{2}/[0-9a-f]{38,62}|pack/pack-[0-9a-f]+\.[a-z]+)")
+
+
+def _way_gone(path: str, last: int, target: State, states: States, live: Tree,
+              others: dict[str, list[int]], answers: dict[str, bool]) -> str | None:
+    """The nearest directory on ``path``'s way that is not there now, was a directory when
+    the selection last changed ``path`` (seq ``last``), and another unit has changed since
+    (moved or removed it); None when there is none.  A directory the plan itself makes again
+    (one the selection removed) is the plan's, not another writer's."""
+    parts = path.split("/")
+    for k in range(len(parts) - 1, 0, -1):
+        d = "/".join(parts[:k])
+        if d not in answers:
+            answers[d] = live.state(d).kind == "absent" and \
+                states.state(d, last).kind == "dir" and \
+                any(q > last for q in others.get(d, ()))
+        if answers[d]:
+            return d
+    return None
 
 
 def _git_dir(path: str) -> tuple[str, str] | None:
