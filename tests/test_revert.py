@@ -1694,3 +1694,24 @@ def test_a_directory_another_writer_moved_away_is_not_made_anew(make_mount, tmp_
     overlayrec("revert", m.ws, "--call", "d1", "--yes")
     overlayrec("revert", m.ws, "--call", "c3", "--yes")
     assert sorted(os.listdir(os.path.join(m.ws, "proj"))) == ["f", "old"]
+
+
+def test_path_on_one_side_of_a_rename_says_what_it_does_not_put_back(make_mount, tmp_path):
+    """`mv proj proj2` reverted with `--path proj2`: the files are removed and nothing is put
+    back under proj, which the pattern leaves out; the revert said only "reverted 3 path(s)"
+    (found by hunts).  It warns, naming the rename, in the preview and the run."""
+    m = make_mount()
+    os.makedirs(os.path.join(m.ws, "proj"))
+    with open(os.path.join(m.ws, "proj", "f"), "w") as f:
+        f.write("f\n")
+    (tmp_path / "call.py").write_text(CALL)
+    m.mount()
+    run_call(m, tmp_path, "mv proj proj2")
+    for extra in ((), ("--yes",)):
+        r = overlayrec("revert", m.ws, "--call", "c1", "--path", "proj2", *extra)
+        assert "came by a rename from a name --path leaves out" in r.stderr and \
+            "proj -> proj2" in r.stderr, r.stderr
+    overlayrec("unrevert", "-w", m.ws, "--yes")
+    r = overlayrec("revert", m.ws, "--call", "c1", "--yes")  # both sides: no warning
+    assert "--path leaves out" not in r.stderr
+    assert os.listdir(os.path.join(m.ws, "proj")) == ["f"]

@@ -81,6 +81,9 @@ class Plan:
     # git objects the selection made that stay: another unit changed their repository since,
     # and what it wrote there (a branch, a tag, the index) may name them (_keep_git_objects)
     kept_objects: list[str] = field(default_factory=list)
+    # --path: paths the plan removes that a rename in the selection brought from a name
+    # outside the pattern, which it does not put back: (that name, the path)
+    moved_from_outside: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def conflicts(self) -> list[Step]:
@@ -291,6 +294,9 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
             # this plan puts a directory here first (order(): dirs first); if the directory
             # has a conflict of its own the revert is refused there, not on what lies beneath
             made_dirs.add(p)
+    if keep:
+        _moved_from_outside(plan, [e for e in evs if e["seq"] in selected and
+                                   e["op"] == "rename" and e.get("path2")], keep)
     _keep_git_objects(plan, spans, others)
     for step in plan.steps:
         # a directory the plan moves, makes or removes whose entries could not be listed: what
@@ -327,6 +333,23 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
 
 
 _OBJECT = re.compile(r"(?:[0-9a-f]{2}/[0-9a-f]{38,62}|pack/pack-[0-9a-f]+\.[a-z]+)")
+
+
+def _moved_from_outside(plan: Plan, renames: list[dict], keep) -> None:
+    """``--path`` takes one side of a rename: the steps that remove what a rename of the
+    selection brought under the pattern from a name outside it (`mv proj proj2`, reverted
+    with `--path proj2`) put nothing back there, and the files left the tree, said by
+    nothing (found by a hunt).  Named in ``moved_from_outside``."""
+    for s in plan.steps:
+        if s.target.present:
+            continue
+        for r in reversed(renames):
+            src, dst = r["path"], r["path2"]
+            if s.path == dst or s.path.startswith(dst + "/"):
+                old = src + s.path[len(dst):]
+                if not keep(old):
+                    plan.moved_from_outside.append((old, s.path))
+                break
 
 
 def _way_gone(path: str, last: int, target: State, states: States, live: Tree,
