@@ -646,7 +646,10 @@ class Calls:
         elif before is None or before.runner is None:
             self._by_agent[agent["key"]] = s
             self.journal.append_many([], [agent])
-        if name and sid != name:  # the name the agent goes on using is this session's now
+        held = self.sessions.get(self._names.get(name)) if name else None
+        if name and sid != name and (held is None or held.ended is not None):
+            # the name the agent goes on using is this session's now; not while the session
+            # that has it goes on (two runs of one name at once: its runner ends it by it)
             self._names[name] = sid
             s.aliases.append(name)
         self._lineage.clear()  # processes seen before may descend from this session now
@@ -663,10 +666,14 @@ class Calls:
         one, or a second ``run --session`` of one name.  Its turns would be numbered from 1
         again and take the earlier ones' records, so it is a session of its own, ``NAME.2``
         (``.3`` ...), and the name leads to it from now on.  The earlier one, still open in
-        this daemon, ends here: its agent has handed the name on."""
+        this daemon, ends here when its runner and its agent are gone (the agent has handed
+        the name on); while either still works (two runs of one name at once) it goes on: its
+        later calls were made "abandoned" and their writes late (found by a hunt)."""
         old = self._names.get(name)
         if old is not None and self.sessions[old].ended is None:
-            self.session_end(caller, old)
+            prev = self.sessions[old]
+            if not any(x is not None and alive(x["key"]) for x in (prev.runner, prev.agent)):
+                self.session_end(caller, old)
         n = 2
         while f"{name}.{n}" in self._names or self._recorded(f"{name}.{n}"):
             n += 1

@@ -224,3 +224,32 @@ def test_two_calls_announcing_one_command_place_its_writes_by_a_guess(make_mount
     rows = {c["id"]: c for c in map(json.loads, overlayrec("calls", m.ws, "--json").stdout
                                     .splitlines())}
     assert "first.out" in rows["B"]["guessed"], rows["B"]
+
+
+def test_two_runs_of_one_session_name_at_once_keep_their_sessions(make_mount, tmp_path):
+    """A second `run --session X` while the first still works: it ended the first's session
+    under its agent (its later calls "abandoned", their writes late), and the first run's own
+    end then named the second session, so X stayed open for good (found by a hunt).  The
+    second is X.2, and each run ends its own."""
+    m = make_mount()
+    m.mount()
+    first = subprocess.Popen([sys.executable, "-m", "overlayrec", "run", "-w", m.ws,
+                              "--session", "X", "--", "sh", "-c",
+                              "sleep 1; sh -c 'echo one >> f'; sleep 0.5; sh -c 'echo 3 >> h'"],
+                             cwd=m.ws, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(0.3)
+        overlayrec("run", "-w", m.ws, "--session", "X", "--", "sh", "-c",
+                   "sh -c 'echo two >> g'", cwd=m.ws)
+        _, err = first.communicate(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert first.returncode == 0 and "session still open" not in err, err
+    ends = [(e["session"], e["op"]) for e in m.events() if e["op"].startswith("session_")]
+    assert sorted(ends) == [("X", "session_begin"), ("X", "session_end"),
+                            ("X.2", "session_begin"), ("X.2", "session_end")], ends
+    rows = [json.loads(line) for line in overlayrec("calls", m.ws, "--json").stdout.splitlines()]
+    assert sorted((r["session"], r["status"], tuple(r["paths"])) for r in rows) == [
+        ("X", "exited", ("f",)), ("X", "exited", ("h",)), ("X.2", "exited", ("g",))], rows
