@@ -711,8 +711,7 @@ def check(workspace, state_dir, as_json):
         j.close()
     found = out["findings"]
     if as_json:
-        click.echo(json.dumps({"workspace": ws, "state_dir": sd, **out, "whole": not found},
-                              ensure_ascii=False))
+        click.echo(json.dumps({"workspace": ws, "state_dir": sd, **out, "whole": not found}))
     else:
         said = {"actor": "no process (actor) recorded for", "blob": "no content held for",
                 "attic": "no attic entry",
@@ -979,7 +978,7 @@ def log_cmd(workspace, glob, limit, call_id, turn_sel, sid, actor, since, until,
             if ev["seq"] in failed:
                 ev["failed_errno"] = failed[ev["seq"]]
             if as_json:
-                click.echo(json.dumps(dict(ev, actor=a or {"key": key}), ensure_ascii=False))
+                click.echo(json.dumps(dict(ev, actor=a or {"key": key})))
                 return
             where = shown(ev.get("path") or "")
             if where.startswith(".overlayrec-attic/"):  # no reader shows the attic's names

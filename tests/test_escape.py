@@ -424,3 +424,16 @@ def test_unrevert_after_a_symlink_was_put_on_the_way(make_mount, tmpbase, tmp_pa
     finally:
         m.umount()
     out.check()
+
+
+@pytest.mark.timeout(120)
+def test_log_json_of_an_undecodable_name_is_json_as_every_reader_writes_it(mounted):
+    """`log --json` wrote a name that is not UTF-8 as its raw bytes (not JSON: no parser took
+    the line) and U+2028 as is (a line cut there by readers that split at it), where every
+    other reader writes escapes (found by a hunt)."""
+    mounted.py("open(b'n\\xff', 'w').write('x'); open('ls\\u2028x', 'w').write('y')")
+    raw = subprocess.run([sys.executable, "-m", "overlayrec", "log", mounted.ws, "--json"],
+                         capture_output=True, check=True).stdout
+    lines = raw.decode("ascii").splitlines()  # ASCII: every escape written out
+    paths = {json.loads(line).get("path") for line in lines}
+    assert os.fsdecode(b"n\xff") in paths and "ls\u2028x" in paths, paths
