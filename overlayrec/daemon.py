@@ -555,7 +555,23 @@ def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other
     info = {**state.daemon_identity(), "workspace": ws, "state_dir": state_dir,
             "started": time.time_ns(), "durable": durable, "record_data": record_data,
             "owner": owning}
-    state.write_private(sd.daemon_json, json.dumps(info).encode())
+    try:
+        state.write_private(sd.daemon_json, json.dumps(info).encode())
+    except OSError as e:
+        # the state dir full (or read-only): without daemon.json no umount finds this daemon,
+        # so the mount goes now, not left dead over the workspace
+        log.error("cannot write %s: %s: unmounting", sd.daemon_json, e)
+        tell(f"error: cannot write the state dir {state_dir}: {e.strerror or e}")
+        try:
+            pyfuse3.close(unmount=True)
+        finally:
+            journal.close()
+            for path in (sd.daemon_json + ".tmp", sd.control_sock):
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+        return 1
     try:
         state.write_registry(ws, state_dir)
     except (state.StateError, OSError) as e:  # a convenience: --state-dir still finds it

@@ -552,3 +552,30 @@ def test_a_file_whose_attic_entry_was_reclaimed_is_read_from_its_seal(make_mount
             assert "e69de29" not in shown and "deleted file" in shown, shown
         finally:
             m.umount()
+
+
+@needs_fuse
+@needs_root
+@pytest.mark.timeout(int(60 * SLOW))
+def test_a_mount_on_a_full_state_dir_leaves_no_mount(make_mount):
+    """The state disk full at the mount: the daemon mounted, failed writing daemon.json and
+    exited, leaving a dead mount over the workspace ("Transport endpoint is not connected" for
+    every process; found by a hunt).  It unmounts and says why in one line."""
+    m = make_mount()
+    with tmpfs(os.path.join(m.base, "statefs"), "4m") as statefs:
+        m.state = os.path.join(statefs, "state")
+        with open(os.path.join(m.ws, "a"), "w") as f:
+            f.write("hello\n")
+        m.mount()
+        m.sh("echo more >> a")
+        m.umount()
+        fill(statefs, "filler", 0)
+        r = overlayrec("mount", m.ws, "--state-dir", m.state, check=False)
+        try:
+            assert r.returncode != 0 and "No space left on device" in r.stderr, r.stderr
+            assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+            assert not is_mounted(m.ws)
+            assert open(os.path.join(m.ws, "a")).read() == "hello\nmore\n"
+            assert not os.path.exists(os.path.join(m.state, "daemon.json.tmp"))
+        finally:
+            m.umount()
