@@ -203,6 +203,7 @@ class Journal:
             self.env = self._lmdb_open(map_size, readonly=True)
             self._env_writable = False
         try:
+            self._check_length(data)
             if not readonly:
                 self._size_map(data, size)
             self.dbs = {}
@@ -214,6 +215,21 @@ class Journal:
         except BaseException:
             self.env.close()
             raise
+
+    def _check_length(self, data: str) -> None:
+        """A data.mdb cut short (a copy that stopped, a disk that lost its tail) still opens,
+        its meta pages whole, and the first read of a page past its end is a SIGBUS that kills
+        the reader without a word: its length is checked against what the last commit uses
+        first (LMDB's meta page says), a JournalError when it falls short."""
+        try:
+            length = os.stat(data).st_size
+        except OSError:
+            return
+        used = self._used()
+        if length < used:
+            raise JournalError(f"journal in {self._path} is corrupt: data.mdb holds {length} "
+                               f"bytes, its last commit uses {used} (the file was cut short): "
+                               "move the state dir aside, or put back a whole copy of it")
 
     def _lmdb_open(self, map_size: int, readonly: bool):
         return lmdb.open(
