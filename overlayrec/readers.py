@@ -443,7 +443,15 @@ def workspace_glob(ws: str, glob: str | None) -> str | None:
     """``--path`` as the workspace-relative pattern the readers match: an absolute one is
     taken as beneath the workspace (None: the workspace itself, every path), and refused when
     it is not (it matched nothing, silently: an empty diff, "nothing to revert")."""
-    if glob is None or not os.path.isabs(glob):
+    if glob is None:
+        return glob
+    if not os.path.isabs(glob):
+        if ".." in glob.split("/"):
+            # relative to the workspace's root, not to where the command runs: `../f` from
+            # ws/sub matched nothing, silently (found by a hunt)
+            raise Refusal(f"--path {glob}: a pattern is relative to the workspace's root "
+                          "and cannot climb out of it with '..' (name it from the root, or "
+                          "give an absolute path)")
         return glob
     for p in (os.path.normpath(glob), os.path.realpath(glob)):
         if p == ws:
