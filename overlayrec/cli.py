@@ -1786,7 +1786,7 @@ def _blame_side(side: dict) -> str:
 @_guard
 def show(seq, workspace, state_dir, as_json):
     """One event in full: what, who (process and unit), its pre-image, and its diff."""
-    from .engines.gitdiff import ObjectStore
+    from .engines.gitdiff import GitError, ObjectStore
     from .views import shown, unit_shown
     from .engines.large import over_limit
     from .engines.states import States
@@ -1810,8 +1810,11 @@ def show(seq, workspace, state_dir, as_json):
             store = ObjectStore(sd)
             before = {p: st.state(p, seq - 1) for p in paths}
             after = {p: st.state(p, seq) for p in paths}
-            a, b = store.trees(before, after)
-            diff_text = store.diff(a, b, "patch")
+            try:
+                a, b = store.trees(before, after)
+                diff_text = store.diff(a, b, "patch")
+            except GitError as e:  # the private store not writable (a full state dir)
+                raise Fail(str(e)) from None
             for p in paths:
                 big = [s.data for s in (before[p], after[p]) if over_limit(s.data)]
                 if big:
@@ -1854,10 +1857,13 @@ def report(workspace, out, state_dir):
     from .engines.report import report_data
     from .engines.report_html import render
     from .engines.states import States
+    from .engines.gitdiff import GitError
     ws, sd, j, tree = _open_journal_and_tree(workspace, state_dir)
     try:
         store = ObjectStore(sd)
         page = render(report_data(j, States(j, tree), store, ws))
+    except GitError as e:  # the private store not writable: a full or read-only state dir
+        raise Fail(str(e)) from None
     finally:
         os.close(tree.root_fd)
         j.close()

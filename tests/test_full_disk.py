@@ -579,3 +579,25 @@ def test_a_mount_on_a_full_state_dir_leaves_no_mount(make_mount):
             assert not os.path.exists(os.path.join(m.state, "daemon.json.tmp"))
         finally:
             m.umount()
+
+
+@needs_fuse
+@needs_root
+@pytest.mark.timeout(int(90 * SLOW))
+def test_readers_on_a_full_state_dir_say_so(make_mount):
+    """The state disk nearly full: `git fast-import` stopped for want of room and the next
+    write to it killed diff, show and report by SIGPIPE, exit 141, nothing said (found by a
+    hunt).  Each says what git said, in one line."""
+    m = make_mount()
+    with tmpfs(os.path.join(m.base, "statefs"), "8m") as statefs:
+        m.state = os.path.join(statefs, "state")
+        m.mount()
+        m.py("import os\nfor i in range(4): open(f'big{i}.bin', 'wb').write(os.urandom(300000))")
+        m.umount()
+        fill(statefs, "filler", 300_000)
+        for cmd in (["diff", m.ws, "--since", "0", "--stat"], ["show", "-w", m.ws, "1"],
+                    ["report", m.ws, "--html", os.path.join(m.base, "r.html")]):
+            r = overlayrec(*cmd, "--state-dir", m.state, check=False)
+            assert r.returncode == 1, (cmd, r.returncode, r.stderr)
+            assert "internal error" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+            assert "overlayrec: error: " in r.stderr, r.stderr

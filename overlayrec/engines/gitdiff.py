@@ -9,8 +9,11 @@ user's repository is never touched.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
+import threading
 
 from ..views import git_refuses
 from .large import LIMIT, Large, over_limit
@@ -133,8 +136,9 @@ class ObjectStore:
 
     def _git(self, *args, input=None, env=None, git_dir=True) -> str:
         cmd = ["git", *args]
-        r = subprocess.run(cmd, input=input, capture_output=True,
-                           env=env or (self.env if git_dir else None), umask=self.umask)
+        with _no_sigpipe() if input is not None else contextlib.nullcontext():
+            r = subprocess.run(cmd, input=input, capture_output=True,
+                               env=env or (self.env if git_dir else None), umask=self.umask)
         if r.returncode != 0:
             raise GitError(f"git {args[0]} failed: {r.stderr.decode(errors='replace').strip()}")
         for line in r.stderr.decode(errors="replace").splitlines():
@@ -450,6 +454,22 @@ def _scratch_dir(prefix: str) -> str:
         return tempfile.mkdtemp(prefix=prefix)
 
 
+@contextlib.contextmanager
+def _no_sigpipe():
+    """SIGPIPE ignored while writing to a git process: the CLI takes SIGPIPE's default (a
+    closed `| head` ends it quietly), under which a git that stopped early (fast-import out
+    of room on a full state disk) killed the whole command, exit 141, nothing said (found by a
+    hunt).  Its broken pipe is then an error with what git said."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGPIPE, old)
+
+
 class FastImport:
     """One ``git fast-import`` process fed objects, commits and refs; refs are updated (forced)
     when the stream ends, and each mark's object name read back then (``marks=False``: blobs
@@ -459,6 +479,7 @@ class FastImport:
     def __init__(self, store: ObjectStore, marks: bool = True,
                  prefix: str = "overlayrec-export-", keep_pack: bool = False):
         self.tmp = _scratch_dir(prefix)
+        self.git_dir = store.git_dir
         self.marks_file = os.path.join(self.tmp, "marks") if marks else None
         self.err = open(os.path.join(self.tmp, "stderr"), "w+b")
         self.proc = subprocess.Popen(
@@ -486,7 +507,8 @@ class FastImport:
 
     def _flush(self) -> None:
         try:
-            self.out.write(self.buf)
+            with _no_sigpipe():
+                self.out.write(self.buf)
         except BrokenPipeError:
             self._fail()
         self.buf = bytearray()
@@ -496,6 +518,10 @@ class FastImport:
         self.err.seek(0)
         said = [l for l in self.err.read().decode(errors="replace").splitlines() if l.strip()]
         self.cleanup()
+        try:  # its crash report, in the store: what it said is in the error
+            os.unlink(os.path.join(self.git_dir, f"fast_import_crash_{self.proc.pid}"))
+        except OSError:
+            pass
         fatal = [l for l in said if l.startswith("fatal:")] or said[-3:]
         raise GitError("git fast-import failed: " + "; ".join(fatal)[:2000])
 
@@ -564,7 +590,8 @@ class FastImport:
         self._write(b"done\n")
         self._flush()
         try:
-            self.out.close()
+            with _no_sigpipe():
+                self.out.close()
         except BrokenPipeError:
             self._fail()
         if self.proc.wait() != 0:
