@@ -601,7 +601,8 @@ def _find_partners(plan: Plan, live: Tree, by_ino, states: States,
             if t.nlink > 1 and not moved:
                 if not shared:  # once, when a target first asks
                     shared.append(_linked_with_outside(plan, live, by_ino))
-                found = _partner_anew(t, shared[0], live, states, spans[step.path][0])
+                found = _partner_anew(t, shared[0], live, states, spans[step.path][0]) or \
+                    _partner_remade(t, by_ino(), live, states, spans[step.path][0])
                 if found is not None:
                     plan.partners[link_key(t)] = (found[0], found[1], seed)
 
@@ -637,6 +638,29 @@ def _partner_anew(t: State, shared: list[tuple[int, list[str]]], live: Tree, sta
         if ino != t.ino and all(states.state(n, first - 1).ino == t.ino for n in names) and \
                 live.state(names[0]).same(t):
             return names[0], ino
+    return None
+
+
+def _partner_remade(t: State, inodes: dict[int, list[str]], live: Tree, states: States,
+                    first: int) -> tuple[str, int] | None:
+    """(name, live inode) of a recorded name that was of ``t``'s group then (it held ``t``'s
+    inode before event ``first``) and holds ``t`` now alone, in an inode a revert made anew
+    since (its last change a revert's: `ln h c` and the call that made h reverted newest
+    first, then unreverted: h came back as a new inode, and c then came back as a copy of it,
+    not one file with it, unless the new inode happened to get the old number; found by a
+    hunt).  None when there is no such name."""
+    for ino, names in inodes.items():
+        if ino == t.ino:
+            continue
+        for n in names:
+            if not _visible(n) or states.state(n, first - 1).ino != t.ino:
+                continue
+            st = live.lstat(n)
+            if st is None or st.st_nlink != 1 or not live.state(n).same(t):
+                continue
+            evs = states.events_on(n)
+            if evs and unit_kind(evs[-1].get("unit")) == "revert":
+                return n, ino
     return None
 
 
