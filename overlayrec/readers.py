@@ -660,6 +660,12 @@ def guess_lines(side) -> list[str]:
                    f"{', '.join(map(shown, side.guessed[:5]))}"
                    f"{' ...' if len(side.guessed) > 5 else ''}")
     mixed = getattr(side, "interleaved", None)
+    if mixed and hasattr(side, "before"):
+        # only the paths the diff shows: one the other writer put back as it was (a revert of
+        # the selection's own call inside it) is in no diff, and no revert refuses it
+        from .engines.states import ABSENT
+        mixed = {p: us for p, us in mixed.items()
+                 if not side.before.get(p, ABSENT).same(side.after.get(p, ABSENT))}
     if mixed:
         out.append(f"overlayrec: {len(mixed)} path(s) here were changed by another writer too, "
                    "between this selection's own changes (or, in a turn, before or after them "
