@@ -1928,7 +1928,7 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
         elif not as_json:
             for s in plan.steps:
                 mark = f"  CONFLICT ({s.conflict}" + (f": {s.note}" if s.note else "") \
-                    + ")" if s.conflict else ""
+                    + ")" if s.conflict else f"  ({s.note})" if s.note else ""
                 click.echo(f"  {reverts.describe(s):<8} {shown(s.path)}{mark}")
         if plan.already and not as_json:
             click.echo(f"overlayrec: {len(plan.already)} path(s) were put back already by "

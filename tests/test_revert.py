@@ -1740,3 +1740,18 @@ def test_a_pair_unreverted_newest_last_is_one_file_again(make_mount, tmp_path):
         overlayrec("unrevert", "-w", m.ws, "--yes")
         h, c = (os.stat(os.path.join(m.ws, f"{n}{i}")) for n in "hc")
         assert (h.st_ino, h.st_nlink) == (c.st_ino, 2), (i, h, c)
+
+
+def test_the_preview_says_a_directory_holding_others_files_is_kept(make_mount, tmp_path):
+    """A call made `made/m`; the user added `made/user`: the preview said `delete made` with
+    nothing more, and the run kept it (found by a hunt).  The step says it is kept."""
+    m = make_mount()
+    (tmp_path / "call.py").write_text(CALL)
+    m.mount()
+    run_call(m, tmp_path, "mkdir made; echo m > made/m")
+    m.sh("echo u > made/user")
+    for extra in ((), ("--yes",)):
+        r = overlayrec("revert", m.ws, "--call", "c1", *extra)
+        assert "delete   made  (kept: it holds what the revert does not remove)" in r.stdout, \
+            r.stdout
+    assert os.listdir(os.path.join(m.ws, "made")) == ["user"]

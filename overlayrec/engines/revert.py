@@ -306,6 +306,7 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
             step.conflict, step.note = "unrecorded", unlisted
     _holding_others(plan, live)
     _beneath_a_non_directory(plan)
+    _kept_directories(plan, live)
     names: list[set[str]] = []
 
     def candidates() -> set[str]:  # asked only when a hard-linked target needs them
@@ -333,6 +334,21 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
 
 
 _OBJECT = re.compile(r"(?:[0-9a-f]{2}/[0-9a-f]{38,62}|pack/pack-[0-9a-f]+\.[a-z]+)")
+
+
+KEEPS_OTHERS = "kept: it holds what the revert does not remove"
+
+
+def _kept_directories(plan: Plan, live: Tree) -> None:
+    """A directory the plan removes that holds paths it does not remove (files made there
+    since by others) stays, as apply_step keeps it (KEPT): the preview said "delete" of it,
+    with nothing more, and the run then kept it (found by a hunt).  Its step is noted so."""
+    removed = {s.path for s in plan.steps if not s.conflict and not s.target.present}
+    for s in plan.steps:
+        if s.conflict or s.note or s.target.present or s.expected.kind != "dir":
+            continue
+        if any(p not in removed for p in live.walk(s.path)):
+            s.note = KEEPS_OTHERS
 
 
 def _moved_from_outside(plan: Plan, renames: list[dict], keep) -> None:
