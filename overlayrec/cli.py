@@ -162,9 +162,14 @@ class _Main(click.Group):
             return super().invoke(ctx)
         except click.UsageError as e:
             raise self._usage(e) from None
-        except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort,
-                KeyboardInterrupt, EOFError):
+        except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort, EOFError):
             raise
+        except KeyboardInterrupt:
+            # Ctrl-C (or SIGTERM: main) where the command itself says nothing: one line and
+            # 130, as a shell says a command ended by SIGINT (click said "Aborted!", exit 1)
+            err = Fail("interrupted")
+            err.exit_code = 130
+            raise err from None
         except OSError as e:
             if e.errno == errno.EPIPE:
                 raise
@@ -279,7 +284,15 @@ def main():
     """
     # a closed pipe (`overlayrec log | head`) ends output quietly, as for any Unix tool
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    # SIGTERM as Ctrl-C: what a command cleans up when interrupted (a replay's half-built
+    # tree, an export's scratch files) goes then too (it was left behind; found by a hunt)
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _terminated)
     cycle_gc.enable()  # held off while the CLI was imported (entry.main)
+
+
+def _terminated(signum, frame):
+    raise KeyboardInterrupt
 
 
 LOW_SPACE_FRACTION = 0.05  # the state dir's filesystem is low on space below 5% of its size
@@ -2029,7 +2042,8 @@ def revert(workspace, call_id, turn_sel, sid, since, glob, yes, force, cont, as_
         rec = reverts.pending(sd)
         if rec is None:
             raise Fail("no interrupted revert to continue")
-        _run_revert(ws, sd, rec["selection"], None, True, force, as_json, resume=rec)
+        _run_revert(ws, sd, rec["selection"], None, True, force, as_json, resume=rec,
+                    unreverts=rec.get("unreverts"))  # an unrevert carried on says so
         return
     selection = {"call": call_id, "turn": turn_sel, "session": sid, "since": since}
     if sum(v is not None for k, v in selection.items() if k != "session") > 1:

@@ -1083,3 +1083,37 @@ def test_a_mount_point_not_in_utf8_elsewhere_breaks_no_command(mounted, tmp_path
         assert "f" in r.stdout
     finally:
         subprocess.run(["umount", odd])
+
+
+@needs_fuse
+@pytest.mark.timeout(180)
+def test_sigterm_ends_a_long_reader_as_ctrl_c_does(make_mount, tmp_path):
+    """SIGTERM (a timeout, CI, systemd) to `replay --full` left its half-built tree beside
+    --to for good, where Ctrl-C cleaned it up; Ctrl-C where the command said nothing printed
+    click's "Aborted!" and exit 1 (found by a hunt).  Both: its clean-up, one line, 130."""
+    m = make_mount()
+    for d in range(30):
+        os.makedirs(os.path.join(m.ws, f"d{d}"))
+        for i in range(100):
+            with open(os.path.join(m.ws, f"d{d}", f"f{i}"), "w") as f:
+                f.write(f"{d} {i}\n")
+    m.mount()
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", "sh", "-c",
+               "for f in d*/f*; do echo x >> $f; done", cwd=m.ws, timeout=120)
+    m.umount()
+    out = tmp_path / "out"
+    out.mkdir()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        p = subprocess.Popen([sys.executable, "-m", "overlayrec", "replay", "-w", m.ws,
+                              "--state-dir", m.state, "--to", str(out / "rp"), "--full"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while not any(n.startswith(".rp.") for n in os.listdir(out)):
+            assert time.monotonic() < deadline and p.poll() is None, p.communicate()
+            time.sleep(0.005)
+        p.send_signal(sig)
+        _, err = p.communicate(timeout=60)
+        assert p.returncode == 130, (sig, p.returncode, err)
+        assert err.strip().splitlines()[-1].startswith("overlayrec: error: interrupted"), err
+        assert "Aborted!" not in err and "Traceback" not in err
+        assert os.listdir(out) == [], os.listdir(out)

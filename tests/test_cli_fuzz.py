@@ -351,7 +351,7 @@ def run_cli(w: World, argv: list[str], limit: float = 30.0):
     import _thread
     import threading
     here = os.getcwd()
-    pipe = signal.getsignal(signal.SIGPIPE)
+    pipe, term = signal.getsignal(signal.SIGPIPE), signal.getsignal(signal.SIGTERM)
     hung = []
     watchdog = threading.Timer(limit * SLOW, lambda: (hung.append(1), _thread.interrupt_main()))
     os.chdir(w.here)
@@ -363,7 +363,8 @@ def run_cli(w: World, argv: list[str], limit: float = 30.0):
     finally:
         watchdog.cancel()
         os.chdir(here)
-        signal.signal(signal.SIGPIPE, pipe)  # the group's callback sets it for the CLI
+        signal.signal(signal.SIGPIPE, pipe)  # the group's callback sets them for the CLI
+        signal.signal(signal.SIGTERM, term)
     assert not hung, f"overlayrec {argv!r:.300} still ran after {limit:g} s"
     if r.exception is not None and not isinstance(r.exception, SystemExit):
         import traceback
