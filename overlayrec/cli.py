@@ -1642,7 +1642,7 @@ def replay(workspace, at, dest, full, state_dir, as_json):
     Exact at every epoch boundary (every call, turn and outside actor boundary); see
     docs/export.md for the precision inside one."""
     from .engines.diff import SelectionError
-    from .engines.replay import replay as do_replay, resolve_point
+    from .engines.replay import point_time, replay as do_replay, resolve_point
     from .views import named
     from .engines.states import States
     if os.path.lexists(dest):
@@ -1664,7 +1664,7 @@ def replay(workspace, at, dest, full, state_dir, as_json):
         full_from = f"/proc/self/fd/{tree.root_fd}" if full else None
         states = States(j, tree)
         try:
-            out = do_replay(j, states, point, dest, full_from)
+            out = do_replay(j, states, point, dest, full_from, at_time=point_time(at))
         except OSError as e:
             if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise

@@ -7,6 +7,7 @@ import os
 import stat
 import sys
 import textwrap
+import time
 
 from conftest import needs_fuse, overlayrec
 from overlayrec import client
@@ -288,3 +289,37 @@ def test_replay_before_and_after_a_session(make_mount, tmp_path):
                    check=False)
     assert r.returncode == 1 and r.stderr == "overlayrec: error: no session nope\n", r.stderr
     assert not os.path.exists(tmp_path / "n")
+
+
+@needs_fuse
+def test_what_changed_while_unmounted_is_not_claimed_exact(make_mount, tmp_path):
+    """Two gaps in what the record knows, which replay and export filled as exact (found by a
+    hunt): a time inside an unmounted gap after an edit made then (the edit's drift is found
+    only at the next mount), and a file made while unmounted that a later session wrote (its
+    first pre-image, taken then, is all the record knows of it, and went into the earlier
+    session's base).  Both are named: replay's `inexact`, export's `unsure_bases`."""
+    m = make_mount()
+    m.mount()
+    overlayrec("run", "-w", m.ws, "--session", "s1", "--", "sh", "-c", "echo v1 > f", cwd=m.ws)
+    m.umount()
+    time.sleep(1.1)
+    with open(os.path.join(m.ws, "f"), "w") as f:
+        f.write("v2-user\n")
+    with open(os.path.join(m.ws, "new"), "w") as f:
+        f.write("made while unmounted\n")
+    t = time.time()
+    time.sleep(1.1)
+    m.mount()
+    overlayrec("run", "-w", m.ws, "--session", "s2", "--", "sh", "-c", "echo more >> new",
+               cwd=m.ws)
+    m.umount()
+    r = json.loads(overlayrec("replay", "-w", m.ws, "--state-dir", m.state, "--at", f"@{t}",
+                              "--to", str(tmp_path / "r1"), "--json").stdout)
+    assert "f" in r["inexact"], r
+    r = json.loads(overlayrec("replay", "-w", m.ws, "--state-dir", m.state, "--at",
+                              "after:session:s1", "--to", str(tmp_path / "r2"),
+                              "--json").stdout)
+    assert "new" in r["inexact"], r
+    out = json.loads(overlayrec("export", "git", m.ws, "--state-dir", m.state,
+                                "--json").stdout)
+    assert "new" in out["unsure_bases"].get("s1", []), out

@@ -410,7 +410,8 @@ class Exporter:
             # changed it, but something it did not see may have, while unmounted)
             started = (self.j.record("sessions", sid.encode()) or {}).get("started")
             t0 = first.get("begin_t") or started or 0
-            unsure = self._fill_unrecorded(paths, started or t0)
+            unsure = sorted(set(self._fill_unrecorded(paths, started or t0)) |
+                            set(self._first_seen_later(paths, point, started or t0)))
             msg = (f"session {sid}: the workspace before it\n\n"
                    f"Overlayrec-Session: {trailer_id(sid)}\nOverlayrec-Seq: ..{point}\n")
             if unsure:
@@ -535,6 +536,25 @@ class Exporter:
             self._placed(p)
         self._live_new = fresh
         return sorted(unsure)
+
+    def _first_seen_later(self, paths: list[str], point: int, since_ns: int) -> list[str]:
+        """Recorded paths the record first saw after ``point`` (the session's base), present
+        then and modified after ``since_ns`` by their first pre-image's mtime: made or edited
+        while unmounted after the session began, and written by a later unit.  The base holds
+        what that first pre-image says, which the record never saw there at the base's point
+        (found by a hunt: a file made between two sessions went into the first one's base,
+        and its first call's commit then removed it, with nothing said)."""
+        if not since_ns:
+            return []
+        out = []
+        for p in paths:
+            evs = self.states.events_on(p)
+            if not evs or evs[0]["seq"] <= point or not _visible(p) or git_refuses(p):
+                continue
+            pre = self.states.pre_for(evs[0], p) or {}
+            if pre.get("kind", "absent") != "absent" and pre.get("mtime_ns", 0) > since_ns:
+                out.append(p)
+        return out
 
     def _live_file(self) -> str:
         return self.state_file[:-5] + ".live.json" if self.state_file.endswith(".json") \

@@ -8,7 +8,7 @@ import stat
 import tempfile
 
 from ..journal import Journal
-from ..journal.schema import outside_unit
+from ..journal.schema import UNMOUNTED, outside_unit
 from ..underlay import O_PATH, RENAME_EXCHANGE, Escape, chmod_fd, kind_of, resolve_beneath
 from .diff import SelectionError, _visible, find_call, find_turn, session_named
 from ..secrets import PLACEHOLDER, public_in
@@ -16,6 +16,56 @@ from ..views import guessed, shown
 from .revert import link_key, linked, make_node, set_meta, temp_name
 from .large import copy_fd, write_to
 from .states import ATTIC, States, State, Tree, state_of_stat
+
+
+def _time_of(states: States, point: int) -> int:
+    """When event ``point`` was recorded (ns); 0 when it is not there."""
+    ev = states.j.event(point) if point > 0 else None
+    return ev.get("t", 0) if ev else 0
+
+
+def point_time(spec: str) -> int | None:
+    """The time (ns) a point given as a time names, else None (a seq, a unit's mark, end)."""
+    import math
+    import re
+    if spec.startswith(("before:", "after:")):
+        spec = spec.split(":", 1)[1]
+    if spec in ("end", "now") or re.fullmatch(r"[0-9]+", spec) or \
+            spec.startswith(("turn:", "call:", "session:")):
+        return None
+    try:
+        t = float(spec[1:]) if spec.startswith("@") else \
+            dt.datetime.fromisoformat(spec).timestamp()
+    except (ValueError, OverflowError, OSError):
+        return None
+    return int(t * 1e9) if math.isfinite(t * 1e9) else None
+
+
+def _drifted_by_then(states: States, path: str, point: int, at_ns: int) -> bool:
+    """Does a change made while unmounted, after ``point`` and found at the next mount (a
+    ``drift``), lie at or before ``at_ns`` (by the ctime the seal after it found)?  A time
+    inside the gap then names a state the replay does not give: it gave the one before the
+    edit as exact (found by a hunt)."""
+    unmounted = outside_unit(UNMOUNTED)
+    chain = [e for e in states.events_on(path) if e["seq"] > point]
+    if not chain or chain[0]["op"] != "drift" or chain[0].get("unit") != unmounted:
+        return False
+    seal = next((e for e in chain[1:] if e["op"] == "seal"), None)
+    changed = ((seal or {}).get("pre") or {}).get("ctime_ns")
+    return changed is None or at_ns >= changed
+
+
+def _first_seen_later(states: States, path: str, point: int, at_ns: int) -> bool:
+    """Is ``path``'s state at ``point`` the first pre-image the record took of it, later, of a
+    file modified after ``point`` was (its mtime)?  Made or edited while unmounted after then:
+    what it held at ``point`` is not known (it was written as exact; found by a hunt)."""
+    if not at_ns:
+        return False
+    evs = states.events_on(path)
+    if not evs or evs[0]["seq"] <= point:
+        return False
+    pre = states.pre_for(evs[0], path) or {}
+    return pre.get("kind", "absent") != "absent" and pre.get("mtime_ns", 0) > at_ns
 
 
 def resolve_point(j: Journal, spec: str, refuse_dropped: bool = True) -> int:
@@ -492,7 +542,8 @@ def _content_at(root_fd: int, rel: str) -> tuple[str, bytes] | None:
     return st.kind, st.data
 
 
-def replay(j: Journal, states: States, point: int, dest: str, full_from: str | None = None) -> dict:
+def replay(j: Journal, states: States, point: int, dest: str, full_from: str | None = None,
+           at_time: int | None = None) -> dict:
     """Write the recorded paths as they stood at ``point`` into ``dest`` (with ``full_from``:
     first the whole live tree, then the recorded paths rolled back).
 
@@ -521,6 +572,7 @@ def replay(j: Journal, states: States, point: int, dest: str, full_from: str | N
             finally:
                 os.close(src)
         written = removed = 0
+        at_ns = at_time or _time_of(states, point)  # ``at_time``: the point named as a time
         for rel in [p for p in states.all_names() if _visible(p)]:
             s = states.state(rel, point)
             if rel == "":  # the workspace root (a `chmod 700 .`): the replay's own mode, last
@@ -530,7 +582,8 @@ def replay(j: Journal, states: States, point: int, dest: str, full_from: str | N
             if s.withheld:  # a secret path: its content was never kept, nothing is written
                 b.withheld(rel, s.kind)
                 continue
-            if not s.exact:
+            if not s.exact or (s.present and _first_seen_later(states, rel, point, at_ns)) or \
+                    (at_time and _drifted_by_then(states, rel, point, at_time)):
                 b.inexact.append(rel)
             if not s.present:
                 removed += b.remove(rel)
