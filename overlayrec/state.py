@@ -319,6 +319,14 @@ def resolve_workspace(path: str, must_exist: bool = True, upward: bool = False) 
     ws = os.path.realpath(os.path.abspath(path))
     if upward:
         ws = recorded_at_or_above(ws)
+        mount = overlayrec_mount_containing(ws)
+        if mount is not None and mount != ws:
+            # a record of its own inside a mounted workspace: a `run` here records into the
+            # mount, while this reads the inner record (it answered for it without a word)
+            import sys
+            sys.stderr.write(f"overlayrec: note: reading the record of {ws}, which lies inside "
+                             f"{mount}, mounted now (a `run` here records there: `-w {mount}` "
+                             "reads that record)\n")
     if must_exist:
         try:
             st = os.stat(ws)

@@ -1117,3 +1117,26 @@ def test_sigterm_ends_a_long_reader_as_ctrl_c_does(make_mount, tmp_path):
         assert err.strip().splitlines()[-1].startswith("overlayrec: error: interrupted"), err
         assert "Aborted!" not in err and "Traceback" not in err
         assert os.listdir(out) == [], os.listdir(out)
+
+
+@needs_fuse
+def test_a_reader_in_a_record_inside_a_mounted_workspace_says_which_it_reads(make_mount):
+    """inner/ has a record of its own; the workspace around it is mounted now, and a `run` in
+    inner/ records there: the readers in inner/ answered for inner's record without a word
+    (its last session was an older one; found by a hunt).  They say which record they read."""
+    m = make_mount()
+    inner = os.path.join(m.ws, "inner")
+    os.makedirs(inner)
+    overlayrec("mount", inner)
+    try:
+        overlayrec("run", "-w", inner, "--session", "in1", "--", "sh", "-c", "echo i > f",
+                   cwd=inner)
+    finally:
+        overlayrec("umount", inner)
+    m.mount()
+    overlayrec("run", "--session", "out1", "--", "sh", "-c", "echo o >> f", cwd=inner)
+    r = overlayrec("diff", "--session", "last", "--name-status", cwd=inner)
+    assert r.stdout == "A\tf\n", r.stdout  # inner's own record: its session in1
+    assert f"reading the record of {inner}, which lies inside {m.ws}, mounted now" in r.stderr
+    r = overlayrec("diff", "-w", m.ws, "--session", "last", "--name-status", cwd=inner)
+    assert r.stdout == "M\tinner/f\n" and "note" not in r.stderr, (r.stdout, r.stderr)
