@@ -604,3 +604,26 @@ def test_a_directory_of_the_attics_name_the_user_made_is_not_taken_over(tmp_path
         overlayrec("umount", str(ws))
     names = set(os.listdir(own))
     assert {".gitignore", "CACHEDIR.TAG", "RECORD"} < names  # and the removed files' entries
+
+
+@needs_fuse
+def test_show_of_a_removal_whose_pre_image_is_gone_says_so(make_mount):
+    """The attic entry of a removed file lost (removed by hand): `show` of the removal gave
+    the patch of an empty file's deletion, exit 0, nothing said, where diff says the content
+    is not known exactly (found by a hunt)."""
+    m = make_mount()
+    with open(os.path.join(m.ws, "huge.bin"), "wb") as f:
+        f.write(os.urandom(1_000_000))
+    m.mount()
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", "rm", "huge.bin", cwd=m.ws)
+    m.umount()
+    attic = os.path.join(m.ws, ATTIC)
+    for n in os.listdir(attic):
+        if not n.startswith(".") and n not in ("RECORD", "CACHEDIR.TAG"):
+            os.unlink(os.path.join(attic, n))
+    seq = [e["seq"] for e in m.events() if e["op"] == "unlink"][0]
+    r = overlayrec("show", "-w", m.ws, "--state-dir", m.state, str(seq))
+    assert "not known exactly" in r.stderr and "huge.bin" in r.stderr, r.stderr
+    out = json.loads(overlayrec("show", "-w", m.ws, "--state-dir", m.state, str(seq),
+                                "--json").stdout)
+    assert out["inexact"] == ["huge.bin"], out
