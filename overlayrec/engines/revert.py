@@ -213,18 +213,16 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
             # two guesses alike say nothing of what the path held
             continue
         step = Step(p, target, expected)
-        gone = _way_gone(p, last, target, states, live, others, gone_ways) \
-            if target.present else None
-        if gone is not None:
+        if live.symlink_on_the_way(p) and live.blocker(p) not in made_dirs:
+            # a directory on its way is now a symlink (or a file) the plan does not itself
+            # replace by a directory: never followed
+            step.conflict = "escape"
+        elif target.present and (gone := _way_gone(p, last, states, live, others, gone_ways)):
             # a directory on its way that the selection left there was moved or removed by
             # another writer since (`mv proj proj2` in a later session): the step made it
             # anew, empty but for this path and with a mode of its own, without a word
             step.conflict, step.note = "changed", f"its directory {shown(gone)} was moved or " \
                 "removed since by another writer"
-        elif live.symlink_on_the_way(p) and live.blocker(p) not in made_dirs:
-            # a directory on its way is now a symlink (or a file) the plan does not itself
-            # replace by a directory: never followed
-            step.conflict = "escape"
         elif not expected.exact and (drift := _drifted_unkept(states, p, last)):
             # changed while unmounted after the selection: a conflict, as where the record
             # kept the content (the live file then differs from what the selection left);
@@ -282,7 +280,10 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
                     continue
                 step.conflict = "changed"
             elif (since := [q for q in others.get(p, ()) if q > last and
-                            not _a_refresh(states, p, q)]) and since[-1] not in by_reverts:
+                            not _a_refresh(states, p, q) and
+                            not states.state(p, q - 1).same(states.state(p, q))]) and \
+                    since[-1] not in by_reverts:
+                # (an event that changed nothing the record holds, a touch, is no change)
                 # another unit changed it last and it holds what the selection left again (a
                 # later call made the same file anew after an earlier revert removed it): the
                 # revert would undo that unit's change, which writes nothing is no less a
@@ -368,7 +369,7 @@ def _moved_from_outside(plan: Plan, renames: list[dict], keep) -> None:
                 break
 
 
-def _way_gone(path: str, last: int, target: State, states: States, live: Tree,
+def _way_gone(path: str, last: int, states: States, live: Tree,
               others: dict[str, list[int]], answers: dict[str, bool]) -> str | None:
     """The nearest directory on ``path``'s way that is not there now, was a directory when
     the selection last changed ``path`` (seq ``last``), and another unit has changed since
@@ -1376,7 +1377,8 @@ def changed_since(live, step: Step, ours: set | None = None) -> bool:
     # a directory loses nothing to a step but by its removal, which keeps one not empty
     # (KEPT); one on the way of the plan's paths is made by their steps (``ways``)
     return now.present and now.kind != "dir" and \
-        not (now.same(step.expected) or now.same(step.target))
+        not (now.same(step.expected) or now.same(step.target)) and \
+        not _refreshed(step.path, step.expected, now)  # git's index refreshed, as the plan
 
 
 def plan_from_json(d: dict, content_get) -> Plan:
