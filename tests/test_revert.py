@@ -333,7 +333,8 @@ def test_a_directory_later_work_filled_is_kept_and_said(make_mount, tmp_path):
     with open(os.path.join(m.ws, "lib", "later.txt"), "w") as f:  # after the call, outside it
         f.write("later\n")
     r = overlayrec("revert", m.ws, "--call", "c1", "--yes")
-    assert "  delete   lib\n" in r.stdout, r.stdout
+    assert "  delete   lib  (kept: it holds what the revert does not remove)\n" in r.stdout, \
+        r.stdout
     assert r.stdout.rstrip().endswith("; kept 1 directory that holds what it does not remove: "
                                       "lib"), r.stdout
     # the paths it reverted, the kept one not among them (it was counted: found by a bug hunt)
