@@ -279,16 +279,14 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
                     plan.already.append(p)
                     continue
                 step.conflict = "changed"
-            elif (since := [q for q in others.get(p, ()) if q > last and
-                            not _a_refresh(states, p, q) and
-                            not states.state(p, q - 1).same(states.state(p, q))]) and \
-                    since[-1] not in by_reverts:
-                # (an event that changed nothing the record holds, a touch, is no change)
-                # another unit changed it last and it holds what the selection left again (a
-                # later call made the same file anew after an earlier revert removed it): the
-                # revert would undo that unit's change, which writes nothing is no less a
-                # change (docs/revert.md).  Last changed by a revert (one undoing the other
-                # unit, or a revert and its unrevert), it is as the reverts left it
+            elif expected.kind in ("file", "symlink") and \
+                    (anew := _made_anew_since(states, p, last, others.get(p, ()))) and \
+                    anew[-1] not in by_reverts:
+                # another unit made it anew since and it holds what the selection left again
+                # (a later call made the same file after an earlier revert, or the user,
+                # removed it): the revert would undo that unit's change, which writes nothing
+                # is no less a change (docs/revert.md).  Made last by a revert (its unrevert),
+                # it is as the reverts left it
                 step.conflict, step.note = "changed", SAME_AGAIN
         plan.steps.append(step)
         if target.kind == "dir":
@@ -350,6 +348,26 @@ def _kept_directories(plan: Plan, live: Tree) -> None:
             continue
         if any(p not in removed for p in live.walk(s.path)):
             s.note = KEEPS_OTHERS
+
+
+def _made_anew_since(states: States, path: str, last: int, others) -> list[int]:
+    """The other units' events after ``last`` that made ``path`` anew: absent before, present
+    after, by a creation at the path itself, or moved there as another object than the
+    selection left (a file moved away and back is the same one; inode numbers are reused, so
+    a creation is taken as new whatever its number); git refreshing its index is none."""
+    left = states.state(path, last).ino
+    out = []
+    for q in others:
+        if q <= last or _a_refresh(states, path, q) or states.state(path, q - 1).present or \
+                not (now := states.state(path, q)).present:
+            continue
+        e = states.j.event(q) or {}
+        if (e.get("path") == path and e.get("op") in _MAKES) or not left or now.ino != left:
+            out.append(q)
+    return out
+
+
+_MAKES = ("create", "mkdir", "symlink", "link", "mknod")
 
 
 def _moved_from_outside(plan: Plan, renames: list[dict], keep) -> None:
