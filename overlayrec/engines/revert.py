@@ -219,10 +219,11 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
             step.conflict = "escape"
         elif target.present and (gone := _way_gone(p, last, states, live, others, gone_ways)):
             # a directory on its way that the selection left there was moved or removed by
-            # another writer since (`mv proj proj2` in a later session): the step made it
-            # anew, empty but for this path and with a mode of its own, without a word
-            step.conflict, step.note = "changed", f"its directory {shown(gone)} was moved or " \
-                "removed since by another writer"
+            # another writer since (`mv proj proj2` in a later session): the step makes it
+            # anew, empty but for this path and with a mode of its own, which it did without a
+            # word (found by a hunt).  Said on the step; not refused, as the history model has
+            # it (the path is put back where the selection found it)
+            step.note = f"makes {shown(gone)} anew: another writer moved or removed it since"
         elif not expected.exact and (drift := _drifted_unkept(states, p, last)):
             # changed while unmounted after the selection: a conflict, as where the record
             # kept the content (the live file then differs from what the selection left);
