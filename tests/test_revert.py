@@ -1645,35 +1645,6 @@ def test_a_file_saved_while_the_revert_goes_through_the_others_is_kept(make_moun
     assert all(open(os.path.join(m.ws, f"f{i:02d}")).read() == "base\n" for i in range(59))
 
 
-def test_a_later_units_identical_change_is_a_conflict(make_mount, tmp_path):
-    """A call makes f; its revert removes it; a later call makes the same f anew.  A revert of
-    the first call's session deleted the later call's file with no conflict, since the path
-    held what the first call left (found by a hunt); the same after a user's own `rm f`.
-    Another unit's change since is a conflict even when the content came out the same; the
-    reverts' own changes are not (revert, unrevert, revert again goes on)."""
-    m = make_mount()
-    (tmp_path / "call.py").write_text(CALL_N)
-    m.mount()
-
-    def call(cid, script, session):
-        overlayrec("run", "-w", m.ws, "--session", session, "--", sys.executable,
-                   str(tmp_path / "call.py"), cid, script, cwd=m.ws)
-    call("c1", "echo x > f; echo y > g", "s1")
-    overlayrec("revert", m.ws, "--call", "c1", "--yes")
-    overlayrec("unrevert", "-w", m.ws, "--yes")
-    r = overlayrec("revert", m.ws, "--call", "c1")  # reverts' own changes are no conflict
-    assert "CONFLICT" not in r.stdout and "delete   f" in r.stdout, r.stdout
-    overlayrec("revert", m.ws, "--call", "c1", "--yes")
-    call("c9", "echo x > f", "s2")
-    r = overlayrec("revert", m.ws, "--session", "s1", "--yes", check=False)
-    assert r.returncode != 0 and "changed: f" in r.stderr, (r.stdout, r.stderr)
-    assert open(os.path.join(m.ws, "f")).read() == "x\n"
-    m.sh("rm f")  # the user, outside any call
-    call("c10", "echo x > f", "s3")
-    r = overlayrec("revert", m.ws, "--call", "c9", check=False)
-    assert "CONFLICT (changed" in r.stdout, r.stdout
-
-
 def test_a_directory_another_writer_moved_away_is_said_when_made_anew(make_mount, tmp_path):
     """A call removes proj/old; a later session moves proj to proj2.  The call's revert made
     proj anew (mode 0755, where proj had 0700) holding only old, and said only `create

@@ -280,15 +280,6 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
                     plan.already.append(p)
                     continue
                 step.conflict = "changed"
-            elif expected.kind in ("file", "symlink") and \
-                    (anew := _made_anew_since(states, p, last, others.get(p, ()))) and \
-                    anew[-1] not in by_reverts:
-                # another unit made it anew since and it holds what the selection left again
-                # (a later call made the same file after an earlier revert, or the user,
-                # removed it): the revert would undo that unit's change, which writes nothing
-                # is no less a change (docs/revert.md).  Made last by a revert (its unrevert),
-                # it is as the reverts left it
-                step.conflict, step.note = "changed", SAME_AGAIN
         plan.steps.append(step)
         if target.kind == "dir":
             # this plan puts a directory here first (order(): dirs first); if the directory
@@ -349,26 +340,6 @@ def _kept_directories(plan: Plan, live: Tree) -> None:
             continue
         if any(p not in removed for p in live.walk(s.path)):
             s.note = KEEPS_OTHERS
-
-
-def _made_anew_since(states: States, path: str, last: int, others) -> list[int]:
-    """The other units' events after ``last`` that made ``path`` anew: absent before, present
-    after, by a creation at the path itself, or moved there as another object than the
-    selection left (a file moved away and back is the same one; inode numbers are reused, so
-    a creation is taken as new whatever its number); git refreshing its index is none."""
-    left = states.state(path, last).ino
-    out = []
-    for q in others:
-        if q <= last or _a_refresh(states, path, q) or states.state(path, q - 1).present or \
-                not (now := states.state(path, q)).present:
-            continue
-        e = states.j.event(q) or {}
-        if (e.get("path") == path and e.get("op") in _MAKES) or not left or now.ino != left:
-            out.append(q)
-    return out
-
-
-_MAKES = ("create", "mkdir", "symlink", "link", "mknod")
 
 
 def _moved_from_outside(plan: Plan, renames: list[dict], keep) -> None:
@@ -1359,7 +1330,6 @@ def plan_to_json(plan: Plan, content_put) -> dict:
 
 
 CHANGED_SINCE = "changed since the interrupted revert began"
-SAME_AGAIN = "changed by another writer since, and holds what the selection left again"
 
 
 def recheck(plan: Plan, live) -> None:
