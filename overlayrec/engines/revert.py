@@ -217,13 +217,6 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
             # a directory on its way is now a symlink (or a file) the plan does not itself
             # replace by a directory: never followed
             step.conflict = "escape"
-        elif target.present and (gone := _way_gone(p, last, states, live, others, gone_ways)):
-            # a directory on its way that the selection left there was moved or removed by
-            # another writer since (`mv proj proj2` in a later session): the step makes it
-            # anew, empty but for this path and with a mode of its own, which it did without a
-            # word (found by a hunt).  Said on the step; not refused, as the history model has
-            # it (the path is put back where the selection found it)
-            step.note = f"makes {shown(gone)} anew: another writer moved or removed it since"
         elif not expected.exact and (drift := _drifted_unkept(states, p, last)):
             # changed while unmounted after the selection: a conflict, as where the record
             # kept the content (the live file then differs from what the selection left);
@@ -280,6 +273,14 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
                     plan.already.append(p)
                     continue
                 step.conflict = "changed"
+        if not step.conflict and not step.note and target.present and \
+                (gone := _way_gone(p, last, states, live, others, gone_ways)):
+            # a directory on its way that the selection left there was moved or removed by
+            # another writer since (`mv proj proj2` in a later session): the step makes it
+            # anew, empty but for this path and with a mode of its own, which it did without a
+            # word (found by a hunt).  Said on the step; not refused, as the history model has
+            # it (the path is put back where the selection found it)
+            step.note = f"makes {shown(gone)} anew: another writer moved or removed it since"
         plan.steps.append(step)
         if target.kind == "dir":
             # this plan puts a directory here first (order(): dirs first); if the directory
