@@ -877,11 +877,15 @@ class Recorder:
             self.journal.put_meta(META_NAMES, self.secrets.names_json())
 
     def _epoch(self, path: str, unit: str, checked: bool = False) -> tuple[Epoch, bool]:
-        if not checked and (path in self.served or path in self.sealed_ctime):
+        now = time.time_ns()
+        if not checked and ((last := self.served.get(path)) is not None and
+                            now - last > AROUND_SLACK_NS or path in self.sealed_ctime):
             # a change other than a write (which _capture's caller checks once a run):
-            # another writer's around the mount since the daemon's last is found first
+            # another writer's around the mount since the daemon's last is found first.  Not
+            # within the slack of the daemon's own last change, where no ctime could tell it
+            # (a temp file an editor writes and renames over its target: no syscall more)
             self._bypassed(path, self._lstat_or_none(path))
-        self.served[path] = time.time_ns()  # before every change the daemon makes to it
+        self.served[path] = now  # before every change the daemon makes to it
         self.sealed_ctime.pop(path, None)
         ep = self.epochs.get(path)
         if self._undo is not None and path not in self._undo:
