@@ -921,12 +921,12 @@ class Recorder:
             self.epochs[path] = ep
 
     def _lstat_or_none(self, path: str) -> os.stat_result | None:
+        """``path``'s lstat; None when nothing is there, or it may not be looked at (a way its
+        owner may not search: the seal looks by the owner's leave)."""
         try:
             return self._lstat(path)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
         except OSError:
-            return None  # not looked at (a way its owner may not search): the seal says
+            return None
 
     def _bypassed(self, path: str, st: os.stat_result | None) -> bool:
         """Was ``path`` (found as ``st``; None: nothing there) changed by another writer, around
