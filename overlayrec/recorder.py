@@ -884,7 +884,7 @@ class Recorder:
             # another writer's around the mount since the daemon's last is found first.  Not
             # within the slack of the daemon's own last change, where no ctime could tell it
             # (a temp file an editor writes and renames over its target: no syscall more)
-            self._bypassed(path, self._lstat_or_none(path))
+            self._look_around(path)
         self.served[path] = now  # before every change the daemon makes to it
         self.sealed_ctime.pop(path, None)
         ep = self.epochs.get(path)
@@ -920,13 +920,16 @@ class Recorder:
                 ep.ranges.iv = iv
             self.epochs[path] = ep
 
-    def _lstat_or_none(self, path: str) -> os.stat_result | None:
-        """``path``'s lstat; None when nothing is there, or it may not be looked at (a way its
-        owner may not search: the seal looks by the owner's leave)."""
+    def _look_around(self, path: str) -> None:
+        """``_bypassed`` of ``path`` as it is now; nothing when it may not be looked at (a way
+        its owner may not search: its seal looks by the owner's leave)."""
         try:
-            return self._lstat(path)
+            st = self._lstat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            st = None
         except OSError:
-            return None
+            return
+        self._bypassed(path, st)
 
     def _bypassed(self, path: str, st: os.stat_result | None) -> bool:
         """Was ``path`` (found as ``st``; None: nothing there) changed by another writer, around
