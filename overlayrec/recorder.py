@@ -876,16 +876,8 @@ class Recorder:
         if self.secrets.carried(src, dst, withheld):
             self.journal.put_meta(META_NAMES, self.secrets.names_json())
 
-    def _epoch(self, path: str, unit: str, checked: bool = False) -> tuple[Epoch, bool]:
-        now = time.time_ns()
-        if not checked and ((last := self.served.get(path)) is not None and
-                            now - last > AROUND_SLACK_NS or path in self.sealed_ctime):
-            # a change other than a write (which _capture's caller checks once a run):
-            # another writer's around the mount since the daemon's last is found first.  Not
-            # within the slack of the daemon's own last change, where no ctime could tell it
-            # (a temp file an editor writes and renames over its target: no syscall more)
-            self._look_around(path)
-        self.served[path] = now  # before every change the daemon makes to it
+    def _epoch(self, path: str, unit: str) -> tuple[Epoch, bool]:
+        self.served[path] = time.time_ns()  # before every change the daemon makes to it
         self.sealed_ctime.pop(path, None)
         ep = self.epochs.get(path)
         if self._undo is not None and path not in self._undo:
@@ -919,17 +911,6 @@ class Recorder:
                 ep.ranges = RangeSet()
                 ep.ranges.iv = iv
             self.epochs[path] = ep
-
-    def _look_around(self, path: str) -> None:
-        """``_bypassed`` of ``path`` as it is now; nothing when it may not be looked at (a way
-        its owner may not search: its seal looks by the owner's leave)."""
-        try:
-            st = self._lstat(path)
-        except (FileNotFoundError, NotADirectoryError):
-            st = None
-        except OSError:
-            return
-        self._bypassed(path, st)
 
     def _bypassed(self, path: str, st: os.stat_result | None) -> bool:
         """Was ``path`` (found as ``st``; None: nothing there) changed by another writer, around
@@ -1326,7 +1307,7 @@ class Recorder:
                 attic_key = (st2.st_dev, st2.st_ino)
                 self._keep_if_linked(npfd, nname, st2, pre2)
         ev["pre2"] = pre2
-        ep2, new2 = self._epoch(path2, unit, checked=True)
+        ep2, new2 = self._epoch(path2, unit)
         if new2:
             ev["epoch2"] = True
         self._carry_secret(path, path2, withheld)
@@ -1442,7 +1423,7 @@ class Recorder:
 
         Returns the event to commit ahead of the change, or None when nothing new needs saving.
         """
-        ep, new = self._epoch(path, unit, checked=True)  # a write: its caller looks
+        ep, new = self._epoch(path, unit)
         if ep.content_saved and not new:
             return None
         st = os.fstat(fd)

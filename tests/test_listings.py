@@ -131,7 +131,7 @@ def test_listings_net_and_git_said_not_hidden(make_mount, tmp_path):
     # diff: says how many .git/ changes it leaves out, and the patch applies with git
     d = overlayrec("diff", m.ws, "--call", "gitcall", "--binary")
     assert "app.txt" in d.stdout and ".git/" not in d.stdout
-    note = f"overlayrec: {gitcall['git_changes']} change(s) under .git/ not shown"
+    note = f"overlayrec: {gitcall['git_changes']} change(s) under .git/ or to a name git takes for .git not shown"
     assert note in d.stderr and "overlayrec replay" in d.stderr, d.stderr
     assert "Ignoring path" not in d.stderr
     work = tmp_path / "apply"
@@ -147,13 +147,13 @@ def test_listings_net_and_git_said_not_hidden(make_mount, tmp_path):
     out = json.loads(js.stdout)
     assert out["git_left_out"] == len(out["git_left_out_paths"]) > 5
     assert sorted(f["path"] for f in out["files"]) == ["app.txt", "real.txt"]
-    assert "under .git/ not shown" in js.stderr
+    assert "under .git/ or to a name git takes for .git not shown" in js.stderr
     d = overlayrec("diff", m.ws, "--call", "churn")
     assert "real.txt" in d.stdout and "same.txt" not in d.stdout and "under .git/" not in d.stderr
 
     # export: the same count, and no .git/ path in any tree
     e = overlayrec("export", "git", m.ws)
-    assert " change(s) under .git/ not exported" in e.stderr, e.stderr
+    assert " change(s) under .git/ or to a name git takes for .git not exported" in e.stderr, e.stderr
     assert "overlayrec: git:" not in e.stderr  # no other warning (the root "" is no entry)
     gd = os.path.join(m.state, "git")
     tree = subprocess.run(["git", "--git-dir", gd, "ls-tree", "-r", "--name-only",
@@ -173,7 +173,7 @@ def test_listings_net_and_git_said_not_hidden(make_mount, tmp_path):
     assert calls["gitcall"]["git_changes"] == gitcall["git_changes"]
     diff = "".join(data["patches"][calls["gitcall"]["patch"]])
     assert "app.txt" in diff and ".git/HEAD" not in diff
-    assert "under .git/ not shown" in diff
+    assert "under .git/ or to a name git takes for .git not shown" in diff
     assert not [c for c in data["changes"] if git_refuses(c["path"])]   # .git/: counted only
 
 

@@ -1346,10 +1346,6 @@ def recheck(plan: Plan, live) -> None:
             plan.changed_since.append(s.path)
 
 
-# a step's result when its path was changed by another writer after the plan was made
-KEPT_CHANGED = FAILED + "kept: another writer changed it after the revert was planned"
-
-
 def changed_since(live, step: Step, ours: set | None = None) -> bool:
     """Does ``step.path`` hold something the plan neither found there (``expected``) nor puts
     there (``target``)?  Someone put it there after the plan was made, and the step would
