@@ -343,18 +343,15 @@ with client.connect() as c:
 '''
 
 
-def test_a_session_a_killed_daemon_left_open_ends_at_the_next_mount(make_mount, tmp_path):
-    """A daemon killed by SIGKILL mid-session leaves the session, its turn and its open call
-    without an end, and no daemon could ever give them one: `export git` left the session's
-    last call out for good while `diff --session` showed its change.  The next daemon ends
-    them at its start (the open call ``abandoned``), and every reader agrees again."""
-    m = make_mount()
-    m.mount()
+def kill_daemon_mid_session(m, tmp_path, agent_src: str, session: str) -> None:
+    """`overlayrec run` of the Python ``agent_src`` (its argument: a ready flag), the daemon
+    killed by SIGKILL once the agent is ready, the run and its agent stopped (the session
+    cannot end by itself) and the dead mount cleared."""
     agent = tmp_path / "agent.py"
-    agent.write_text(LEFT_OPEN_AGENT)
+    agent.write_text(agent_src)
     ready = tmp_path / "ready"
     run = subprocess.Popen([sys.executable, "-m", "overlayrec", "run", "-w", m.ws, "--session",
-                            "s", "--", sys.executable, str(agent), str(ready)],
+                            session, "--", sys.executable, str(agent), str(ready)],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60 * SLOW
@@ -364,10 +361,20 @@ def test_a_session_a_killed_daemon_left_open_ends_at_the_next_mount(make_mount, 
         pid = json.load(open(os.path.join(m.state, "daemon.json")))["pid"]
         os.kill(pid, signal.SIGKILL)
     finally:
-        run.kill()  # and its agent: the session cannot end by itself
+        run.kill()
         run.wait()
         subprocess.run(["pkill", "-f", str(agent)])
     overlayrec("umount", m.ws)
+
+
+def test_a_session_a_killed_daemon_left_open_ends_at_the_next_mount(make_mount, tmp_path):
+    """A daemon killed by SIGKILL mid-session leaves the session, its turn and its open call
+    without an end, and no daemon could ever give them one: `export git` left the session's
+    last call out for good while `diff --session` showed its change.  The next daemon ends
+    them at its start (the open call ``abandoned``), and every reader agrees again."""
+    m = make_mount()
+    m.mount()
+    kill_daemon_mid_session(m, tmp_path, LEFT_OPEN_AGENT, "s")
     assert [e["op"] for e in m.events() if e["op"].endswith("_end")] == ["call_end"]
     m.mount()  # the next daemon
     ends = [e for e in m.events() if e["op"].endswith("_end")]
@@ -414,24 +421,7 @@ def test_what_another_writer_did_after_the_daemon_was_killed_is_not_the_open_cal
     after the last stamp and says the call's end there is not known: the revert refuses."""
     m = make_mount()
     m.mount()
-    agent = tmp_path / "agent.py"
-    agent.write_text(KILLED_MID_CALL_AGENT)
-    ready = tmp_path / "ready"
-    run = subprocess.Popen([sys.executable, "-m", "overlayrec", "run", "-w", m.ws, "--session",
-                            "k", "--", sys.executable, str(agent), str(ready)],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 60 * SLOW
-        while not ready.exists():
-            assert time.monotonic() < deadline and run.poll() is None, "the agent did not start"
-            time.sleep(0.05)
-        pid = json.load(open(os.path.join(m.state, "daemon.json")))["pid"]
-        os.kill(pid, signal.SIGKILL)
-    finally:
-        run.kill()
-        run.wait()
-        subprocess.run(["pkill", "-f", str(agent)])
-    overlayrec("umount", m.ws)
+    kill_daemon_mid_session(m, tmp_path, KILLED_MID_CALL_AGENT, "k")
     time.sleep(1.2)  # past the killed daemon's last stamp and its slack
     with open(os.path.join(m.ws, "s2"), "a") as f:
         f.write("user\n")

@@ -1346,17 +1346,14 @@ def recheck(plan: Plan, live) -> None:
             plan.changed_since.append(s.path)
 
 
-def changed_since(live, step: Step, ours: set | None = None) -> bool:
+def changed_since(live, step: Step) -> bool:
     """Does ``step.path`` hold something the plan neither found there (``expected``) nor puts
     there (``target``)?  Someone put it there after the plan was made, and the step would
     write over it.  Nothing there loses nothing to the step; a path that cannot be read is
-    read again by the step itself, which says what stops it.  ``ours``: the inodes the plan's
-    steps wrote so far (a hard-link group's other names hold what one step wrote in place)."""
+    read again by the step itself, which says what stops it."""
     try:
-        now, st = live.state_stat(step.path)
+        now = live.state(step.path)
     except OSError:
-        return False
-    if ours and st is not None and (st.st_dev, st.st_ino) in ours:
         return False
     if not now.exact:  # its content may not be read here (a mode that denies its owner)
         return now.kind not in (step.expected.kind, step.target.kind)
