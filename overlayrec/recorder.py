@@ -876,8 +876,14 @@ class Recorder:
         if self.secrets.carried(src, dst, withheld):
             self.journal.put_meta(META_NAMES, self.secrets.names_json())
 
-    def _epoch(self, path: str, unit: str) -> tuple[Epoch, bool]:
-        self.served[path] = time.time_ns()  # before every change the daemon makes to it
+    def _epoch(self, path: str, unit: str, checked: bool = False) -> tuple[Epoch, bool]:
+        """The epoch a change of ``path`` by ``unit`` belongs to, and whether it begins here.
+        Unless the caller ``checked`` already, another writer's change around the mount since
+        the daemon's last is found first (_look_around)."""
+        now = time.time_ns()
+        if not checked:
+            self._look_around(path, now)
+        self.served[path] = now  # before every change the daemon makes to it
         self.sealed_ctime.pop(path, None)
         ep = self.epochs.get(path)
         if self._undo is not None and path not in self._undo:
@@ -911,6 +917,23 @@ class Recorder:
                 ep.ranges = RangeSet()
                 ep.ranges.iv = iv
             self.epochs[path] = ep
+
+    def _look_around(self, path: str, now: int) -> None:
+        """``_bypassed`` of ``path`` as it is now, where the daemon changed or sealed it before;
+        nothing when it may not be looked at (a way its owner may not search: its seal looks
+        by the owner's leave).  Not within the slack of the daemon's own last change, where
+        no ctime could tell it (a temp file an editor writes and renames over its target: no
+        syscall more)."""
+        last = self.served.get(path)
+        if (last is None or now - last <= AROUND_SLACK_NS) and path not in self.sealed_ctime:
+            return
+        try:
+            st = self._lstat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            st = None
+        except OSError:
+            return
+        self._bypassed(path, st)
 
     def _bypassed(self, path: str, st: os.stat_result | None) -> bool:
         """Was ``path`` (found as ``st``; None: nothing there) changed by another writer, around
@@ -1150,6 +1173,9 @@ class Recorder:
     @_undoable
     def link(self, src_fd: int, parent_fd: int, name: str, actor: dict) -> None:
         source = self.rel(src_fd)
+        # the source changes no content, but its epoch goes on under two names: another
+        # writer's change since the daemon's last is found before (after, its ctime moved)
+        self._look_around(source, time.time_ns())
         ev = self._creation("link", parent_fd, name, actor, source=source)
         # one inode under a secret name and another: withheld under both
         self._carry_secret(source, ev["path"])
@@ -1307,7 +1333,7 @@ class Recorder:
                 attic_key = (st2.st_dev, st2.st_ino)
                 self._keep_if_linked(npfd, nname, st2, pre2)
         ev["pre2"] = pre2
-        ep2, new2 = self._epoch(path2, unit)
+        ep2, new2 = self._epoch(path2, unit, checked=True)
         if new2:
             ev["epoch2"] = True
         self._carry_secret(path, path2, withheld)
@@ -1378,6 +1404,10 @@ class Recorder:
         self.unsealed.update(ended)
         for p in [p for p in self.served if p.startswith(beneath)]:
             del self.served[p]  # moved or gone: not checked at their seal
+        for p in [p for p in self.sealed_ctime if p.startswith(beneath)]:
+            # the name holds another object now (or none): that seal's ctime says nothing
+            # of it, and a look around the mount would take its own ctime for another's change
+            del self.sealed_ctime[p]
         for p in [p for p in self.left if p.startswith(beneath)]:
             del self.left[p]
 
@@ -1418,12 +1448,14 @@ class Recorder:
                 ep.last = 0
 
     # -- content --------------------------------------------------------------------------------
-    def _capture(self, path: str, fd: int, unit: str, lo: int, hi: int | None) -> dict | None:
+    def _capture(self, path: str, fd: int, unit: str, lo: int, hi: int | None, *,
+                 checked: bool = True) -> dict | None:
         """Save what [lo, hi) of the file at ``fd`` is about to lose (hi None: to its end).
+        ``checked``: the caller looked around the mount already (a write: once a run).
 
         Returns the event to commit ahead of the change, or None when nothing new needs saving.
         """
-        ep, new = self._epoch(path, unit)
+        ep, new = self._epoch(path, unit, checked=checked)
         if ep.content_saved and not new:
             return None
         st = os.fstat(fd)
@@ -1650,7 +1682,7 @@ class Recorder:
         if rfd is None or accmode == os.O_WRONLY:
             rfd = tmp = underlay.reopen_own(fd, os.O_RDONLY)
         try:
-            ev = self._capture(path, rfd, unit, size, None)
+            ev = self._capture(path, rfd, unit, size, None, checked=False)
             if ev is None:  # inside the path's epoch: its other names still change, unseen
                 ev = {"path": path, **unit_fields(unit)}
                 self._alias_again(path, rfd, unit)

@@ -138,6 +138,36 @@ def test_a_change_beneath_the_mount_is_found_at_the_next_change(make_mount, tmp_
 
 
 @needs_fuse
+@pytest.mark.parametrize("change", ["mv f g", "rm f", "truncate -s 3 f", "ln f g"])
+def test_a_change_beneath_the_mount_is_found_at_any_next_change(make_mount, tmp_path, change):
+    """As above, inside one call, where the call's next change of the file is no write: a
+    rename of it away, its removal, a truncate by name, a hard link.  The epoch went on
+    through the other writer's line, so a revert of the session put the file back without it
+    (a rename's, a truncate's) or called the removed line the session's."""
+    m = make_mount()
+    with open(os.path.join(m.ws, "f"), "w") as f:
+        f.write("base\n")
+    (tmp_path / "beneath.py").write_text(BENEATH)
+    go, done = tmp_path / "go", tmp_path / "done"
+    beneath = subprocess.Popen([sys.executable, str(tmp_path / "beneath.py"), str(go),
+                                str(done)], cwd=m.ws)
+    try:
+        m.mount()
+        r = overlayrec("run", "-w", m.ws, "--session", "s", "--", "sh", "-c",
+                       f"echo agent1 >> f; sleep 1; touch {go}; while [ ! -e {done} ]; do "
+                       f"sleep 0.05; done; sleep 0.1; {change}", cwd=m.ws)
+        assert beneath.wait(timeout=30) == 0
+    finally:
+        if beneath.poll() is None:
+            beneath.kill()
+            beneath.wait()
+    drifts = [e for e in m.events() if e["op"] == "drift"]
+    assert [(e["path"], e["unit"]) for e in drifts] == [("f", "outside:around")], drifts
+    r = overlayrec("revert", m.ws, "--session", "s", "--yes", check=False)
+    assert r.returncode != 0 and "f" in r.stderr, r.stderr
+
+
+@needs_fuse
 def test_an_append_through_the_mount_goes_to_the_files_end(make_mount):
     """A process working beneath the mount appends to a file the mount has served; then an
     append through the mount: the kernel appended at the size it had cached, over the other
@@ -191,3 +221,41 @@ def test_a_file_made_beneath_where_a_call_removed_one_is_the_other_writers(make_
     r = overlayrec("revert", m.ws, "--call", cid, "--yes", check=False)
     assert r.returncode != 0 and "changed: f" in r.stderr, r.stderr
     assert open(os.path.join(m.ws, "f")).read() == "user-line\n"
+
+
+@needs_fuse
+def test_a_name_a_directory_rename_fills_is_not_changed_around_the_mount(make_mount,
+                                                                          tmp_path):
+    """d/x and e/x are sealed at one call's end; the next moves d away and e into its place,
+    so d/x names the file made as e/x, a little later.  The seal's ctime stayed with the name
+    d/x, and the next write there took the other file's ctime for a change around the mount:
+    a drift of "around" with the old d/x's content as its pre-image (found when every change
+    looked around the mount: test_open_handles)."""
+    m = make_mount().mount()
+    (tmp_path / "agent.py").write_text(textwrap.dedent('''
+        import subprocess, time
+        from overlayrec import client
+
+        def sh(cmd):
+            subprocess.run(["bash", "-c", cmd], check=True)
+        with client.connect() as c:
+            c.call_begin("c1", "Bash")
+            sh("mkdir d e; echo old > d/x; echo new > e/x")
+            c.call_end("c1")
+            c.call_begin("c2", "Bash")
+            sh("mv d gone; mv e d")
+            c.call_end("c2")
+            time.sleep(0.7)  # past the slack the daemon's own changes are read with
+            c.call_begin("c3", "Bash")
+            sh("echo more >> d/x; chmod 600 gone/x")
+            c.call_end("c3")
+    '''))
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", sys.executable,
+               str(tmp_path / "agent.py"), cwd=m.ws)
+    assert [e for e in m.events() if e["op"] == "drift"] == []
+    d = overlayrec("diff", m.ws, "--call", "c3").stdout
+    assert " new\n+more" in d and "-old" not in d, d
+    r = overlayrec("revert", m.ws, "--call", "c3", "--yes", check=False)
+    assert r.returncode == 0, r.stderr
+    assert open(os.path.join(m.ws, "d", "x")).read() == "new\n"
+    assert open(os.path.join(m.ws, "gone", "x")).read() == "old\n"
