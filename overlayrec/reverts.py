@@ -19,8 +19,9 @@ import time
 
 from . import client, state
 from .engines import large
-from .engines.revert import KEPT, Plan, apply_step, bytes_written, clear_stale_temps, failed, \
-    make_plan, order, plan_from_json, plan_to_json, recheck, unmet, ways
+from .engines.revert import KEPT, KEPT_CHANGED, DirMode, Opening, Plan, apply_step, \
+    bytes_written, changed_since, clear_stale_temps, failed, make_plan, order, plan_from_json, \
+    plan_to_json, recheck, unmet, ways
 from .engines.states import Tree
 
 
@@ -232,7 +233,9 @@ def outcome(plan: Plan, rec: dict, unreverts: str | None) -> tuple[str, list[str
     which = "directory that holds" if len(kept) == 1 else "directories that hold"
     verb = f"unreverted {unreverts}: restored" if unreverts else "reverted"
     # a kept directory is no path reverted (the unrevert's count then disagreed)
-    line = (f"{verb} {len({p for p, _ in done} - set(kept))} path(s) as revert {plan.id}"
+    untouched = {p for p, result in done if result == KEPT_CHANGED}  # another's, kept
+    line = (f"{verb} {len({p for p, _ in done} - set(kept) - untouched)} path(s) as revert "
+            f"{plan.id}"
             + (f"; {len(plan.conflicts)} conflicting path(s) left alone" if plan.conflicts
                else "")
             + (f"; kept {len(kept)} {which} what it does not remove: "
@@ -326,8 +329,17 @@ def carry_out(ws: str, sd: str, plan: Plan, content, *, unreverts: str | None = 
                 steps = order([s for s in plan.steps if not s.conflict], root_fd)
                 if resume is not None:  # what the killed run left half made
                     clear_stale_temps(root_fd, [s.path for s in steps])
+                live, ours = Tree(root_fd), set()
                 for s in steps:
+                    # a path saved by another writer while the revert went through the others
+                    # (an editor's save): kept, said, never written over
+                    if not isinstance(s, (DirMode, Opening)) and changed_since(live, s, ours):
+                        done.append((s.path, KEPT_CHANGED))
+                        continue
                     done.append((s.path, apply_step(root_fd, s, made)))
+                    st = live.state_stat(s.path)[1] if s.target.kind == "file" else None
+                    if st is not None and st.st_nlink > 1:
+                        ours.add((st.st_dev, st.st_ino))
                     if progress is not None:
                         progress(len(done), len(steps))
                     if delay:  # tests interrupt a revert half way

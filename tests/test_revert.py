@@ -1608,6 +1608,43 @@ def test_a_replay_during_a_revert_takes_its_paths_for_no_drift(make_mount, tmp_p
         assert p.wait(timeout=60) == 0, p.stderr.read()
 
 
+def test_a_file_saved_while_the_revert_goes_through_the_others_is_kept(make_mount, tmp_path):
+    """The user saves one of the call's files (an editor's atomic save, through the mount)
+    while the revert is writing the others, before it reaches that one: the revert wrote the
+    recorded state over the save, said `reverted 60 path(s)` and exit 0 (found by a hunt).
+    Each path is looked at again just before its step: one changed since the plan is kept,
+    named, and the revert exits 1."""
+    m = make_mount()
+    os.makedirs(m.ws, exist_ok=True)
+    for i in range(60):
+        with open(os.path.join(m.ws, f"f{i:02d}"), "w") as f:
+            f.write("base\n")
+    (tmp_path / "call.py").write_text(CALL)
+    m.mount()
+    run_call(m, tmp_path, "for f in f*; do echo agent >> $f; done")
+    env = dict(os.environ, OVERLAYREC_TEST_REVERT_DELAY="0.05")
+    p = subprocess.Popen([sys.executable, "-m", "overlayrec", "revert", m.ws, "--call", "c1",
+                          "--yes"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    try:
+        deadline = time.monotonic() + 60 * SLOW
+        while open(os.path.join(m.ws, "f00")).read() != "base\n":
+            assert time.monotonic() < deadline and p.poll() is None, "the revert did not start"
+            time.sleep(0.01)
+        m.py("import os\nopen('.f59.tmp', 'w').write('USER-SAVED\\n')\n"
+             "os.rename('.f59.tmp', 'f59')")
+        out, err = p.communicate(timeout=120 * SLOW)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 1, (out, err)
+    assert "f59: kept: another writer changed it after the revert was planned" in err, err
+    assert "reverted 59 path(s)" in out, out
+    assert open(os.path.join(m.ws, "f59")).read() == "USER-SAVED\n"
+    assert all(open(os.path.join(m.ws, f"f{i:02d}")).read() == "base\n" for i in range(59))
+
+
 def test_a_directory_another_writer_moved_away_is_said_when_made_anew(make_mount, tmp_path):
     """A call removes proj/old; a later session moves proj to proj2.  The call's revert made
     proj anew (mode 0755, where proj had 0700) holding only old, and said only `create

@@ -1346,14 +1346,21 @@ def recheck(plan: Plan, live) -> None:
             plan.changed_since.append(s.path)
 
 
-def changed_since(live, step: Step) -> bool:
+# a step's result when its path was changed by another writer after the plan was made
+KEPT_CHANGED = FAILED + "kept: another writer changed it after the revert was planned"
+
+
+def changed_since(live, step: Step, ours: set | None = None) -> bool:
     """Does ``step.path`` hold something the plan neither found there (``expected``) nor puts
     there (``target``)?  Someone put it there after the plan was made, and the step would
     write over it.  Nothing there loses nothing to the step; a path that cannot be read is
-    read again by the step itself, which says what stops it."""
+    read again by the step itself, which says what stops it.  ``ours``: the inodes the plan's
+    steps wrote so far (a hard-link group's other names hold what one step wrote in place)."""
     try:
-        now = live.state(step.path)
+        now, st = live.state_stat(step.path)
     except OSError:
+        return False
+    if ours and st is not None and (st.st_dev, st.st_ino) in ours:
         return False
     if not now.exact:  # its content may not be read here (a mode that denies its owner)
         return now.kind not in (step.expected.kind, step.target.kind)
