@@ -953,10 +953,16 @@ class Recorder:
             changed = served is not None and self.left.get(path) == "file"
         elif not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
             return False  # a directory's ctime moves with its entries; a link's with its names
-        elif served is not None:
-            changed = st.st_ctime_ns > served + AROUND_SLACK_NS
         else:
-            changed = sealed is not None and st.st_ctime_ns > sealed
+            # a name of the inode the daemon made or removed since (`ln a b; rm b`, or a
+            # backup link's partner renamed over) moved its ctime too: the daemon's own change
+            named = self.served_ino.get(st.st_ino)
+            if named is not None and st.st_ctime_ns <= named + AROUND_SLACK_NS:
+                changed = False
+            elif served is not None:
+                changed = st.st_ctime_ns > served + AROUND_SLACK_NS
+            else:
+                changed = sealed is not None and st.st_ctime_ns > sealed
         if not changed:
             return False
         pre = None

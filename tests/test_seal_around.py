@@ -259,3 +259,25 @@ def test_a_name_a_directory_rename_fills_is_not_changed_around_the_mount(make_mo
     assert r.returncode == 0, r.stderr
     assert open(os.path.join(m.ws, "d", "x")).read() == "new\n"
     assert open(os.path.join(m.ws, "gone", "x")).read() == "old\n"
+
+
+@needs_fuse
+@pytest.mark.parametrize("steps", [
+    "echo two >> a; sleep 0.7; ln a b; rm b; echo three >> a",
+    "ln a a.bak; sleep 0.7; sed -i s/base/B/ a; sleep 0.7; echo more >> a.bak"])
+def test_a_name_the_daemon_made_or_removed_is_no_change_around_the_mount(make_mount, steps):
+    """A hard link made and removed through the mount, or a backup link whose partner is
+    renamed over: the inode's ctime moves with its names, at the daemon's own change.  Read
+    as another writer's (a drift of "around"), the call's revert was refused as interleaved
+    (found by hunts)."""
+    m = make_mount()
+    with open(os.path.join(m.ws, "a"), "w") as f:
+        f.write("base\n")
+    m.mount()
+    m.sh(f"{sys.executable} -m overlayrec run --session s -- sh -c '({steps})'")
+    assert [e for e in m.events() if e["op"] == "drift"] == []
+    cid = json.loads(overlayrec("calls", m.ws, "--json").stdout.splitlines()[0])["id"]
+    r = overlayrec("revert", m.ws, "--call", cid, "--yes", check=False)
+    assert r.returncode == 0, r.stderr
+    assert open(os.path.join(m.ws, "a")).read() == "base\n"
+    assert sorted(os.listdir(m.ws)) == ["a"]
