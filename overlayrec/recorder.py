@@ -1408,14 +1408,17 @@ class Recorder:
             if q is not None:
                 self.unsealed[q] = unit
         self.unsealed.update(ended)
-        for p in [p for p in self.served if p.startswith(beneath)]:
-            del self.served[p]  # moved or gone: not checked at their seal
-        for p in [p for p in self.sealed_ctime if p.startswith(beneath)]:
-            # the name holds another object now (or none): that seal's ctime says nothing
-            # of it, and a look around the mount would take its own ctime for another's change
-            del self.sealed_ctime[p]
-        for p in [p for p in self.left if p.startswith(beneath)]:
-            del self.left[p]
+        # what the daemon last did to each file, and the ctime its seal found, go with it:
+        # a change beneath the mount before the rename is still found at the file's next
+        # change under its new name (a user's line read as the call's, a revert removed it).
+        # Left under the old name, the stamp was read against whatever file came there (a
+        # false drift, the old file's content its pre-image)
+        for table in (self.served, self.sealed_ctime, self.left):
+            went = {p: table.pop(p) for p in [p for p in table if p.startswith(beneath)]}
+            for p, v in went.items():
+                q = moved(p)
+                if q is not None:
+                    table[q] = v
 
     def _stamp_names(self, st: os.stat_result, unit: str, *own: str) -> None:
         """The inode ``st`` loses or gains a name, or one of its names moves: its ctime moves
@@ -1641,6 +1644,17 @@ class Recorder:
                 "hi": handle.hi, "end": handle.last_at})
         except JournalError as e:
             log.warning("extents of event %d not journaled: %s", handle.write_seq, e)
+
+    def grown_beneath(self, handle, st: os.stat_result) -> None:
+        """An O_APPEND write through ``handle`` found its file (``st``) longer than the kernel
+        knew: another writer appended around the mount.  Within the handle's write run the
+        first write's look (before_write) is long past, so the run would take the other
+        writer's bytes as its own; where the ctime says it came after the handle's last write
+        (past the slack) it is journaled as such, and the run's next write begins an epoch.
+        Only appends tell so; a write run of other writes is not looked at again."""
+        if handle.appended and st.st_ctime_ns > handle.appended + AROUND_SLACK_NS:
+            self.served[handle.path] = handle.appended
+            self._bypassed(handle.path, st)
 
     @_roomy
     @_undoable
@@ -2255,6 +2269,9 @@ class UnrecordedRecorder(Recorder):
 
     def rename(self, pfd, name, npfd, nname, flags, actor):
         underlay.renameat2(pfd, name, npfd, nname, flags)
+
+    def grown_beneath(self, handle, st):
+        pass
 
     def write(self, handle, off, data):
         return os.pwrite(handle.fd, data, off)

@@ -331,12 +331,16 @@ def carry_out(ws: str, sd: str, plan: Plan, content, *, unreverts: str | None = 
                     clear_stale_temps(root_fd, [s.path for s in steps])
                 live, ours = Tree(root_fd), set()
                 for s in steps:
-                    # a path saved by another writer while the revert went through the others
-                    # (an editor's save): kept, said, never written over
-                    if not isinstance(s, (DirMode, Opening)) and changed_since(live, s, ours):
+                    # a path saved (or removed) by another writer while the revert went
+                    # through the others (an editor's save): kept, said, never written over;
+                    # looked at again once the step's new content is ready (apply_step)
+                    seen: list = []
+                    if not isinstance(s, (DirMode, Opening)) and \
+                            changed_since(live, s, ours, removed=True, seen=seen):
                         done.append((s.path, KEPT_CHANGED))
                         continue
-                    done.append((s.path, apply_step(root_fd, s, made)))
+                    done.append((s.path, apply_step(root_fd, s, made,
+                                                    seen[0] if seen else False)))
                     st = live.state_stat(s.path)[1] if s.target.kind == "file" else None
                     if st is not None and st.st_nlink > 1:
                         ours.add((st.st_dev, st.st_ino))

@@ -1608,12 +1608,14 @@ def test_a_replay_during_a_revert_takes_its_paths_for_no_drift(make_mount, tmp_p
         assert p.wait(timeout=60) == 0, p.stderr.read()
 
 
-def test_a_file_saved_while_the_revert_goes_through_the_others_is_kept(make_mount, tmp_path):
-    """The user saves one of the call's files (an editor's atomic save, through the mount)
-    while the revert is writing the others, before it reaches that one: the revert wrote the
-    recorded state over the save, said `reverted 60 path(s)` and exit 0 (found by a hunt).
-    Each path is looked at again just before its step: one changed since the plan is kept,
-    named, and the revert exits 1."""
+@pytest.mark.parametrize("how", ["save", "remove"])
+def test_a_file_saved_while_the_revert_goes_through_the_others_is_kept(make_mount, tmp_path,
+                                                                       how):
+    """The user saves one of the call's files (an editor's atomic save, through the mount),
+    or removes it, while the revert is writing the others, before it reaches that one: the
+    revert wrote the recorded state over the save (or made the file again), said `reverted
+    60 path(s)` and exit 0 (found by hunts).  Each path is looked at again just before its
+    step: one changed or removed since the plan is kept, named, and the revert exits 1."""
     m = make_mount()
     os.makedirs(m.ws, exist_ok=True)
     for i in range(60):
@@ -1631,8 +1633,11 @@ def test_a_file_saved_while_the_revert_goes_through_the_others_is_kept(make_moun
         while open(os.path.join(m.ws, "f00")).read() != "base\n":
             assert time.monotonic() < deadline and p.poll() is None, "the revert did not start"
             time.sleep(0.01)
-        m.py("import os\nopen('.f59.tmp', 'w').write('USER-SAVED\\n')\n"
-             "os.rename('.f59.tmp', 'f59')")
+        if how == "save":
+            m.py("import os\nopen('.f59.tmp', 'w').write('USER-SAVED\\n')\n"
+                 "os.rename('.f59.tmp', 'f59')")
+        else:
+            os.unlink(os.path.join(m.ws, "f59"))
         out, err = p.communicate(timeout=120 * SLOW)
     finally:
         if p.poll() is None:
@@ -1641,8 +1646,43 @@ def test_a_file_saved_while_the_revert_goes_through_the_others_is_kept(make_moun
     assert p.returncode == 1, (out, err)
     assert "f59: kept: another writer changed it after the revert was planned" in err, err
     assert "reverted 59 path(s)" in out, out
-    assert open(os.path.join(m.ws, "f59")).read() == "USER-SAVED\n"
+    if how == "save":
+        assert open(os.path.join(m.ws, "f59")).read() == "USER-SAVED\n"
+    else:
+        assert not os.path.exists(os.path.join(m.ws, "f59"))
     assert all(open(os.path.join(m.ws, f"f{i:02d}")).read() == "base\n" for i in range(59))
+
+
+def test_a_file_saved_while_its_own_step_is_written_is_kept(make_mount, tmp_path):
+    """A call rewrites a large file; its revert writes the old content beside it (a temp
+    file) and renames it over the path.  The user's save between the two was written over,
+    exit 0, nothing said (found by a hunt).  The path is looked at again once the content is
+    ready: the save is kept, named, exit 1."""
+    m = make_mount()
+    os.makedirs(m.ws, exist_ok=True)
+    with open(os.path.join(m.ws, "big"), "wb") as f:
+        f.write(b"b" * (150 << 20))
+    (tmp_path / "call.py").write_text(CALL)
+    m.mount()
+    run_call(m, tmp_path, "echo agent > big")
+    p = subprocess.Popen([sys.executable, "-m", "overlayrec", "revert", m.ws, "--call", "c1",
+                          "--yes"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60 * SLOW
+        while not any("overlayrec-revert" in n for n in os.listdir(m.ws)):
+            assert time.monotonic() < deadline and p.poll() is None, "no step began"
+            time.sleep(0.005)
+        m.py("import os\nopen('.big.tmp', 'w').write('USER-SAVED\\n')\n"
+             "os.rename('.big.tmp', 'big')")
+        out, err = p.communicate(timeout=120 * SLOW)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 1, (out, err)
+    assert "big: kept: another writer changed it after the revert was planned" in err, err
+    assert open(os.path.join(m.ws, "big")).read() == "USER-SAVED\n"
+    assert not [n for n in os.listdir(m.ws) if "overlayrec-revert" in n]
 
 
 def test_a_directory_another_writer_moved_away_is_said_when_made_anew(make_mount, tmp_path):

@@ -281,3 +281,56 @@ def test_a_name_the_daemon_made_or_removed_is_no_change_around_the_mount(make_mo
     assert r.returncode == 0, r.stderr
     assert open(os.path.join(m.ws, "a")).read() == "base\n"
     assert sorted(os.listdir(m.ws)) == ["a"]
+
+
+def _beneath(ws: str) -> subprocess.Popen:
+    """A process whose working directory was entered before the mount: writes through
+    /proc/PID/cwd go to the directory beneath the mount (the user's second terminal)."""
+    return subprocess.Popen(["sleep", "120"], cwd=ws)
+
+
+@needs_fuse
+@pytest.mark.parametrize("shape", ["append-run", "directory-moved", "between-writes"])
+def test_a_change_beneath_inside_a_call_is_never_the_calls(make_mount, tmp_path, shape):
+    """A user's line appended beneath the mount while a call goes on: in the middle of the
+    call's own run of appends through one descriptor (the run's first write had looked, the
+    others did not), before the call moves the file's directory (the stamps stayed under the
+    old name), or between two of the call's writes.  Found by hunts: no drift, the call's
+    revert removed the user's line, and `calls` said nothing of it.  Now a drift of "around"
+    is journaled, `calls` names the path, the revert refuses and the line stays."""
+    m = make_mount()
+    os.makedirs(os.path.join(m.ws, "d"))
+    with open(os.path.join(m.ws, "d", "f"), "w") as f:
+        f.write("base\n")
+    user = _beneath(m.ws)
+    try:
+        m.mount()
+        under = f"/proc/{user.pid}/cwd/d/f"
+        script = {
+            "append-run": f"""{sys.executable} -c "
+import os, time
+fd = os.open('d/f', os.O_WRONLY | os.O_APPEND)
+os.write(fd, b'agent1\\n'); time.sleep(0.7)
+open('{under}', 'a').write('USER-LINE\\n'); time.sleep(0.7)
+os.write(fd, b'agent2\\n')"
+""",
+            "directory-moved": f"echo agent1 >> d/f; sleep 0.7; echo USER-LINE >> {under}; "
+                               "sleep 0.7; mv d d2; echo agent2 >> d2/f",
+            "between-writes": f"echo agent1 >> d/f; sleep 0.7; echo USER-LINE >> {under}; "
+                              "sleep 0.7; echo agent2 >> d/f"}[shape]
+        # in a subshell: one call, the agent's (sh's) only child
+        overlayrec("run", "-w", m.ws, "--session", "s", "--", "sh", "-c", f"({script})",
+                   cwd=m.ws)
+    finally:
+        user.kill()
+        user.wait()
+    name = "d2/f" if shape == "directory-moved" else "d/f"
+    assert open(os.path.join(m.ws, name)).read() == "base\nagent1\nUSER-LINE\nagent2\n"
+    drifts = [e for e in m.events() if e["op"] == "drift"]
+    assert [e["unit"] for e in drifts] == ["outside:around"], drifts
+    row = json.loads(overlayrec("calls", m.ws, "--json").stdout.splitlines()[0])
+    if shape != "directory-moved":  # there the drift is under the name the call moved it to
+        assert row["around"] == [name], row
+    r = overlayrec("revert", m.ws, "--call", row["id"], "--yes", check=False)
+    assert r.returncode != 0 and name in r.stderr, r.stderr
+    assert open(os.path.join(m.ws, name)).read() == "base\nagent1\nUSER-LINE\nagent2\n"

@@ -472,22 +472,25 @@ class Net:
         return point != hi and states.state(path, point).exact
 
     def around(self, evs: list[dict]) -> list[str]:
-        """The paths of one unit's events that a seal found changed around the mount after
-        the unit's last change to each (a drift of ``outside:around`` next in the path's
-        chain, Recorder.seal): what the unit left there is not known."""
-        last: dict[str, int] = {}
+        """The paths of one unit's events that were found changed around the mount between
+        two of the unit's changes (at the daemon's next change, Recorder._bypassed) or after
+        its last change to each (a seal's): a drift of ``outside:around`` in the path's chain
+        there.  What the unit itself changed is not known."""
+        span: dict[str, list[int]] = {}
         for e in evs:
             for p in _paths(e):
-                last[p] = e["seq"]
+                span.setdefault(p, [e["seq"], e["seq"]])[1] = e["seq"]
         unit = outside_unit(AROUND)
         out = []
-        for p, seq in last.items():
+        for p, (first, last) in span.items():
             for f in self.states.chain_on(p):
-                if f["seq"] <= seq or f["op"] == "seal":
+                if f["seq"] <= first or f["op"] == "seal":
                     continue
                 if f["op"] == "drift" and f.get("unit") == unit:
                     out.append(p)
-                break
+                    break
+                if f["seq"] > last:
+                    break  # the next change after the unit's last: not around
         return sorted(out)
 
 

@@ -961,13 +961,17 @@ class Opening(Step):
     revert stopped half way on what it was itself removing, asking the user to open it."""
 
 
-def apply_step(root_fd: int, step: Step, made: dict | None = None) -> str:
+def apply_step(root_fd: int, step: Step, made: dict | None = None,
+               seen: os.stat_result | None | bool = False) -> str:
     """Make ``step.path`` hold ``step.target``; returns what was done (``failed(...)`` tells
     a path it could not make whole).  ``made``, shared by the steps of one plan, maps the
     inode of a target to the paths made for it, one (path, inode made, target) for each group
     of that inode (see ``linked``): the other paths of a group are linked to its path, not
-    copied.  Raises ``Escape`` (naming
-    ``step.path``) when the path cannot be reached without following a symlink."""
+    copied.  ``seen``: the lstat the caller found the path with (None: nothing there; False:
+    not looked at); a path that no longer matches it when the new content is ready to go in
+    (saved by another writer while a large file was written beside it) is kept
+    (``KEPT_CHANGED``).  Raises ``Escape`` (naming ``step.path``) when the path cannot be
+    reached without following a symlink."""
     t = step.target
     try:
         dfd, name = _parent(root_fd, step.path, create=t.present)
@@ -978,7 +982,7 @@ def apply_step(root_fd: int, step: Step, made: dict | None = None) -> str:
         # out a saved plan): never followed; the revert stops there and stays pending
         raise Escape(e.errno, f"escape: {e.strerror}", step.path) from None
     try:
-        return _apply_in(root_fd, dfd, name, step, made)
+        return _apply_in(root_fd, dfd, name, step, made, seen)
     except PermissionError as e:
         # the revert writes as its user, through the mount: a directory left read-only (a
         # call's chmod 555 the selection does not undo) stops it; it stays pending
@@ -1048,7 +1052,8 @@ def _a(kind: str) -> str:
     return "nothing" if kind == "absent" else f"a {kind}"
 
 
-def _apply_in(root_fd: int, dfd: int, name: str, step: Step, made: dict | None) -> str:
+def _apply_in(root_fd: int, dfd: int, name: str, step: Step, made: dict | None,
+              seen: os.stat_result | None | bool = False) -> str:
     """apply_step in ``step.path``'s directory ``dfd``, where it is ``name``."""
     t = step.target
     if isinstance(step, Opening):
@@ -1102,6 +1107,9 @@ def _apply_in(root_fd: int, dfd: int, name: str, step: Step, made: dict | None) 
     tmp = temp_name(name, f"overlayrec-revert-{os.getpid()}")
     _remove(dfd, tmp)
     if first is not None and _link_to(root_fd, first, dfd, tmp):
+        if not _as_seen(dfd, name, seen):
+            _remove(dfd, tmp)
+            return KEPT_CHANGED
         _replace(dfd, tmp, name)
         return f"{LINKED}{first[0]})"
     problem = None
@@ -1135,11 +1143,28 @@ def _apply_in(root_fd: int, dfd: int, name: str, step: Step, made: dict | None) 
     except BaseException:
         _remove(dfd, tmp)
         raise
+    if not _as_seen(dfd, name, seen):
+        _remove(dfd, tmp)
+        return KEPT_CHANGED
     _replace(dfd, tmp, name)
     if made is not None and link_key(t) and first is None:
         st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
         made.setdefault(link_key(t), []).append((step.path, st.st_ino, t))
     return FAILED + "restored, but " + problem if problem else "restored"
+
+
+def _as_seen(dfd: int, name: str, seen: os.stat_result | None | bool) -> bool:
+    """Does ``name`` still hold what the step's caller looked at (``seen``: its lstat, None
+    for nothing there; False: not looked at, so nothing to compare)?  Its inode, size, mtime
+    and ctime: a save (in place or by a rename over it) moves one of them."""
+    if seen is False:
+        return True
+    try:
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return seen is None
+    return seen is not None and (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) == \
+        (seen.st_ino, seen.st_size, seen.st_mtime_ns, seen.st_ctime_ns)
 
 
 def _holder(made: dict | None, t: State) -> tuple | None:
@@ -1350,18 +1375,26 @@ def recheck(plan: Plan, live) -> None:
 KEPT_CHANGED = FAILED + "kept: another writer changed it after the revert was planned"
 
 
-def changed_since(live, step: Step, ours: set | None = None) -> bool:
+def changed_since(live, step: Step, ours: set | None = None, *, removed: bool = False,
+                  seen: list | None = None) -> bool:
     """Does ``step.path`` hold something the plan neither found there (``expected``) nor puts
     there (``target``)?  Someone put it there after the plan was made, and the step would
-    write over it.  Nothing there loses nothing to the step; a path that cannot be read is
+    write over it.  Nothing there loses nothing to the step, unless ``removed`` asks for a
+    removal since as well (the plan found a file there and puts one back: the step would undo
+    another writer's `rm`, as a plan made after it refuses to); a path that cannot be read is
     read again by the step itself, which says what stops it.  ``ours``: the inodes the plan's
-    steps wrote so far (a hard-link group's other names hold what one step wrote in place)."""
+    steps wrote so far (a hard-link group's other names hold what one step wrote in place).
+    ``seen`` gets the lstat the path was looked at with (None: nothing there)."""
     try:
         now, st = live.state_stat(step.path)
     except OSError:
         return False
+    if seen is not None:
+        seen.append(st)
     if ours and st is not None and (st.st_dev, st.st_ino) in ours:
         return False
+    if removed and not now.present and step.expected.present and step.target.present:
+        return True
     if not now.exact:  # its content may not be read here (a mode that denies its owner)
         return now.kind not in (step.expected.kind, step.target.kind)
     # a directory loses nothing to a step but by its removal, which keeps one not empty
