@@ -24,6 +24,7 @@ once more (``_roomy``).
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import errno
 import fcntl
@@ -323,22 +324,28 @@ class Names:
 
 
 class RangeSet:
-    """Sorted, disjoint [lo, hi) intervals; small and simple, writes are mostly sequential."""
-    __slots__ = ("iv",)
+    """Sorted, disjoint [lo, hi) intervals (touching ones merged).  Found by bisection and
+    changed in place: writes scattered over a large file (glibc's posix_fallocate writes a
+    byte every 4 KiB) never merge, and a scan from the start, a sort and a copy at each write
+    made a call's writes quadratic.  ``mark`` begins a log of the changes that ``undo``
+    takes back (a mutation that failed: Recorder._restore), so no copy is kept for it."""
+    __slots__ = ("iv", "log")
 
     def __init__(self):
         self.iv: list[list[int]] = []
+        self.log: list | None = None
 
     def missing(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        iv = self.iv
         out, cur = [], lo
-        for a, b in self.iv:
-            if b <= cur:
-                continue
+        # the first interval ending past lo: the ones before it cover nothing of [lo, hi)
+        for k in range(bisect.bisect_right(iv, lo, key=_iv_hi), len(iv)):
+            a, b = iv[k]
             if a >= hi:
                 break
             if a > cur:
-                out.append((cur, min(a, hi)))
-            cur = max(cur, b)
+                out.append((cur, a))
+            cur = b
             if cur >= hi:
                 break
         if cur < hi:
@@ -346,15 +353,30 @@ class RangeSet:
         return out
 
     def add(self, lo: int, hi: int) -> None:
-        iv = self.iv + [[lo, hi]]
-        iv.sort()
-        merged: list[list[int]] = []
-        for a, b in iv:
-            if merged and a <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], b)
-            else:
-                merged.append([a, b])
-        self.iv = merged
+        iv = self.iv
+        i = bisect.bisect_left(iv, lo, key=_iv_hi)    # the first ending at or past lo
+        j = bisect.bisect_right(iv, hi, key=_iv_lo)   # the first starting past hi
+        if i < j:
+            lo, hi = min(lo, iv[i][0]), max(hi, iv[j - 1][1])
+        if self.log is not None:
+            self.log.append((i, iv[i:j]))
+        iv[i:j] = [[lo, hi]]
+
+    def mark(self) -> None:
+        self.log = []
+
+    def undo(self) -> None:
+        for i, old in reversed(self.log or ()):
+            self.iv[i:i + 1] = old
+        self.log = None
+
+
+def _iv_lo(x: list[int]) -> int:
+    return x[0]
+
+
+def _iv_hi(x: list[int]) -> int:
+    return x[1]
 
 
 class Epoch:
@@ -889,7 +911,9 @@ class Recorder:
         if self._undo is not None and path not in self._undo:
             self._undo[path] = None if ep is None else (
                 ep, ep.unit, ep.content_saved, ep.meta_saved, ep.size0,
-                None if ep.ranges is None else [list(iv) for iv in ep.ranges.iv])
+                ep.ranges)
+            if ep is not None and ep.ranges is not None:
+                ep.ranges.mark()
         if ep is not None and ep.unit == unit:
             return ep, False
         ep = Epoch(unit)
@@ -908,14 +932,12 @@ class Recorder:
             if snap is None:
                 self.epochs.pop(path, None)
                 continue
-            ep, unit, content_saved, meta_saved, size0, iv = snap
+            ep, unit, content_saved, meta_saved, size0, ranges = snap
             ep.unit, ep.content_saved = unit, content_saved
             ep.meta_saved, ep.size0 = meta_saved, size0
-            if iv is None:
-                ep.ranges = None
-            else:
-                ep.ranges = RangeSet()
-                ep.ranges.iv = iv
+            if ranges is not None:
+                ranges.undo()
+            ep.ranges = ranges
             self.epochs[path] = ep
 
     def _look_around(self, path: str, now: int) -> None:
