@@ -9,6 +9,7 @@ Who is asking is never taken from the request: the caller's pid comes from the k
 from __future__ import annotations
 
 import array
+import errno
 import json
 import logging
 import os
@@ -33,6 +34,10 @@ MAX_REQUEST = 256 << 20
 def peer_pid(sock) -> int:
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     return struct.unpack("3i", raw)[0]
+
+
+# errnos of a resource the system or the process is short of for now: accept again later
+_SHORT_OF = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
 class MountEnding(ControlError):
@@ -211,7 +216,17 @@ class ControlServer:
         async with trio.open_nursery() as nursery:
             with listener:
                 while True:
-                    conn, _ = await listener.accept()
+                    try:
+                        conn, _ = await listener.accept()
+                    except OSError as e:
+                        if e.errno not in _SHORT_OF:
+                            raise
+                        # out of descriptors (a low `ulimit -n`): the caller's connection waits
+                        # in the backlog until one is free; never the daemon's end (a dead
+                        # mount over the workspace)
+                        log.warning("control socket: cannot accept a connection now: %s", e)
+                        await trio.sleep(0.1)
+                        continue
                     nursery.start_soon(self._connection, conn)
 
     async def _connection(self, conn) -> None:

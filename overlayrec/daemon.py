@@ -42,15 +42,20 @@ class MountError(Exception):
     pass
 
 
+# the fewest open files the daemon mounts with (its soft limit, raised to the hard one)
+MIN_FD_LIMIT = 128
+
+
 def _raise_fd_limit() -> None:
     """Raise the soft fd limit to the hard one (the inode table keeps O_PATH fds up to half of
     it, fs.Operations._trim).  OVERLAYREC_FD_LIMIT=N, a test and bench knob, sets the soft limit
-    to N instead (at most the hard limit, at least 128) to see the daemon under a small one."""
+    to N instead (at most the hard limit, at least MIN_FD_LIMIT) to see the daemon under a
+    small one."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = hard
     knob = os.environ.get("OVERLAYREC_FD_LIMIT", "").strip()
     if knob.isdigit():
-        want = max(128, int(knob))
+        want = max(MIN_FD_LIMIT, int(knob))
         if hard != resource.RLIM_INFINITY:
             want = min(want, hard)
     if want != soft:
@@ -511,6 +516,15 @@ def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other
         if ready_fd is not None:
             os.write(ready_fd, msg.encode() + b"\n")
             os.close(ready_fd)
+
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if limit != resource.RLIM_INFINITY and limit < MIN_FD_LIMIT:
+        # the inode table alone keeps up to 64 O_PATH fds (fs._MIN_FD_HIGH), then the open
+        # handles, the journal, the attribution's pidfds: under a lower limit the mount served
+        # EMFILE to reads and writes alike, and the daemon died of it (a dead mount)
+        tell(f"error: cannot mount {ws}: the open-file limit is {limit} (`ulimit -n`); the "
+             f"recorder needs at least {MIN_FD_LIMIT}: raise the hard limit and mount again")
+        return 1
 
     try:  # the CLI checked too; the daemon can be started on its own
         state.make_state_dir(state.check_state_dir(ws, state_dir))

@@ -215,3 +215,20 @@ def test_names_follow_renames_and_links_without_fds(make_mount):
         assert events_for(m, "write", f"deep-moved/{bottom[6:]}")
     print(f"\nfd limit {limit}: daemon fds max {fds.max} over {fds.samples} samples")
     assert fds.max < limit, fds.max
+
+
+@needs_fuse
+def test_a_hard_limit_too_low_to_serve_is_refused_at_mount(make_mount):
+    """Under a hard limit of 64 open files the daemon served EMFILE to every other read,
+    then died of an EMFILE on its control socket, leaving a dead mount over the workspace
+    (found by a hunt).  It refuses to mount, in one line, and the workspace stays as it was."""
+    m = make_mount()
+    with open(os.path.join(m.ws, "f"), "w") as f:
+        f.write("x\n")
+    r = subprocess.run(["sh", "-c", "set -e; ulimit -Sn 64; ulimit -Hn 64; exec \"$@\"", "sh",
+                        sys.executable, "-m", "overlayrec", "mount", m.ws, "--state-dir",
+                        m.state], capture_output=True, text=True, timeout=60 * SLOW)
+    assert r.returncode != 0, (r.stdout, r.stderr)
+    assert "open-file limit is 64" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert subprocess.run(["mountpoint", "-q", m.ws]).returncode != 0
+    assert open(os.path.join(m.ws, "f")).read() == "x\n"
