@@ -18,6 +18,7 @@ def main():
     # the CLI's imports make tens of thousands of objects and no garbage: the cycle collector
     # only walks them over and over (~4 ms of every command's start); cli.main turns it back on
     gc.disable()
+    deep_enough()
     if args and args[0] in ("calls", "turns", "diff"):
         from .fastcli import run
         code = run(args)
@@ -25,6 +26,16 @@ def main():
             _leave(code)
     from .cli import main as cli_main
     cli_main()
+
+
+def deep_enough() -> None:
+    """The readers walk a path's directories recursively (git trees, a replay's tree): a
+    workspace path may be some 2,000 directories deep within PATH_MAX, past Python's default
+    of 1,000 frames (a RecursionError in diff, replay and report: found by a hunt)."""
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), RECURSION_LIMIT))
+
+
+RECURSION_LIMIT = 20_000
 
 
 def _leave(code: int) -> None:

@@ -560,3 +560,42 @@ def test_call_keys_of_any_length(tmp_path):
                                                                                 long_id])
     finally:
         j.close()
+
+
+@needs_fuse
+def test_readers_of_a_path_a_thousand_directories_deep(make_mount, tmp_path):
+    """A chain of 1,000 directories with a file at the bottom, then moved: diff, replay and
+    report failed with "internal error: RecursionError" (found by a hunt)."""
+    m = make_mount().mount()
+    m.py(textwrap.dedent('''
+        import os
+        fd = os.open(".", os.O_RDONLY)
+        for i in range(1000):
+            os.mkdir("d", dir_fd=fd)
+            n = os.open("d", os.O_RDONLY, dir_fd=fd)
+            os.close(fd)
+            fd = n
+        os.close(os.open("bottom", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd))
+        os.close(fd)
+        os.rename("d", "top")
+    '''))
+    made = [e["seq"] for e in m.events() if e["op"] == "create"]
+    r = overlayrec("diff", m.ws, "--since", "0", "--stat", check=False)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    r = overlayrec("replay", "-w", m.ws, "--at", str(made[0]), "--to", str(tmp_path / "out"),
+                   "--full", check=False)
+    assert r.returncode == 0, r.stderr
+    bottom = tmp_path / "out" / "/".join(["d"] * 1000) / "bottom"
+    fd = os.open(tmp_path / "out", os.O_RDONLY)
+    try:
+        for _ in range(1000):
+            n = os.open("d", os.O_RDONLY, dir_fd=fd)
+            os.close(fd)
+            fd = n
+        assert os.listdir(fd) == ["bottom"], bottom
+    finally:
+        os.close(fd)
+    r = overlayrec("report", "-w", m.ws, "--html", str(tmp_path / "r.html"), check=False)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    # shutil.rmtree (the fixtures' clean-up) recurses as deep as the tree: rm does not
+    subprocess.run(["rm", "-rf", str(tmp_path / "out"), os.path.join(m.ws, "top")], check=True)
