@@ -882,3 +882,46 @@ def test_export_leaves_out_the_names_git_refuses(make_mount, tmp_path):
     subprocess.run(["git", "-C", str(remote), "config", "receive.fsckObjects", "true"],
                    check=True)
     overlayrec("export", "git", m.ws, "--push", str(remote))
+
+
+@needs_fuse
+def test_an_export_while_a_call_makes_files_keeps_them_out_of_the_base(make_mount, tmp_path):
+    """`export git` while a call makes files: those made after the export began and before
+    its walk of the live tree were taken as files the record never touched, into the
+    session's base and every earlier call's commit, for good (found by a hunt: 176 files in
+    the base).  They are the call's, in its commit only."""
+    m = make_mount().mount()
+    (tmp_path / "agent.py").write_text(textwrap.dedent(f'''
+        import os, subprocess, sys
+        from overlayrec import client
+        with client.connect() as c:
+            c.call_begin("c1", "Bash")
+            os.mkdir("m")
+            for i in range(6000):
+                with open("m/%05d" % i, "w") as f:
+                    f.write("m")
+            c.call_end("c1")
+            c.call_begin("c2", "Bash")
+            export = subprocess.Popen([sys.executable, "-m", "overlayrec", "export", "git",
+                                       {m.ws!r}, "--json"], stdout=subprocess.PIPE)
+            n = 0
+            while export.poll() is None:
+                n += 1
+                with open("new%d" % n, "w") as f:
+                    f.write("n")
+            print(n, export.stdout.read().decode())
+            c.call_end("c2")
+    '''))
+    r = overlayrec("run", "-w", m.ws, "--session", "s", "--", sys.executable,
+                   str(tmp_path / "agent.py"), cwd=m.ws)
+    made = int(r.stdout.split()[0])
+    assert made > 10, r.stdout  # files were made while the export ran
+    gd = json.loads(r.stdout.split(None, 1)[1])["git_dir"]
+    for ref in ("refs/overlayrec/s/base", "refs/overlayrec/s/calls/c1"):
+        names = git(gd, "ls-tree", "--name-only", ref).split()
+        assert not [n for n in names if n.startswith("new")], (ref, names[-5:])
+    overlayrec("export", "git", m.ws)
+    added = [line.split("\t")[1] for line in git(
+        gd, "diff", "--name-status", "refs/overlayrec/s/calls/c1",
+        "refs/overlayrec/s/calls/c2").splitlines() if line.startswith("A")]
+    assert sorted(added) == sorted(f"new{i}" for i in range(1, made + 1)), added[:5]

@@ -164,6 +164,7 @@ class Exporter:
         return " missing" not in out
 
     def run(self, progress=None) -> dict:
+        self.began_ns = time.time_ns()
         horizon = self.j.last_seq()
         paths = {p for p in self.done["paths"] if not git_refuses(p)}
         refused = set()   # .git/ paths: git holds none, they are counted and left out
@@ -505,10 +506,15 @@ class Exporter:
         fresh: dict[str, list] = {}
         states, ids = {}, {}
         unsure = []
-        for p, st in tree.walk_stat("", skip={".git"}):
-            if p in known or not _visible(p) or git_refuses(p) or \
-                    not (S_ISREG(st.st_mode) or S_ISLNK(st.st_mode)) or \
-                    _git_may_refuse(p, S_ISLNK(st.st_mode)):
+        walked = [(p, st) for p, st in tree.walk_stat("", skip={".git"})
+                  if not (p in known or not _visible(p) or git_refuses(p) or
+                          not (S_ISREG(st.st_mode) or S_ISLNK(st.st_mode)) or
+                          _git_may_refuse(p, S_ISLNK(st.st_mode)))]
+        late = self._recorded_since([p for p, st in walked if st.st_ctime_ns >= self.began_ns])
+        for p, st in walked:
+            if p in late:
+                if late[p]:  # it held something at the base's point, not known here
+                    unsure.append(p)
                 continue
             if since_ns and st.st_ctime_ns > since_ns:
                 unsure.append(p)
@@ -536,6 +542,25 @@ class Exporter:
             self._placed(p)
         self._live_new = fresh
         return sorted(unsure)
+
+    def _recorded_since(self, paths: list[str]) -> dict[str, bool]:
+        """Of ``paths``, found in the live tree changed after this export began, those the
+        record has events of now (a call writing while the export ran): the base must not
+        take them as the record never touched them (a file a call made meanwhile went into
+        the session's base and its earlier calls, for good: found by a hunt).  Each with
+        whether its first event found something there (then the base's content is not
+        known here: said), or nothing (a file made since: rightly not in the base)."""
+        if not paths:
+            return {}
+        self.j.last_seq()  # what the daemon wrote ahead is committed: every change walked
+        out = {}
+        for p in paths:
+            seqs = self.j.seqs_for_path(p)
+            ev = self.j.event(seqs[0]) if seqs else None
+            if ev is not None:
+                pre = self.states.pre_for(ev, p) or {}
+                out[p] = pre.get("kind", "absent") != "absent"
+        return out
 
     def _first_seen_later(self, paths: list[str], point: int, since_ns: int) -> list[str]:
         """Recorded paths the record first saw after ``point`` (the session's base), present
