@@ -925,3 +925,31 @@ def test_an_export_while_a_call_makes_files_keeps_them_out_of_the_base(make_moun
         gd, "diff", "--name-status", "refs/overlayrec/s/calls/c1",
         "refs/overlayrec/s/calls/c2").splitlines() if line.startswith("A")]
     assert sorted(added) == sorted(f"new{i}" for i in range(1, made + 1)), added[:5]
+
+
+@needs_fuse
+def test_names_longer_than_a_ref_component_are_exported(make_mount, tmp_path):
+    """A call id of 300 bytes and a session name of 260: a ref's component is a file name (at
+    most 255 bytes), and one such id failed the whole export (found by a hunt).  Their refs
+    are cut and end in a hash; the trailers hold them whole, and `records blame` names them."""
+    m = make_mount().mount()
+    sid, cid = "s" * 260, "c" * 300
+    (tmp_path / "agent.py").write_text(textwrap.dedent(f'''
+        import subprocess
+        from overlayrec import client
+        with client.connect() as c:
+            for call, name in (("short", "one"), ({cid!r}, "two")):
+                c.call_begin(call, "Bash")
+                subprocess.run(["sh", "-c", "echo x > " + name], check=True)
+                c.call_end(call)
+    '''))
+    overlayrec("run", "-w", m.ws, "--session", sid, "--", sys.executable,
+               str(tmp_path / "agent.py"), cwd=m.ws)
+    out = json.loads(overlayrec("export", "git", m.ws, "--json").stdout)
+    refs = git(out["git_dir"], "for-each-ref", "--format=%(refname)").split()
+    calls = [r for r in refs if "/calls/" in r]
+    assert len(calls) == 2 and all(len(part) <= 200 for r in refs for part in r.split("/"))
+    long_ref = next(r for r in calls if not r.endswith("/short"))
+    msg = git(out["git_dir"], "log", "-1", "--format=%B", long_ref)
+    assert f"Overlayrec-Call: {cid}" in msg and f"Overlayrec-Session: {sid}" in msg, msg
+    assert git(out["git_dir"], "ls-tree", "--name-only", long_ref).split() == ["one", "two"]

@@ -26,6 +26,7 @@ commit).  Messages carry the facts as trailers; refs live under ``refs/overlayre
 from __future__ import annotations
 
 import bisect
+import hashlib
 import json
 import os
 import time
@@ -46,7 +47,25 @@ def ref_part(name: str) -> str:
     takes it (letters, digits, ``_``, ``-`` and dots where git allows them), else each byte
     outside ``[A-Za-z0-9_-]`` written ``%XX``.  An id from an agent or a ``--session`` may hold
     a space, ``..``, ``:``, ``~``, a slash or a newline, which git refuses in a ref (and which
-    made the whole export fail).  One-to-one: a name kept as it is holds no ``%``."""
+    made the whole export fail).  One-to-one: a name kept as it is holds no ``%``.  A part
+    longer than ``REF_PART_MAX`` (a component of a ref is a file name, at most 255 bytes: one
+    call id of 256 bytes failed the whole export) is cut, and ends in ``%%`` and a hash of the
+    whole name; the commits' trailers hold the whole name (``trailer_id``)."""
+    part = _escaped(name)
+    if len(part) <= REF_PART_MAX:
+        return part
+    head = part[:REF_PART_MAX - 34]
+    if "%" in head[-2:]:  # no escape cut in two
+        head = head[:head.rindex("%")]
+    whole = hashlib.sha256(name.encode("utf-8", "surrogateescape")).hexdigest()[:32]
+    return f"{head}%%{whole}"
+
+
+# the longest ref component ref_part writes (NAME_MAX is 255; git adds ".lock" while it writes)
+REF_PART_MAX = 200
+
+
+def _escaped(name: str) -> str:
     if name and all(c in _REF_SAFE or c == "." for c in name) and ".." not in name and \
             not name.startswith(".") and not name.endswith((".", ".lock")):
         return name
@@ -100,9 +119,10 @@ ID_TRAILERS = ("Call", "Session", "Active-With")
 def trailer_id(name: str) -> str:
     """A call's id or a session's name as a trailer's value: as it is, or, when it holds what a
     trailer cannot (a newline cut it there, and `records blame` named a call that never was),
-    a ``%`` or spaces at its ends, written as ``ref_part`` writes it (``from_trailer_id``)."""
+    a ``%`` or spaces at its ends, written as ``ref_part`` writes it, whole whatever its
+    length (``from_trailer_id``)."""
     if any(c in name for c in "\n\r%") or name != name.strip():
-        return ref_part(name)
+        return _escaped(name)
     return name
 
 
