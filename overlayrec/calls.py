@@ -78,6 +78,11 @@ def _carries(argv: list[str], command: str) -> int:
     return 0
 
 
+# the longest session name taken (its calls' keys, the name and a 17-byte digest, stay
+# within LMDB's 511 bytes a key, with room for the ".2" a second run of one name gets)
+MAX_SESSION_NAME = 400
+
+
 class ControlError(Exception):
     """A control request that cannot be honoured; the message goes back to the caller."""
 
@@ -627,6 +632,11 @@ class Calls:
             # ``before`` ended: its agent goes on with a new session in the same process
             # (Claude Code's /clear ends one and begins the next); taken for the ended one's,
             # its calls were refused and what it did was the ended session's own
+        if name and len(name.encode("utf-8", "surrogateescape")) > MAX_SESSION_NAME:
+            # its calls' and turns' keys begin with it (LMDB takes 511 bytes a key): a longer
+            # one was taken, and each call then failed half recorded (MDB_BAD_VALSIZE)
+            raise ControlError(f"a session name of at most {MAX_SESSION_NAME} bytes, please "
+                               f"(this one has {len(name.encode('utf-8', 'surrogateescape'))})")
         sid = name or uuid.uuid4().hex[:12]
         if name and (name in self._names or self._recorded(name)):
             sid = self._next_part(name, caller)
