@@ -45,12 +45,19 @@ def find_socket(cwd: str | None = None) -> str:
     return os.path.join(state.find_state_dir(ws), "control.sock")
 
 
+# the requests that end a unit, which the daemon answers once it has sealed the unit's paths,
+# and how long the client waits for that answer
+_SEALING = frozenset({"call_end", "turn_end", "session_end", "revert_end"})
+SEAL_TIMEOUT = 3600.0
+
+
 class Client:
     def __init__(self, path: str, session: str | None = None, timeout: float = 10.0):
         self.path = path
         self.session = session if session is not None else os.environ.get("OVERLAYREC_SESSION")
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
+        self.timeout = timeout
         try:
             self.sock.connect(path)
         except OSError as e:
@@ -63,6 +70,11 @@ class Client:
         if "session" not in req and self.session and op not in ("ping", "status",
                                                                  "processes"):
             req["session"] = self.session
+        # a unit's end seals every path it changed (a revert of 100,000 files: minutes), and
+        # answers once they are: a timeout before then left a finished revert "pending"
+        # (found by a hunt)
+        self.sock.settimeout(max(self.timeout, SEAL_TIMEOUT) if op in _SEALING else
+                             self.timeout)
         try:
             self.sock.sendall(wire.dumps(req).encode() + b"\n")
             while b"\n" not in self._buf:

@@ -381,3 +381,40 @@ def test_unit_keys_written_before_the_escaping_read_the_same():
     assert parse_unit("call:fix:10:30:implicit-12-345") == ("call", "fix:10:30",
                                                           "implicit-12-345")
     assert parse_unit("turn:fix:10:30:2") == ("turn", "fix:10:30", "2")
+
+
+def test_a_units_end_is_waited_for_past_the_clients_timeout(tmp_path):
+    """The daemon answers a unit's end once it has sealed the unit's paths: a revert of
+    100,000 files took longer than the client's 10 s, which then said "control request
+    failed: timed out" and left the finished revert pending (found by a hunt).  An end is
+    waited for; any other request still times out."""
+    import socket
+    import threading
+    import time as _time
+    from overlayrec import client
+    path = str(tmp_path / "sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(4)
+
+    def serve():
+        for _ in range(2):
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(4096)
+                _time.sleep(1.0)  # sealing
+                try:
+                    conn.sendall(b'{"ok": true}\n')
+                except OSError:
+                    pass
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        with client.Client(path, timeout=0.3) as c:
+            assert c.request("revert_end", id="r1") == {"ok": True}
+        with client.Client(path, timeout=0.3) as c:
+            with pytest.raises(client.ClientError, match="timed out"):
+                c.request("status")
+    finally:
+        t.join(timeout=5)
+        server.close()
