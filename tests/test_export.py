@@ -953,3 +953,25 @@ def test_names_longer_than_a_ref_component_are_exported(make_mount, tmp_path):
     msg = git(out["git_dir"], "log", "-1", "--format=%B", long_ref)
     assert f"Overlayrec-Call: {cid}" in msg and f"Overlayrec-Session: {sid}" in msg, msg
     assert git(out["git_dir"], "ls-tree", "--name-only", long_ref).split() == ["one", "two"]
+
+
+@needs_fuse
+def test_a_file_a_directory_rename_named_anew_is_not_said_changed_unmounted(make_mount,
+                                                                            tmp_path):
+    """Session A makes d/f, session B moves d to x, B is reverted and the revert undone: x/f's
+    first event of its own is the revert's, and the export said A's base held a file changed
+    "while unmounted" (x/f), never unmounted (found by a hunt).  The record saw it as d/f."""
+    m = make_mount()
+    with open(os.path.join(m.ws, "a"), "w") as f:
+        f.write("base\n")
+    m.mount()
+    overlayrec("run", "-w", m.ws, "--session", "A", "--", "sh", "-c", "(mkdir d && echo hi > d/f)",
+               cwd=m.ws)
+    overlayrec("run", "-w", m.ws, "--session", "B", "--", "sh", "-c", "(mv d x)", cwd=m.ws)
+    overlayrec("revert", m.ws, "--session", "B", "--yes")
+    overlayrec("unrevert", "-w", m.ws, "--yes")
+    r = overlayrec("export", "git", m.ws, "--json")
+    out = json.loads(r.stdout)
+    assert out["unsure_bases"] == {} and "unmounted" not in r.stderr, (out, r.stderr)
+    assert git(out["git_dir"], "ls-tree", "-r", "--name-only", "refs/overlayrec/A/base").split() \
+        == ["a"]

@@ -596,10 +596,22 @@ class Exporter:
             evs = self.states.events_on(p)
             if not evs or evs[0]["seq"] <= point or not _visible(p) or git_refuses(p):
                 continue
+            if self._seen_as(p, evs[0]["seq"]):
+                continue
             pre = self.states.pre_for(evs[0], p) or {}
             if pre.get("kind", "absent") != "absent" and pre.get("mtime_ns", 0) > since_ns:
                 out.append(p)
         return out
+
+    def _seen_as(self, path: str, seq: int) -> bool:
+        """Did the record see the file ``path`` holds at ``seq`` under an earlier name, before
+        a directory above it was renamed (`mv d x`, then a revert's step on x/f: x/f was
+        taken for a file made while unmounted)?"""
+        for name, _, _ in self.states.history(path, seq - 1)[1:]:
+            evs = self.states.events_on(name)
+            if evs and evs[0]["seq"] < seq:
+                return True
+        return False
 
     def _live_file(self) -> str:
         return self.state_file[:-5] + ".live.json" if self.state_file.endswith(".json") \
