@@ -333,10 +333,12 @@ def carry_out(ws: str, sd: str, plan: Plan, content, *, unreverts: str | None = 
                 for s in steps:
                     # a path saved (or removed) by another writer while the revert went
                     # through the others (an editor's save): kept, said, never written over;
-                    # looked at again once the step's new content is ready (apply_step)
+                    # looked at again once the step's new content is ready (apply_step).  A
+                    # revert carried on puts back what was removed since, as its recheck
+                    # lets it (the user's directory put back empty after a symlink's)
                     seen: list = []
                     if not isinstance(s, (DirMode, Opening)) and \
-                            changed_since(live, s, ours, removed=True, seen=seen):
+                            changed_since(live, s, ours, removed=resume is None, seen=seen):
                         done.append((s.path, KEPT_CHANGED))
                         continue
                     done.append((s.path, apply_step(root_fd, s, made,

@@ -1394,7 +1394,8 @@ def changed_since(live, step: Step, ours: set | None = None, *, removed: bool = 
     if ours and st is not None and (st.st_dev, st.st_ino) in ours:
         return False
     if removed and not now.present and step.expected.present and step.target.present:
-        return True
+        # not a path out of reach (a symlink put on its way): its step refuses that itself
+        return not live.symlink_on_the_way(step.path)
     if not now.exact:  # its content may not be read here (a mode that denies its owner)
         return now.kind not in (step.expected.kind, step.target.kind)
     # a directory loses nothing to a step but by its removal, which keeps one not empty
