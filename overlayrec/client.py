@@ -76,7 +76,9 @@ class Client:
         self.sock.settimeout(max(self.timeout, SEAL_TIMEOUT) if op in _SEALING else
                              self.timeout)
         try:
-            self.sock.sendall(wire.dumps(req).encode() + b"\n")
+            # a daemon gone meanwhile is an error said, not a SIGPIPE that ends the command
+            # without a word (the CLI gives SIGPIPE its default action, for its output)
+            self.sock.sendall(wire.dumps(req).encode() + b"\n", socket.MSG_NOSIGNAL)
             while b"\n" not in self._buf:
                 chunk = self.sock.recv(65536)
                 if not chunk:
