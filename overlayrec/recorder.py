@@ -903,7 +903,7 @@ class Recorder:
         Unless the caller ``checked`` already, another writer's change around the mount since
         the daemon's last is found first (_look_around)."""
         now = time.time_ns()
-        if not checked:
+        if not checked and LOOK_AT_EVERY_CHANGE:
             self._look_around(path, now)
         self.served[path] = now  # before every change the daemon makes to it
         self.sealed_ctime.pop(path, None)
@@ -2131,6 +2131,10 @@ class Recorder:
 # a file's ctime later than the daemon's last change to it by this much was changed around the
 # mount (kernel clocks are coarse, and a change is made just after its stamp)
 AROUND_SLACK_NS = 500_000_000
+# the look around the mount at every change other than a write (Recorder._epoch): off, as at
+# 00eb858: with it on, the history model failed in CI three times (2026-12-06) on cases of an
+# outside writer's truncating open after a call's end, and passed every time run alone
+LOOK_AT_EVERY_CHANGE = False
 
 
 # at most this many sealed files' ctimes kept to find another writer's change at the next
