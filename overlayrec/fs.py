@@ -111,7 +111,7 @@ def _invalidating(q: "queue.SimpleQueue[int]") -> None:
 class Handle:
     __slots__ = ("fd", "inode", "actor", "unit", "_path", "_named_at", "write_seq", "epoch",
                  "writes", "lo", "hi", "nbytes", "last_at", "recorder", "flags", "opened_run",
-                 "append", "appended")
+                 "append")
 
     def __init__(self, fd: int, inode: Inode, actor: dict | None, unit: str | None,
                  recorder: Recorder):
@@ -132,7 +132,6 @@ class Handle:
         # a truncating open), not by a write: it counts its writes from zero
         self.opened_run = False
         self.append = False  # opened O_APPEND: each write goes to the file's end (fs.write)
-        self.appended = 0  # when its last write was made (an O_APPEND handle's only)
 
     @property
     def path(self) -> str:
@@ -799,10 +798,7 @@ class Operations(pyfuse3.Operations):
                 self.recorder.grown_beneath(h, st)
                 n = self.recorder.write(h, st.st_size, buf)
                 _invalidate_inode_async(h.inode.fuse_ino)
-            else:
-                n = self.recorder.write(h, off, buf)
-            h.appended = time.time_ns()
-            return n
+                return n
         return self.recorder.write(h, off, buf)
 
     async def flush(self, fh):

@@ -1476,14 +1476,12 @@ class Recorder:
                 ep.last = 0
 
     # -- content --------------------------------------------------------------------------------
-    def _capture(self, path: str, fd: int, unit: str, lo: int, hi: int | None, *,
-                 checked: bool = True) -> dict | None:
+    def _capture(self, path: str, fd: int, unit: str, lo: int, hi: int | None) -> dict | None:
         """Save what [lo, hi) of the file at ``fd`` is about to lose (hi None: to its end).
-        ``checked``: the caller looked around the mount already (a write: once a run).
 
         Returns the event to commit ahead of the change, or None when nothing new needs saving.
         """
-        ep, new = self._epoch(path, unit, checked=checked)
+        ep, new = self._epoch(path, unit, checked=True)  # a write: its caller looks
         if ep.content_saved and not new:
             return None
         st = os.fstat(fd)
@@ -1668,11 +1666,11 @@ class Recorder:
         """An O_APPEND write through ``handle`` found its file (``st``) longer than the kernel
         knew: another writer appended around the mount.  Within the handle's write run the
         first write's look (before_write) is long past, so the run would take the other
-        writer's bytes as its own; where the ctime says it came after the handle's last write
+        writer's bytes as its own; where the ctime says it came after the daemon's last write
         (past the slack) it is journaled as such, and the run's next write begins an epoch.
         Only appends tell so; a write run of other writes is not looked at again."""
-        if handle.appended and st.st_ctime_ns > handle.appended + AROUND_SLACK_NS:
-            self.served[handle.path] = handle.appended
+        last = self.served.get(handle.path)  # stamped at each write (_epoch)
+        if last is not None and st.st_ctime_ns > last + AROUND_SLACK_NS:
             self._bypassed(handle.path, st)
 
     @_roomy
