@@ -903,7 +903,7 @@ class Recorder:
         Unless the caller ``checked`` already, another writer's change around the mount since
         the daemon's last is found first (_look_around)."""
         now = time.time_ns()
-        if not checked and LOOK_AT_EVERY_CHANGE:
+        if not checked:
             self._look_around(path, now)
         self.served[path] = now  # before every change the daemon makes to it
         self.sealed_ctime.pop(path, None)
@@ -1201,6 +1201,9 @@ class Recorder:
     @_undoable
     def link(self, src_fd: int, parent_fd: int, name: str, actor: dict) -> None:
         source = self.rel(src_fd)
+        # the source changes no content, but its epoch goes on under two names: another
+        # writer's change since the daemon's last is found before (after, its ctime moved)
+        self._look_around(source, time.time_ns())
         ev = self._creation("link", parent_fd, name, actor, source=source)
         # one inode under a secret name and another: withheld under both
         self._carry_secret(source, ev["path"])
@@ -1476,12 +1479,14 @@ class Recorder:
                 ep.last = 0
 
     # -- content --------------------------------------------------------------------------------
-    def _capture(self, path: str, fd: int, unit: str, lo: int, hi: int | None) -> dict | None:
+    def _capture(self, path: str, fd: int, unit: str, lo: int, hi: int | None, *,
+                 checked: bool = True) -> dict | None:
         """Save what [lo, hi) of the file at ``fd`` is about to lose (hi None: to its end).
+        ``checked``: the caller looked around the mount already (a write: once a run).
 
         Returns the event to commit ahead of the change, or None when nothing new needs saving.
         """
-        ep, new = self._epoch(path, unit, checked=True)  # a write: its caller looks
+        ep, new = self._epoch(path, unit, checked=checked)
         if ep.content_saved and not new:
             return None
         st = os.fstat(fd)
@@ -1719,7 +1724,7 @@ class Recorder:
         if rfd is None or accmode == os.O_WRONLY:
             rfd = tmp = underlay.reopen_own(fd, os.O_RDONLY)
         try:
-            ev = self._capture(path, rfd, unit, size, None)
+            ev = self._capture(path, rfd, unit, size, None, checked=False)
             if ev is None:  # inside the path's epoch: its other names still change, unseen
                 ev = {"path": path, **unit_fields(unit)}
                 self._alias_again(path, rfd, unit)
@@ -2129,10 +2134,6 @@ class Recorder:
 # a file's ctime later than the daemon's last change to it by this much was changed around the
 # mount (kernel clocks are coarse, and a change is made just after its stamp)
 AROUND_SLACK_NS = 500_000_000
-# the look around the mount at every change other than a write (Recorder._epoch): off, as at
-# 00eb858: with it on, the history model failed in CI three times (2026-12-06) on cases of an
-# outside writer's truncating open after a call's end, and passed every time run alone
-LOOK_AT_EVERY_CHANGE = False
 
 
 # at most this many sealed files' ctimes kept to find another writer's change at the next

@@ -1192,7 +1192,8 @@ def check_range(rec, j, states, case, plan, exact: dict, which: int, work) -> No
     pairs.add((seqs[k], seqs[k + 1]))
     store = ObjectStore(rec.m.state)
     for lo, hi in sorted(pairs):
-        side, vague = exact_side(select(j, states, since=lo + 1, until=hi, glob=f"{case}/*"))
+        # since: after that event (as `diff --since`), so the range is (lo, hi]
+        side, vague = exact_side(select(j, states, since=lo, until=hi, glob=f"{case}/*"))
         patch = store.diff(store.tree(side.before), store.tree(side.after), "patch", binary=True)
         got = git_apply(os.path.join(work, f"apply-{lo}-{hi}"),
                         without(git_view(plan.states[exact[lo]], case), vague),
@@ -1752,6 +1753,9 @@ LINKED_GROUP = [
     ("call", 0, [("own", "swap", 0, 703, "x"), ("own", "rename", 711, 0, "x"),
                  ("own", "swap", 438, 0, "x"), ("late", "link", 3347, 0, "x"),
                  ("own", "write", 0, 0, "x")])])
+@example(seed=1, which=1, raw=[  # a range whose first event is an outside write (since: after it)
+    ("call", 0, [("O", "write", 0, 0, "x")]), ("outside", 0, [("own", "write", 0, 0, "x")]),
+    ("call", 0, [("own", "write", 0, 0, "x")])])
 @example(seed=1, which=0, raw=[  # another's truncating open in a call: a run (not replayed on)
     ("call", 0, [("own", "write", 0, 0, "x")]),
     ("call", 0, [("own", "write", 0, 0, "x"), ("own", "write", 0, 0, "x"),

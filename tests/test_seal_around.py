@@ -138,6 +138,36 @@ def test_a_change_beneath_the_mount_is_found_at_the_next_change(make_mount, tmp_
 
 
 @needs_fuse
+@pytest.mark.parametrize("change", ["mv f g", "rm f", "truncate -s 3 f", "ln f g"])
+def test_a_change_beneath_the_mount_is_found_at_any_next_change(make_mount, tmp_path, change):
+    """As above, inside one call, where the call's next change of the file is no write: a
+    rename of it away, its removal, a truncate by name, a hard link.  The epoch went on
+    through the other writer's line, so a revert of the session put the file back without it
+    (a rename's, a truncate's) or called the removed line the session's."""
+    m = make_mount()
+    with open(os.path.join(m.ws, "f"), "w") as f:
+        f.write("base\n")
+    (tmp_path / "beneath.py").write_text(BENEATH)
+    go, done = tmp_path / "go", tmp_path / "done"
+    beneath = subprocess.Popen([sys.executable, str(tmp_path / "beneath.py"), str(go),
+                                str(done)], cwd=m.ws)
+    try:
+        m.mount()
+        overlayrec("run", "-w", m.ws, "--session", "s", "--", "sh", "-c",
+                   f"echo agent1 >> f; sleep 1; touch {go}; while [ ! -e {done} ]; do "
+                   f"sleep 0.05; done; sleep 0.1; {change}", cwd=m.ws)
+        assert beneath.wait(timeout=30) == 0
+    finally:
+        if beneath.poll() is None:
+            beneath.kill()
+            beneath.wait()
+    drifts = [e for e in m.events() if e["op"] == "drift"]
+    assert [(e["path"], e["unit"]) for e in drifts] == [("f", "outside:around")], drifts
+    r = overlayrec("revert", m.ws, "--session", "s", "--yes", check=False)
+    assert r.returncode != 0 and "f" in r.stderr, r.stderr
+
+
+@needs_fuse
 def test_an_append_through_the_mount_goes_to_the_files_end(make_mount):
     """A process working beneath the mount appends to a file the mount has served; then an
     append through the mount: the kernel appended at the size it had cached, over the other
