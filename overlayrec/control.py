@@ -84,8 +84,9 @@ class ControlServer:
         self.budget_due = False   # a session ended: the budget is looked at soon
         self._gc_lock = trio.Lock()
         self.workspace = None     # set by the daemon, with ``stop``: what a release needs
-        self.stop = None          # ends the mount (pyfuse3.terminate)
+        self.stop = None          # ends the mount (detach: lazily first, daemon._serve)
         self.ending = False       # the mount is ending: no session begins in it any more
+        self.detached = False     # the mount was detached from the workspace as it ended
 
     def handle(self, req: dict, caller: dict) -> dict:
         if self.ending and (req.get("op") == "session_begin" or "op" not in req):
@@ -185,13 +186,15 @@ class ControlServer:
         if users:
             return {"released": False, "sessions": [], "users": users}
         log.info("released by pid %d: nothing works in the mount: unmounting", caller["pid"])
-        self.end()
+        self.end(detach=True)
         return {"released": True}
 
-    def end(self) -> None:
-        """The mount ends: no session begins from here on."""
+    def end(self, detach: bool = False) -> None:
+        """The mount ends: no session begins from here on.  ``detach``: nothing worked in it
+        at the look (a release), and whatever comes to it since is served until it lets go
+        (daemon._serve)."""
         self.ending = True
-        self.stop()
+        self.stop(detach)
 
     def bind(self) -> None:
         """Bind before the mount is announced ready, so a client can connect at once."""

@@ -17,6 +17,7 @@ import os
 import resource
 import signal
 import stat
+import subprocess
 import sys
 import time
 
@@ -77,9 +78,11 @@ def _setup_logging(state_dir: str, foreground: bool) -> None:
 FLUSH_WAIT = 10.0
 
 
-def _flush_mount(ws: str) -> None:
+def _flush_mount(ws: str, control: ControlServer | None = None) -> None:
     """syncfs(2) of the mount at ``ws``, from a thread while the daemon serves: the kernel's
-    dirty pages of its files come to the daemon as writes."""
+    dirty pages of its files come to the daemon as writes.  With ``control`` (a release: no
+    process worked in the mount at its look) the mount is detached from the workspace first,
+    the syncfs going through a descriptor opened before (``control.detached`` says it was)."""
     import ctypes
     libc = ctypes.CDLL(None, use_errno=True)
     try:
@@ -88,29 +91,61 @@ def _flush_mount(ws: str) -> None:
         log.warning("cannot open %s to write back its dirty pages: %s", ws, e)
         return
     try:
+        if control is not None:
+            control.detached = _detach(ws)
         if libc.syncfs(fd) != 0:
             log.warning("syncfs of %s: %s", ws, os.strerror(ctypes.get_errno()))
     finally:
         os.close(fd)
 
 
+def _detach(ws: str) -> bool:
+    """Detach the mount at ``ws`` lazily (``fusermount3 -u -z``): the path shows the directory
+    beneath at once, and the mount lives on for what holds it (a descriptor, a working
+    directory) until the last of them lets go, when the kernel ends the session.  Whether it
+    was detached."""
+    try:
+        p = subprocess.run(["fusermount3", "-u", "-z", ws], stdin=subprocess.DEVNULL,
+                           capture_output=True, text=True, timeout=DETACH_WAIT)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        log.warning("cannot detach %s (unmounted at the end instead): %s", ws, e)
+        return False
+    if p.returncode != 0:
+        log.warning("cannot detach %s (unmounted at the end instead): %s", ws,
+                    p.stderr.strip() or f"fusermount3 exited with {p.returncode}")
+        return False
+    return True
+
+
+DETACH_WAIT = 15.0
+# how long a detached mount is served for what came to it between a release's look and the
+# detach (a reader that opened a file there just then) before the daemon ends it anyway
+DETACHED_WAIT = 10.0
+
+
 async def _serve(control: ControlServer, ws: str, owner: dict | None) -> None:
     async with trio.open_nursery() as nursery:
         delay = float(os.environ.get("OVERLAYREC_TEST_END_DELAY") or 0)
-        if delay:  # tests: a mount that takes its time to end, as a busy one may
-            async def end_later():
-                await trio.sleep(delay)
-                pyfuse3.terminate()
-            control.stop = lambda: nursery.start_soon(end_later)
 
-        async def flush_then_stop(stop=control.stop):
+        async def end(detach: bool = False) -> None:
+            if delay:  # tests: a mount that takes its time to end, as a busy one may
+                await trio.sleep(delay)
             # pages a process wrote through a shared mapping (mmap) that the kernel still holds
             # dirty are written back while the daemon serves them: after the unmount they have
             # nowhere to go, and the writes were lost without a word
             with trio.move_on_after(FLUSH_WAIT):
-                await trio.to_thread.run_sync(_flush_mount, ws, abandon_on_cancel=True)
-            stop()
-        control.stop = lambda: nursery.start_soon(flush_then_stop)
+                await trio.to_thread.run_sync(_flush_mount, ws, control if detach else None,
+                                              abandon_on_cancel=True)
+            if control.detached:
+                # a process that came to the workspace after the release's look (nothing
+                # worked in it then) and opened a file there is served until it lets go: the
+                # kernel then ends the session (pyfuse3.main returns, and this is cancelled).
+                # Unmounted at once, its next read said "Transport endpoint is not connected"
+                await trio.sleep(DETACHED_WAIT)
+                log.warning("the detached mount of %s is still held after %.0f s: ended under "
+                            "what holds it", ws, DETACHED_WAIT)
+            pyfuse3.terminate()
+        control.stop = lambda detach=False: nursery.start_soon(end, detach)
         nursery.start_soon(control.serve)
         async def on_signal():
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as sigs:
@@ -230,7 +265,7 @@ async def _follow_runners(control: ControlServer, ws: str, owner: dict | None) -
             continue  # one began during the scan (a `run` joined)
         log.info("pid %d, which mounted %s for itself, is gone, and nothing uses the mount: "
                  "unmounting", owner["pid"], ws)
-        control.end()  # with no await since the look: nothing began meanwhile
+        control.end(detach=True)  # with no await since the look: nothing began meanwhile
         return
 
 
@@ -453,7 +488,7 @@ def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool, record_da
                             os.fstat(root_fd).st_uid, root_fd)
     control.bind()
     control.recorder = recorder
-    control.workspace, control.stop = ws, pyfuse3.terminate
+    control.workspace, control.stop = ws, lambda detach=False: pyfuse3.terminate()
 
     def on_unit_end(unit, seal=calls.on_unit_end):
         seal(unit)
@@ -621,7 +656,9 @@ def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other
         if times is not None:  # serving only: not the unmount's sealing
             _write_times(times_file, recorder, times, _cpu_seconds() - cpu0)
         try:
-            pyfuse3.close(unmount=True)
+            # detached: nothing is left at the path to unmount (and a mount made anew there
+            # since must not be)
+            pyfuse3.close(unmount=not control.detached)
             try:
                 recorder.close_record()
             except JournalError as e:  # the state dir full: the record stays open

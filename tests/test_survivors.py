@@ -525,3 +525,43 @@ def test_a_run_in_a_subdirectory_of_a_recorded_workspace_records_there(tmpbase):
     assert "pkg/two.txt" in overlayrec("diff", ws, "--session", "second", "--stat",
                                        env=env).stdout
     assert not os.path.exists(os.path.join(ws, "pkg", ".overlayrec-attic"))
+
+
+def test_what_comes_as_a_run_lets_its_mount_go_is_served_until_it_lets_go(make_mount):
+    """A process that came to the workspace just after the look of a `run` letting its mount
+    go (nothing worked in the mount then) lost the mount under it: its next read of a file it
+    had opened there said "Transport endpoint is not connected" (a revert's plan, in CI).  The
+    mount is detached from the workspace first: what comes later finds the directory beneath,
+    and what came in between is served, and recorded, until it lets go."""
+    # the daemon waits 2 s between the run's release and its end: the moment to come in
+    env = dict(os.environ, OVERLAYREC_TEST_END_DELAY=str(2 * SLOW))
+    m = make_mount(env=env)
+    with open(os.path.join(m.ws, "f"), "w") as f:
+        f.write("data\n")
+    run = subprocess.Popen([sys.executable, "-m", "overlayrec", "run", "-w", m.ws, "--state-dir",
+                            m.state, "--session", "s", "--", "true"], env=env,
+                           stderr=subprocess.PIPE, text=True)
+    fd = None
+    try:
+        deadline = time.monotonic() + 30 * SLOW
+        while "ending" not in overlayrec("status", m.ws, "--state-dir", m.state,
+                                         check=False).stdout:
+            assert time.monotonic() < deadline, "the run's daemon never said it was ending"
+            time.sleep(0.05)
+        fd = os.open(os.path.join(m.ws, "f"), os.O_RDWR)
+        assert os.fstat(fd).st_dev == os.stat(m.ws).st_dev != os.stat(m.base).st_dev
+        wait_unmounted(m.ws, "the mount stayed at the workspace after the run let it go")
+        # the workspace is the directory beneath now; the descriptor is still served
+        assert os.stat(m.ws).st_dev == os.stat(m.base).st_dev
+        assert os.pread(fd, 100, 0) == b"data\n"
+        assert os.pwrite(fd, b"more\n", 5) == 5
+        os.fsync(fd)  # to the daemon now, not at the close
+    finally:
+        if fd is not None:
+            os.close(fd)
+    assert run.wait(timeout=60 * SLOW) == 0, run.stderr.read()
+    with open(os.path.join(m.ws, "f")) as f:
+        assert f.read() == "data\nmore\n"
+    ends = [e["seq"] for e in m.events() if e["op"] == "session_end"]
+    late = [e for e in m.events() if e.get("path") == "f" and e["op"] == "write"]
+    assert len(ends) == 1 and [e["seq"] > ends[0] for e in late] == [True], late
