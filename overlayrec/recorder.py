@@ -1924,10 +1924,31 @@ class Recorder:
         later around the mount is told apart from the unit's own.  Returns how many were sealed."""
         paths = {p for p, ep in self.epochs.items() if unit is None or ep.unit == unit}
         paths |= {p for p, u in self.unsealed.items() if unit is None or u == unit}
-        if not paths:
-            return 0
+        ordered, done = sorted(paths), 0
+        # a chunk at a time, each committed before the next is read: a unit that changed
+        # 20,000 paths was sealed in one batch, 5 KB a path held at once (110 MB), which the
+        # daemon's heap kept for good after (its RSS 190 MB higher; 1.2 GB after 100k files)
+        for i in range(0, len(ordered), SEAL_CHUNK):
+            if i:
+                try:
+                    self.journal.flush()
+                except JournalError as e:
+                    if unit is None:
+                        raise
+                    log.warning("cannot seal %d path(s) at the end of %s (%s): left open",
+                                len(ordered) - i, unit, e)
+                    break
+            got = self._seal_some(ordered[i:i + SEAL_CHUNK], unit)
+            if got is None:
+                break
+            done += got
+        return done
+
+    def _seal_some(self, paths: list[str], unit: str | None) -> int | None:
+        """seal() of these paths, in one commit: how many events; None when the state dir is
+        full at a unit's end (the paths' epochs stay open)."""
         events = []
-        for p in sorted(paths):
+        for p in paths:
             served, seen = self.served.get(p), []
             try:
                 pre = self._seal_pre(p, seen=seen)
@@ -1958,7 +1979,7 @@ class Recorder:
             # latest at unmount) journals what their paths hold then: late, never missing
             log.warning("cannot seal %d path(s) at the end of %s (%s): left open",
                         len(events), unit, e)
-            return 0
+            return None
         for p in paths:
             self.epochs.pop(p, None)
             self.unsealed.pop(p, None)
@@ -2136,6 +2157,8 @@ class Recorder:
 AROUND_SLACK_NS = 500_000_000
 
 
+# a unit's end seals its paths this many at a time (Recorder.seal)
+SEAL_CHUNK = 1024
 # at most this many sealed files' ctimes kept to find another writer's change at the next
 # change (Recorder.sealed_ctime): about 150 bytes each
 SEALED_CTIMES = 100_000
