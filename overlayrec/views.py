@@ -308,13 +308,17 @@ def _around(net, evs: list[dict]) -> list[str]:
 
 def session_summary(j: Journal, sid: str, net=None) -> list[str]:
     """The lines ``run`` prints at the end: the files the session left changed (with ``net``,
-    see unit_listing; without, every file written), then the same per writer since it began
-    (its calls, the agent itself, other sessions, the user's processes, reverts)."""
+    see unit_listing; without, every file written), then the same per writer from its begin to
+    its end (its calls, the agent itself, other sessions, the user's processes, reverts)."""
     rec = j.record("sessions", sid.encode()) or {}
-    start = None
-    for ev in j.events():
-        if ev["op"] == "session_begin" and ev.get("session") == sid:
+    start = end = None
+    for ev in j.events_of(("session_begin", "session_end")):
+        if ev.get("session") != sid:
+            continue
+        if ev["op"] == "session_begin":
             start = ev["seq"]
+        else:
+            end = ev["seq"]
             break
     evs = file_events(j, start or 1)
     turns = [t for t in j.records("turns", sid.encode() + b"\0")]
@@ -325,9 +329,11 @@ def session_summary(j: Journal, sid: str, net=None) -> list[str]:
     for e in evs:
         unit = e.get("unit") or outside_unit(e["actor"])
         u = parse_unit(unit)
-        if unit_session(unit) == sid:
+        if unit_session(unit) == sid:  # its late writes too (a process it left running)
             own.append(e)
             who = "agent tool calls" if u.kind == "call" else "the agent itself"
+        elif end is not None and e["seq"] > end:
+            continue  # another writer after the session's end (the next `run`'s session)
         elif u is not None and u.kind == "revert":
             who = "reverts"
         elif unit_session(unit) is None:

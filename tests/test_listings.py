@@ -580,6 +580,28 @@ def test_runs_summary_counts_its_own_files_and_names_the_others(tmpbase):
         force_unmount(ws)
 
 
+def test_runs_summary_leaves_out_what_others_wrote_after_its_end(make_mount):
+    """A `run` whose mount was still held as it let it go waited for its daemon, and printed
+    its summary after the next `run` had written: "session B: 1 file(s)" under session A's,
+    which had ended before B began.  Other writers count from the session's begin to its end;
+    its own late writes (a process it left running) still count."""
+    from overlayrec.views import session_summary
+    m = make_mount().mount()
+    overlayrec("run", "-w", m.ws, "--session", "A", "--", "sh", "-c", "echo a > a.txt",
+               cwd=m.ws)
+    overlayrec("run", "-w", m.ws, "--session", "B", "--", "sh", "-c", "echo b > b.txt",
+               cwd=m.ws)
+    j = m.journal()
+    try:
+        a, b = session_summary(j, "A"), session_summary(j, "B")
+    finally:
+        j.close()
+    assert a == ["overlayrec: session A: 0 turn(s), 0 call(s), 1 file(s) changed",
+                 "  the agent itself: 1 file(s)"], a
+    assert b == ["overlayrec: session B: 0 turn(s), 0 call(s), 1 file(s) changed",
+                 "  the agent itself: 1 file(s)"], b
+
+
 def test_calls_and_turns_print_ids_whole(make_mount, tmp_path):
     """A Claude Code call id (toolu_ and 24 more) and a session's UUID were cut to 24 and 14
     characters in `calls` and `turns`: pasted back, "no call toolu_01A09q90qw90lq9178".
