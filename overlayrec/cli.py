@@ -492,7 +492,14 @@ def umount(workspace, timeout):
     pid, info, refused = _daemon_pid(sd)  # a pid that fails the check is left alone
     if not mounted:
         if pid:
-            os.kill(pid, signal.SIGTERM)
+            from .mounting import end_daemon
+            # a daemon whose mount was detached as it ended (a run's release) serves a process
+            # that still holds it for a few seconds more: that is ended now
+            killed = end_daemon(pid, info, timeout)
+            if state.overlayrec_mount_containing(ws) is None:
+                click.echo(f"unmounted {ws} (its mount was gone already; ended its daemon, "
+                           "which still ran" + (": killed it)" if killed else ")"))
+                return
         outer = state.overlayrec_mount_containing(ws)
         if outer is not None:  # run in a subdirectory: say which mount holds it
             raise Fail(f"{ws} is not mounted itself: it is in the workspace {outer} "
@@ -559,7 +566,7 @@ def status(workspace, as_json, state_dir):
            "responding": not hung, "drifted": drifted,
            "record_bytes": size["total"] if size else None,
            "attic": size["attic"] if size else None, "sessions": live, "mounted_for": owner,
-           "ending": ending}
+           "ending": ending or bool(pid and not in_table)}
     if as_json:
         click.echo(json.dumps(out))
         return
@@ -571,6 +578,8 @@ def status(workspace, as_json, state_dir):
     elif mounted:
         click.echo((f"{ws}: mounted by daemon pid {pid}" if pid else f"{ws}: mounted")
                    + (", ending (its unmount under way)" if ending else ""))
+    elif pid:  # its mount detached as it ended, a process holding it served a little longer
+        click.echo(f"{ws}: not mounted; its daemon pid {pid} is still ending")
     else:
         click.echo(f"{ws}: not mounted")
     click.echo(f"  journal: {journal_path if events is not None else '(none yet)'}")
@@ -1464,6 +1473,10 @@ def _release_mount(ws: str, sd: str) -> None:
         _stop_daemon(ws)
         return
     if out["released"]:
+        from .mounting import wait_previous
+        if not wait_previous(sd, 1.0):
+            click.echo("overlayrec: a process came to the workspace as its mount ended: the "
+                       "daemon serves it for up to 10 s more before this run exits", err=True)
         wait_released(ws, sd)
     elif out["sessions"]:
         click.echo(f"overlayrec: leaving {ws} mounted: session(s) {', '.join(out['sessions'])} "

@@ -145,7 +145,7 @@ def underlay_fd(sock_path: str) -> int:
         s.settimeout(10)
         try:
             s.connect(sock_path)
-            s.sendall(b'{"op": "underlay"}\n')
+            s.sendall(b'{"op": "underlay"}\n', stdsocket.MSG_NOSIGNAL)  # EPIPE, not death
             msg, fds, _, _ = stdsocket.recv_fds(s, 4096, 1)
         except OSError as e:
             raise ClientError(f"cannot get the underlay from the daemon: {e.strerror or e}") \

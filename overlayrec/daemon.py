@@ -93,6 +93,8 @@ def _flush_mount(ws: str, control: ControlServer | None = None) -> None:
     try:
         if control is not None:
             control.detached = _detach(ws)
+            if control.detached and control.recorder is not None:
+                control.recorder.detached_at = time.time_ns()  # its end's seal: _around
         if libc.syncfs(fd) != 0:
             log.warning("syncfs of %s: %s", ws, os.strerror(ctypes.get_errno()))
     finally:
@@ -128,6 +130,11 @@ async def _serve(control: ControlServer, ws: str, owner: dict | None) -> None:
         delay = float(os.environ.get("OVERLAYREC_TEST_END_DELAY") or 0)
 
         async def end(detach: bool = False) -> None:
+            if control.detached and not detach:
+                # a signal (`overlayrec umount`) while a detached mount is held: at once, not
+                # after another DETACHED_WAIT
+                pyfuse3.terminate()
+                return
             if delay:  # tests: a mount that takes its time to end, as a busy one may
                 await trio.sleep(delay)
             # pages a process wrote through a shared mapping (mmap) that the kernel still holds
@@ -411,6 +418,15 @@ def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool, record_da
         if state.is_dead_mount(ws):
             raise MountError(f"{ws} holds a dead mount; clear it with: overlayrec umount {ws}")
         raise MountError(f"{ws} is already mounted")
+    global _writer_lock  # held while mounted: no gc writes the journal behind us
+    try:
+        # before the journal is opened as its writer: a daemon still ending (sealing, or
+        # serving a detached mount a process held) writes it until it lets go, and a writer
+        # opened beside it took its next seq and emptied its log ahead (two events per seq)
+        if _writer_lock is None:  # an unmounted gc finishes first (docs/retention.md)
+            _writer_lock = retention.writer_lock(state_dir, wait=20.0)
+    except retention.RetentionError as e:
+        raise MountError(f"cannot mount: {e}") from None
     try:
         journal = Journal(state_dir, durable=durable, workspace=ws)
     except JournalError as e:
@@ -427,13 +443,6 @@ def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool, record_da
             journal.close()
             raise MountError(str(e)) from None
         log.info("the workspace recorded at %s was moved to %s: its record goes on", recorded, ws)
-    global _writer_lock  # held while mounted: no gc writes the journal behind us
-    try:
-        if _writer_lock is None:  # an unmounted gc finishes first (docs/retention.md)
-            _writer_lock = retention.writer_lock(state_dir, wait=20.0)
-    except retention.RetentionError as e:
-        journal.close()
-        raise MountError(f"cannot mount: {e}") from None
     try:  # the secret paths, in the journal before any event: every reader applies this list
         stored = journal.meta(secrets.META_PATTERNS)
         stored_checked = json.loads(journal.meta(secrets.META_CHECKED) or "[]")

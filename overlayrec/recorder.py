@@ -437,6 +437,7 @@ class Recorder:
         # and not changed since: a later ctime at the next change is another writer's around
         # the mount (_bypassed); at most SEALED_CTIMES kept, the oldest let go
         self.sealed_ctime: dict[str, int] = {}
+        self.detached_at: int | None = None  # when the mount was detached (daemon: its end)
         # path -> the kind of what the daemon's last change to it left there (None: it removed
         # it), for the paths it changed since their seal: a file found absent at its seal that
         # the daemon left there was removed around the mount (seal)
@@ -1222,10 +1223,12 @@ class Recorder:
         """The inode ``key`` has a name it had not when its names' epochs began: the next change
         through any of them must capture afresh, so that it is journaled on the new name too
         (an ``alias`` event with what that name held just before)."""
-        for n in self.names.get(key, ()):
-            ep = self.epochs.pop(n, None)
-            if ep is not None:
-                self.unsealed.setdefault(n, ep.unit)
+        names = self.names.get(key)
+        if names:
+            # the smaller of the two is walked (dict_keys & set): a link a name made in a
+            # loop walked every name of the inode, 2,000 links 2,000,000 pops
+            for n in self.epochs.keys() & names:
+                self.unsealed.setdefault(n, self.epochs.pop(n).unit)
 
     def seen_linked(self, st: os.stat_result, first: tuple[int, str],
                     second: tuple[int, str]) -> None:
@@ -1455,9 +1458,11 @@ class Recorder:
             if not self.names or not stat.S_ISREG(st.st_mode):
                 return
             key = (st.st_dev, st.st_ino)
-            for other in sorted(self.names.get(key, frozenset()) - set(own)):
-                if other in self.epochs or other in self.unsealed:
-                    continue  # sealed at its own epoch's end anyway, after this
+            # a name with an epoch, or owing a seal already, is sealed at its own epoch's end
+            # anyway, after this: only the others are looked at (set.difference of a dict
+            # walks the set in C: a loop making links walked every name in Python)
+            for other in sorted(self.names.get(key, frozenset()).difference(self.unsealed)
+                                .difference(self.epochs).difference(own)):
                 try:
                     ost = self._lstat(other)
                 except (FileNotFoundError, NotADirectoryError):
@@ -1473,10 +1478,11 @@ class Recorder:
         """A linked inode has a new name (``name``): the write runs through its other names end
         here, so their next write is an event again, journaled on the new name too (an
         ``alias``); joined unseen, it would change the new name after the event that made it."""
-        for other in self.names.get((st.st_dev, st.st_ino), ()):
-            ep = self.epochs.get(other) if other != name else None
-            if ep is not None:
-                ep.last = 0
+        names = self.names.get((st.st_dev, st.st_ino))
+        if names:
+            for other in self.epochs.keys() & names:  # the smaller walked
+                if other != name:
+                    self.epochs[other].last = 0
 
     # -- content --------------------------------------------------------------------------------
     def _capture(self, path: str, fd: int, unit: str, lo: int, hi: int | None, *,
@@ -2011,15 +2017,22 @@ class Recorder:
                     (pre.get("ino"), pre.get("size"), pre.get("mtime_ns")):
                 pre["ctime_ns"] = st.st_ctime_ns
 
-    @staticmethod
-    def _around(seal: dict, ctime_ns: int, served: int) -> bool:
+    def _around(self, seal: dict, ctime_ns: int, served: int) -> bool:
         """Was this file, sealed as ``seal`` and found with ``ctime_ns``, changed after the
         daemon last changed it (``served``)?  Its ctime says so: a process that bypassed the
         mount (a shell whose working directory was entered before the mount) wrote it while
         its unit went on, and the seal would give that change to the unit.  Not for a file of
-        several links (a change through a name the daemon does not know moves it too)."""
-        return seal["kind"] == "file" and seal.get("nlink", 1) == 1 and \
-            ctime_ns > served + AROUND_SLACK_NS
+        several links (a change through a name the daemon does not know moves it too).
+        Once the mount was detached from the workspace (its end, ``detached_at``), every
+        process that opens the file by its path writes it beneath: a change later than the
+        detach, of a file the daemon last changed before it, is another writer's, also
+        within the slack (a user's save just after a `run`, sealed as the agent's)."""
+        if seal["kind"] != "file" or seal.get("nlink", 1) != 1:
+            return False
+        if ctime_ns > served + AROUND_SLACK_NS:
+            return True
+        gone = self.detached_at
+        return gone is not None and served < gone and ctime_ns > gone + DETACHED_SLACK_NS
 
     def end_epochs(self) -> None:
         """A unit boundary: every epoch ends, so the next change of any path captures a fresh
@@ -2155,6 +2168,10 @@ class Recorder:
 # a file's ctime later than the daemon's last change to it by this much was changed around the
 # mount (kernel clocks are coarse, and a change is made just after its stamp)
 AROUND_SLACK_NS = 500_000_000
+# ... and, after the mount was detached, by this much past the detach (Recorder._around): no
+# change of the daemon's comes then to a path it last changed before (the kernel's coarse
+# clock and a request in flight as the detach was made are what this covers)
+DETACHED_SLACK_NS = 50_000_000
 
 
 # a unit's end seals its paths this many at a time (Recorder.seal)

@@ -65,6 +65,40 @@ def test_a_slow_preimage_is_not_taken_for_a_change_around_the_mount(tmp_path):
         j.close()
 
 
+def test_a_change_beneath_after_the_detach_is_no_units_within_the_slack(tmp_path):
+    """The end of a mount detaches it first and seals after: a process that wrote a file by its
+    path in that moment wrote it beneath the mount, and where the daemon had changed the file
+    in the half second before (the slack), the seal took that write for the unit's own (a
+    user's save just after a `run` ended, reverted with the agent's call).  Found by a bug
+    hunt.  Past the detach (``detached_at``), the slack is the clock's only."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    j = Journal(str(tmp_path / "state"))
+    root_fd = os.open(ws, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        rec = Recorder(j, root_fd, Attribution())
+        actor = rec.attribution.actor(os.getpid())
+        unit = rec.units.unit_of(actor)
+        for name in ("f", "g"):
+            fd = rec.create(root_fd, name, os.O_RDWR, 0o644, os.geteuid(), os.getegid(), actor)
+            try:
+                rec.write(Handle(fd, None, actor, unit, rec), 0, b"agent\n")
+            finally:
+                os.close(fd)
+        time.sleep(0.02)
+        rec.detached_at = time.time_ns()  # the mount's end (daemon._flush_mount)
+        time.sleep(0.1)
+        with open(ws / "f", "a") as f:  # by its path: beneath, the mount detached
+            f.write("user\n")
+        assert rec.seal() == 3
+        evs = [j.event(s) for s in range(1, j.last_seq() + 1)]
+        drifts = [(e["path"], e["unit"]) for e in evs if e["op"] == "drift"]
+        assert drifts == [("f", "outside:around")], evs
+    finally:
+        os.close(root_fd)
+        j.close()
+
+
 BENEATH = r'''
 import os, sys, time
 go, done = sys.argv[1], sys.argv[2]

@@ -4,6 +4,7 @@ call ended and the next began), `run` does not unmount under it, and a revert of
 says it still runs."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -565,3 +566,89 @@ def test_what_comes_as_a_run_lets_its_mount_go_is_served_until_it_lets_go(make_m
     ends = [e["seq"] for e in m.events() if e["op"] == "session_end"]
     late = [e for e in m.events() if e.get("path") == "f" and e["op"] == "write"]
     assert len(ends) == 1 and [e["seq"] > ends[0] for e in late] == [True], late
+
+
+def test_a_run_started_while_the_last_mount_still_ends_waits_for_its_journal(make_mount):
+    """A `run` started while the last mount's daemon still served a process holding its
+    detached mount opened the journal as a second writer, waiting for the writer's lock only
+    after: it took seqs the ending daemon gave too (two events under one seq, the record
+    going back in time, writes lost) while `check` said the record was whole.  Found by a bug
+    hunt.  The new daemon takes the lock before it opens the journal."""
+    env = dict(os.environ, OVERLAYREC_TEST_END_DELAY=str(1 * SLOW))
+    m = make_mount(env=env)
+    with open(os.path.join(m.ws, "f"), "w") as f:
+        f.write("0\n")
+    first = subprocess.Popen([sys.executable, "-m", "overlayrec", "run", "-w", m.ws,
+                              "--state-dir", m.state, "--session", "A", "--", "true"], env=env,
+                             stderr=subprocess.PIPE, text=True)
+    second = fd = None
+    try:
+        deadline = time.monotonic() + 30 * SLOW
+        while "ending" not in overlayrec("status", m.ws, "--state-dir", m.state,
+                                         check=False).stdout:
+            assert time.monotonic() < deadline, "the run's daemon never said it was ending"
+            time.sleep(0.05)
+        fd = os.open(os.path.join(m.ws, "f"), os.O_WRONLY | os.O_APPEND)
+        wait_unmounted(m.ws, "the first run's mount stayed at the workspace")
+        second = subprocess.Popen([sys.executable, "-m", "overlayrec", "run", "-w", m.ws,
+                                   "--state-dir", m.state, "--session", "B", "--", "sh", "-c",
+                                   "echo two > two.txt"], env=env, cwd=m.base,
+                                  stderr=subprocess.PIPE, text=True)
+        time.sleep(1.5 * SLOW)  # its daemon started, and waits for the journal
+        for i in range(1, 4):
+            os.write(fd, f"{i}\n".encode())
+            os.fsync(fd)  # to the ending daemon, which journals it
+            time.sleep(0.2)
+    finally:
+        if fd is not None:
+            os.close(fd)
+    assert first.wait(timeout=60 * SLOW) == 0, first.stderr.read()
+    assert second.wait(timeout=60 * SLOW) == 0, second.stderr.read()
+    with open(os.path.join(m.ws, "f")) as f:
+        assert f.read() == "0\n1\n2\n3\n"
+    with open(os.path.join(m.ws, "two.txt")) as f:
+        assert f.read() == "two\n"
+    evs = m.events(seals=True)
+    times = [e["t"] for e in evs]
+    assert times == sorted(times), [(e["seq"], e["op"], e.get("path"), e["t"]) for e in evs]
+    # one write run (its later writes are no events), journaled by the ending daemon
+    writes = [e for e in evs if e.get("path") == "f" and e["op"] == "write"]
+    made = [e for e in evs if e.get("path") == "two.txt" and e["op"] != "seal"]
+    assert len(writes) == 1 and len(made) == 1, evs
+    assert [e["op"] for e in evs if e["op"].startswith("session_")] == \
+        ["session_begin", "session_end"] * 2, evs
+    assert "record whole" in overlayrec("check", m.ws, "--state-dir", m.state).stdout
+
+
+def test_umount_ends_a_daemon_that_serves_a_held_detached_mount(make_mount):
+    """While a process held a mount its run had let go (detached), `umount` said "not
+    mounted" and exited 1, having signalled the daemon, which served on for another 10 s.
+    Found by a bug hunt.  It ends the daemon at once and says so."""
+    env = dict(os.environ, OVERLAYREC_TEST_END_DELAY=str(1 * SLOW))
+    m = make_mount(env=env)
+    with open(os.path.join(m.ws, "f"), "w") as f:
+        f.write("data\n")
+    run = subprocess.Popen([sys.executable, "-m", "overlayrec", "run", "-w", m.ws, "--state-dir",
+                            m.state, "--", "true"], env=env, stderr=subprocess.PIPE, text=True)
+    fd = None
+    try:
+        deadline = time.monotonic() + 30 * SLOW
+        while "ending" not in overlayrec("status", m.ws, "--state-dir", m.state,
+                                         check=False).stdout:
+            assert time.monotonic() < deadline, "the run's daemon never said it was ending"
+            time.sleep(0.05)
+        fd = os.open(os.path.join(m.ws, "f"), os.O_RDWR)
+        wait_unmounted(m.ws, "the run's mount stayed at the workspace")
+        os.pwrite(fd, b"more\n", 5)
+        os.fsync(fd)  # served still
+        r = overlayrec("umount", m.ws, env=env)
+        assert r.stdout.startswith(f"unmounted {m.ws} (its mount was gone already; ended its "
+                                   "daemon, which still ran"), r.stdout
+        with pytest.raises(OSError) as e:  # ended: not served for the rest of the 10 s
+            os.pwrite(fd, b"last\n", 10)
+            os.fsync(fd)
+        assert e.value.errno == errno.ENOTCONN
+    finally:
+        if fd is not None:
+            os.close(fd)
+    assert run.wait(timeout=60 * SLOW) == 0, run.stderr.read()
