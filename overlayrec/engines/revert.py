@@ -428,14 +428,17 @@ def _joined_since(plan: Plan, live: Tree, by_ino) -> None:
     written anew and linked among themselves."""
     sharing: dict[int, list[list[Step]]] = {}  # live inode -> the groups of steps holding it
     outside: dict[int, int] = {}               # id(group) -> its names outside the plan then
+    held_by: dict[int, list[set[int]]] = {}    # live inode -> its groups' steps, as ids
     for step in plan.steps:
         t = step.target
         if not (t.kind == "file" and link_key(t) and t.nlink > 1) or not step.in_place:
             continue
         group = [o for o in plan.steps if linked(t, o.target)]
+        members = {id(o) for o in group}  # (a scan of the group per step: a 1,000-name file's
+        # revert made 10^9 comparisons, 80-100 s)
         # the names the inode had then, less the group's, less the plan's other steps that
         # hold it (a name the selection linked, which the revert removes, is no name outside)
-        others = sum(1 for o in plan.steps if not any(o is g for g in group) and
+        others = sum(1 for o in plan.steps if id(o) not in members and
                      _holds_ino(o, live, t.ino))
         outside_then = max(0, t.nlink - len(group) - others)
         if len(by_ino().get(t.ino, ())) > outside_then:
@@ -446,7 +449,8 @@ def _joined_since(plan: Plan, live: Tree, by_ino) -> None:
         if st is None or st.st_ino != t.ino or not stat.S_ISREG(st.st_mode):
             continue
         groups = sharing.setdefault(st.st_ino, [])
-        if not any(o is step for g in groups for o in g):
+        if not any(id(step) in held for held in held_by.get(st.st_ino, ())):
+            held_by.setdefault(st.st_ino, []).append(members)
             groups.append(group)
             outside[id(group)] = outside_then
     for groups in sharing.values():
@@ -1089,12 +1093,18 @@ def _apply_in(root_fd: int, dfd: int, name: str, step: Step, made: dict | None,
         return FAILED + problem if problem else "dir"
     first = _holder(made, t)
     if t.kind == "file" and link_key(t) and t.nlink > 1 and step.in_place:
+        if first is not None and first[1] == t.ino and _as_written(made, dfd, name, t):
+            # the group's inode, written in place by an earlier step and unchanged since:
+            # each of a 1,000-name file's steps wrote it again (1,000 alias events a write)
+            return f"restored in place with {first[0]} (hard-link group)"
         # only a target that was itself linked then shares its inode: writing into an
         # inode linked since would change names the revert does not own
         done = _write_in_place(dfd, name, t)
         if done is not None:
             if first is None and made is not None:
                 made.setdefault(link_key(t), []).append((step.path, t.ino, t))
+                if not done.startswith(FAILED):
+                    made[("written", t.ino)] = _written_mark(dfd, name)
             return done
     if first is None and t.kind == "file" and step.expected.kind == "file" and \
             step.expected.data == t.data:
@@ -1165,6 +1175,24 @@ def _as_seen(dfd: int, name: str, seen: os.stat_result | None | bool) -> bool:
         return seen is None
     return seen is not None and (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) == \
         (seen.st_ino, seen.st_size, seen.st_mtime_ns, seen.st_ctime_ns)
+
+
+def _written_mark(dfd: int, name: str) -> tuple | None:
+    """What a file written in place looks like just after (its ctime moves with any later
+    change of content, mode, owner or links)."""
+    try:
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode, st.st_uid, \
+        st.st_gid
+
+
+def _as_written(made: dict | None, dfd: int, name: str, t: State) -> bool:
+    """Does ``name`` hold the inode an earlier step of its group wrote in place, as that
+    step left it?"""
+    mark = made.get(("written", t.ino)) if made is not None else None
+    return mark is not None and _written_mark(dfd, name) == mark
 
 
 def _holder(made: dict | None, t: State) -> tuple | None:
