@@ -19,6 +19,7 @@ import struct
 import trio
 
 from . import agents, state
+from .retention import RetentionError
 from .calls import Calls, ControlError
 from .journal import JournalError
 from .attribution import Attribution
@@ -286,6 +287,8 @@ class ControlServer:
             out = {"ok": True, **await self.run_gc(req)}
         except ValueError as e:
             out = {"ok": False, "error": f"bad request: {e}"}
+        except RetentionError as e:  # said in one line: a revert under way, say
+            out = {"ok": False, "error": str(e)}
         except Exception as e:  # the endpoint must never take the mount down
             log.exception("gc failed")
             out = {"ok": False, "error": f"gc failed: {e}"}

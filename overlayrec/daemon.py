@@ -407,6 +407,8 @@ async def _keep_budget(control: ControlServer) -> None:
             if out.get("over_budget"):
                 log.warning("budget %d bytes: still over (%s)", control.max_bytes,
                             out["over_budget"])
+        except retention.RetentionError as e:  # a revert under way: looked at again later
+            log.info("budget %d bytes: not looked at now: %s", control.max_bytes, e)
         except Exception:  # the budget must not take the mount down: looked at again later
             log.exception("keeping the budget failed")
 

@@ -704,8 +704,49 @@ def gc_steps(j: Journal, sd: str, policy: Policy, out: dict, *, live=(), attic_f
     """A whole gc as a generator (yields between batches): finish an interrupted one, plan,
     cut (step 1), delete (2), sweep (3); with a budget, again while the record is over it and
     a session can still go.  ``out`` gets the plan and what was done."""
-    if not dry_run:
+    if dry_run:
+        yield from _gc_rounds(j, sd, policy, out, live, attic_fd, dry_run, drop_attic)
+        return
+    held = _no_revert_under_way(sd)
+    try:
         yield from finish(j, sd, attic_fd, out, drop_attic)
+        yield from _gc_rounds(j, sd, policy, out, live, attic_fd, dry_run, drop_attic)
+    finally:
+        if held is not None:
+            os.close(held)
+
+
+def _no_revert_under_way(sd: str) -> int | None:
+    """Hold the state dir's revert lock (reverts.one_at_a_time) for a gc: a revert being
+    planned or carried out reaches into sessions its saved plan does not name yet, and a gc
+    then dropped them and swept the blobs the plan was about to name (`revert --continue`
+    could never finish: "No such file").  RetentionError while one is under way; None when
+    the lock cannot be opened (a state dir without reverts: none can run)."""
+    import fcntl
+    path = state.StateDir(sd).revert_lock
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        # no revert has run here: one beginning now makes the file, and finds it held
+        try:
+            state.private_dir(state.StateDir(sd).reverts)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError:
+            return None
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RetentionError("a revert or unrevert of this workspace is under way: gc once it "
+                             "is done (nothing dropped)") from None
+    return fd
+
+
+def _gc_rounds(j: Journal, sd: str, policy: Policy, out: dict, live, attic_fd, dry_run: bool,
+               drop_attic):
+    """gc_steps' plan, cut, delete and sweep, again while a budget asks."""
     rounds = 0
     dropped: list[str] = []
     while True:

@@ -54,8 +54,8 @@ def one_at_a_time(sd: str):
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise RevertError("another revert or unrevert of this workspace is under way: "
-                              "try again once it is done") from None
+            raise RevertError("another revert or unrevert, or a gc, of this workspace is "
+                              "under way: try again once it is done") from None
         yield
     finally:
         os.close(fd)  # lets the lock go

@@ -310,7 +310,14 @@ def session_summary(j: Journal, sid: str, net=None) -> list[str]:
     """The lines ``run`` prints at the end: the files the session left changed (with ``net``,
     see unit_listing; without, every file written), then the same per writer from its begin to
     its end (its calls, the agent itself, other sessions, the user's processes, reverts)."""
-    rec = j.record("sessions", sid.encode()) or {}
+    rec = j.record("sessions", sid.encode())
+    if rec is None:
+        gone = j.dropped_session(sid)
+        if gone is not None:  # a budget set at mount drops sessions as they end, this one too
+            from .retention import dropped_session_message
+            return [f"overlayrec: {dropped_session_message(gone)}, as it ended (the mount's "
+                    "--max-bytes budget): nothing of it is left to list"]
+        rec = {}
     start = end = None
     for ev in j.events_of(("session_begin", "session_end")):
         if ev.get("session") != sid:

@@ -273,6 +273,36 @@ def test_pin_and_pending_revert_keep_sessions(make_mount, tmp_path):
         m.umount()
 
 
+def test_no_gc_while_a_revert_is_under_way(make_mount, tmp_path):
+    """A gc run while a revert was being planned dropped the session it reverted (its plan not
+    saved yet, so no pending revert kept it) and swept the blobs the plan then named: the
+    revert, killed, could never be continued ("No such file"), and one let run saved a plan of
+    missing blobs.  Found by a bug hunt.  A revert holds the state dir's revert lock from its
+    plan to its end; a gc, mounted (in the daemon) or not, refuses while it is held, and
+    drops nothing."""
+    from overlayrec import reverts
+    m = make_mount()
+    try:
+        record(m, tmp_path, 2)
+        for mounted in (True, False):
+            if not mounted:
+                m.umount()
+            with reverts.one_at_a_time(m.state):  # a revert planning, or carrying out
+                fails(gc(m, "--keep-last", "0", check=False),
+                      "a revert or unrevert of this workspace is under way")
+                assert gc(m, "--keep-last", "0", "--dry-run")["sessions"]  # a look is fine
+            # and a revert begun during a gc is refused the same way, by the gc's hold
+        j = Journal(m.state, readonly=True)
+        try:
+            assert j.cut <= 1 and not j.dropped_sessions()
+        finally:
+            j.close()
+        assert gc(m, "--keep-last", "1")["dropped"] == ["s1"]  # once it is done
+        consistent(m)
+    finally:
+        m.umount()
+
+
 def test_max_bytes_drops_oldest_until_it_fits(make_mount, tmp_path):
     m = make_mount()
     try:
@@ -384,6 +414,15 @@ def test_daemon_keeps_a_budget_set_at_mount(make_mount, tmp_path):
         assert overlayrec("diff", m.ws, "--state-dir", m.state, "--session", "s6").stdout
         fails(overlayrec("diff", m.ws, "--state-dir", m.state, "--session", "s1", check=False),
               "session s1 was dropped by retention")
+        # run's summary of a session the budget dropped as it ended said "0 file(s) changed
+        # (session still open)" (found by a bug hunt)
+        from overlayrec.views import session_summary
+        j = m.journal()
+        try:
+            [line] = session_summary(j, "s1")
+        finally:
+            j.close()
+        assert line.startswith("overlayrec: session s1 was dropped by retention on "), line
         # a gc through the daemon while mounted: no compaction, and it says why
         out = gc(m)
         assert not out["compaction"]["compacted"] and "mounted" in out["compaction"]["why"]

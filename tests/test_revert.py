@@ -1052,8 +1052,8 @@ def test_a_second_revert_while_one_is_under_way_is_refused(make_mount, tmp_path)
             time.sleep(0.05)
         r = overlayrec("revert", m.ws, "--call", "c2", "--yes", check=False)
         assert (r.returncode, r.stderr.strip()) == (
-            1, "overlayrec: error: another revert or unrevert of this workspace is under way: "
-               "try again once it is done"), r.stderr
+            1, "overlayrec: error: another revert or unrevert, or a gc, of this workspace is "
+               "under way: try again once it is done"), r.stderr
     finally:
         assert first.wait(timeout=60) == 0
     assert "reverted 4 path(s)" in first.stdout.read()
