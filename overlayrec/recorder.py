@@ -483,9 +483,21 @@ class Recorder:
         except FileExistsError:
             pass
         fd = underlay.open_path(self.root_fd, ATTIC_NAME)
-        if not stat.S_ISDIR(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISDIR(st.st_mode):
             os.close(fd)
             raise OSError(errno.ENOTDIR, f"{ATTIC_NAME} in the workspace is not a directory")
+        # another user's (made before the first mount in a workspace others may write, a
+        # shared 1777 directory): that user could swap the pre-images a revert puts back
+        mine = {os.geteuid(), os.fstat(self.root_fd).st_uid} if os.geteuid() == 0 else \
+            {os.geteuid()}
+        if st.st_uid not in mine:
+            os.close(fd)
+            raise ForeignAttic(
+                f"{ATTIC_NAME} in the workspace belongs to uid {st.st_uid}, not to this user: "
+                "another user could change the pre-images kept there; remove it first")
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            underlay.chmod_fd(fd, 0o700)  # ours, made looser since: 0700 again
         try:
             foreign = _not_an_attic(fd)
         except BaseException:

@@ -627,3 +627,29 @@ def test_show_of_a_removal_whose_pre_image_is_gone_says_so(make_mount):
     out = json.loads(overlayrec("show", "-w", m.ws, "--state-dir", m.state, str(seq),
                                 "--json").stdout)
     assert out["inexact"] == ["huge.bin"], out
+
+
+@needs_fuse
+@needs_root
+def test_an_attic_another_user_made_is_refused(tmp_path):
+    """A workspace others may write (a shared 1777 directory): another user made the attic
+    before the first mount, and the mount took it; that user then swapped a kept pre-image,
+    `check` said the record was whole, and a revert wrote their bytes back.  Found by a bug
+    hunt.  The mount refuses an attic of another owner, and makes its own 0700 again."""
+    ws = tmp_path / "ws"
+    (ws / ATTIC).mkdir(parents=True)
+    os.chmod(ws / ATTIC, 0o777)
+    os.chown(ws / ATTIC, 4242, 4242)
+    r = overlayrec("mount", str(ws), "--state-dir", str(tmp_path / "state"), check=False)
+    try:
+        assert r.returncode != 0 and "belongs to uid 4242, not to this user" in r.stderr, \
+            r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+        assert not is_mounted(str(ws))
+    finally:
+        if is_mounted(str(ws)):
+            overlayrec("umount", str(ws), check=False)
+    os.chown(ws / ATTIC, os.geteuid(), os.getegid())  # ours, but left loose
+    overlayrec("mount", str(ws), "--state-dir", str(tmp_path / "state"))
+    overlayrec("umount", str(ws))
+    assert stat.S_IMODE(os.lstat(ws / ATTIC).st_mode) == 0o700  # (hidden while mounted)
