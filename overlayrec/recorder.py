@@ -495,7 +495,8 @@ class Recorder:
             os.close(fd)
             raise ForeignAttic(
                 f"{ATTIC_NAME} in the workspace belongs to uid {st.st_uid}, not to this user: "
-                "another user could change the pre-images kept there; remove it first")
+                "another user could change the pre-images kept there (mount as its owner, or "
+                "move it aside: it holds that user's record's pre-images)")
         if stat.S_IMODE(st.st_mode) & 0o077:
             underlay.chmod_fd(fd, 0o700)  # ours, made looser since: 0700 again
         try:
