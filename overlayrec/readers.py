@@ -29,7 +29,14 @@ def one_line(msg: str) -> str:
 
 def os_error_text(e: OSError) -> str:
     name = os.fsdecode(e.filename) if isinstance(e.filename, (str, bytes)) else None
-    return f"{name + ': ' if name else ''}{e.strerror or e}"
+    text = f"{name + ': ' if name else ''}{e.strerror or e}"
+    if isinstance(e, FileNotFoundError) and name and f"{os.sep}content{os.sep}" in name:
+        # a blob of the record's content store gone while this read: a gc swept it (the
+        # record was cut meanwhile: an export or a replay racing a gc), or the store was
+        # damaged, which `check` tells
+        text += " (a blob of the record, gone while this read it: a gc ran meanwhile? run " \
+            "this again; `overlayrec check` tells a damaged store)"
+    return text
 
 
 def say_error(msg: str) -> None:

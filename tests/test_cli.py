@@ -1164,3 +1164,17 @@ def test_a_session_name_too_long_for_its_keys_is_refused(make_mount):
     rows = [json.loads(line) for line in overlayrec("calls", m.ws, "--json").stdout.split("\n")
             if line]
     assert [(row["session"], row["paths"]) for row in rows] == [("s" * 400, ["f"])], rows
+
+
+def test_a_blob_gone_while_a_reader_read_is_said_as_such():
+    """`export git` racing a gc failed with a bare "<state>/content/ab/80fe...: No such file or
+    directory" (found by a bug hunt): the line says a blob of the record went while it read,
+    what to do, and how to tell a damaged store."""
+    from overlayrec.readers import os_error_text
+    e = FileNotFoundError(2, "No such file or directory", "/s/state/content/ab/80fe11")
+    assert os_error_text(e) == (
+        "/s/state/content/ab/80fe11: No such file or directory (a blob of the record, gone "
+        "while this read it: a gc ran meanwhile? run this again; `overlayrec check` tells a "
+        "damaged store)")
+    other = FileNotFoundError(2, "No such file or directory", "/s/ws/notes.txt")
+    assert os_error_text(other) == "/s/ws/notes.txt: No such file or directory"
