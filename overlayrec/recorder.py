@@ -1114,6 +1114,24 @@ class Recorder:
             os.chmod(name, mode | (stat.S_IMODE(underlay.lstat_at(parent_fd, name).st_mode)
                                    & stat.S_ISGID), dir_fd=parent_fd)
 
+    def _own_or_undo(self, parent_fd: int, name: str, uid: int, gid: int, mode: int | None,
+                     is_dir: bool = False) -> None:
+        """_fix_owner of what a request just made; where the owner cannot be given (a daemon
+        that is not root, serving another user through allow_other), what it made goes again:
+        the request fails and leaves nothing behind (an empty file of the daemon's user was
+        left, which no event of the record held)."""
+        try:
+            self._fix_owner(parent_fd, name, uid, gid, mode)
+        except OSError:
+            try:
+                if is_dir:
+                    os.rmdir(name, dir_fd=parent_fd)
+                else:
+                    os.unlink(name, dir_fd=parent_fd)
+            except OSError:
+                pass
+            raise
+
     def _creation(self, op: str, parent_fd: int, name: str, actor: dict, **kw):
         path = self.child(parent_fd, name)
         unit = self.units.unit_of(actor, path)
@@ -1150,7 +1168,7 @@ class Recorder:
                 fd = underlay.open_own(parent_fd, name, flags & ~os.O_CREAT)
             try:
                 if ev.get("pre", {"kind": "absent"})["kind"] == "absent":
-                    self._fix_owner(parent_fd, name, uid, gid, mode)
+                    self._own_or_undo(parent_fd, name, uid, gid, mode)
             except OSError:
                 os.close(fd)
                 raise
@@ -1191,7 +1209,7 @@ class Recorder:
         ev = self._creation("mkdir", parent_fd, name, actor, mode=mode)
         with self._mutation(ev, actor):
             os.mkdir(name, mode, dir_fd=parent_fd)
-            self._fix_owner(parent_fd, name, uid, gid, None)
+            self._own_or_undo(parent_fd, name, uid, gid, None, is_dir=True)
 
     @_roomy
     @_undoable
@@ -1200,7 +1218,7 @@ class Recorder:
         ev = self._creation("mknod", parent_fd, name, actor, mode=mode, rdev=rdev)
         with self._mutation(ev, actor):
             os.mknod(name, mode, rdev, dir_fd=parent_fd)
-            self._fix_owner(parent_fd, name, uid, gid, None)
+            self._own_or_undo(parent_fd, name, uid, gid, None)
 
     @_roomy
     @_undoable
@@ -1209,7 +1227,7 @@ class Recorder:
         ev = self._creation("symlink", parent_fd, name, actor, target=target)
         with self._mutation(ev, actor):
             os.symlink(target, name, dir_fd=parent_fd)
-            self._fix_owner(parent_fd, name, uid, gid, None)
+            self._own_or_undo(parent_fd, name, uid, gid, None)
 
     @_roomy
     @_undoable
@@ -2312,7 +2330,7 @@ class UnrecordedRecorder(Recorder):
         fd = os.open(name, flags | os.O_CREAT | os.O_CLOEXEC, mode, dir_fd=parent_fd)
         if foreign and not existed:
             try:
-                self._fix_owner(parent_fd, name, uid, gid, mode)
+                self._own_or_undo(parent_fd, name, uid, gid, mode)
             except OSError:
                 os.close(fd)
                 raise
@@ -2320,15 +2338,15 @@ class UnrecordedRecorder(Recorder):
 
     def mkdir(self, parent_fd, name, mode, uid, gid, actor):
         os.mkdir(name, mode, dir_fd=parent_fd)
-        self._fix_owner(parent_fd, name, uid, gid, None)
+        self._own_or_undo(parent_fd, name, uid, gid, None, is_dir=True)
 
     def mknod(self, parent_fd, name, mode, rdev, uid, gid, actor):
         os.mknod(name, mode, rdev, dir_fd=parent_fd)
-        self._fix_owner(parent_fd, name, uid, gid, None)
+        self._own_or_undo(parent_fd, name, uid, gid, None)
 
     def symlink(self, parent_fd, name, target, uid, gid, actor):
         os.symlink(target, name, dir_fd=parent_fd)
-        self._fix_owner(parent_fd, name, uid, gid, None)
+        self._own_or_undo(parent_fd, name, uid, gid, None)
 
     def link(self, src_fd, parent_fd, name, actor):
         underlay.link_fd(src_fd, parent_fd, name, root_fd=self.root_fd, rel=self.rel(src_fd))

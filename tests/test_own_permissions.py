@@ -497,3 +497,42 @@ def test_a_directory_the_revert_removes_is_opened_first(tmpbase, owner):
             ["k"], os.listdir(u.ws)
     finally:
         u.umount()
+
+
+@pytest.mark.parametrize("kind", ["create", "mkdir", "symlink"])
+def test_what_another_user_makes_is_gone_when_its_owner_cannot_be_given(tmp_path, monkeypatch,
+                                                                         kind):
+    """A daemon that is not root serves another user through allow_other: what that user makes
+    gets their owner by a chown after it is made, which such a daemon may not give.  The
+    request failed (EPERM) and left an empty file of the daemon's user behind, which no event
+    of the record held.  Found by a bug hunt.  What was made goes again."""
+    from overlayrec.attribution import Attribution
+    from overlayrec.journal import Journal
+    from overlayrec.recorder import Recorder
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    j = Journal(str(tmp_path / "state"))
+    root_fd = os.open(ws, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        rec = Recorder(j, root_fd, Attribution())
+
+        def refused(*a, **kw):  # what os.chown answers a daemon that is not root
+            raise PermissionError(1, "Operation not permitted")
+        monkeypatch.setattr(rec, "_fix_owner", refused)
+        actor = rec.attribution.actor(os.getpid())
+        with pytest.raises(PermissionError):
+            if kind == "create":
+                os.close(rec.create(root_fd, "x", os.O_WRONLY | os.O_CREAT, 0o644, NOBODY,
+                                    NOBODY, actor))
+            elif kind == "mkdir":
+                rec.mkdir(root_fd, "x", 0o755, NOBODY, NOBODY, actor)
+            else:
+                rec.symlink(root_fd, "x", "target", NOBODY, NOBODY, actor)
+        assert not os.path.lexists(ws / "x")
+        evs = [j.event(s) for s in range(1, j.last_seq() + 1)]
+        made = [e for e in evs if e.get("path") == "x" and e["op"] != "failed"]
+        failed = {e["ref"] for e in evs if e["op"] == "failed"}
+        assert made and all(e["seq"] in failed for e in made), evs
+    finally:
+        os.close(root_fd)
+        j.close()
