@@ -489,9 +489,10 @@ class Recorder:
             raise OSError(errno.ENOTDIR, f"{ATTIC_NAME} in the workspace is not a directory")
         # another user's (made before the first mount in a workspace others may write, a
         # shared 1777 directory): that user could swap the pre-images a revert puts back
-        mine = {os.geteuid(), os.fstat(self.root_fd).st_uid} if os.geteuid() == 0 else \
-            {os.geteuid()}
-        if st.st_uid not in mine:
+        me, ws_uid = os.geteuid(), os.fstat(self.root_fd).st_uid
+        mine = {me, ws_uid} if me == 0 else {me}
+        # (another user's workspace itself is said as that: daemon.run, "is uid N's")
+        if st.st_uid not in mine and (me == 0 or ws_uid == me):
             os.close(fd)
             raise ForeignAttic(
                 f"{ATTIC_NAME} in the workspace belongs to uid {st.st_uid}, not to this user: "
