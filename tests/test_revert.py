@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import signal
 import subprocess
 import sys
@@ -1766,3 +1767,31 @@ def test_the_preview_says_a_directory_holding_others_files_is_kept(make_mount, t
         assert "delete   made  (kept: it holds what the revert does not remove)" in r.stdout, \
             r.stdout
     assert os.listdir(os.path.join(m.ws, "made")) == ["user"]
+
+
+def test_a_set_id_bit_the_system_drops_is_said(tmp_path, monkeypatch):
+    """A directory of another group, 2775, that a call chmodded 755: its revert by a user not
+    of that group said "reverted", exit 0, and left 0775, the kernel having dropped the
+    set-group-ID bit of its chmod (new files there then took the reverter's group).  Found by
+    a bug hunt.  set_meta says what it could not set; the step is a failure."""
+    from overlayrec import underlay
+    from overlayrec.engines.revert import set_meta
+    from overlayrec.engines.states import State
+    d = tmp_path / "sg"
+    d.mkdir()
+    real = underlay.chmod_fd
+
+    def as_the_kernel(fd, mode):  # what chmod(2) does for a caller outside the group
+        real(fd, mode & ~stat.S_ISGID)
+    monkeypatch.setattr(underlay, "chmod_fd", as_the_kernel)
+    st = os.stat(d)
+    t = State("dir", 0o2775, b"", True, st.st_uid, st.st_gid)
+    dfd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert set_meta(dfd, "sg", t) == "mode 2775 not set: the system dropped its " \
+            "set-group-ID bit (this user is not of its group)"
+        monkeypatch.setattr(underlay, "chmod_fd", real)
+        assert set_meta(dfd, "sg", t) is None  # as root: kept
+        assert stat.S_IMODE(os.stat(d).st_mode) == 0o2775
+    finally:
+        os.close(dfd)

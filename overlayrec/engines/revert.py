@@ -879,7 +879,16 @@ def set_meta(dfd: int, name: str, t: State, mode: int | None = None,
             except PermissionError as e:
                 problems.insert(0, f"owner {t.uid}:{t.gid} not set ({os.strerror(e.errno)})")
         if not stat.S_ISLNK(st.st_mode):
-            chmod_fd(fd, stat.S_IMODE(t.mode if mode is None else mode))
+            want = stat.S_IMODE(t.mode if mode is None else mode)
+            chmod_fd(fd, want)
+            # the kernel drops a set-group-ID bit its caller's groups do not allow (a directory
+            # of another group, chmod by its owner): a revert that said it put 2775 back left
+            # 0775, and new files there took the reverter's group
+            lost = want & (stat.S_ISUID | stat.S_ISGID) & ~stat.S_IMODE(os.fstat(fd).st_mode)
+            if lost:
+                problems.append(f"mode {want:04o} not set: the system dropped its set-"
+                                f"{'group' if lost & stat.S_ISGID else 'user'}-ID bit (this "
+                                "user is not of its group)")
         return "; ".join(problems) or None
     finally:
         os.close(fd)
