@@ -513,10 +513,14 @@ def umount(workspace, timeout):
                    f"{' ...' if len(users) > 3 else ''}): they lose it now", err=True)
     from .mounting import end_daemon, lift_if_left, mount_of
     mount = mount_of(ws, sd) or mount
+    # (a probe in a thread: a hung daemon's mount cannot hang this command)
+    live = not pid and not refused and state.mount_answers(ws, timeout=1.0) is True
     killed = end_daemon(pid, info, timeout) if pid else False
     lift_if_left(ws, sd, mount)
     note = " (daemon did not stop: killed it)" if killed else \
         " (detached it; no daemon signalled)" if refused else \
+        " (detached it; its daemon, not in this user's state, was not signalled: it ends " \
+        "once nothing holds the mount)" if live else \
         " (cleared a dead mount)" if not pid else ""
     click.echo(f"unmounted {ws}{note}")
 

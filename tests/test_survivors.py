@@ -655,3 +655,20 @@ def test_umount_ends_a_daemon_that_serves_a_held_detached_mount(make_mount):
         if fd is not None:
             os.close(fd)
     assert run.wait(timeout=60 * SLOW) == 0, run.stderr.read()
+
+
+def test_umount_of_a_live_mount_whose_daemon_it_cannot_find_says_so(make_mount, tmpbase):
+    """root's `umount` of another user's live mount (its daemon in that user's state, not
+    root's) said "(cleared a dead mount)"; the mount was live, and its daemon went on serving
+    what held it.  Found by a bug hunt.  Here the other state is another XDG_STATE_HOME."""
+    m = make_mount()
+    mine = dict(os.environ, XDG_STATE_HOME=os.path.join(tmpbase, "mine"))
+    other = dict(os.environ, XDG_STATE_HOME=os.path.join(tmpbase, "other"))
+    overlayrec("mount", m.ws, env=mine)
+    try:
+        r = overlayrec("umount", m.ws, env=other)
+        assert r.stdout.strip() == f"unmounted {m.ws} (detached it; its daemon, not in this " \
+            "user's state, was not signalled: it ends once nothing holds the mount)", r.stdout
+        assert not is_mounted(m.ws)
+    finally:
+        force_unmount(m.ws)
