@@ -413,6 +413,23 @@ async def _keep_budget(control: ControlServer) -> None:
             log.exception("keeping the budget failed")
 
 
+def _whose_record(ws: str, state_dir: str) -> None:
+    """MountError at once when the state dir records another workspace (not this one moved),
+    read as a reader does: not after waiting for the writer lock its own daemon holds."""
+    if not os.path.exists(os.path.join(state_dir, "journal", "data.mdb")):
+        return
+    try:
+        peek = Journal(state_dir, readonly=True)
+    except JournalError as e:
+        raise MountError(str(e)) from None
+    try:
+        recorded = peek.meta("workspace")
+        if recorded and recorded != ws and not moved_here(peek, recorded, ws):
+            raise MountError(f"state dir {state_dir} records workspace {recorded}, not {ws}")
+    finally:
+        peek.close()
+
+
 def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool, record_data: bool = False,
             secret: tuple = (), no_default_secrets: bool = False):
     """Everything up to and including the mount; raises MountError with a one-line reason."""
@@ -420,6 +437,7 @@ def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool, record_da
         if state.is_dead_mount(ws):
             raise MountError(f"{ws} holds a dead mount; clear it with: overlayrec umount {ws}")
         raise MountError(f"{ws} is already mounted")
+    _whose_record(ws, state_dir)
     global _writer_lock  # held while mounted: no gc writes the journal behind us
     try:
         # before the journal is opened as its writer: a daemon still ending (sealing, or

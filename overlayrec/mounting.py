@@ -76,7 +76,7 @@ def spawn(ws: str, sd: str, *, durable=False, allow_other=False, timeout=30.0,
         cmd.append(f"--max-bytes={max_bytes}")
     if for_this:
         cmd.append(f"--owner={os.getpid()}")
-    if not wait_previous(sd, 0.5):
+    if (state.daemon_info(sd) or {}).get("workspace") == ws and not wait_previous(sd, 0.5):
         # the last mount's daemon serves a process that held its detached mount as it ended:
         # the new one waits for the journal (up to 20 s); said, not a silent pause
         sys.stderr.write("overlayrec: the workspace's last mount is still ending (a process "
