@@ -1106,23 +1106,20 @@ class Recorder:
             gid = -1
         return uid, gid
 
-    def _fix_owner(self, parent_fd: int, name: str, uid: int, gid: int, mode: int | None) -> None:
+    def _fix_owner(self, parent_fd: int, name: str, uid: int, gid: int, mode: int | None,
+                   is_dir: bool = False) -> None:
+        """Give what a request just made its caller's owner.  Where the owner cannot be given
+        (a daemon that is not root, serving another user through allow_other), what it made
+        goes again: the request fails and leaves nothing behind (an empty file of the daemon's
+        user was left, which no event of the record held)."""
         if uid == self._euid and gid == self._egid:
             return
-        uid, gid = self._owner(parent_fd, uid, gid)
-        os.chown(name, uid, gid, dir_fd=parent_fd, follow_symlinks=False)
-        if mode is not None and mode & (stat.S_ISUID | stat.S_ISGID):
-            os.chmod(name, mode | (stat.S_IMODE(underlay.lstat_at(parent_fd, name).st_mode)
-                                   & stat.S_ISGID), dir_fd=parent_fd)
-
-    def _own_or_undo(self, parent_fd: int, name: str, uid: int, gid: int, mode: int | None,
-                     is_dir: bool = False) -> None:
-        """_fix_owner of what a request just made; where the owner cannot be given (a daemon
-        that is not root, serving another user through allow_other), what it made goes again:
-        the request fails and leaves nothing behind (an empty file of the daemon's user was
-        left, which no event of the record held)."""
         try:
-            self._fix_owner(parent_fd, name, uid, gid, mode)
+            uid, gid = self._owner(parent_fd, uid, gid)
+            os.chown(name, uid, gid, dir_fd=parent_fd, follow_symlinks=False)
+            if mode is not None and mode & (stat.S_ISUID | stat.S_ISGID):
+                os.chmod(name, mode | (stat.S_IMODE(underlay.lstat_at(parent_fd, name).st_mode)
+                                       & stat.S_ISGID), dir_fd=parent_fd)
         except OSError:
             try:
                 if is_dir:
@@ -1169,7 +1166,7 @@ class Recorder:
                 fd = underlay.open_own(parent_fd, name, flags & ~os.O_CREAT)
             try:
                 if ev.get("pre", {"kind": "absent"})["kind"] == "absent":
-                    self._own_or_undo(parent_fd, name, uid, gid, mode)
+                    self._fix_owner(parent_fd, name, uid, gid, mode)
             except OSError:
                 os.close(fd)
                 raise
@@ -1210,7 +1207,7 @@ class Recorder:
         ev = self._creation("mkdir", parent_fd, name, actor, mode=mode)
         with self._mutation(ev, actor):
             os.mkdir(name, mode, dir_fd=parent_fd)
-            self._own_or_undo(parent_fd, name, uid, gid, None, is_dir=True)
+            self._fix_owner(parent_fd, name, uid, gid, None, is_dir=True)
 
     @_roomy
     @_undoable
@@ -1219,7 +1216,7 @@ class Recorder:
         ev = self._creation("mknod", parent_fd, name, actor, mode=mode, rdev=rdev)
         with self._mutation(ev, actor):
             os.mknod(name, mode, rdev, dir_fd=parent_fd)
-            self._own_or_undo(parent_fd, name, uid, gid, None)
+            self._fix_owner(parent_fd, name, uid, gid, None)
 
     @_roomy
     @_undoable
@@ -1228,7 +1225,7 @@ class Recorder:
         ev = self._creation("symlink", parent_fd, name, actor, target=target)
         with self._mutation(ev, actor):
             os.symlink(target, name, dir_fd=parent_fd)
-            self._own_or_undo(parent_fd, name, uid, gid, None)
+            self._fix_owner(parent_fd, name, uid, gid, None)
 
     @_roomy
     @_undoable
@@ -1967,24 +1964,16 @@ class Recorder:
         # 20,000 paths was sealed in one batch, 5 KB a path held at once (110 MB), which the
         # daemon's heap kept for good after (its RSS 190 MB higher; 1.2 GB after 100k files)
         for i in range(0, len(ordered), SEAL_CHUNK):
-            if i:
-                try:
-                    self.journal.flush()
-                except JournalError as e:
-                    if unit is None:
-                        raise
-                    log.warning("cannot seal %d path(s) at the end of %s (%s): left open",
-                                len(ordered) - i, unit, e)
-                    break
-            got = self._seal_some(ordered[i:i + SEAL_CHUNK], unit)
+            got = self._seal_some(ordered[i:i + SEAL_CHUNK], unit, after=i > 0)
             if got is None:
                 break
             done += got
         return done
 
-    def _seal_some(self, paths: list[str], unit: str | None) -> int | None:
-        """seal() of these paths, in one commit: how many events; None when the state dir is
-        full at a unit's end (the paths' epochs stay open)."""
+    def _seal_some(self, paths: list[str], unit: str | None, after: bool) -> int | None:
+        """seal() of these paths, in one commit (``after`` a chunk: that one committed first,
+        its batch let go): how many events; None when the state dir is full at a unit's end
+        (the paths' epochs stay open)."""
         events = []
         for p in paths:
             served, seen = self.served.get(p), []
@@ -2009,6 +1998,8 @@ class Recorder:
                          e["pre"].get("nlink", 1) == 1 and "links" not in e["pre"] and
                          not e["path"].startswith(_ATTIC_SLASH)}
         try:
+            if after:
+                self.journal.flush()
             self.journal.append_many(events, [])
         except JournalError as e:
             if unit is None:  # the record's end (unmount, recovery): the caller must know
@@ -2331,7 +2322,7 @@ class UnrecordedRecorder(Recorder):
         fd = os.open(name, flags | os.O_CREAT | os.O_CLOEXEC, mode, dir_fd=parent_fd)
         if foreign and not existed:
             try:
-                self._own_or_undo(parent_fd, name, uid, gid, mode)
+                self._fix_owner(parent_fd, name, uid, gid, mode)
             except OSError:
                 os.close(fd)
                 raise
@@ -2339,15 +2330,15 @@ class UnrecordedRecorder(Recorder):
 
     def mkdir(self, parent_fd, name, mode, uid, gid, actor):
         os.mkdir(name, mode, dir_fd=parent_fd)
-        self._own_or_undo(parent_fd, name, uid, gid, None, is_dir=True)
+        self._fix_owner(parent_fd, name, uid, gid, None, is_dir=True)
 
     def mknod(self, parent_fd, name, mode, rdev, uid, gid, actor):
         os.mknod(name, mode, rdev, dir_fd=parent_fd)
-        self._own_or_undo(parent_fd, name, uid, gid, None)
+        self._fix_owner(parent_fd, name, uid, gid, None)
 
     def symlink(self, parent_fd, name, target, uid, gid, actor):
         os.symlink(target, name, dir_fd=parent_fd)
-        self._own_or_undo(parent_fd, name, uid, gid, None)
+        self._fix_owner(parent_fd, name, uid, gid, None)
 
     def link(self, src_fd, parent_fd, name, actor):
         underlay.link_fd(src_fd, parent_fd, name, root_fd=self.root_fd, rel=self.rel(src_fd))

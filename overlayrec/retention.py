@@ -721,26 +721,14 @@ def _no_revert_under_way(sd: str) -> int | None:
     planned or carried out reaches into sessions its saved plan does not name yet, and a gc
     then dropped them and swept the blobs the plan was about to name (`revert --continue`
     could never finish: "No such file").  RetentionError while one is under way; None when
-    the lock cannot be opened (a state dir without reverts: none can run)."""
-    import fcntl
-    path = state.StateDir(sd).revert_lock
+    the lock cannot be made (a state dir this user may not write: no revert runs there)."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        # no revert has run here: one beginning now makes the file, and finds it held
-        try:
-            state.private_dir(state.StateDir(sd).reverts)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        except OSError:
-            return None
+        fd = state.hold_revert_lock(sd)
     except OSError:
         return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
+    if fd is None:
         raise RetentionError("a revert or unrevert of this workspace is under way: gc once it "
-                             "is done (nothing dropped)") from None
+                             "is done (nothing dropped)")
     return fd
 
 

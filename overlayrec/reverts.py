@@ -46,16 +46,11 @@ def one_at_a_time(sd: str):
     the workspace planned meanwhile would check the paths against a tree the first is
     changing (its conflicts found before the first wrote, its writes after), so it is refused
     (RevertError) until the first is done."""
-    import fcntl
-    state.private_dir(state.StateDir(sd).reverts)
-    fd = os.open(state.StateDir(sd).revert_lock,
-                 os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fd = state.hold_revert_lock(sd)
+    if fd is None:
+        raise RevertError("another revert or unrevert, or a gc, of this workspace is "
+                          "under way: try again once it is done")
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise RevertError("another revert or unrevert, or a gc, of this workspace is "
-                              "under way: try again once it is done") from None
         yield
     finally:
         os.close(fd)  # lets the lock go

@@ -76,7 +76,8 @@ class StateDir:
 
     @property
     def revert_lock(self) -> str:
-        """Held (flock) by the one revert or unrevert under way, from its plan to its end."""
+        """Held (flock) by the one revert or unrevert under way, from its plan to its end, or
+        by a gc for its run (hold_revert_lock)."""
         return os.path.join(self.reverts, "lock")
 
     def revert_plan(self, revert_id: str) -> str:
@@ -809,6 +810,25 @@ def is_dead_mount(path: str) -> bool:
         return False
     except OSError as e:
         return e.errno in DEAD_ERRNOS
+
+
+def hold_revert_lock(sd: str) -> int | None:
+    """An fd holding the state dir's revert lock (StateDir.revert_lock): a revert or unrevert
+    holds it from its plan to its end, a gc for its run, so that none of them runs beside
+    another.  None when it is held elsewhere."""
+    import fcntl
+    private_dir(StateDir(sd).reverts)
+    fd = os.open(StateDir(sd).revert_lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def saved_reverts(sd: str) -> list[dict]:

@@ -518,7 +518,7 @@ def test_what_another_user_makes_is_gone_when_its_owner_cannot_be_given(tmp_path
 
         def refused(*a, **kw):  # what os.chown answers a daemon that is not root
             raise PermissionError(1, "Operation not permitted")
-        monkeypatch.setattr(rec, "_fix_owner", refused)
+        monkeypatch.setattr(os, "chown", refused)
         actor = rec.attribution.actor(os.getpid())
         with pytest.raises(PermissionError):
             if kind == "create":
