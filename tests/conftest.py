@@ -2,6 +2,7 @@
 process (pyfuse3 serves one mount per process; the test process never holds the underlay)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -84,6 +85,23 @@ def force_unmount(path: str) -> None:
             return
         subprocess.run(["fusermount3", "-u", "-z", path], capture_output=True)
         time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def plain_recorder(tmp_path):
+    """A Recorder over a plain directory ``tmp_path/ws`` (no mount; a subdirectory ``d`` in
+    it), and the workspace's root fd: the recorder's layer driven directly."""
+    from overlayrec.attribution import Attribution
+    from overlayrec.recorder import Recorder
+    ws = tmp_path / "ws"
+    (ws / "d").mkdir(parents=True)
+    j = Journal(str(tmp_path / "state"))
+    root_fd = os.open(ws, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        yield Recorder(j, root_fd, Attribution()), root_fd
+    finally:
+        os.close(root_fd)
+        j.close()
 
 
 class Mount:

@@ -7,7 +7,6 @@ at two lengths of the same workload (sizes must not follow the count).
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import subprocess
@@ -21,25 +20,11 @@ from overlayrec.recorder import Recorder
 from overlayrec.fs import Handle
 from overlayrec import underlay
 
-from conftest import SLOW
+from conftest import SLOW, plain_recorder
 
 NAMES = [f"f{i:02d}" for i in range(30)] + [f"d/g{i:02d}" for i in range(10)]
 LINKS = [f"h{i}" for i in range(4)]
 SYMLINKS = [f"s{i}" for i in range(4)]
-
-
-@contextlib.contextmanager
-def plain_recorder(tmp_path):
-    """A Recorder over a plain directory (no mount), and the workspace's root fd."""
-    ws = tmp_path / "ws"
-    (ws / "d").mkdir(parents=True)
-    j = Journal(str(tmp_path / "state"))
-    root_fd = os.open(ws, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        yield Recorder(j, root_fd, Attribution()), root_fd
-    finally:
-        os.close(root_fd)
-        j.close()
 
 
 def fake_actor(n: int) -> dict:

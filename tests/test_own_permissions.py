@@ -506,15 +506,10 @@ def test_what_another_user_makes_is_gone_when_its_owner_cannot_be_given(tmp_path
     gets their owner by a chown after it is made, which such a daemon may not give.  The
     request failed (EPERM) and left an empty file of the daemon's user behind, which no event
     of the record held.  Found by a bug hunt.  What was made goes again."""
-    from overlayrec.attribution import Attribution
-    from overlayrec.journal import Journal
-    from overlayrec.recorder import Recorder
+    from conftest import plain_recorder
     ws = tmp_path / "ws"
-    ws.mkdir()
-    j = Journal(str(tmp_path / "state"))
-    root_fd = os.open(ws, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        rec = Recorder(j, root_fd, Attribution())
+    with plain_recorder(tmp_path) as (rec, root_fd):
+        j = rec.journal
 
         def refused(*a, **kw):  # what os.chown answers a daemon that is not root
             raise PermissionError(1, "Operation not permitted")
@@ -533,6 +528,3 @@ def test_what_another_user_makes_is_gone_when_its_owner_cannot_be_given(tmp_path
         made = [e for e in evs if e.get("path") == "x" and e["op"] != "failed"]
         failed = {e["ref"] for e in evs if e["op"] == "failed"}
         assert made and all(e["seq"] in failed for e in made), evs
-    finally:
-        os.close(root_fd)
-        j.close()

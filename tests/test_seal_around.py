@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import needs_fuse, overlayrec
+from conftest import needs_fuse, overlayrec, plain_recorder
 
 from overlayrec.attribution import Attribution
 from overlayrec.fs import Handle
@@ -72,11 +72,8 @@ def test_a_change_beneath_after_the_detach_is_no_units_within_the_slack(tmp_path
     user's save just after a `run` ended, reverted with the agent's call).  Found by a bug
     hunt.  Past the detach (``detached_at``), the slack is the clock's only."""
     ws = tmp_path / "ws"
-    ws.mkdir()
-    j = Journal(str(tmp_path / "state"))
-    root_fd = os.open(ws, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        rec = Recorder(j, root_fd, Attribution())
+    with plain_recorder(tmp_path) as (rec, root_fd):
+        j = rec.journal
         actor = rec.attribution.actor(os.getpid())
         unit = rec.units.unit_of(actor)
         for name in ("f", "g"):
@@ -94,9 +91,6 @@ def test_a_change_beneath_after_the_detach_is_no_units_within_the_slack(tmp_path
         evs = [j.event(s) for s in range(1, j.last_seq() + 1)]
         drifts = [(e["path"], e["unit"]) for e in evs if e["op"] == "drift"]
         assert drifts == [("f", "outside:around")], evs
-    finally:
-        os.close(root_fd)
-        j.close()
 
 
 BENEATH = r'''
@@ -368,3 +362,53 @@ os.write(fd, b'agent2\\n')"
     r = overlayrec("revert", m.ws, "--call", row["id"], "--yes", check=False)
     assert r.returncode != 0 and name in r.stderr, r.stderr
     assert open(os.path.join(m.ws, name)).read() == "base\nagent1\nUSER-LINE\nagent2\n"
+
+
+SEAL_CHUNKS = r'''
+import os
+os.mkdir("a")
+for i in range(1500):  # more paths than one seal's chunk (SEAL_CHUNK)
+    with open(f"a/f{i}", "w") as f:
+        f.write(f"{i}\n")
+os.mkfifo("a/p")
+os.link("a/f0", "a/h")
+os.symlink("a", "s")
+deep = "/".join(["n" * 200] * 19)  # a path of about 3,900 bytes
+os.makedirs("a/" + deep)
+with open(f"a/{deep}/x", "w") as f:
+    f.write("deep\n")
+os.rename("a", "b")  # the directory renamed, everything beneath it with it
+with open("d/old", "a") as f:
+    f.write("more\n")
+'''
+
+
+@needs_fuse
+def test_a_unit_of_more_paths_than_a_seal_chunk_reads_back_whole(make_mount, tmp_path):
+    """A unit's end seals its paths a chunk at a time (SEAL_CHUNK): a call of 1,500 files, a
+    fifo, a hard link, a symlink to a directory and a 3,900-byte path, all moved by a
+    directory rename, plus an edit of a file from before: `check` finds the record whole,
+    the replay of the session's end and its start are the trees as they were, and its revert
+    gives the tree before it back."""
+    from test_history import tree
+    m = make_mount()
+    os.mkdir(os.path.join(m.ws, "d"))
+    with open(os.path.join(m.ws, "d", "old"), "w") as f:
+        f.write("old\n")
+    before = tree(m.ws)
+    m.mount()
+    (tmp_path / "make.py").write_text(SEAL_CHUNKS)
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", sys.executable,
+               str(tmp_path / "make.py"), cwd=m.ws)
+    after = tree(m.ws)
+    assert len(after) > 1500
+    m.umount()
+    assert "record whole" in overlayrec("check", m.ws, "--state-dir", m.state).stdout
+    for point, want in (("session:s", after), ("before:session:s", before)):
+        dest = tmp_path / point.replace(":", "-")
+        overlayrec("replay", m.ws, "--state-dir", m.state, "--at", point, "--full",
+                   "--to", str(dest))
+        got = tree(str(dest))
+        assert got == want, sorted(set(got.items()) ^ set(want.items()))[:5]
+    overlayrec("revert", m.ws, "--state-dir", m.state, "--session", "s", "--yes")
+    assert tree(m.ws) == before

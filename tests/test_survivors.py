@@ -528,6 +528,22 @@ def test_a_run_in_a_subdirectory_of_a_recorded_workspace_records_there(tmpbase):
     assert not os.path.exists(os.path.join(ws, "pkg", ".overlayrec-attic"))
 
 
+def _run_letting_go(m, env: dict, *args: str) -> subprocess.Popen:
+    """`overlayrec run [args] -- true` in ``m``, its daemon slowed to end by
+    OVERLAYREC_TEST_END_DELAY in ``env``; returned once the daemon says it is ending: the
+    moment between the run's release (its look found nothing working in the mount) and the
+    end, in which a process may come to the workspace."""
+    run = subprocess.Popen([sys.executable, "-m", "overlayrec", "run", "-w", m.ws, "--state-dir",
+                            m.state, *args, "--", "true"], env=env, stderr=subprocess.PIPE,
+                           text=True)
+    deadline = time.monotonic() + 30 * SLOW
+    while "ending" not in overlayrec("status", m.ws, "--state-dir", m.state,
+                                     check=False).stdout:
+        assert time.monotonic() < deadline, "the run's daemon never said it was ending"
+        time.sleep(0.05)
+    return run
+
+
 def test_what_comes_as_a_run_lets_its_mount_go_is_served_until_it_lets_go(make_mount):
     """A process that came to the workspace just after the look of a `run` letting its mount
     go (nothing worked in the mount then) lost the mount under it: its next read of a file it
@@ -539,16 +555,9 @@ def test_what_comes_as_a_run_lets_its_mount_go_is_served_until_it_lets_go(make_m
     m = make_mount(env=env)
     with open(os.path.join(m.ws, "f"), "w") as f:
         f.write("data\n")
-    run = subprocess.Popen([sys.executable, "-m", "overlayrec", "run", "-w", m.ws, "--state-dir",
-                            m.state, "--session", "s", "--", "true"], env=env,
-                           stderr=subprocess.PIPE, text=True)
+    run = _run_letting_go(m, env, "--session", "s")
     fd = None
     try:
-        deadline = time.monotonic() + 30 * SLOW
-        while "ending" not in overlayrec("status", m.ws, "--state-dir", m.state,
-                                         check=False).stdout:
-            assert time.monotonic() < deadline, "the run's daemon never said it was ending"
-            time.sleep(0.05)
         fd = os.open(os.path.join(m.ws, "f"), os.O_RDWR)
         assert os.fstat(fd).st_dev == os.stat(m.ws).st_dev != os.stat(m.base).st_dev
         wait_unmounted(m.ws, "the mount stayed at the workspace after the run let it go")
@@ -578,16 +587,9 @@ def test_a_run_started_while_the_last_mount_still_ends_waits_for_its_journal(mak
     m = make_mount(env=env)
     with open(os.path.join(m.ws, "f"), "w") as f:
         f.write("0\n")
-    first = subprocess.Popen([sys.executable, "-m", "overlayrec", "run", "-w", m.ws,
-                              "--state-dir", m.state, "--session", "A", "--", "true"], env=env,
-                             stderr=subprocess.PIPE, text=True)
+    first = _run_letting_go(m, env, "--session", "A")
     second = fd = None
     try:
-        deadline = time.monotonic() + 30 * SLOW
-        while "ending" not in overlayrec("status", m.ws, "--state-dir", m.state,
-                                         check=False).stdout:
-            assert time.monotonic() < deadline, "the run's daemon never said it was ending"
-            time.sleep(0.05)
         fd = os.open(os.path.join(m.ws, "f"), os.O_WRONLY | os.O_APPEND)
         wait_unmounted(m.ws, "the first run's mount stayed at the workspace")
         second = subprocess.Popen([sys.executable, "-m", "overlayrec", "run", "-w", m.ws,
@@ -631,15 +633,9 @@ def test_umount_ends_a_daemon_that_serves_a_held_detached_mount(make_mount):
     m = make_mount(env=env)
     with open(os.path.join(m.ws, "f"), "w") as f:
         f.write("data\n")
-    run = subprocess.Popen([sys.executable, "-m", "overlayrec", "run", "-w", m.ws, "--state-dir",
-                            m.state, "--", "true"], env=env, stderr=subprocess.PIPE, text=True)
+    run = _run_letting_go(m, env)
     fd = None
     try:
-        deadline = time.monotonic() + 30 * SLOW
-        while "ending" not in overlayrec("status", m.ws, "--state-dir", m.state,
-                                         check=False).stdout:
-            assert time.monotonic() < deadline, "the run's daemon never said it was ending"
-            time.sleep(0.05)
         fd = os.open(os.path.join(m.ws, "f"), os.O_RDWR)
         wait_unmounted(m.ws, "the run's mount stayed at the workspace")
         os.pwrite(fd, b"more\n", 5)
