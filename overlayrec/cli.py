@@ -2116,24 +2116,30 @@ def unrevert(revert_id, workspace, yes, force, as_json, state_dir):
               help="Keep every session active within DURATION (30d, 12h, 2w; s m h d w).")
 @click.option("--max-bytes", "max_bytes", type=_Size(), metavar="SIZE",
               help="Drop the oldest sessions until the record takes at most SIZE (K/M/G).")
+@click.option("--let-go-reverts", is_flag=True,
+              help="Done reverts no longer keep the sessions an unrevert of them would read: "
+              "the ones the cut passes (and every older one) are let go, and can no longer be "
+              "unreverted.  A pending revert is always kept.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (each session, drop or keep and "
               "why) and change nothing.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object.")
 @click.option("--state-dir", type=PATH)
 @_guard
-def gc(workspace, keep_last, keep_within, max_bytes, dry_run, as_json, state_dir):
+def gc(workspace, keep_last, keep_within, max_bytes, let_go_reverts, dry_run, as_json,
+       state_dir):
     """Drop the oldest sessions of WORKSPACE's record by policy, whole sessions, oldest first,
     and free what only they used (blobs, attic entries, journal pages).
 
     A session is kept when a rule keeps it (--keep-last, --keep-within); with --max-bytes the
     oldest go until the record fits.  Always kept: the live session, pinned sessions (overlayrec
-    pin), and sessions a pending revert, or one that can still be unreverted, reaches into.
-    Without a rule nothing is dropped (an interrupted gc is finished, orphans swept).  Mounted,
-    the daemon runs it; see docs/retention.md."""
+    pin), and sessions a pending revert, or one that can still be unreverted, reaches into
+    (with --let-go-reverts, a pending one only; a mount's --max-bytes budget lets go of done
+    reverts too).  Without a rule nothing is dropped (an interrupted gc is finished, orphans
+    swept).  Mounted, the daemon runs it; see docs/retention.md."""
     from . import retention
     ws = state.resolve_workspace(workspace, must_exist=False, upward=True)
     sd = _state_dir_for(ws, state_dir)
-    policy = retention.Policy(keep_last, keep_within, max_bytes)
+    policy = retention.Policy(keep_last, keep_within, max_bytes, let_go_reverts)
     if state.fuse_mount_at(ws) and not state.is_dead_mount(ws):
         from . import client
         try:
@@ -2155,6 +2161,9 @@ def gc(workspace, keep_last, keep_within, max_bytes, dry_run, as_json, state_dir
         when = _fmt_time(r["started"])[:16] if r.get("started") else "?"
         click.echo(f"  {r['action']:<4} {r['session']:<20} {when}  {span:<16} {r['why']}")
     before = out.get("size_before") or {}
+    if out.get("let_go"):
+        click.echo(f"{'would let' if dry_run else 'let'} go of {len(out['let_go'])} revert(s), "
+                   f"which can no longer be unreverted: {', '.join(out['let_go'])}")
     if dry_run:
         est = out.get("size_after_estimate") or {}
         n = sum(r["action"] == "drop" for r in out.get("sessions", []))

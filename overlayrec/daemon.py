@@ -399,7 +399,12 @@ async def _keep_budget(control: ControlServer) -> None:
                                          getattr(control.recorder, "attic_fd", None))
             if size["total"] <= control.max_bytes:
                 continue
-            out = await control.run_gc({"max_bytes": control.max_bytes})
+            # a budget lets go of done reverts its cut passes: otherwise one revert kept every
+            # session after it for good, and the budget stopped dropping anything
+            out = await control.run_gc({"max_bytes": control.max_bytes, "let_go_reverts": True})
+            if out.get("let_go"):
+                log.warning("budget %d bytes: let go of revert(s) %s, which can no longer be "
+                            "unreverted", control.max_bytes, ", ".join(out["let_go"]))
             if out.get("dropped"):
                 log.info("budget %d bytes: the record held %d; dropped session(s) %s, now %d",
                          control.max_bytes, size["total"], ", ".join(out["dropped"]),

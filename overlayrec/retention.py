@@ -95,6 +95,9 @@ class Policy:
     keep_last: int | None = None
     keep_within: float | None = None   # seconds
     max_bytes: int | None = None
+    # done reverts no longer keep what an unrevert of them would need: the gc lets go of those
+    # its cut passes (and every older one), which can then no longer be unreverted
+    let_go_reverts: bool = False
 
     @property
     def rules(self) -> bool:
@@ -102,7 +105,7 @@ class Policy:
 
     def to_json(self) -> dict:
         return {"keep_last": self.keep_last, "keep_within": self.keep_within,
-                "max_bytes": self.max_bytes}
+                "max_bytes": self.max_bytes, "let_go_reverts": self.let_go_reverts}
 
     @classmethod
     def from_json(cls, d: dict) -> "Policy":
@@ -113,7 +116,11 @@ class Policy:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
                 raise ValueError(f"{k} must be a number of 0 or more")
             return kind(v)
-        return cls(num("keep_last", int), num("keep_within", float), num("max_bytes", int))
+        let_go = d.get("let_go_reverts") or False
+        if not isinstance(let_go, bool):
+            raise ValueError("let_go_reverts must be true or false")
+        return cls(num("keep_last", int), num("keep_within", float), num("max_bytes", int),
+                   let_go)
 
 
 # -- what the record holds -----------------------------------------------------------------------
@@ -414,6 +421,7 @@ def make_plan(j: Journal, sd: str, policy: Policy, scan: Scan, *, live=(),
         _refs(r.get("steps"), plan_refs, set())
     protect: list[list[str]] = [[] for _ in S]
     needs = INF
+    soft: list[tuple[str, int]] = []  # done reverts the policy may let go: (id, first seq needed)
     for r in every:
         pending = r.get("status") == "running"
         if not (pending or state.revert_undoable(r, every)):
@@ -421,9 +429,12 @@ def make_plan(j: Journal, sd: str, policy: Policy, scan: Scan, *, live=(),
         need = _needs_from(r, plans, scan, by_id, calls_of, {r["id"]})
         if need == INF:
             continue
+        if policy.let_go_reverts and not pending:
+            soft.append((r["id"], need))
+            continue
         needs = min(needs, need)
         why = f"pending revert {r['id']}" if pending else \
-            f"revert {r['id']} can still be unreverted"
+            f"revert {r['id']} can still be unreverted (gc --let-go-reverts lets it go)"
         for i, s in enumerate(S):
             if s.end_seq >= need:
                 protect[i].append(why)
@@ -503,6 +514,10 @@ def make_plan(j: Journal, sd: str, policy: Policy, scan: Scan, *, live=(),
                 k = cand
     cut = cut_at(k)
     after = scan.size_after(cut, plan_refs)
+    # the reverts the cut passes, and every one made before them (unreverts peel the newest
+    # first: one below a revert let go would be undone out of its order)
+    passed = [i for i, (_, need) in enumerate(soft) if need < cut]
+    let_go = [rid for rid, _ in soft[:passed[-1] + 1]] if passed else []
     rows = []
     first_kept = None
     for i, s in enumerate(S):
@@ -534,7 +549,7 @@ def make_plan(j: Journal, sd: str, policy: Policy, scan: Scan, *, live=(),
             "size_before": before, "size_after_estimate": after,
             "budget": policy.max_bytes, "over_budget": stopped if policy.max_bytes is not None
             and after["total"] > policy.max_bytes else None,
-            "policy": policy.to_json(), "_plan_refs": plan_refs}
+            "let_go": let_go, "policy": policy.to_json(), "_plan_refs": plan_refs}
 
 
 def _dur(sec: float) -> str:
@@ -747,6 +762,10 @@ def _gc_rounds(j: Journal, sd: str, policy: Policy, out: dict, live, attic_fd, d
             return
         drop = [r for r in p["sessions"] if r["action"] == "drop"]
         now = time.time_ns()
+        if p["let_go"]:  # before the cut: no unrevert may start from what it drops
+            _let_go(sd, p["let_go"], p["cut"], now)
+            out.setdefault("let_go", [])
+            out["let_go"] += [r for r in p["let_go"] if r not in out["let_go"]]
         if drop:
             by_id = {s.id: s for s in scan.sessions}
             records = [{"id": r["session"], "dropped_t": now, "why": r["why"],
@@ -784,6 +803,17 @@ def _gc_rounds(j: Journal, sd: str, policy: Policy, out: dict, live, attic_fd, d
         out["over_budget"] = None
     j.put_meta("gc_last", json.dumps({"t": time.time_ns(), "dropped": dropped, "cut": j.cut,
                                       "swept": out.get("swept")}))
+
+
+def _let_go(sd: str, ids: list[str], cut: int, now: int) -> None:
+    """Mark these done reverts let go (state.revert_undoable: no unrevert undoes them any
+    more), before the cut drops what an unrevert of them would read."""
+    for r in read_plans(sd):
+        if r.get("id") in ids and not r.get("let_go"):
+            r["let_go"] = {"t": now, "cut": cut}
+            state.save_revert(sd, r)
+    log.info("gc: let go of revert(s) %s: they can no longer be unreverted (the record "
+             "starts at seq %d)", ", ".join(ids), cut)
 
 
 def run_gc(j: Journal, sd: str, policy: Policy, **kw) -> dict:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import os
 import time
 
@@ -35,9 +34,7 @@ def plans(sd: str) -> list[dict]:
 
 
 def save(sd: str, rec: dict) -> None:
-    state.private_dir(state.StateDir(sd).reverts)
-    state.write_private(state.StateDir(sd).revert_plan(rec["id"]), json.dumps(rec).encode(),
-                        durable=True)
+    state.save_revert(sd, rec)
 
 
 @contextlib.contextmanager
@@ -72,6 +69,12 @@ def to_undo(sd: str, revert_id: str | None) -> dict:
         found = [r for r in every if r["id"] == revert_id]
         if not found:
             raise RevertError(f"no revert {revert_id}")
+        gone = found[0].get("let_go")
+        if gone:
+            raise RevertError(f"revert {revert_id} can no longer be unreverted: a gc let it go "
+                              f"on {time.strftime('%Y-%m-%d %H:%M', time.localtime(gone['t'] / 1e9))}"
+                              f" (the record starts at seq {gone['cut']}; "
+                              "`gc --let-go-reverts`, or a mount's --max-bytes)")
         return found[0]
     candidates = [r for r in every if state.revert_undoable(r, every)
                   and not (r.get("unreverts") and r.get("status") == "done")]

@@ -852,12 +852,20 @@ def saved_reverts(sd: str) -> list[dict]:
     return out
 
 
+def save_revert(sd: str, rec: dict) -> None:
+    """Write revert record ``rec`` (``reverts`` saves them; retention marks one let go)."""
+    private_dir(StateDir(sd).reverts)
+    write_private(StateDir(sd).revert_plan(rec["id"]), json.dumps(rec).encode(), durable=True)
+
+
 def revert_undoable(r: dict, every: list[dict]) -> bool:
     """Can an unrevert still undo revert record ``r`` (``every``: all of them, saved_reverts)?
     By its id whenever this holds; by default also, unless ``r`` is itself a finished unrevert
     (``reverts.to_undo``).  Retention keeps what such a revert reaches into.  One that changed
     nothing is not: an unrevert by default passed it by (``nothing to revert``) and never
     reached the revert below it."""
+    if r.get("let_go"):
+        return False  # a gc dropped what its unrevert would read (retention, let_go_reverts)
     if r.get("status") == "done" and not r.get("done"):
         return False  # it changed nothing (every path a conflict, left alone by --force)
     return not r.get("unreverted_by") and not r.get("unreverts_done") \

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from conftest import SLOW, is_mounted, needs_fuse, overlayrec
-from overlayrec import retention
+from overlayrec import retention, state
 from overlayrec.journal import Journal
 
 pytestmark = [needs_fuse, pytest.mark.timeout(int(300 * SLOW))]
@@ -298,6 +298,91 @@ def test_no_gc_while_a_revert_is_under_way(make_mount, tmp_path):
         finally:
             j.close()
         assert gc(m, "--keep-last", "1")["dropped"] == ["s1"]  # once it is done
+        consistent(m)
+    finally:
+        m.umount()
+
+
+def _revert_session(m, sid: str) -> str:
+    """Revert session ``sid`` (mounted or not), past the paths later sessions changed; the
+    revert's id."""
+    out = json.loads(overlayrec("revert", m.ws, "--state-dir", m.state, "--session", sid,
+                                "--yes", "--force", "--json").stdout)
+    return out["id"]
+
+
+def test_a_done_revert_is_let_go_only_when_asked(make_mount, tmp_path):
+    """A revert that can still be unreverted kept every session from its selection on, for
+    good: a gc by any rule, and a budget, stopped dropping anything newer, and no command let
+    it go (found by a bug hunt).  `gc --let-go-reverts` lets go of the done reverts its cut
+    passes; they can no longer be unreverted, and say so; what is kept still replays."""
+    m = make_mount()
+    try:
+        snaps = record(m, tmp_path, 3)
+        m.umount()
+        rid = _revert_session(m, "s2")
+        reverted = tree(m.ws)
+        assert reverted != snaps[3]
+        r = rows(gc(m, "--keep-last", "1", "--dry-run"))
+        assert r["s1"]["action"] == "drop"
+        assert r["s2"]["action"] == "keep" and \
+            f"revert {rid} can still be unreverted (gc --let-go-reverts" in r["s2"]["why"]
+        plan = gc(m, "--keep-last", "1", "--let-go-reverts", "--dry-run")
+        assert [x["session"] for x in plan["sessions"] if x["action"] == "drop"] == ["s1", "s2"]
+        assert plan["let_go"] == [rid]
+        text = overlayrec("gc", m.ws, "--state-dir", m.state, "--keep-last", "1",
+                          "--let-go-reverts", "--dry-run").stdout
+        assert f"would let go of 1 revert(s), which can no longer be unreverted: {rid}" in text
+        assert overlayrec("unrevert", rid, "-w", m.ws, "--state-dir", m.state).returncode == 0
+        out = gc(m, "--keep-last", "1", "--let-go-reverts")
+        assert out["dropped"] == ["s1", "s2"] and out["let_go"] == [rid]
+        consistent(m)
+        fails(overlayrec("unrevert", rid, "-w", m.ws, "--state-dir", m.state, "--yes",
+                         check=False), f"revert {rid} can no longer be unreverted: a gc let it go")
+        fails(overlayrec("unrevert", "-w", m.ws, "--state-dir", m.state, "--yes", check=False),
+              "no revert to undo")
+        assert tree(m.ws) == reverted  # the refusals changed nothing
+        # the kept session still replays at its end as it stood
+        replay_equals(m, tmp_path, session_span(m, "s3")[1], snaps[3], "at-s3")
+    finally:
+        m.umount()
+
+
+def test_a_budget_lets_go_of_a_done_revert(make_mount, tmp_path):
+    """A mount's budget after a revert: the revert kept every session from its selection on,
+    so the record grew past the budget for good (found by a bug hunt).  The budget lets go
+    of the done reverts its cut passes, says so in the daemon's log, and keeps the record
+    within it."""
+    m = make_mount(extra_args=["--max-bytes", "700K"])
+    try:
+        record(m, tmp_path, 2, size=20000)
+        rid = _revert_session(m, "s2")
+        assert rid in [r["id"] for r in retention.read_plans(m.state)
+                       if state.revert_undoable(r, [r])]
+        agent = tmp_path / "agent.py"
+        for i in range(3, 8):
+            overlayrec("run", "-w", m.ws, "--session", f"s{i}", "--", sys.executable,
+                       str(agent), str(i), "100000", cwd=m.ws)
+        deadline = time.monotonic() + 20 * SLOW
+        dropped: list = []
+        while time.monotonic() < deadline:
+            j = m.journal()
+            try:
+                dropped = [d["id"] for d in j.dropped_sessions()]
+                size = retention.record_size(j)
+            finally:
+                j.close()
+            if "s3" in dropped and size["total"] - size["attic"] <= 700 << 10:
+                break
+            time.sleep(0.3)
+        assert {"s1", "s2", "s3"} <= set(dropped) and "s7" not in dropped, dropped
+        with open(os.path.join(m.state, "daemon.log")) as f:
+            log = f.read()
+        assert f"let go of revert(s) {rid}, which can no longer be unreverted" in log, log
+        fails(overlayrec("unrevert", rid, "-w", m.ws, "--state-dir", m.state, "--yes",
+                         check=False), "can no longer be unreverted")
+        assert overlayrec("diff", m.ws, "--state-dir", m.state, "--session", "s7").stdout
+        m.umount()
         consistent(m)
     finally:
         m.umount()
