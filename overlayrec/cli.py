@@ -559,7 +559,8 @@ def status(workspace, as_json, state_dir):
         if mounted and not hung else []
     from .reverts import plans as revert_plans
     pending = [r["id"] for r in revert_plans(sd) if r.get("status") == "running"]
-    drifted = _drifted(ws, sd) if events is not None and not hung and not dead else None
+    drifted, unchecked = _drifted(ws, sd) if events is not None and not hung and not dead \
+        else (None, [])
     size = _record_size(ws, sd, mounted) if events is not None and not hung and not dead \
         else None
     live, owner, ending = _live_sessions(sd) if mounted and not hung and pid else \
@@ -567,7 +568,7 @@ def status(workspace, as_json, state_dir):
     out = {"workspace": ws, "mounted": mounted, "dead_mount": dead, "daemon_pid": pid,
            "state_dir": sd, "journal": journal_path if events is not None else None,
            "events": events, "underlay_holders": holders, "pending_revert": pending,
-           "responding": not hung, "drifted": drifted,
+           "responding": not hung, "drifted": drifted, "drift_unchecked": unchecked,
            "record_bytes": size["total"] if size else None,
            "attic": size["attic"] if size else None, "sessions": live, "mounted_for": owner,
            "ending": ending or bool(pid and not in_table)}
@@ -602,6 +603,11 @@ def status(workspace, as_json, state_dir):
                    "while unmounted or around the mount): "
                    f"{', '.join(map(shown, drifted[:5]))}"
                    + (" ..." if len(drifted) > 5 else ""))
+    if unchecked:
+        click.echo(f"  drift not checked: {len(unchecked)} recorded path(s) cannot be reached "
+                   "(a directory on the way may not be searched): "
+                   f"{', '.join(map(shown, unchecked[:5]))}"
+                   + (" ..." if len(unchecked) > 5 else ""))
     for x in live or ():
         click.echo(f"  session {x['id']}: running since {_fmt_time(x['started'])[:19]}"
                    + (f", agent pid {x['agent_pid']}" if x["agent_alive"] else
@@ -647,22 +653,25 @@ def _live_sessions(sd: str) -> tuple[list[dict] | None, dict | None, bool]:
             for x in sessions if x.get("ended") is None], owner, bool(answer.get("ending"))
 
 
-def _drifted(ws: str, sd: str) -> list[str] | None:
-    """The recorded paths whose live state departs from their seal (None: cannot tell)."""
-    from .engines.states import States
+def _drifted(ws: str, sd: str) -> tuple[list[str] | None, list[str]]:
+    """The recorded paths whose live state departs from their seal (None: cannot tell), and
+    the sealed ones this user cannot reach to tell (a directory above them not searchable:
+    `diff --drift` names them too)."""
+    from .engines.states import UNREACHED_NOTE, States
     try:
         j = Journal(sd, readonly=True)
     except JournalError:
-        return None
+        return None, []
     try:
         tree = _tree_for(ws, sd)
     except (Fail, OSError):
         j.close()
-        return None
+        return None, []
     try:
-        return States(j, tree).drift()
+        drifted = States(j, tree).drift()
+        return drifted, sorted(p for p, why in tree.unreadable.items() if why == UNREACHED_NOTE)
     except (OSError, JournalError):
-        return None
+        return None, []
     finally:
         os.close(tree.root_fd)
         j.close()
@@ -1705,6 +1714,10 @@ def replay(workspace, at, dest, full, state_dir, as_json):
         if out["not_made"]:  # kinds this caller cannot make here (a device node, say)
             click.echo(f"not made ({len(out['not_made'])}): " + named(
                 f"{n['kind']} {n['path']} ({n['why']})" for n in out["not_made"]))
+        if out["unlisted"]:  # --full: a live directory this user may not list
+            click.echo(f"not listed ({len(out['unlisted'])}): " + named(
+                f"{n['path']} ({n['why']})" for n in out["unlisted"])
+                + "; only the recorded paths beneath are given")
         if out["owners_not_set"]:
             click.echo(f"owner not set ({len(out['owners_not_set'])}): "
                        + named(out["owners_not_set"]))

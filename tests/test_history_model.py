@@ -774,7 +774,10 @@ def moved_on(history: list[Op], states: list[Snap], unit: str) -> set[str]:
                 d.discard(old)
         for old, new in moves:
             pend, hold, carried, had, was_seen = went[old]
-            names[new] = had | {old, new}
+            # the names the file had since the unit changed it: one it had before (another
+            # unit's rename, before the unit's first change of it) is no name of the unit's
+            # change, and what that name holds now is another file's matter
+            names[new] = (had | {old} if was_seen else set()) | {new}
             for flag, into in ((pend, pending), (hold and not ours, held),
                                (carried or (hold and ours), moved)):
                 (into.add if flag else into.discard)(new)
@@ -1753,6 +1756,14 @@ LINKED_GROUP = [
     ("call", 0, [("own", "swap", 0, 703, "x"), ("own", "rename", 711, 0, "x"),
                  ("own", "swap", 438, 0, "x"), ("late", "link", 3347, 0, "x"),
                  ("own", "write", 0, 0, "x")])])
+@example(seed=1, which=7, raw=[  # a file renamed into a name before the call, moved on by it:
+    # its name before is another file's (a hard link the call wrote), not interleaved
+    ("call", 0, [("own", "write", 0, 0, "x"), ("own", "link", 0, 0, "x"),
+                 ("own", "swap", 0, 287, "x")]),
+    ("call", 0, [("own", "write", 0, 0, "x"), ("own", "write", 0, 0, "x"),
+                 ("late", "write", 0, 0, "x")]),
+    ("late", 7, [("own", "write", 0, 0, "x"), ("own", "write", 0, 0, "x"),
+                 ("own", "rename", 0, 0, "x"), ("own", "write", 0, 0, "x")])])
 @example(seed=1, which=1, raw=[  # a range whose first event is an outside write (since: after it)
     ("call", 0, [("O", "write", 0, 0, "x")]), ("outside", 0, [("own", "write", 0, 0, "x")]),
     ("call", 0, [("own", "write", 0, 0, "x")])])

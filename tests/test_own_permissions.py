@@ -217,6 +217,11 @@ def test_directories_their_owner_may_not_search_or_list(tmpbase, owner):
         got = json.loads(r.stdout)
         assert got["unreadable"] == ["e2"]
         assert "empty" not in json.dumps(got["not_in_patch"])
+        # status says which sealed paths it could not look at for drift (it said nothing,
+        # where `diff --drift` names them; found by a bug hunt)
+        st = json.loads(ask("status", ws, "--json").stdout)
+        assert {"d/f", "d/h"} <= set(st["drift_unchecked"]), st
+        assert "drift not checked: " in ask("status", ws).stdout
         # the live tree copied whole past a directory listed but not searchable, and what
         # lies in it given from the record (replay --full failed: "f: Permission denied";
         # found by a bug hunt)
@@ -224,6 +229,12 @@ def test_directories_their_owner_may_not_search_or_list(tmpbase, owner):
         assert r.returncode == 0, r
         with open(os.path.join(u.base, "then", "d", "h"), "rb") as f:
             assert f.read() == b"t\n"
+        # a directory it may not list is said so, and inexact (a file beneath it the record
+        # never touched was left out without a word; found by a bug hunt)
+        out = json.loads(ask("replay", ws, "--to", os.path.join(u.base, "then2"), "--full",
+                             "--json").stdout)
+        assert [n["path"] for n in out["unlisted"]] == ["e2"] and "e2" in out["inexact"], out
+        assert "not listed (1): e2" in r.stdout, r.stdout
 
         # an edit beneath the unsearchable directory while unmounted: drift, found at the mount
         u.sh("chmod 700 d && echo evil > d/h && chmod 600 d")

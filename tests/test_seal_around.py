@@ -151,6 +151,11 @@ def test_a_change_beneath_the_mount_is_found_at_the_next_change(make_mount, tmp_
     assert open(os.path.join(m.ws, "f")).read() == "BASE\nagent1\nuser-line\n"
     drifts = [e for e in m.events() if e["op"] == "drift"]
     assert [(e["path"], e["unit"]) for e in drifts] == [("f", "outside:around")], drifts
+    # the listing agrees with diff: the first call's seal says what it left when the other
+    # writer's line came after it (`calls` said "what it left is not known")
+    rows = {r["id"]: r for r in map(json.loads, overlayrec(
+        "calls", m.ws, "--json").stdout.splitlines())}
+    assert rows["c1"]["around"] == ([] if between == "calls" else ["f"]), rows["c1"]
     d = overlayrec("diff", m.ws, "--call", last)
     if between == "calls":  # the call's own change only: the user's line was there before it
         assert "+user-line" not in d.stdout and "-base\n+BASE" in d.stdout, d.stdout
@@ -163,6 +168,57 @@ def test_a_change_beneath_the_mount_is_found_at_the_next_change(make_mount, tmp_
     else:
         assert r.returncode != 0 and "f" in r.stderr, r.stderr
         assert open(os.path.join(m.ws, "f")).read() == "BASE\nagent1\nuser-line\n"
+
+
+@needs_fuse
+def test_a_point_between_a_change_beneath_and_its_finding_is_not_exact(make_mount, tmp_path):
+    """A change beneath the mount is found at the daemon's next change of the file: a replay
+    of a point between the two (another call's end, after the other writer's line) gave the
+    file as the call before left it, and said it was exact (found by a hunt).  Such a point
+    is inexact for the file; one before the other writer's change stays exact."""
+    m = make_mount()
+    with open(os.path.join(m.ws, "f"), "w") as f:
+        f.write("base\n")
+    (tmp_path / "beneath.py").write_text(BENEATH)
+    go, done = tmp_path / "go", tmp_path / "done"
+    beneath = subprocess.Popen([sys.executable, str(tmp_path / "beneath.py"), str(go),
+                                str(done)], cwd=m.ws)
+    try:
+        m.mount()
+        (tmp_path / "agent.py").write_text(textwrap.dedent(f'''
+            import os, subprocess, time
+            from overlayrec import client
+
+            def call(cid, cmd):
+                c.call_begin(cid, "Bash")
+                subprocess.run(["bash", "-c", cmd], check=True)
+                c.call_end(cid)
+
+            with client.connect() as c:
+                call("c1", "echo agent1 >> f")
+                call("before", "echo b > g")
+                time.sleep(1.0)  # past the slack the ctime is read with
+                open({str(go)!r}, "w").close()
+                while not os.path.exists({str(done)!r}):
+                    time.sleep(0.01)
+                time.sleep(0.1)
+                call("after", "echo a > h")
+                call("c2", "sed -i s/base/BASE/ f")
+        '''))
+        overlayrec("run", "-w", m.ws, "--session", "s", "--", sys.executable,
+                   str(tmp_path / "agent.py"), cwd=m.ws)
+        assert beneath.wait(timeout=30) == 0
+    finally:
+        if beneath.poll() is None:
+            beneath.kill()
+            beneath.wait()
+    assert [e["unit"] for e in m.events() if e["op"] == "drift"] == ["outside:around"]
+    for point, exact in (("before", True), ("after", False)):
+        dest = tmp_path / point
+        out = json.loads(overlayrec("replay", m.ws, "--at", f"call:{point}", "--to", str(dest),
+                                    "--json").stdout)
+        assert ("f" not in out["inexact"]) == exact, (point, out)
+        assert (dest / "f").read_text() == "base\nagent1\n"  # the record's last known
 
 
 @needs_fuse

@@ -484,7 +484,12 @@ class Net:
         out = []
         for p, (first, last) in span.items():
             for f in self.states.chain_on(p):
-                if f["seq"] <= first or f["op"] == "seal":
+                if f["seq"] <= first:
+                    continue
+                if f["op"] == "seal":
+                    if f["seq"] > last:
+                        break  # sealed at the unit's end: what it left is known, a drift
+                        # found after is a change after it (diff shows it so)
                     continue
                 if f["op"] == "drift" and f.get("unit") == unit:
                     out.append(p)

@@ -8,7 +8,7 @@ import stat
 import tempfile
 
 from ..journal import Journal
-from ..journal.schema import UNMOUNTED, outside_unit
+from ..journal.schema import AROUND, UNMOUNTED, outside_unit
 from ..underlay import O_PATH, RENAME_EXCHANGE, Escape, chmod_fd, kind_of, resolve_beneath
 from .diff import SelectionError, _visible, find_call, find_turn, session_named
 from ..secrets import PLACEHOLDER, public_in
@@ -42,16 +42,28 @@ def point_time(spec: str) -> int | None:
 
 
 def _drifted_by_then(states: States, path: str, point: int, at_ns: int) -> bool:
-    """Does a change made while unmounted, after ``point`` and found at the next mount (a
-    ``drift``), lie at or before ``at_ns`` (by the ctime the seal after it found)?  A time
-    inside the gap then names a state the replay does not give: it gave the one before the
-    edit as exact (found by a hunt)."""
-    unmounted = outside_unit(UNMOUNTED)
+    """Was ``path`` changed by another writer, after ``point``'s event but at or before
+    ``at_ns``, where the record found that change only later (a ``drift``)?  Then what it held
+    at ``at_ns`` is not what the replay gives (the state before that change), which was
+    written as exact (found by hunts).
+
+    While unmounted: an edit found at the next mount, dated by the ctime the seal after it
+    found (a point inside the gap is named by a time).  Around the mount (a process whose
+    directory was entered before it): a change found at the daemon's next change of the path
+    or at its seal, dated by what that found: the seal's ctime, or the next change's pre-image
+    mtime (a point between the change and its finding is any event of another path)."""
     chain = [e for e in states.events_on(path) if e["seq"] > point]
-    if not chain or chain[0]["op"] != "drift" or chain[0].get("unit") != unmounted:
+    if not chain or chain[0]["op"] != "drift":
         return False
-    seal = next((e for e in chain[1:] if e["op"] == "seal"), None)
-    changed = ((seal or {}).get("pre") or {}).get("ctime_ns")
+    unit = chain[0].get("unit")
+    if unit == outside_unit(UNMOUNTED):
+        seal = next((e for e in chain[1:] if e["op"] == "seal"), None)
+        changed = ((seal or {}).get("pre") or {}).get("ctime_ns")
+    elif unit == outside_unit(AROUND):
+        found = states.pre_for(chain[1], path) if len(chain) > 1 else None
+        changed = None if found is None else found.get("ctime_ns", found.get("mtime_ns"))
+    else:
+        return False
     return changed is None or at_ns >= changed
 
 
@@ -191,6 +203,7 @@ class _Build:
         self.not_made: dict[str, dict] = {}
         self.owners: list[str] = []
         self.inexact: list[str] = []
+        self.unlisted: dict[str, str] = {}  # live directories (--full) not listed: why
         self.default_mode = 0o777 & ~_umask()  # a directory the record does not describe
 
     # -- reaching paths
@@ -298,7 +311,14 @@ class _Build:
                 if kind == "dir":
                     os.mkdir(name, 0o700, dir_fd=dst_fd)
                     self.dirs[rel] = (s, (st.st_atime_ns, st.st_mtime_ns))
-                    sfd = resolve_beneath(src_fd, name, os.O_RDONLY | os.O_DIRECTORY)
+                    try:
+                        sfd = resolve_beneath(src_fd, name, os.O_RDONLY | os.O_DIRECTORY)
+                    except PermissionError as e:
+                        # made, but what lies beneath cannot be listed: only the record's
+                        # paths there are given (it said nothing of the others; a hunt)
+                        self.unlisted[rel] = os.strerror(e.errno)
+                        self.inexact.append(rel)
+                        continue
                     try:
                         dfd = resolve_beneath(dst_fd, name, O_PATH | os.O_DIRECTORY)
                     except BaseException:
@@ -583,7 +603,7 @@ def replay(j: Journal, states: States, point: int, dest: str, full_from: str | N
                 b.withheld(rel, s.kind)
                 continue
             if not s.exact or (s.present and _first_seen_later(states, rel, point, at_ns)) or \
-                    (at_time and _drifted_by_then(states, rel, point, at_time)):
+                    (at_ns and _drifted_by_then(states, rel, point, at_ns)):
                 b.inexact.append(rel)
             if not s.present:
                 removed += b.remove(rel)
@@ -605,6 +625,7 @@ def replay(j: Journal, states: States, point: int, dest: str, full_from: str | N
         os.close(pfd)
     return {"point": point, "written": written, "removed": removed,
             "inexact": sorted(set(b.inexact)), "not_made": list(b.not_made.values()),
+            "unlisted": [{"path": p, "why": w} for p, w in sorted(b.unlisted.items())],
             "owners_not_set": b.owners}
 
 
