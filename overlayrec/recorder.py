@@ -187,6 +187,25 @@ def _roomy(fn):
     return wrapper
 
 
+class _CrossedMount(Exception):
+    """The attic step of an unlink or a rename over a file met another mount of the same
+    filesystem (EXDEV: a bind mount beneath the workspace, which ``st_dev`` cannot tell): its
+    directory is noted (``Recorder.bound_dirs``), and the change is made again (``_across``)
+    with the file's pre-image copied into the store."""
+
+
+def _across(fn):
+    """``fn`` once more after a _CrossedMount: the first try's event is voided by its
+    ``failed`` note and its epochs were put back (``_undoable``, inside this)."""
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return fn(self, *args, **kwargs)
+        except _CrossedMount:
+            return fn(self, *args, **kwargs)
+    return wrapper
+
+
 class _Mutation:
     """``Recorder._mutation``'s context (a class, not a generator: every change enters one):
     entering commits the event and gives its seq; an OSError from the body is noted as the
@@ -449,6 +468,9 @@ class Recorder:
         # a file of another filesystem mounted inside the workspace cannot go to the attic
         # (a rename or a link across filesystems fails): _copy_elsewhere
         self.attic_dev = os.fstat(self.attic_fd).st_dev
+        # directories beneath another mount of the attic's filesystem (a bind mount), which
+        # st_dev cannot tell: found by the kernel's EXDEV (_crossed)
+        self.bound_dirs: set[tuple[int, int]] = set()
         self.attic_links: dict[tuple[int, int], int] = {}
         # the entry a renamed-over inode was linked to (this daemon's): a descriptor still open
         # on it is named there, not by the name it lost (rel)
@@ -593,16 +615,39 @@ class Recorder:
             os.close(fd)
         return True
 
-    def _beyond_attic(self, st: os.stat_result) -> bool:
-        """Can the attic not keep this inode as a pre-image?  Not one of another filesystem
-        mounted inside the workspace (``st_dev`` not the attic's: the kernel refuses a rename
-        or a link across filesystems, and the unlink or rename would fail); nor a file its
+    def _beyond_attic(self, st: os.stat_result, dirfd: int) -> bool:
+        """Can the attic not keep this inode (in the directory ``dirfd``) as a pre-image?  Not
+        one of another filesystem mounted inside the workspace (``st_dev`` not the attic's:
+        the kernel refuses a rename or a link across filesystems, and the unlink or rename
+        would fail), nor one beneath another mount of the attic's own filesystem (a bind
+        mount: the same ``st_dev``, found by the kernel's EXDEV once, ``bound_dirs``); nor a
+        file its
         owner, the daemon's user, may not read, which no reader run by that user could read
         from the attic (underlay.reopen_own is the daemon's alone: it serves one request at a
         time, a reader would race it).  Root reads it anyway; copying it costs little."""
         return st.st_dev != self.attic_dev or (
             st.st_uid == self._euid and stat.S_ISREG(st.st_mode) and
-            not st.st_mode & stat.S_IRUSR)
+            not st.st_mode & stat.S_IRUSR) or \
+            (bool(self.bound_dirs) and self._dir_key(dirfd) in self.bound_dirs)
+
+    @staticmethod
+    def _dir_key(dirfd: int) -> tuple[int, int]:
+        st = os.fstat(dirfd)
+        return st.st_dev, st.st_ino
+
+    def _crossed(self, dirfd: int, e: OSError) -> None:
+        """The attic step failed: EXDEV (a mount of the attic's filesystem beneath the
+        workspace) makes the change go again without the attic (_CrossedMount); anything
+        else is the change's own refusal."""
+        if e.errno != errno.EXDEV:
+            raise e
+        key = self._dir_key(dirfd)
+        if key in self.bound_dirs:
+            raise e
+        self.bound_dirs.add(key)
+        log.info("a directory beneath the workspace is another mount of its filesystem: "
+                 "what leaves it is copied into the store, not kept in the attic")
+        raise _CrossedMount() from None
 
     def _copy_elsewhere(self, dirfd: int, name: str, st: os.stat_result, pre: dict) -> None:
         """A file about to lose ``name`` that the attic cannot keep (``_beyond_attic``): its
@@ -1291,6 +1336,7 @@ class Recorder:
         self._capture_afresh(key)
 
     # -- removals -------------------------------------------------------------------------------
+    @_across
     @_roomy
     @_undoable
     def unlink(self, parent_fd: int, name: str, actor: dict) -> None:
@@ -1308,7 +1354,7 @@ class Recorder:
             ev["pre"] = pre
             with self._mutation(ev, actor):
                 os.unlink(name, dir_fd=parent_fd)  # a secret: no attic, no copy, really gone
-        elif self._beyond_attic(st):
+        elif self._beyond_attic(st, parent_fd):
             self._copy_elsewhere(parent_fd, name, st, pre)
             ev["pre"] = pre
             with self._mutation(ev, actor):
@@ -1324,9 +1370,14 @@ class Recorder:
             pre["attic"] = self.attic_prefix + str(seq)
             self._keep_if_linked(parent_fd, name, st, pre)
             ev["pre"] = pre
-            with self._mutation(ev, actor):
-                # one rename is both the pre-image and the change: the inode lives on in the attic
-                os.rename(name, pre["attic"], src_dir_fd=parent_fd, dst_dir_fd=self.attic_fd)
+            try:
+                with self._mutation(ev, actor):
+                    # one rename is both the pre-image and the change: the inode lives on in
+                    # the attic
+                    os.rename(name, pre["attic"], src_dir_fd=parent_fd,
+                              dst_dir_fd=self.attic_fd)
+            except OSError as e:
+                self._crossed(parent_fd, e)
             k = (st.st_dev, st.st_ino)
             self.attic_links[k] = self.attic_links.get(k, 0) + 1
             if later:
@@ -1348,6 +1399,7 @@ class Recorder:
             os.rmdir(name, dir_fd=parent_fd)
         ep.content_saved = ep.meta_saved = True
 
+    @_across
     @_roomy
     @_undoable
     def rename(self, pfd: int, name: str, npfd: int, nname: str, flags: int, actor: dict) -> None:
@@ -1384,7 +1436,7 @@ class Recorder:
         # deferral would (tools/bench, overlayrec-copynow: docs/bench.md, tenth pass)
         if st2 is not None and not flags & underlay.RENAME_EXCHANGE and not stat.S_ISDIR(st2.st_mode) \
                 and not (st.st_dev == st2.st_dev and st.st_ino == st2.st_ino) and not withheld2:
-            if self._beyond_attic(st2):
+            if self._beyond_attic(st2, npfd):
                 self._copy_elsewhere(npfd, nname, st2, pre2)
             elif not self._keep_small(npfd, nname, st2, pre2):
                 # the renamed-over inode survives by a hard link in the attic, taken before
@@ -1399,21 +1451,28 @@ class Recorder:
         self._carry_secret(path, path2, withheld)
         if flags & underlay.RENAME_EXCHANGE:
             self._carry_secret(path2, path, withheld2)
-        with self._mutation(ev, actor):
-            if attic_key:
-                os.link(nname, pre2["attic"], src_dir_fd=npfd, dst_dir_fd=self.attic_fd,
-                        follow_symlinks=False)
-                self.attic_links[attic_key] = self.attic_links.get(attic_key, 0) + 1
-                self.attic_names[attic_key] = pre2["attic"]
-            try:
-                underlay.renameat2(pfd, name, npfd, nname, flags)
-            except OSError:
-                if attic_key:  # refused (a full disk: retried after a reclaim): no stray link
-                    try:
-                        self._drop_attic(pre2["attic"], attic_key)
-                    except OSError as e:
-                        log.warning("cannot drop attic entry %s: %s", pre2["attic"], e)
-                raise
+        linking = bool(attic_key)
+        try:
+            with self._mutation(ev, actor):
+                if attic_key:
+                    os.link(nname, pre2["attic"], src_dir_fd=npfd, dst_dir_fd=self.attic_fd,
+                            follow_symlinks=False)
+                    linking = False
+                    self.attic_links[attic_key] = self.attic_links.get(attic_key, 0) + 1
+                    self.attic_names[attic_key] = pre2["attic"]
+                try:
+                    underlay.renameat2(pfd, name, npfd, nname, flags)
+                except OSError:
+                    if attic_key:  # refused (a full disk: retried after a reclaim): no stray link
+                        try:
+                            self._drop_attic(pre2["attic"], attic_key)
+                        except OSError as e:
+                            log.warning("cannot drop attic entry %s: %s", pre2["attic"], e)
+                    raise
+        except OSError as e:
+            if not linking:
+                raise  # the rename's own refusal (EXDEV across mounts, as natively)
+            self._crossed(npfd, e)
         exchange = bool(flags & underlay.RENAME_EXCHANGE)
         if self.names:
             self.names.rename(path, path2, stat.S_ISDIR(st.st_mode), exchange)
