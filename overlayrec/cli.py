@@ -557,8 +557,9 @@ def status(workspace, as_json, state_dir):
             j.close()
     holders = state.underlay_holders(ws, {os.getpid()} | ({pid} if pid else set())) \
         if mounted and not hung else []
-    from .reverts import plans as revert_plans
-    pending = [r["id"] for r in revert_plans(sd) if r.get("status") == "running"]
+    pending = [r["id"] for r in state.saved_reverts(sd, damaged_ok=True)
+               if r.get("status") == "running"]
+    damaged_plans = [{"file": n, "why": w} for n, w in state.damaged_reverts(sd)]
     drifted, unchecked = _drifted(ws, sd) if events is not None and not hung and not dead \
         else (None, [])
     size = _record_size(ws, sd, mounted) if events is not None and not hung and not dead \
@@ -569,6 +570,7 @@ def status(workspace, as_json, state_dir):
            "state_dir": sd, "journal": journal_path if events is not None else None,
            "events": events, "underlay_holders": holders, "pending_revert": pending,
            "responding": not hung, "drifted": drifted, "drift_unchecked": unchecked,
+           "damaged_plans": damaged_plans,
            "record_bytes": size["total"] if size else None,
            "attic": size["attic"] if size else None, "sessions": live, "mounted_for": owner,
            "ending": ending or bool(pid and not in_table)}
@@ -603,6 +605,10 @@ def status(workspace, as_json, state_dir):
                    "while unmounted or around the mount): "
                    f"{', '.join(map(shown, drifted[:5]))}"
                    + (" ..." if len(drifted) > 5 else ""))
+    for bad in damaged_plans:
+        click.echo(f"  revert plan {bad['file']} cannot be read ({bad['why']}): a revert it "
+                   "held may be half done; revert, unrevert and gc refuse until it is restored "
+                   "or moved aside")
     if unchecked:
         click.echo(f"  drift not checked: {len(unchecked)} recorded path(s) cannot be reached "
                    "(a directory on the way may not be searched): "
@@ -720,10 +726,11 @@ def check(workspace, state_dir, as_json):
     line on stderr), 2 bad usage.
     --json: {"workspace", "state_dir", "events", "actors", "blobs", "attic_entries",
       "attic_looked_at", "whole", "findings": [{"kind": "actor" | "blob" | "attic" |
-      "attic-changed", "name",
+      "attic-changed" | "blob-changed", "name",
       "events" (how many name it), "seq" and "path" (the first)} or {"kind": "ahead",
-      "name" (the file kept aside)} or {"kind": "event", "name" (what is wrong), "seq"},
-      ...]}"""
+      "name" (the file kept aside, or what follows the log's last whole record)} or
+      {"kind": "event", "name" (what is wrong), "seq"} or {"kind": "index", "name", "seq",
+      "path"} or {"kind": "plan", "name" (a revert plan's file), "why"}, ...]}"""
     from .engines.check import check as do_check
     from .views import shown
     ws = state.resolve_workspace(workspace, must_exist=False, upward=True)
@@ -737,7 +744,9 @@ def check(workspace, state_dir, as_json):
             root_fd = _tree_for(ws, sd).root_fd
         shown_progress = readers.Progress("checking event", not as_json)
         try:
-            out = do_check(j, root_fd, shown_progress)
+            # mounted, the daemon may be writing a record ahead: its unread end is no damage
+            out = do_check(j, root_fd, shown_progress,
+                           writer_live=bool(state.fuse_mount_at(ws)))
         finally:
             shown_progress.done()
             if root_fd is not None:
@@ -751,10 +760,22 @@ def check(workspace, state_dir, as_json):
         said = {"actor": "no process (actor) recorded for", "blob": "no content held for",
                 "attic": "no attic entry",
                 "attic-changed": "changed since kept (written around the record, or through a "
-                                 "hard link outside it: the pre-image is lost): attic entry"}
+                                 "hard link outside it: the pre-image is lost): attic entry",
+                "blob-changed": "content changed on disk (it no longer matches its hash: "
+                                "readers refuse it):"}
         for f in found:
             if f["kind"] == "ahead":
-                click.echo(f"unread bytes of the log ahead kept aside in {f['name']}")
+                click.echo(f"unread bytes of the log ahead kept aside in {f['name']}"
+                           if f["name"].startswith("/") else f"log ahead: {f['name']}")
+                continue
+            if f["kind"] == "plan":
+                click.echo(f"revert plan {f['name']} cannot be read ({f['why']}): revert, "
+                           "unrevert and gc refuse until it is restored or moved aside")
+                continue
+            if f["kind"] == "index":
+                click.echo(f"path index: {f['name']}"
+                           + (f" (seq {f['seq']}, {shown(f['path'])})"
+                              if isinstance(f.get("path"), str) else ""))
                 continue
             if f["kind"] == "event":
                 click.echo(f"not an event: {f['name']}")
@@ -2299,10 +2320,13 @@ def export_git(workspace, repo, ref_prefix, remote, origin, state_dir, as_json):
             # which may be the workspace's own (its refs written, against the promise)
             env = dict(os.environ, GIT_DISCOVERY_ACROSS_FILESYSTEM="1")
 
-            def rev_parse(where: str, what: str) -> str | None:
-                r = subprocess.run(["git", "-C", where, "rev-parse", what], env=env,
+            def rev_parse(where: str, *what: str) -> str | None:
+                r = subprocess.run(["git", "-C", where, "rev-parse", *what], env=env,
                                    capture_output=True, text=True)
                 return os.path.realpath(r.stdout.strip()) if r.returncode == 0 else None
+
+            def common(where: str) -> str | None:  # the refs a worktree shares
+                return rev_parse(where, "--path-format=absolute", "--git-common-dir")
             git_dir = rev_parse(repo, "--absolute-git-dir")
             if git_dir is None:
                 raise Fail(f"{repo} is not a git repository")
@@ -2310,8 +2334,13 @@ def export_git(workspace, repo, ref_prefix, remote, origin, state_dir, as_json):
             if os.path.realpath(repo) not in {git_dir, top}:
                 raise Fail(f"{repo} is not a git repository itself: it lies in "
                            f"{top or git_dir}; name a repository's own directory")
-            if git_dir in {os.path.realpath(os.path.join(ws, ".git")),
-                           rev_parse(os.path.dirname(ws), "--absolute-git-dir")} or \
+            # the workspace's own: its .git, the one above it, and where a worktree's .git
+            # file leads (its gitdir, and the repository whose refs it shares: a hunt found
+            # the export's refs in the user's `git log --all`)
+            own = {os.path.realpath(os.path.join(ws, ".git")),
+                   rev_parse(os.path.dirname(ws), "--absolute-git-dir"),
+                   rev_parse(ws, "--absolute-git-dir"), common(ws)} - {None}
+            if git_dir in own or common(repo) in own or \
                     git_dir.startswith(os.path.realpath(ws).rstrip("/") + "/"):
                 raise Fail("refusing to write into the workspace's own repository (or one "
                            "inside it); name another one, or leave --repo out")

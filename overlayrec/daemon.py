@@ -206,14 +206,21 @@ ALIVE_EVERY = 0.25
 def last_alive(path: str) -> int | None:
     """When a daemon of this state dir was last known alive (ns), or None: never stamped."""
     try:
-        return os.stat(path).st_mtime_ns
+        st = os.lstat(path)
     except OSError:
         return None
+    return st.st_mtime_ns if stat.S_ISREG(st.st_mode) else None  # no stamp of ours
 
 
 async def _stamp_alive(path: str) -> None:
-    """Stamp ``path`` (StateDir.alive) every ALIVE_EVERY seconds while serving."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    """Stamp ``path`` (StateDir.alive) every ALIVE_EVERY seconds while serving.  A stamp that
+    cannot be made (the name taken by a directory: the daemon died just after `mount` said it
+    had mounted; found by a hunt) is said once and left: it makes recovery more careful only."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except OSError as e:
+        log.warning("cannot stamp %s (%s): serving without it", path, e.strerror or e)
+        return
     try:
         while True:
             try:

@@ -831,25 +831,55 @@ def hold_revert_lock(sd: str) -> int | None:
     return fd
 
 
-def saved_reverts(sd: str) -> list[dict]:
+def saved_reverts(sd: str, damaged_ok: bool = False) -> list[dict]:
     """Every saved revert record of the state dir ``sd``, oldest first (``reverts`` keeps them;
     retention reads them too, from below that layer).  A plan steers writes: the directory and
-    each file must be the user's alone."""
-    out = []
+    each file must be the user's alone.  One that cannot be read (cut short, not a record) is
+    refused (StateError), unless ``damaged_ok`` (a look: ``status``, ``check``, which name it
+    through damaged_reverts): passed over, an interrupted revert it held could be neither
+    continued nor rolled back, and a gc dropped what its unrevert needed (found by a hunt)."""
+    out, bad = _read_reverts(sd)
+    if bad and not damaged_ok:
+        name, why = bad[0]
+        raise StateError(f"revert plan {os.path.join(StateDir(sd).reverts, name)} cannot be "
+                         f"read ({why}): a revert or unrevert it holds may be half done; "
+                         "restore the file, or move it out of that directory to go on without "
+                         "it")
+    return out
+
+
+def damaged_reverts(sd: str) -> list[tuple[str, str]]:
+    """The revert plans of ``sd`` that cannot be read: (file name, why)."""
+    return _read_reverts(sd)[1]
+
+
+def _read_reverts(sd: str) -> tuple[list[dict], list[tuple[str, str]]]:
+    out: list[dict] = []
+    bad: list[tuple[str, str]] = []
     d = StateDir(sd).reverts
     if not os.path.isdir(d):
-        return out
+        return out, bad
     closed = check_private(d, "revert plans")
     for name in sorted(os.listdir(d)):
         if name.endswith(".json"):
             check_entry(os.path.join(d, name), closed, "revert plans")
             try:
-                with open(os.path.join(d, name)) as f:
-                    out.append(json.load(f))
-            except (OSError, ValueError):
+                with open(os.path.join(d, name), "rb") as f:
+                    rec = json.loads(f.read())
+            except ValueError as e:
+                bad.append((name, f"not JSON: {e}"))
                 continue
-    out.sort(key=lambda r: r.get("created", 0))
-    return out
+            except OSError as e:
+                bad.append((name, e.strerror or str(e)))
+                continue
+            if not isinstance(rec, dict) or not isinstance(rec.get("id"), str) or \
+                    not isinstance(rec.get("status"), str):
+                bad.append((name, "not a revert record"))
+                continue
+            out.append(rec)
+    out.sort(key=lambda r: r.get("created", 0) if isinstance(r.get("created"), (int, float))
+             else 0)
+    return out, bad
 
 
 def save_revert(sd: str, rec: dict) -> None:

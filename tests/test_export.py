@@ -975,3 +975,43 @@ def test_a_file_a_directory_rename_named_anew_is_not_said_changed_unmounted(make
     assert out["unsure_bases"] == {} and "unmounted" not in r.stderr, (out, r.stderr)
     assert git(out["git_dir"], "ls-tree", "-r", "--name-only", "refs/overlayrec/A/base").split() \
         == ["a"]
+
+
+def test_the_repository_a_worktree_workspace_shares_is_its_own(make_mount, tmp_path):
+    """The workspace is a `git worktree` of a repository elsewhere (its .git a file): `--repo`
+    of that repository, or of the worktree's gitdir inside it, was written, and the export's
+    commits showed in the user's `git log --all` (found by a bug hunt).  Both are refused."""
+    env = dict(os.environ, GIT_AUTHOR_NAME="a", GIT_AUTHOR_EMAIL="a@b", GIT_COMMITTER_NAME="a",
+               GIT_COMMITTER_EMAIL="a@b")
+    m = make_mount()
+    main = tmp_path / "main"
+    subprocess.run(["git", "init", "-q", "-b", "main", str(main)], check=True)
+    (main / "a").write_text("a\n")
+    subprocess.run(["git", "-C", str(main), "add", "a"], check=True)
+    subprocess.run(["git", "-C", str(main), "commit", "-qm", "init"], check=True, env=env)
+    os.rmdir(m.ws)
+    subprocess.run(["git", "-C", str(main), "worktree", "add", "-q", m.ws, "-b", "wt"],
+                   check=True)
+    m.mount()
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", "sh", "-c", "echo b >> a", cwd=m.ws)
+    for repo in (str(main), str(main / ".git"), str(main / ".git" / "worktrees" / "ws")):
+        r = overlayrec("export", "git", m.ws, "--repo", repo, check=False)
+        assert r.returncode == 1 and "the workspace's own repository" in r.stderr, \
+            (repo, r.stderr)
+    assert not subprocess.run(["git", "-C", str(main), "for-each-ref", "refs/overlayrec"],
+                              capture_output=True, text=True).stdout
+
+
+def test_a_directory_the_session_emptied_is_not_said_changed_unmounted(make_mount):
+    """`rm -r d` by the session's call: the directory's first pre-image has an mtime after
+    the session began (its own removal of d/f moved it), and the export said the base held
+    "d" changed while unmounted, with a trailer (found by two hunts)."""
+    m = make_mount()
+    os.makedirs(os.path.join(m.ws, "d"))
+    with open(os.path.join(m.ws, "d", "f"), "w") as f:
+        f.write("f\n")
+    m.mount()
+    overlayrec("run", "-w", m.ws, "--session", "S", "--", "rm", "-r", "d", cwd=m.ws)
+    r = overlayrec("export", "git", m.ws, "--json")
+    out = json.loads(r.stdout)
+    assert out["unsure_bases"] == {} and "unmounted" not in r.stderr, (out, r.stderr)

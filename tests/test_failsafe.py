@@ -436,3 +436,27 @@ def test_what_another_writer_did_after_the_daemon_was_killed_is_not_the_open_cal
     assert open(os.path.join(m.ws, "quiet")).read() == "kept\n"
     diff = overlayrec("diff", m.ws, "--call", "k2", check=False)
     assert "s2" in diff.stderr and "killed" in diff.stderr, diff.stderr
+
+
+@needs_fuse
+def test_a_directory_where_the_alive_stamp_goes_is_no_end_of_the_daemon(make_mount):
+    """`alive` in the state dir a directory: `mount` said it had mounted and the daemon died
+    at once (IsADirectoryError in its stamp; found by a bug hunt).  It serves without the
+    stamp and says so in its log."""
+    m = make_mount()
+    m.mount()
+    m.sh("echo a > f")
+    m.umount()
+    alive = os.path.join(m.state, "alive")
+    if os.path.lexists(alive):
+        os.unlink(alive)
+    os.mkdir(alive)
+    m.mount()
+    time.sleep(1.0)
+    assert is_mounted(m.ws)
+    m.sh("echo b >> f")
+    assert open(os.path.join(m.ws, "f")).read() == "a\nb\n"
+    m.umount()
+    with open(os.path.join(m.state, "daemon.log")) as f:
+        log = f.read()
+    assert "cannot stamp" in log and "Traceback" not in log, log

@@ -222,7 +222,8 @@ def test_a_remote_git_refuses_is_one_line(tmp_path):
 
 
 ODD_IDS = ["a b", "x:y", "x..y", "x.lock", "../../up", "t~1^2", "-dash", "q?*[", "\u00e9t\u00e9",
-           "new\nline", "@{x}", "end/", "50%"]
+           "new\nline", "@{x}", "end/", "50%",
+           "L" * 250]  # cut to fit a ref: found by its trailer (it was "not in the records")
 
 AGENT_ODD = textwrap.dedent(r'''
     import subprocess, sys, json
@@ -302,3 +303,42 @@ def test_a_push_under_an_origin_another_workspace_pushes_as_is_refused(make_moun
     assert "refs/overlayrec/origins/ci/e/head" in json.loads(r.stdout)["push"]["new"]
     assert refs(remote)["refs/overlayrec/origins/ci/d/head"] == before[
         "refs/overlayrec/origins/ci/d/head"]
+
+
+def test_a_file_past_the_patch_limit_is_left_out_of_the_records_diff_too(make_mount, tmp_path):
+    """A file past the size a patch holds (engines.large.LIMIT, lowered here) is left out of
+    the origin's diff and named on stderr; the fetched records' diff of the same call, turn and
+    session gave it whole (the call's commit holds it; found by a bug hunt)."""
+    env = dict(os.environ, OVERLAYREC_LARGE_FILE=str(1 << 20),
+               OVERLAYREC_HOLD_FILE=str(1 << 19))
+    m = make_mount(env=env).mount()
+    with open(os.path.join(m.ws, "a"), "w") as f:
+        f.write("a\n")
+    agent = tmp_path / "agent.py"
+    agent.write_text(textwrap.dedent(r'''
+        import subprocess
+        from overlayrec import client
+        with client.connect() as c:
+            c.turn_begin(prompt="big")
+            c.call_begin("c1", "Bash")
+            subprocess.run(["bash", "-c", "head -c 3000000 /dev/urandom > big.bin; "
+                            "echo b >> a"], check=True)
+            c.call_end("c1")
+            c.turn_end()
+    '''))
+    overlayrec("run", "-w", m.ws, "--state-dir", m.state, "--session", "s", "--",
+               sys.executable, str(agent), cwd=m.ws, env=env)
+    remote = tmp_path / "remote.git"
+    subprocess.run(["git", "init", "-q", "--bare", str(remote)], check=True)
+    overlayrec("export", "git", m.ws, "--state-dir", m.state, "--push", str(remote),
+               "--origin", "here", env=env)
+    clone = tmp_path / "fetched"
+    overlayrec("fetch", str(remote), "--into", str(clone), env=env)
+    for sel in (["--call", "c1"], ["--turn", "1"], []):
+        for fmt in (["--name-status"], ["--binary"]):
+            origin = overlayrec("diff", m.ws, "--state-dir", m.state, "--session", "s",
+                                *sel, *fmt, env=env)
+            fetched = overlayrec("records", "diff", "--git", str(clone), "--session", "s",
+                                 *sel, *fmt, env=env)
+            assert "big.bin" in origin.stderr and "big.bin" not in origin.stdout, origin
+            assert fetched.stdout == origin.stdout, (sel, fmt, fetched.stdout[:300])

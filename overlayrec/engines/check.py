@@ -13,27 +13,38 @@ cut left), looking for what a reader would need and not find:
   destroyed there): else a process wrote it through a link outside the record (a package
   manager's store, `pnpm`), the pre-image is gone, and readers say the state is inexact
   (``attic-changed``);
-* **the log ahead**: no bytes of it were kept aside unread (``ahead.log.unread-*``);
+* **the log ahead**: no bytes of it were kept aside unread (``ahead.log.unread-*``), and,
+  unmounted, none follow its last whole record (a damaged record hides every later one from
+  the readers until the next mount keeps them aside);
 * **events**: each record of the ``events`` table is an event (a reader refuses to answer
-  over one that is not).
+  over one that is not);
+* **the path index**: every event is found under each path it names, and the index holds
+  nothing else (a flipped byte in a key hid a path's change from every diff: LMDB keeps no
+  checksums);
+* **content bytes**: each blob file of the store an event names still hashes to its name
+  (``blob-changed``: a reader refuses it);
+* **revert plans**: each saved plan can be read (``plan``: revert, unrevert and gc refuse
+  while one cannot).
 
 An event whose change the underlay refused (a ``failed`` note names it) made nothing, so what
 it names is not looked for.  While mounted, an entry the daemon copied into the store meanwhile
-is looked at again in its event as it is now.  Existence only: a blob's bytes are checked
-against its digest by every reader that reads them.  Sync, and reading only.
+is looked at again in its event as it is now.  Sync, and reading only.
 """
 from __future__ import annotations
 
 import os
 
-from ..journal import Journal
+from .. import state
+from ..journal import Journal, JournalError
 from ..journal.ahead import kept_aside
+from ..journal.content import BlobError
+from ..journal.preimage import hash_fd
 from ..journal.store import decode_event
 from .states import ATTIC
 from .usage import digests, open_attic
 
 
-def check(j: Journal, root_fd: int | None, progress=None) -> dict:
+def check(j: Journal, root_fd: int | None, progress=None, writer_live: bool = False) -> dict:
     """The findings over ``j`` (the workspace's root fd, for its attic; None: not looked at;
     ``progress(seq, last seq)`` told as the pass goes, if given):
     ``{"events", "actors", "blobs", "attic_entries", "findings": [...]}``, each finding a dict
@@ -55,18 +66,25 @@ def check(j: Journal, root_fd: int | None, progress=None) -> dict:
     # (entry, seq, path, size, mtime_ns, nlink): a file's kept whole in the attic
     linked: list[tuple] = []
     written: set[str] = set()  # entries with events of their own
+    indexed: list[tuple[str, int]] = []  # (path, seq) the path index must hold
+    unread: set[int] = set()  # records that are no event
     events = 0
     last = j.last_seq()
     for seq, raw in j.scan_raw(1):
         if progress is not None and not seq & 0xFF:
             progress(seq, last)
         if seq < cut and seq not in kept_seals:
+            unread.add(seq)
             continue  # a gc's cut made, not yet deleted
         ev, why = decode_event(seq, raw)
         if why is not None:  # a reader that meets it refuses to answer
             findings.append({"kind": "event", "name": f"event {seq} {why}", "seq": seq})
+            unread.add(seq)
             continue
         events += 1
+        for p in {ev.get("path"), ev.get("path2")}:
+            if isinstance(p, str):
+                indexed.append((p, seq))
         where = (seq, ev.get("path"))
         if isinstance(ev.get("actor"), str):
             _name(actors, ev["actor"], where)
@@ -88,19 +106,53 @@ def check(j: Journal, root_fd: int | None, progress=None) -> dict:
     if progress is not None:
         progress(last, last)
     for key, (n, seq, path) in actors.items():
-        if j.actor(key) is None:
+        try:
+            known = j.actor(key) is not None
+        except JournalError:
+            known = False  # its row is damaged: as good as missing
+        if not known:
             findings.append(_finding("actor", key, n, seq, path))
     for dg, (n, seq, path) in blobs.items():
         if not j.content.has(dg):
             findings.append(_finding("blob", dg, n, seq, path))
+        elif not _holds_its_hash(j, dg):
+            findings.append(_finding("blob-changed", dg, n, seq, path))
+    findings += [{"kind": "index", "name": why, "seq": seq, "path": path}
+                 for why, path, seq in j.index_defects(indexed, unread)]
     if root_fd is not None:  # no workspace to look in: the attic is not looked at
         findings += _missing_from_attic(j, root_fd, attic, dropped)
         findings += _changed_in_attic(j, root_fd, linked, dropped, written)
     findings += [{"kind": "ahead", "name": path}
                  for path, _ in kept_aside(os.path.join(j.state_dir, "journal"))]
+    unread = j.unread_ahead()
+    if unread and not writer_live:  # a daemon's record being written is no damage
+        findings.append({"kind": "ahead", "name": f"{unread} byte(s) after the last whole "
+                         "record of the log ahead (ahead.log): the events there are not read; "
+                         "the next mount keeps them aside"})
+    findings += [{"kind": "plan", "name": name, "why": why}
+                 for name, why in state.damaged_reverts(j.state_dir)]
     return {"events": events, "actors": len(actors), "blobs": len(blobs),
             "attic_entries": len(attic), "attic_looked_at": root_fd is not None,
             "findings": findings}
+
+
+def _holds_its_hash(j: Journal, dg: str) -> bool:
+    """Does the store's blob file ``dg`` (when it is one: a small blob lives in the journal)
+    still hash to its name?  Read a chunk at a time."""
+    if j.blob(dg) is not None:
+        try:
+            j.content.get(dg)
+        except BlobError:
+            return False
+        return True
+    try:
+        fd = j.content.files.open(dg)
+    except (OSError, BlobError):
+        return False
+    try:
+        return hash_fd(fd) == dg
+    finally:
+        os.close(fd)
 
 
 def _name(table: dict, key: str, where: tuple) -> None:

@@ -104,7 +104,9 @@ class ObjectStore:
                 raise GitError(f"{git_dir} is not a git repository")
             self._git("init", "-q", "--bare", self.git_dir, git_dir=False)
         # paths as they are (UTF-8), not octal-quoted: diffs read as the workspace's names
+        # a path given to git is a name, never a pattern (a file called `*.py` is one file)
         self.env = dict(os.environ, GIT_DIR=self.git_dir, GIT_CONFIG_NOSYSTEM="1",
+                        GIT_LITERAL_PATHSPECS="1",
                         GIT_CONFIG_GLOBAL=os.devnull, GIT_CONFIG_COUNT="1",
                         GIT_CONFIG_KEY_0="core.quotepath", GIT_CONFIG_VALUE_0="false")
         if git_dir is None:

@@ -1206,9 +1206,49 @@ class Journal:
         return best
 
     def actor(self, key: str) -> dict | None:
+        """The process row ``key``, or None; JournalError when the row is damaged."""
         with self._read(db=self.dbs["actors"]) as txn:
             v = txn.get(key.encode())
-        return _loads(v) if v is not None else None
+        if v is None:
+            return None
+        try:
+            row = _loads(v)
+        except ValueError:
+            row = None
+        if not isinstance(row, dict):
+            raise JournalError(f"journal in {self.state_dir} is corrupt: the row of process "
+                               f"{key} is not a process record")
+        return row
+
+    def index_defects(self, items, unread=()) -> list[tuple[str, str | None, int | None]]:
+        """``overlayrec check``'s look at the path index: of the (path, seq) the events name,
+        those it does not hold, and the entries it holds that no event names (why, path, seq;
+        ``unread``: the seqs of records that are no event, whose entries are not looked at).
+        Unless a gc is under way (its cut's events not deleted yet)."""
+        out: list[tuple[str, str | None, int | None]] = []
+        want = set(items)
+        with self._read(db=self.dbs["paths"]) as txn:
+            for path, seq in want:
+                key, value = schema.path_item(path, seq_key(seq))
+                if txn.get(key) != value:
+                    out.append(("an event the path index does not hold (no reader finds it "
+                                "under its path)", path, seq))
+            if self.meta("gc"):
+                return out
+            for key, value in txn.cursor():
+                try:
+                    path, seq = schema.path_key_split(key, value)
+                except (ValueError, UnicodeDecodeError):
+                    path, seq = None, None
+                if (path, seq) not in want and seq not in unread:
+                    out.append(("an entry of the path index that no event names (a reader "
+                                "takes it for a path that was never there)", path, seq))
+        return out
+
+    def unread_ahead(self) -> int:
+        """The bytes of the log ahead after its last whole record, as last read (a reader's
+        catch-up): damage, or a record being written."""
+        return len(self._ahead.tail)
 
     def actor_keys(self) -> list[str]:
         """Every actor row's key (``<pid>:<start-ticks>``)."""
