@@ -571,11 +571,13 @@ def status(workspace, as_json, state_dir):
            "events": events, "underlay_holders": holders, "pending_revert": pending,
            "responding": not hung, "drifted": drifted, "drift_unchecked": unchecked,
            "damaged_plans": damaged_plans,
+           "journal_missing": events is None and _had_journal(sd),
            "record_bytes": size["total"] if size else None,
            "attic": size["attic"] if size else None, "sessions": live, "mounted_for": owner,
            "ending": ending or bool(pid and not in_table)}
     if as_json:
         click.echo(json.dumps(out))
+        _journal_gone(out)
         return
     if dead:
         click.echo(f"{ws}: dead mount (clear it with: overlayrec umount {ws})")
@@ -589,7 +591,12 @@ def status(workspace, as_json, state_dir):
         click.echo(f"{ws}: not mounted; its daemon pid {pid} is still ending")
     else:
         click.echo(f"{ws}: not mounted")
-    click.echo(f"  journal: {journal_path if events is not None else '(none yet)'}")
+    # a state dir a daemon served (its stamp), or that kept content or revert plans, had a
+    # journal: gone, not "none yet"
+    lost = events is None and _had_journal(sd)
+    click.echo(f"  journal: {journal_path if events is not None else '(none yet)'}"
+               if not lost else f"  journal: missing from {sd}, where a record was kept: "
+               "its history is gone (restore journal/ from a copy)")
     if events is not None:
         click.echo(f"  events:  {events}")
     if size:
@@ -631,6 +638,14 @@ def status(workspace, as_json, state_dir):
                    "not recorded; `cd .` re-enters through the mount):")
         for h in holders:
             click.echo(f"    {h['pid']:>7} {h['command']:<16} {'; '.join(h['holds'][:3])}")
+    _journal_gone(out)
+
+
+def _journal_gone(out: dict) -> None:
+    """status's exit: 1 when the record's journal is gone (a found hunt: "none yet", exit 0)."""
+    if out["journal_missing"]:
+        raise Fail(f"the journal of {out['workspace']} is missing from {out['state_dir']}: "
+                   "the record's history is gone")
 
 
 def _live_sessions(sd: str) -> tuple[list[dict] | None, dict | None, bool]:
@@ -657,6 +672,21 @@ def _live_sessions(sd: str) -> tuple[list[dict] | None, dict | None, bool]:
     return [{"id": x["id"], "started": x["started"], "agent_pid": x.get("agent_pid"),
              "agent_alive": alive(x.get("agent")), "runner_alive": alive(x.get("runner"))}
             for x in sessions if x.get("ended") is None], owner, bool(answer.get("ending"))
+
+
+def _had_journal(sd: str) -> bool:
+    """Did state dir ``sd`` hold a journal: a daemon stamped it, or it keeps content (beside
+    the store's own ``tmp``) or revert plans?"""
+    d = state.StateDir(sd)
+    if os.path.exists(d.alive):
+        return True
+    for where in (d.content, d.reverts):
+        try:
+            if any(n != "tmp" for n in os.listdir(where)):
+                return True
+        except OSError:
+            pass
+    return False
 
 
 def _drifted(ws: str, sd: str) -> tuple[list[str] | None, list[str]]:

@@ -375,3 +375,18 @@ def test_a_revert_plan_that_cannot_be_read_is_said_and_refused(make_mount):
             lines = r.stderr.strip().splitlines()
             assert r.returncode == 1 and len(lines) == 1, (args, r.stderr)
             assert "cannot be read" in lines[0] and name in lines[0], (args, lines)
+
+
+def test_a_journal_gone_from_its_state_dir_is_said_by_status(make_mount):
+    """The state dir's journal/ removed: `status` said "journal: (none yet)", exit 0, as of a
+    workspace never recorded (found by a bug hunt).  It says the journal is missing, exit 1."""
+    import shutil
+    m = make_mount().mount()
+    m.sh("echo a > f")
+    m.umount()
+    shutil.rmtree(os.path.join(m.state, "journal"))
+    r = overlayrec("status", m.ws, "--state-dir", m.state, check=False)
+    assert r.returncode == 1 and "journal: missing from" in r.stdout, (r.stdout, r.stderr)
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    r = overlayrec("status", m.ws, "--state-dir", m.state, "--json", check=False)
+    assert r.returncode == 1 and json.loads(r.stdout)["journal_missing"], r.stdout

@@ -318,3 +318,30 @@ def test_each_file_of_a_diff_gets_its_own_sections(tmp_path):
     assert sum(len(s) for _, _, s in got.values()) == len(sections)
     for p in got:
         assert report._unquote(report._quote(p)) == p
+
+
+def test_a_file_too_large_for_a_patch_is_in_the_files_view(make_mount, tmp_path):
+    """A file past the size a patch holds (lowered here) was left out of the page's Files
+    view, its marks and its count, though `calls` counts it (found by a bug hunt): it is
+    there, its patch the note that says why no patch is shown."""
+    import json as _json
+    import re as _re
+    env = dict(os.environ, OVERLAYREC_LARGE_FILE=str(1 << 20),
+               OVERLAYREC_HOLD_FILE=str(1 << 19))
+    m = make_mount(env=env)
+    try:
+        m.mount()
+        m.sh("head -c 3000000 /dev/urandom > big.bin; echo b > a")
+        page = tmp_path / "report.html"
+        overlayrec("report", m.ws, "--html", str(page), env=env, timeout=120)
+        text = page.read_text()
+        data = _json.loads(_re.search(r'<script id="data" type="application/json">(.*?)'
+                                      r'</script>', text, _re.S).group(1))
+        assert [f["path"] for f in data["files"]["own"]] == ["a", "big.bin"], data["files"]
+        assert data["summary"]["files"] == 2 and data["summary"]["changes"] == 2
+        big = next(c for c in data["changes"] if c["path"] == "big.bin")
+        assert big["status"] == "A"
+        note = data["patches"][big["patch"]][big["sections"][0]]
+        assert "too large for a patch" in note, note
+    finally:
+        m.umount()

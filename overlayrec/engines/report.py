@@ -223,6 +223,13 @@ class _Report:
             sections.append(f"# {len(large)} file(s) too large for a patch, not shown: "
                             f"{', '.join(large[:5])}{' ...' if len(large) > 5 else ''}; "
                             "`overlayrec replay` restores them\n")
+            # each is a change of the unit all the same, in the Files view, its marks and its
+            # count (`calls` counts it: the page left it out; a hunt), its patch that note
+            for p in large:
+                b, a = side.before.get(p), side.after.get(p)
+                status = "A" if b is None or not b.present else \
+                    "D" if a is None or not a.present else "M"
+                entries.append((status, p, p, [len(sections) - 1]))
         self.patches.append([_cap(s) for s in sections])
         self.entries.append((entries, git))
         self.counts.append((len(entries), git))
