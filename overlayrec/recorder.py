@@ -621,9 +621,8 @@ class Recorder:
         the kernel refuses a rename or a link across filesystems, and the unlink or rename
         would fail), nor one beneath another mount of the attic's own filesystem (a bind
         mount: the same ``st_dev``, found by the kernel's EXDEV once, ``bound_dirs``); nor a
-        file its
-        owner, the daemon's user, may not read, which no reader run by that user could read
-        from the attic (underlay.reopen_own is the daemon's alone: it serves one request at a
+        file its owner, the daemon's user, may not read, which no reader run by that user
+        could read from the attic (underlay.reopen_own is the daemon's alone: it serves one request at a
         time, a reader would race it).  Root reads it anyway; copying it costs little."""
         return st.st_dev != self.attic_dev or (
             st.st_uid == self._euid and stat.S_ISREG(st.st_mode) and

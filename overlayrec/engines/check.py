@@ -70,7 +70,9 @@ def check(j: Journal, root_fd: int | None, progress=None, writer_live: bool = Fa
     unread: set[int] = set()  # records that are no event
     events = 0
     last = j.last_seq()
+    scanned = 0  # the last record looked at
     for seq, raw in j.scan_raw(1):
+        scanned = seq
         if progress is not None and not seq & 0xFF:
             progress(seq, last)
         if seq < cut and seq not in kept_seals:
@@ -118,7 +120,7 @@ def check(j: Journal, root_fd: int | None, progress=None, writer_live: bool = Fa
         elif not _holds_its_hash(j, dg):
             findings.append(_finding("blob-changed", dg, n, seq, path))
     findings += [{"kind": "index", "name": why, "seq": seq, "path": path}
-                 for why, path, seq in j.index_defects(indexed, unread)]
+                 for why, path, seq in j.index_defects(indexed, unread, scanned)]
     if root_fd is not None:  # no workspace to look in: the attic is not looked at
         findings += _missing_from_attic(j, root_fd, attic, dropped)
         findings += _changed_in_attic(j, root_fd, linked, dropped, written)

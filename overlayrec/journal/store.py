@@ -1220,11 +1220,13 @@ class Journal:
                                f"{key} is not a process record")
         return row
 
-    def index_defects(self, items, unread=()) -> list[tuple[str, str | None, int | None]]:
+    def index_defects(self, items, unread=(), upto: int | None = None
+                      ) -> list[tuple[str, str | None, int | None]]:
         """``overlayrec check``'s look at the path index: of the (path, seq) the events name,
         those it does not hold, and the entries it holds that no event names (why, path, seq;
-        ``unread``: the seqs of records that are no event, whose entries are not looked at).
-        Unless a gc is under way (its cut's events not deleted yet)."""
+        ``unread``: the seqs of records that are no event, whose entries are not looked at;
+        nor those past ``upto``, the last event looked at: a daemon's since).  Unless a gc is
+        under way (its cut's events not deleted yet)."""
         out: list[tuple[str, str | None, int | None]] = []
         want = set(items)
         with self._read(db=self.dbs["paths"]) as txn:
@@ -1240,7 +1242,8 @@ class Journal:
                     path, seq = schema.path_key_split(key, value)
                 except (ValueError, UnicodeDecodeError):
                     path, seq = None, None
-                if (path, seq) not in want and seq not in unread:
+                if (path, seq) not in want and seq not in unread and \
+                        (upto is None or seq is None or seq <= upto):
                     out.append(("an entry of the path index that no event names (a reader "
                                 "takes it for a path that was never there)", path, seq))
         return out
