@@ -1787,21 +1787,10 @@ def _grew_meanwhile(j, last: int, out: dict) -> int:
     meanwhile: a revert, an agent; ``j`` read-only, catches up); the paths they name are left
     out of ``out["drifted"]``, which compares the live tree, read later, with the record read
     before (a revert's paths read as changed outside the record)."""
-    now = j.last_seq()
-    if now <= last:
-        return 0
-    later = set()
-    for e in j.events(last + 1, now):
-        later.update(p for p in (e.get("path"), e.get("path2")) if p)
-
-    def since(p: str) -> bool:  # the path, or a directory above it, an event named
-        while p:
-            if p in later:
-                return True
-            p = p.rpartition("/")[0]
-        return False
-    out["drifted"] = [p for p in out["drifted"] if not since(p)]
-    return now - last
+    from .engines.diff import changed_since
+    grew, moved = changed_since(j, last, out["drifted"])
+    out["drifted"] = [p for p in out["drifted"] if p not in set(moved)]
+    return grew
 
 
 @main.command()

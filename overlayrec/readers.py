@@ -529,9 +529,10 @@ def diff_answer(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
 
 def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until, drift, fmt,
                 binary, glob, by_writer, as_json) -> None:
-    from .engines.diff import select, changed, changed_around, drift_side
+    from .engines.diff import select, changed, changed_around, changed_since, drift_side
     from .engines.gitdiff import ObjectStore, git_refuses
     from .engines.states import States, ABSENT as tree_absent, UNLISTED_NOTE
+    last = j.last_seq()
     states = States(j, tree)
     side = drift_side(states, glob) if drift else \
         select(j, states, call=call_id, turn=turn_sel, session=sid, since=since,
@@ -545,6 +546,14 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
                   f"{' ...' if len(moved_on) > 3 else ''}); "
                   "`overlayrec diff --drift` shows how")
     every = changed(side)
+    # a mount recording while this read (an agent at work): the paths its events named may
+    # mix the record before with the tree after (docs/design.md, Known limits); said, as
+    # replay says it
+    _, meanwhile = changed_since(j, last, side.before.keys() | side.after.keys())
+    if meanwhile and not as_json:
+        parts.err(f"overlayrec: {len(meanwhile)} path(s) here changed while diff read the "
+                  f"record (a mount is recording): {', '.join(map(shown, meanwhile[:5]))}"
+                  f"{' ...' if len(meanwhile) > 5 else ''}; run it again once it is quiet")
     withheld = sorted(p for p in every
                       if side.before.get(p, tree_absent).withheld
                       or side.after.get(p, tree_absent).withheld)
@@ -633,7 +642,7 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
         parts.out(json.dumps({"from_tree": a, "to_tree": b, "files": files,
                               "inexact": inexact,
                               "withheld": withheld, "unreadable": unreadable,
-                              "changed_around": around,
+                              "changed_around": around, "changed_meanwhile": meanwhile,
                               "guessed": side.guessed, "maybe_ours": side.maybe_ours,
                               "late": side.late,
                               "git_left_out": len(left_out), "git_left_out_paths": left_out,

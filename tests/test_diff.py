@@ -729,3 +729,28 @@ def test_since_is_after_that_event(make_mount):
     assert overlayrec("diff", m.ws, "--since", str(made), "--stat").stdout == ""
     assert "g | 1 +" in overlayrec("diff", m.ws, "--since", str(made - 1), "--stat").stdout
     assert "nothing to revert" in overlayrec("revert", m.ws, "--since", str(made)).stdout
+
+
+@pytest.mark.timeout(60)
+def test_what_the_record_took_while_a_reader_read_it_names_its_paths(tmp_path):
+    """A reader reads the journal a transaction at a time and the live tree as it goes: while
+    a mount records, a path its new events name (or a directory above it: a rename moves what
+    lies beneath) may be answered from the record before and the tree after.  diff and replay
+    name those paths (engines.diff.changed_since); the others' answers hold."""
+    from overlayrec.engines.diff import changed_since
+    from overlayrec.journal import Journal
+    j = Journal(str(tmp_path / "state"))
+    try:
+        actor = {"key": "1:1", "pid": 1, "start": 1, "ppid": 0, "uid": 0, "exe": "x",
+                 "argv": ["x"], "cwd": "/", "first_seen": 0}
+        ev = {"unit": "outside:1:1", "actor": "1:1"}
+        j.append_many([{"op": "write", "path": "a", "pre": {"kind": "file"}, **ev}], [actor])
+        last = j.last_seq()
+        assert changed_since(j, last, ["a"]) == (0, [])
+        j.append_many([{"op": "rename", "path": "d", "path2": "e", "pre": {"kind": "dir"},
+                        "pre2": {"kind": "absent"}, **ev},
+                       {"op": "write", "path": "f", "pre": {"kind": "file"}, **ev}], [])
+        assert changed_since(j, last, ["a", "d/x", "e/y/z", "f", "g", "dd/x"]) == \
+            (2, ["d/x", "e/y/z", "f"])
+    finally:
+        j.close()

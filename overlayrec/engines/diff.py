@@ -154,6 +154,28 @@ def _visible(p: str) -> bool:
     return not (p == ".overlayrec-attic" or p.startswith(".overlayrec-attic/"))
 
 
+def changed_since(j: Journal, last: int, paths) -> tuple[int, list[str]]:
+    """What the record took after seq ``last`` while a reader read it (a mount recording
+    meanwhile: an agent, a revert): how many events, and which of ``paths`` one of them
+    names, itself or a directory above it (a directory's rename moves what lies beneath).
+    A reader reads the journal one transaction at a time and the live tree as it goes, so
+    those paths' answers may mix the record before with the tree after; the others' hold."""
+    now = j.last_seq()  # a read-only journal catches up with what was written ahead
+    if now <= last:
+        return 0, []
+    named = set()
+    for e in j.events(last + 1, now):
+        named.update(p for p in (e.get("path"), e.get("path2")) if p)
+
+    def hit(p: str) -> bool:
+        while p:
+            if p in named:
+                return True
+            p = p.rpartition("/")[0]
+        return False
+    return now - last, sorted(p for p in paths if hit(p))
+
+
 def select(j: Journal, states: States, *, call: str | None = None, turn: int | str | None = None,
            session: str | None = None, since: int | None = None, until: int | None = None,
            glob: str | None = None) -> Side:
