@@ -589,9 +589,18 @@ def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other
     sd = state.StateDir(state_dir)
 
     def tell(msg: str) -> None:
+        """Tell the command that started this daemon how the start went.  One gone meanwhile
+        (killed while it waited: a `revert` or `run` that mounted for itself) is no reason to
+        die with the mount made: that left a dead mount (found by a hunt); the mount serves,
+        and ends with its owner (_follow_runners)."""
         if ready_fd is not None:
-            os.write(ready_fd, msg.encode() + b"\n")
-            os.close(ready_fd)
+            try:
+                os.write(ready_fd, msg.encode() + b"\n")
+            except OSError as e:
+                log.warning("the command that started this daemon is gone (%s): %s",
+                            e.strerror or e, msg)
+            finally:
+                os.close(ready_fd)
 
     limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     if limit != resource.RLIM_INFINITY and limit < MIN_FD_LIMIT:

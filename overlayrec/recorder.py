@@ -2156,6 +2156,14 @@ class Recorder:
         renames = RenameIndex(j.dir_renames())
         checked = drifted = 0
         events = []
+        # each file found holding its seal (or sealed anew, drifted) is looked at around the
+        # mount at its next change, as one this daemon sealed: a ctime after this look is
+        # another writer's beneath the mount (a process whose directory was entered before
+        # it).  Only this daemon's own seals were, and such an edit to a file an earlier mount
+        # sealed was taken into the next call's pre-image, and replay gave it as exact at
+        # points before it (found by a hunt)
+        looked_ns = time.time_ns()
+        found: dict[str, int] = {}
         for path, seq in list(j.seals()):
             if j.last_seq_for_path(path) != seq:
                 continue  # changed again after this seal: not the end of its chain
@@ -2179,14 +2187,17 @@ class Recorder:
             checked += 1
             seal = j.event(seq)["pre"]
             if self._holds(name, seal):
+                now = seal
                 if seal["kind"] == "file" and not seal.get("mode", 0) & stat.S_IRUSR:
                     # its owner may not read it: the check read it by the owner's leave, which
                     # moved its ctime, or it moved at the last seal of another of its names
-                    again = dict(seal)
+                    now = again = dict(seal)
                     self._ctimes_after_reads([(name, again)])
                     if again.get("ctime_ns") != seal.get("ctime_ns"):
                         events.append({"op": "seal", "path": name, "pre": again,
                                        "actor": "overlayrec"})
+                if now["kind"] == "file":
+                    found[name] = max(now.get("ctime_ns", 0), looked_ns)
                 continue
             drifted += 1
             events.append({"op": "drift", "path": name, "pre": seal, "epoch": True,
@@ -2194,11 +2205,18 @@ class Recorder:
             events.append({"op": "seal", "path": name, "pre": self._seal_pre(name),
                            "actor": "overlayrec"})
             self._ctimes_after_reads([(name, events[-1]["pre"])])
+            if events[-1]["pre"]["kind"] == "file":
+                found[name] = max(events[-1]["pre"].get("ctime_ns", 0), looked_ns)
             if len(events) >= 512:
                 j.append_many(events, [])
                 events = []
         if events:
             j.append_many(events, [])
+        for name, ctime in found.items():
+            if name not in self.served:
+                self.sealed_ctime.setdefault(name, ctime)
+        while len(self.sealed_ctime) > SEALED_CTIMES:  # the oldest first (insertion order)
+            del self.sealed_ctime[next(iter(self.sealed_ctime))]
         if drifted:
             log.info("%d path(s) changed while unmounted (drift events journaled)", drifted)
         j.put_meta("sealed", "0")

@@ -31,10 +31,12 @@ def path_matcher(pattern: str):
     """What ``--path PATTERN`` selects, as a predicate on workspace-relative paths: the path
     itself (a name with ``*``, ``?`` or ``[`` in it matches as written), a directory and
     everything beneath it (``src``, ``src/``), or a glob (fnmatch: ``*`` crosses ``/``).  A
-    leading ``./`` is the workspace's."""
+    leading ``./`` is the workspace's; ``.`` and ``./`` are all of it, and ``d/./f`` and
+    ``d//f`` are ``d/f`` (they selected nothing, or the root alone: found by a hunt)."""
     import fnmatch
-    pat = pattern[2:] if pattern.startswith("./") else pattern
-    pat = pat.rstrip("/") or pat
+    pat = "/".join(part for part in pattern.split("/") if part not in ("", "."))
+    if not pat:
+        return lambda p: True
     beneath = pat + "/"
     return lambda p: p == pat or p.startswith(beneath) or fnmatch.fnmatchcase(p, pat)
 

@@ -460,3 +460,34 @@ def test_a_directory_where_the_alive_stamp_goes_is_no_end_of_the_daemon(make_mou
     with open(os.path.join(m.state, "daemon.log")) as f:
         log = f.read()
     assert "cannot stamp" in log and "Traceback" not in log, log
+
+
+@needs_fuse
+def test_a_command_killed_while_its_daemon_starts_leaves_no_dead_mount(make_mount):
+    """A revert that mounts for itself, killed while its daemon started: the daemon's word
+    that it was ready met a broken pipe, and it died with the mount made, a dead mount over
+    the workspace (found by a bug hunt, 4 of 4).  It serves on, and ends with its owner.
+    Here the daemon is started as `mounting.spawn` starts it, the pipe's reader gone first."""
+    from conftest import force_unmount
+    m = make_mount()
+    owner = subprocess.Popen(["sleep", "2"])
+    r, w = os.pipe()
+    os.close(r)
+    log = open(os.path.join(m.base, "daemon.out"), "wb")
+    try:
+        daemon = subprocess.Popen(
+            [sys.executable, "-m", "overlayrec.daemon", "--workspace", m.ws, "--state-dir",
+             m.state, "--ready-fd", str(w), f"--owner={owner.pid}"], pass_fds=(w,),
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, cwd="/")
+        os.close(w)
+        owner.wait()
+        assert daemon.wait(timeout=60 * SLOW) == 0
+        assert not is_mounted(m.ws), "the mount was left"
+        with open(os.path.join(m.state, "daemon.log")) as f:
+            text = f.read()
+        assert "is gone" in text and "Traceback" not in text, text
+    finally:
+        log.close()
+        if owner.poll() is None:
+            owner.kill()
+        force_unmount(m.ws)

@@ -232,7 +232,13 @@ def predict(history: list, states: list, unit):
         target = states[first - 1].get(p)
         expected = states[last].get(p)
         if target == expected:
-            continue
+            # made and unmade by the selection: nothing to do, unless only earlier reverts
+            # ("R") changed it since, and brought it back: then it goes, from what they left
+            since = [i for i, (u, _, touched) in enumerate(history) if i > last and p in touched]
+            if not (since and all(history[i][0] == "R" for i in since)) or \
+                    states[since[-1]].get(p) == target:
+                continue
+            expected = states[since[-1]].get(p)
         if any(u not in units and p in touched for u, _, touched in history[first + 1:last]):
             conflict = True
         elif final.get(p) != expected:

@@ -222,6 +222,60 @@ def test_a_point_between_a_change_beneath_and_its_finding_is_not_exact(make_moun
 
 
 @needs_fuse
+def test_a_change_beneath_to_a_file_an_earlier_mount_sealed_is_found(make_mount, tmp_path):
+    """Only the seals this daemon took were looked at around the mount: a shell entered
+    before the mount appending to a file an earlier mount's session had sealed went into the
+    next call's pre-image, blame showed no other writer, and replay gave the line at points
+    before it as exact (found by a hunt).  The mount's start looks at every sealed file."""
+    m = make_mount()
+    with open(os.path.join(m.ws, "f"), "w") as f:
+        f.write("base\n")
+    m.mount()
+    overlayrec("run", "-w", m.ws, "--session", "A", "--", "sh", "-c", "echo A >> f", cwd=m.ws)
+    m.umount()
+    (tmp_path / "beneath.py").write_text(BENEATH)
+    go, done = tmp_path / "go", tmp_path / "done"
+    beneath = subprocess.Popen([sys.executable, str(tmp_path / "beneath.py"), str(go),
+                                str(done)], cwd=m.ws)
+    try:
+        m.mount()
+        (tmp_path / "agent.py").write_text(textwrap.dedent(f'''
+            import os, subprocess, time
+            from overlayrec import client
+
+            def call(cid, cmd):
+                c.call_begin(cid, "Bash")
+                subprocess.run(["bash", "-c", cmd], check=True)
+                c.call_end(cid)
+
+            with client.connect() as c:
+                call("first", "echo x > g")
+                time.sleep(1.0)  # past the slack the ctime is read with
+                open({str(go)!r}, "w").close()
+                while not os.path.exists({str(done)!r}):
+                    time.sleep(0.01)
+                time.sleep(0.1)
+                call("rewrite", "printf 'rewritten\\n' > f.tmp && mv f.tmp f")
+        '''))
+        overlayrec("run", "-w", m.ws, "--session", "B", "--", sys.executable,
+                   str(tmp_path / "agent.py"), cwd=m.ws)
+        assert beneath.wait(timeout=30) == 0
+    finally:
+        if beneath.poll() is None:
+            beneath.kill()
+            beneath.wait()
+    drifts = [(e["path"], e["unit"]) for e in m.events() if e["op"] == "drift"]
+    assert drifts == [("f", "outside:around")], drifts
+    out = json.loads(overlayrec("replay", m.ws, "--at", "after:call:first", "--to",
+                                str(tmp_path / "then"), "--json").stdout)
+    # before the other writer's line: as session A left it, and exact
+    assert "f" not in out["inexact"], out
+    assert (tmp_path / "then" / "f").read_text() == "base\nA\n"
+    blame = overlayrec("blame", "f", "-w", m.ws).stdout
+    assert "outside:around" in blame, blame
+
+
+@needs_fuse
 @pytest.mark.parametrize("change", ["mv f g", "rm f", "truncate -s 3 f", "ln f g"])
 def test_a_change_beneath_the_mount_is_found_at_any_next_change(make_mount, tmp_path, change):
     """As above, inside one call, where the call's next change of the file is no write: a

@@ -211,9 +211,27 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
             # made and unmade inside the selection (a temp file): nothing to do.  Not when a
             # side is a guess (a secret's placeholder names the event that last changed it):
             # two guesses alike say nothing of what the path held
-            continue
+            since = [q for q in others.get(p, ()) if q > last]
+            if not (target.exact and since and all(q in by_reverts for q in since)):
+                continue
+            back = states.state(p, since[-1])
+            if not back.exact or target.same(back):
+                continue
+            # but an earlier revert of part of the selection brought it back since (a call
+            # that moved or removed what another made reverted, then their session): it goes
+            # as the selection's own, from what that revert left (it stayed without a word:
+            # found by a hunt)
+            expected = back
         step = Step(p, target, expected)
         if live.symlink_on_the_way(p) and live.blocker(p) not in made_dirs:
+            since = [q for q in others.get(p, ()) if q > last]
+            if since and target.exact and all(q in by_reverts for q in since) and \
+                    (now := live.state(p)).exact and target.same(now):
+                # put back already by an earlier revert (as below): the file it made again
+                # where the selection had made a directory is what blocks the way (the path
+                # was refused as an escape: found by a hunt)
+                plan.already.append(p)
+                continue
             # a directory on its way is now a symlink (or a file) the plan does not itself
             # replace by a directory: never followed
             step.conflict = "escape"
