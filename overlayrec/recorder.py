@@ -163,6 +163,14 @@ def _undoable(fn):
     return wrapper
 
 
+class _CrossedMount(Exception):
+    """The attic step of an unlink or a rename over a file met another mount of the same
+    filesystem (EXDEV: a bind mount beneath the workspace, which ``st_dev`` cannot tell): its
+    directory is noted (``Recorder.bound_dirs``), and ``_roomy`` makes the change again, the
+    file's pre-image copied into the store; the first try's event is voided by its ``failed``
+    note and its epochs were put back (``_undoable``, inside that)."""
+
+
 def _roomy(fn):
     """A change refused for want of space on the workspace's filesystem (ENOSPC from the
     underlay, or from the journal or the content store when the state dir shares that
@@ -172,6 +180,8 @@ def _roomy(fn):
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
         try:
+            return fn(self, *args, **kwargs)
+        except _CrossedMount:  # (here, not in a wrapper of its own: a frame less a change)
             return fn(self, *args, **kwargs)
         except (OSError, JournalError) as e:
             if not self._workspace_full(e):
@@ -184,25 +194,6 @@ def _roomy(fn):
             if not freed:
                 raise
         return fn(self, *args, **kwargs)
-    return wrapper
-
-
-class _CrossedMount(Exception):
-    """The attic step of an unlink or a rename over a file met another mount of the same
-    filesystem (EXDEV: a bind mount beneath the workspace, which ``st_dev`` cannot tell): its
-    directory is noted (``Recorder.bound_dirs``), and the change is made again (``_across``)
-    with the file's pre-image copied into the store."""
-
-
-def _across(fn):
-    """``fn`` once more after a _CrossedMount: the first try's event is voided by its
-    ``failed`` note and its epochs were put back (``_undoable``, inside this)."""
-    @functools.wraps(fn)
-    def wrapper(self, *args, **kwargs):
-        try:
-            return fn(self, *args, **kwargs)
-        except _CrossedMount:
-            return fn(self, *args, **kwargs)
     return wrapper
 
 
@@ -1335,7 +1326,6 @@ class Recorder:
         self._capture_afresh(key)
 
     # -- removals -------------------------------------------------------------------------------
-    @_across
     @_roomy
     @_undoable
     def unlink(self, parent_fd: int, name: str, actor: dict) -> None:
@@ -1398,7 +1388,6 @@ class Recorder:
             os.rmdir(name, dir_fd=parent_fd)
         ep.content_saved = ep.meta_saved = True
 
-    @_across
     @_roomy
     @_undoable
     def rename(self, pfd: int, name: str, npfd: int, nname: str, flags: int, actor: dict) -> None:
