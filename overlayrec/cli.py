@@ -533,7 +533,7 @@ def umount(workspace, timeout):
 @_guard
 def status(workspace, as_json, state_dir):
     """Say whether WORKSPACE is mounted, by which daemon, where its journal is and how much it holds."""
-    from .views import shown
+    from .views import few
     ws = state.recorded_at_or_above(state.named_workspace(workspace))
     sd = state.check_state_dir_private(os.path.realpath(state_dir)) if state_dir \
         else state.find_state_dir(ws)
@@ -609,18 +609,14 @@ def status(workspace, as_json, state_dir):
                    "(`overlayrec storage` says where)")
     if drifted:
         click.echo(f"  drifted: {len(drifted)} path(s) differ from the record's end (changed "
-                   "while unmounted or around the mount): "
-                   f"{', '.join(map(shown, drifted[:5]))}"
-                   + (" ..." if len(drifted) > 5 else ""))
+                   f"while unmounted or around the mount): {few(drifted)}")
     for bad in damaged_plans:
         click.echo(f"  revert plan {bad['file']} cannot be read ({bad['why']}): a revert it "
                    "held may be half done; revert, unrevert and gc refuse until it is restored "
                    "or moved aside")
     if unchecked:
         click.echo(f"  drift not checked: {len(unchecked)} recorded path(s) cannot be reached "
-                   "(a directory on the way may not be searched): "
-                   f"{', '.join(map(shown, unchecked[:5]))}"
-                   + (" ..." if len(unchecked) > 5 else ""))
+                   f"(a directory on the way may not be searched): {few(unchecked)}")
     for x in live or ():
         click.echo(f"  session {x['id']}: running since {_fmt_time(x['started'])[:19]}"
                    + (f", agent pid {x['agent_pid']}" if x["agent_alive"] else

@@ -538,7 +538,7 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
         select(j, states, call=call_id, turn=turn_sel, session=sid, since=since,
                until=until, glob=glob)
     _SPARED.append((states, side))
-    from .views import inexact_note, shown
+    from .views import few, inexact_note, shown
     moved_on = sorted(p for p, s in side.after.items() if s.drifted)
     if moved_on:
         parts.err(f"overlayrec: {len(moved_on)} path(s) here changed later outside the record "
@@ -552,8 +552,8 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
     _, meanwhile = changed_since(j, last, side.before.keys() | side.after.keys())
     if meanwhile and not as_json:
         parts.err(f"overlayrec: {len(meanwhile)} path(s) here changed while diff read the "
-                  f"record (a mount is recording): {', '.join(map(shown, meanwhile[:5]))}"
-                  f"{' ...' if len(meanwhile) > 5 else ''}; run it again once it is quiet")
+                  f"record (a mount is recording): {few(meanwhile)}; run it again once it is "
+                  "quiet")
     withheld = sorted(p for p in every
                       if side.before.get(p, tree_absent).withheld
                       or side.after.get(p, tree_absent).withheld)

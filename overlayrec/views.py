@@ -59,6 +59,12 @@ def shown(path: str) -> str:
     return '"' + _escaped(path, True) + '"'
 
 
+def few(paths: list[str], n: int = 5) -> str:
+    """The first ``n`` of ``paths`` as shown, and `` ...`` when there are more (a line's
+    names; --json holds them all)."""
+    return ", ".join(map(shown, paths[:n])) + (" ..." if len(paths) > n else "")
+
+
 def shown_all(paths: list[str]) -> str:
     """``", ".join(map(shown, paths))``, with one look at the joined text when every path
     would be shown as it is (a string is printable when each of its parts is): the 10,000 rows

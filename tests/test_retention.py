@@ -303,6 +303,24 @@ def test_no_gc_while_a_revert_is_under_way(make_mount, tmp_path):
         m.umount()
 
 
+def _budget_kept(m, budget: int, enough) -> list[str]:
+    """The sessions the daemon's budget dropped, once ``enough(dropped)`` and the record but
+    its attic fits ``budget`` (or after 20 s)."""
+    deadline = time.monotonic() + 20 * SLOW
+    dropped: list = []
+    while time.monotonic() < deadline:
+        j = m.journal()
+        try:
+            dropped = [d["id"] for d in j.dropped_sessions()]
+            size = retention.record_size(j)
+        finally:
+            j.close()
+        if enough(dropped) and size["total"] - size["attic"] <= budget:
+            break
+        time.sleep(0.3)
+    return dropped
+
+
 def _revert_session(m, sid: str) -> str:
     """Revert session ``sid`` (mounted or not), past the paths later sessions changed; the
     revert's id."""
@@ -363,18 +381,7 @@ def test_a_budget_lets_go_of_a_done_revert(make_mount, tmp_path):
         for i in range(3, 8):
             overlayrec("run", "-w", m.ws, "--session", f"s{i}", "--", sys.executable,
                        str(agent), str(i), "100000", cwd=m.ws)
-        deadline = time.monotonic() + 20 * SLOW
-        dropped: list = []
-        while time.monotonic() < deadline:
-            j = m.journal()
-            try:
-                dropped = [d["id"] for d in j.dropped_sessions()]
-                size = retention.record_size(j)
-            finally:
-                j.close()
-            if "s3" in dropped and size["total"] - size["attic"] <= 700 << 10:
-                break
-            time.sleep(0.3)
+        dropped = _budget_kept(m, 700 << 10, lambda gone: "s3" in gone)
         assert {"s1", "s2", "s3"} <= set(dropped) and "s7" not in dropped, dropped
         with open(os.path.join(m.state, "daemon.log")) as f:
             log = f.read()
@@ -479,18 +486,7 @@ def test_daemon_keeps_a_budget_set_at_mount(make_mount, tmp_path):
     try:
         record(m, tmp_path, 6, size=100000)
         assert is_mounted(m.ws)
-        deadline = time.monotonic() + 20 * SLOW
-        dropped: list = []
-        while time.monotonic() < deadline:
-            j = m.journal()
-            try:
-                dropped = [d["id"] for d in j.dropped_sessions()]
-                size = retention.record_size(j)
-            finally:
-                j.close()
-            if dropped and size["total"] - size["attic"] <= 700 << 10:
-                break
-            time.sleep(0.3)
+        dropped = _budget_kept(m, 700 << 10, bool)
         assert "s1" in dropped and "s6" not in dropped, dropped
         with open(os.path.join(m.state, "daemon.log")) as f:
             assert "dropped session(s) s1" in f.read()

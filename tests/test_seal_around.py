@@ -104,6 +104,49 @@ open(done, "w").close()
 '''
 
 
+AGENT_BESIDE = '''
+import os, subprocess, time
+from overlayrec import client
+
+def call(cid, cmd):
+    c.call_begin(cid, "Bash")
+    subprocess.run(["bash", "-c", cmd], check=True)
+    c.call_end(cid)
+
+def user():  # past the slack the ctime is read with (the daemon's own changes)
+    time.sleep(1.0)
+    open(%(go)r, "w").close()
+    while not os.path.exists(%(done)r):
+        time.sleep(0.01)
+    time.sleep(0.1)
+
+with client.connect() as c:
+'''
+
+
+def run_beside_beneath(m, tmp_path, body: str, session: str = "s") -> None:
+    """A process whose directory was entered before ``m``'s mount (BENEATH) appends a line to
+    ``f`` when the agent's ``user()`` tells it to; the agent's ``body`` (lines in its client's
+    ``with`` block, ``call(id, cmd)`` and ``user()`` at hand) runs in session ``session``,
+    mounting the workspace if it is not."""
+    (tmp_path / "beneath.py").write_text(BENEATH)
+    go, done = tmp_path / "go", tmp_path / "done"
+    beneath = subprocess.Popen([sys.executable, str(tmp_path / "beneath.py"), str(go),
+                                str(done)], cwd=m.ws)
+    try:
+        m.mount()
+        (tmp_path / "agent.py").write_text(
+            AGENT_BESIDE % {"go": str(go), "done": str(done)}
+            + textwrap.indent(textwrap.dedent(body).strip() + "\n", "    "))
+        overlayrec("run", "-w", m.ws, "--session", session, "--", sys.executable,
+                   str(tmp_path / "agent.py"), cwd=m.ws)
+        assert beneath.wait(timeout=30) == 0
+    finally:
+        if beneath.poll() is None:
+            beneath.kill()
+            beneath.wait()
+
+
 @needs_fuse
 @pytest.mark.parametrize("between", ["calls", "inside"])
 def test_a_change_beneath_the_mount_is_found_at_the_next_change(make_mount, tmp_path, between):
@@ -115,38 +158,14 @@ def test_a_change_beneath_the_mount_is_found_at_the_next_change(make_mount, tmp_
     m = make_mount()
     with open(os.path.join(m.ws, "f"), "w") as f:
         f.write("base\n")
-    (tmp_path / "beneath.py").write_text(BENEATH)
-    go, done = tmp_path / "go", tmp_path / "done"
-    beneath = subprocess.Popen([sys.executable, str(tmp_path / "beneath.py"), str(go),
-                                str(done)], cwd=m.ws)
-    try:
-        m.mount()
-        (tmp_path / "agent.py").write_text(textwrap.dedent(f'''
-            import os, subprocess, time
-            from overlayrec import client
-
-            def user():  # past the slack the ctime is read with (the daemon's own changes)
-                time.sleep(1.0)
-                open({str(go)!r}, "w").close()
-                while not os.path.exists({str(done)!r}):
-                    time.sleep(0.01)
-                time.sleep(0.1)
-
-            with client.connect() as c:
-                c.call_begin("c1", "Bash")
-                subprocess.run(["bash", "-c", "echo agent1 >> f"], check=True)
-                {"c.call_end('c1'); user(); c.call_begin('c2', 'Bash')" if between == "calls"
-                 else "user()"}
-                subprocess.run(["bash", "-c", "sed -i s/base/BASE/ f"], check=True)
-                c.call_end({"'c2'" if between == "calls" else "'c1'"})
-        '''))
-        overlayrec("run", "-w", m.ws, "--session", "s", "--", sys.executable,
-                   str(tmp_path / "agent.py"), cwd=m.ws)
-        assert beneath.wait(timeout=30) == 0
-    finally:
-        if beneath.poll() is None:
-            beneath.kill()
-            beneath.wait()
+    run_beside_beneath(m, tmp_path, f"""
+        c.call_begin("c1", "Bash")
+        subprocess.run(["bash", "-c", "echo agent1 >> f"], check=True)
+        {"c.call_end('c1'); user(); c.call_begin('c2', 'Bash')" if between == "calls"
+         else "user()"}
+        subprocess.run(["bash", "-c", "sed -i s/base/BASE/ f"], check=True)
+        c.call_end({"'c2'" if between == "calls" else "'c1'"})
+    """)
     last = "c2" if between == "calls" else "c1"
     assert open(os.path.join(m.ws, "f")).read() == "BASE\nagent1\nuser-line\n"
     drifts = [e for e in m.events() if e["op"] == "drift"]
@@ -179,39 +198,13 @@ def test_a_point_between_a_change_beneath_and_its_finding_is_not_exact(make_moun
     m = make_mount()
     with open(os.path.join(m.ws, "f"), "w") as f:
         f.write("base\n")
-    (tmp_path / "beneath.py").write_text(BENEATH)
-    go, done = tmp_path / "go", tmp_path / "done"
-    beneath = subprocess.Popen([sys.executable, str(tmp_path / "beneath.py"), str(go),
-                                str(done)], cwd=m.ws)
-    try:
-        m.mount()
-        (tmp_path / "agent.py").write_text(textwrap.dedent(f'''
-            import os, subprocess, time
-            from overlayrec import client
-
-            def call(cid, cmd):
-                c.call_begin(cid, "Bash")
-                subprocess.run(["bash", "-c", cmd], check=True)
-                c.call_end(cid)
-
-            with client.connect() as c:
-                call("c1", "echo agent1 >> f")
-                call("before", "echo b > g")
-                time.sleep(1.0)  # past the slack the ctime is read with
-                open({str(go)!r}, "w").close()
-                while not os.path.exists({str(done)!r}):
-                    time.sleep(0.01)
-                time.sleep(0.1)
-                call("after", "echo a > h")
-                call("c2", "sed -i s/base/BASE/ f")
-        '''))
-        overlayrec("run", "-w", m.ws, "--session", "s", "--", sys.executable,
-                   str(tmp_path / "agent.py"), cwd=m.ws)
-        assert beneath.wait(timeout=30) == 0
-    finally:
-        if beneath.poll() is None:
-            beneath.kill()
-            beneath.wait()
+    run_beside_beneath(m, tmp_path, """
+        call("c1", "echo agent1 >> f")
+        call("before", "echo b > g")
+        user()
+        call("after", "echo a > h")
+        call("c2", "sed -i s/base/BASE/ f")
+    """)
     assert [e["unit"] for e in m.events() if e["op"] == "drift"] == ["outside:around"]
     for point, exact in (("before", True), ("after", False)):
         dest = tmp_path / point
@@ -233,37 +226,11 @@ def test_a_change_beneath_to_a_file_an_earlier_mount_sealed_is_found(make_mount,
     m.mount()
     overlayrec("run", "-w", m.ws, "--session", "A", "--", "sh", "-c", "echo A >> f", cwd=m.ws)
     m.umount()
-    (tmp_path / "beneath.py").write_text(BENEATH)
-    go, done = tmp_path / "go", tmp_path / "done"
-    beneath = subprocess.Popen([sys.executable, str(tmp_path / "beneath.py"), str(go),
-                                str(done)], cwd=m.ws)
-    try:
-        m.mount()
-        (tmp_path / "agent.py").write_text(textwrap.dedent(f'''
-            import os, subprocess, time
-            from overlayrec import client
-
-            def call(cid, cmd):
-                c.call_begin(cid, "Bash")
-                subprocess.run(["bash", "-c", cmd], check=True)
-                c.call_end(cid)
-
-            with client.connect() as c:
-                call("first", "echo x > g")
-                time.sleep(1.0)  # past the slack the ctime is read with
-                open({str(go)!r}, "w").close()
-                while not os.path.exists({str(done)!r}):
-                    time.sleep(0.01)
-                time.sleep(0.1)
-                call("rewrite", "printf 'rewritten\\n' > f.tmp && mv f.tmp f")
-        '''))
-        overlayrec("run", "-w", m.ws, "--session", "B", "--", sys.executable,
-                   str(tmp_path / "agent.py"), cwd=m.ws)
-        assert beneath.wait(timeout=30) == 0
-    finally:
-        if beneath.poll() is None:
-            beneath.kill()
-            beneath.wait()
+    run_beside_beneath(m, tmp_path, """
+        call("first", "echo x > g")
+        user()
+        call("rewrite", "printf 'rewritten\\\\n' > f.tmp && mv f.tmp f")
+    """, session="B")
     drifts = [(e["path"], e["unit"]) for e in m.events() if e["op"] == "drift"]
     assert drifts == [("f", "outside:around")], drifts
     out = json.loads(overlayrec("replay", m.ws, "--at", "after:call:first", "--to",

@@ -206,13 +206,16 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
         # end), once its release was noted
         last = states.settle(p, last)
         expected = states.state(p, last)
+        # changed since only by earlier reverts (one of the selection's calls reverted): what
+        # they put back is the selection's own matter, never another writer's change
+        since = [q for q in others.get(p, ()) if q > last]
+        reverted = bool(since) and all(q in by_reverts for q in since)
         if target.same(expected) and (target.exact and expected.exact or
                                       target.withheld and expected.withheld):
             # made and unmade inside the selection (a temp file): nothing to do.  Not when a
             # side is a guess (a secret's placeholder names the event that last changed it):
             # two guesses alike say nothing of what the path held
-            since = [q for q in others.get(p, ()) if q > last]
-            if not (target.exact and since and all(q in by_reverts for q in since)):
+            if not (target.exact and reverted):
                 continue
             back = states.state(p, since[-1])
             if not back.exact or target.same(back):
@@ -224,9 +227,8 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
             expected = back
         step = Step(p, target, expected)
         if live.symlink_on_the_way(p) and live.blocker(p) not in made_dirs:
-            since = [q for q in others.get(p, ()) if q > last]
-            if since and target.exact and all(q in by_reverts for q in since) and \
-                    (now := live.state(p)).exact and target.same(now):
+            if reverted and target.exact and (now := live.state(p)).exact and \
+                    target.same(now):
                 # put back already by an earlier revert (as below): the file it made again
                 # where the selection had made a directory is what blocks the way (the path
                 # was refused as an escape: found by a hunt)
@@ -281,9 +283,7 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
                 if now.kind != "file" or end.drifted or not expected.same(end):
                     step.conflict, step.note = "unrecorded", unknown
             elif not expected.same(now) and not _refreshed(p, expected, now):
-                since = [q for q in others.get(p, ()) if q > last]
-                if now.exact and target.exact and target.same(now) and since and \
-                        all(q in by_reverts for q in since):
+                if now.exact and target.exact and target.same(now) and reverted:
                     # an earlier revert put back since what the selection changed (one of
                     # the turn's calls reverted by the agent inside the turn): nothing to
                     # write, so nothing to refuse; said, not a step.  Put back by another
