@@ -673,6 +673,11 @@ def test_a_bind_mount_beneath_the_workspace_keeps_its_files_in_the_store(make_mo
         f.write(os.urandom(5 << 20))  # past the whole-file limit
     with open(os.path.join(elsewhere, "mid"), "wb") as f:
         f.write(os.urandom(BIG))
+    os.link(os.path.join(elsewhere, "mid"), os.path.join(elsewhere, "mid2"))  # a hard link
+    os.symlink("small", os.path.join(elsewhere, "link"))
+    os.makedirs(os.path.join(elsewhere, "deep", "er"))
+    with open(os.path.join(elsewhere, "deep", "er", "x"), "w") as f:
+        f.write("x\n")
     sub = os.path.join(m.ws, "sub")
     os.mkdir(sub)
     subprocess.run(["mount", "--bind", elsewhere, sub], check=True)
@@ -682,10 +687,13 @@ def test_a_bind_mount_beneath_the_workspace_keeps_its_files_in_the_store(make_mo
         m.mount()
         r = overlayrec("run", "-w", m.ws, "--session", "s", "--", "bash", "-c",
                        "rm sub/small && rm sub/mid && echo x > sub/newf && mv sub/newf sub/big "
-                       "&& echo y > sub/other", cwd=m.ws, check=False)
+                       "&& echo y > sub/other && rm sub/link sub/mid2 && mv sub/deep sub/moved "
+                       "&& echo z >> sub/moved/er/x", cwd=m.ws, check=False)
         assert r.returncode == 0, r.stderr
         after = tree_of(m.ws)
-        assert set(after) - set(before) == {"sub/other"} and "sub/small" not in after
+        assert set(after) - set(before) == {"sub/other", "sub/moved", "sub/moved/er",
+                                            "sub/moved/er/x"}
+        assert "sub/small" not in after and "sub/link" not in after
         m.umount()
         assert "record whole" in overlayrec("check", m.ws, "--state-dir", m.state).stdout
         dest = tmp_path / "then"
