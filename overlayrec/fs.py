@@ -747,7 +747,7 @@ class Operations(pyfuse3.Operations):
             # and truncate, so the pre-image is read before the data goes
             io_flags &= ~os.O_TRUNC
             ifd = self._fd(i)
-            fd = underlay.reopen_own(ifd, io_flags)
+            fd = underlay.reopen_own(ifd, io_flags, self.recorder.before_grant)
             try:
                 self.recorder.truncate(ifd, 0, actor, open_fd=fd)
             except BaseException:
@@ -766,7 +766,7 @@ class Operations(pyfuse3.Operations):
             self.handles[info.fh].flags = io_flags
             return info
         else:
-            fd = underlay.reopen_own(self._fd(i), io_flags)
+            fd = underlay.reopen_own(self._fd(i), io_flags, self.recorder.before_grant)
         info = self._file_info(fd, i, actor if writing else None)
         self.handles[info.fh].append = bool(flags & os.O_APPEND)
         return info

@@ -1007,6 +1007,20 @@ class Recorder:
             return
         self._bypassed(path, st)
 
+    def before_grant(self, fd: int) -> None:
+        """The file behind ``fd`` is about to be read by its owner's leave (a chmod and back,
+        underlay.reopen_own), which moves its ctime: another writer's change around the mount
+        is looked for now, and the move that follows is the daemon's own (``served``).  Else a
+        write-only file changed by one call and again by the next read as changed around the
+        mount in between (a drift of the outside unit before the second change)."""
+        try:
+            path = self.rel(fd)
+        except OSError:
+            return
+        if not path.startswith(_ATTIC_SLASH):
+            self._look_around(path, time.time_ns())
+            self.served[path] = time.time_ns()
+
     def _bypassed(self, path: str, st: os.stat_result | None) -> bool:
         """Was ``path`` (found as ``st``; None: nothing there) changed by another writer, around
         the mount, since the daemon last changed it (``served``) or sealed it (``sealed_ctime``)?
@@ -1442,14 +1456,22 @@ class Recorder:
         linking = bool(attic_key)
         try:
             with self._mutation(ev, actor):
+                exchanged = False
                 if attic_key:
-                    os.link(nname, pre2["attic"], src_dir_fd=npfd, dst_dir_fd=self.attic_fd,
-                            follow_symlinks=False)
+                    try:
+                        os.link(nname, pre2["attic"], src_dir_fd=npfd, dst_dir_fd=self.attic_fd,
+                                follow_symlinks=False)
+                    except OSError as e:
+                        if not self._may_exchange(e, flags, st):
+                            raise
+                        self._exchange_into_attic(pfd, name, npfd, nname, pre2["attic"])
+                        exchanged = True
                     linking = False
                     self.attic_links[attic_key] = self.attic_links.get(attic_key, 0) + 1
                     self.attic_names[attic_key] = pre2["attic"]
                 try:
-                    underlay.renameat2(pfd, name, npfd, nname, flags)
+                    if not exchanged:
+                        underlay.renameat2(pfd, name, npfd, nname, flags)
                 except OSError:
                     if attic_key:  # refused (a full disk: retried after a reclaim): no stray link
                         try:
@@ -1479,6 +1501,28 @@ class Recorder:
             ep.content_saved = ep.meta_saved = True
         if stat.S_ISDIR(st.st_mode) or (st2 is not None and stat.S_ISDIR(st2.st_mode)):
             self._move_beneath(path, path2, exchange)
+
+    @staticmethod
+    def _may_exchange(e: OSError, flags: int, st: os.stat_result) -> bool:
+        """The attic's hard link of a renamed-over file refused where the rename itself is
+        not: ``protected_hardlinks`` (EPERM: another owner's file the daemon's user may not
+        both read and write, which natively its directory lets it replace) or the inode's
+        most links (EMLINK).  A plain rename of a non-directory can go by an exchange."""
+        return e.errno in (errno.EPERM, errno.EMLINK) and not flags and \
+            not stat.S_ISDIR(st.st_mode)
+
+    def _exchange_into_attic(self, pfd: int, name: str, npfd: int, nname: str,
+                             attic: str) -> None:
+        """``rename(name, nname)`` with the replaced inode kept as ``attic``, without a link:
+        the two names are exchanged, then the old target leaves the source's name for the
+        attic.  The kernel holds both directories for the request, so no process served by
+        the mount sees the name between the two; one that fails puts the exchange back."""
+        underlay.renameat2(pfd, name, npfd, nname, underlay.RENAME_EXCHANGE)
+        try:
+            os.rename(name, attic, src_dir_fd=pfd, dst_dir_fd=self.attic_fd)
+        except OSError:
+            underlay.renameat2(pfd, name, npfd, nname, underlay.RENAME_EXCHANGE)
+            raise
 
     def _move_beneath(self, path: str, path2: str, exchange: bool) -> None:
         """Paths below a renamed directory change: their epochs end (owed seals go with them)
@@ -1618,7 +1662,10 @@ class Recorder:
         if not stat.S_ISREG(st.st_mode) or self.nlink(st) < 2 or \
                 st.st_size > self.whole_file_limit:
             return
-        fd = underlay.open_own(dirfd, name, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            fd = underlay.open_own(dirfd, name, os.O_RDONLY | os.O_NONBLOCK)
+        except PermissionError:
+            return  # another owner's, unreadable: no reader could read it either way
         try:
             pre["blob"] = self._save_whole(fd, st.st_size)
         finally:
@@ -1804,7 +1851,7 @@ class Recorder:
         tmp = None
         accmode = os.O_ACCMODE & _fd_flags(rfd) if rfd is not None else None
         if rfd is None or accmode == os.O_WRONLY:
-            rfd = tmp = underlay.reopen_own(fd, os.O_RDONLY)
+            rfd = tmp = underlay.reopen_own(fd, os.O_RDONLY, self.before_grant)
         try:
             ev = self._capture(path, rfd, unit, size, None, checked=False)
             if ev is None:  # inside the path's epoch: its other names still change, unseen
@@ -2378,6 +2425,9 @@ class UnrecordedRecorder(Recorder):
     no pre-images, no attic, no epochs). tools/bench's ``norecord`` setup uses it to split what
     overlayrec's filesystem layer costs from what recording costs. Without the variable the
     daemon builds a plain ``Recorder``: nothing here runs."""
+
+    def before_grant(self, fd):
+        pass
 
     def create(self, parent_fd, name, flags, mode, uid, gid, actor):
         # a new object gets the caller's owner (as Recorder.create), an existing one keeps its

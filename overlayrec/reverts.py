@@ -18,7 +18,7 @@ import time
 
 from . import client, state
 from .engines import large
-from .engines.revert import KEPT, KEPT_CHANGED, DirMode, Opening, Plan, apply_step, \
+from .engines.revert import KEPT, KEPT_CHANGED, PARTLY, DirMode, Opening, Plan, apply_step, \
     bytes_written, changed_since, clear_stale_temps, failed, make_plan, order, plan_from_json, \
     plan_to_json, recheck, unmet, ways
 from .engines.states import Tree
@@ -239,9 +239,15 @@ def outcome(plan: Plan, rec: dict, unreverts: str | None) -> tuple[str, list[str
             + (f"; kept {len(kept)} {which} what it does not remove: "
                f"{named(map(shown, kept))}" if kept else ""))
     errors = []
-    if bad:
-        errors.append(f"{len(bad)} path(s) not restored: " + "; ".join(
-            f"{f['path']}: {f['result'][len('failed: '):]}" for f in bad))
+    # the content put back but not all of its metadata (an owner a user may not give)
+    partly = [f for f in bad if f["result"].startswith(PARTLY)]
+    if partly:
+        errors.append(f"{len(partly)} path(s) restored but not whole: " + "; ".join(
+            f"{f['path']}: {f['result'][len(PARTLY):]}" for f in partly))
+    if len(partly) < len(bad):
+        errors.append(f"{len(bad) - len(partly)} path(s) not restored: " + "; ".join(
+            f"{f['path']}: {f['result'][len('failed: '):]}" for f in bad
+            if not f["result"].startswith(PARTLY)))
     if wrong:
         errors.append(f"{len(wrong)} path(s) do not hold what the revert put back (written by "
                       "another process while it ran?): " + "; ".join(

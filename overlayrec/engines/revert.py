@@ -969,6 +969,8 @@ def linked(a: State, b: State) -> bool:
 
 
 FAILED = "failed: "
+# put back, but not all of it (an owner the reverting user may not give): still a failure
+PARTLY = FAILED + "restored, but "
 # a directory the revert would remove that holds what it does not remove (docs/revert.md)
 KEPT = "kept (not empty)"
 LINKED = "restored (hard link to "  # ... the group's first name, and ")"
@@ -1187,7 +1189,7 @@ def _apply_in(root_fd: int, dfd: int, name: str, step: Step, made: dict | None,
     if made is not None and link_key(t) and first is None:
         st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
         made.setdefault(link_key(t), []).append((step.path, st.st_ino, t))
-    return FAILED + "restored, but " + problem if problem else "restored"
+    return PARTLY + problem if problem else "restored"
 
 
 def _as_seen(dfd: int, name: str, seen: os.stat_result | None | bool) -> bool:
