@@ -898,7 +898,8 @@ def set_meta(dfd: int, name: str, t: State, mode: int | None = None,
                 problems.insert(0, f"owner {t.uid}:{t.gid} not set ({os.strerror(e.errno)})")
         if not stat.S_ISLNK(st.st_mode):
             want = stat.S_IMODE(t.mode if mode is None else mode)
-            chmod_fd(fd, want)
+            if stat.S_IMODE(os.fstat(fd).st_mode) != want:  # another's: only its owner may
+                chmod_fd(fd, want)
             # the kernel drops a set-group-ID bit its caller's groups do not allow (a directory
             # of another group, chmod by its owner): a revert that said it put 2775 back left
             # 0775, and new files there took the reverter's group
@@ -1185,7 +1186,14 @@ def _apply_in(root_fd: int, dfd: int, name: str, step: Step, made: dict | None,
     if not _as_seen(dfd, name, seen):
         _remove(dfd, tmp)
         return KEPT_CHANGED
-    _replace(dfd, tmp, name)
+    try:
+        _replace(dfd, tmp, name)
+    except PermissionError:
+        done = _into_kept(dfd, name, t)
+        _remove(dfd, tmp)
+        if done is None:
+            raise
+        return done
     if made is not None and link_key(t) and first is None:
         st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
         made.setdefault(link_key(t), []).append((step.path, st.st_ino, t))
@@ -1279,6 +1287,14 @@ def _overwrite(dfd: int, name: str, t: State) -> str | None:
     (no such file, or one the revert may not write either)."""
     return _write_into(dfd, name, t, lambda now: now.st_nlink == 1,
                        "its directory is read-only")
+
+
+def _into_kept(dfd: int, name: str, t: State) -> str | None:
+    """A file the revert may write but not replace: another user's in a sticky directory
+    (``/tmp``'s mode) refuses the rename over it (EPERM), as natively.  The content goes into
+    the live file, unlinked, as the call's own write did (not atomic).  None: not this case."""
+    return _write_into(dfd, name, t, lambda now: now.st_nlink == 1,
+                       "another user's file in a sticky directory")
 
 
 def _write_into(dfd: int, name: str, t: State, fits, why: str) -> str | None:
