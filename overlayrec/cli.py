@@ -549,6 +549,8 @@ def status(workspace, as_json, state_dir):
     recorded = os.path.exists(os.path.join(journal_path, "data.mdb"))
     if not (in_table or recorded or os.path.lexists(ws)):  # a mistyped path, most often
         raise Fail(f"workspace {workspace}: no such directory, and no record of it")
+    if not (in_table or recorded or os.path.isdir(ws)):  # as mount and revert say it
+        raise Fail(f"workspace {workspace}: not a directory")
     if recorded:
         j = Journal(sd, readonly=True)
         try:
@@ -884,7 +886,9 @@ def storage(workspace, every, as_json, state_dir):
         ws = _recorded_above(os.getcwd())
     if state_dir:
         if not os.path.isdir(state_dir):
-            raise Fail(f"state dir {state_dir} does not exist")
+            raise Fail(f"state dir {state_dir} " + ("is not a directory" if
+                                                    os.path.lexists(state_dir) else
+                                                    "does not exist"))
         sd = _state_dir_for(ws or "/", state_dir)
     else:
         sd = _state_dir_for(ws, None)
@@ -988,6 +992,11 @@ def log_cmd(workspace, glob, limit, call_id, turn_sel, sid, actor, since, until,
     from .views import command_name, one_line, path_matcher, shown
     from .engines.replay import resolve_point
     from .engines.diff import SelectionError, find_call
+    from .journal.schema import OPS
+    unknown = [o for o in ops if o not in OPS]
+    if unknown:  # `--op delete` (the op is unlink) matched nothing, without a word
+        raise click.UsageError(f"no operation {unknown[0]!r}; the record's operations: "
+                               + ", ".join(OPS))
     ws = state.resolve_workspace(workspace, must_exist=False, upward=True)
     try:
         glob = readers.workspace_glob(ws, glob)
@@ -1004,6 +1013,9 @@ def log_cmd(workspace, glob, limit, call_id, turn_sel, sid, actor, since, until,
                 lo = resolve_point(j, since, refuse_dropped=False) + 1
             if until is not None:
                 hi = resolve_point(j, until, refuse_dropped=False)
+            if since is not None and until is not None and hi < lo - 1:
+                raise SelectionError(f"--until {until} is before --since {since}: nothing "
+                                     "between")
         except (SelectionError, readers.Refusal) as e:
             raise Fail(str(e)) from None
         if turn_sel is not None:
@@ -1368,7 +1380,10 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
     else:
         raise Fail(f"{ws}: its mount kept ending as this run joined it")
     _set_subreaper()
-    here = os.path.realpath(os.getcwd()) if os.path.exists(os.getcwd()) else ws
+    try:
+        here = os.path.realpath(os.getcwd())
+    except OSError:  # a removed working directory: the agent starts at the workspace
+        here = ws
     cwd = here if _beneath(here, ws) else ws  # re-entered by path
     env = dict(os.environ, OVERLAYREC_SOCKET=sock, OVERLAYREC_SESSION=sid, OVERLAYREC_WORKSPACE=ws)
     # git stops looking for a repository at a filesystem's boundary, which the mount is: in a

@@ -11,6 +11,7 @@ import sys
 
 
 def main():
+    std_fds_open()
     args = sys.argv[1:]
     if len(args) == 2 and args[0] == "hook" and not args[1].startswith("-"):
         from .agents import run_hook
@@ -26,6 +27,22 @@ def main():
             _leave(code)
     from .cli import main as cli_main
     cli_main()
+
+
+def std_fds_open() -> None:
+    """A stdin, stdout or stderr the caller closed is opened on /dev/null: else the first
+    files the command opens take their numbers (the mount's lock as 0, the daemon's ready
+    pipe as 1 and 2), and the daemon, whose log goes on 2, wrote its "ready" into its log:
+    `mount` failed without a word and left the mount, `run` never ran its command (found
+    by a bug hunt)."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)  # the lowest free number: this one
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
 
 
 def deep_enough() -> None:

@@ -443,6 +443,10 @@ def check_state_dir(ws: str, state_dir: str) -> str:
     sd = os.path.realpath(os.path.abspath(state_dir))
     if sd == ws or sd.startswith(ws.rstrip("/") + "/"):
         raise StateError(f"state dir {state_dir} is inside the workspace; put it outside")
+    if ws.startswith(sd.rstrip("/") + "/"):
+        # its own entries (git, content, journal) would be the workspace's: a reader's bare
+        # repository was made in the user's directory, and its mode taken to 0700
+        raise StateError(f"state dir {state_dir} holds the workspace; put it beside it")
     check_state_dir_private(sd)
     check_private(os.path.dirname(registry_path(ws)), "registry dir")
     return sd

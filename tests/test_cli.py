@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import shlex
 import signal
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import force_unmount, needs_fuse, overlayrec, is_mounted
+from conftest import force_unmount, needs_fuse, overlayrec, is_mounted, wait_unmounted
 from overlayrec.journal import Journal, JournalError, schema
 
 
@@ -66,6 +67,31 @@ def test_state_dir_inside_workspace_is_refused(tmp_path):
     one_line_error(overlayrec("mount", str(ws), "--state-dir", str(ws / "st"), check=False),
                    "inside the workspace")
     assert not is_mounted(str(ws))
+
+
+def test_state_dir_holding_the_workspace_is_refused(tmp_path):
+    """The other way round (found by a bug hunt): a workspace named as one of the state dir's
+    own entries was the state dir's: `run -w sd/git --state-dir sd` let a reader make its bare
+    repository among the user's files and take their modes to 0600; `sd/content` got a tmp/
+    and mode 0700.  Refused before anything is made."""
+    for entry in ("git", "content"):
+        sd = tmp_path / f"sd-{entry}"
+        ws = sd / entry
+        ws.mkdir(parents=True)
+        (ws / "README").write_text("hello\n")
+        os.chmod(ws / "README", 0o644)
+        os.chmod(ws, 0o755)
+        for args in (["mount", str(ws), "--state-dir", str(sd)],
+                     ["run", "-w", str(ws), "--state-dir", str(sd), "--", "true"]):
+            try:
+                one_line_error(overlayrec(*args, check=False),
+                               "holds the workspace; put it beside it")
+                assert not is_mounted(str(ws))
+            finally:
+                force_unmount(str(ws))
+        assert sorted(os.listdir(ws)) == ["README"]
+        assert (os.stat(ws / "README").st_mode & 0o777, os.stat(ws).st_mode & 0o777) == \
+            (0o644, 0o755)
 
 
 def test_a_state_dir_too_deep_for_its_socket_is_refused(tmp_path):
@@ -1178,3 +1204,85 @@ def test_a_blob_gone_while_a_reader_read_is_said_as_such():
         "damaged store)")
     other = FileNotFoundError(2, "No such file or directory", "/s/ws/notes.txt")
     assert os_error_text(other) == "/s/ws/notes.txt: No such file or directory"
+
+
+@needs_fuse
+def test_mount_and_run_with_stdin_stdout_and_stderr_closed(tmp_path):
+    """With fds 0, 1 and 2 all closed, `mount` exited 1 without a word and left the workspace
+    mounted (the daemon's ready pipe took fds 1 and 2, and its log, put on 2, swallowed the
+    "ready"), and `run` never ran its command (found by a bug hunt)."""
+    ws, sd = tmp_path / "ws", tmp_path / "sd"
+    ws.mkdir()
+    closed = ">&- 2>&- <&-"
+    me = f"{shlex.quote(sys.executable)} -m overlayrec"
+    try:
+        r = subprocess.run(["bash", "-c", f"{me} mount {ws} --state-dir {sd} {closed}; echo $?"],
+                           capture_output=True, text=True, timeout=60)
+        assert r.stdout.strip() == "0" and is_mounted(str(ws)), (r.stdout, r.stderr)
+        overlayrec("umount", str(ws))
+        r = subprocess.run(["bash", "-c", f"cd {ws} && {me} run --state-dir {sd} -- "
+                            f"touch made {closed}; echo $?"],
+                           capture_output=True, text=True, timeout=60)
+        assert r.stdout.strip() == "0" and (ws / "made").exists(), (r.stdout, r.stderr)
+        wait_unmounted(str(ws), "run's end")
+        assert "made" in overlayrec("log", str(ws)).stdout
+    except BaseException:
+        time.sleep(2)  # a daemon its starter gave up on may mount after
+        raise
+    finally:
+        force_unmount(str(ws))
+
+
+@needs_fuse
+def test_run_and_readers_from_a_removed_working_directory(tmp_path):
+    """A shell whose directory was removed: `run -w WS` mounted, began the session, then
+    failed "No such file or directory" without running CMD; `diff` and `show` failed in git
+    ("Unable to read current working directory") where the other readers answered (found by
+    a bug hunt).  CMD runs in the workspace, and every reader answers."""
+    ws, sd, gone = tmp_path / "ws", tmp_path / "sd", tmp_path / "gone"
+    ws.mkdir()
+    (ws / "f").write_text("0\n")
+    me = f"{shlex.quote(sys.executable)} -m overlayrec"
+    script = (f"mkdir {gone} && cd {gone} && rmdir {gone} && "
+              f"{me} run -w {ws} --state-dir {sd} -- bash -c 'echo 1 > f' && "
+              f"{me} diff -w {ws} --session last && {me} show 2 -w {ws} && "
+              f"{me} blame f -w {ws}")
+    try:
+        r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=90)
+        assert r.returncode == 0, r.stderr
+        assert (ws / "f").read_text() == "1\n"
+        assert "-0\n+1\n" in r.stdout and "Traceback" not in r.stderr, r.stdout
+    finally:
+        force_unmount(str(ws))
+
+
+@needs_fuse
+def test_empty_ids_unknown_ops_and_backward_ranges_are_refused(tmp_path):
+    """Small refusals a bug hunt found missing: a point `session:` (an empty id) said the
+    journal could not be read (MDB_BAD_VALSIZE), as did an id past LMDB's longest key;
+    `log --op delete` (the op is unlink) and `log --since 5 --until 2` answered nothing,
+    exit 0; `status` of a file and `storage --state-dir` of a file misnamed them."""
+    ws, sd = tmp_path / "ws", tmp_path / "sd"
+    ws.mkdir()
+    (ws / "f").write_text("0\n")
+    (tmp_path / "file").write_text("")
+    overlayrec("run", "-w", str(ws), "--state-dir", str(sd), "--", "bash", "-c", "echo 1 > f")
+    wait_unmounted(str(ws), "run's end")
+    w = str(ws)
+    for point in ("session:", "before:session:", "call:"):
+        one_line_error(overlayrec("replay", w, "--at", point, "--to", str(tmp_path / "o"),
+                                  check=False), "an empty id")
+        one_line_error(overlayrec("log", w, "--since", point, check=False), "an empty id")
+    one_line_error(overlayrec("replay", w, "--at", "session:" + "x" * 600, "--to",
+                              str(tmp_path / "o"), check=False), "no session x")
+    one_line_error(overlayrec("blame", "f", "-w", w, "--at", "session:", check=False),
+                   "an empty id")
+    r = overlayrec("log", w, "--op", "delete", check=False)
+    assert r.returncode == 2 and "no operation 'delete'" in r.stderr and "unlink" in r.stderr
+    assert "truncate" in overlayrec("log", w, "--op", "truncate").stdout
+    one_line_error(overlayrec("log", w, "--since", "5", "--until", "2", check=False),
+                   "--until 2 is before --since 5")
+    one_line_error(overlayrec("status", str(tmp_path / "file"), check=False),
+                   "not a directory")
+    one_line_error(overlayrec("storage", w, "--state-dir", str(tmp_path / "file"),
+                              check=False), "is not a directory")

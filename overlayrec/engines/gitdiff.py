@@ -91,7 +91,9 @@ class ObjectStore:
     objects of the store's recorded commits with it."""
 
     def __init__(self, state_dir: str, git_dir: str | None = None):
-        self.git_dir = git_dir or os.path.join(state_dir, "git")
+        # absolute: git runs from / (it failed, "Unable to read current working directory",
+        # for a reader started in a directory removed since)
+        self.git_dir = os.path.abspath(git_dir or os.path.join(state_dir, "git"))
         # the private store is the user's alone whatever their umask (docs/storage.md): every
         # git it runs makes its files so (a diff's blobs too, not only an export's); a
         # repository the user names keeps the modes their git gives it
@@ -139,7 +141,7 @@ class ObjectStore:
     def _git(self, *args, input=None, env=None, git_dir=True) -> str:
         cmd = ["git", *args]
         with _no_sigpipe() if input is not None else contextlib.nullcontext():
-            r = subprocess.run(cmd, input=input, capture_output=True,
+            r = subprocess.run(cmd, input=input, capture_output=True, cwd="/",
                                env=env or (self.env if git_dir else None), umask=self.umask)
         if r.returncode != 0:
             raise GitError(f"git {args[0]} failed: {r.stderr.decode(errors='replace').strip()}")
@@ -492,7 +494,7 @@ class FastImport:
              # by git too (by default git holds one of up to 512 MiB whole)
              "fast-import", "--quiet", "--force", "--done", f"--big-file-threshold={LIMIT}",
              *([f"--export-marks={self.marks_file}"] if marks else [])],
-            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=self.err,
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=self.err, cwd="/",
             # glibc otherwise gives memory back and asks for it again for every object (tens
             # of thousands of brk calls: most of fast-import's time on a long session)
             env=dict(store.env, MALLOC_TOP_PAD_=str(64 << 20)), umask=store.umask)

@@ -127,6 +127,8 @@ def _resolve_point(j: Journal, spec: str) -> int:
             raise SelectionError(dropped_selection(j, turn=sel, session=sid or None)
                                  or str(e)) from None
         return max(t["begin_seq"] - 1, 0) if side == "before" else (t["end_seq"] or j.last_seq())
+    if spec in ("call:", "session:"):  # an empty id (a shell variable left unset)
+        raise SelectionError(f"not a point: {shown}: an empty id ({usage})")
     if spec.startswith("call:"):
         cid, sid = spec[5:], None
         calls = j.records("calls")

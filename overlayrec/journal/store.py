@@ -81,6 +81,7 @@ _NO_BLOBS: Mapping[str, bytes] = MappingProxyType({})  # a record's blobs when i
 # to LMDB at once, as without the log, and a full disk refuses the change itself
 _AHEAD_ROOM = 64 << 20
 _ROOM_EVERY = 0.005
+MAX_KEY = 511  # LMDB's largest key (its default build): a longer one is in no database
 
 
 def _dumps(obj) -> bytes:
@@ -827,8 +828,8 @@ class Journal:
         return out
 
     def record(self, db: str, key: bytes) -> dict | None:
-        if self.dbs[db] is None:
-            return None
+        if self.dbs[db] is None or not 0 < len(key) <= MAX_KEY:
+            return None  # no such key can be stored (LMDB refused it: MDB_BAD_VALSIZE)
         with self._read(db=self.dbs[db]) as txn:
             v = txn.get(key)
         r = _loads(v) if v is not None else None
