@@ -580,10 +580,13 @@ def replay(j: Journal, states: States, point: int, dest: str, full_from: str | N
         p = os.path.dirname(p)
     for d in reversed(made_parents):  # one at a time (os.makedirs recurses per level)
         os.mkdir(d)
-    tmp = tempfile.mkdtemp(prefix=temp_name(base, "overlayrec-replay-XXXXXXXX")[:-8], dir=parent)
     pfd = os.open(parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    root_fd = os.open(tmp, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    tmp = root_fd = None
     try:
+        # inside the try: a SIGTERM just after the temporary directory was made left it
+        tmp = tempfile.mkdtemp(prefix=temp_name(base, "overlayrec-replay-XXXXXXXX")[:-8],
+                               dir=parent)
+        root_fd = os.open(tmp, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         b = _Build(root_fd, states.secrets)
         root_state = None
         if full_from is not None:
@@ -616,14 +619,16 @@ def replay(j: Journal, states: States, point: int, dest: str, full_from: str | N
         os.rename(os.path.basename(tmp), base, src_dir_fd=pfd, dst_dir_fd=pfd)
     except BaseException:
         try:
-            _discard(pfd, os.path.basename(tmp))
+            if tmp is not None:
+                _discard(pfd, os.path.basename(tmp))
             for d in made_parents:
                 os.rmdir(d)
         except OSError:
             pass
         raise
     finally:
-        os.close(root_fd)
+        if root_fd is not None:
+            os.close(root_fd)
         os.close(pfd)
     return {"point": point, "written": written, "removed": removed,
             "inexact": sorted(set(b.inexact)), "not_made": list(b.not_made.values()),
