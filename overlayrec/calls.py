@@ -78,6 +78,33 @@ def _carries(argv: list[str], command: str) -> int:
     return 0
 
 
+# what our hook command's interpreter runs (agents.hook_command): `python -S -c CODE hook NAME`
+_HOOK_CODE = "from overlayrec.entry import main"
+
+
+def is_overlayrec(argv: list[str]) -> bool:
+    """Is this command line overlayrec's own (its script, ``python -m overlayrec``, our hook's
+    ``python -c``)?  Only by what runs, not by a word anywhere in it: an agent asked to "fix
+    the overlayrec tests", or started in ~/src/overlayrec, was skipped as ours, and the
+    terminal above it taken for the agent (its other processes' writes put in the turn)."""
+    if not argv:
+        return False
+    if os.path.basename(argv[0]) == "overlayrec":
+        return True
+    args = iter(argv[1:])
+    for a in args:  # the interpreter's options, up to what it runs
+        if a == "-m":
+            mod = next(args, "")
+            return mod == "overlayrec" or mod.startswith("overlayrec.")
+        if a == "-c":
+            return _HOOK_CODE in next(args, "")
+        if a in ("-X", "-W", "-Q"):
+            next(args, None)  # an option's value
+        elif not a.startswith("-"):  # the script: ours is installed as `overlayrec`
+            return os.path.basename(a) == "overlayrec"
+    return False
+
+
 # the longest session name taken (its calls' keys, the name and a 17-byte digest, stay
 # within LMDB's 511 bytes a key, with room for the ".2" a second run of one name gets)
 MAX_SESSION_NAME = 400
@@ -608,7 +635,7 @@ class Calls:
             name = os.path.basename((a.get("argv") or [""])[0])
             if pid <= 1 or a["start"] == 0:
                 break
-            if name not in SHELLS and "overlayrec" not in " ".join(a.get("argv") or [])[:200]:
+            if name not in SHELLS and not is_overlayrec(a.get("argv") or []):
                 return a
             pid = a["ppid"]
         return read_actor(caller["ppid"])

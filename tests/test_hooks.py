@@ -1,0 +1,135 @@
+"""Hooks installed in a workspace (`install-hooks`, no `overlayrec run`), driven by a fake agent
+through a real mount: which process is the agent, what a call left open at its turn's end
+holds, a payload whose cwd is outside the mount, ids that are not strings; and the fast path
+under `run` with a payload of several lines."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import SLOW, overlayrec
+
+pytestmark = pytest.mark.timeout(int(180 * SLOW))
+
+# The fake agent: runs each step of the JSON list in its last argument in order.  ["hook", EVENT, PAYLOAD]
+# pipes PAYLOAD (with hook_event_name, and cwd/session_id unless given) to every command the
+# project's Claude Code settings hold for EVENT, from the agent's own working directory, and
+# keeps what they said on stderr in ./hook-stderr; ["sh", COMMAND] runs a command as a child;
+# ["sleep", SECONDS] waits.  Any arguments before it only make its command line longer.
+AGENT = r'''
+import json, os, subprocess, sys, time
+steps = json.loads(sys.argv[-1])
+here = os.getcwd()
+hooks = json.load(open(os.path.join(here, ".claude", "settings.json")))["hooks"]
+for step in steps:
+    if step[0] == "hook":
+        p = dict({"cwd": here, "session_id": "S1"}, hook_event_name=step[1], **step[2])
+        for g in hooks[step[1]]:
+            for h in g["hooks"]:
+                r = subprocess.run(["/bin/sh", "-c", h["command"]], input=json.dumps(p).encode(),
+                                   capture_output=True)
+                assert r.returncode == 0, r
+                if r.stderr:
+                    with open(os.path.join(os.path.dirname(here), "hook-stderr"), "ab") as f:
+                        f.write(r.stderr)
+    elif step[0] == "sh":
+        subprocess.run(["bash", "-c", step[1]], check=True)
+    else:
+        time.sleep(step[1])
+'''
+
+
+def clean_env() -> dict:
+    """Hooks as outside `run`: no socket named (the hook finds the mount by its cwd)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("OVERLAYREC_")}
+
+
+def installed(make_mount, tmp_path):
+    """A mount of a workspace with Claude Code's hooks installed in it, and the fake agent."""
+    m = make_mount()
+    overlayrec("install-hooks", "claude-code", "--project", m.ws)
+    (tmp_path / "agent.py").write_text(AGENT)
+    return m.mount()
+
+
+def run_agent(m, tmp_path, steps, *more, cwd=None, env=None):
+    r = subprocess.run([sys.executable, str(tmp_path / "agent.py"), *more, json.dumps(steps)],
+                       cwd=cwd or m.ws, env=env or clean_env(), capture_output=True, text=True,
+                       timeout=120 * SLOW)
+    assert r.returncode == 0, r
+    return r
+
+
+def hook_stderr(m) -> str:
+    path = os.path.join(m.base, "hook-stderr")
+    return open(path).read() if os.path.exists(path) else ""
+
+
+def rows(m, *args):
+    return [json.loads(line) for line in
+            overlayrec(*args, m.ws, "--json", env=clean_env()).stdout.splitlines()]
+
+
+def units_of(m, path: str) -> set[str]:
+    return {e.get("unit") for e in m.events() if e.get("path") == path and e.get("unit")}
+
+
+def one_call(cid: str, command: str, post: bool = True) -> list:
+    steps = [["hook", "PreToolUse", {"tool_name": "Bash", "tool_use_id": cid,
+                                     "tool_input": {"command": command}}],
+             ["sh", command]]
+    if post:
+        steps.append(["hook", "PostToolUse", {"tool_name": "Bash", "tool_use_id": cid,
+                                              "tool_input": {}, "tool_response": {}}])
+    return steps
+
+
+START = [["hook", "SessionStart", {"source": "startup"}],
+         ["hook", "UserPromptSubmit", {"prompt": "p1"}]]
+
+
+def test_an_agent_whose_command_line_mentions_overlayrec_is_the_agent(make_mount, tmp_path):
+    """The agent was looked for as the hook's first ancestor that is no shell and whose
+    command line does not mention "overlayrec": `claude "fix the overlayrec tests"` was
+    skipped, the terminal above it taken for the agent, and the user's own edit made in
+    another pane of it put in the agent's turn (and undone by `revert --turn`)."""
+    m = installed(make_mount, tmp_path)
+    try:
+        with open(os.path.join(m.ws, "b.txt"), "w") as f:
+            f.write("keep\n")
+        steps = START + one_call("c1", "echo one > a.txt") + [["hook", "Stop", {}]]
+        terminal = (f"import subprocess, sys\n"
+                    f"subprocess.run(['bash', '-c', 'exec \"$0\" \"$@\"', sys.executable, "
+                    f"{str(tmp_path / 'agent.py')!r}, 'please fix the overlayrec tests', "
+                    f"{json.dumps(steps)!r}], cwd={m.ws!r}, check=True)\n"
+                    f"subprocess.run(['bash', '-c', 'echo user-edit > b.txt'], cwd={m.ws!r}, "
+                    f"check=True)\n")
+        subprocess.run([sys.executable, "-c", terminal], env=clean_env(), check=True,
+                       timeout=120 * SLOW)
+        assert units_of(m, "a.txt") == {"call:S1:c1"}
+        got = units_of(m, "b.txt")
+        assert got and all(u.startswith("outside:") for u in got), got
+        plan = json.loads(overlayrec("revert", m.ws, "--turn", "1", "--json",
+                                     env=clean_env()).stdout)
+        assert {s["path"] for s in plan["steps"]} == {"a.txt"}, plan
+    finally:
+        m.umount()
+
+
+def test_overlayrecs_own_command_lines_are_told_from_an_agents():
+    from overlayrec.calls import is_overlayrec
+    py = sys.executable
+    assert is_overlayrec([py, "-m", "overlayrec", "hook", "claude-code"])
+    assert is_overlayrec([py, "-S", "-c", "import sys; sys.path.insert(0, '/x'); "
+                          "from overlayrec.entry import main; main()", "hook", "codex"])
+    assert is_overlayrec([py, "/venv/bin/overlayrec", "run", "--", "claude"])
+    assert is_overlayrec(["/usr/local/bin/overlayrec", "run"])
+    assert not is_overlayrec(["claude", "fix the overlayrec tests"])
+    assert not is_overlayrec(["node", "/usr/lib/codex/cli.js", "--cd", "/src/overlayrec"])
+    assert not is_overlayrec([py, "/src/overlayrec/tools/agent.py"])
+    assert not is_overlayrec([py, "-c", "print('overlayrec')"])
+    assert not is_overlayrec([])
