@@ -845,8 +845,7 @@ class Calls:
         # sends no end for a tool call the user stopped, nor a turn end): it ends here, or it
         # would stay active beside every later call (calls active together: each later change
         # a guess); what its processes write from now on is marked after its end
-        for c in [c for c in s.active if not c.implicit]:
-            self._end_call(s, c, caller, "interrupted")
+        self._interrupt(s, caller)
         if s.turns and s.turns[-1]["end_t"] is None:
             self.turn_end(caller, s.id)
         index = len(s.turns) + 1
@@ -857,10 +856,19 @@ class Calls:
         self.journal.put_record("turns", turn_key(s.id, index), t)
         return t
 
+    def _interrupt(self, s: Session, caller: dict) -> None:
+        for c in [c for c in s.active if not c.implicit]:
+            self._end_call(s, c, caller, "interrupted")
+
     def turn_end(self, caller: dict, name: str | None) -> dict:
         s = self.resolve(name, caller)
         if not s.turns or s.turns[-1]["end_t"] is not None:
             raise ControlError(f"session {s.id} has no open turn")
+        # a call of the turn still open at its end got no end from the agent (a tool denied,
+        # a post hook that timed out): it ends with its turn, as at the next prompt, or it
+        # stayed active past the turn and took what was written after it (`calls --turn` and
+        # `revert --turn` held that, `turns` and `diff --turn` did not)
+        self._interrupt(s, caller)
         t = s.turns[-1]
         t["end_seq"] = self._control_event("turn_end", s, caller, turn=t["index"])
         t["end_t"] = time.time_ns()

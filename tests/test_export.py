@@ -366,26 +366,33 @@ TURN_ENDS_INSIDE_A_CALL = textwrap.dedent(r'''
             except FileNotFoundError:
                 pass
             time.sleep(0.02)
-        c.turn_end()  # the call's end hook has not come
-        p.communicate("go\n")
-        c.call_end("c1")
+        c.turn_end()  # the call's end hook has not come: the call ends with its turn
+        p.communicate("go\n")  # y.txt: the call's, after its end
+        try:
+            c.call_end("c1")
+        except client.ClientError as e:
+            assert "already ended" in str(e), e
 ''')
 
 
 def test_a_call_the_chain_commits_inside_has_its_sides(make_mount, tmp_path):
-    """A turn ended while a call was still active: the turn's commit holds what the call
+    """A turn ended while a call was still active: the turn's commit held what the call
     wrote until then, the call's commit only the rest, so the call's commit against its
-    parent is not its diff; nor did its sides hold it (only another unit's writes inside its
+    parent was not its diff; nor did its sides hold it (only another unit's writes inside its
     span, or its own after its end, made them), and `records diff --call` answered from the
-    commit: half the call.  Found by hand."""
+    commit: half the call.  Found by hand.  Since such a call ends with its turn (a turn
+    holds its calls), what it writes later is its late write: the sides still hold all of
+    it, and its diff is whole."""
     m = make_mount()
     m.mount()
     agent = tmp_path / "agent.py"
     agent.write_text(TURN_ENDS_INSIDE_A_CALL)
     overlayrec("run", "-w", m.ws, "--session", "s", "--", sys.executable, str(agent), cwd=m.ws)
     gd = json.loads(overlayrec("export", "git", m.ws, "--json").stdout)["git_dir"]
+    # the call ended with its turn (interrupted): its commit holds x.txt, and y.txt, written
+    # after its end, is its late write, in its sides
     assert git(gd, "show", "--name-only", "--format=", "refs/overlayrec/s/calls/c1") == \
-        "y.txt\n"  # the chain, as it is
+        "x.txt\n"  # the chain, as it is
     sides = git(gd, "ls-tree", "-r", "--name-only", "refs/overlayrec/s/sides").split()
     assert [p for p in sides if p.startswith("calls/")] == \
         ["calls/c-c1/.sides", "calls/c-c1/b/x.txt", "calls/c-c1/b/y.txt"], sides

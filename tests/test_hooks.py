@@ -133,3 +133,30 @@ def test_overlayrecs_own_command_lines_are_told_from_an_agents():
     assert not is_overlayrec([py, "/src/overlayrec/tools/agent.py"])
     assert not is_overlayrec([py, "-c", "print('overlayrec')"])
     assert not is_overlayrec([])
+
+
+def test_a_call_the_agent_never_ended_ends_with_its_turn(make_mount, tmp_path):
+    """A tool call with no PostToolUse (a denied tool, a post hook that timed out) stayed
+    active past its turn's Stop: a later write in no call went into it, which `calls --turn 1`
+    and `revert --turn 1` held while `turns` and `diff --turn 1` did not."""
+    m = installed(make_mount, tmp_path)
+    try:
+        run_agent(m, tmp_path, START + one_call("c1", "echo 1 > f1", post=False)
+                  + [["hook", "Stop", {}], ["sleep", 0.3], ["sh", "echo 2 > f2"],
+                     ["hook", "PostToolUse", {"tool_name": "Bash", "tool_use_id": "c1",
+                                              "tool_input": {}, "tool_response": {}}]])
+        assert hook_stderr(m) == ""  # the late end is taken silently
+        calls = rows(m, "calls")
+        assert [(c["id"], c["status"], c["paths"]) for c in calls] == \
+            [("c1", "interrupted", ["f1"])], calls
+        assert units_of(m, "f2") == {"session:S1"}
+        assert rows(m, "calls", "--turn", "1") == calls
+        names = {line.split()[-1] for line in overlayrec(
+            "diff", m.ws, "--turn", "1", "--name-status", env=clean_env()).stdout.splitlines()}
+        assert names == {"f1"}
+        plan = json.loads(overlayrec("revert", m.ws, "--turn", "1", "--json",
+                                     env=clean_env()).stdout)
+        assert {s["path"] for s in plan["steps"]} == {"f1"}, plan
+    finally:
+        m.umount()
+
