@@ -160,3 +160,33 @@ def test_a_call_the_agent_never_ended_ends_with_its_turn(make_mount, tmp_path):
     finally:
         m.umount()
 
+
+def test_a_payload_whose_cwd_is_outside_the_mount_is_taken_by_the_hooks_own(make_mount,
+                                                                              tmp_path):
+    """Claude Code's payload cwd follows its Bash tool's `cd` (into an --add-dir directory,
+    outside the mount) while the hook runs in the workspace: the hook looked only at the
+    payload's cwd, and dropped the turn, its call and the session's end without a word."""
+    m = installed(make_mount, tmp_path)
+    try:
+        other = str(tmp_path / "other")
+        os.mkdir(other)
+        f2 = os.path.join(m.ws, "f2")
+        there = {"cwd": other}
+        run_agent(m, tmp_path, START + one_call("c1", "echo 1 > f1") + [
+            ["hook", "Stop", {}],
+            ["hook", "UserPromptSubmit", dict(there, prompt="p2")],
+            ["hook", "PreToolUse", dict(there, tool_name="Bash", tool_use_id="c2",
+                                        tool_input={"command": f"echo 2 > {f2}"})],
+            ["sh", f"echo 2 > {f2}"],
+            ["hook", "PostToolUse", dict(there, tool_name="Bash", tool_use_id="c2",
+                                         tool_input={}, tool_response={})],
+            ["hook", "Stop", there], ["hook", "SessionEnd", there]])
+        assert hook_stderr(m) == ""
+        assert [(t["index"], t["prompt"], bool(t["end_t"])) for t in rows(m, "turns")] == \
+            [(1, "p1", True), (2, "p2", True)]
+        assert [(c["id"], c["turn"], c["status"], c["paths"]) for c in rows(m, "calls")] == \
+            [("c1", 1, "ok", ["f1"]), ("c2", 2, "ok", ["f2"])]
+        assert units_of(m, "f2") == {"call:S1:c2"}
+        assert "session_end" in {e["op"] for e in m.events()}
+    finally:
+        m.umount()

@@ -114,11 +114,17 @@ def run_hook(name: str, stdin=None, stdout=None) -> int:
             roots = payload.get("workspace_roots")
             if not cwd and isinstance(roots, list) and roots and isinstance(roots[0], str):
                 cwd = roots[0]
-            try:
-                c = client.connect(cwd=cwd if isinstance(cwd, str) and os.path.isdir(cwd)
-                                   else None)
-            except client.NoMount:
-                c = None  # not recording here: nothing to do
+            c = None
+            # the payload's cwd first, then the hook's own: Claude Code's cwd follows its Bash
+            # tool's `cd` (into an --add-dir directory outside the mount, say) while the hook
+            # runs in the workspace; the payload's alone dropped the turn without a word
+            for where in dict.fromkeys((cwd if isinstance(cwd, str) and os.path.isdir(cwd)
+                                        else None, None)):
+                try:
+                    c = client.connect(cwd=where)
+                    break
+                except client.NoMount:
+                    pass  # not recording here: nothing to do
             if c is not None:
                 with c:
                     mod.apply(payload, c, (client.ClientError,))
