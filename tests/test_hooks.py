@@ -15,11 +15,12 @@ from conftest import SLOW, overlayrec
 
 pytestmark = pytest.mark.timeout(int(180 * SLOW))
 
-# The fake agent: runs each step of the JSON list in its last argument in order.  ["hook", EVENT, PAYLOAD]
-# pipes PAYLOAD (with hook_event_name, and cwd/session_id unless given) to every command the
-# project's Claude Code settings hold for EVENT, from the agent's own working directory, and
-# keeps what they said on stderr in ./hook-stderr; ["sh", COMMAND] runs a command as a child;
-# ["sleep", SECONDS] waits.  Any arguments before it only make its command line longer.
+# The fake agent: runs each step of the JSON list in its last argument, in order.
+# ["hook", EVENT, PAYLOAD] pipes PAYLOAD (with hook_event_name, and cwd and session_id unless
+# given) to every command the project's Claude Code settings hold for EVENT, from the agent's
+# own working directory, and keeps what they said on stderr in ../hook-stderr; ["sh", COMMAND]
+# runs a command as a child; ["sleep", SECONDS] waits.  Any arguments before the list only make
+# its command line longer.
 AGENT = r'''
 import json, os, subprocess, sys, time
 steps = json.loads(sys.argv[-1])
@@ -190,3 +191,22 @@ def test_a_payload_whose_cwd_is_outside_the_mount_is_taken_by_the_hooks_own(make
         assert "session_end" in {e["op"] for e in m.events()}
     finally:
         m.umount()
+
+
+@pytest.mark.parametrize("name", ["claude-code", "cursor"])
+def test_install_hooks_refuses_a_settings_file_that_is_not_utf8_in_one_line(tmp_path, name):
+    """A settings file in Latin-1 gave "internal error: UnicodeDecodeError ..."; JSON is
+    UTF-8, so it is refused as a file that is not JSON is, and left as it is."""
+    from overlayrec import agents
+    path = agents.settings_path(name, str(tmp_path))
+    os.makedirs(os.path.dirname(path))
+    before = b'{"model": "caf\xe9"}\n'
+    with open(path, "wb") as f:
+        f.write(before)
+    for remove in ((), ("--remove",)):
+        r = overlayrec("install-hooks", name, "--project", str(tmp_path), *remove, check=False)
+        assert r.returncode == 1 and r.stdout == "", r
+        assert r.stderr.count("\n") == 1 and "is not valid JSON (not UTF-8" in r.stderr, r.stderr
+        assert "not touching it" in r.stderr and "Traceback" not in r.stderr
+        with open(path, "rb") as f:
+            assert f.read() == before

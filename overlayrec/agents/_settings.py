@@ -47,6 +47,9 @@ def load(path: str) -> tuple[dict, dict]:
             text = f.read()
     except FileNotFoundError:
         return {}, {"indent": 2, "newline": True}
+    except UnicodeDecodeError as e:  # JSON is UTF-8 (RFC 8259): refused as invalid JSON is
+        raise SettingsError(f"{path} is not valid JSON (not UTF-8: byte 0x{e.object[e.start]:02x} "
+                            f"at offset {e.start}); not touching it") from None
     if not text.strip():
         return {}, {"indent": 2, "newline": True}
     try:
