@@ -104,7 +104,12 @@ class ControlServer:
             return {}
         op = req.get("op")
         c = self.calls
-        name = req.get("session") or None
+        name = req.get("session")
+        if name is not None and not isinstance(name, str):
+            # said as a bad request: a number or a list failed in the session table (a
+            # traceback in the log, "internal error" to the caller), a 0 was taken as none
+            raise ValueError("session must be a string")
+        name = name or None
         if op == "ping":
             return {"pid": os.getpid()}
         if op == "status":

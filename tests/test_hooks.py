@@ -210,3 +210,58 @@ def test_install_hooks_refuses_a_settings_file_that_is_not_utf8_in_one_line(tmp_
         assert "not touching it" in r.stderr and "Traceback" not in r.stderr
         with open(path, "rb") as f:
             assert f.read() == before
+
+
+BAD_IDS = [("claude-code", "SessionStart", "session_id", 5),
+           ("cursor", "sessionStart", "conversation_id", ["a"]),
+           ("claude-code", "UserPromptSubmit", "session_id", {"a": 1}),
+           ("codex", "PreToolUse", "session_id", 7),
+           ("gemini", "BeforeAgent", "session_id", 0)]
+
+
+def test_a_session_id_that_is_not_a_string_is_a_bad_request_in_one_line(make_mount):
+    """A session or conversation id that was a number, a list or an object: tracebacks in the
+    daemon's log ("control request failed"), "internal error: 'int' object has no attribute
+    'encode'" from the hook, "unhashable type" for an object, and a number on other events
+    taken quietly.  Now a bad request, said in one line, on every path: the hook, a raw
+    payload on the socket (the fast hook), a control request."""
+    from overlayrec import client
+    m = make_mount().mount()
+    try:
+        for name, event, key, value in BAD_IDS:
+            payload = {"hook_event_name": event, key: value, "cwd": m.ws, "prompt": "p",
+                       "tool_name": "Bash", "tool_use_id": "t1", "tool_input": {}}
+            r = subprocess.run([sys.executable, "-m", "overlayrec", "hook", name],
+                               input=json.dumps(payload), capture_output=True, text=True,
+                               cwd=m.ws, env=clean_env(), timeout=30 * SLOW)
+            assert r.returncode == 0, r
+            assert r.stderr == f"overlayrec hook: bad request: {key} must be a string\n", r
+            with client.Client(os.path.join(m.state, "control.sock")) as c:
+                with pytest.raises(client.ClientError,
+                                   match=f"^bad request: {key} must be a string$"):
+                    _raw(c, payload)
+        for op in ("session_begin", "turn_begin", "session_end", "pin"):
+            with client.Client(os.path.join(m.state, "control.sock")) as c:
+                with pytest.raises(client.ClientError,
+                                   match="^bad request: session must be a string$"):
+                    c.request(op, session=5)
+        assert rows(m, "turns") == [] and rows(m, "calls") == []
+        assert "session_begin" not in {e["op"] for e in m.events()}
+        with open(os.path.join(m.state, "daemon.log")) as f:
+            log = f.read()
+        assert "Traceback" not in log and "control request failed" not in log, log
+    finally:
+        m.umount()
+
+
+def _raw(c, payload: dict) -> dict:
+    """A hook's payload sent to the daemon as it is, as the fast hook's `nc` sends it."""
+    from overlayrec import client
+    c.sock.sendall(json.dumps(payload).encode() + b"\n")
+    while b"\n" not in c._buf:
+        c._buf += c.sock.recv(65536)
+    line, c._buf = c._buf.split(b"\n", 1)
+    out = json.loads(line)
+    if not out.get("ok"):
+        raise client.ClientError(out.get("error"))
+    return out

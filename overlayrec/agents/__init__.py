@@ -128,6 +128,8 @@ def run_hook(name: str, stdin=None, stdout=None) -> int:
             if c is not None:
                 with c:
                     mod.apply(payload, c, (client.ClientError,))
+    except ValueError as e:  # not JSON, or not the payload it should be: said as the daemon
+        print(f"overlayrec hook: bad request: {e}", file=sys.stderr)  # says it, in one line
     except Exception as e:  # never break the agent
         print(f"overlayrec hook: {e}", file=sys.stderr)
     said = mod.answer(event)

@@ -65,6 +65,20 @@ def end_call(target, errors: tuple, sid, call_id, status: str) -> None:
             raise
 
 
+def session_id(payload: dict, *keys) -> str | None:
+    """The session id under the first of ``keys`` the payload carries one (None: none).  One
+    that is not a string is refused (ValueError, a bad request): a number, a list or an object
+    reached the daemon's session table and failed there with a traceback, or was taken."""
+    for k in keys:
+        v = payload.get(k)
+        if v is None or v == "":
+            continue
+        if not isinstance(v, str):
+            raise ValueError(f"{k} must be a string")
+        return v
+    return None
+
+
 def first(payload: dict, *keys):
     """The first of ``keys`` the payload carries a non-empty value for."""
     for k in keys:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from ._common import end_call, end_turn, summarize, with_session
+from ._common import end_call, end_turn, session_id, summarize, with_session
 
 NAME = "claude-code"
 PROGRAMS = ("claude",)
@@ -32,7 +32,7 @@ def recognise(payload: dict) -> int:
 
 def apply(payload: dict, target, errors: tuple) -> None:
     ev = payload.get("hook_event_name")
-    sid = payload.get("session_id") or None
+    sid = session_id(payload, "session_id")
     if ev == "SessionStart":
         target.session_begin(session=sid)
     elif ev == "UserPromptSubmit":

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 
-from ._common import end_call, end_turn, summarize, with_session
+from ._common import end_call, end_turn, session_id, summarize, with_session
 
 NAME = "codex"
 PROGRAMS = ("codex",)
@@ -50,7 +50,7 @@ def _failed(response) -> bool:
 
 def apply(payload: dict, target, errors: tuple) -> None:
     ev = payload.get("hook_event_name")
-    sid = payload.get("session_id") or None
+    sid = session_id(payload, "session_id")
     if ev == "SessionStart":
         target.session_begin(session=sid)
     elif ev == "UserPromptSubmit":

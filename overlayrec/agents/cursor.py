@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 
-from ._common import end_call, end_turn, first, summarize, with_session
+from ._common import end_call, end_turn, session_id, summarize, with_session
 
 NAME = "cursor"
 PROGRAMS = ("cursor-agent",)
@@ -46,7 +46,7 @@ def recognise(payload: dict) -> int:
 
 def apply(payload: dict, target, errors: tuple) -> None:
     ev = payload.get("hook_event_name")
-    sid = first(payload, "conversation_id", "session_id")
+    sid = session_id(payload, "conversation_id", "session_id")
     if ev == "sessionStart":
         target.session_begin(session=sid)
     elif ev == "beforeSubmitPrompt":

@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 
 from ._common import begin_derived, derived_id, end_call, end_derived, end_turn, first, \
-    summarize, with_session
+    session_id, summarize, with_session
 
 NAME = "gemini"
 PROGRAMS = ("gemini",)
@@ -52,7 +52,7 @@ def _call_id(payload: dict):
 
 def apply(payload: dict, target, errors: tuple) -> None:
     ev = payload.get("hook_event_name")
-    sid = payload.get("session_id") or None
+    sid = session_id(payload, "session_id")
     tool = payload.get("tool_name") or "tool"
     if ev == "SessionStart":
         target.session_begin(session=sid)
