@@ -265,3 +265,46 @@ def _raw(c, payload: dict) -> dict:
     if not out.get("ok"):
         raise client.ClientError(out.get("error"))
     return out
+
+
+PRETTY_CLAUDE = r'''
+import json, os, subprocess, sys
+hooks = json.load(open(sys.argv[sys.argv.index("--settings") + 1]))["hooks"]
+def hook(ev, **kw):
+    p = dict(hook_event_name=ev, session_id="S7", cwd=os.getcwd(), **kw)
+    for g in hooks[ev]:
+        for h in g["hooks"]:
+            r = subprocess.run(["/bin/sh", "-c", h["command"]], capture_output=True,
+                               input=json.dumps(p, indent=2).replace("\n", "\r\n").encode())
+            assert r.returncode == 0 and r.stderr == b"", r
+hook("SessionStart", source="startup")
+hook("UserPromptSubmit", prompt="two\nlines")
+hook("PreToolUse", tool_name="Bash", tool_use_id="c1", tool_input={"command": "echo 1 > f1"})
+subprocess.run(["bash", "-c", "echo 1 > f1"], check=True)
+hook("PostToolUse", tool_name="Bash", tool_use_id="c1", tool_input={}, tool_response={})
+hook("Stop")
+hook("SessionEnd")
+'''
+
+
+def test_the_fast_hook_takes_a_payload_laid_out_on_several_lines(make_mount, tmp_path):
+    """Under `run` the hook pipes the payload to the daemon's socket with nc; the daemon
+    reads a request a line, so a pretty-printed payload was refused line by line while nc
+    exited 0: no turn, no call, and no fallback to `overlayrec hook`, which takes it."""
+    if subprocess.run(["sh", "-c", "command -v nc"], capture_output=True).returncode:
+        pytest.skip("needs nc (the fast hook's path)")
+    m = make_mount().mount()
+    try:
+        bindir = tmp_path / "bin"
+        bindir.mkdir()
+        (bindir / "claude").write_text(f"#!{sys.executable}\n" + PRETTY_CLAUDE)
+        (bindir / "claude").chmod(0o755)
+        env = clean_env()
+        overlayrec("run", "-w", m.ws, "--session", "R", "--", str(bindir / "claude"), env=env,
+                   cwd=m.ws)
+        assert [(t["prompt"], bool(t["end_t"])) for t in rows(m, "turns")] == \
+            [("two\nlines", True)]
+        assert [(c["id"], c["status"], c["paths"]) for c in rows(m, "calls")] == \
+            [("c1", "ok", ["f1"])]
+    finally:
+        m.umount()

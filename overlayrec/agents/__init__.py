@@ -84,9 +84,13 @@ def hook_command(name: str, event: str | None = None) -> str:
     py = f"{shlex.quote(sys.executable)} -S -c {shlex.quote(code)} hook {name}"
     said = mod.answer(event)
     say = f"printf '%s\\n' {shlex.quote(said)}; " if said is not None else ""
-    # $(cat) drops trailing newlines only, which JSON does not need; printf keeps the rest
+    # $(cat) drops trailing newlines only, which JSON does not need; printf keeps the rest.
+    # The daemon reads a request a line: a payload laid out on several lines (pretty-printed)
+    # was taken line by line, each refused, and nc said nothing of it.  Its line ends can only
+    # be whitespace between tokens (in a string they are escaped), so tr makes them spaces
     fast = ('if [ -S "${OVERLAYREC_SOCKET:-}" ] && command -v nc >/dev/null; then '
-            'p=$(cat); if printf %s "$p" | nc -UN "$OVERLAYREC_SOCKET" >/dev/null 2>&1; '
+            'p=$(cat); if printf %s "$p" | tr \'\\r\\n\' \'  \' | '
+            'nc -UN "$OVERLAYREC_SOCKET" >/dev/null 2>&1; '
             f'then {say}exit 0; fi; printf %s "$p" | {py}; exit 0; fi; ')
     # not exec'd: an interpreter gone since the hooks were installed (a venv made anew) exited
     # 127, where a hook exits 0 whatever goes wrong; the agent's answer is given then too (the
