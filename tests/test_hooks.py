@@ -308,3 +308,39 @@ def test_the_fast_hook_takes_a_payload_laid_out_on_several_lines(make_mount, tmp
             [("c1", "ok", ["f1"])]
     finally:
         m.umount()
+
+
+@pytest.mark.parametrize("name,text", [
+    ("claude-code", '{\n  "model": "opus",\n  "hooks": {}\n}\n'),
+    ("claude-code", '{\n  "hooks": {\n    "Stop": []\n  }\n}\n'),
+    ("claude-code", '{\n  "hooks": {\n    "Stop": [],\n    "Notification": []\n  }\n}\n'),
+    ("claude-code", '{\n  "model": "opus"\n}\n'),
+    ("gemini", '{\n  "hooks": {\n    "AfterAgent": [],\n    "x": 1\n  }\n}\n'),
+    ("cursor", '{\n  "version": 1\n}\n'),
+    ("cursor", '{\n  "version": 1,\n  "hooks": {}\n}\n'),
+    ("cursor", '{\n  "version": 1,\n  "hooks": {\n    "stop": []\n  }\n}\n'),
+])
+def test_install_then_remove_keeps_the_users_empty_tables(tmp_path, name, text):
+    """`"hooks": {}` was dropped, `"Stop": []` too (the table then dropped), and Cursor's
+    `{"version": 1}` gained `"hooks": {}`: install then --remove was not byte-identical, as
+    docs/agents.md says it is.  An installed file runs our hooks still, once each."""
+    from overlayrec import agents
+    path = agents.settings_path(name, str(tmp_path))
+    os.makedirs(os.path.dirname(path))
+    with open(path, "w") as f:
+        f.write(text)
+    for _ in range(2):  # idempotent: a second install changes nothing
+        overlayrec("install-hooks", name, "--project", str(tmp_path))
+        with open(path) as f:
+            installed_ = f.read()
+        hooks = json.loads(installed_)["hooks"]
+        for ev in agents.get(name).EVENTS:
+            cmds = [h["command"] for h in hooks[ev]] if name == "cursor" else \
+                [h["command"] for g in hooks[ev] for h in g["hooks"]]
+            assert sum(f"overlayrec hook {name}" in c for c in cmds) == 1, (ev, cmds)
+    overlayrec("install-hooks", name, "--project", str(tmp_path), "--remove")
+    with open(path) as f:
+        assert f.read() == text
+    overlayrec("install-hooks", name, "--project", str(tmp_path), "--remove")  # none there
+    with open(path) as f:
+        assert f.read() == text

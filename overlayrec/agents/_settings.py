@@ -109,57 +109,91 @@ def _listed(hooks: dict, ev: str) -> list:
     return got
 
 
-def merge_grouped(settings: dict, entries: dict, agent: str, remove: bool = False) -> dict:
-    """Add (or remove) our groups in a grouped hook table, keeping every other entry."""
+# An empty table or list the user had ("hooks": {}, "Stop": []) looks, once our entries are
+# taken out again, like one our install made: it was dropped, and install then --remove was not
+# byte-identical.  The file is the only memory between the two, so our entries say it: their
+# command's comment ends "(empty before: hooks)" / "(... event)" / "(... hooks, event)".
+_EMPTY_BEFORE = re.compile(r" \(empty before: ([a-z, ]+)\)$")
+
+
+def _marks(command) -> set[str]:
+    m = _EMPTY_BEFORE.search(command) if isinstance(command, str) else None
+    return set(m.group(1).split(", ")) if m else set()
+
+
+def _marked(command: str, marks: set[str]) -> str:
+    command = _EMPTY_BEFORE.sub("", command)
+    return f"{command} (empty before: {', '.join(sorted(marks))})" if marks else command
+
+
+def _commands(entry, flat: bool) -> list:
+    """The hook commands (dicts with ``command``) of one entry of an event's list."""
+    if flat:
+        return [entry] if isinstance(entry, dict) else []
+    got = entry.get("hooks") if isinstance(entry, dict) else None
+    return [h for h in got if isinstance(h, dict)] if isinstance(got, list) else []
+
+
+def _merge(settings: dict, entries: dict, agent: str, remove: bool, flat: bool) -> dict:
+    """Add (or remove) our entries in a hook table, keeping every other entry, and the empty
+    table or lists the user had (our entries' marks say which, once they are in)."""
+    had = "hooks" in settings
     hooks = settings.get("hooks")
     if hooks is None:
         hooks = {}
     if not isinstance(hooks, dict):
         raise SettingsError("its \"hooks\" is not an object; not touching it")
+    listed = {ev: _listed(hooks, ev) for ev in entries}
+    mine = {ev: [h.get("command") for e in got for h in _commands(e, flat)
+                 if ours(h.get("command"), agent)] for ev, got in listed.items()}
+    hooks_empty = (had and not hooks) or any("hooks" in _marks(c) for cs in mine.values()
+                                             for c in cs)
     for ev in list(entries):
+        ev_empty = (ev in hooks and not listed[ev]) or any("event" in _marks(c)
+                                                           for c in mine[ev])
         kept = []
-        for group in _listed(hooks, ev):
-            if not isinstance(group, dict) or not isinstance(group.get("hooks", []), list):
-                kept.append(group)  # not a shape we write: not ours, kept as it is
+        for entry in listed[ev]:
+            if flat:
+                if not (isinstance(entry, dict) and ours(entry.get("command"), agent)):
+                    kept.append(entry)
                 continue
-            cmds = [h for h in group.get("hooks", []) if not
+            if not isinstance(entry, dict) or not isinstance(entry.get("hooks", []), list):
+                kept.append(entry)  # not a shape we write: not ours, kept as it is
+                continue
+            cmds = [h for h in entry.get("hooks", []) if not
                     (isinstance(h, dict) and ours(h.get("command"), agent))]
             if cmds:
-                kept.append(dict(group, hooks=cmds) if len(cmds) != len(group["hooks"])
-                            else group)
-            elif not group.get("hooks"):
-                kept.append(group)
+                kept.append(dict(entry, hooks=cmds) if len(cmds) != len(entry["hooks"])
+                            else entry)
+            elif not entry.get("hooks"):
+                kept.append(entry)
         if not remove:
-            kept.extend(entries[ev])
-        if kept:
+            marks = {"hooks"} if hooks_empty else set()
+            if ev_empty:
+                marks.add("event")
+            for entry in entries[ev]:
+                for h in _commands(entry, flat):
+                    h["command"] = _marked(h["command"], marks)
+                kept.append(entry)
+        if kept or ev_empty:
             hooks[ev] = kept
         else:
             hooks.pop(ev, None)
-    if hooks:
+    if hooks or hooks_empty:
         settings["hooks"] = hooks
     else:
         settings.pop("hooks", None)
     return settings
 
 
+def merge_grouped(settings: dict, entries: dict, agent: str, remove: bool = False) -> dict:
+    """Add (or remove) our groups in a grouped hook table, keeping every other entry."""
+    return _merge(settings, entries, agent, remove, flat=False)
+
+
 def merge_flat(settings: dict, entries: dict, agent: str, remove: bool = False) -> dict:
     """Add (or remove) our entries in a flat hook table (Cursor), keeping every other entry."""
-    hooks = settings.get("hooks")
-    if hooks is None:
-        hooks = {}
-    if not isinstance(hooks, dict):
-        raise SettingsError("its \"hooks\" is not an object; not touching it")
-    for ev in list(entries):
-        kept = [h for h in _listed(hooks, ev) if not
-                (isinstance(h, dict) and ours(h.get("command"), agent))]
-        if not remove:
-            kept.extend(entries[ev])
-        if kept:
-            hooks[ev] = kept
-        else:
-            hooks.pop(ev, None)
-    settings["hooks"] = hooks
-    return settings
+    return _merge(settings, entries, agent, remove, flat=True)
 
 
 def holds_ours(path: str, agent: str) -> bool:
