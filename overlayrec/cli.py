@@ -349,7 +349,8 @@ def _daemon_pid(sd: str) -> tuple[int | None, dict | None, str | None]:
               help="Full fidelity: journal every write's data, so replay is exact at every event.")
 @click.option("--secret", "secret", multiple=True, metavar="PATTERN",
               help="A path whose content is never kept (repeatable; added to the defaults: "
-              ".env* .ssh/ .npmrc .pypirc .netrc .git-credentials *.pem *.key).")
+              ".env* .ssh/ .npmrc .pypirc .netrc .git-credentials *.pem *.key id_rsa id_dsa "
+              "id_ecdsa id_ed25519 .aws/, and to the patterns earlier mounts added).")
 @click.option("--no-default-secrets", is_flag=True,
               help="Only the --secret patterns, not the defaults.")
 @click.option("--timeout", type=SECONDS, default=30.0, show_default=True,

@@ -40,7 +40,9 @@ import os
 import re
 import stat
 
-DEFAULTS = (".env*", ".ssh/", ".npmrc", ".pypirc", ".netrc", ".git-credentials", "*.key")
+DEFAULTS = (".env*", ".ssh/", ".npmrc", ".pypirc", ".netrc", ".git-credentials", "*.key",
+            # private keys ssh-keygen names (their .pub is another name), cloud credentials
+            "id_rsa", "id_dsa", "id_ecdsa", "id_ed25519", ".aws/")
 CHECKED_DEFAULTS = ("*.pem",)
 PLACEHOLDER = "content not kept (secret path)"
 META_PATTERNS = "secrets"
@@ -77,8 +79,11 @@ def effective(added=(), no_defaults: bool = False, stored: list[str] | None = No
     added = [check_pattern(p) for p in added]
     if not added and not no_defaults and stored is not None:
         return list(stored), list(stored_checked or ())
+    # an earlier mount's own patterns stay: a later `--secret other` dropped them, and the
+    # path they withheld had its content kept from then on, without a word
+    earlier = [p for p in stored or () if p not in DEFAULTS]
     out = [] if no_defaults else list(DEFAULTS)
-    out += [p for p in added if p not in out]
+    out += [p for p in earlier + added if p not in out]
     return out, [] if no_defaults else [p for p in CHECKED_DEFAULTS if p not in out]
 
 
@@ -129,6 +134,19 @@ def public_in(dfd: int, name: str) -> bytes | None:
     return data if data is not None and public_pem(data) else None
 
 
+def _beneath(pattern: str, src: str) -> str | None:
+    """What an anchored ``pattern`` names beneath the directory ``src`` (the rest of it,
+    after components that match ``src``'s), or None when it names nothing beneath it."""
+    pp, sp = pattern.split("/"), src.split("/")
+    if len(pp) <= len(sp) or not all(fnmatch.fnmatchcase(s, q) for s, q in zip(sp, pp)):
+        return None
+    return "/".join(pp[len(sp):])
+
+
+def _is_pattern(s: str) -> bool:
+    return any(c in s for c in "*?[")
+
+
 def placeholder(as_of: int | None) -> bytes:
     """What a reader shows for a secret file's content at a point: the last event that changed
     it there (None: the live file), so two points read alike only when nothing changed it."""
@@ -156,6 +174,7 @@ class _Patterns:
             else:
                 self._anchored.append(p.strip("/"))
         # each list as one regular expression (fnmatchcase's own translation), asked once a name
+        self.anchored = self._anchored
         self._any_re = _one_re(self._any)
         self._anchored_re = _one_re(self._anchored)
         self._parts: dict[str, bool] = {}  # a name's answer under _any_re (names repeat)
@@ -246,9 +265,16 @@ class Secrets:
             self.names.add(dst)
             changed = True
         else:
-            # names beneath a moved directory move with it
-            for n in [n for n in self.names if n.startswith(src + "/")]:
-                new = dst + n[len(src):]
+            # names beneath a moved directory move with it, and so do the paths an anchored
+            # pattern names beneath it (`config/prod.yml` after `mv config cfg`: its content
+            # was kept from then on): the path under its new name, or the whole directory
+            # where the rest of the pattern is a pattern itself
+            moved = [dst + n[len(src):] for n in self.names if n.startswith(src + "/")]
+            for p in self._plain.anchored:
+                rest = _beneath(p, src)
+                if rest is not None:
+                    moved.append(dst if _is_pattern(rest) else f"{dst}/{rest}")
+            for new in moved:
                 if not self.match(new):
                     self.names.add(new)
                     changed = True

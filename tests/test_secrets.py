@@ -12,6 +12,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 import zlib
 
@@ -454,3 +455,101 @@ def test_content_checked_pem_files_in_every_shape(make_mount, tmp_path):
     finally:
         m.umount()
     assert_nowhere([m.state, str(tmp_path / "after"), str(tmp_path / "again")], keys)
+
+
+def test_anchored_patterns_follow_a_directory_renamed_above_them():
+    """`--secret config/prod.yml`, then `mv config cfg`: the pattern named nothing beneath
+    `cfg`, so its content was kept from the rename on (found by a bug hunt).  The name moves
+    with the directory, or the whole directory where the rest is a pattern itself."""
+    from overlayrec.secrets import Secrets
+    s = Secrets(["config/prod.yml", "deploy/*/token", "conf*/other.yml"], checked=())
+    assert s.carried("config", "cfg") and s.match("cfg/prod.yml") and s.match("cfg/other.yml")
+    assert not s.match("cfg/public.yml")
+    assert s.carried("deploy", "d2") and s.match("d2/any/thing")  # the rest has a wildcard
+    assert not s.carried("elsewhere", "e2") and not s.match("e2/prod.yml")
+    assert not s.carried("config/prod.yml.d", "x")  # no pattern beneath it
+
+
+def test_a_later_mounts_secret_adds_to_an_earlier_ones():
+    """A later mount's `--secret other.txt` replaced the earlier mount's `--secret creds.txt`
+    without a word: creds.txt's content was kept from then on (found by a bug hunt)."""
+    from overlayrec.secrets import DEFAULTS, effective
+    first, checked = effective(["creds.txt"], stored=None)
+    assert "creds.txt" in first and ".env*" in first and checked == ["*.pem"]
+    later, _ = effective(["other.txt"], stored=first, stored_checked=checked)
+    assert later == list(DEFAULTS) + ["creds.txt", "other.txt"]
+    assert effective([], stored=later, stored_checked=checked) == (later, checked)
+    bare, bare_checked = effective([], no_defaults=True, stored=later)
+    assert bare == ["creds.txt", "other.txt"] and bare_checked == []
+
+
+@pytest.mark.timeout(240)
+def test_a_secret_beneath_a_renamed_directory_and_a_later_exports_cached_blob(make_mount,
+                                                                               tmp_path):
+    """Two leaks a bug hunt found, each through a real mount: `--secret config/prod.yml` and
+    a call that renames `config` and writes the file there (its pre-images kept the content:
+    diff, show, export and the journal held it); an incremental export after a later mount
+    made `untouched.yml` secret, which reused the blob the first export had kept for it."""
+    vals = secrets(3)
+    m = make_mount(["--secret", "config/prod.yml"])
+    os.makedirs(os.path.join(m.ws, "config"))
+    with open(os.path.join(m.ws, "config", "prod.yml"), "wb") as f:
+        f.write(vals[0] + b"\n")
+    with open(os.path.join(m.ws, "untouched.yml"), "wb") as f:
+        f.write(vals[2] + b"\n")
+    with open(os.path.join(m.ws, "a.txt"), "w") as f:
+        f.write("a\n")
+    old = 10**9 * (int(os.stat(m.ws).st_mtime) - 3600)
+    os.utime(os.path.join(m.ws, "untouched.yml"), ns=(old, old))
+    (tmp_path / "v1").write_bytes(vals[1] + b"\n")
+    code = textwrap.dedent(f'''
+        import os
+        from overlayrec import client
+        with client.connect() as c:
+            c.call_begin("c1", "Bash")
+            os.rename("config", "cfg")
+            open("cfg/prod.yml", "ab").write(open({str(tmp_path / "v1")!r}, "rb").read())
+            open("a.txt", "a").write("b\\n")
+            c.call_end("c1")
+            c.call_begin("c2", "Bash")
+            os.unlink("cfg/prod.yml")
+            c.call_end("c2")
+    ''')
+    m.mount()
+    try:
+        overlayrec("run", "-w", m.ws, "--session", "s1", "--", sys.executable, "-c", code,
+                   cwd=m.ws)
+        d = overlayrec("diff", m.ws, "--call", "c1", "--state-dir", m.state).stdout
+        assert "b/cfg/prod.yml" in d and "content not kept (secret path)" in d, d
+        time.sleep(3.5)  # the untouched file's times well before the export's walk
+        overlayrec("export", "git", m.ws, "--state-dir", m.state)
+    finally:
+        m.umount()
+    m.extra_args = ["--secret", "untouched.yml"]
+    m.mount()
+    try:
+        overlayrec("run", "-w", m.ws, "--session", "s2", "--", "sh", "-c",
+                   "echo c >> a.txt", cwd=m.ws)
+        j = m.journal()
+        try:  # the earlier mount's pattern stays beside the later one's
+            assert {"config/prod.yml", "untouched.yml"} <= set(json.loads(j.meta("secrets")))
+        finally:
+            j.close()
+        overlayrec("export", "git", m.ws, "--state-dir", m.state)
+        run_readers_on(m, ["--session", "s1"], ["--session", "s2"])
+    finally:
+        m.umount()
+    assert_nowhere([m.state, os.path.join(m.ws, ".overlayrec-attic")], vals[:2])
+    gd = json.loads(overlayrec("export", "git", m.ws, "--state-dir", m.state,
+                               "--json").stdout)["git_dir"]
+    head = subprocess.run(["git", "--git-dir", gd, "show", "refs/overlayrec/s2/head:"
+                           "untouched.yml"], capture_output=True, timeout=60).stdout
+    assert vals[2] not in head and b"content not kept (secret path)" in head, head
+
+
+def run_readers_on(m, *selections) -> None:
+    for sel in selections:
+        overlayrec("diff", m.ws, *sel, "--state-dir", m.state)
+    last = max(e["seq"] for e in m.events())
+    for seq in range(1, last + 1):
+        overlayrec("show", str(seq), "-w", m.ws, "--state-dir", m.state)

@@ -540,7 +540,8 @@ class Exporter:
                 unsure.append(p)
             key = [st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
             k = kept.get(p)
-            if k is not None and k[:5] == key:
+            # not a secret since (a later mount's --secret): its kept id is its content
+            if k is not None and k[:5] == key and not self.states.secrets.match(p):
                 ids[p] = ("120000" if S_ISLNK(st.st_mode) else
                           "100755" if st.st_mode & 0o111 else "100644", k[5])
                 fresh[p] = k
