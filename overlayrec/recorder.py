@@ -2168,28 +2168,33 @@ class Recorder:
         j = self.journal
         j.append_many([], [UNMOUNTED_ACTOR, RECORDER_ACTOR, AROUND_ACTOR])
         recovered = 0
+        renames = RenameIndex(j.dir_renames())
         if j.meta("sealed") == "0":
             open_paths = []
             for p in j.paths():
                 last = j.last_seq_for_path(p)
                 ev = j.event(last) if last is not None else None
                 if ev is not None and ev["op"] != "seal":
-                    open_paths.append((p, ev))
-            for p, ev in open_paths:
-                self.epochs[p] = Epoch("recovered")
+                    # under the name it has now: a directory renamed since moved it (sealed
+                    # under its old name, it read as removed by another writer: a false drift,
+                    # and replay before the rename held it twice; found by a hunt)
+                    name = _name_now(j, renames, p, last)
+                    if name is not None:
+                        open_paths.append((p, name, ev))
+            for p, name, ev in open_paths:
+                self.epochs[name] = Epoch("recovered")
                 if last_alive_ns is not None:
                     # what the killed daemon served ended by its last stamp: a file changed
                     # later, or removed where its last event left one, was changed by another
                     # writer while no daemon recorded (its unit's own end is then not known:
                     # the seal's around check, as for a change around the mount)
-                    self.served[p] = last_alive_ns + ALIVE_SLACK_NS
+                    self.served[name] = last_alive_ns + ALIVE_SLACK_NS
                     left: dict = {}
                     self._left_by(ev, left)
                     if p in left:
-                        self.left[p] = left[p]
+                        self.left[name] = left[p]
             recovered = self.seal()
         self._find_small_kept()
-        renames = RenameIndex(j.dir_renames())
         checked = drifted = 0
         events = []
         # each file found holding its seal (or sealed anew, drifted) is looked at around the
@@ -2208,17 +2213,8 @@ class Recorder:
             # ends the seal's rule; the seal then says nothing of the path it was moved back to
             # (a stale seal taken as the record's end was journaled as drift, and a revert of
             # the call that moved the directory back was refused, "changed")
-            name, since = path, seq
-            lo = renames.upto(seq)
-            while name is not None and (i := renames.touching(
-                    name, lo, len(renames.seqs), itself=True)) is not None:
-                r = renames.renames[i]
-                if name != path and _named_between(j, name, since, r["seq"]):
-                    name = None
-                    break
-                name, since = _moved_name(name, r), r["seq"]
-                lo = i + 1
-            if name is None or (name != path and _named_between(j, name, since, None)):
+            name = _name_now(j, renames, path, seq)
+            if name is None:
                 continue
             checked += 1
             seal = j.event(seq)["pre"]
@@ -2347,6 +2343,24 @@ AROUND_ACTOR = {"key": AROUND, "pid": 0, "start": 0, "ppid": 0, "uid": -1, "exe"
                 "argv": ["(around the mount)"], "cwd": "", "first_seen": 0}
 RECORDER_ACTOR = {"key": "overlayrec", "pid": 0, "start": 0, "ppid": 0, "uid": -1, "exe": "",
                   "argv": ["(overlayrec)"], "cwd": "", "first_seen": 0}
+
+
+def _name_now(j: Journal, renames: RenameIndex, path: str, seq: int) -> str | None:
+    """The name the object ``path`` named at ``seq`` has now, through the directory renames
+    after it; None when a later event named it under one of its names (its own chain rules
+    from there) or a rename replaced it."""
+    name, since = path, seq
+    lo = renames.upto(seq)
+    while name is not None and (i := renames.touching(
+            name, lo, len(renames.seqs), itself=True)) is not None:
+        r = renames.renames[i]
+        if name != path and _named_between(j, name, since, r["seq"]):
+            return None
+        name, since = _moved_name(name, r), r["seq"]
+        lo = i + 1
+    if name is None or (name != path and _named_between(j, name, since, None)):
+        return None
+    return name
 
 
 def _named_between(j: Journal, name: str, lo: int, hi: int | None) -> bool:

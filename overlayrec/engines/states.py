@@ -1114,6 +1114,11 @@ class States:
         end = self._unit_ends().get(e.get("unit") or "")
         if end is not None and e["seq"] < end:
             return end > after  # its unit's end sealed the path: the run ended there
+        if self._sealed_since(path, e["seq"], after):
+            # a seal of the path after the run began: a write after it is an event of its own
+            # (a new run), so the run ended there; the seal a mount's start makes of what a
+            # killed daemon left open ended one that had no release and no unit end
+            return False
         # a run not ended by its unit's end: still going, or begun through a descriptor opened
         # in a call that had ended (its writes belong to that call; no end seals them)
         return True
@@ -1135,12 +1140,17 @@ class States:
         if run is None:
             return after
         summary = self.j.extents(run["seq"])
+        nxt = next((e for e in self.chain_on(path) if e["seq"] > after), None)
         if summary is None or not isinstance(summary.get("end"), int):
-            return after
-        point = summary["end"] + 1
-        nxt = next((e["seq"] for e in self.chain_on(path) if e["seq"] > after), None)
-        if point <= after or (nxt is not None and nxt <= point):
-            return after
+            # no release noted, but the path's next event a seal (the one a mount makes of
+            # what a killed daemon left open): the run ended there, and the seal is exact
+            if nxt is None or nxt["op"] != "seal":
+                return after
+            point = nxt["seq"]
+        else:
+            point = summary["end"] + 1
+            if point <= after or (nxt is not None and nxt["seq"] <= point):
+                return after
         rs = self.renames()
         if rs:  # the name's own events are the file's only since the last move of the name
             idx = self._index()
@@ -1170,7 +1180,16 @@ class States:
         """Is ``path`` inexact at ``after`` because the write run it was in then has not
         ended yet (no release noted: a descriptor is still open on it)?"""
         run = self._run_at(path, after)
-        return run is not None and self.j.extents(run["seq"]) is None
+        return run is not None and self.j.extents(run["seq"]) is None and \
+            not self._sealed_since(path, run["seq"], after)
+
+    def _sealed_since(self, path: str, lo: int, after: int) -> bool:
+        """Was ``path`` (as named at ``after``) sealed after ``lo`` and at or before ``after``?"""
+        for name, a, b in self.history(path, after):
+            if any(x["op"] == "seal" and max(lo, a) < x["seq"] <= min(b, after)
+                   for x in self.chain_on(name)):
+                return True
+        return False
 
     def _alias_run(self, alias: dict) -> dict | None:
         """The write an ``alias`` event was committed with (the next event of its source, in
