@@ -127,6 +127,9 @@ def _guard(fn):
         except OSError as e:
             if e.errno == errno.EPIPE:
                 raise  # click ends a closed pipe's output quietly
+            if os.environ.get("OVERLAYREC_DEBUG"):
+                import traceback
+                traceback.print_exc()
             raise Fail(_os_error_text(e)) from None
     return wrapper
 

@@ -12,6 +12,7 @@ asks; nothing here prints.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import os
 import time
@@ -315,10 +316,19 @@ def carry_out(ws: str, sd: str, plan: Plan, content, *, unreverts: str | None = 
     a step that did not fail but left its path holding something else than its target is
     never a silent success.  Returns the record: ``done`` [(path, what)], ``failed``,
     ``unmet`` (the paths read back otherwise than put back, and how)."""
-    rec = resume or dict(plan_to_json(plan, functools.partial(large.put, content)),
-                         created=time.time_ns(), status="running", unreverts=unreverts, ws=ws)
-    rec["status"] = "running"
-    save(sd, rec)  # the plan is on disk before the first change
+    try:
+        rec = resume or dict(plan_to_json(plan, functools.partial(large.put, content)),
+                             created=time.time_ns(), status="running", unreverts=unreverts,
+                             ws=ws)
+        rec["status"] = "running"
+        save(sd, rec)  # the plan is on disk before the first change
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        # (it said only "No space left on device", after listing every step)
+        raise RevertError(f"nothing reverted: no room in the state dir {sd} for the revert's "
+                          f"plan ({os.strerror(e.errno)}): free some room there and run it "
+                          "again") from None
     _pin(plan, rec, content)
     root_fd = os.open(ws, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     done: list[tuple[str, str]] = []

@@ -601,3 +601,45 @@ def test_readers_on_a_full_state_dir_say_so(make_mount):
             assert r.returncode == 1, (cmd, r.returncode, r.stderr)
             assert "internal error" not in r.stderr and "Traceback" not in r.stderr, r.stderr
             assert "overlayrec: error: " in r.stderr, r.stderr
+
+
+@needs_fuse
+@needs_root
+@pytest.mark.timeout(int(90 * SLOW))
+def test_a_revert_whose_plan_finds_no_room_in_the_state_dir_says_so(make_mount, tmp_path):
+    """The state dir's filesystem full as a revert saves its plan: it listed every step and
+    ended "No space left on device", saying neither that nothing was reverted nor where the
+    room was missing (found by a bug hunt).  Nothing is reverted, and it says so; with room
+    made, the same revert goes through."""
+    m = make_mount()
+    with tmpfs(os.path.join(m.base, "statefs"), "24m") as statefs:
+        m.state = os.path.join(statefs, "st")
+        m.extra_args = ["--state-dir", m.state]
+        olds = {}
+        for i in range(6):
+            olds[i] = os.urandom(1 << 20)
+            with open(os.path.join(m.ws, f"big{i}"), "wb") as f:
+                f.write(olds[i])
+        try:
+            m.mount()
+            # written outside any call: no unit's end has sealed (kept) what they hold, so
+            # the plan must store it
+            news = {i: os.urandom(1 << 20) for i in olds}
+            for i, data in news.items():
+                with open(os.path.join(m.ws, f"big{i}"), "wb") as f:
+                    f.write(data)
+            filler = fill(statefs, "filler", 300 << 10)
+            r = overlayrec("revert", m.ws, "--state-dir", m.state, "--since", "0", "--yes",
+                           check=False)
+            err = r.stderr.strip()
+            assert r.returncode == 1 and "\n" not in err and err.startswith(
+                f"overlayrec: error: nothing reverted: no room in the state dir {m.state} "
+                "for the revert's plan"), err
+            assert {i: open(os.path.join(m.ws, f"big{i}"), "rb").read() for i in olds} == news
+            assert "pending revert" not in overlayrec("status", m.ws, "--state-dir",
+                                                      m.state).stdout
+            os.unlink(filler)
+            overlayrec("revert", m.ws, "--state-dir", m.state, "--since", "0", "--yes")
+            assert {i: open(os.path.join(m.ws, f"big{i}"), "rb").read() for i in olds} == olds
+        finally:
+            m.umount()
