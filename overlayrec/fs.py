@@ -940,19 +940,33 @@ class Operations(pyfuse3.Operations):
             os.close(dfd)
 
     # -- extended attributes --------------------------------------------------------------------
-    def _xattr_path(self, inode: int) -> tuple[Inode, str]:
-        i = self._inode(inode)
-        if i.is_symlink:
+    def _symlink_at(self, i: Inode) -> str:
+        """The path by which the xattr calls reach the symlink ``i`` itself: its parent's fd
+        and its name, never followed (``/proc/self/fd/N`` of the symlink's own O_PATH fd
+        cannot name it to them: root's `cp -a` dropped a symlink's ``trusted.*`` attributes,
+        and `lsetxattr` failed, EPERM; found by a bug hunt).  The name must still hold it."""
+        if i.parent is None or i.name is None:
             raise pyfuse3.FUSEError(errno.ENODATA)
-        return i, underlay.proc_path(self._fd(i))
+        p = f"{underlay.proc_path(self._fd(i.parent))}/{i.name}"
+        st = os.lstat(p)
+        if (st.st_dev, st.st_ino) != i.key:  # the name holds another object now
+            raise pyfuse3.FUSEError(errno.ENODATA)
+        return p
+
+    def _xattr_path(self, i: Inode) -> tuple[str, bool]:
+        """Where the xattr calls reach the object, and whether they follow that path."""
+        if i.is_symlink:
+            return self._symlink_at(i), False
+        return underlay.proc_path(self._fd(i)), True
 
     @_errno_boundary
     async def getxattr(self, inode, name, ctx):
-        i, p = self._xattr_path(inode)
+        i = self._inode(inode)
         if name in i.no_xattr:
             raise pyfuse3.FUSEError(errno.ENODATA)
+        p, follow = self._xattr_path(i)
         try:
-            return os.getxattr(p, os.fsdecode(name))
+            return os.getxattr(p, os.fsdecode(name), follow_symlinks=follow)
         except OSError as e:
             if e.errno == errno.ENODATA and len(i.no_xattr) < 16:
                 i.no_xattr = i.no_xattr | {name}
@@ -960,23 +974,19 @@ class Operations(pyfuse3.Operations):
 
     @_errno_boundary
     async def listxattr(self, inode, ctx):
-        i = self._inode(inode)
-        if i.is_symlink:
-            return []
-        return [os.fsencode(n) for n in os.listxattr(underlay.proc_path(self._fd(i)))]
+        p, follow = self._xattr_path(self._inode(inode))
+        return [os.fsencode(n) for n in os.listxattr(p, follow_symlinks=follow)]
 
     @_errno_boundary
     async def setxattr(self, inode, name, value, ctx):
         i = self._inode(inode)
-        if i.is_symlink:
-            raise pyfuse3.FUSEError(errno.EPERM)
+        at = self._symlink_at(i) if i.is_symlink else None
         i.no_xattr = _NO_NAMES
-        self.recorder.setxattr(self._fd(i), os.fsdecode(name), value, self._actor(ctx))
+        self.recorder.setxattr(self._fd(i), os.fsdecode(name), value, self._actor(ctx), at=at)
 
     @_errno_boundary
     async def removexattr(self, inode, name, ctx):
         i = self._inode(inode)
-        if i.is_symlink:
-            raise pyfuse3.FUSEError(errno.ENODATA)
+        at = self._symlink_at(i) if i.is_symlink else None
         i.no_xattr = _NO_NAMES
-        self.recorder.removexattr(self._fd(i), os.fsdecode(name), self._actor(ctx))
+        self.recorder.removexattr(self._fd(i), os.fsdecode(name), self._actor(ctx), at=at)

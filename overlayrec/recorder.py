@@ -1966,7 +1966,10 @@ class Recorder:
 
     @_roomy
     @_undoable
-    def setxattr(self, fd: int, name: str, value: bytes, actor: dict) -> None:
+    def setxattr(self, fd: int, name: str, value: bytes, actor: dict,
+                 at: str | None = None) -> None:
+        """``at``: a symlink's path from its parent (fs.Operations._symlink_at), not
+        followed; the object behind ``fd`` otherwise."""
         kw = {}
         if name == underlay.ACL_ACCESS:
             # an access ACL sets the mode's permission bits (``sed -i`` copies one onto its
@@ -1974,13 +1977,13 @@ class Recorder:
             kw["mode"] = underlay.acl_mode(value, os.fstat(fd))
         with self._mutation(self._meta_event("setxattr", fd, actor, name=name, size=len(value),
                                              **kw), actor):
-            os.setxattr(underlay.proc_path(fd), name, value)
+            os.setxattr(at or underlay.proc_path(fd), name, value, follow_symlinks=at is None)
 
     @_roomy
     @_undoable
-    def removexattr(self, fd: int, name: str, actor: dict) -> None:
+    def removexattr(self, fd: int, name: str, actor: dict, at: str | None = None) -> None:
         with self._mutation(self._meta_event("removexattr", fd, actor, name=name), actor):
-            os.removexattr(underlay.proc_path(fd), name)
+            os.removexattr(at or underlay.proc_path(fd), name, follow_symlinks=at is None)
 
     # -- seals ----------------------------------------------------------------------------------
     def _seal_pre(self, path: str, keep: bool = True, seen: list | None = None) -> dict:
@@ -2502,8 +2505,8 @@ class UnrecordedRecorder(Recorder):
     def utimens(self, fd, atime_ns, mtime_ns, is_symlink, actor):
         underlay.utimens_fd(fd, atime_ns, mtime_ns, is_symlink)
 
-    def setxattr(self, fd, name, value, actor):
-        os.setxattr(underlay.proc_path(fd), name, value)
+    def setxattr(self, fd, name, value, actor, at=None):
+        os.setxattr(at or underlay.proc_path(fd), name, value, follow_symlinks=at is None)
 
-    def removexattr(self, fd, name, actor):
-        os.removexattr(underlay.proc_path(fd), name)
+    def removexattr(self, fd, name, actor, at=None):
+        os.removexattr(at or underlay.proc_path(fd), name, follow_symlinks=at is None)
