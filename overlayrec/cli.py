@@ -130,8 +130,20 @@ def _guard(fn):
             if os.environ.get("OVERLAYREC_DEBUG"):
                 import traceback
                 traceback.print_exc()
+            if isinstance(e, FileNotFoundError) and e.filename is None and _cwd_gone():
+                # (it said "No such file or directory", naming nothing)
+                raise Fail("the current directory was removed: name the workspace and the "
+                           "paths absolutely (-w WORKSPACE)") from None
             raise Fail(_os_error_text(e)) from None
     return wrapper
+
+
+def _cwd_gone() -> bool:
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        return True
+    return False
 
 
 class _Main(click.Group):

@@ -58,6 +58,17 @@ WHOLE_FILE_LIMIT = 4 << 20  # files up to this size are saved whole at an epoch'
 # such pre-images are never dropped to free space.  The bound keeps the copy cheap (``rm -rf``
 # of a tree of them copies each, when the daemon is idle); larger files cost no copy.
 SMALL_PREIMAGE = 256 << 10
+
+
+def _protected_hardlinks() -> bool:
+    try:
+        with open("/proc/sys/fs/protected_hardlinks") as f:
+            return f.read().strip() != "0"
+    except OSError:
+        return True
+
+
+_PROTECTED_HARDLINKS = _protected_hardlinks()
 # The attic's own files, so that git and backup tools pass it by when the workspace is
 # unmounted (as virtual environments and .pytest_cache do): never attic entries.
 ATTIC_OWN = {
@@ -1432,6 +1443,7 @@ class Recorder:
         seq = self.journal.reserve_seq()
         ev["seq"] = seq
         attic_key = None
+        exchange_into = False
         # a small file renamed over is copied now, not kept by the attic until the daemon is
         # idle as an unlinked one is: its link into the attic, the event's rewrite and the
         # entry's unlink cost more than the copy, and the rename frees nothing the unlink's
@@ -1446,6 +1458,14 @@ class Recorder:
                 pre2["attic"] = self.attic_prefix + str(seq)
                 attic_key = (st2.st_dev, st2.st_ino)
                 self._keep_if_linked(npfd, nname, st2, pre2)
+                if not flags and not stat.S_ISDIR(st.st_mode) and \
+                        self._link_refused(npfd, nname, st2):
+                    if self._exchange_safe(pfd, st2):
+                        exchange_into = True
+                    else:  # no way to keep it: the change goes on, its state before unknown
+                        del pre2["attic"]
+                        pre2["unkept"] = True
+                        attic_key = None
         ev["pre2"] = pre2
         ep2, new2 = self._epoch(path2, unit, checked=True)
         if new2:
@@ -1459,10 +1479,13 @@ class Recorder:
                 exchanged = False
                 if attic_key:
                     try:
+                        if exchange_into:
+                            raise PermissionError(errno.EPERM, "link refused")
                         os.link(nname, pre2["attic"], src_dir_fd=npfd, dst_dir_fd=self.attic_fd,
                                 follow_symlinks=False)
                     except OSError as e:
-                        if not self._may_exchange(e, flags, st):
+                        if not self._may_exchange(e, flags, st) or \
+                                not self._exchange_safe(pfd, st2):
                             raise
                         self._exchange_into_attic(pfd, name, npfd, nname, pre2["attic"])
                         exchanged = True
@@ -1510,6 +1533,33 @@ class Recorder:
         most links (EMLINK).  A plain rename of a non-directory can go by an exchange."""
         return e.errno in (errno.EPERM, errno.EMLINK) and not flags and \
             not stat.S_ISDIR(st.st_mode)
+
+    def _link_refused(self, dirfd: int, name: str, st: os.stat_result) -> bool:
+        """Would the kernel refuse the attic's hard link of ``name`` (``st``)?  With
+        ``protected_hardlinks`` a process may link only a file it owns, or a regular one it
+        may read and write that is neither set-user-ID nor executable set-group-ID (root
+        may link any)."""
+        if self._euid == 0 or st.st_uid == self._euid or not _PROTECTED_HARDLINKS:
+            return False
+        mode = st.st_mode
+        if stat.S_ISREG(mode) and not mode & stat.S_ISUID and \
+                not (mode & stat.S_ISGID and mode & stat.S_IXGRP):
+            try:
+                return not os.access(name, os.R_OK | os.W_OK, dir_fd=dirfd,
+                                     effective_ids=True, follow_symlinks=False)
+            except OSError:
+                return True
+        return True
+
+    def _exchange_safe(self, pfd: int, st2: os.stat_result) -> bool:
+        """May the replaced file leave the source's directory for the attic once the two
+        names are exchanged?  Not from a sticky directory (``/tmp``'s mode) where neither it
+        nor the directory is the daemon's: that move is refused, and so is the exchange back
+        (the two files were left swapped, unrecorded; found by a bug hunt)."""
+        if self._euid == 0 or st2.st_uid == self._euid:
+            return True
+        d = os.fstat(pfd)
+        return not d.st_mode & stat.S_ISVTX or d.st_uid == self._euid
 
     def _exchange_into_attic(self, pfd: int, name: str, npfd: int, nname: str,
                              attic: str) -> None:

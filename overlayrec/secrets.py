@@ -43,6 +43,8 @@ import stat
 DEFAULTS = (".env*", ".ssh/", ".npmrc", ".pypirc", ".netrc", ".git-credentials", "*.key",
             # private keys ssh-keygen names (their .pub is another name), cloud credentials
             "id_rsa", "id_dsa", "id_ecdsa", "id_ed25519", ".aws/")
+# the defaults the first records stored (a list holding them all was made with defaults)
+FIRST_DEFAULTS = (".env*", ".ssh/", ".npmrc", ".pypirc", ".netrc", ".git-credentials", "*.key")
 CHECKED_DEFAULTS = ("*.pem",)
 PLACEHOLDER = "content not kept (secret path)"
 META_PATTERNS = "secrets"
@@ -78,6 +80,11 @@ def effective(added=(), no_defaults: bool = False, stored: list[str] | None = No
     defaults for a new journal."""
     added = [check_pattern(p) for p in added]
     if not added and not no_defaults and stored is not None:
+        if set(FIRST_DEFAULTS) <= set(stored):
+            # a list made with the defaults of its day: the defaults added since join it
+            # (a record from before them recorded a private key in full)
+            return list(stored) + [p for p in DEFAULTS if p not in stored], \
+                list(stored_checked or ())
         return list(stored), list(stored_checked or ())
     # an earlier mount's own patterns stay: a later `--secret other` dropped them, and the
     # path they withheld had its content kept from then on, without a word

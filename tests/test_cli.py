@@ -1252,6 +1252,14 @@ def test_run_and_readers_from_a_removed_working_directory(tmp_path):
         assert r.returncode == 0, r.stderr
         assert (ws / "f").read_text() == "1\n"
         assert "-0\n+1\n" in r.stdout and "Traceback" not in r.stderr, r.stdout
+        # the workspace from the cwd, a relative --to: said so, not "No such file or
+        # directory" naming nothing
+        for cmd in ("log", "calls", f"replay -w {ws} --to rp"):
+            r = subprocess.run(["bash", "-c", f"mkdir {gone} && cd {gone} && rmdir {gone} && "
+                                f"{me} {cmd}"], capture_output=True, text=True, timeout=60)
+            assert r.returncode == 1 and r.stderr == (
+                "overlayrec: error: the current directory was removed: name the workspace "
+                "and the paths absolutely (-w WORKSPACE)\n"), (cmd, r.stderr)
     finally:
         force_unmount(str(ws))
 

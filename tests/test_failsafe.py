@@ -549,3 +549,49 @@ def test_what_a_killed_daemon_left_open_is_sealed_where_it_is_now(make_mount, tm
     finally:
         m.umount()
     assert sorted(os.listdir(m.ws)) == [".overlayrec-attic", "base"]
+
+
+HOLDER_ACROSS = r'''
+import os, time
+f = open("d/f", "w")
+f.write("new\n")
+f.flush()
+os.rename("d", "e")
+print("ready", flush=True)
+time.sleep(120)
+'''
+
+
+def test_a_file_held_open_across_a_directory_rename_and_a_kill(make_mount, tmp_path):
+    """A file rewritten and still held open while its directory was renamed, the daemon
+    then killed: the next mount seals it as `e/f`, but the write run begun as `d/f` was
+    not found to end there, so a revert of it was refused, "unrecorded" (found by a bug
+    hunt).  The revert gives the tree back."""
+    m = make_mount()
+    os.mkdir(os.path.join(m.ws, "d"))
+    with open(os.path.join(m.ws, "d", "f"), "w") as f:
+        f.write("old\n")
+    m.mount()
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER_ACROSS], cwd=m.ws,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        pid = json.load(open(os.path.join(m.state, "daemon.json")))["pid"]
+        os.kill(pid, signal.SIGKILL)
+    finally:
+        holder.kill()
+        holder.wait()
+    overlayrec("umount", m.ws)
+    m.mount()
+    try:
+        got = json.loads(overlayrec("replay", m.ws, "--to", str(tmp_path / "end"),
+                                    "--json").stdout)
+        assert got["inexact"] == [] and (tmp_path / "end" / "e" / "f").read_text() == \
+            "new\n", got
+        r = overlayrec("revert", m.ws, "--since", "0", "--yes", check=False)
+        assert r.returncode == 0, r.stderr
+    finally:
+        m.umount()
+    with open(os.path.join(m.ws, "d", "f")) as f:
+        assert f.read() == "old\n"
+    assert sorted(os.listdir(m.ws)) == [".overlayrec-attic", "d"]

@@ -481,6 +481,14 @@ def test_a_later_mounts_secret_adds_to_an_earlier_ones():
     assert effective([], stored=later, stored_checked=checked) == (later, checked)
     bare, bare_checked = effective([], no_defaults=True, stored=later)
     assert bare == ["creds.txt", "other.txt"] and bare_checked == []
+    # a record whose list was made with the defaults of its day gets the defaults added
+    # since (`id_rsa`, `.aws/`: a record from before them kept a private key in full; found
+    # by a bug hunt); one made without the defaults keeps its own list
+    from overlayrec.secrets import FIRST_DEFAULTS
+    older = list(FIRST_DEFAULTS) + ["mine.txt"]
+    got, _ = effective([], stored=older, stored_checked=["*.pem"])
+    assert got[:len(older)] == older and {"id_rsa", ".aws/"} <= set(got)
+    assert effective([], stored=["mine.txt"], stored_checked=[]) == (["mine.txt"], [])
 
 
 @pytest.mark.timeout(240)

@@ -1189,8 +1189,10 @@ def _apply_in(root_fd: int, dfd: int, name: str, step: Step, made: dict | None,
     try:
         _replace(dfd, tmp, name)
     except PermissionError:
-        done = _into_kept(dfd, name, t)
-        _remove(dfd, tmp)
+        try:
+            done = _into_kept(dfd, name, t)
+        finally:
+            _remove(dfd, tmp)
         if done is None:
             raise
         return done
@@ -1292,7 +1294,10 @@ def _overwrite(dfd: int, name: str, t: State) -> str | None:
 def _into_kept(dfd: int, name: str, t: State) -> str | None:
     """A file the revert may write but not replace: another user's in a sticky directory
     (``/tmp``'s mode) refuses the rename over it (EPERM), as natively.  The content goes into
-    the live file, unlinked, as the call's own write did (not atomic).  None: not this case."""
+    the live file, unlinked, as the call's own write did (not atomic).  None: not this case
+    (not a file to put back: a symlink's target text went into the file that replaced it)."""
+    if t.kind != "file":
+        return None
     return _write_into(dfd, name, t, lambda now: now.st_nlink == 1,
                        "another user's file in a sticky directory")
 

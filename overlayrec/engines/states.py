@@ -1143,10 +1143,11 @@ class States:
         nxt = next((e for e in self.chain_on(path) if e["seq"] > after), None)
         if summary is None or not isinstance(summary.get("end"), int):
             # no release noted, but the path's next event a seal (the one a mount makes of
-            # what a killed daemon left open): the run ended there, and the seal is exact
+            # what a killed daemon left open, under the name the file has then): the run
+            # ended there, and the seal is exact
             if nxt is None or nxt["op"] != "seal":
                 return after
-            point = nxt["seq"]
+            return nxt["seq"] if self.state(path, nxt["seq"]).exact else after
         else:
             point = summary["end"] + 1
             if point <= after or (nxt is not None and nxt["seq"] <= point):
@@ -1163,17 +1164,21 @@ class States:
         """The write that began the run ``path`` was in at ``after``: its last write event
         at or before it, or, when that is an ``alias`` (the file's other name the kernel
         named the write by: a hard link), the run of that name the alias came with; None when
-        an epoch with no run in it began since."""
-        for e in reversed(self.events_on(path)):
-            if e["seq"] > after:
-                continue
-            if starts_run(e):
-                return e
-            if e["op"] == "alias":
-                run = self._alias_run(e)
-                return run if run is not None and "data" not in run else None
-            if self.starts_epoch(e, path):
-                return None  # an epoch with no run in it
+        an epoch with no run in it began since.  Followed through the path's earlier names
+        (its directory renamed while the run went on)."""
+        for name, lo, hi in self.history(path, after):
+            for e in reversed(self.events_on(name)):
+                if e["seq"] > min(hi, after):
+                    continue
+                if e["seq"] <= lo:
+                    break
+                if starts_run(e):
+                    return e
+                if e["op"] == "alias":
+                    run = self._alias_run(e)
+                    return run if run is not None and "data" not in run else None
+                if self.starts_epoch(e, name):
+                    return None  # an epoch with no run in it
         return None
 
     def still_writing(self, path: str, after: int) -> bool:
