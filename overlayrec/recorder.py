@@ -1348,7 +1348,32 @@ class Recorder:
         except JournalError as e:  # withheld in this mount still (the names are in memory)
             log.warning("cannot store that %s and %s are one secret inode: %s", *paths, e)
         self._named(st, *paths)
+        self._unknown_before(st, [p for p in paths if p not in known], paths)
         self._capture_afresh(key)
+
+    def _unknown_before(self, st: os.stat_result, fresh: list[str], paths: list[str]) -> None:
+        """A name of the inode found only now (``fresh``) while another name of it has an
+        epoch open, its change made: what the new name held before that change is not known
+        here (its first pre-image would be the changed inode, and readers took it for what
+        it held all along: replay before the change gave the changed content as exact, a
+        revert split the link and wrote that content back; found by a bug hunt).  An
+        ``alias`` says so: its content before is not kept."""
+        for p in fresh:
+            src = next((c for c in paths if c != p and c in self.epochs), None)
+            if src is None:
+                continue
+            unit = self.epochs[src].unit
+            pre = self._meta(st)
+            if st.st_size:
+                pre["unkept"] = True
+            try:
+                self.journal.append({"op": "alias", "path": p, "pre": pre, "epoch": True,
+                                     "actor": "overlayrec", **unit_fields(unit)})
+            except JournalError as e:
+                log.warning("cannot note that %s held what is not known: %s", p, e)
+                continue
+            self.epochs.pop(p, None)
+            self.unsealed.setdefault(p, str(unit))
 
     # -- removals -------------------------------------------------------------------------------
     @_roomy
