@@ -2163,7 +2163,10 @@ class Recorder:
                 # the daemon left a file there, and no change of its removed it: a process
                 # that bypassed the mount did, while the unit went on
                 events.append(_around_event(p, {"kind": "file"}))
-            events.append({"op": "seal", "path": p, "pre": pre, "actor": "overlayrec"})
+            events.append({"op": "seal", "path": p, "pre": pre, "actor": "overlayrec",
+                           # of every unit (an unmount, the mount after a killed daemon): no
+                           # descriptor of the mount's outlives it, so a write run ends here
+                           **({"closing": True} if unit is None else {})})
         self._ctimes_after_reads([(e["path"], e["pre"]) for e in events if e["op"] == "seal"])
         sealed_ctimes = {e["path"]: e["pre"]["ctime_ns"] for e in events
                          if e["op"] == "seal" and "ctime_ns" in e["pre"] and

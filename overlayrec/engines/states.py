@@ -1115,9 +1115,8 @@ class States:
         if end is not None and e["seq"] < end:
             return end > after  # its unit's end sealed the path: the run ended there
         if self._sealed_since(path, e["seq"], after):
-            # a seal of the path after the run began: a write after it is an event of its own
-            # (a new run), so the run ended there; the seal a mount's start makes of what a
-            # killed daemon left open ended one that had no release and no unit end
+            # a closing seal of the path after the run began (the one a mount's start makes of
+            # what a killed daemon left open): the run, with no release and no unit end, ended
             return False
         # a run not ended by its unit's end: still going, or begun through a descriptor opened
         # in a call that had ended (its writes belong to that call; no end seals them)
@@ -1145,7 +1144,7 @@ class States:
             # no release noted, but the path's next event a seal (the one a mount makes of
             # what a killed daemon left open, under the name the file has then): the run
             # ended there, and the seal is exact
-            if nxt is None or nxt["op"] != "seal":
+            if nxt is None or nxt["op"] != "seal" or not nxt.get("closing"):
                 return after
             return nxt["seq"] if self.state(path, nxt["seq"]).exact else after
         else:
@@ -1189,10 +1188,13 @@ class States:
             not self._sealed_since(path, run["seq"], after)
 
     def _sealed_since(self, path: str, lo: int, after: int) -> bool:
-        """Was ``path`` (as named at ``after``) sealed after ``lo`` and at or before ``after``?"""
+        """Was ``path`` (as named at ``after``) sealed after ``lo`` and at or before ``after``
+        by a closing seal (an unmount's, or the mount's after a killed daemon: no descriptor
+        outlives it)?  A unit's end seals what the unit left while its descriptors may write
+        on (their later writes are its own still)."""
         for name, a, b in self.history(path, after):
-            if any(x["op"] == "seal" and max(lo, a) < x["seq"] <= min(b, after)
-                   for x in self.chain_on(name)):
+            if any(x["op"] == "seal" and x.get("closing") and
+                   max(lo, a) < x["seq"] <= min(b, after) for x in self.chain_on(name)):
                 return True
         return False
 

@@ -63,8 +63,12 @@ Sub-databases of the LMDB environment:
               ``seal`` events change nothing: their ``pre`` is what the path held when an epoch
               ended (a unit's end, unmount), with ``hash`` (and ``blob`` where the content was
               kept).  The chain of a path ends at its last seal, not at the live tree.
+              ``"closing": true`` on a seal of every unit (an unmount's, the mount's after a
+              killed daemon): no descriptor of the mount outlives it, so a write run ends there.
               ``alias`` events: a change through one name of an inode with several links,
-              journaled on each other name the daemon knows (``source``: the name written).
+              journaled on each other name the daemon knows (``source``: the name written); one
+              without ``source`` whose pre-image is ``unkept``: a name of a file linked outside
+              the mount, found after another name's change in its open epoch.
               ``drift`` events are changes found at mount by comparing the live tree with the
               seals (made while unmounted, or around the mount): unit ``outside:unmounted``,
               ``pre`` the seal they depart from.  Or found at a seal: a file whose ctime is
