@@ -1504,14 +1504,15 @@ class Recorder:
                 exchanged = False
                 if attic_key:
                     try:
-                        if exchange_into:
-                            raise PermissionError(errno.EPERM, "link refused")
-                        os.link(nname, pre2["attic"], src_dir_fd=npfd, dst_dir_fd=self.attic_fd,
-                                follow_symlinks=False)
+                        if not exchange_into:
+                            os.link(nname, pre2["attic"], src_dir_fd=npfd,
+                                    dst_dir_fd=self.attic_fd, follow_symlinks=False)
                     except OSError as e:
                         if not self._may_exchange(e, flags, st) or \
                                 not self._exchange_safe(pfd, st2):
                             raise
+                        exchange_into = True
+                    if exchange_into:
                         self._exchange_into_attic(pfd, name, npfd, nname, pre2["attic"])
                         exchanged = True
                     linking = False
