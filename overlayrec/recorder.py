@@ -1501,7 +1501,6 @@ class Recorder:
         linking = bool(attic_key)
         try:
             with self._mutation(ev, actor):
-                exchanged = False
                 if attic_key:
                     try:
                         if not exchange_into:
@@ -1512,14 +1511,13 @@ class Recorder:
                                 not self._exchange_safe(pfd, st2):
                             raise
                         exchange_into = True
-                    if exchange_into:
+                    if exchange_into:  # the rename itself, and the attic's entry
                         self._exchange_into_attic(pfd, name, npfd, nname, pre2["attic"])
-                        exchanged = True
                     linking = False
                     self.attic_links[attic_key] = self.attic_links.get(attic_key, 0) + 1
                     self.attic_names[attic_key] = pre2["attic"]
                 try:
-                    if not exchanged:
+                    if not exchange_into:
                         underlay.renameat2(pfd, name, npfd, nname, flags)
                 except OSError:
                     if attic_key:  # refused (a full disk: retried after a reclaim): no stray link

@@ -35,16 +35,17 @@ for the rest of the record.
 from __future__ import annotations
 
 import fnmatch
+import glob
 import json
 import os
 import re
 import stat
 
-DEFAULTS = (".env*", ".ssh/", ".npmrc", ".pypirc", ".netrc", ".git-credentials", "*.key",
-            # private keys ssh-keygen names (their .pub is another name), cloud credentials
-            "id_rsa", "id_dsa", "id_ecdsa", "id_ed25519", ".aws/")
 # the defaults the first records stored (a list holding them all was made with defaults)
 FIRST_DEFAULTS = (".env*", ".ssh/", ".npmrc", ".pypirc", ".netrc", ".git-credentials", "*.key")
+DEFAULTS = FIRST_DEFAULTS + (
+    # private keys ssh-keygen names (their .pub is another name), cloud credentials
+    "id_rsa", "id_dsa", "id_ecdsa", "id_ed25519", ".aws/")
 CHECKED_DEFAULTS = ("*.pem",)
 PLACEHOLDER = "content not kept (secret path)"
 META_PATTERNS = "secrets"
@@ -150,10 +151,6 @@ def _beneath(pattern: str, src: str) -> str | None:
     return "/".join(pp[len(sp):])
 
 
-def _is_pattern(s: str) -> bool:
-    return any(c in s for c in "*?[")
-
-
 def placeholder(as_of: int | None) -> bytes:
     """What a reader shows for a secret file's content at a point: the last event that changed
     it there (None: the live file), so two points read alike only when nothing changed it."""
@@ -172,18 +169,17 @@ class _Patterns:
 
     def __init__(self, patterns):
         self._any: list[str] = []       # any component (base name or directory)
-        self._anchored: list[str] = []  # the path from the root
+        self.anchored: list[str] = []  # the path from the root
         for p in patterns:
             if p.endswith("/") and "/" not in p.strip("/"):
                 self._any.append(p.strip("/"))
             elif "/" not in p:
                 self._any.append(p)
             else:
-                self._anchored.append(p.strip("/"))
+                self.anchored.append(p.strip("/"))
         # each list as one regular expression (fnmatchcase's own translation), asked once a name
-        self.anchored = self._anchored
         self._any_re = _one_re(self._any)
-        self._anchored_re = _one_re(self._anchored)
+        self._anchored_re = _one_re(self.anchored)
         self._parts: dict[str, bool] = {}  # a name's answer under _any_re (names repeat)
 
     def match(self, parts: list[str]) -> bool:
@@ -280,7 +276,7 @@ class Secrets:
             for p in self._plain.anchored:
                 rest = _beneath(p, src)
                 if rest is not None:
-                    moved.append(dst if _is_pattern(rest) else f"{dst}/{rest}")
+                    moved.append(dst if glob.has_magic(rest) else f"{dst}/{rest}")
             for new in moved:
                 if not self.match(new):
                     self.names.add(new)

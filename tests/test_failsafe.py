@@ -509,18 +509,11 @@ time.sleep(120)
 '''
 
 
-def test_what_a_killed_daemon_left_open_is_sealed_where_it_is_now(make_mount, tmp_path):
-    """A daemon killed (kill -9) while a file was still held open for writing, after a
-    directory holding a new file was renamed: the next mount's seal of what it left open
-    took `d/f` under its old name, found nothing there and journaled another writer's
-    removal (replay before the rename then held `d/f` and `e/f`, diff a deletion); and the
-    held file stayed "still being written" for good (inexact at the record's end, every
-    revert of it refused).  Both found by a bug hunt."""
-    m = make_mount()
-    with open(os.path.join(m.ws, "base"), "w") as f:
-        f.write("base\n")
+def kill_while_held(m, holder_script: str) -> None:
+    """Mount, run ``holder_script`` in the workspace until it says "ready" (holding a file
+    open), kill the daemon (kill -9), clear the dead mount and mount again."""
     m.mount()
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER], cwd=m.ws,
+    holder = subprocess.Popen([sys.executable, "-c", holder_script], cwd=m.ws,
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "ready"
@@ -531,6 +524,19 @@ def test_what_a_killed_daemon_left_open_is_sealed_where_it_is_now(make_mount, tm
         holder.wait()
     overlayrec("umount", m.ws)
     m.mount()
+
+
+def test_what_a_killed_daemon_left_open_is_sealed_where_it_is_now(make_mount, tmp_path):
+    """A daemon killed (kill -9) while a file was still held open for writing, after a
+    directory holding a new file was renamed: the next mount's seal of what it left open
+    took `d/f` under its old name, found nothing there and journaled another writer's
+    removal (replay before the rename then held `d/f` and `e/f`, diff a deletion); and the
+    held file stayed "still being written" for good (inexact at the record's end, every
+    revert of it refused).  Both found by a bug hunt."""
+    m = make_mount()
+    with open(os.path.join(m.ws, "base"), "w") as f:
+        f.write("base\n")
+    kill_while_held(m, HOLDER)
     try:
         events = m.events(seals=True)
         assert [e for e in events if e["op"] == "drift"] == [], events
@@ -571,18 +577,7 @@ def test_a_file_held_open_across_a_directory_rename_and_a_kill(make_mount, tmp_p
     os.mkdir(os.path.join(m.ws, "d"))
     with open(os.path.join(m.ws, "d", "f"), "w") as f:
         f.write("old\n")
-    m.mount()
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER_ACROSS], cwd=m.ws,
-                              stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "ready"
-        pid = json.load(open(os.path.join(m.state, "daemon.json")))["pid"]
-        os.kill(pid, signal.SIGKILL)
-    finally:
-        holder.kill()
-        holder.wait()
-    overlayrec("umount", m.ws)
-    m.mount()
+    kill_while_held(m, HOLDER_ACROSS)
     try:
         got = json.loads(overlayrec("replay", m.ws, "--to", str(tmp_path / "end"),
                                     "--json").stdout)
