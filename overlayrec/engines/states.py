@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import errno
+import itertools
 import os
 import stat
 from collections import namedtuple
@@ -550,6 +551,10 @@ class States:
         self._cache: dict[tuple, State] = {}
         self._ends: dict[str, int] | None = None
         self._rindex: RenameIndex | None = None  # the directory renames, by directory
+        # a name's path history, one step at a time (``_link``), and the next step back that
+        # holds events (``_holding_from``): each asked once, however often a reader walks it
+        self._links: dict[tuple[str, int], tuple[int | None, str | None]] = {}
+        self._holds: dict[tuple[str, int, bool], tuple[str, int] | None] = {}
         self._universe: list[tuple[str, float]] | None = None
         self._candidates: dict[float, set[str]] = {}
         self._moved_by: dict[tuple[str, int], set[str]] | None = None
@@ -612,12 +617,15 @@ class States:
             self.floor = None
             for p in self._partial:
                 self._chain.pop(p, None)
+            if self._partial:
+                self._holds.clear()
             self._partial.clear()
 
     def _whole(self, path: str) -> None:
         """Read ``path``'s chain whole (it was read from the floor on, and a question looks
         further back)."""
         self._partial.discard(path)
+        self._holds.clear()  # (kept from chains now read whole)
         self._chain[path] = _holding(
             e for e in map(self.j.event, self.j.seqs_for_path(path)) if e is not None)
 
@@ -678,6 +686,7 @@ class States:
         else:  # no failed note anywhere: every event holds
             self._chain.update(raw)
         self._preloaded = True
+        self._holds.clear()
 
     def events_on(self, path: str) -> list[dict]:
         """The changes of ``path`` (no seals)."""
@@ -867,25 +876,107 @@ class States:
     def history(self, path: str, at: float = INF) -> list[tuple[str, float, float]]:
         """The names ``path`` (as named at ``at``) had, newest first: (name, from, to) points,
         following its ancestors' renames back."""
-        out = []
-        name, t = path, at
+        return list(self._walk(path, at))
+
+    def _walk(self, path: str, at: float = INF):
+        """``history(path, at)``, one name at a time."""
         rs = self.renames()
         if not rs:  # one name all along
-            return [(name, 0, t)]
+            yield path, 0, at
+            return
+        name, t = path, at
         hi = len(rs) if t == INF else self._index().upto(t)
-        while (i := self._index().touching(name, 0, hi, last=True)) is not None:
-            r = rs[i]
-            if _under(name, r["dst"]) or (r.get("flags", 0) & 2 and _under(name, r["src"])):
-                out.append((name, r["seq"], t))
-                name, t = _back(name, r), r["seq"] - 1
-                if name is None:
-                    return out
-                hi = i
-            else:  # beneath the source
-                out.append((name, r["seq"], t))  # new here: earlier holders moved away
-                return out
-        out.append((name, 0, t))
-        return out
+        while True:
+            j, before = self._link(name, hi)
+            if j is None:
+                yield name, 0, t
+                return
+            yield name, rs[j]["seq"], t
+            if before is None:  # new here, beneath the source: earlier holders moved away
+                return
+            name, t, hi = before, rs[j]["seq"] - 1, j
+
+    def _link(self, name: str, hi: int) -> tuple[int | None, str | None]:
+        """One step of a path history: the last of the first ``hi`` renames that touches
+        ``name`` (None: none does) and what ``name`` was called just before it (None: it is
+        new there, beneath the source that moved away)."""
+        key = (name, hi)
+        got = self._links.get(key)
+        if got is None:
+            i = self._index().touching(name, 0, hi, last=True)
+            if i is None:
+                got = (None, None)
+            else:
+                r = self.renames()[i]
+                if _under(name, r["dst"]) or (r.get("flags", 0) & 2 and _under(name, r["src"])):
+                    got = (i, _back(name, r))
+                else:
+                    got = (i, None)
+            self._links[key] = got
+        return got
+
+    def _holding_from(self, name: str, hi: int, marks: bool) -> tuple[str, int] | None:
+        """The first step of a path history, at or before the name ``name`` held up to the
+        ``hi``-th rename (exclusive), whose name has events in its span (``marks``: seals
+        too); None when none has.  A directory renamed back and forth thousands of times
+        gives its files histories as long: every reader that looks back for a file's last
+        event walked all of it, for every point it asked (quadratic, a hunt found); the answer
+        is kept for every step the walk passed."""
+        rs = self.renames()
+        passed = []
+        node: tuple[str, int] | None = (name, hi)
+        while node is not None:
+            key = (node[0], node[1], marks)
+            if key in self._holds:
+                node = self._holds[key]
+                break
+            passed.append(key)
+            nm, h = node
+            j, before = self._link(nm, h)
+            lo = 0 if j is None else rs[j]["seq"]
+            chain = self.chain_on(nm)
+            seqs = self._seqs_of(nm, chain)
+            k = bisect.bisect_right(seqs, lo)
+            top = bisect.bisect_right(seqs, rs[h]["seq"] - 1)
+            if any(marks or e["op"] not in MARK_OPS for e in chain[k:top]):
+                break
+            node = None if j is None or before is None else (before, j)
+        for key in passed:
+            self._holds[key] = node
+        return node
+
+    def _walk_holding(self, path: str, at: float, marks: bool = False):
+        """The steps of ``_walk(path, at)`` whose names have events in their spans
+        (``marks``: seals too), newest first."""
+        rs = self.renames()
+        if not rs:
+            yield path, 0, at
+            return
+        j, before = self._link(path, len(rs) if at == INF else self._index().upto(at))
+        yield path, 0 if j is None else rs[j]["seq"], at
+        if j is None or before is None:
+            return
+        node = self._holding_from(before, j, marks)
+        while node is not None:
+            nm, h = node
+            j, before = self._link(nm, h)
+            yield nm, 0 if j is None else rs[j]["seq"], rs[h]["seq"] - 1
+            if j is None or before is None:
+                return
+            node = self._holding_from(before, j, marks)
+
+    def _events_back(self, path: str, after: int, marks: bool = False):
+        """(event, the name it was on) of ``path`` (as named at ``after``) at or before
+        ``after``, newest first, through its earlier names (``marks``: seals too)."""
+        for name, lo, hi in self._walk_holding(path, after, marks):
+            chain = self.chain_on(name)
+            seqs = self._seqs_of(name, chain)
+            for k in range(bisect.bisect_right(seqs, min(hi, after)) - 1, -1, -1):
+                e = chain[k]
+                if e["seq"] <= lo:
+                    break
+                if marks or e["op"] not in MARK_OPS:
+                    yield e, name
 
     # -- the end of a chain: seals and drift ----------------------------------------------------
     def _governing_seal(self, path: str) -> dict | None:
@@ -894,10 +985,8 @@ class States:
         if not self.renames():  # one name all along: its whole chain is its own
             chain = self.chain_on(path)
             return chain[-1] if chain and chain[-1]["op"] == "seal" else None
-        for name, lo, hi in self.history(path):
-            own = [e for e in self.chain_on(name) if lo < e["seq"] <= hi]
-            if own:
-                return own[-1] if own[-1]["op"] == "seal" else None
+        for e, _ in self._events_back(path, INF, marks=True):
+            return e if e["op"] == "seal" else None
         return None
 
     def _tail(self, path: str) -> State:
@@ -984,8 +1073,33 @@ class States:
         """The state of ``path`` after event ``after`` (and before any later one)."""
         key = (path, after, forward)
         if key not in self._cache:
+            for k in reversed(self._moves_ahead(path, after, self._cache)):
+                # the deepest first: each then finds the next in the cache
+                self._cache[k] = self.whole_chains(self._state_now, *k, True)
             self._cache[key] = self.whole_chains(self._state_now, path, after, forward)
         return self._cache[key]
+
+    def _moves_ahead(self, path: str, after: int, known: dict) -> list[tuple[str, int]]:
+        """(name, point) of each state that ``state(path, after)`` asks in turn where a
+        directory rename moves the path before its next event (``_beyond``), up to the first
+        in ``known``.  Asked one inside the other, a directory renamed back and forth
+        thousands of times was as many frames deep (a RecursionError, a hunt found)."""
+        out = []
+        if not self.renames():
+            return out
+        while (move := self._next_move(path, after)) is not None:
+            chain = self.chain_on(path)
+            seqs = self._seqs_of(path, chain)
+            if bisect.bisect_right(seqs, after) < bisect.bisect_left(seqs, move["seq"]):
+                break  # an event of its own first
+            new = _fwd(path, move)
+            if new is None:
+                break
+            path, after = new, move["seq"]
+            if (path, after, True) in known or (path, after) in known:
+                break
+            out.append((path, after))
+        return out
 
     def _state_now(self, path: str, after: int, forward: bool) -> State:
         st = self._state(path, after, forward)
@@ -1005,6 +1119,8 @@ class States:
         key = (path, after)
         got = self._sigs.get(key)
         if got is None:
+            for k in reversed(self._moves_ahead(path, after, self._sigs)):
+                self.sig(*k)  # the deepest first, as state()
             got, settled = self.whole_chains(self._sig, path, after)
             if got is None:
                 got = _hashed(self.state(path, after))
@@ -1066,18 +1182,15 @@ class States:
         a point inside a run that wrote this way (before its handle was released, or before
         its unit ended for a journal that does not say) is not exact.  The run may have begun
         under an earlier name of the path (its directory renamed since)."""
-        evs = []
-        for name, lo, hi in self.history(path, after):
-            evs = [(e, name) for e in self.events_on(name) if lo < e["seq"] <= min(hi, after)] \
-                + evs
         if path in self._partial and after >= self.floor:
             # what is left out lies before the floor: needed only when nothing after says
-            if not any(starts_run(e) or self.starts_epoch(e, name)
-                       for e, name in evs if e["seq"] > self.floor):
+            recent = itertools.takewhile(lambda x: x[0]["seq"] > self.floor,
+                                         self._events_back(path, after))
+            if not any(starts_run(e) or self.starts_epoch(e, name) for e, name in recent):
                 raise _Partial(path)
         elif self._short(path, after):
             raise _Partial(path)
-        if not evs:
+        if next(self._events_back(path, after), None) is None:
             return False
         nxt = next((e for e in self.chain_on(path) if e["seq"] > after), None)
         if nxt is not None and nxt["seq"] == after + 1:
@@ -1088,7 +1201,7 @@ class States:
             if pre is not None and "kind" in pre and not (
                     (pre.get("nlink") or 1) > 1 and _moves_away(nxt, path)):
                 return False
-        for e, name in reversed(evs):
+        for e, name in self._events_back(path, after):
             if starts_run(e):
                 break
             if e["op"] == "alias":
@@ -1165,19 +1278,14 @@ class States:
         named the write by: a hard link), the run of that name the alias came with; None when
         an epoch with no run in it began since.  Followed through the path's earlier names
         (its directory renamed while the run went on)."""
-        for name, lo, hi in self.history(path, after):
-            for e in reversed(self.events_on(name)):
-                if e["seq"] > min(hi, after):
-                    continue
-                if e["seq"] <= lo:
-                    break
-                if starts_run(e):
-                    return e
-                if e["op"] == "alias":
-                    run = self._alias_run(e)
-                    return run if run is not None and "data" not in run else None
-                if self.starts_epoch(e, name):
-                    return None  # an epoch with no run in it
+        for e, name in self._events_back(path, after):
+            if starts_run(e):
+                return e
+            if e["op"] == "alias":
+                run = self._alias_run(e)
+                return run if run is not None and "data" not in run else None
+            if self.starts_epoch(e, name):
+                return None  # an epoch with no run in it
         return None
 
     def still_writing(self, path: str, after: int) -> bool:
@@ -1192,9 +1300,10 @@ class States:
         by a closing seal (an unmount's, or the mount's after a killed daemon: no descriptor
         outlives it)?  A unit's end seals what the unit left while its descriptors may write
         on (their later writes are its own still)."""
-        for name, a, b in self.history(path, after):
-            if any(x["op"] == "seal" and x.get("closing") and
-                   max(lo, a) < x["seq"] <= min(b, after) for x in self.chain_on(name)):
+        for x, _ in self._events_back(path, after, marks=True):
+            if x["seq"] <= lo:
+                return False
+            if x["op"] == "seal" and x.get("closing"):
                 return True
         return False
 
@@ -1428,7 +1537,7 @@ class States:
         start = None
         # events of the name before a directory rename brought this object to it were another
         # object's (path history): the replay starts after that
-        since = self.history(path, after)[0][1] if self.renames() else 0
+        since = next(self._walk(path, after))[1]
         for i, e in enumerate(evs):
             if e["seq"] > after:
                 break
