@@ -139,3 +139,51 @@ def test_rename_index_finds_what_a_scan_finds():
                             (found[0] if found else None)
                         assert idx.touching(name, lo, hi, last=True, itself=itself) == \
                             (found[-1] if found else None)
+
+
+def test_a_directory_renamed_back_and_forth_thousands_of_times(tmp_path):
+    """A directory renamed back and forth: a file made in it before the renames is the live
+    file at every point since, and one made half-way is absent before and there after.  Each
+    state was asked inside the next rename's (one level a rename: a RecursionError past some
+    2,000 round trips, with the CLI's own frame limit), and every point walked the file's
+    whole history back (quadratic; found by a bug hunt)."""
+    from overlayrec.entry import deep_enough
+    deep_enough()  # the frame limit the CLI runs the readers with
+    ws, sd = tmp_path / "ws", str(tmp_path / "state")
+    ws.mkdir()
+    j = Journal(sd, workspace=str(ws))
+    actor, unit = {"key": "1:1", "pid": 1}, "outside:1:1"
+
+    def append(ev):
+        return j.append(dict(ev, unit=unit), actor)
+    append({"op": "mkdir", "path": "a", "pre": ABSENT, "epoch": True})
+    made = append({"op": "create", "path": "a/k", "pre": ABSENT, "epoch": True})
+    trips, half = 2_500, 1_250
+    points = []   # (point, the directory's name then)
+    for i in range(trips):
+        points.append((append({"op": "rename", "path": "a", "path2": "b", "pre": DIR,
+                               "pre2": ABSENT}), "b"))
+        if i == half:
+            g = append({"op": "create", "path": "b/g", "pre": ABSENT, "epoch": True})
+        points.append((append({"op": "rename", "path": "b", "path2": "a", "pre": DIR,
+                               "pre2": ABSENT}), "a"))
+    j.close()
+    (ws / "a").mkdir()
+    (ws / "a" / "k").write_text("k")
+    (ws / "a" / "g").write_text("g")
+    r = Journal(sd, readonly=True)
+    states = States(r, Tree.at(str(ws)))
+    try:
+        k = states.state("a/k", made)
+        assert (k.kind, k.data) == ("file", b"k")
+        assert len(states.history("a/k", made)) == 1
+        assert len(states.history("a/k")) == 2 * trips + 1
+        for at, d in points[::97] + points[-3:]:
+            assert states.state(f"{d}/k", at).data == b"k", at
+            assert states.state(f"{d}/g", at).present == (at > g), at
+            other = "a" if d == "b" else "b"
+            assert not states.state(f"{other}/k", at).present, at
+        assert states.state("a/g", g - 1).present is False
+    finally:
+        r.close()
+        os.close(states.tree.root_fd)
