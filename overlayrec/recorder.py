@@ -450,6 +450,10 @@ class Recorder:
         # paths whose last epoch ended unsealed (at a unit boundary, or carried to a new name
         # by a directory rename): sealed with their unit
         self.unsealed: dict[str, str] = {}
+        # directories a rename brought to their names in this mount (name now -> the rename's
+        # seq): what lies beneath them is sealed at the record's end (close_record)
+        self.moved_dirs: dict[str, int] = {}
+        self.beneath_sealed: set[str] = set()  # of those, the ones walked whole at the end
         # path -> when the daemon last changed what it holds (time.time_ns(), just before):
         # a file whose ctime is later at its seal was changed around the mount (seal)
         self.served: dict[str, int] = {}
@@ -1548,6 +1552,8 @@ class Recorder:
             ep.content_saved = ep.meta_saved = True
         if stat.S_ISDIR(st.st_mode) or (st2 is not None and stat.S_ISDIR(st2.st_mode)):
             self._move_beneath(path, path2, exchange)
+            self._moved_dir(path, path2, exchange, seq, stat.S_ISDIR(st.st_mode),
+                            st2 is not None and stat.S_ISDIR(st2.st_mode))
 
     @staticmethod
     def _may_exchange(e: OSError, flags: int, st: os.stat_result) -> bool:
@@ -1638,6 +1644,64 @@ class Recorder:
                 q = moved(p)
                 if q is not None:
                     table[q] = v
+
+    def _moved_dir(self, path: str, path2: str, exchange: bool, seq: int, is_dir: bool,
+                   is_dir2: bool) -> None:
+        """Keep ``moved_dirs`` up to date with a rename of ``path`` to ``path2``."""
+        src, dst = path + "/", path2 + "/"
+        moved = {}
+        for p in [p for p in self.moved_dirs if p in (path, path2) or p.startswith((src, dst))]:
+            at = self.moved_dirs.pop(p)
+            if p == path or p.startswith(src):
+                moved[path2 + p[len(path):]] = at
+            elif exchange:
+                moved[path + p[len(path2):]] = at
+        self.moved_dirs.update(moved)
+        if is_dir:
+            self.moved_dirs[path2] = seq
+        if exchange and is_dir2:
+            self.moved_dirs[path] = seq
+
+    def _owe_beneath_moved(self) -> None:
+        """At the record's end: every path beneath a directory renamed in this mount that has
+        no event under its name since owes a seal.  The record knew those paths only from the
+        live tree (the rename journals the directory, not what it holds), so an edit made
+        while unmounted beneath it read as the record's own end: a revert of the rename moved
+        the user's edit back as the call's, with no conflict, and a diff or replay lost the
+        files when the directory was renamed again while unmounted (found by bug hunts)."""
+        tops = sorted(self.moved_dirs)
+        walked = set()
+        for i, top in enumerate(tops):
+            if any(top.startswith(t + "/") for t in tops[:i]):
+                continue  # walked with the directory above it
+            try:
+                walk = os.fwalk(top, dir_fd=self.root_fd, follow_symlinks=False)
+                for dirpath, dirs, files, _ in walk:
+                    if dirpath.split("/", 1)[0] == ATTIC_NAME:
+                        dirs[:] = []
+                        continue
+                    # the last rename that brought it to its name: of its nearest moved
+                    # ancestor, or of one further up (renamed later)
+                    since, d = 0, dirpath
+                    while d:
+                        since = max(since, self.moved_dirs.get(d, 0))
+                        d = d.rpartition("/")[0]
+                    for name in dirs + files:
+                        p = f"{dirpath}/{name}"
+                        if p not in self.epochs and p not in self.unsealed and \
+                                (self.journal.last_seq_for_path(p) or 0) < since:
+                            self.unsealed[p] = ""
+            except OSError as e:  # what cannot be walked keeps its chain's end live
+                log.warning("cannot walk %s to seal what lies beneath: %s", top, e)
+                continue
+            walked.update(t for t in tops if t == top or t.startswith(top + "/"))
+        # their own seals say so (``beneath``): a name beneath with no event of its own was not
+        # there at the record's end, whatever the live tree holds later
+        for top in walked:
+            if top not in self.epochs:
+                self.unsealed.setdefault(top, "")
+        self.beneath_sealed = walked
+        self.moved_dirs.clear()
 
     def _stamp_names(self, st: os.stat_result, unit: str, *own: str) -> None:
         """The inode ``st`` loses or gains a name, or one of its names moves: its ctime moves
@@ -2165,7 +2229,9 @@ class Recorder:
             events.append({"op": "seal", "path": p, "pre": pre, "actor": "overlayrec",
                            # of every unit (an unmount, the mount after a killed daemon): no
                            # descriptor of the mount's outlives it, so a write run ends here
-                           **({"closing": True} if unit is None else {})})
+                           **({"closing": True} if unit is None else {}),
+                           **({"beneath": True} if p in self.beneath_sealed and
+                              pre["kind"] == "dir" else {})})
         self._ctimes_after_reads([(e["path"], e["pre"]) for e in events if e["op"] == "seal"])
         sealed_ctimes = {e["path"]: e["pre"]["ctime_ns"] for e in events
                          if e["op"] == "seal" and "ctime_ns" in e["pre"] and
@@ -2353,6 +2419,7 @@ class Recorder:
         except (JournalError, OSError) as e:  # the attic keeps them: the next mount tries again
             log.warning("cannot copy %d small pre-image(s) into the store now: %s",
                         len(self.to_store), e)
+        self._owe_beneath_moved()
         self.seal()
         self.journal.put_meta("sealed", "1")
 

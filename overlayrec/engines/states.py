@@ -555,6 +555,7 @@ class States:
         # holds events (``_holding_from``): each asked once, however often a reader walks it
         self._links: dict[tuple[str, int], tuple[int | None, str | None]] = {}
         self._holds: dict[tuple[str, int, bool], tuple[str, int] | None] = {}
+        self._beneath: dict[str, dict | None] = {}  # _unseen_beneath, by directory
         self._universe: list[tuple[str, float]] | None = None
         self._candidates: dict[float, set[str]] = {}
         self._moved_by: dict[tuple[str, int], set[str]] | None = None
@@ -987,6 +988,29 @@ class States:
             return chain[-1] if chain and chain[-1]["op"] == "seal" else None
         for e, _ in self._events_back(path, INF, marks=True):
             return e if e["op"] == "seal" else None
+        return self._unseen_beneath(path)
+
+    def _unseen_beneath(self, path: str) -> dict | None:
+        """For a name with no event of its own: the seal that says it was absent at the
+        record's end, when a directory above it has its last seal made with everything
+        beneath sealed too (``beneath``: an unmount's, of a directory renamed while mounted);
+        None when none has.  A file made beneath while unmounted was taken for one the
+        directory held all along: a revert of the rename moved it back with the call's,
+        and a replay before the rename held it (found by a bug hunt)."""
+        d = path.rpartition("/")[0]
+        while d:
+            got = self._beneath.get(d, False)
+            if got is False:
+                got = None
+                for e, _ in self._events_back(d, INF, marks=True):
+                    if e["op"] == "seal" and e.get("beneath"):
+                        got = {"op": "seal", "seq": e["seq"], "path": path,
+                               "pre": {"kind": "absent"}}
+                    break
+                self._beneath[d] = got
+            if got is not None:
+                return dict(got, path=path)
+            d = d.rpartition("/")[0]
         return None
 
     def _tail(self, path: str) -> State:

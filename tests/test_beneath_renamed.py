@@ -1,0 +1,95 @@
+"""What lies beneath a directory a session renamed, changed while unmounted.
+
+The rename journals the directory, not the files it holds: before the record's end sealed
+them (an unmount seals every path beneath a directory renamed in the mount, and marks the
+directory's seal ``beneath``), the readers knew those files from the live tree only.  An edit
+made while unmounted read as the record's own end (a revert of the rename carried the user's
+edit back as the call's, with no conflict, and moved the user's new files along), and a
+rename of the directory made while unmounted lost its files from the session's diff and from
+a replay before it (found by bug hunts).  Each test takes its own snapshots."""
+from __future__ import annotations
+
+import json
+import os
+
+from conftest import needs_fuse, overlayrec
+from test_replay import tree_of
+
+pytestmark = needs_fuse
+
+
+def _files(top: str) -> dict[str, str]:
+    out = {}
+    for d, dirs, files in os.walk(top):
+        dirs[:] = [x for x in dirs if not x.startswith(".overlayrec")]
+        for f in files:
+            p = os.path.join(d, f)
+            with open(p) as fh:
+                out[os.path.relpath(p, top)] = fh.read()
+    return out
+
+
+def _run(m, script: str) -> None:
+    overlayrec("run", "-w", m.ws, "--state-dir", m.state, "--session", "s", "--",
+               "sh", "-c", script, cwd=m.ws)
+
+
+def test_a_revert_of_a_rename_refuses_what_was_edited_beneath_while_unmounted(make_mount):
+    m = make_mount()
+    os.makedirs(os.path.join(m.ws, "src"))
+    for name in "ab":
+        with open(os.path.join(m.ws, "src", name), "w") as f:
+            f.write(name + "\n")
+    _run(m, "mv src lib && mkdir lib/n && echo 1 > lib/n/1")
+    # unmounted: an edit, a removal and two new files beneath the renamed directory
+    with open(os.path.join(m.ws, "lib", "b"), "a") as f:
+        f.write("edit\n")
+    os.unlink(os.path.join(m.ws, "lib", "a"))
+    with open(os.path.join(m.ws, "lib", "user"), "w") as f:
+        f.write("user\n")
+    with open(os.path.join(m.ws, "lib", "n", "user2"), "w") as f:
+        f.write("user\n")
+    before = _files(m.ws)
+    r = overlayrec("revert", "-w", m.ws, "--state-dir", m.state, "--session", "s", "--yes",
+                   "--json", check=False)
+    assert r.returncode == 1, r.stdout + r.stderr
+    plan = json.loads(r.stdout)
+    conflicts = {s["path"]: s["conflict"] for s in plan["steps"] if s["conflict"]}
+    assert conflicts == {"lib/a": "changed", "lib/b": "changed"}, plan["steps"]
+    # the user's new files are no part of the plan: nothing moves them
+    assert not [s for s in plan["steps"] if "user" in s["path"]], plan["steps"]
+    assert _files(m.ws) == before
+    # without the conflicting paths the rename's revert keeps the user's files where they are
+    r = overlayrec("revert", "-w", m.ws, "--state-dir", m.state, "--session", "s", "--yes",
+                   "--force", check=False)
+    after = _files(m.ws)
+    assert after.get("lib/user") == "user\n" and after.get("lib/n/user2") == "user\n", \
+        (r.stdout, r.stderr, after)
+    assert after.get("lib/b") == "b\nedit\n", after
+    assert "src/user" not in after and "src/n/user2" not in after, after
+
+
+def test_a_directory_renamed_again_while_unmounted_keeps_its_files_in_the_record(
+        make_mount, tmp_path):
+    m = make_mount()
+    os.makedirs(os.path.join(m.ws, "d", "sub"))
+    for name, data in (("x", "x\n"), ("sub/y", "y\n")):
+        with open(os.path.join(m.ws, "d", name), "w") as f:
+            f.write(data)
+    start = tree_of(m.ws)
+    _run(m, "mv d e && echo z > e/z")
+    end = tree_of(m.ws)
+    os.rename(os.path.join(m.ws, "e"), os.path.join(m.ws, "f"))  # unmounted
+    diff = overlayrec("diff", "-w", m.ws, "--state-dir", m.state, "--session", "s",
+                      "--name-status").stdout
+    assert {line.split("\t")[-1] for line in diff.splitlines() if line} >= \
+        {"e/x", "e/sub/y", "e/z"}, diff
+    log = overlayrec("log", "-w", m.ws, "--state-dir", m.state).stdout.splitlines()
+    last = int(log[-1].split()[0])
+    for at, want in ((1, start), (last, end)):
+        out = str(tmp_path / f"r{at}")
+        overlayrec("replay", "-w", m.ws, "--state-dir", m.state, "--at", str(at), "--to", out)
+        assert tree_of(out) == want, at
+    drift = overlayrec("diff", "-w", m.ws, "--state-dir", m.state, "--drift",
+                       "--name-status").stdout
+    assert "e/x" in drift and "e/sub/y" in drift, drift
