@@ -2327,6 +2327,9 @@ class Recorder:
                     name = _name_now(j, renames, p, last)
                     if name is not None:
                         open_paths.append((p, name, ev))
+            # what the killed daemon's renames moved is sealed beneath too, as at an unmount
+            self.moved_dirs.update(_renamed_unclosed(j, renames))
+            self._owe_beneath_moved()
             for p, name, ev in open_paths:
                 self.epochs[name] = Epoch("recovered")
                 if last_alive_ns is not None:
@@ -2508,6 +2511,38 @@ def _name_now(j: Journal, renames: RenameIndex, path: str, seq: int) -> str | No
     if name is None or (name != path and _named_between(j, name, since, None)):
         return None
     return name
+
+
+def _renamed_unclosed(j: Journal, renames: RenameIndex) -> dict[str, int]:
+    """The directories renamed with no closing seal of theirs since (a daemon killed before
+    its unmount): their names now, each with its last such rename's seq."""
+    out: dict[str, int] = {}
+    rs, n = renames.renames, len(renames.renames)
+    for i, r in enumerate(rs):
+        name: str | None = r["dst"]
+        lo = i + 1
+        while name is not None and (k := renames.touching(name, lo, n, itself=True)) is not None:
+            later = rs[k]
+            exchange = later.get("flags", 0) & underlay.RENAME_EXCHANGE
+            if name == later["dst"] and not exchange:
+                name = None  # replaced
+            elif name == later["dst"]:
+                name = later["src"]
+            else:
+                name = _moved_name(name, later)
+            lo = k + 1
+        if name is None:
+            continue
+        for s in reversed(j.seqs_for_path(name)):
+            if s <= r["seq"]:
+                out[name] = r["seq"]
+                break
+            ev = j.event(s)
+            if ev is not None and ev["op"] == "seal" and ev.get("closing"):
+                break
+        else:
+            out[name] = r["seq"]
+    return out
 
 
 def _named_between(j: Journal, name: str, lo: int, hi: int | None) -> bool:

@@ -93,3 +93,31 @@ def test_a_directory_renamed_again_while_unmounted_keeps_its_files_in_the_record
     drift = overlayrec("diff", "-w", m.ws, "--state-dir", m.state, "--drift",
                        "--name-status").stdout
     assert "e/x" in drift and "e/sub/y" in drift, drift
+
+
+def test_after_a_killed_daemon_the_next_mount_seals_beneath_its_renames(make_mount, tmp_path):
+    """A daemon killed (SIGKILL) after a call renamed a directory: the next mount seals what
+    lies beneath it, as the unmount would have, so the directory renamed again while
+    unmounted keeps its files in the record."""
+    import signal
+    m = make_mount()
+    os.makedirs(os.path.join(m.ws, "d"))
+    with open(os.path.join(m.ws, "d", "x"), "w") as f:
+        f.write("x\n")
+    m.mount()
+    m.sh("mv d e")
+    with open(os.path.join(m.state, "daemon.json")) as f:
+        pid = json.load(f)["pid"]
+    os.kill(pid, signal.SIGKILL)
+    overlayrec("umount", m.ws)  # clears the dead mount
+    m.mount()                   # seals what the killed daemon left: e and what lies beneath
+    m.umount()
+    os.rename(os.path.join(m.ws, "e"), os.path.join(m.ws, "f"))  # unmounted
+    out = str(tmp_path / "r")
+    log = overlayrec("log", "-w", m.ws, "--state-dir", m.state).stdout.splitlines()
+    rename = next(int(line.split()[0]) for line in log if " rename " in line)
+    overlayrec("replay", "-w", m.ws, "--state-dir", m.state, "--at", str(rename), "--to", out)
+    assert _files(out) == {"e/x": "x\n"}
+    drift = overlayrec("diff", "-w", m.ws, "--state-dir", m.state, "--drift",
+                       "--name-status").stdout
+    assert "e/x" in drift, drift
