@@ -905,7 +905,7 @@ def storage(workspace, every, as_json, state_dir):
             raise Fail(f"state dir {state_dir} " + ("is not a directory" if
                                                     os.path.lexists(state_dir) else
                                                     "does not exist"))
-        sd = _state_dir_for(ws or "/", state_dir)
+        sd = _state_dir_for(ws, state_dir)
     else:
         sd = _state_dir_for(ws, None)
     doc = _storage_of(ws, sd)

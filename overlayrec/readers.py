@@ -44,11 +44,15 @@ def say_error(msg: str) -> None:
     emit([(2, f"overlayrec: error: {one_line(msg)}\n")])
 
 
-def state_dir_for(ws: str, state_dir: str | None) -> str:
-    """The state dir a reading command looks at: the one named, or the workspace's; refused
-    (StateError) when another user could have changed it (docs/storage.md)."""
+def state_dir_for(ws: str | None, state_dir: str | None) -> str:
+    """The state dir a command looks at: the one named, or the workspace's (``ws``; None:
+    the one named, whatever it records); refused (StateError) when another user could have
+    changed it (docs/storage.md), or when the one named records another workspace."""
     if state_dir:
-        return state.check_state_dir_private(os.path.realpath(state_dir))
+        sd = state.check_state_dir_private(os.path.realpath(state_dir))
+        if ws is not None:
+            _records(sd, ws, state_dir)
+        return sd
     sd = state.find_state_dir(ws)
     if not os.path.exists(os.path.join(sd, "journal", "data.mdb")):
         # (a workspace removed since keeps its record, and readers answer from it) one never
@@ -63,6 +67,26 @@ def state_dir_for(ws: str, state_dir: str | None) -> str:
                                    f"{moved[1]})")
         raise state.StateError(f"workspace {ws} is not recorded (no journal in {sd})")
     return sd
+
+
+def _records(sd: str, ws: str, named: str) -> None:
+    """StateError when the state dir ``sd`` records a workspace other than ``ws`` (and not
+    ``ws`` moved since), as a mount refuses it: a gc given another workspace with the state
+    dir swept that directory's attic (a copy's), and every reader read the wrong tree as the
+    live one (found by a bug hunt)."""
+    if not os.path.exists(os.path.join(sd, "journal", "data.mdb")):
+        return
+    from .recorder import moved_here
+    try:
+        j = Journal(sd, readonly=True)
+    except JournalError:
+        return  # the command itself says what is wrong with the journal
+    try:
+        recorded = j.meta("workspace")
+        if recorded and recorded != ws and not moved_here(j, recorded, ws):
+            raise state.StateError(f"state dir {named} records workspace {recorded}, not {ws}")
+    finally:
+        j.close()
 
 
 def moved_record(ws: str) -> tuple[str, str] | None:

@@ -69,6 +69,29 @@ def test_state_dir_inside_workspace_is_refused(tmp_path):
     assert not is_mounted(str(ws))
 
 
+def test_a_state_dir_of_another_workspace_is_refused_by_every_command(tmp_path):
+    """A copy of a recorded workspace (its attic too) given with the original's state dir:
+    `run` refused it, but `gc` swept the copy's attic entries (the original's left orphaned),
+    and `check`, `diff`, `revert` read the copy as the live tree (found by a bug hunt)."""
+    ws, copy, sd = tmp_path / "ws", tmp_path / "copy", str(tmp_path / "state")
+    ws.mkdir()
+    (ws / "big").write_bytes(os.urandom(5 << 20))  # past the whole-file limit: kept in the attic
+    overlayrec("run", "-w", str(ws), "--state-dir", sd, "--session", "s1", "--", "rm", "big")
+    overlayrec("run", "-w", str(ws), "--state-dir", sd, "--session", "s2", "--", "touch", "x")
+    subprocess.run(["cp", "-a", str(ws), str(copy)], check=True)
+    attic = sorted(os.listdir(copy / ".overlayrec-attic"))
+    want = f"state dir {sd} records workspace {ws}, not {copy}"
+    for args in (["gc", str(copy), "--keep-last", "1"], ["check", str(copy)],
+                 ["diff", str(copy), "--session", "s1", "--stat"],
+                 ["revert", str(copy), "--session", "s1", "--yes"],
+                 ["replay", str(copy), "--at", "1", "--to", str(tmp_path / "r")]):
+        one_line_error(overlayrec(*args, "--state-dir", sd, check=False), want)
+    assert sorted(os.listdir(copy / ".overlayrec-attic")) == attic
+    assert not (tmp_path / "r").exists()
+    # the workspace itself reads on
+    overlayrec("check", str(ws), "--state-dir", sd)
+
+
 def test_state_dir_holding_the_workspace_is_refused(tmp_path):
     """The other way round (found by a bug hunt): a workspace named as one of the state dir's
     own entries was the state dir's: `run -w sd/git --state-dir sd` let a reader make its bare
