@@ -408,21 +408,57 @@ async def _keep_budget(control: ControlServer) -> None:
                 continue
             # a budget lets go of done reverts its cut passes: otherwise one revert kept every
             # session after it for good, and the budget stopped dropping anything
-            out = await control.run_gc({"max_bytes": control.max_bytes, "let_go_reverts": True})
-            if out.get("let_go"):
-                log.warning("budget %d bytes: let go of revert(s) %s, which can no longer be "
-                            "unreverted", control.max_bytes, ", ".join(out["let_go"]))
-            if out.get("dropped"):
-                log.info("budget %d bytes: the record held %d; dropped session(s) %s, now %d",
-                         control.max_bytes, size["total"], ", ".join(out["dropped"]),
-                         out["size_after"]["total"])
-            if out.get("over_budget"):
-                log.warning("budget %d bytes: still over (%s)", control.max_bytes,
-                            out["over_budget"])
+            out = await control.run_gc(_BUDGET_GC | {"max_bytes": control.max_bytes})
+            _budget_kept(control.max_bytes, size, out)
         except retention.RetentionError as e:  # a revert under way: looked at again later
             log.info("budget %d bytes: not looked at now: %s", control.max_bytes, e)
         except Exception:  # the budget must not take the mount down: looked at again later
             log.exception("keeping the budget failed")
+
+
+# a budget lets go of done reverts its cut passes: otherwise one revert kept every session
+# after it for good, and the budget stopped dropping anything
+_BUDGET_GC = {"let_go_reverts": True}
+
+
+def _budget_kept(max_bytes: int, size: dict, out: dict) -> None:
+    if out.get("let_go"):
+        log.warning("budget %d bytes: let go of revert(s) %s, which can no longer be "
+                    "unreverted", max_bytes, ", ".join(out["let_go"]))
+    if out.get("dropped"):
+        log.info("budget %d bytes: the record held %d; dropped session(s) %s, now %d",
+                 max_bytes, size["total"], ", ".join(out["dropped"]),
+                 out["size_after"]["total"])
+    if out.get("over_budget"):
+        log.warning("budget %d bytes: still over (%s)", max_bytes, out["over_budget"])
+
+
+def _keep_budget_at_end(control: ControlServer, state_dir: str) -> None:
+    """The budget looked at once more when the record is closed: a `run` that mounted for
+    itself releases the mount as soon as its session ends, before the daemon's next look, so
+    its --max-bytes was never kept (a record five times its budget; found by a bug hunt).
+    What ``control.run_gc`` does, in one go: nothing is served any more."""
+    rec = control.recorder
+    attic_fd = getattr(rec, "attic_fd", None)
+    drop = getattr(rec, "_drop_attic", None)
+    journal = control.calls.journal
+    try:
+        journal.flush()  # the sessions' ends and the seals: what the plan reads
+        size = retention.record_size(journal, attic_fd)
+        if size["total"] <= control.max_bytes:
+            return
+        out: dict = {}
+        live = {s.id for s in control.calls.sessions.values() if s.ended is None}
+        for _ in retention.gc_steps(
+                journal, state_dir,
+                retention.Policy.from_json(_BUDGET_GC | {"max_bytes": control.max_bytes}),
+                out, live=live, attic_fd=attic_fd, dry_run=False,
+                drop_attic=(lambda name, st: drop(name, (st.st_dev, st.st_ino))) if drop
+                else None):
+            pass
+        _budget_kept(control.max_bytes, size, out)
+    except Exception:  # the record is closed and whole: the next mount or gc keeps it
+        log.exception("keeping the budget at unmount failed")
 
 
 def _whose_record(ws: str, state_dir: str) -> None:
@@ -715,6 +751,9 @@ def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other
                 log.error("sealing at unmount failed (the next mount recovers): %s", e)
             except Exception:
                 log.exception("sealing at unmount failed (the next mount recovers)")
+            else:
+                if control.max_bytes is not None:
+                    _keep_budget_at_end(control, state_dir)
         finally:
             journal.close()
             for path in (sd.daemon_json, sd.control_sock):

@@ -513,6 +513,54 @@ def test_daemon_keeps_a_budget_set_at_mount(make_mount, tmp_path):
         m.umount()
 
 
+def test_a_run_that_mounts_for_itself_keeps_its_budget(make_mount, tmp_path):
+    """`run --max-bytes` mounting for itself: the daemon looked at the budget half a second
+    after a session's end, and the run had released the mount by then, so the record grew
+    past the budget without a word.  Then the unmount's budget dropped the session that had
+    just ended, the newest, with its events up to the cut, and the next mount took seqs below
+    the cut: its session's begin was dropped as it was written (both found by a bug hunt)."""
+    m = make_mount()  # each run mounts for itself
+    agent = tmp_path / "agent.py"
+    agent.write_text(AGENT)
+    with open(os.path.join(m.ws, "shared.txt"), "w") as f:
+        f.write("start\n")
+    for i in range(1, 7):
+        overlayrec("run", "-w", m.ws, "--state-dir", m.state, "--max-bytes", "700K",
+                   "--session", f"s{i}", "--", sys.executable, str(agent), str(i), "100000",
+                   cwd=m.ws)
+        assert not is_mounted(m.ws)
+    j = m.journal()
+    try:
+        dropped = [d["id"] for d in j.dropped_sessions()]
+        size = retention.record_size(j)
+    finally:
+        j.close()
+    assert "s1" in dropped and "s6" not in dropped, dropped
+    assert size["total"] - size["attic"] <= 700 << 10, size
+    with open(os.path.join(m.state, "daemon.log")) as f:
+        assert "dropped session(s) s1" in f.read()
+    consistent(m)
+    # a session past the budget alone: every session is dropped as it ends, the newest too;
+    # the next one is whole all the same
+    overlayrec("run", "-w", m.ws, "--state-dir", m.state, "--max-bytes", "700K",
+               "--session", "huge", "--", "sh", "-c",
+               "head -c 900000 /dev/urandom | tee huge.bin >/dev/null; rm huge.bin", cwd=m.ws)
+    j = m.journal()
+    try:
+        assert "huge" in [d["id"] for d in j.dropped_sessions()]
+    finally:
+        j.close()
+    overlayrec("run", "-w", m.ws, "--state-dir", m.state, "--session", "after", "--",
+               "sh", "-c", "echo after | tee after.txt >/dev/null", cwd=m.ws)
+    log = overlayrec("log", m.ws, "--state-dir", m.state).stdout
+    assert "session_begin session=after" in log and "create      after.txt" in log, log
+    calls = overlayrec("calls", m.ws, "--state-dir", m.state, "--session", "after",
+                       "--json").stdout.splitlines()
+    assert len(calls) == 1 and json.loads(calls[0])["paths"] == ["after.txt"], calls
+    assert "+after" in overlayrec("diff", m.ws, "--state-dir", m.state, "--session",
+                                  "after").stdout
+
+
 def test_a_seal_below_the_cut_superseded_later_goes_with_the_next_gc(make_mount, tmp_path):
     """A path's latest seal kept below the cut, then sealed anew (its name used again after
     the gc): the old seal is no longer the latest, and the next gc takes it away even when

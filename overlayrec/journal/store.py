@@ -407,9 +407,13 @@ class Journal:
         return v.decode("utf-8", "surrogateescape") if v is not None else None
 
     def _load_next_seq(self) -> int:
+        """The seq after the last event, and never below the retention cut: a gc that
+        dropped the newest session deleted the events up to the cut, and the next mount's
+        first events took seqs below it, dropped as they were written (a session whose begin
+        was not in the record; found by a bug hunt)."""
         with self._read(db=self.dbs["events"]) as txn:
             cur = txn.cursor()
-            return key_seq(cur.key()) + 1 if cur.last() else 1
+            return max(key_seq(cur.key()) + 1 if cur.last() else 1, self.cut)
 
     # -- writing --------------------------------------------------------------------------------
     def last_reserved(self) -> int:
