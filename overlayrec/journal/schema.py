@@ -65,6 +65,9 @@ Sub-databases of the LMDB environment:
               kept).  The chain of a path ends at its last seal, not at the live tree.
               ``"closing": true`` on a seal of every unit (an unmount's, the mount's after a
               killed daemon): no descriptor of the mount outlives it, so a write run ends there.
+              ``"beneath": true`` on such a seal of a directory renamed in that mount: every
+              path beneath it was sealed too, so a name beneath with no event of its own was
+              not there (a directory's rename journals no path beneath it).
               ``alias`` events: a change through one name of an inode with several links,
               journaled on each other name the daemon knows (``source``: the name written); one
               without ``source`` whose pre-image is ``unkept``: a name of a file linked outside
