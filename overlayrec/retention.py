@@ -179,6 +179,7 @@ class Scan:
         self.cum: list[int] = []
         kept_seals = {seq for _, seq in j.seals()}
         total = 0
+        weights: list[tuple[float, int]] = []  # (seq, bytes) of what the journal holds
         for seq, raw in j.scan_raw(1):
             below = seq < self.cut
             if below and seq not in kept_seals:
@@ -204,11 +205,19 @@ class Scan:
                     self.attic_last[a] = at
             if not below:
                 # the event, its index keys: about what it takes in the data file
-                size = len(raw) + 16 + sum(len(p) + 24 for p in (ev.get("path"), ev.get("path2"))
-                                           if isinstance(p, str))
-                total += size
-                self.seqs.append(seq)
-                self.cum.append(total)
+                weights.append((seq, len(raw) + 16 + sum(
+                    len(p) + 24 for p in (ev.get("path"), ev.get("path2")) if isinstance(p, str))))
+        # the small blobs the journal holds (most of it, in a record of small edits), each
+        # where it is last named: a plan that weighed the events alone said a session could
+        # stay that the budget then had to drop (found by a bug hunt)
+        for digest, n in j.blob_sizes():
+            at = self.blob_last.get(digest, 0)
+            weights.append((at, n + 16 + len(digest)))
+        weights.sort(key=lambda w: w[0])
+        for seq, w in weights:
+            total += w
+            self.seqs.append(seq)
+            self.cum.append(total)
         self.total_weight = total
         self.sessions: list[Sess] = []
         counts_turns: dict[str, int] = {}
@@ -761,6 +770,12 @@ def _gc_rounds(j: Journal, sd: str, policy: Policy, out: dict, live, attic_fd, d
         if dry_run:
             return
         drop = [r for r in p["sessions"] if r["action"] == "drop"]
+        if rounds:  # the first round's table says what each later round dropped too
+            again = {r["session"]: r for r in drop}
+            for row in out["sessions"]:
+                if row["session"] in again and row["action"] != "drop":
+                    row.update(action="drop", why=again[row["session"]]["why"] +
+                               " (measured after the sessions before it went)")
         now = time.time_ns()
         if p["let_go"]:  # before the cut: no unrevert may start from what it drops
             _let_go(sd, p["let_go"], p["cut"], now)

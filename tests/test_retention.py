@@ -561,6 +561,30 @@ def test_a_run_that_mounts_for_itself_keeps_its_budget(make_mount, tmp_path):
                                   "after").stdout
 
 
+def test_a_budget_plan_weighs_the_journals_small_blobs(make_mount):
+    """Sessions of small-file edits keep their content as small blobs in the journal: the
+    plan weighed the events alone, its dry run said a session stayed that the real gc then
+    dropped, and the real gc's table said it kept a session its `dropped` named (found by a
+    bug hunt)."""
+    m = make_mount()
+    for i in range(1, 5):
+        overlayrec("run", "-w", m.ws, "--state-dir", m.state, "--session", f"s{i}", "--",
+                   "sh", "-c", "for i in $(seq 1 200); do head -c 2000 /dev/urandom | "
+                   "base64 > f$i; done", cwd=m.ws)
+    j = m.journal()
+    try:
+        total = retention.record_size(j)["total"]
+    finally:
+        j.close()
+    budget = str(int(total * 0.55))
+    plan = gc(m, "--max-bytes", budget, "--dry-run")
+    out = gc(m, "--max-bytes", budget)
+    planned = [r["session"] for r in plan["sessions"] if r["action"] == "drop"]
+    table = [r["session"] for r in out["sessions"] if r["action"] == "drop"]
+    assert planned == table == out["dropped"], (plan["sessions"], out["sessions"], out["dropped"])
+    assert out["size_after"]["total"] <= int(budget), out["size_after"]
+
+
 def test_a_seal_below_the_cut_superseded_later_goes_with_the_next_gc(make_mount, tmp_path):
     """A path's latest seal kept below the cut, then sealed anew (its name used again after
     the gc): the old seal is no longer the latest, and the next gc takes it away even when
