@@ -2248,7 +2248,7 @@ def gc(workspace, keep_last, keep_within, max_bytes, let_go_reverts, dry_run, as
         est = out.get("size_after_estimate") or {}
         n = sum(r["action"] == "drop" for r in out.get("sessions", []))
         click.echo(f"dry run: would drop {n} session(s); the record would start at seq "
-                   f"{out.get('cut')}; about {_mib(before.get('total', 0))} -> "
+                   f"{max(out.get('cut') or 1, 1)}; about {_mib(before.get('total', 0))} -> "
                    f"{_mib(est.get('total', 0))}")
     else:
         after = out.get("size_after") or {}

@@ -939,7 +939,8 @@ def dropped_selection(j: Journal, *, call=None, turn=None, session=None, since=N
                 return f"call {call} of session {rec['id']} was dropped by retention on " \
                        f"{_date(rec.get('dropped_t'))}"
     if turn is not None and session is None and not j.records("turns"):
-        if j.dropped_sessions():
+        # (a record that never had a turn says so, as before any gc: found by a bug hunt)
+        if any(r.get("turns") for r in j.dropped_sessions()):
             return "the turns recorded were dropped by retention (the record starts at seq " \
                    f"{j.cut})"
     for p in (since, until):

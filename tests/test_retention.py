@@ -711,3 +711,14 @@ def test_last_names_the_dropped_session_when_none_is_left(make_mount):
     # a small budget is said as it is (1K read "0.0 MiB")
     r = overlayrec("gc", m.ws, "--max-bytes", "1K")
     assert "still over the budget of 1.0 KiB" in r.stdout + r.stderr, r
+
+
+def test_a_record_that_never_had_turns_says_so_after_a_gc(make_mount):
+    """It said "the turns recorded were dropped by retention" (found by a bug hunt)."""
+    m = make_mount()
+    for s in ("s1", "s2"):
+        overlayrec("run", "-w", m.ws, "--state-dir", m.state, "--session", s, "--", "sh", "-c",
+                   f"echo {s} | tee {s} >/dev/null", cwd=m.ws)
+    gc(m, "--keep-last", "1")
+    for args in (["diff", "--turn", "1"], ["log", "--turn", "1"]):
+        fails(overlayrec(*args, m.ws, "--state-dir", m.state, check=False), "no turns recorded")
