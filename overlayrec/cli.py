@@ -2027,9 +2027,14 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
             plan = reverts.plan_for(src, selection, glob, revert_id, resume)
         except reverts.RevertError as e:
             raise Fail(str(e)) from None
+        running = []
+        if resume is None:
+            # a descriptor of what it undoes still open for writing (a background process
+            # the call left, after the `run` ended): its path refused, its holder named
+            holders = reverts.held_open(src.j, plan, reverts.open_writes(sd), src.live)
+            running = reverts.still_running(src.j, plan, _call_processes(sd) + holders,
+                                            _ancestors(os.getpid()))
         preview = reverts.preview(plan)
-        running = reverts.still_running(src.j, plan, _call_processes(sd),
-                                        _ancestors(os.getpid())) if resume is None else []
         preview["still_running"] = running
         if not as_json:  # the call's changes may hold another's, or miss one of its own
             for line in readers.guess_lines(plan):

@@ -68,7 +68,7 @@ class Client:
     def request(self, op: str, **fields) -> dict:
         req = {"op": op, **{k: v for k, v in fields.items() if v is not None}}
         if "session" not in req and self.session and op not in ("ping", "status",
-                                                                 "processes"):
+                                                                 "processes", "writing"):
             req["session"] = self.session
         # a unit's end seals every path it changed (a revert of 100,000 files: minutes), and
         # answers once they are: a timeout before then left a finished revert "pending"
@@ -127,6 +127,11 @@ class Client:
     def processes(self):
         """The live processes of the sessions' calls, each with its unit (Calls.processes)."""
         return self.request("processes")["processes"]
+
+    def writing(self):
+        """The files a descriptor is open on for writing, each with its unit and the processes
+        holding it (ControlServer.writing)."""
+        return self.request("writing")["writing"]
 
     def close(self):
         self.sock.close()

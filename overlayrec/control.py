@@ -88,6 +88,8 @@ class ControlServer:
         self.stop = None          # ends the mount (detach: lazily first, daemon._serve)
         self.ending = False       # the mount is ending: no session begins in it any more
         self.detached = False     # the mount was detached from the workspace as it ended
+        # set by the daemon: the file handles open for writing (fs.Operations.open_writes)
+        self.open_writes = None
 
     def handle(self, req: dict, caller: dict) -> dict:
         if self.ending and (req.get("op") == "session_begin" or "op" not in req):
@@ -116,6 +118,8 @@ class ControlServer:
             return {**c.status(), "ending": self.ending}
         if op == "processes":
             return {"processes": c.processes()}
+        if op == "writing":
+            return {"writing": self.writing()}
         if op == "session_begin":
             s = c.session_begin(caller, name, runner=bool(req.get("runner")),
                                 command=req.get("command"))
@@ -178,6 +182,36 @@ class ControlServer:
                 await trio.sleep(0)
         out["compaction"] = {"compacted": False, "why": "mounted: the free pages are reused "
                              "by the journal, and given back by a gc while unmounted"}
+        return out
+
+    def writing(self) -> list[dict]:
+        """The files a descriptor is open on for writing, each with the unit its writes go to
+        and the live processes holding it: ``{"path", "unit", "ino", "holders": [{"pid",
+        "key", "argv"}]}``.  A revert refuses such a file of what it undoes (its next write
+        would land in the file the revert replaced) and names the holders, which the record
+        cannot know once the call, its session and the `run` have ended (a descriptor a
+        background process inherited).  One step on the trio thread: the /proc scan asks the
+        mount nothing (state.write_holders)."""
+        from .attribution import live_stat, read_actor
+        handles = self.open_writes() if self.open_writes is not None else []
+        if not handles:
+            return []
+        pids = state.write_holders(self.workspace, {ino: path for path, _, ino in handles},
+                                   {os.getpid()}) if self.workspace else {}
+        actors: dict[int, dict] = {}
+        for pid in {p for held in pids.values() for p in held}:
+            st = live_stat(pid)
+            if st is not None:
+                actors[pid] = {"pid": pid, "key": f"{pid}:{st[0]}",
+                               "argv": read_actor(pid).get("argv") or []}
+        out, seen = [], set()
+        for path, unit, ino in handles:
+            if (path, unit) in seen:  # two opens of one file by one unit: said once
+                continue
+            seen.add((path, unit))
+            out.append({"path": path, "unit": unit, "ino": ino,
+                        "holders": [actors[p] for p in sorted(pids.get(ino, ()))
+                                    if p in actors]})
         return out
 
     def release(self, caller: dict) -> dict:

@@ -578,6 +578,7 @@ def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool, record_da
             ops.call_ended(unit, late)
     ops = Operations(recorder, root_fd, fault_name=os.environ.get("OVERLAYREC_INJECT_FAULT"))
     calls.on_unit_end = on_unit_end  # once ops is there: a call's end looks at its handles
+    control.open_writes = ops.open_writes  # a revert asks which files are still written
     recorder.on_around = ops.forget_cached
     options = set(pyfuse3.default_options) | {f"fsname={state.FSNAME}", f"subtype={state.FSNAME}"}
     if allow_other:

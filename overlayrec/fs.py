@@ -298,6 +298,19 @@ class Operations(pyfuse3.Operations):
             if isinstance(h, Handle) and h.unit is not None and h.unit == unit:
                 h.unit = late(h.unit)
 
+    def open_writes(self) -> list[tuple[str, str, int]]:
+        """The file handles open for writing, each as (its file's workspace path now, the unit
+        its writes go to, its FUSE inode number): what the control endpoint's ``writing``
+        answers from.  A handle whose file can no longer be named is left out."""
+        out = []
+        for h in list(self.handles.values()):
+            if isinstance(h, Handle) and h.unit is not None:
+                try:
+                    out.append((h.path, str(h.unit), h.inode.fuse_ino))
+                except OSError:
+                    continue
+        return out
+
     def forget_cached(self, path: str) -> None:
         """``path`` was changed or removed around the mount (Recorder.seal found it so): the
         kernel's cache of it, its entry, its attributes and pages and its directory's listing,

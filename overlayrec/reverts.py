@@ -19,9 +19,9 @@ import time
 
 from . import client, state
 from .engines import large
-from .engines.revert import KEPT, KEPT_CHANGED, PARTLY, DirMode, Opening, Plan, apply_step, \
-    bytes_written, changed_since, clear_stale_temps, failed, make_plan, order, plan_from_json, \
-    plan_to_json, recheck, unmet, ways
+from .engines.revert import KEPT, KEPT_CHANGED, PARTLY, STILL_WRITING, DirMode, Opening, Plan, \
+    apply_step, bytes_written, changed_since, clear_stale_temps, failed, make_plan, order, \
+    plan_from_json, plan_to_json, recheck, unmet, ways
 from .engines.states import Tree
 
 
@@ -171,6 +171,50 @@ def plan_for(src: Sources, selection: dict, glob: str | None, revert_id: str | N
         return make_plan(src.j, States(src.j, src.under), src.live, selection, glob, revert_id)
     except SelectionError as e:
         raise RevertError(str(e)) from None
+
+
+def open_writes(sd: str) -> list[dict] | None:
+    """The files the mount's daemon has a descriptor open on for writing, each with the unit
+    its writes go to and the processes holding it (client.writing, ControlServer.writing);
+    None when no daemon can say (not mounted, or an older one)."""
+    try:
+        with client.Client(state.StateDir(sd).control_sock) as c:
+            return c.writing()
+    except (client.ClientError, OSError):
+        return None
+
+
+def held_open(j, plan: Plan, writing: list[dict] | None, live: Tree) -> list[dict]:
+    """Refuse the plan's paths on which a descriptor of what it undoes is still open for
+    writing (``writing``: open_writes()), as ``unrecorded`` with STILL_WRITING: its next write
+    would land in the file the revert replaced, not in the path, and an unrevert would give
+    the path back without it.  The record says so only while the run of writes is open (no
+    release noted); once the call, its session and the `run` have ended, their ends sealed the
+    path, and only the daemon's open handles still tell (a background process that inherited
+    the descriptor).  A path is matched by its name, or by the file it holds now (the
+    descriptor's inode: a hard link, a rename since).  Returns the processes holding such
+    descriptors, as Calls.processes gives them (with the descriptor's unit), for
+    still_running.  Nothing changes when the daemon cannot say (``writing`` None)."""
+    import stat
+    from .engines.revert import selected_units
+    if not writing or not plan.steps:
+        return []
+    units = selected_units(j, **plan.selection)[0]
+    mine = [w for w in writing if units is None or w["unit"] in units]
+    if not mine:
+        return []
+    by_path = {w["path"] for w in mine}
+    by_ino = {w["ino"] for w in mine}
+    for s in plan.steps:
+        if s.conflict:
+            continue
+        held = s.path in by_path
+        if not held and s.expected.kind == "file":  # (another kind: a conflict already)
+            st = live.lstat(s.path)
+            held = st is not None and stat.S_ISREG(st.st_mode) and st.st_ino in by_ino
+        if held:
+            s.conflict, s.note = "unrecorded", STILL_WRITING
+    return [dict(h, unit=w["unit"]) for w in mine for h in w["holders"]]
 
 
 def still_running(j, plan: Plan, processes: list[dict], exclude: set[int]) -> list[str]:

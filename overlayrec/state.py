@@ -790,6 +790,48 @@ def _holders(ws: str, exclude: set[int], beneath: bool) -> list[dict]:
     return out
 
 
+def write_holders(ws: str, files: dict[int, str], exclude: set[int]) -> dict[int, list[int]]:
+    """The processes holding a descriptor open for writing on a file of the mount at ``ws``
+    (``files``: its inode number there, and its workspace path), by inode number: the daemon
+    knows its open handles, not which processes hold them (a descriptor is inherited by a
+    fork, and its opener may be gone).  Read from /proc (the fd's mount id, inode number and
+    flags in its fdinfo; its path where the kernel gives no inode number), asking the mount
+    nothing, so the daemon may look on its own thread."""
+    mnt = mount_id_at(ws)
+    if mnt is None or not files:
+        return {}
+    root = ws.rstrip("/") + "/"
+    by_path = {root + p: ino for ino, p in files.items()}
+    out: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) in exclude:
+            continue
+        pid = int(name)
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        held = set()
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if not target.startswith(root):
+                    continue
+                with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                    info = dict(l.split(":", 1) for l in f.read().splitlines() if ":" in l)
+                if int(info.get("mnt_id", "-1")) != mnt or \
+                        int(info.get("flags", "0"), 8) & os.O_ACCMODE == os.O_RDONLY:
+                    continue
+                ino = int(info["ino"]) if "ino" in info else by_path.get(target)
+                if ino in files:
+                    held.add(ino)
+            except (OSError, ValueError):
+                continue
+        for ino in held:
+            out.setdefault(ino, []).append(pid)
+    return out
+
+
 def mount_answers(path: str, timeout: float = 3.0) -> bool | None:
     """Does the daemon answer a statfs within ``timeout``?  None: it answers with an error."""
     import threading
