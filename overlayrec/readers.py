@@ -476,6 +476,10 @@ def workspace_glob(ws: str, glob: str | None) -> str | None:
     it is not (it matched nothing, silently: an empty diff, "nothing to revert")."""
     if glob is None:
         return glob
+    if glob == "":
+        # it matched every path: a revert of the whole selection (found by a bug hunt)
+        raise Refusal("--path '' names no path: give a path or a pattern (or leave --path "
+                      "out for every path)")
     if not os.path.isabs(glob):
         if ".." in glob.split("/"):
             # relative to the workspace's root, not to where the command runs: `../f` from

@@ -1109,6 +1109,8 @@ def test_an_absolute_path_is_taken_beneath_the_workspace_or_refused(make_mount):
         # relative to the root: `..` climbs out of it (it matched nothing, silently: a hunt)
         one_line_error(overlayrec(*cmd, "--path", "../a", check=False),
                        "--path ../a: a pattern is relative to the workspace's root")
+        # an empty one matched every path: a revert of all of the selection (a hunt)
+        one_line_error(overlayrec(*cmd, "--path", "", check=False), "--path '' names no path")
     for cmd in ("diff", "revert"):
         one_line_error(overlayrec(cmd, m.ws, "--since", "999", check=False),
                        "--since 999 is past the record's end")
