@@ -1670,38 +1670,92 @@ class Recorder:
         the user's edit back as the call's, with no conflict, and a diff or replay lost the
         files when the directory was renamed again while unmounted (found by bug hunts)."""
         tops = sorted(self.moved_dirs)
-        walked = set()
+        walked: set[str] = set()
         for i, top in enumerate(tops):
             if any(top.startswith(t + "/") for t in tops[:i]):
                 continue  # walked with the directory above it
-            try:
-                walk = os.fwalk(top, dir_fd=self.root_fd, follow_symlinks=False)
-                for dirpath, dirs, files, _ in walk:
-                    if dirpath.split("/", 1)[0] == ATTIC_NAME:
-                        dirs[:] = []
-                        continue
-                    # the last rename that brought it to its name: of its nearest moved
-                    # ancestor, or of one further up (renamed later)
-                    since, d = 0, dirpath
-                    while d:
-                        since = max(since, self.moved_dirs.get(d, 0))
-                        d = d.rpartition("/")[0]
-                    for name in dirs + files:
-                        p = f"{dirpath}/{name}"
-                        if p not in self.epochs and p not in self.unsealed and \
-                                (self.journal.last_seq_for_path(p) or 0) < since:
-                            self.unsealed[p] = ""
-            except OSError as e:  # what cannot be walked keeps its chain's end live
-                log.warning("cannot walk %s to seal what lies beneath: %s", top, e)
+            failed: list[OSError] = []
+            seen_dirs, owed = [], []
+            for dirpath, dirs, files, _ in os.fwalk(top, dir_fd=self.root_fd,
+                                                     follow_symlinks=False,
+                                                     onerror=failed.append):
+                if dirpath.split("/", 1)[0] == ATTIC_NAME:
+                    dirs[:] = []
+                    continue
+                seen_dirs.append(dirpath)
+                # the last rename that brought it to its name: of its nearest moved
+                # ancestor, or of one further up (renamed later)
+                since, d = 0, dirpath
+                while d:
+                    since = max(since, self.moved_dirs.get(d, 0))
+                    d = d.rpartition("/")[0]
+                for name in dirs + files:
+                    p = f"{dirpath}/{name}"
+                    if p not in self.epochs and p not in self.unsealed and \
+                            (self.journal.last_seq_for_path(p) or 0) < since:
+                        owed.append(p)
+            for p in owed:
+                self.unsealed[p] = ""
+            if failed:  # a directory beneath it could not be read: nothing there is said absent
+                log.warning("cannot walk all of %s to seal what lies beneath: %s", top,
+                            failed[0])
                 continue
-            walked.update(t for t in tops if t == top or t.startswith(top + "/"))
-        # their own seals say so (``beneath``): a name beneath with no event of its own was not
-        # there at the record's end, whatever the live tree holds later
-        for top in walked:
-            if top not in self.epochs:
-                self.unsealed.setdefault(top, "")
+            walked.update(seen_dirs)
+        # the seals of the directories walked say so (``beneath``): a name beneath with no
+        # event of its own was not there at the record's end, whatever the live tree holds
+        # later; and a name found in one at the next mount was made while unmounted
+        for d in walked:
+            if d not in self.epochs:
+                self.unsealed.setdefault(d, "")
         self.beneath_sealed = walked
         self.moved_dirs.clear()
+
+    def _made_beneath(self, name: str, seal: dict) -> list[dict]:
+        """At mount: the names made while unmounted in directory ``name``, whose seal says
+        everything beneath it was sealed too (``beneath``), with all beneath them: a drift
+        from absent and a seal each.  Read only where the directory's mtime moved."""
+        try:
+            st = self._lstat(name)
+        except OSError:
+            return []
+        if not stat.S_ISDIR(st.st_mode) or st.st_mtime_ns == seal.get("mtime_ns"):
+            return []
+        try:
+            pfd = underlay.open_beneath(self.root_fd, name)
+            try:
+                fd = underlay.reopen(pfd, os.O_RDONLY | os.O_DIRECTORY)
+            finally:
+                os.close(pfd)
+        except OSError:
+            return []
+        try:
+            entries = os.listdir(fd)
+        except OSError:
+            return []
+        finally:
+            os.close(fd)
+        new = []
+        for entry in sorted(entries):
+            p = f"{name}/{entry}"
+            if p.split("/", 1)[0] == ATTIC_NAME or \
+                    self.journal.last_seq_for_path(p) is not None:
+                continue
+            new.append(p)
+            try:
+                if stat.S_ISDIR(self._lstat(p).st_mode):
+                    for dirpath, dirs, files, _ in os.fwalk(p, dir_fd=self.root_fd,
+                                                             follow_symlinks=False):
+                        new.extend(f"{dirpath}/{n}" for n in sorted(dirs + files))
+            except OSError:
+                continue
+        events = []
+        for p in new:
+            events.append({"op": "drift", "path": p, "pre": dict(preimage.ABSENT),
+                           "epoch": True, "unit": outside_unit(UNMOUNTED),
+                           "actor": UNMOUNTED})
+            events.append({"op": "seal", "path": p, "pre": self._seal_pre(p),
+                           "actor": "overlayrec"})
+        return events
 
     def _stamp_names(self, st: os.stat_result, unit: str, *own: str) -> None:
         """The inode ``st`` loses or gains a name, or one of its names moves: its ctime moves
@@ -2366,7 +2420,12 @@ class Recorder:
             if name is None:
                 continue
             checked += 1
-            seal = j.event(seq)["pre"]
+            sealed = j.event(seq)
+            seal = sealed["pre"]
+            if sealed.get("beneath") and seal["kind"] == "dir":
+                made = self._made_beneath(name, seal)
+                drifted += len(made) // 2
+                events.extend(made)
             if self._holds(name, seal):
                 now = seal
                 if seal["kind"] == "file" and not seal.get("mode", 0) & stat.S_IRUSR:

@@ -121,3 +121,34 @@ def test_after_a_killed_daemon_the_next_mount_seals_beneath_its_renames(make_mou
     drift = overlayrec("diff", "-w", m.ws, "--state-dir", m.state, "--drift",
                        "--name-status").stdout
     assert "e/x" in drift, drift
+
+
+def test_a_file_made_beneath_while_unmounted_is_found_at_the_next_mount(make_mount, tmp_path):
+    """A name beneath a directory whose unmount sealed everything beneath is not there at
+    the record's end; the next mount finds the files made there meanwhile (the directory's
+    mtime moved) and journals them as made while unmounted: at that mount's points they are
+    there, before it they are not."""
+    m = make_mount()
+    os.makedirs(os.path.join(m.ws, "src"))
+    with open(os.path.join(m.ws, "src", "a"), "w") as f:
+        f.write("a\n")
+    _run(m, "mv src lib")
+    end = tree_of(m.ws)
+    os.makedirs(os.path.join(m.ws, "lib", "new", "deep"))
+    for p in ("lib/user", "lib/new/deep/x"):
+        with open(os.path.join(m.ws, p), "w") as f:
+            f.write("user\n")
+    mid = tree_of(m.ws)
+    m.mount()
+    m.sh("echo later > later")
+    m.umount()
+    log = overlayrec("log", "-w", m.ws, "--state-dir", m.state).stdout.splitlines()
+    made = [line for line in log if " drift " in line]
+    assert {line.split()[-1] for line in made} >= {"lib/user", "lib/new", "lib/new/deep",
+                                                   "lib/new/deep/x"}, log
+    first_drift = min(int(line.split()[0]) for line in made)
+    later = next(int(line.split()[0]) for line in log if line.endswith("later"))
+    for at, want in ((first_drift - 1, end), (later - 1, mid)):
+        out = str(tmp_path / f"r{at}")
+        overlayrec("replay", "-w", m.ws, "--state-dir", m.state, "--at", str(at), "--to", out)
+        assert tree_of(out) == want, at
