@@ -76,17 +76,21 @@ def _records(sd: str, ws: str, named: str) -> None:
     live one (found by a bug hunt)."""
     if not os.path.exists(os.path.join(sd, "journal", "data.mdb")):
         return
-    from .recorder import moved_here
     try:
         j = Journal(sd, readonly=True)
     except JournalError:
         return  # the command itself says what is wrong with the journal
     try:
         recorded = j.meta("workspace")
-        if recorded and recorded != ws and not moved_here(j, recorded, ws):
+        if recorded and recorded != ws and not _moved_here(j, recorded, ws):
             raise state.StateError(f"state dir {named} records workspace {recorded}, not {ws}")
     finally:
         j.close()
+
+
+def _moved_here(j: Journal, old: str, ws: str) -> bool:
+    from .recorder import moved_here  # (the recorder's imports: only when it is asked)
+    return moved_here(j, old, ws)
 
 
 def moved_record(ws: str) -> tuple[str, str] | None:
