@@ -551,8 +551,7 @@ def status(workspace, as_json, state_dir):
     """Say whether WORKSPACE is mounted, by which daemon, where its journal is and how much it holds."""
     from .views import few
     ws = state.recorded_at_or_above(state.named_workspace(workspace))
-    sd = state.check_state_dir_private(os.path.realpath(state_dir)) if state_dir \
-        else state.find_state_dir(ws)
+    sd = _state_dir_for(ws, state_dir) if state_dir else state.find_state_dir(ws)
     _warn_low_space(sd)
     pid = state.verify_daemon(state.daemon_info(sd), sd)[0]
     in_table = bool(state.fuse_mount_at(ws))

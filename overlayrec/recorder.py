@@ -1662,40 +1662,45 @@ class Recorder:
         if exchange and is_dir2:
             self.moved_dirs[path] = seq
 
-    def _owe_beneath_moved(self) -> None:
+    def _owe_beneath_moved(self) -> list[str]:
         """At the record's end: every path beneath a directory renamed in this mount that has
-        no event under its name since owes a seal.  The record knew those paths only from the
+        no event under its name since owes a seal (returned).  The record knew those paths only from the
         live tree (the rename journals the directory, not what it holds), so an edit made
         while unmounted beneath it read as the record's own end: a revert of the rename moved
         the user's edit back as the call's, with no conflict, and a diff or replay lost the
         files when the directory was renamed again while unmounted (found by bug hunts)."""
         tops = sorted(self.moved_dirs)
         walked: set[str] = set()
+        owed_all: list[str] = []
         for i, top in enumerate(tops):
             if any(top.startswith(t + "/") for t in tops[:i]):
                 continue  # walked with the directory above it
             failed: list[OSError] = []
             seen_dirs, owed = [], []
-            for dirpath, dirs, files, _ in os.fwalk(top, dir_fd=self.root_fd,
-                                                     follow_symlinks=False,
-                                                     onerror=failed.append):
-                if dirpath.split("/", 1)[0] == ATTIC_NAME:
-                    dirs[:] = []
-                    continue
-                seen_dirs.append(dirpath)
-                # the last rename that brought it to its name: of its nearest moved
-                # ancestor, or of one further up (renamed later)
-                since, d = 0, dirpath
-                while d:
-                    since = max(since, self.moved_dirs.get(d, 0))
-                    d = d.rpartition("/")[0]
-                for name in dirs + files:
-                    p = f"{dirpath}/{name}"
-                    if p not in self.epochs and p not in self.unsealed and \
-                            (self.journal.last_seq_for_path(p) or 0) < since:
-                        owed.append(p)
+            try:  # (the top itself: raised, not given to onerror)
+                for dirpath, dirs, files, _ in os.fwalk(top, dir_fd=self.root_fd,
+                                                         follow_symlinks=False,
+                                                         onerror=failed.append):
+                    if dirpath.split("/", 1)[0] == ATTIC_NAME:
+                        dirs[:] = []
+                        continue
+                    seen_dirs.append(dirpath)
+                    # the last rename that brought it to its name: of its nearest moved
+                    # ancestor, or of one further up (renamed later)
+                    since, d = 0, dirpath
+                    while d:
+                        since = max(since, self.moved_dirs.get(d, 0))
+                        d = d.rpartition("/")[0]
+                    for name in dirs + files:
+                        p = f"{dirpath}/{name}"
+                        if p not in self.epochs and p not in self.unsealed and \
+                                (self.journal.last_seq_for_path(p) or 0) < since:
+                            owed.append(p)
+            except OSError as e:
+                failed.append(e)
             for p in owed:
                 self.unsealed[p] = ""
+            owed_all += owed
             if failed:  # a directory beneath it could not be read: nothing there is said absent
                 log.warning("cannot walk all of %s to seal what lies beneath: %s", top,
                             failed[0])
@@ -1709,6 +1714,7 @@ class Recorder:
                 self.unsealed.setdefault(d, "")
         self.beneath_sealed = walked
         self.moved_dirs.clear()
+        return owed_all
 
     def _made_beneath(self, name: str, seal: dict) -> list[dict]:
         """At mount: the names made while unmounted in directory ``name``, whose seal says
@@ -2381,9 +2387,14 @@ class Recorder:
                     name = _name_now(j, renames, p, last)
                     if name is not None:
                         open_paths.append((p, name, ev))
-            # what the killed daemon's renames moved is sealed beneath too, as at an unmount
+            # what the killed daemon's renames moved is sealed beneath too, as at an unmount;
+            # a file changed (or made) since it was last known alive was another writer's,
+            # as for the paths it left open (below): an edit made after the kill was sealed
+            # as the record's own end (found by a bug hunt)
             self.moved_dirs.update(_renamed_unclosed(j, renames))
-            self._owe_beneath_moved()
+            for p in self._owe_beneath_moved():
+                if last_alive_ns is not None:
+                    self.served[p] = last_alive_ns + ALIVE_SLACK_NS
             for p, name, ev in open_paths:
                 self.epochs[name] = Epoch("recovered")
                 if last_alive_ns is not None:
@@ -2423,7 +2434,11 @@ class Recorder:
             sealed = j.event(seq)
             seal = sealed["pre"]
             if sealed.get("beneath") and seal["kind"] == "dir":
-                made = self._made_beneath(name, seal)
+                try:
+                    made = self._made_beneath(name, seal)
+                except OSError as e:  # not looked at: its names keep the live tree as end
+                    log.warning("cannot look for names made beneath %s: %s", name, e)
+                    made = []
                 drifted += len(made) // 2
                 events.extend(made)
             if self._holds(name, seal):

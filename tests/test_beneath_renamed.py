@@ -152,3 +152,25 @@ def test_a_file_made_beneath_while_unmounted_is_found_at_the_next_mount(make_mou
         out = str(tmp_path / f"r{at}")
         overlayrec("replay", "-w", m.ws, "--state-dir", m.state, "--at", str(at), "--to", out)
         assert tree_of(out) == want, at
+
+
+def test_a_file_made_beneath_while_unmounted_then_written_is_not_the_renames(make_mount):
+    """The file made while unmounted is written by the next session: its history went back
+    through the first session's rename, and that session's diff and revert took it for one
+    the directory held (the revert moved the user's file back, exit 0; found by a bug hunt)."""
+    m = make_mount()
+    os.makedirs(os.path.join(m.ws, "a"))
+    with open(os.path.join(m.ws, "a", "f"), "w") as f:
+        f.write("A\n")
+    overlayrec("run", "-w", m.ws, "--state-dir", m.state, "--session", "m1", "--", "sh", "-c",
+               "mv a b; true", cwd=m.ws)
+    with open(os.path.join(m.ws, "b", "new"), "w") as f:
+        f.write("new\n")
+    overlayrec("run", "-w", m.ws, "--state-dir", m.state, "--session", "m2", "--", "sh", "-c",
+               "echo w >> b/new; mv b c; true", cwd=m.ws)
+    diff = overlayrec("diff", "-w", m.ws, "--state-dir", m.state, "--session", "m1",
+                      "--name-status").stdout
+    assert diff.split() == ["R100", "a/f", "b/f"], diff
+    for s in ("m2", "m1"):
+        overlayrec("revert", "-w", m.ws, "--state-dir", m.state, "--session", s, "--yes")
+    assert _files(m.ws) == {"a/f": "A\n", "b/new": "new\n"}

@@ -84,7 +84,8 @@ def test_a_state_dir_of_another_workspace_is_refused_by_every_command(tmp_path):
     for args in (["gc", str(copy), "--keep-last", "1"], ["check", str(copy)],
                  ["diff", str(copy), "--session", "s1", "--stat"],
                  ["revert", str(copy), "--session", "s1", "--yes"],
-                 ["replay", str(copy), "--at", "1", "--to", str(tmp_path / "r")]):
+                 ["replay", str(copy), "--at", "1", "--to", str(tmp_path / "r")],
+                 ["status", str(copy)]):
         one_line_error(overlayrec(*args, "--state-dir", sd, check=False), want)
     assert sorted(os.listdir(copy / ".overlayrec-attic")) == attic
     assert not (tmp_path / "r").exists()
