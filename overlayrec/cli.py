@@ -444,6 +444,8 @@ def _mount_state_dir(ws: str, state_dir: str | None) -> str:
         if not os.path.exists(os.path.join(known, "journal", "data.mdb")):
             _refuse_a_moved_record(ws)
         return known
+    # one that records another workspace is refused (by the mount): no word of it before
+    readers.check_records(os.path.realpath(state_dir), ws, state_dir)
     if os.path.exists(os.path.join(known, "journal", "data.mdb")) and \
             os.path.realpath(state_dir) != os.path.realpath(known):
         click.echo(f"overlayrec: warning: the record of {ws} is in {known}; this mount "

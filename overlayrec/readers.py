@@ -51,7 +51,7 @@ def state_dir_for(ws: str | None, state_dir: str | None) -> str:
     if state_dir:
         sd = state.check_state_dir_private(os.path.realpath(state_dir))
         if ws is not None:
-            _records(sd, ws, state_dir)
+            check_records(sd, ws, state_dir)
         return sd
     sd = state.find_state_dir(ws)
     if not os.path.exists(os.path.join(sd, "journal", "data.mdb")):
@@ -69,7 +69,7 @@ def state_dir_for(ws: str | None, state_dir: str | None) -> str:
     return sd
 
 
-def _records(sd: str, ws: str, named: str) -> None:
+def check_records(sd: str, ws: str, named: str) -> None:
     """StateError when the state dir ``sd`` records a workspace other than ``ws`` (and not
     ``ws`` moved since), as a mount refuses it: a gc given another workspace with the state
     dir swept that directory's attic (a copy's), and every reader read the wrong tree as the

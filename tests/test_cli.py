@@ -89,6 +89,15 @@ def test_a_state_dir_of_another_workspace_is_refused_by_every_command(tmp_path):
         one_line_error(overlayrec(*args, "--state-dir", sd, check=False), want)
     assert sorted(os.listdir(copy / ".overlayrec-attic")) == attic
     assert not (tmp_path / "r").exists()
+    # a workspace with a record of its own: the mount refused after a warning that the
+    # readers would read the other state dir from then on
+    other, sd2 = tmp_path / "other", str(tmp_path / "state2")
+    other.mkdir()
+    overlayrec("run", "-w", str(other), "--state-dir", sd2, "--", "true")
+    for args in (["mount", str(other)], ["run", "-w", str(other), "--", "true"]):
+        one_line_error(overlayrec(*args, "--state-dir", sd, check=False),
+                       f"state dir {sd} records workspace {ws}, not {other}")
+        assert not is_mounted(str(other))
     # the workspace itself reads on
     overlayrec("check", str(ws), "--state-dir", sd)
 
