@@ -94,8 +94,9 @@ def test_a_state_dir_of_another_workspace_is_refused_by_every_command(tmp_path):
     other, sd2 = tmp_path / "other", str(tmp_path / "state2")
     other.mkdir()
     overlayrec("run", "-w", str(other), "--state-dir", sd2, "--", "true")
-    for args in (["mount", str(other)], ["run", "-w", str(other), "--", "true"]):
-        one_line_error(overlayrec(*args, "--state-dir", sd, check=False),
+    for args in (["mount", str(other), "--state-dir", sd],
+                 ["run", "-w", str(other), "--state-dir", sd, "--", "true"]):
+        one_line_error(overlayrec(*args, check=False),
                        f"state dir {sd} records workspace {ws}, not {other}")
         assert not is_mounted(str(other))
     # the workspace itself reads on
