@@ -209,6 +209,10 @@ def test_gc_keep_last_then_readers(make_mount, tmp_path):
         fails(overlayrec("replay", m.ws, "--state-dir", m.state, "--at", "3", "--to",
                          str(tmp_path / "no"), check=False),
               "seq 3 was dropped by retention", f"the record starts at seq {spans['s3'][0]}")
+        # a time before the cut is named as given (it said "seq 0 was dropped": a hunt)
+        fails(overlayrec("replay", m.ws, "--state-dir", m.state, "--at", "@1", "--to",
+                         str(tmp_path / "no"), check=False),
+              "@1 lies before the record's start, dropped by retention")
         for q in (["diff"], ["calls"], ["turns"]):  # the listings refuse it with the reason too
             fails(overlayrec(q[0], m.ws, "--state-dir", m.state, "--session", "s1",
                              check=False), "session s1 was dropped by retention on")

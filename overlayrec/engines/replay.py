@@ -94,6 +94,9 @@ def resolve_point(j: Journal, spec: str, refuse_dropped: bool = True) -> int:
     point = _resolve_point(j, spec)
     why = dropped_point(j, point) if refuse_dropped else None
     if why:
+        if not spec.isdigit():  # a time, a turn ...: named as given, not by the seq it meant
+            why = f"{spec} lies before the record's start, dropped by retention " \
+                  f"(the record starts at seq {j.cut})"
         raise SelectionError(why)
     return point
 
