@@ -174,3 +174,29 @@ def test_a_file_made_beneath_while_unmounted_then_written_is_not_the_renames(mak
     for s in ("m2", "m1"):
         overlayrec("revert", "-w", m.ws, "--state-dir", m.state, "--session", s, "--yes")
     assert _files(m.ws) == {"a/f": "A\n", "b/new": "new\n"}
+
+
+def test_a_directory_renamed_back_while_unmounted_is_not_put_into_the_past(make_mount,
+                                                                          tmp_path):
+    """`mv d e` in a session, `mv e d` by the user while unmounted, then d/f written: the
+    next mount journals d's drift from absent, yet every reader put d/f back at the points
+    between, exact, from its next pre-image (found by a bug hunt)."""
+    m = make_mount()
+    os.makedirs(os.path.join(m.ws, "d"))
+    with open(os.path.join(m.ws, "d", "f"), "w") as f:
+        f.write("one\n")
+    overlayrec("run", "-w", m.ws, "--state-dir", m.state, "--session", "s1", "--", "mv", "d",
+               "e", cwd=m.ws)
+    end1 = _files(m.ws)
+    os.rename(os.path.join(m.ws, "e"), os.path.join(m.ws, "d"))
+    overlayrec("run", "-w", m.ws, "--state-dir", m.state, "--session", "s2", "--", "sh", "-c",
+               "echo two >> d/f; true", cwd=m.ws)
+    diff = overlayrec("diff", "-w", m.ws, "--state-dir", m.state, "--session", "s1",
+                      "--name-status").stdout
+    assert diff.split() == ["R100", "d/f", "e/f"], diff
+    out = str(tmp_path / "r")
+    overlayrec("replay", "-w", m.ws, "--state-dir", m.state, "--at", "after:session:s1",
+               "--to", out, "--full")
+    assert _files(out) == end1 == {"e/f": "one\n"}
+    blame = overlayrec("blame", "-w", m.ws, "--state-dir", m.state, "d/f").stdout
+    assert "file 4B -> absent" in blame, blame

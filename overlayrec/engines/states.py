@@ -1378,6 +1378,14 @@ class States:
     def _state(self, path: str, after: int, forward: bool = True) -> State:
         if self._short(path, after):
             raise _Partial(path)
+        if "/" in path and self.renames():
+            # there only while its directory is: a directory the user renamed back while
+            # unmounted (its drift from absent journaled) had its files put back into the
+            # points between, exact, from their next pre-image or the live tree (found by a
+            # bug hunt).  (Without directory renames a name's own events say it.)
+            parent = self._parent_state(path, after)
+            if parent.kind != "dir":
+                return ABSENT if parent.exact else ABSENT.but(exact=False)
         move = self._next_move(path, after)
         chain = self.chain_on(path)
         seqs = self._seqs_of(path, chain)   # a chain is in seq order: bisect, not a scan
@@ -1400,6 +1408,15 @@ class States:
             return s if exact else s.but(exact=False)
         end = self._beyond(path, move)
         return end if exact else end.but(exact=False)
+
+    def _parent_state(self, path: str, after: int) -> State:
+        """The state of ``path``'s directory after ``after``, its ancestors asked from the top
+        down (each then finds its own directory's state kept: no frame a level)."""
+        parts = path.split("/")[:-1]
+        st = None
+        for k in range(1, len(parts) + 1):
+            st = self.state("/".join(parts[:k]), after)
+        return st
 
     def _partner_state(self, path: str, at: int, ino: int | None) -> State | None:
         """The exact state at ``at`` of a name linked with ``path`` (a ``link`` or ``alias``
