@@ -52,12 +52,21 @@ def _drifted_by_then(states: States, path: str, point: int, at_ns: int) -> bool:
     directory was entered before it): a change found at the daemon's next change of the path
     or at its seal, dated by what that found: the seal's ctime, or the next change's pre-image
     mtime (a point between the change and its finding is any event of another path)."""
-    chain = [e for e in states.events_on(path) if e["seq"] > point]
+    whole = states.chain_on(path)  # seals too: the one after a drift dates it
+    chain = [e for e in whole if e["seq"] > point and e["op"] != "seal"]
     if not chain or chain[0]["op"] != "drift":
         return False
     unit = chain[0].get("unit")
     if unit == outside_unit(UNMOUNTED):
-        seal = next((e for e in chain[1:] if e["op"] == "seal"), None)
+        # the change lies in the gap between the seal before the drift (the unmount's) and
+        # the drift: a point named before that seal was made is before it (a path removed
+        # or renamed while unmounted, whose seal after has no ctime, was said changed at
+        # every earlier point: a session's end read inexact; found by a bug hunt)
+        before = [e for e in whole if e["op"] == "seal" and e["seq"] < chain[0]["seq"]]
+        if before and isinstance(before[-1].get("t"), int) and at_ns <= before[-1]["t"]:
+            return False
+        seal = next((e for e in whole if e["op"] == "seal" and e["seq"] > chain[0]["seq"]),
+                    None)
         changed = ((seal or {}).get("pre") or {}).get("ctime_ns")
     elif unit == outside_unit(AROUND):
         found = states.pre_for(chain[1], path) if len(chain) > 1 else None
