@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import HAVE_FUSE, Mount, SLOW, overlayrec, force_unmount
 from overlayrec import cli
-from overlayrec.journal import schema
+from overlayrec.journal import Journal, schema
 
 # examples per command and world: OVERLAYREC_FUZZ_EXAMPLES raises it for a longer hunt, and
 # OVERLAYREC_FUZZ_RANDOM=1 draws new ones each run (by default every run draws the same ones)
@@ -163,7 +163,7 @@ def _record(base: str) -> dict:
     cbase = os.path.join(base, "b")
     cws, csd = os.path.join(cbase, "ws"), os.path.join(cbase, "state")
     shutil.copytree(m.ws, cws, symlinks=True)
-    copy_state(m.state, csd)
+    copy_state(m.state, csd, workspace=cws)
     corrupt_event(csd, bad, b'{"seq": %d, "op": "write", "pa' % bad)
     from overlayrec import state
     state.write_registry(cws, csd)
@@ -174,10 +174,12 @@ def _record(base: str) -> dict:
     return {"recorded": a, "corrupt": b}
 
 
-def copy_state(src: str, dst: str) -> None:
+def copy_state(src: str, dst: str, workspace: str | None = None) -> None:
     """A state dir's copy; its journal copied by LMDB (the file is mostly a sparse map).  Not
     the listings' kept rows: they were made from the intact journal, and a listing that finds
-    them reads only the events since (it never meets an event a test corrupts)."""
+    them reads only the events since (it never meets an event a test corrupts).  With
+    ``workspace``: the copy records that one (every command refuses a state dir that records
+    another workspace)."""
     shutil.copytree(src, dst, symlinks=True,
                     ignore=shutil.ignore_patterns("journal", "control.sock", "daemon.json",
                                                   "listings"))
@@ -188,6 +190,12 @@ def copy_state(src: str, dst: str) -> None:
         env.copy(os.path.join(dst, "journal"), compact=True)
     finally:
         env.close()
+    if workspace is not None:
+        j = Journal(dst)
+        try:
+            j.put_meta("workspace", workspace)
+        finally:
+            j.close()
 
 
 def corrupt_event(sd: str, seq: int, value: bytes) -> None:
@@ -540,14 +548,15 @@ def test_full_replay_of_a_deep_tree(worlds):
             os.close(old)
     finally:
         os.close(fd)
-    dest = w.fresh()
-    argv = ["replay", deep, "--state-dir", w.sd, "--at", "0", "--full", "--to", dest]
+    dest, sd = w.fresh(), w.fresh("-state")
+    copy_state(w.sd, sd, workspace=deep)  # the record, of the deep tree as its workspace
+    argv = ["replay", deep, "--state-dir", sd, "--at", "0", "--full", "--to", dest]
     try:
         code, err = run_cli(w, argv)
         check_outcome(argv, code, err)
         assert code == 0, err  # the whole deep tree is copied
     finally:
-        subprocess.run(["rm", "-rf", deep, dest], check=True)  # shutil.rmtree recurses too
+        subprocess.run(["rm", "-rf", deep, dest, sd], check=True)  # shutil.rmtree recurses too
 
 
 def test_bytes_that_are_not_utf8_come_back_as_given(worlds):
