@@ -634,13 +634,22 @@ def test_a_persistent_shells_call_reverts_whole_whatever_it_made(make_mount, tmp
         f.write("by hand\n")
     with open(os.path.join(m.ws, "lib", "pkg", "b.py"), "a") as f:
         f.write("by hand\n")
+    pre_revert = tree()
     m.mount()
-    overlayrec("revert", m.ws, "--call", "s", "--yes")
+    # the moved file's edit departs from what the call left (the unmount sealed what lies
+    # beneath the directory it renamed): a conflict, as the same edit made through the mount
+    r = overlayrec("revert", m.ws, "--call", "s", "--yes", check=False)
+    assert r.returncode == 1 and "changed: lib/pkg/b.py" in r.stderr, r.stderr
+    assert tree() == pre_revert
+    overlayrec("revert", m.ws, "--call", "s", "--yes", "--force")
     got = tree()
     want = dict(before)
-    # neither edit is the call's: both stay, the moved file back under its old name
+    # neither edit is the call's: both stay (the edited file where the user left it, its
+    # directories with it), and the rest is back
     want["other.txt"] = (want["other.txt"][0], b"o\nby hand\n")
-    want["src/pkg/b.py"] = (want["src/pkg/b.py"][0], b"b\nby hand\n")
+    for d in ("lib", "lib/pkg"):
+        want[d] = want["src/pkg"]
+    want["lib/pkg/b.py"] = (want["src/pkg/b.py"][0], b"b\nby hand\n")
     assert got == want
 
 
