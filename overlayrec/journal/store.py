@@ -222,11 +222,15 @@ class Journal:
         its meta pages whole, and the first read of a page past its end is a SIGBUS that kills
         the reader without a word: its length is checked against what the last commit uses
         first (LMDB's meta page says), a JournalError when it falls short."""
+        # what the last commit uses first, then the length: a writer writes a commit's pages
+        # before its meta page, so a commit made between the two only lengthens the file
+        # (the other order took a commit made meanwhile for a file cut short: a reader's
+        # open failed while the daemon wrote, once in a loaded test run)
+        used = self._used()
         try:
             length = os.stat(data).st_size
         except OSError:
             return
-        used = self._used()
         if length < used:
             raise JournalError(f"journal in {self._path} is corrupt: data.mdb holds {length} "
                                f"bytes, its last commit uses {used} (the file was cut short): "
