@@ -1378,14 +1378,12 @@ class States:
     def _state(self, path: str, after: int, forward: bool = True) -> State:
         if self._short(path, after):
             raise _Partial(path)
-        if "/" in path and self.renames():
+        if "/" in path and self.renames() and self._parent_absent(path, after):
             # there only while its directory is: a directory the user renamed back while
             # unmounted (its drift from absent journaled) had its files put back into the
             # points between, exact, from their next pre-image or the live tree (found by a
             # bug hunt).  (Without directory renames a name's own events say it.)
-            parent = self._parent_state(path, after)
-            if parent.kind != "dir":
-                return ABSENT if parent.exact else ABSENT.but(exact=False)
+            return ABSENT
         move = self._next_move(path, after)
         chain = self.chain_on(path)
         seqs = self._seqs_of(path, chain)   # a chain is in seq order: bisect, not a scan
@@ -1409,14 +1407,25 @@ class States:
         end = self._beyond(path, move)
         return end if exact else end.but(exact=False)
 
-    def _parent_state(self, path: str, after: int) -> State:
-        """The state of ``path``'s directory after ``after``, its ancestors asked from the top
-        down (each then finds its own directory's state kept: no frame a level)."""
-        parts = path.split("/")[:-1]
-        st = None
-        for k in range(1, len(parts) + 1):
-            st = self.state("/".join(parts[:k]), after)
-        return st
+    def _parent_absent(self, path: str, after: int) -> bool:
+        """Was ``path``'s directory absent after ``after``: does its next event (before a
+        rename of one of its own directories) take it as absent just before (a drift from
+        absent, a mkdir, a rename onto it)?  Its own chain only (a bisect): asking the
+        directory's whole state, and its directories', for every path made a report of a
+        path 1,000 directories deep take minutes."""
+        parent = path.rpartition("/")[0]
+        chain = self.chain_on(parent)
+        if not chain:
+            return False
+        seqs = self._seqs_of(parent, chain)
+        i = bisect.bisect_right(seqs, after)
+        if i == len(chain):
+            return False
+        move = self._next_move(parent, after)
+        if move is not None and chain[i]["seq"] >= move["seq"]:
+            return False
+        pre = self.pre_for(chain[i], parent)
+        return pre is not None and pre.get("kind") == "absent"
 
     def _partner_state(self, path: str, at: int, ino: int | None) -> State | None:
         """The exact state at ``at`` of a name linked with ``path`` (a ``link`` or ``alias``
