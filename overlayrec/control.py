@@ -165,20 +165,9 @@ class ControlServer:
     async def run_gc(self, req: dict) -> dict:
         """A gc run here, in the daemon (docs/retention.md): in the trio thread, between
         requests, yielding to the mount between batches; one at a time."""
-        from . import retention
-        policy = retention.Policy.from_json(req)
-        rec = self.recorder
-        attic_fd = getattr(rec, "attic_fd", None)
-        drop = getattr(rec, "_drop_attic", None)
-        live = {s.id for s in self.calls.sessions.values() if s.ended is None}
         out: dict = {}
         async with self._gc_lock:
-            steps = retention.gc_steps(
-                self.calls.journal, os.path.dirname(self.path), policy, out, live=live,
-                attic_fd=attic_fd, dry_run=bool(req.get("dry_run")),
-                drop_attic=(lambda name, st: drop(name, (st.st_dev, st.st_ino))) if drop
-                else None)
-            for _ in steps:
+            for _ in self.gc_steps(req, out):
                 await trio.sleep(0)
         out["compaction"] = {"compacted": False, "why": "mounted: the free pages are reused "
                              "by the journal, and given back by a gc while unmounted"}
@@ -213,6 +202,19 @@ class ControlServer:
                         "holders": [actors[p] for p in sorted(pids.get(ino, ()))
                                     if p in actors]})
         return out
+
+    def gc_steps(self, req: dict, out: dict):
+        """retention.gc_steps of this mount's record, the recorder's attic and the sessions
+        still live (``req``: a gc request's policy and dry_run); ``out`` gets its answer."""
+        from . import retention
+        rec = self.recorder
+        drop = getattr(rec, "_drop_attic", None)
+        live = {s.id for s in self.calls.sessions.values() if s.ended is None}
+        return retention.gc_steps(
+            self.calls.journal, os.path.dirname(self.path), retention.Policy.from_json(req),
+            out, live=live, attic_fd=getattr(rec, "attic_fd", None),
+            dry_run=bool(req.get("dry_run")),
+            drop_attic=(lambda name, st: drop(name, (st.st_dev, st.st_ino))) if drop else None)
 
     def release(self, caller: dict) -> dict:
         """End the mount if nothing works in it: no session live and no process (but the

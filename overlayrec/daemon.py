@@ -433,28 +433,19 @@ def _budget_kept(max_bytes: int, size: dict, out: dict) -> None:
         log.warning("budget %d bytes: still over (%s)", max_bytes, out["over_budget"])
 
 
-def _keep_budget_at_end(control: ControlServer, state_dir: str) -> None:
+def _keep_budget_at_end(control: ControlServer) -> None:
     """The budget looked at once more when the record is closed: a `run` that mounted for
     itself releases the mount as soon as its session ends, before the daemon's next look, so
     its --max-bytes was never kept (a record five times its budget; found by a bug hunt).
     What ``control.run_gc`` does, in one go: nothing is served any more."""
-    rec = control.recorder
-    attic_fd = getattr(rec, "attic_fd", None)
-    drop = getattr(rec, "_drop_attic", None)
     journal = control.calls.journal
     try:
         journal.flush()  # the sessions' ends and the seals: what the plan reads
-        size = retention.record_size(journal, attic_fd)
+        size = retention.record_size(journal, getattr(control.recorder, "attic_fd", None))
         if size["total"] <= control.max_bytes:
             return
         out: dict = {}
-        live = {s.id for s in control.calls.sessions.values() if s.ended is None}
-        for _ in retention.gc_steps(
-                journal, state_dir,
-                retention.Policy.from_json(_BUDGET_GC | {"max_bytes": control.max_bytes}),
-                out, live=live, attic_fd=attic_fd, dry_run=False,
-                drop_attic=(lambda name, st: drop(name, (st.st_dev, st.st_ino))) if drop
-                else None):
+        for _ in control.gc_steps(_BUDGET_GC | {"max_bytes": control.max_bytes}, out):
             pass
         _budget_kept(control.max_bytes, size, out)
     except Exception:  # the record is closed and whole: the next mount or gc keeps it
@@ -754,7 +745,7 @@ def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other
                 log.exception("sealing at unmount failed (the next mount recovers)")
             else:
                 if control.max_bytes is not None:
-                    _keep_budget_at_end(control, state_dir)
+                    _keep_budget_at_end(control)
         finally:
             journal.close()
             for path in (sd.daemon_json, sd.control_sock):

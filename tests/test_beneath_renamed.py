@@ -29,9 +29,16 @@ def _files(top: str) -> dict[str, str]:
     return out
 
 
-def _run(m, script: str) -> None:
-    overlayrec("run", "-w", m.ws, "--state-dir", m.state, "--session", "s", "--",
+def _run(m, script: str, session: str = "s") -> None:
+    overlayrec("run", "-w", m.ws, "--state-dir", m.state, "--session", session, "--",
                "sh", "-c", script, cwd=m.ws)
+
+
+def _one_file(m, d: str, text: str) -> None:
+    """``d/f`` holding ``text``, made before the record."""
+    os.makedirs(os.path.join(m.ws, d))
+    with open(os.path.join(m.ws, d, "f"), "w") as f:
+        f.write(text)
 
 
 def test_a_revert_of_a_rename_refuses_what_was_edited_beneath_while_unmounted(make_mount):
@@ -159,15 +166,11 @@ def test_a_file_made_beneath_while_unmounted_then_written_is_not_the_renames(mak
     through the first session's rename, and that session's diff and revert took it for one
     the directory held (the revert moved the user's file back, exit 0; found by a bug hunt)."""
     m = make_mount()
-    os.makedirs(os.path.join(m.ws, "a"))
-    with open(os.path.join(m.ws, "a", "f"), "w") as f:
-        f.write("A\n")
-    overlayrec("run", "-w", m.ws, "--state-dir", m.state, "--session", "m1", "--", "sh", "-c",
-               "mv a b; true", cwd=m.ws)
+    _one_file(m, "a", "A\n")
+    _run(m, "mv a b; true", "m1")
     with open(os.path.join(m.ws, "b", "new"), "w") as f:
         f.write("new\n")
-    overlayrec("run", "-w", m.ws, "--state-dir", m.state, "--session", "m2", "--", "sh", "-c",
-               "echo w >> b/new; mv b c; true", cwd=m.ws)
+    _run(m, "echo w >> b/new; mv b c; true", "m2")
     diff = overlayrec("diff", "-w", m.ws, "--state-dir", m.state, "--session", "m1",
                       "--name-status").stdout
     assert diff.split() == ["R100", "a/f", "b/f"], diff
@@ -182,15 +185,11 @@ def test_a_directory_renamed_back_while_unmounted_is_not_put_into_the_past(make_
     next mount journals d's drift from absent, yet every reader put d/f back at the points
     between, exact, from its next pre-image (found by a bug hunt)."""
     m = make_mount()
-    os.makedirs(os.path.join(m.ws, "d"))
-    with open(os.path.join(m.ws, "d", "f"), "w") as f:
-        f.write("one\n")
-    overlayrec("run", "-w", m.ws, "--state-dir", m.state, "--session", "s1", "--", "mv", "d",
-               "e", cwd=m.ws)
+    _one_file(m, "d", "one\n")
+    _run(m, "mv d e; true", "s1")
     end1 = _files(m.ws)
     os.rename(os.path.join(m.ws, "e"), os.path.join(m.ws, "d"))
-    overlayrec("run", "-w", m.ws, "--state-dir", m.state, "--session", "s2", "--", "sh", "-c",
-               "echo two >> d/f; true", cwd=m.ws)
+    _run(m, "echo two >> d/f; true", "s2")
     diff = overlayrec("diff", "-w", m.ws, "--state-dir", m.state, "--session", "s1",
                       "--name-status").stdout
     assert diff.split() == ["R100", "d/f", "e/f"], diff

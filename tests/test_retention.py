@@ -312,18 +312,22 @@ def test_no_gc_while_a_revert_is_under_way(make_mount, tmp_path):
         m.umount()
 
 
+def _dropped_and_size(m) -> tuple[list[str], dict]:
+    """The sessions retention dropped, and what the record takes (retention.record_size)."""
+    j = m.journal()
+    try:
+        return [d["id"] for d in j.dropped_sessions()], retention.record_size(j)
+    finally:
+        j.close()
+
+
 def _budget_kept(m, budget: int, enough) -> list[str]:
     """The sessions the daemon's budget dropped, once ``enough(dropped)`` and the record but
     its attic fits ``budget`` (or after 20 s)."""
     deadline = time.monotonic() + 20 * SLOW
     dropped: list = []
     while time.monotonic() < deadline:
-        j = m.journal()
-        try:
-            dropped = [d["id"] for d in j.dropped_sessions()]
-            size = retention.record_size(j)
-        finally:
-            j.close()
+        dropped, size = _dropped_and_size(m)
         if enough(dropped) and size["total"] - size["attic"] <= budget:
             break
         time.sleep(0.3)
@@ -538,12 +542,7 @@ def test_a_run_that_mounts_for_itself_keeps_its_budget(make_mount, tmp_path):
                    "--session", f"s{i}", "--", sys.executable, str(agent), str(i), "100000",
                    cwd=m.ws)
         assert not is_mounted(m.ws)
-    j = m.journal()
-    try:
-        dropped = [d["id"] for d in j.dropped_sessions()]
-        size = retention.record_size(j)
-    finally:
-        j.close()
+    dropped, size = _dropped_and_size(m)
     assert "s1" in dropped and "s6" not in dropped, dropped
     assert size["total"] - size["attic"] <= 700 << 10, size
     with open(os.path.join(m.state, "daemon.log")) as f:
