@@ -199,3 +199,41 @@ def test_a_directory_renamed_back_while_unmounted_is_not_put_into_the_past(make_
     assert _files(out) == end1 == {"e/f": "one\n"}
     blame = overlayrec("blame", "-w", m.ws, "--state-dir", m.state, "d/f").stdout
     assert "file 4B -> absent" in blame, blame
+
+
+def test_every_kind_beneath_a_renamed_directory_is_sealed(make_mount, tmp_path):
+    """A fifo, a symlink to a directory (not followed by the walk), two links of one file and
+    a long name beneath the renamed directory: all in the session's diff and in a replay
+    before the rename after the directory is renamed again while unmounted."""
+    import stat as stat_
+    m = make_mount()
+    top = os.path.join(m.ws, "top")
+    os.makedirs(os.path.join(top, "sub"))
+    os.mkfifo(os.path.join(top, "pipe"))
+    os.symlink("sub", os.path.join(top, "to-sub"))
+    long = "n" * 250
+    with open(os.path.join(top, "sub", long), "w") as f:
+        f.write("x\n")
+    os.link(os.path.join(top, "sub", long), os.path.join(top, "link"))
+
+    def kinds(root):
+        out = {}
+        for d, dirs, files in os.walk(root):
+            dirs[:] = [x for x in dirs if not x.startswith(".overlayrec")]
+            for n in dirs + files:
+                p = os.path.join(d, n)
+                out[os.path.relpath(p, root)] = stat_.S_IFMT(os.lstat(p).st_mode)
+        return out
+    start = kinds(m.ws)
+    _run(m, "mv top t2")
+    os.rename(os.path.join(m.ws, "t2"), os.path.join(m.ws, "t3"))  # unmounted
+    r = overlayrec("diff", "-w", m.ws, "--state-dir", m.state, "--session", "s",
+                   "--name-status")
+    for rel in ("to-sub", "link", f"sub/{long}"):
+        assert f"t2/{rel}" in r.stdout, (rel, r.stdout)
+    assert "t2/pipe" in r.stderr, r.stderr  # a fifo: among what a git patch cannot show
+    out = str(tmp_path / "r")
+    overlayrec("replay", "-w", m.ws, "--state-dir", m.state, "--at", "1", "--to", out, "--full")
+    # (--full copies the live tree too: t3, made while unmounted, is no part of the point)
+    got = kinds(out)
+    assert {k: v for k, v in got.items() if not k.startswith("t3")} == start, got
