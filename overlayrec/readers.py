@@ -561,7 +561,8 @@ def diff_answer(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
 
 def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until, drift, fmt,
                 binary, glob, by_writer, as_json) -> None:
-    from .engines.diff import select, changed, changed_around, changed_since, drift_side
+    from .engines.diff import (select, changed, changed_around, changed_since, drift_side,
+                               own_changes)
     from .engines.gitdiff import ObjectStore, git_refuses
     from .engines.states import States, ABSENT as tree_absent, UNLISTED_NOTE
     last = j.last_seq()
@@ -683,8 +684,14 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
                               "unseen_links": unseen,
                               "git_warnings": store.warnings}) + "\n")
     else:
+        # a path several writers changed: each writer's section shows its own change of it
+        own = own_changes(states, side) if by_writer else {}
         for unit, paths in groups:
-            out = store.diff(a, b, fmt, paths=paths if unit else None, binary=binary)
+            ua, ub = a, b
+            if unit in own:
+                ua, ub = store.trees({**side.before, **own[unit].before},
+                                     {**side.after, **own[unit].after})
+            out = store.diff(ua, ub, fmt, paths=paths if unit else None, binary=binary)
             if unit and out:
                 parts.out(f"# {unit}\n")
             parts.out(out)

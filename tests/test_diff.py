@@ -535,6 +535,54 @@ def test_by_writer_puts_under_a_call_only_its_own_changes(make_mount, tmp_path):
                                 "# call:s:c2", "A\tlib/new"], out
 
 
+
+SHARED = textwrap.dedent(r'''
+    import subprocess
+    from overlayrec import client
+    with client.connect() as c:
+        for call, cmd in (("c1", "sed -i s/alpha/ALPHA/ f; echo c1 > g"),
+                          ("c2", "sed -i s/beta/BETA/ f"),
+                          ("c3", "mv f moved; echo more >> moved")):
+            c.call_begin(call, "Bash")
+            subprocess.run(["bash", "-c", cmd], check=True)
+            c.call_end(call)
+''')
+
+
+def test_by_writer_shows_each_writer_its_own_change_of_a_shared_path(make_mount, tmp_path):
+    """A path several calls of the selection changed: each call's section showed the whole
+    selection's change of it, the other calls' edits too, the same hunk under every writer
+    (found by a bug hunt).  Each section is that writer's own change now, as `diff --call`
+    gives it."""
+    m = make_mount()
+    with open(os.path.join(m.ws, "f"), "w") as f:
+        f.write("alpha\nbeta\n")
+    m.mount()
+    (tmp_path / "agent.py").write_text(SHARED)
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", sys.executable,
+               str(tmp_path / "agent.py"), cwd=m.ws)
+    out = overlayrec("diff", m.ws, "--session", "s", "--by-writer").stdout
+    sections, unit = {}, None
+    for line in out.splitlines():
+        if line.startswith("# "):
+            unit = line[2:]
+        elif line[:1] in "+-" and line[:3] not in ("+++", "---"):
+            sections.setdefault(unit, []).append(line)
+    assert sections == {"call:s:c1": ["-alpha", "+ALPHA", "+c1"],
+                        "call:s:c2": ["-beta", "+BETA"],
+                        "call:s:c3": ["+more"]}, out
+    for call in ("c1", "c2", "c3"):  # each section is what the call's own diff shows
+        own = overlayrec("diff", m.ws, "--call", call).stdout
+        assert [ln for ln in own.splitlines() if ln[:1] in "+-" and ln[:3] not in
+                ("+++", "---")] == sections[f"call:s:{call}"], (call, own)
+    status = overlayrec("diff", m.ws, "--session", "s", "--by-writer",
+                        "--name-status").stdout.splitlines()
+    assert status[:6] == ["# call:s:c1", "M\tf", "A\tg", "# call:s:c2", "M\tf",
+                          "# call:s:c3"], status
+    assert len(status) == 7 and status[6].startswith("R") and \
+        status[6].endswith("\tf\tmoved"), status
+
+
 MASKED = textwrap.dedent(r'''
     import os, subprocess, sys, time
     subprocess.run(["mv", "b", "x"], check=True)

@@ -38,6 +38,8 @@ class Side:
     # a call's paths another unit changed between the call's own changes (its diff, from the
     # call's first change to its last, holds them): path -> those units
     interleaved: dict[str, list[str]] = field(default_factory=dict)
+    # the selection's own events (select() sets them): what each writer did (own_changes)
+    events: list[dict] | None = None
 
 
 def file_events(j: Journal, lo: int = 1, hi: int | None = None) -> list[dict]:
@@ -399,7 +401,25 @@ def _selected(states: States, events: list[dict], bounds: tuple[int, int] | None
     """side_of for select(): the journal remembers the selection's events first, since the
     states look each up again (``Journal.event``), a second decoding of every one."""
     states.j.remember_events(events)
-    return side_of(states, events, bounds, keep=keep, read_ahead=True, settle=bounds is None)
+    side = side_of(states, events, bounds, keep=keep, read_ahead=True, settle=bounds is None)
+    side.events = events
+    return side
+
+
+def own_changes(states: States, side: Side) -> dict[str, Side]:
+    """For each writer of a path that several writers of the selection changed: its own
+    change of those paths, from just before its first event on each to just after its last,
+    as a diff of that call alone gives it (the selection's change of such a path holds every
+    writer's: ``diff --by-writer`` showed it under each, found by a bug hunt).  {} when no
+    path has several writers, or the side holds no events (``--drift``)."""
+    shared = {p for p, us in side.writers.items() if len(us) > 1}
+    if not shared or side.events is None:
+        return {}
+    mine: dict[str, list[dict]] = {}
+    for e in side.events:
+        mine.setdefault(e.get("unit") or outside_unit(e.get("actor", "?")), []).append(e)
+    return {u: side_of(states, evs, keep=shared.__contains__, settle=True)
+            for u, evs in mine.items() if any(u in side.writers[p] for p in shared)}
 
 
 def spans_of(states: States, events: list[dict], bounds: tuple[int, int] | None = None, *,
