@@ -42,7 +42,7 @@ from .attribution import Attribution
 from .calls import Calls
 from .journal import Journal, JournalError, preimage
 from .journal.renames import RenameIndex
-from .journal.schema import AROUND, UNMOUNTED, outside_unit
+from .journal.schema import AROUND, UNMOUNTED, beneath_rule, outside_unit
 from .secrets import Secrets, META_NAMES, public_at
 
 log = logging.getLogger(__name__)
@@ -454,6 +454,8 @@ class Recorder:
         # seq): what lies beneath them is sealed at the record's end (close_record)
         self.moved_dirs: dict[str, int] = {}
         self.beneath_sealed: set[str] = set()  # of those, the ones walked whole at the end
+        self.beneath_failed: set[str] = set()  # ... and the tops whose walk failed
+        self.seal_failed: list[str] = []  # the paths the seal in progress could not seal
         # path -> when the daemon last changed what it holds (time.time_ns(), just before):
         # a file whose ctime is later at its seal was changed around the mount (seal)
         self.served: dict[str, int] = {}
@@ -1704,6 +1706,11 @@ class Recorder:
             if failed:  # a directory beneath it could not be read: nothing there is said absent
                 log.warning("cannot walk all of %s to seal what lies beneath: %s", top,
                             failed[0])
+                # said so by its seal (``beneath``: false): a mark an earlier walk left on it
+                # no longer tells what it holds
+                self.beneath_failed.add(top)
+                if top not in self.epochs:
+                    self.unsealed.setdefault(top, "")
                 continue
             walked.update(seen_dirs)
         # the seals of the directories walked say so (``beneath``): a name beneath with no
@@ -1716,45 +1723,53 @@ class Recorder:
         self.moved_dirs.clear()
         return owed_all
 
-    def _made_beneath(self, name: str, seal: dict) -> list[dict]:
-        """At mount: the names made while unmounted in directory ``name``, whose seal says
-        everything beneath it was sealed too (``beneath``), with all beneath them: a drift
-        from absent and a seal each.  Read only where the directory's mtime moved."""
-        try:
-            st = self._lstat(name)
-        except OSError:
-            return []
-        if not stat.S_ISDIR(st.st_mode) or st.st_mtime_ns == seal.get("mtime_ns"):
-            return []
-        try:
-            pfd = underlay.open_beneath(self.root_fd, name)
+    def _made_beneath(self, tops: list[str], covered: set[str], marks: dict[str, bool],
+                      renames: RenameIndex) -> list[dict]:
+        """At mount: the names made while unmounted beneath the directories ``tops``, whose
+        last seals say everything beneath them was sealed too (``beneath``), with all beneath
+        them: a drift from absent and a seal each.  ``covered``: the names the mount's
+        comparison of the seals looked at (each sealed object under its name now); any other
+        name beneath is new (one the record used for an object moved away since, or beneath a
+        file that became a directory, was passed by: a hunt found both).  ``marks``: the
+        directories' own marks (a false one: what lies beneath it is the live tree's to say).
+        A top that cannot be walked whole is sealed again with its mark false."""
+        j = self.journal
+
+        def known(p: str) -> bool:
+            if p in covered:
+                return True
+            # a chain the comparison passed by (not ended by a seal) is the record's while
+            # its object is still called so; a name whose object moved on is free
+            last = j.last_seq_for_path(p)
+            return last is not None and _name_now(j, renames, p, last) == p
+
+        events, new = [], []
+        for top in tops:
+            failed: list[OSError] = []
             try:
-                fd = underlay.reopen(pfd, os.O_RDONLY | os.O_DIRECTORY)
-            finally:
-                os.close(pfd)
-        except OSError:
-            return []
-        try:
-            entries = os.listdir(fd)
-        except OSError:
-            return []
-        finally:
-            os.close(fd)
-        new = []
-        for entry in sorted(entries):
-            p = f"{name}/{entry}"
-            if p.split("/", 1)[0] == ATTIC_NAME or \
-                    self.journal.last_seq_for_path(p) is not None:
-                continue
-            new.append(p)
-            try:
-                if stat.S_ISDIR(self._lstat(p).st_mode):
-                    for dirpath, dirs, files, _ in os.fwalk(p, dir_fd=self.root_fd,
-                                                             follow_symlinks=False):
-                        new.extend(f"{dirpath}/{n}" for n in sorted(dirs + files))
-            except OSError:
-                continue
-        events = []
+                for dirpath, dirs, files, _ in os.fwalk(top, dir_fd=self.root_fd,
+                                                         follow_symlinks=False,
+                                                         onerror=failed.append):
+                    keep = []
+                    for name in sorted(dirs):
+                        p = f"{dirpath}/{name}"
+                        if not known(p):
+                            new.append(p)
+                            for dp, ds, fs, _ in os.fwalk(p, dir_fd=self.root_fd,
+                                                          follow_symlinks=False,
+                                                          onerror=failed.append):
+                                new.extend(f"{dp}/{n}" for n in sorted(ds + fs))
+                        elif marks.get(p) is not False:
+                            keep.append(name)
+                    dirs[:] = keep
+                    new.extend(p for p in (f"{dirpath}/{n}" for n in sorted(files))
+                               if not known(p))
+            except OSError as e:
+                failed.append(e)
+            if failed:
+                log.warning("cannot look for names made beneath %s: %s", top, failed[0])
+                events.append({"op": "seal", "path": top, "pre": self._seal_pre(top),
+                               "actor": "overlayrec", "beneath": False})
         for p in new:
             events.append({"op": "drift", "path": p, "pre": dict(preimage.ABSENT),
                            "epoch": True, "unit": outside_unit(UNMOUNTED),
@@ -1762,6 +1777,17 @@ class Recorder:
             events.append({"op": "seal", "path": p, "pre": self._seal_pre(p),
                            "actor": "overlayrec"})
         return events
+
+    def _carried_beneath(self, path: str) -> bool | None:
+        """The ``beneath`` mark directory ``path``'s history leaves its next seal
+        (schema.beneath_rule): an earlier mark is carried on over its metadata's changes (a
+        later unit's seal of it lost the mark, and a file made beneath it while unmounted was
+        taken for one it held all along: found by a bug hunt); false where it came by a
+        rename not walked yet; None: no mark (the directories above it say)."""
+        j = self.journal
+        got = beneath_rule((e, path) for e in map(j.event, reversed(j.seqs_for_path(path)))
+                           if e is not None)
+        return None if got == "up" else got
 
     def _stamp_names(self, st: os.stat_result, unit: str, *own: str) -> None:
         """The inode ``st`` loses or gains a name, or one of its names moves: its ctime moves
@@ -2239,7 +2265,17 @@ class Recorder:
                 fd = underlay.open_own(dfd, name, os.O_RDONLY | os.O_NONBLOCK)
                 try:
                     if keep:
-                        pre["blob"] = pre["hash"] = self.content.put_range(fd, 0, pre["size"])
+                        try:
+                            pre["blob"] = pre["hash"] = self.content.put_range(fd, 0,
+                                                                               pre["size"])
+                        except OSError as e:
+                            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                                raise
+                            # the store is full: the seal says what the file holds, without
+                            # keeping it (a later change to it is found; what it held is not
+                            # known).  Passed over, it was taken for absent beneath a renamed
+                            # directory (found by a bug hunt)
+                            pre["hash"] = preimage.hash_fd(fd)
                     else:
                         pre["hash"] = preimage.hash_fd(fd)
                 finally:
@@ -2254,7 +2290,14 @@ class Recorder:
         later around the mount is told apart from the unit's own.  Returns how many were sealed."""
         paths = {p for p, ep in self.epochs.items() if unit is None or ep.unit == unit}
         paths |= {p for p, u in self.unsealed.items() if unit is None or u == unit}
-        ordered, done = sorted(paths), 0
+        # the directories walked at the record's end last, the deepest first: a ``beneath``
+        # mark is committed only after everything beneath it (a state dir full or a kill
+        # between two chunks left a directory marked and the files of later chunks unsealed,
+        # which readers then took for absent: found by a bug hunt)
+        marked = paths & self.beneath_sealed
+        ordered = sorted(paths - marked) + sorted(marked, key=lambda p: (-p.count("/"), p))
+        done = 0
+        self.seal_failed = []
         # a chunk at a time, each committed before the next is read: a unit that changed
         # 20,000 paths was sealed in one batch, 5 KB a path held at once (110 MB), which the
         # daemon's heap kept for good after (its RSS 190 MB higher; 1.2 GB after 100k files)
@@ -2276,6 +2319,7 @@ class Recorder:
                 pre = self._seal_pre(p, seen=seen)
             except OSError as e:  # an unreadable path stays unsealed: its chain ends live
                 log.warning("cannot seal %s: %s", p, e)
+                self.seal_failed.append(p)
                 continue
             if served is not None and pre.get("ino") in self.served_ino:
                 served = max(served, self.served_ino.pop(pre["ino"]))
@@ -2290,8 +2334,7 @@ class Recorder:
                            # of every unit (an unmount, the mount after a killed daemon): no
                            # descriptor of the mount's outlives it, so a write run ends here
                            **({"closing": True} if unit is None else {}),
-                           **({"beneath": True} if p in self.beneath_sealed and
-                              pre["kind"] == "dir" else {})})
+                           **self._beneath_mark(p, pre)})
         self._ctimes_after_reads([(e["path"], e["pre"]) for e in events if e["op"] == "seal"])
         sealed_ctimes = {e["path"]: e["pre"]["ctime_ns"] for e in events
                          if e["op"] == "seal" and "ctime_ns" in e["pre"] and
@@ -2325,6 +2368,21 @@ class Recorder:
                     except Exception:  # the record is whole; only a cache is left as it was
                         log.exception("cannot drop the kernel's cache of %s", e["path"])
         return len(events)
+
+    def _beneath_mark(self, path: str, pre: dict) -> dict:
+        """The ``beneath`` field of a seal of ``path`` (a directory): true where everything
+        beneath it was walked and sealed at the record's end, false where the walk or a seal
+        beneath it failed (a path left unsealed there is the live tree's to say: it was taken
+        for absent), an earlier mark carried on otherwise."""
+        if pre["kind"] != "dir":
+            return {}
+        if path in self.beneath_sealed:
+            inside = path + "/"
+            return {"beneath": not any(f.startswith(inside) for f in self.seal_failed)}
+        if path in self.beneath_failed:
+            return {"beneath": False}
+        mark = self._carried_beneath(path)
+        return {} if mark is None else {"beneath": mark}
 
     def _ctimes_after_reads(self, sealed: list[tuple[str, dict]]) -> None:
         """Files their owner may not read were read by the owner's leave (a chmod and back:
@@ -2419,6 +2477,8 @@ class Recorder:
         # points before it (found by a hunt)
         looked_ns = time.time_ns()
         found: dict[str, int] = {}
+        covered: set[str] = set()  # the names looked at, each sealed object's name now
+        marks: dict[str, bool] = {}  # the directories' ``beneath`` marks
         for path, seq in list(j.seals()):
             if j.last_seq_for_path(path) != seq:
                 continue  # changed again after this seal: not the end of its chain
@@ -2431,16 +2491,13 @@ class Recorder:
             if name is None:
                 continue
             checked += 1
+            covered.add(name)
             sealed = j.event(seq)
             seal = sealed["pre"]
-            if sealed.get("beneath") and seal["kind"] == "dir":
-                try:
-                    made = self._made_beneath(name, seal)
-                except OSError as e:  # not looked at: its names keep the live tree as end
-                    log.warning("cannot look for names made beneath %s: %s", name, e)
-                    made = []
-                drifted += len(made) // 2
-                events.extend(made)
+            if seal["kind"] == "dir":
+                mark = self._carried_beneath(path)
+                if mark is not None:
+                    marks[name] = mark
             if self._holds(name, seal):
                 now = seal
                 if seal["kind"] == "file" and not seal.get("mode", 0) & stat.S_IRUSR:
@@ -2457,14 +2514,27 @@ class Recorder:
             drifted += 1
             events.append({"op": "drift", "path": name, "pre": seal, "epoch": True,
                            "unit": outside_unit(UNMOUNTED), "actor": UNMOUNTED})
-            events.append({"op": "seal", "path": name, "pre": self._seal_pre(name),
-                           "actor": "overlayrec"})
+            now = self._seal_pre(name)
+            events.append({"op": "seal", "path": name, "pre": now, "actor": "overlayrec",
+                           # a directory's mode changed: what lies beneath is as known
+                           **({"beneath": marks[name]} if name in marks and
+                              now["kind"] == "dir" else {})})
             self._ctimes_after_reads([(name, events[-1]["pre"])])
             if events[-1]["pre"]["kind"] == "file":
                 found[name] = max(events[-1]["pre"].get("ctime_ns", 0), looked_ns)
             if len(events) >= 512:
                 j.append_many(events, [])
                 events = []
+        tops = sorted(d for d, mark in marks.items() if mark)
+        tops = [d for i, d in enumerate(tops)
+                if not any(d.startswith(t + "/") for t in tops[:i])]
+        try:
+            made = self._made_beneath(tops, covered, marks, renames)
+        except OSError as e:  # not looked at: its names keep the live tree as end
+            log.warning("cannot look for names made beneath renamed directories: %s", e)
+            made = []
+        drifted += sum(1 for e in made if e["op"] == "drift")
+        events.extend(made)
         if events:
             j.append_many(events, [])
         for name, ctime in found.items():

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+
+import pytest
 
 from conftest import needs_fuse, overlayrec
 from test_replay import tree_of
@@ -237,3 +240,135 @@ def test_every_kind_beneath_a_renamed_directory_is_sealed(make_mount, tmp_path):
     # (--full copies the live tree too: t3, made while unmounted, is no part of the point)
     got = kinds(out)
     assert {k: v for k, v in got.items() if not k.startswith("t3")} == start, got
+
+
+def _names(top: str) -> set[str]:
+    out = set()
+    for d, dirs, files in os.walk(top):
+        dirs[:] = [x for x in dirs if not x.startswith(".overlayrec")]
+        out.update(os.path.relpath(os.path.join(d, n), top) for n in dirs + files)
+    return out
+
+
+def test_what_a_directory_moved_in_brings_is_seen_while_mounted(make_mount, tmp_path):
+    """A directory renamed into one an earlier mount sealed ``beneath``: until this mount's
+    end walks it, its files have no event of their own, and the readers took them for absent
+    (the marked directory above said so): a diff of the live session and a replay at its end
+    lost them."""
+    m = make_mount()
+    _one_file(m, "tree", "k\n")
+    _one_file(m, "other", "o\n")
+    _run(m, "mv tree tree2", "s1")
+    m.mount()
+    try:
+        overlayrec("run", "-w", m.ws, "--session", "s2", "--", "mv", "other", "tree2/sub",
+                   cwd=m.ws)
+        out = overlayrec("diff", m.ws, "--session", "s2", "--name-status").stdout
+        assert out.splitlines() == ["R100\tother/f\ttree2/sub/f"], out
+        overlayrec("replay", m.ws, "--at", "end", "--to", str(tmp_path / "r"))
+        assert _files(str(tmp_path / "r")) == {"tree2/f": "k\n", "tree2/sub/f": "o\n"}
+    finally:
+        m.umount()
+    out = overlayrec("diff", m.ws, "--state-dir", m.state, "--session", "s2",
+                     "--name-status").stdout
+    assert out.splitlines() == ["R100\tother/f\ttree2/sub/f"], out
+
+
+def test_the_mark_outlives_a_later_seal_of_the_directory(make_mount, tmp_path):
+    """A later unit that only touches the renamed directory, or a chmod of it while unmounted,
+    sealed it again without its mark: a file the user then made in it while unmounted was
+    taken for one it held all along (the rename's diff moved it, a replay before the rename
+    held it, the rename's revert carried it back as the session's)."""
+    m = make_mount()
+    _one_file(m, "tree", "k\n")
+    _one_file(m, "box", "b\n")
+    _run(m, "mv tree tree2; mv box box2", "s1")
+    _run(m, "touch tree2", "s2")
+    os.chmod(os.path.join(m.ws, "box2"), 0o700)  # unmounted: a drift of its mode
+    _run(m, "true", "s3")
+    for d in ("tree2", "box2"):
+        with open(os.path.join(m.ws, d, "new"), "w") as f:
+            f.write("user\n")
+    _run(m, "true", "s4")
+    log = overlayrec("log", m.ws, "--state-dir", m.state).stdout
+    assert [ln.split()[-1] for ln in log.splitlines() if " drift " in ln] == \
+        ["box2", "box2/new", "tree2/new"], log
+    out = overlayrec("diff", m.ws, "--state-dir", m.state, "--session", "s1",
+                     "--name-status").stdout
+    assert sorted(out.splitlines()) == ["R100\tbox/f\tbox2/f", "R100\ttree/f\ttree2/f"], out
+    overlayrec("replay", m.ws, "--state-dir", m.state, "--at", "before:session:s1", "--to",
+               str(tmp_path / "r"))
+    assert _names(str(tmp_path / "r")) == {"tree", "tree/f", "box", "box/f"}
+    r = json.loads(overlayrec("revert", m.ws, "--state-dir", m.state, "--session", "s1",
+                              "--json", check=False).stdout)
+    assert not [s for s in r["steps"] if s["path"].endswith("new")], r["steps"]
+
+
+def test_names_made_while_unmounted_where_the_record_knew_another_object(make_mount,
+                                                                         tmp_path):
+    """A name the record used for an object a rename moved away (``d/x``, moved with ``d``),
+    and names beneath a file the user turned into a directory: the next mount passed them by
+    (it looked only at names with no event and walked only into unknown directories), and
+    the readers took them for absent at every point."""
+    m = make_mount()
+    _one_file(m, "tree", "k\n")
+    with open(os.path.join(m.ws, "tree", "g"), "w") as f:
+        f.write("g\n")
+    os.makedirs(os.path.join(m.ws, "d"))
+    _run(m, "echo a > d/x; mv d e; mv tree d", "s1")
+    with open(os.path.join(m.ws, "d", "x"), "w") as f:
+        f.write("user's\n")
+    os.unlink(os.path.join(m.ws, "d", "g"))
+    os.makedirs(os.path.join(m.ws, "d", "g", "h"))
+    with open(os.path.join(m.ws, "d", "g", "h", "inner"), "w") as f:
+        f.write("inner\n")
+    _run(m, "true", "s2")
+    log = overlayrec("log", m.ws, "--state-dir", m.state).stdout
+    assert sorted(ln.split()[-1] for ln in log.splitlines() if " drift " in ln) == \
+        ["d/g", "d/g/h", "d/g/h/inner", "d/x"], log
+    overlayrec("replay", m.ws, "--state-dir", m.state, "--at", "end", "--to",
+               str(tmp_path / "end"))
+    assert _files(str(tmp_path / "end")) == _files(m.ws)
+    overlayrec("replay", m.ws, "--state-dir", m.state, "--at", "after:session:s1", "--to",
+               str(tmp_path / "s1"))
+    assert _files(str(tmp_path / "s1")) == {"d/f": "k\n", "d/g": "g\n", "e/x": "a\n"}
+    drift = overlayrec("diff", m.ws, "--state-dir", m.state, "--name-status",
+                       "--drift").stdout
+    assert drift == "", drift  # journaled at the mount: the live tree is the record's end
+
+
+@pytest.mark.parametrize("files,size,room", [(100, 100_000, "8m"), (2500, 6000, "12m")],
+                         ids=["store-full", "journal-full"])
+@pytest.mark.timeout(240)
+def test_a_state_dir_full_at_the_end_marks_nothing_it_did_not_seal(make_mount, tmp_path,
+                                                                   files, size, room):
+    """The state dir fills while the unmount seals a renamed tree: the content store first
+    (files past the journal's small blobs were passed over, "cannot seal"), or the journal
+    between two chunks of seals (the directories' marks, sorted first, were committed).
+    Either way the directories kept their ``beneath`` marks and every file left unsealed was
+    taken for absent at the record's end: the session's diff and a replay at the end lost
+    them, and the session's revert stranded them (found by a bug hunt).  Now a file the store
+    has no room for is sealed by its hash, and a mark is committed after all beneath it."""
+    from test_full_disk import tmpfs
+    m = make_mount()
+    for i in range(files):
+        d = os.path.join(m.ws, "tree", f"d{i % 10}")
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, f"f{i:04d}"), "wb") as f:
+            f.write(os.urandom(size))
+    before = _names(m.ws)
+    with tmpfs(str(tmp_path / "statefs"), room) as statefs:
+        m.state = os.path.join(statefs, "state")
+        overlayrec("run", "-w", m.ws, "--state-dir", m.state, "--session", "s", "--",
+                   "mv", "tree", "tree2", cwd=m.ws, check=False, timeout=180)
+        subprocess.run(["mount", "-o", "remount,size=512m", statefs], check=True)
+        _run(m, "true", "s2")
+        out = overlayrec("diff", m.ws, "--state-dir", m.state, "--session", "s",
+                         "--name-status").stdout.splitlines()
+        assert len([ln for ln in out if ln.startswith("R")]) == files, out[:5]
+        overlayrec("replay", m.ws, "--state-dir", m.state, "--at", "end", "--to",
+                   str(tmp_path / "end"), timeout=180)
+        assert _names(str(tmp_path / "end")) == _names(m.ws)
+        overlayrec("revert", m.ws, "--state-dir", m.state, "--session", "s", "--yes",
+                   timeout=180)
+        assert _names(m.ws) == before

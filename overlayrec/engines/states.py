@@ -33,7 +33,7 @@ from contextlib import contextmanager
 
 from ..journal import Journal, preimage
 from ..journal.renames import RenameIndex
-from ..journal.schema import (MARK_OPS, call_unit, is_dir_rename, revert_unit, session_unit,
+from ..journal.schema import (MARK_OPS, beneath_rule, call_unit, is_dir_rename, revert_unit, session_unit,
                               turn_unit)
 from ..secrets import Secrets, placeholder, public_in
 from ..underlay import ACL_ACCESS, kind_of
@@ -555,7 +555,7 @@ class States:
         # holds events (``_holding_from``): each asked once, however often a reader walks it
         self._links: dict[tuple[str, int], tuple[int | None, str | None]] = {}
         self._holds: dict[tuple[str, int, bool], tuple[str, int] | None] = {}
-        self._beneath: dict[str, dict | None] = {}  # _unseen_beneath, by directory
+        self._beneath: dict[str, dict | str | None] = {}  # _beneath_rule, by directory
         self._universe: list[tuple[str, float]] | None = None
         self._candidates: dict[float, set[str]] = {}
         self._moved_by: dict[tuple[str, int], set[str]] | None = None
@@ -1001,17 +1001,22 @@ class States:
         while d:
             got = self._beneath.get(d, False)
             if got is False:
-                got = None
-                for e, _ in self._events_back(d, INF, marks=True):
-                    if e["op"] == "seal" and e.get("beneath"):
-                        got = {"op": "seal", "seq": e["seq"], "path": path,
-                               "pre": {"kind": "absent"}}
-                    break
-                self._beneath[d] = got
-            if got is not None:
-                return dict(got, path=path)
-            d = d.rpartition("/")[0]
+                got = self._beneath[d] = self._beneath_rule(d)
+            if got == "up":
+                d = d.rpartition("/")[0]
+                continue
+            return None if got is None else dict(got, path=path)
         return None
+
+    def _beneath_rule(self, d: str):
+        """beneath_rule of directory ``d``, its history followed back through its names: a
+        seal saying absent (True), None (the live tree says) or "up"."""
+        got = beneath_rule(self._events_back(d, INF, marks=True))
+        if got == "up":
+            return got
+        if got is False:
+            return None
+        return {"op": "seal", "path": d, "pre": {"kind": "absent"}}
 
     def _tail(self, path: str) -> State:
         seal = self._governing_seal(path)

@@ -67,7 +67,10 @@ Sub-databases of the LMDB environment:
               killed daemon): no descriptor of the mount outlives it, so a write run ends there.
               ``"beneath": true`` on such a seal of a directory renamed in that mount: every
               path beneath it was sealed too, so a name beneath with no event of its own was
-              not there (a directory's rename journals no path beneath it).
+              not there (a directory's rename journals no path beneath it); ``false`` where
+              the walk, or a seal beneath it, failed (the live tree says).  A later seal of
+              the directory after changes of its metadata only carries the mark on
+              (``beneath_rule``).
               ``alias`` events: a change through one name of an inode with several links,
               journaled on each other name the daemon knows (``source``: the name written); one
               without ``source`` whose pre-image is ``unkept``: a name of a file linked outside
@@ -198,6 +201,34 @@ OPS = (
 CONTROL_OPS = ("session_begin", "session_end", "turn_begin", "turn_end", "call_begin", "call_end",
                "revert_begin", "revert_end")
 MARK_OPS = ("seal", "reclaim")  # events that record a state or a drop and change no path
+META_OPS = ("chmod", "chown", "utimens", "setxattr", "removexattr")  # a path's metadata only
+
+
+def beneath_rule(history) -> bool | str:
+    """What a directory's own history says of the names beneath it that have no event of
+    their own.  ``history``: (event, the name it was on then), newest first.  True: its last
+    mark (``beneath``) says everything beneath it was sealed, so such a name was not there;
+    False: the live tree says (a mark of false: a walk or a seal beneath it failed; or it
+    came here by a rename, with what it holds, before any walk); "up": its history says
+    nothing (no event, or it was made anew), the directories above it say.  Its seals
+    without a mark, its metadata's changes and a drift that leaves it a directory pass (what
+    lies beneath is as known as it was).  The recorder (what it carries on and walks at
+    mount) and the readers (engines.states) ask the same."""
+    for e, name in history:
+        op = e["op"]
+        if op == "seal":
+            if "beneath" in e:
+                return bool(e["beneath"])
+        elif op in META_OPS or op == "drift" and (e.get("pre") or {}).get("kind") == "dir":
+            continue
+        elif op == "rename" and (e.get("path2") == name or
+                                 e.get("flags", 0) & 2 and e.get("path") == name):
+            return False
+        else:
+            return "up"
+    return "up"
+
+
 UNMOUNTED = "unmounted"    # the actor key (and ``outside:`` unit) of changes made while unmounted
 AROUND = "around"  # ... of changes made around the mount while a unit went on (Recorder.seal)
 
