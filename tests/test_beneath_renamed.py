@@ -372,3 +372,58 @@ def test_a_state_dir_full_at_the_end_marks_nothing_it_did_not_seal(make_mount, t
         overlayrec("revert", m.ws, "--state-dir", m.state, "--session", "s", "--yes",
                    timeout=180)
         assert _names(m.ws) == before
+
+
+def test_status_and_diff_drift_name_what_the_next_mount_journals(make_mount):
+    """Before the next mount, `status` and `diff --drift` left out a name made while
+    unmounted beneath a renamed directory (they looked at sealed paths only), which the next
+    mount then journals as drift (found by a bug hunt)."""
+    m = make_mount()
+    _one_file(m, "d", "a\n")
+    _run(m, "mv d e", "s1")
+    with open(os.path.join(m.ws, "e", "new"), "w") as f:
+        f.write("new\n")
+    with open(os.path.join(m.ws, "e", "f"), "a") as f:
+        f.write("edited\n")
+    st = json.loads(overlayrec("status", "-w", m.ws, "--state-dir", m.state, "--json").stdout)
+    assert sorted(st["drifted"]) == ["e/f", "e/new"], st
+    out = overlayrec("diff", m.ws, "--state-dir", m.state, "--drift", "--name-status").stdout
+    assert out.splitlines() == ["M\te/f", "A\te/new"], out
+    _run(m, "true", "s2")
+    log = overlayrec("log", m.ws, "--state-dir", m.state, "--op", "drift").stdout
+    assert sorted(ln.split()[-1] for ln in log.splitlines()) == ["e/f", "e/new"], log
+    st = json.loads(overlayrec("status", "-w", m.ws, "--state-dir", m.state, "--json").stdout)
+    assert st["drifted"] == [], st
+
+
+def test_a_rename_onto_a_name_keeps_an_earlier_sessions_changes_beneath_it(make_mount,
+                                                                           tmp_path):
+    """A session removes or edits ``a/f``; the user removes ``a`` (or renames it) while
+    unmounted; a later session renames ``d`` onto ``a``.  The rule that a name is absent
+    while its directory is took ``a/f`` as absent at every point before the rename onto ``a``,
+    its own events before it too: the first session's change vanished from its diff, from
+    replay and from its revert ("nothing to revert"; found by a bug hunt)."""
+    for case, script in (("removed", "rm a/f"), ("edited", "echo x >> a/f")):
+        m = make_mount(sub=case)
+        _one_file(m, "a", "1\n")
+        os.makedirs(os.path.join(m.ws, "d"))
+        _run(m, script, "s1")
+        before = overlayrec("diff", m.ws, "--state-dir", m.state, "--session", "s1",
+                            "--name-status").stdout
+        assert before == ("D\ta/f\n" if case == "removed" else "M\ta/f\n"), before
+        if case == "removed":
+            os.rmdir(os.path.join(m.ws, "a"))
+        else:
+            os.rename(os.path.join(m.ws, "a"), os.path.join(m.ws, "b"))
+        _run(m, "mv d a", "s2")
+        after = overlayrec("diff", m.ws, "--state-dir", m.state, "--session", "s1",
+                           "--name-status").stdout
+        assert after == before, (case, after)
+        out = tmp_path / case
+        overlayrec("replay", m.ws, "--state-dir", m.state, "--at", "before:session:s1",
+                   "--to", str(out))
+        assert _files(str(out)) == {"a/f": "1\n"}, case
+        r = overlayrec("revert", m.ws, "--state-dir", m.state, "--session", "s1", "--json",
+                       check=False)
+        steps = json.loads(r.stdout)["steps"]
+        assert [s["path"] for s in steps] == ["a/f"], (case, steps)
