@@ -19,8 +19,9 @@ The attic is a directory in the underlay's root (same filesystem, so hard links 
 filesystem layer hides; its extra links are subtracted from ``st_nlink`` so link counts read as
 native.  Unmounted, it ignores itself (a ``.gitignore`` of ``*`` and a ``CACHEDIR.TAG``), so
 git and backup tools pass it by.  When the workspace's filesystem refuses a change for want of
-space, attic entries are dropped oldest first (``reclaim``, journaled) and the change is tried
-once more (``_roomy``).
+space, the small pre-images waiting in the attic go into the store at once and the change is
+tried again; still refused, attic entries are dropped oldest first (``reclaim``, journaled)
+and the change is tried once more (``_roomy``).
 """
 from __future__ import annotations
 
@@ -185,9 +186,11 @@ class _CrossedMount(Exception):
 def _roomy(fn):
     """A change refused for want of space on the workspace's filesystem (ENOSPC from the
     underlay, or from the journal or the content store when the state dir shares that
-    filesystem) is tried once more after ``Recorder.reclaim`` has freed attic entries: the
-    first try left the epochs as they were (``_undoable``, applied inside this) and its event,
-    if journaled, is voided by its ``failed`` note.  No entry to free: the refusal stands."""
+    filesystem) is tried again after each way of making room that freed something: first
+    ``Recorder.store_waiting`` (the small pre-images waiting in the attic go into the store,
+    nothing lost), then ``Recorder.reclaim`` (attic entries dropped).  Each refused try left
+    the epochs as they were (``_undoable``, applied inside this) and its event, if journaled,
+    is voided by its ``failed`` note.  Nothing freed by either: the refusal stands."""
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
         try:
@@ -197,14 +200,17 @@ def _roomy(fn):
         except (OSError, JournalError) as e:
             if not self._workspace_full(e):
                 raise
+            refused = e
+        for make_room in (self.store_waiting, self._reclaim_for):
+            if not make_room(fn.__name__):
+                continue
             try:
-                freed = self.reclaim(fn.__name__)
-            except OSError as e2:  # the refusal is the answer, not the reclaim's own trouble
-                log.warning("cannot reclaim attic entries: %s", e2)
-                freed = 0
-            if not freed:
-                raise
-        return fn(self, *args, **kwargs)
+                return fn(self, *args, **kwargs)
+            except (OSError, JournalError) as e:
+                if not self._workspace_full(e):
+                    raise
+                refused = e
+        raise refused
     return wrapper
 
 
@@ -698,9 +704,31 @@ class Recorder:
         through its own chain.  Returns how many wait still.  JournalError when the journal
         cannot take the change now, OSError (ENOSPC, EDQUOT) when the store cannot: the
         entries wait (and stay readable, and are not reclaimed) for the next try."""
+        self._settle(budget)
+        return len(self.to_store)
+
+    def store_waiting(self, why: str = "") -> int:
+        """The workspace's filesystem is full: copy every small pre-image waiting in the attic
+        into the store now, not when the daemon is idle, and drop their entries (nothing is
+        lost: each event names its blob instead).  Returns the bytes their entries held (0:
+        none waited, or the store or the journal cannot take them now, and they wait)."""
+        if not self.to_store:
+            return 0
+        try:
+            freed = self._settle(None)
+        except (JournalError, OSError) as e:  # they wait; the reclaim passes them by
+            log.warning("%s: the workspace is full and %d small pre-image(s) cannot go into "
+                        "the store now: %s", why, len(self.to_store), e)
+            return 0
+        log.info("%s: the workspace is full: small pre-images copied into the store, "
+                 "%d bytes of attic entries freed", why, freed)
+        return freed
+
+    def _settle(self, budget: float | None) -> int:
+        """``settle_small``'s work; returns the bytes of the entries it dropped."""
         deadline = None if budget is None else time.monotonic() + budget
         done: list[tuple[int, str, str]] = []
-        taken: dict[str, tuple[tuple[int, int, int], tuple[int, int]]] = {}
+        taken: dict[str, tuple[tuple[int, int, int], os.stat_result]] = {}
         try:
             for name in list(self.to_store):
                 if deadline is not None and done and time.monotonic() >= deadline:
@@ -708,51 +736,56 @@ class Recorder:
                 waiting = self.to_store.pop(name)
                 seq, size, mtime_ns = waiting
                 try:
-                    digest, key = self._copy_entry(name, size, mtime_ns)
+                    digest, st = self._copy_entry(name, size, mtime_ns)
                 except OSError:  # no room in the store now: it waits, with the rest
                     self.to_store[name] = waiting
                     raise
                 if digest is not None:
                     done.append((seq, name, digest))
-                    taken[name] = (waiting, key)
+                    taken[name] = (waiting, st)
             if done:
                 self.journal.store_preimages(done)
         except BaseException:
             for name, (waiting, _) in taken.items():  # not journaled: they wait for a next try
                 self.to_store[name] = waiting
             raise
-        for name, (_, key) in taken.items():
+        freed = 0
+        for name, (_, st) in taken.items():
             try:
-                self._drop_attic(name, key)
+                self._drop_attic(name, (st.st_dev, st.st_ino))
             except FileNotFoundError:
-                pass
+                continue
             except OSError as e:  # its blob is in the record: a gc sweeps the entry
                 log.warning("cannot drop attic entry %s, copied into the store: %s", name, e)
-        return len(self.to_store)
+                continue
+            freed += st.st_blocks * 512
+        return freed
 
-    def _copy_entry(self, name: str, size: int, mtime_ns: int) -> tuple[str | None, tuple]:
-        """The blob of attic entry ``name`` (None when it is not the pre-image as kept)."""
+    def _copy_entry(self, name: str, size: int, mtime_ns: int) -> tuple[str | None,
+                                                                         os.stat_result | None]:
+        """The blob of attic entry ``name`` and the entry's stat (None, None when it is not
+        the pre-image as kept)."""
         try:
             fd = underlay.open_own(self.attic_fd, name, os.O_RDONLY | os.O_NONBLOCK)
         except OSError:
-            return None, ()
+            return None, None
         try:
             st = os.fstat(fd)
-            key = (st.st_dev, st.st_ino)
             if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_size != size or \
-                    st.st_mtime_ns != mtime_ns or self.attic_links.get(key) != 1:
-                return None, ()
+                    st.st_mtime_ns != mtime_ns or \
+                    self.attic_links.get((st.st_dev, st.st_ino)) != 1:
+                return None, None
             digest = self._save_whole(fd, size)
-            st = os.fstat(fd)  # nothing writes it meanwhile (the daemon serves no request)
+            st = os.fstat(fd)  # nothing writes it meanwhile (the daemon serves no other request)
             if st.st_size != size or st.st_mtime_ns != mtime_ns:
-                return None, ()
-            return digest, key
+                return None, None
+            return digest, st
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise
             log.warning("cannot copy attic entry %s into the store (the attic keeps it): %s",
                         name, e)
-            return None, ()
+            return None, None
         finally:
             os.close(fd)
 
@@ -780,6 +813,14 @@ class Recorder:
             return os.stat(self.journal.state_dir).st_dev == os.fstat(self.root_fd).st_dev
         except (AttributeError, OSError):
             return False
+
+    def _reclaim_for(self, why: str) -> int:
+        """``reclaim``, its own trouble logged: the refused change's errno is the answer."""
+        try:
+            return self.reclaim(why)
+        except OSError as e:
+            log.warning("cannot reclaim attic entries: %s", e)
+            return 0
 
     def reclaim(self, why: str = "") -> int:
         """The workspace's filesystem is full: drop attic entries of this journal, oldest

@@ -303,8 +303,9 @@ def outcome(plan: Plan, rec: dict, unreverts: str | None) -> tuple[str, list[str
 
 
 def attic_droppable(under_fd: int) -> int:
-    """The bytes the mount may free by dropping attic entries when the workspace's filesystem
-    is full (Recorder.reclaim): entries whose attic link is their only one."""
+    """The bytes the mount may free from the attic when the workspace's filesystem is full
+    (Recorder.store_waiting, then Recorder.reclaim): entries whose attic link is their only
+    one."""
     from .recorder import ATTIC_NAME, ATTIC_OWN
     try:
         dfd = os.open(ATTIC_NAME, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,

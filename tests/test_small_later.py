@@ -265,6 +265,53 @@ def test_a_store_without_room_leaves_them_waiting_and_never_reclaimed(tmp_path, 
 
 
 @pytest.mark.timeout(int(30 * SLOW))
+@pytest.mark.parametrize("store_full", [False, True], ids=["store-has-room", "store-full"])
+def test_a_full_workspace_copies_waiting_ones_before_any_entry_is_dropped(tmp_path, monkeypatch,
+                                                                         store_full):
+    """A change refused for want of space in the workspace: the small pre-images waiting in
+    the attic go into the store first and the change is tried again, no entry dropped (a
+    reclaim dropped the large entry before, or refused the change with none).  With the store
+    full too, they wait and the reclaim goes on as before."""
+    import errno
+    from overlayrec import recorder
+    monkeypatch.setattr(recorder, "RECLAIM_HEADROOM", 1 << 62)  # drop all there is
+    with plain_recorder(tmp_path) as (rec, j, ws):
+        rec.later = True
+        rec.small_preimage = 4096
+        data = {"small": b"s" * 100, "large": os.urandom(8192)}
+        for name, content in data.items():
+            with open(os.path.join(ws, name), "wb") as f:
+                f.write(content)
+            unlink(rec, ws, name)
+        (small,) = rec.to_store
+        (large,) = set(entries(ws)) - {small}
+        real = rec._save_whole
+        if store_full:
+            def full(fd, size):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            rec._save_whole = full
+        tries = []
+
+        @recorder._roomy
+        def change(self):  # the workspace full while the attic holds both entries
+            tries.append(len(entries(ws)))
+            if len(entries(ws)) == 2:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return "made"
+        assert change(rec) == "made" and tries == [2, 1]
+        reclaims = [e for e in j.events() if e["op"] == "reclaim"]
+        if store_full:  # the small one waits, readable; the large one went for room
+            assert entries(ws) == [small] and list(rec.to_store) == [small]
+            assert [e["dropped"] for e in reclaims] == [[large]]
+            rec._save_whole = real
+            assert rec.settle_small() == 0
+        else:  # copied into the store at once: nothing dropped, the large entry kept
+            assert reclaims == [] and rec.to_store == {} and entries(ws) == [large]
+            assert open(os.path.join(ws, ATTIC, large), "rb").read() == data["large"]
+        pres = {e["path"]: e["pre"] for e in j.events() if e["op"] == "unlink"}
+        assert j.content.get(pres["small"]["blob"]) == data["small"]
+
+@pytest.mark.timeout(int(30 * SLOW))
 def test_a_file_gone_between_its_lstat_and_its_read_is_absent(tmp_path, monkeypatch):
     """The daemon drops an entry (or a process removes a file) between a reader's lstat of it
     and its read: the reader sees it absent, as it now is, and goes on (no traceback)."""
