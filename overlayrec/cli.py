@@ -568,10 +568,12 @@ def status(workspace, as_json, state_dir):
         raise Fail(f"workspace {workspace}: no such directory, and no record of it")
     if not (in_table or recorded or os.path.isdir(ws)):  # as mount and revert say it
         raise Fail(f"workspace {workspace}: not a directory")
+    left_open = False
     if recorded:
         j = Journal(sd, readonly=True)
         try:
             events = j.count()
+            left_open = not in_table and not pid and left_unsealed(j)
         finally:
             j.close()
     holders = state.underlay_holders(ws, {os.getpid()} | ({pid} if pid else set())) \
@@ -593,7 +595,7 @@ def status(workspace, as_json, state_dir):
            "journal_missing": events is None and _had_journal(sd),
            "record_bytes": size["total"] if size else None,
            "attic": size["attic"] if size else None, "sessions": live, "mounted_for": owner,
-           "ending": ending or bool(pid and not in_table)}
+           "ending": ending or bool(pid and not in_table), "left_unsealed": left_open}
     if as_json:
         click.echo(json.dumps(out))
         _journal_gone(out)
@@ -626,6 +628,8 @@ def status(workspace, as_json, state_dir):
             if attic is not None else "not reachable"
         click.echo(f"  record:  {human_size(size['total'])} on disk; attic: {held} "
                    "(`overlayrec storage` says where)")
+    if left_open:
+        click.echo(f"  {UNSEALED_LINE}")
     if drifted:
         click.echo(f"  drifted: {len(drifted)} path(s) differ from the record's end (changed "
                    f"while unmounted or around the mount): {few(drifted)}")
@@ -654,6 +658,18 @@ def status(workspace, as_json, state_dir):
         for h in holders:
             click.echo(f"    {h['pid']:>7} {h['command']:<16} {'; '.join(h['holds'][:3])}")
     _journal_gone(out)
+
+
+# what status and check say of a record left unsealed (engines.states.left_unsealed)
+UNSEALED_LINE = ("left unsealed: its daemon ended without sealing the record (killed, or its "
+                 "state dir full); the next mount seals it, and until then readers take the "
+                 "paths it left open as not exact (their end is the live tree, which may hold "
+                 "changes made since)")
+
+
+def left_unsealed(j) -> bool:
+    from .engines.states import left_unsealed as unsealed
+    return unsealed(j)
 
 
 def _journal_gone(out: dict) -> None:
@@ -775,7 +791,9 @@ def check(workspace, state_dir, as_json):
       "events" (how many name it), "seq" and "path" (the first)} or {"kind": "ahead",
       "name" (the file kept aside, or what follows the log's last whole record)} or
       {"kind": "event", "name" (what is wrong), "seq"} or {"kind": "index", "name", "seq",
-      "path"} or {"kind": "plan", "name" (a revert plan's file), "why"}, ...]}"""
+      "path"} or {"kind": "plan", "name" (a revert plan's file), "why"}, ...],
+      "left_unsealed" (its daemon ended without sealing it and none serves it now: no
+      finding, the next mount seals it)}"""
     from .engines.check import check as do_check
     from .views import shown
     ws = state.resolve_workspace(workspace, must_exist=False, upward=True)
@@ -796,6 +814,9 @@ def check(workspace, state_dir, as_json):
             shown_progress.done()
             if root_fd is not None:
                 os.close(root_fd)
+        # not a finding: nothing is missing, and the next mount seals what it left open
+        out["left_unsealed"] = not state.fuse_mount_at(ws) and left_unsealed(j) and \
+            not state.verify_daemon(state.daemon_info(sd), sd)[0]
     finally:
         j.close()
     found = out["findings"]
@@ -828,6 +849,8 @@ def check(workspace, state_dir, as_json):
             click.echo(f"{said[f['kind']]} {shown(f['name'])}, named by {f['events']} "
                        f"event(s) (the first: seq {f['seq']}"
                        + (f", {shown(f['path'])})" if isinstance(f["path"], str) else ")"))
+        if out["left_unsealed"]:
+            click.echo(UNSEALED_LINE)
         looked = "" if out["attic_looked_at"] else " (the attic not looked at: no workspace)"
         click.echo(f"{'record whole' if not found else 'record not whole'}: {out['events']} "
                    f"event(s), {out['actors']} process(es), {out['blobs']} content(s), "

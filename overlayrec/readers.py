@@ -180,7 +180,9 @@ def tree_for(ws: str, sd: str):
     deadline = time.monotonic() + UNMOUNTING_WAIT
     while True:
         if not state.fuse_mount_at(ws):
-            return Tree.at(ws)
+            tree = Tree.at(ws)
+            tree.unmounted = True
+            return tree
         try:
             if state.is_dead_mount(ws):  # every path in it answers ENOTCONN: say what it is
                 raise Refusal(f"{ws} holds a dead mount (its daemon is gone): clear it with: "
@@ -615,6 +617,10 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
     inexact = sorted({p for p, s in side.before.items() if not s.exact}
                      | {p for p, s in side.after.items() if not s.exact})
     told = set(withheld) | set(around) | set(unreadable)
+    open_ends = [p for p in inexact if p in every and p in states.open_ends and p not in told]
+    if open_ends and not as_json:
+        parts.err(unsealed_note([shown(p) for p in open_ends]))
+    told |= set(open_ends)
     vague = [p for p in inexact if p in every and p not in told]
     if vague and not as_json:
         parts.err("overlayrec: " + inexact_note([shown(p) for p in vague]))
@@ -699,6 +705,15 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
         parts.err(unshown_line(unshown))
     for line in left_out_lines(len(left_out), store):
         parts.err(line)
+
+
+def unsealed_note(paths: list[str]) -> str:
+    """The line that names the paths of a diff whose end is the live tree of a record left
+    unsealed (engines.states.left_unsealed); ``paths`` as shown."""
+    return (f"overlayrec: the record was left unsealed (its daemon ended without sealing it: "
+            f"killed, or its state dir full; the next mount seals it): {len(paths)} path(s) "
+            f"here end at the live tree, which may hold changes made since, not known to be "
+            f"the record's: {', '.join(paths[:5])}{' ...' if len(paths) > 5 else ''}")
 
 
 def guess_lines(side) -> list[str]:

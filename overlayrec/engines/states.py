@@ -147,6 +147,9 @@ class Tree:
         self.reads = None  # engines.answers.Reads: what a kept answer depends on, when set
         # mounted (a daemon serves it): a file in a write run changes with no event
         self.served = False
+        # no daemon serves it (readers.tree_for found no mount): a record left unsealed then
+        # ends its open epochs at whatever the live tree holds now (States.left_open)
+        self.unmounted = False
         self._ahead: dict[str, tuple[State, os.stat_result | None]] = {}  # read_ahead
         # live paths this reader may not read (chmod), and why: a file's content (UNREADABLE),
         # a path beneath a directory it may not search (UNREACHED), a directory's entries
@@ -535,6 +538,13 @@ def _move(names: list[str], a: str, b: str, exchange: bool) -> list[str]:
     return names
 
 
+def left_unsealed(j: Journal) -> bool:
+    """Was the record left unsealed: a daemon opened it (meta ``sealed`` "0") and did not
+    seal it at unmount (killed, or its state dir full)?  While one serves the workspace the
+    meta says "0" too: callers ask only when none does."""
+    return j.meta("sealed") == "0"
+
+
 class States:
     """Answers state(path, after_seq) for one journal and one tree."""
 
@@ -570,6 +580,11 @@ class States:
         self.floor: int | None = None
         self._partial: set[str] = set()
         self._partners_asked: set[tuple[str, int]] = set()   # _partner_state in progress
+        # the record left unsealed (its daemon killed, or its seal at unmount refused) and no
+        # daemon serving: an open epoch's end is the live tree, which may hold changes made
+        # since (by hand, while unmounted), so it is not the record's own
+        self.left_open = tree.unmounted and left_unsealed(journal)
+        self.open_ends: set[str] = set()  # the paths read so (diff names them)
 
     # -- the chain of one name ------------------------------------------------------------------
     def chain_on(self, path: str) -> list[dict]:
@@ -1024,6 +1039,9 @@ class States:
         if seal is None:
             if self.tree.reads is not None and self.tree.served and live.kind == "file":
                 self.tree.reads.open_end = True  # maybe an open epoch's: no answer is kept
+            if self.left_open and path:
+                self.open_ends.add(path)
+                return live.but(exact=False)
             return live
         pre = seal["pre"]
         if path == "" and pre["kind"] == "absent":
