@@ -535,12 +535,15 @@ def umount(workspace, timeout):
     live = not pid and not refused and state.mount_answers(ws, timeout=1.0) is True
     killed = end_daemon(pid, info, timeout) if pid else False
     lift_if_left(ws, sd, mount)
+    unsealed = _unsealed_at_end(ws, sd, killed) if pid else None
     note = " (daemon did not stop: killed it)" if killed else \
         " (detached it; no daemon signalled)" if refused else \
         " (detached it; its daemon, not in this user's state, was not signalled: it ends " \
         "once nothing holds the mount)" if live else \
         " (cleared a dead mount)" if not pid else ""
     click.echo(f"unmounted {ws}{note}")
+    if unsealed:
+        raise Fail(unsealed)
 
 
 @main.command()
@@ -1345,7 +1348,8 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
         cmd):
     """Run CMD (an agent) in the recorded workspace: mount it (or join the daemon already
     there), run CMD with the terminal passed through and OVERLAYREC_SOCKET/OVERLAYREC_SESSION
-    set, then unmount if this run mounted, print a summary and exit with CMD's status.
+    set, then unmount if this run mounted, print a summary and exit with CMD's status (1 when
+    CMD succeeded but the daemon could not seal the record at unmount: it says why).
 
     The agent's hooks are wired for this run when CMD's program is one overlayrec knows
     (claude, codex, gemini, cursor-agent; docs/agents.md), through the agent's own per-run
@@ -1474,13 +1478,19 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
     except client.ClientError as e:
         click.echo(f"overlayrec: warning: {e}", err=True)
     c.close()
+    unsealed = None
     if mounted_here:
         _release_mount(ws, sd)
+        unsealed = _unsealed_at_end(ws, sd)
     try:
         _print_summary(sd, sid)
     except Exception as e:  # the summary must not hide CMD's status
         click.echo(f"overlayrec: no summary: {e}", err=True)
-    sys.exit(rc if rc >= 0 else 128 - rc)
+    rc = rc if rc >= 0 else 128 - rc
+    if unsealed:  # CMD's own failure, if any, keeps its status
+        click.echo(f"overlayrec: error: {unsealed}", err=True)
+        sys.exit(rc or 1)
+    sys.exit(rc)
 
 
 class _Unbroken:
@@ -1603,6 +1613,35 @@ def _release_mount(ws: str, sd: str) -> None:
         click.echo(f"overlayrec: leaving {ws} mounted: {len(users)} process(es) still work "
                    f"in it ({named}{' ...' if len(users) > 3 else ''}), recorded as "
                    f"before; it is unmounted once they are done", err=True)
+
+
+def _unsealed_at_end(ws: str, sd: str, killed: bool = False) -> str | None:
+    """Once this command's daemon has ended: why the record was left unsealed (one line), or
+    None when it was sealed, or a daemon serves the workspace again.  The daemon logs a seal
+    refused at unmount and exits; its meta ``sealed`` says so to this command (a `run` exited
+    0 and said nothing, found by a bug hunt)."""
+    if state.fuse_mount_at(ws) or state.verify_daemon(state.daemon_info(sd), sd)[0]:
+        return None
+    try:
+        j = Journal(sd, readonly=True)
+    except JournalError:
+        return None
+    try:
+        if not left_unsealed(j):
+            return None
+    finally:
+        j.close()
+    try:
+        st = os.statvfs(sd)
+        full = st.f_bavail * st.f_frsize < 1 << 20
+    except OSError:
+        full = False
+    why = "it was killed before it sealed the record" if killed else \
+        "it could not seal the record at unmount (" \
+        + ("no space left in the state dir; " if full else "") \
+        + f"{state.StateDir(sd).daemon_log} says why)"
+    return (f"the daemon ended, but {why}: the next mount seals it, and until then readers "
+            "take the paths it left open as not exact")
 
 
 def _stop_daemon(ws: str) -> None:

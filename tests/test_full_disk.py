@@ -703,3 +703,81 @@ def test_a_revert_whose_plan_finds_no_room_in_the_state_dir_says_so(make_mount, 
             assert {i: open(os.path.join(m.ws, f"big{i}"), "rb").read() for i in olds} == olds
         finally:
             m.umount()
+
+
+@needs_fuse
+@needs_root
+@pytest.mark.timeout(int(120 * SLOW))
+def test_a_run_whose_seal_at_unmount_finds_no_room_says_so(make_mount):
+    """The state dir filled by the session itself: the daemon could not seal the record at
+    unmount (daemon.log said so) and `run` exited 0, nothing said (found by a bug hunt).  It
+    says so in one line and exits 1; the diff that follows names the paths left open."""
+    m = make_mount()
+    with tmpfs(os.path.join(m.base, "statefs"), "16m") as statefs:
+        m.state = os.path.join(statefs, "state")
+        for name in ("a", "b"):
+            with open(os.path.join(m.ws, name), "w") as f:
+                f.write(f"{name}\n")
+        filler = os.path.join(statefs, "filler")
+        r = overlayrec("run", "-w", m.ws, "--state-dir", m.state, "--session", "S", "--",
+                       "bash", "-c", f"echo agent >> a; mv b c; sleep 0.5; "
+                       f"dd if=/dev/zero of={filler} bs=1M count=64 2>/dev/null; true",
+                       cwd=m.ws, check=False)
+        os.unlink(filler)
+        assert not is_mounted(m.ws)
+        errors = [x for x in r.stderr.splitlines() if x.startswith("overlayrec: error: ")]
+        assert r.returncode == 1 and len(errors) == 1, (r.returncode, r.stderr)
+        assert "could not seal the record" in errors[0], errors
+        assert "no space left in the state dir" in errors[0], errors
+        with open(os.path.join(m.ws, "a"), "a") as f:
+            f.write("user\n")
+        d = overlayrec("diff", "-w", m.ws, "--state-dir", m.state, "--session", "S")
+        assert "left unsealed" in d.stderr and d.stderr.rstrip().endswith(": a"), d.stderr
+
+
+@needs_fuse
+@needs_root
+@pytest.mark.timeout(int(90 * SLOW))
+def test_a_first_diff_on_a_full_state_dir_says_so_and_leaves_no_store(make_mount):
+    """The private object store made by the first diff, on a full state dir: git's two lines
+    were one line with a literal \\n in it, and a half-made git/ was left behind (found by a
+    bug hunt).  One plain line; nothing left; the next diff, once there is room, works."""
+    m = make_mount()
+    with tmpfs(os.path.join(m.base, "statefs"), "8m") as statefs:
+        m.state = os.path.join(statefs, "state")
+        m.mount()
+        m.sh("echo more > a")
+        m.umount()
+        filler = fill(statefs, "filler", 0)
+        rec = ("-w", m.ws, "--state-dir", m.state, "--since", "0")
+        r = overlayrec("diff", *rec, check=False)
+        assert r.returncode == 1, r
+        assert r.stderr.count("\n") == 1 and "\\n" not in r.stderr, r.stderr
+        assert "no space left in the state dir" in r.stderr, r.stderr
+        assert not os.path.exists(os.path.join(m.state, "git"))
+        os.unlink(filler)
+        assert "+more" in overlayrec("diff", *rec).stdout
+
+
+def test_a_commit_lmdb_refuses_as_eio_on_a_full_state_dir_names_no_space(tmp_path,
+                                                                         monkeypatch):
+    """LMDB tells a short write (its file could not grow: the state dir full) as EIO; the next
+    mount was refused, "journal write failed: mdb_txn_commit: Input/output error" (found by a
+    bug hunt).  The words name the cause when the state dir has no room; not otherwise."""
+    import lmdb
+    from overlayrec.journal import Journal, JournalError, store
+    j = Journal(str(tmp_path / "state"))
+    try:
+        def short_write(txn):
+            raise lmdb.Error("mdb_txn_commit: Input/output error")
+        monkeypatch.setattr(store, "_free_bytes", lambda path: 0)
+        with pytest.raises(JournalError) as full:
+            j._write(short_write)
+        assert full.value.errno == errno.ENOSPC
+        assert "no space left in the state dir" in str(full.value), full.value
+        monkeypatch.setattr(store, "_free_bytes", lambda path: 1 << 30)
+        with pytest.raises(JournalError) as other:
+            j._write(short_write)
+        assert other.value.errno == errno.EIO and "no space" not in str(other.value)
+    finally:
+        j.close()

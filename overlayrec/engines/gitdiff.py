@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -46,6 +47,15 @@ def quote_path(p: str) -> bytes:
         else:
             out.append(ch)
     return bytes(out + b'"')
+
+
+def _no_room(path: str) -> bool:
+    """Has the filesystem of ``path``'s directory no room left (under a MiB free)?"""
+    try:
+        st = os.statvfs(os.path.dirname(path))
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < 1 << 20
 
 
 class GitError(Exception):
@@ -104,7 +114,7 @@ class ObjectStore:
         if not os.path.exists(os.path.join(self.git_dir, "HEAD")):
             if git_dir is not None:
                 raise GitError(f"{git_dir} is not a git repository")
-            self._git("init", "-q", "--bare", self.git_dir, git_dir=False)
+            self._make()
         # paths as they are (UTF-8), not octal-quoted: diffs read as the workspace's names
         # a path given to git is a name, never a pattern (a file called `*.py` is one file)
         self.env = dict(os.environ, GIT_DIR=self.git_dir, GIT_CONFIG_NOSYSTEM="1",
@@ -120,6 +130,20 @@ class ObjectStore:
         # trees named here but not written, the store holding them already (trees): written
         # should git not find what they name after all
         self._unwritten: list[dict[str, tuple[str, str]]] = []
+
+    def _make(self) -> None:
+        """``git init`` of the private store; one it could not finish (no room in the state
+        dir) is removed, not left half made beside a one-line reason."""
+        made = not os.path.lexists(self.git_dir)
+        try:
+            self._git("init", "-q", "--bare", self.git_dir, git_dir=False)
+        except GitError as e:
+            if made:
+                shutil.rmtree(self.git_dir, ignore_errors=True)
+            if _no_room(self.git_dir):
+                raise GitError(f"cannot make the object store {self.git_dir}: no space left "
+                               "in the state dir (free some room and run it again)") from None
+            raise e from None
 
     def _dissociate(self) -> None:
         """A private store made by an earlier version borrows from the workspace repository
@@ -144,7 +168,10 @@ class ObjectStore:
             r = subprocess.run(cmd, input=input, capture_output=True, cwd="/",
                                env=env or (self.env if git_dir else None), umask=self.umask)
         if r.returncode != 0:
-            raise GitError(f"git {args[0]} failed: {r.stderr.decode(errors='replace').strip()}")
+            # one line: git's own lines joined (they broke the one line of the error)
+            said = "; ".join(x.strip() for x in r.stderr.decode(errors="replace").splitlines()
+                             if x.strip())
+            raise GitError(f"git {args[0]} failed: {said}")
         for line in r.stderr.decode(errors="replace").splitlines():
             if line.strip() and line not in self.warnings:
                 self.warnings.append(line)

@@ -345,9 +345,13 @@ class Journal:
         raise JournalError("journal write failed: the map cannot grow enough", errno.ENOSPC)
 
     def _write_error(self, e: lmdb.Error) -> JournalError:
+        """The JournalError a failed write is told as: its errno, and words that name the
+        cause (LMDB reports a short write, a full disk, as EIO: a mount on a full state dir
+        was refused with "Input/output error", found by a bug hunt)."""
         code = _lmdb_errno(e)
         if code == errno.EIO and _free_bytes(self.state_dir) < _LOW_SPACE:
-            code = errno.ENOSPC  # LMDB reports a short write (a full disk) as EIO
+            return JournalError(f"journal write failed: no space left in the state dir "
+                                f"{self.state_dir} ({e})", errno.ENOSPC)
         return JournalError(f"journal write failed: {e}", code)
 
     # -- format ---------------------------------------------------------------------------------
