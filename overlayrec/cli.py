@@ -567,6 +567,10 @@ def status(workspace, as_json, state_dir):
     events = None
     journal_path = os.path.join(sd, "journal")
     recorded = os.path.exists(os.path.join(journal_path, "data.mdb"))
+    other = None if recorded or state_dir else state.others_mount(ws)
+    if other is not None:  # "journal: (none yet)", while that daemon journaled every change
+        _status_of_anothers(ws, other, as_json)
+        return
     if not (in_table or recorded or os.path.lexists(ws)):  # a mistyped path, most often
         raise Fail(f"workspace {workspace}: no such directory, and no record of it")
     if not (in_table or recorded or os.path.isdir(ws)):  # as mount and revert say it
@@ -673,6 +677,17 @@ UNSEALED_LINE = ("left unsealed: its daemon ended without sealing the record (ki
 def left_unsealed(j) -> bool:
     from .engines.states import left_unsealed as unsealed
     return unsealed(j)
+
+
+def _status_of_anothers(ws: str, uid: int, as_json: bool) -> None:
+    """status of a workspace another user's daemon has mounted and records: said so, since
+    this user's state dir holds nothing of it."""
+    if as_json:
+        click.echo(json.dumps({"workspace": ws, "mounted": True, "recorded_by_uid": uid,
+                               "journal": None}))
+        return
+    click.echo(f"{ws}: mounted by another user's daemon (uid {uid}), which records it")
+    click.echo("  journal: in that user's state dir, not yours to read")
 
 
 def _journal_gone(out: dict) -> None:

@@ -60,6 +60,9 @@ def state_dir_for(ws: str | None, state_dir: str | None) -> str:
         if not os.path.lexists(ws):
             raise state.StateError(f"workspace {ws}: no such directory, and no record of it "
                                    f"(no journal in {sd})")
+        other = state.others_mount(ws)
+        if other is not None:  # it was "not recorded", while that daemon journaled it all
+            raise state.StateError(state.recorded_by_another(ws, other))
         moved = moved_record(ws)
         if moved is not None:
             raise state.StateError(f"workspace {ws} is not recorded under this name: it was "

@@ -636,6 +636,23 @@ def fuse_mount_at(path: str) -> dict | None:
     return found
 
 
+def others_mount(path: str) -> int | None:
+    """The uid of the user whose overlayrec daemon has ``path`` mounted, when that is another
+    user (the mount table's ``user_id=``): that daemon records it, in that user's state dir,
+    which this user's commands do not find; None otherwise."""
+    mount = fuse_mount_at(path)
+    if mount is None or mount["fstype"] != "fuse." + FSNAME:
+        return None
+    uid = mount["uid"]
+    return uid if uid is not None and uid != os.geteuid() else None
+
+
+def recorded_by_another(ws: str, uid: int) -> str:
+    """What readers say of a workspace another user's daemon records (``others_mount``)."""
+    return (f"workspace {ws} is mounted and recorded by another user's daemon (uid {uid}): "
+            "its record is in that user's state dir, not yours to read")
+
+
 def overlayrec_mounts() -> list[str]:
     """Mountpoints of every overlayrec mount, from the mount table."""
     out = []
