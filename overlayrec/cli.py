@@ -535,7 +535,8 @@ def umount(workspace, timeout):
     live = not pid and not refused and state.mount_answers(ws, timeout=1.0) is True
     killed = end_daemon(pid, info, timeout) if pid else False
     lift_if_left(ws, sd, mount)
-    unsealed = _unsealed_at_end(ws, sd, killed) if pid else None
+    # a daemon this command killed (hung) is said above; status and the readers say the rest
+    unsealed = _unsealed_at_end(ws, sd) if pid and not killed else None
     note = " (daemon did not stop: killed it)" if killed else \
         " (detached it; no daemon signalled)" if refused else \
         " (detached it; its daemon, not in this user's state, was not signalled: it ends " \
@@ -1630,7 +1631,7 @@ def _release_mount(ws: str, sd: str) -> None:
                    f"before; it is unmounted once they are done", err=True)
 
 
-def _unsealed_at_end(ws: str, sd: str, killed: bool = False) -> str | None:
+def _unsealed_at_end(ws: str, sd: str) -> str | None:
     """Once this command's daemon has ended: why the record was left unsealed (one line), or
     None when it was sealed, or a daemon serves the workspace again.  The daemon logs a seal
     refused at unmount and exits; its meta ``sealed`` says so to this command (a `run` exited
@@ -1651,12 +1652,10 @@ def _unsealed_at_end(ws: str, sd: str, killed: bool = False) -> str | None:
         full = st.f_bavail * st.f_frsize < 1 << 20
     except OSError:
         full = False
-    why = "it was killed before it sealed the record" if killed else \
-        "it could not seal the record at unmount (" \
-        + ("no space left in the state dir; " if full else "") \
-        + f"{state.StateDir(sd).daemon_log} says why)"
-    return (f"the daemon ended, but {why}: the next mount seals it, and until then readers "
-            "take the paths it left open as not exact")
+    why = ("no space left in the state dir; " if full else "") + \
+        f"{state.StateDir(sd).daemon_log} says why"
+    return (f"the daemon could not seal the record at unmount ({why}): the next mount seals "
+            "it, and until then readers take the paths it left open as not exact")
 
 
 def _stop_daemon(ws: str) -> None:
