@@ -1039,7 +1039,8 @@ class States:
         if seal is None:
             if self.tree.reads is not None and self.tree.served and live.kind == "file":
                 self.tree.reads.open_end = True  # maybe an open epoch's: no answer is kept
-            if self.left_open and path:
+            if self.left_open and path and path.split("/", 1)[0] != ATTIC:
+                # (an attic entry is the record's own keeping of a pre-image, not an end)
                 self.open_ends.add(path)
                 return live.but(exact=False)
             return live
