@@ -12,9 +12,10 @@ Rules (each has a test):
 * a process descending from an agent belongs to the call during which the agent's direct child
   at the top of its line was started: a shell command, its children, and a background process
   that outlives the call (whose later writes are marked ``after_end``; so are the writes of
-  what it starts after its session ended, placed below it: ``lineage``).  When no call started
-  that child (a persistent shell the agent sends each command to), the highest process below
-  it that a call started decides, and a write by the shell itself goes to the call active
+  what it starts after its session ended, placed below it: ``lineage``; under a later mount
+  too, by the call its actor row keeps: ``_held_unit``).  When no call started that child (a
+  persistent shell the agent sends each command to), the highest process below it that a call
+  started decides, and a write by the shell itself goes to the call active
   then (``chosen``: ``during``), else to the turn or session as it is at that write.  Start times come from
   /proc (clock ticks since boot); a tick shared by two calls is settled by the snapshots of the
   agent's children taken at each call's begin and end;
@@ -47,8 +48,9 @@ from typing import Callable
 
 from .attribution import Attribution, alive, live_stat, proc_start_and_ppid, read_actor
 from .journal import Journal, JournalError
-from .journal.schema import (call_key, call_unit, outside_unit, revert_unit, session_unit,
-                             turn_key, turn_unit)
+from .journal.schema import (call_key, call_unit, outside_unit, parse_unit, revert_unit,
+                             session_unit, turn_key, turn_unit)
+from .state import boot_id
 
 log = logging.getLogger(__name__)
 
@@ -284,6 +286,11 @@ class Calls:
         # from _lineage (which a session's begin clears): where /proc no longer leads from a
         # process to any session, its nearest placed ancestor does (lineage)
         self._survivors: dict[str, tuple[Session, dict]] = {}
+        # what the record places processes in that /proc leads to no live session from (a
+        # call's survivor of an earlier mount, and what it starts): actor key -> unit or None,
+        # each asked of the journal once (``_held_unit``)
+        self._held: dict[str, Unit | None] = {}
+        self._boot = boot_id()  # actor keys are unique within one boot only
         self.reverts: dict[str, str] = {}  # actor key -> revert id, while it reverts
         self.live_implicit: list[Call] = []  # implicit calls not ended, oldest first
         # called with a unit's key once its end is journaled (the daemon seals the unit's paths)
@@ -349,6 +356,81 @@ class Calls:
         self._lineage[key] = result
         return result
 
+    # -- the record's places (a later mount's survivors) -----------------------------------------
+    def _line(self, unit: str) -> dict:
+        """An actor row's ``line`` for ``unit`` (the call its line is of, with how it was chosen
+        among calls active together), in this boot."""
+        extra = getattr(unit, "extra", {})
+        line = {"unit": str(unit), "boot": self._boot}
+        line.update((k, extra[k]) for k in ("candidates", "chosen") if k in extra)
+        return line
+
+    def _hold_line(self, actor: dict, unit: str) -> None:
+        """Keep ``actor``'s line (its call, fixed by its start for its whole life) in its row,
+        which its first event writes: a later mount places it, and what it starts, by that
+        (``_held_unit``), when /proc leads from them to no session of its own."""
+        if "line" not in actor and actor.get("start"):
+            actor["line"] = self._line(unit)
+
+    def _held_unit(self, actor: dict) -> Unit | None:
+        """The unit the record places ``actor`` in: the line its row holds, else its nearest
+        ancestor's in /proc (what a survivor starts is its own, below it), as an earlier mount,
+        or this one, placed them; None when none of them is held.  A call's unit is marked
+        ``after_end`` once that call ended (always, for a call of an earlier mount).
+
+        Asked only where /proc leads to no live session; each process's answer is kept, so the
+        journal is read once for each process of a line, and a known actor costs a dict lookup."""
+        key = actor["key"]
+        found = self._held[key] if key in self._held else self._held_line(actor)
+        return late(found) if found is not None and self._ended(found) else found
+
+    def _held_line(self, actor: dict) -> Unit | None:
+        """``_held_unit``'s walk up from a process not asked of yet: the unit of the nearest
+        held line, kept for every process walked through below it."""
+        key = actor["key"]
+        walked, found = [key], self._row_line(key)
+        pid = actor.get("ppid") or 0
+        while found is None and pid > 1 and len(walked) < 64:
+            st = proc_start_and_ppid(pid)
+            if st is None:
+                break
+            pkey = f"{pid}:{st[0]}"
+            if pkey in self._held:
+                found = self._held[pkey]
+                break
+            walked.append(pkey)
+            found = self._row_line(pkey)
+            pid = st[1]
+        if len(self._held) > 100_000:
+            self._held.clear()
+        for k in walked:  # all of the line below the one held: the same answer
+            self._held[k] = found
+        return found
+
+    def _row_line(self, key: str) -> Unit | None:
+        """The unit the record's row of process ``key`` places it in (its ``line``, of this
+        boot: after a reboot a pid and start tick may come again)."""
+        try:
+            # as committed: a row this mount wrote ahead is of a process it placed itself
+            row = self.journal.actor(key, settle=False)
+        except JournalError:
+            return None
+        line = row.get("line") if row else None
+        if not isinstance(line, dict) or not isinstance(line.get("unit"), str) or \
+                line.get("boot") != self._boot:
+            return None
+        return Unit(line["unit"], **{k: line[k] for k in ("candidates", "chosen") if k in line})
+
+    def _ended(self, unit: str) -> bool:
+        """Is ``unit`` a call that has ended: any of an earlier mount's (a daemon's sessions end
+        with it, or at the next one's start), one of this mount's once it ended?"""
+        u = parse_unit(unit)
+        if u is None or u.kind != "call":
+            return False
+        s = self.sessions.get(u.session)
+        c = s.calls.get(u.id) if s is not None else None
+        return c is None or c.end_t is not None
+
     # -- units ----------------------------------------------------------------------------------
     def unit_of(self, actor: dict, path: str | Callable[[], str] | None = None) -> str:
         """The unit of ``actor``'s change; ``path`` (the workspace-relative path it changes, or
@@ -356,11 +438,13 @@ class Calls:
         calls are active."""
         if actor["key"] in self.reverts:
             return revert_unit(self.reverts[actor["key"]])
-        if not self.sessions:
-            return outside_unit(actor["key"])
-        lin = self.lineage(actor)
+        lin = self.lineage(actor) if self.sessions else None
         if lin is None:
-            return outside_unit(actor["key"])
+            held = self._held_unit(actor)
+            if held is None:
+                return outside_unit(actor["key"])
+            self._hold_line(actor, held)  # its row too: its parent may be gone by the next mount
+            return held
         session, child = lin
         if child is None:  # the agent itself: the call active now (at open, for a handle)
             if len(session.active) == 1:
@@ -409,6 +493,8 @@ class Calls:
             # calls (a persistent shell it sends each command to, a server begun with the
             # session) writes for the call active now, by time, not by the process tree
             return self._during(session, actor)
+        if actor is not None:
+            self._hold_line(actor, unit)
         if call is not None and call.end_t is not None:
             return late(unit)
         if call is not None and call.implicit and actor is not None:
@@ -819,6 +905,7 @@ class Calls:
         # survivors of earlier sessions that have exited go (their keys are never reused)
         for key in [k for k in self._survivors if not alive(k)]:
             del self._survivors[key]
+        rows = []
         for key in descendants_of(top["pid"]):
             pid, start = map(int, key.split(":"))
             st = live_stat(pid)
@@ -829,6 +916,26 @@ class Calls:
                     # session, is placed below it (lineage); kept also when a later
                     # session's begin clears the lineage kept so far
                     self._survivors[key] = lin
+                    rows += self._survivor_row(s, key, pid, st[1])
+        try:
+            # and in the record, for the mounts after this one (_held_unit)
+            self.journal.place_actors(rows)
+        except JournalError as e:  # this mount still places them (_survivors)
+            log.warning("the survivors of session %s are not in the record: %s", s.id, e)
+
+    def _survivor_row(self, s: Session, key: str, pid: int, ppid: int) -> list[dict]:
+        """The actor row that keeps a survivor's line for later mounts (none or one): its
+        call's unit, or the session's own for a line no call started (a persistent shell's,
+        which writes for the session once it ended).  None for a line of a session that
+        announces nothing that has not written yet: its implicit call is made at its first
+        write, in this mount only."""
+        unit = self._placed(key, pid, ppid)
+        if unit is None and s.announced:
+            unit = session_unit(s.id)
+        if unit is None:
+            return []
+        row = read_actor(pid)
+        return [dict(row, line=self._line(unit))] if row["key"] == key else []  # not exited
 
     def _open(self, name: str | None, caller: dict) -> Session:
         """The session a request that begins something names (``resolve``), refused once it
@@ -948,6 +1055,7 @@ class Calls:
             if top is not None and s.ended is None:
                 keys |= descendants_of(top["pid"])
         keys |= {k for k, v in self._lineage.items() if v is not None and v[1] is not None}
+        keys |= {k for k, v in self._held.items() if v is not None}
         out = []
         for key in sorted(keys):
             pid, start = map(int, key.split(":"))
@@ -963,9 +1071,12 @@ class Calls:
     def _placed(self, key: str, pid: int, ppid: int) -> str | None:
         """unit_of's answer for a live process of a session, without its side effects (an
         implicit call made for a process not seen yet); None for an agent, an outside
-        process, or one an unannounced session would make an implicit call of."""
-        lin = self.lineage({"key": key, "pid": pid, "ppid": ppid})
-        if lin is None or lin[1] is None:
+        process, or one an unannounced session would make an implicit call of.  One /proc
+        leads to no session from is placed as the record places it, once asked (``_held``)."""
+        lin = self.lineage({"key": key, "pid": pid, "ppid": ppid}) if self.sessions else None
+        if lin is None:
+            return self._held.get(key)
+        if lin[1] is None:
             return None
         session, child = lin
         if not session.announced:

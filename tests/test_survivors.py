@@ -668,3 +668,136 @@ def test_umount_of_a_live_mount_whose_daemon_it_cannot_find_says_so(make_mount, 
         assert not is_mounted(m.ws)
     finally:
         force_unmount(m.ws)
+
+
+def _run_next_mount(m, go: str, *done: str) -> None:
+    """A second `run` (session "s2", its own mount: the first one's is gone) that lets what the
+    first left running go on (``go``) and waits until it is ``done``."""
+    assert not is_mounted(m.ws)
+    wait = " && ".join(f"[ -e {d} ]" for d in done)
+    overlayrec("run", "-w", m.ws, "--state-dir", m.state, "--session", "s2", "--", "sh", "-c",
+               f"touch {go}; until {wait}; do sleep 0.05; done", cwd=m.base)
+    wait_unmounted(m.ws, "the second run's mount outlived it")
+
+
+def _late_writes_of(m, unit: str, paths: list[str]) -> None:
+    """Each of ``paths`` was changed by ``unit`` alone, after it ended, and every reader says
+    so: no outside actor wrote."""
+    changes = [e for e in m.events() if e.get("path") in paths]
+    assert {(e["path"], e["unit"], bool(e.get("after_end"))) for e in changes} == \
+        {(p, unit, True) for p in paths}, changes
+    assert overlayrec("log", m.ws, "--state-dir", m.state, "--outside").stdout == ""
+    for p in paths:
+        said = overlayrec("blame", p, "-w", m.ws, "--state-dir", m.state).stdout
+        assert f"{unit} (after the call ended)" in said, said
+
+
+@pytest.mark.parametrize("explicit", [True, False], ids=["explicit", "implicit"])
+def test_a_calls_survivor_writing_under_the_next_mount_stays_its_calls(
+        make_mount, tmp_path, explicit):
+    """A call's background job writes during the call, outlives the call, its session and its
+    `run` (whose mount went: the job works elsewhere), and writes again under the next `run`'s
+    mount, as does what it starts then.  Those writes were an outside actor's: the daemon that
+    placed the job at its session's end kept that in its memory only, and the new one found no
+    session in /proc.  The record keeps each process's call (its actor row): they are the
+    call's, after its end (found by a bug hunt)."""
+    m = make_mount()  # not mounted: each `run` mounts it
+    with open(os.path.join(m.ws, "f"), "w") as f:
+        f.write("base\n")
+    go, wrote, done = (str(tmp_path / n) for n in ("go", "wrote", "done"))
+    job = (f"(cd /; echo a >> {m.ws}/f; touch {wrote}; "
+           f"while [ ! -e {go} ]; do sleep 0.05; done; echo b >> {m.ws}/g; "
+           f"{sys.executable} -c \"open('{m.ws}/h', 'w').write('h')\"; touch {done}) "
+           f"> /dev/null 2>&1 &\nwhile [ ! -e {wrote} ]; do sleep 0.05; done")
+    try:
+        overlayrec("run", "-w", m.ws, "--state-dir", m.state, "--session", "s", "--",
+                   "sh", "-c", _call_script(job, explicit), cwd=m.ws)
+        wait_unmounted(m.ws, "the first run's mount outlived it")
+        _run_next_mount(m, go, done)
+    finally:
+        open(go, "w").close()  # the job ends, whatever failed
+    writes = [e for e in m.events() if e.get("path") == "f"]
+    assert len(writes) == 1 and not writes[0].get("after_end"), writes
+    unit = writes[0]["unit"]
+    assert unit == "call:s:S" if explicit else unit.startswith("call:s:implicit-"), unit
+    _late_writes_of(m, unit, ["g", "h"])
+    rows = [json.loads(r) for r in overlayrec("calls", m.ws, "--state-dir", m.state,
+                                              "--json").stdout.splitlines()]
+    assert [(r["session"], r["paths"], r["late"]) for r in rows] == \
+        [("s", ["f", "g", "h"], ["g", "h"])], rows
+    call = unit.rpartition(":")[2]
+    stat = json.loads(overlayrec("diff", m.ws, "--state-dir", m.state, "--call", call,
+                                 "--session", "s", "--json").stdout)
+    assert sorted(f["path"] for f in stat["files"]) == ["f", "g", "h"], stat
+
+
+def test_a_survivor_that_wrote_nothing_in_its_session_is_its_calls_under_the_next_mount(
+        make_mount, tmp_path):
+    """A call's background job that wrote nothing before its session ended is placed at that
+    end (``_place_survivors``), in the record too: under the next mount what it and its
+    children write is the call's, after its end."""
+    m = make_mount()
+    go, done = str(tmp_path / "go"), str(tmp_path / "done")
+    job = (f"echo a > f; (cd /; while [ ! -e {go} ]; do sleep 0.05; done; echo b > {m.ws}/g; "
+           f"{sys.executable} -c \"open('{m.ws}/h', 'w').write('h')\"; touch {done}) "
+           "> /dev/null 2>&1 &")
+    try:
+        overlayrec("run", "-w", m.ws, "--state-dir", m.state, "--session", "s", "--",
+                   "sh", "-c", _call_script(job, True), cwd=m.ws)
+        wait_unmounted(m.ws, "the first run's mount outlived it")
+        _run_next_mount(m, go, done)
+    finally:
+        open(go, "w").close()
+    _late_writes_of(m, "call:s:S", ["g", "h"])
+
+
+KILLED_DAEMON_AGENT = textwrap.dedent(r'''
+    import os, subprocess, sys, time
+    from overlayrec import client
+    ws, wrote, ready, finish, go, done = sys.argv[1:7]  # markers outside the workspace
+    with client.connect() as c:
+        c.call_begin("c1", "Bash", summary="start a writer")
+        subprocess.run(["bash", "-c", f"(cd /; echo a >> {ws}/f; touch {wrote}; "
+                        f"while [ ! -e {go} ]; do sleep 0.05; done; echo b >> {ws}/g; "
+                        f"touch {done}) > /dev/null 2>&1 &"], check=True)
+        while not os.path.exists(wrote):
+            time.sleep(0.05)
+        c.call_end("c1", status="ok")
+    open(ready, "w").close()
+    while not os.path.exists(finish):
+        time.sleep(0.05)
+''')
+
+
+def test_a_survivor_of_a_killed_daemon_stays_its_calls_under_the_next_mount(make_mount,
+                                                                             tmp_path):
+    """The daemon is killed (SIGKILL) while a call's background job runs: nothing ends its
+    session nor places its survivors, and the next mount ends the session at its start.  The
+    job's row, written with its first write (by the log ahead of the killed daemon), still
+    holds its call: what it writes under the next mount is the call's, after its end."""
+    import signal
+    m = make_mount()
+    agent = tmp_path / "agent.py"
+    agent.write_text(KILLED_DAEMON_AGENT)
+    marks = [str(tmp_path / n) for n in ("wrote", "ready", "finish", "go", "done")]
+    wrote, ready, finish, go, done = marks
+    run = subprocess.Popen([sys.executable, "-m", "overlayrec", "run", "-w", m.ws,
+                            "--state-dir", m.state, "--session", "s", "--", sys.executable,
+                            str(agent), m.ws, *marks], cwd=m.base,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for(ready)
+        with open(os.path.join(m.state, "daemon.json")) as f:
+            os.kill(json.load(f)["pid"], signal.SIGKILL)
+        open(finish, "w").close()
+        run.wait(timeout=60 * SLOW)
+        force_unmount(m.ws)  # the dead mount, unless the run cleared it
+        _run_next_mount(m, go, done)
+    finally:
+        for mark in (finish, go):
+            open(mark, "w").close()
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    assert [e["unit"] for e in m.events() if e.get("path") == "f"] == ["call:s:c1"]
+    _late_writes_of(m, "call:s:c1", ["g"])

@@ -419,3 +419,55 @@ def test_a_units_end_is_waited_for_past_the_clients_timeout(tmp_path):
     finally:
         t.join(timeout=5)
         server.close()
+
+
+def _with_a_child(test):
+    """Run ``test(parent pid, child pid)`` while ``sh`` and the ``sleep`` it started run."""
+    import subprocess
+    import time
+    from overlayrec.calls import live_children_of
+    sh = subprocess.Popen(["sh", "-c", "sleep 60 & wait"])
+    try:
+        deadline = time.monotonic() + 30
+        while not live_children_of(sh.pid):
+            assert time.monotonic() < deadline, "sh started no sleep"
+            time.sleep(0.01)
+        test(sh.pid, next(iter(live_children_of(sh.pid).values())))
+    finally:
+        sh.kill()
+        sh.wait()
+
+
+@pytest.mark.parametrize("same_boot", [True, False], ids=["this-boot", "another-boot"])
+def test_the_record_places_a_survivor_and_what_it_starts_in_its_call(tmp_path, same_boot):
+    """A process whose actor row holds its call (its ``line``: a call's survivor an earlier
+    mount placed) is that call's where /proc leads to no session, after the call's end, and so
+    is what it starts; the journal is asked once a process.  A row of another boot places
+    nothing: after a reboot a pid and a start tick may come again."""
+    from overlayrec.attribution import read_actor
+    from overlayrec.calls import Calls
+    from overlayrec.state import boot_id
+
+    def test(parent: int, child: int) -> None:
+        j = Journal(str(tmp_path / "state"))
+        try:
+            line = {"unit": "call:s1:c1", "boot": boot_id() if same_boot else "another boot"}
+            j.place_actors([dict(read_actor(parent), line=line)])
+            asked = []
+            held = j.actor
+            j.actor = lambda key, **kw: asked.append(key) or held(key, **kw)
+            calls = Calls(j, Attribution())
+            actor = read_actor(child)
+            unit = calls.unit_of(actor)
+            assert asked[:2] == [actor["key"], f"{parent}:{read_actor(parent)['start']}"]
+            if not same_boot:
+                assert unit == f"outside:{actor['key']}"
+                return
+            assert len(asked) == 2  # the walk up ends at the row that places it
+            assert unit == "call:s1:c1" and unit.extra == {"after_end": True}
+            # known now: neither it nor its parent is asked of the journal again
+            assert calls.unit_of(actor) == calls.unit_of(read_actor(parent)) == "call:s1:c1"
+            assert len(asked) == 2
+        finally:
+            j.close()
+    _with_a_child(test)

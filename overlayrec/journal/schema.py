@@ -92,7 +92,15 @@ Sub-databases of the LMDB environment:
               no content any more: readers give an inexact state for it, and a revert that
               needs it is refused (``unrecorded``).
 ``actors``    actor-key (``"<pid>:<start-ticks>"``) -> actor JSON
-              ``{"pid","start","ppid","uid","exe","argv","cwd","first_seen"}``.
+              ``{"pid","start","ppid","uid","exe","argv","cwd","first_seen",["line"]}``.
+              ``line``: ``{"unit", "boot", ["candidates", "chosen"]}``, the unit of a process
+              of a call's line (the call that started it; the session's own for a survivor of
+              a line no call started), fixed for its life: written with its first event, or at
+              its session's end for a survivor that had not written (``Calls._place_survivors``).
+              A later mount places it, and what it starts, by it where /proc leads to no
+              session (``Calls._held_unit``); ``boot`` is the boot id it was placed in (a pid
+              and start tick may come again after a reboot: a row of another boot places
+              nothing).  Absent for the agents, outside processes, and rows written before it.
 ``paths``     path_key(path, seq) -> path_value(path): every event by path, for ``log --path``
               and blame without a scan.  A path of at most PATH_KEY_MAX bytes is its own key:
               path utf-8 + b"\\0" + seq (8-byte big-endian) -> b"".  A longer one (up to the

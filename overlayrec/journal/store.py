@@ -817,6 +817,25 @@ class Journal:
         handle, value = self.dbs[db], _dumps(record)
         self._write(lambda txn: txn.put(key, value, db=handle))
 
+    def place_actors(self, rows: list[dict]) -> None:
+        """Give processes their ``line`` (schema, ``actors``): each row's ``line`` goes into the
+        row the table holds of its key (a process that wrote), else the row is put whole (one
+        that never wrote: a survivor whose later children may)."""
+        handle = self.dbs["actors"]
+
+        def body(txn):
+            for row in rows:
+                key = row["key"].encode()
+                old = txn.get(key, db=handle)
+                try:
+                    held = _loads(old) if old is not None else None
+                except ValueError:
+                    held = None  # a damaged row (check names it): this one is whole
+                new = dict(held, line=row["line"]) if isinstance(held, dict) else row
+                txn.put(key, _dumps(new), db=handle)
+        if rows:
+            self._write(body)
+
     def records(self, db: str, prefix: bytes = b"", holding: bytes | None = None) -> list[dict]:
         """The records of ``db`` whose key starts with ``prefix``; with ``holding``, only
         those whose stored bytes hold it (the rest are not decoded: a caller that filters on
@@ -1218,9 +1237,11 @@ class Journal:
                         break
         return best
 
-    def actor(self, key: str) -> dict | None:
-        """The process row ``key``, or None; JournalError when the row is damaged."""
-        with self._read(db=self.dbs["actors"]) as txn:
+    def actor(self, key: str, settle: bool = True) -> dict | None:
+        """The process row ``key``, or None; JournalError when the row is damaged.  ``settle``
+        False: the row as committed, what this process wrote ahead left out (the daemon's look
+        on its request path, which must not make a commit of its own)."""
+        with (self._read if settle else self.env.begin)(db=self.dbs["actors"]) as txn:
             v = txn.get(key.encode())
         if v is None:
             return None
