@@ -1028,7 +1028,10 @@ _fmt_time = readers.fmt_time
 
 @main.command(name="log")
 @_workspace_param()  # not click.Path: it would stat a hung mount
-@click.option("--path", "glob", help="Only events on this path, paths beneath it or paths matching this glob (either side of a rename).")
+@click.option("--path", "glob", help="Only events on this path, paths beneath it or paths "
+              "matching this glob (either side of a rename).  A path (no *, ? or [) is followed "
+              "back as blame follows it: the events on its earlier names, and each directory "
+              "rename that moved it; a glob matches the events' own paths only.")
 @click.option("--limit", type=click.IntRange(min=1), help="Only the last N events.")
 @click.option("--call", "call_id", help="Only events of this call.")
 @click.option("--turn", "turn_sel", type=TURN,
@@ -1101,6 +1104,7 @@ def log_cmd(workspace, glob, limit, call_id, turn_sel, sid, actor, since, until,
         actors: dict[str, dict | None] = {}
 
         selects = path_matcher(glob) if glob else None
+        earlier = _earlier_names(j, ws, sd, glob) if glob else None
 
         def keep(ev) -> bool:
             u = parse_unit(ev.get("unit"))
@@ -1119,7 +1123,8 @@ def log_cmd(workspace, glob, limit, call_id, turn_sel, sid, actor, since, until,
             if outside and (u is None or u.kind != "outside"):
                 return False
             if glob and not any(p is not None and selects(p)
-                                for p in (ev.get("path"), ev.get("path2"))):
+                                for p in (ev.get("path"), ev.get("path2"))) \
+                    and not (earlier and earlier(ev)):
                 return False
             return True
 
@@ -1171,6 +1176,38 @@ def log_cmd(workspace, glob, limit, call_id, turn_sel, sid, actor, since, until,
         pass
     finally:
         j.close()
+
+
+def _earlier_names(j, ws: str, sd: str, glob: str):
+    """What ``log --path`` selects besides the events on the path itself: a predicate on
+    events, true of those on the path's earlier names (and beneath them) while it held them,
+    and of the directory renames that moved it, as blame follows it; None for a glob (it
+    matches the events' own paths) or when nothing was renamed."""
+    from .engines.replay import path_names
+    from .engines.states import States
+    path = "/".join(part for part in glob.split("/") if part not in ("", "."))
+    if not path or any(c in path for c in "*?[") or not j.dir_renames():
+        return None
+    try:
+        tree = readers.tree_for(ws, sd)
+    except readers.Refusal as e:  # the events on the path itself are still shown
+        click.echo(f"overlayrec: {path} not followed through directory renames: {e}",
+                   err=True)
+        return None
+    try:
+        windows, moves = path_names(j, States(j, tree), path)
+    finally:
+        os.close(tree.root_fd)
+    windows = [w for w in windows if w[0] != path]  # its own name: matched as it is
+
+    def on(p: str | None, name: str) -> bool:
+        return p is not None and (p == name or p.startswith(name + "/"))
+
+    def earlier(ev: dict) -> bool:
+        return ev["seq"] in moves or any(
+            lo < ev["seq"] <= hi and (on(ev.get("path"), name) or on(ev.get("path2"), name))
+            for name, lo, hi in windows)
+    return earlier
 
 
 # -- announcing sessions, turns and calls ---------------------------------------------------------

@@ -15,7 +15,7 @@ from ..secrets import PLACEHOLDER, public_in
 from ..views import guessed, shown
 from .revert import link_key, linked, make_node, set_meta, temp_name
 from .large import copy_fd, write_to
-from .states import ATTIC, States, State, Tree, state_of_stat
+from .states import ATTIC, INF, States, State, Tree, state_of_stat
 
 
 def _time_of(states: States, point: int) -> int:
@@ -648,21 +648,33 @@ def replay(j: Journal, states: States, point: int, dest: str, full_from: str | N
             "owners_not_set": b.owners}
 
 
-def blame(j: Journal, states: States, path: str, at: int | None = None) -> list[dict]:
-    """A path's history, newest first: one entry per run of changes by one unit.  The path is
-    followed back through the renames of its directories (an entry for each such rename, and
-    the runs under its earlier names), and a live path that departs from its seal says so."""
-    # (seq, name then) -> (event, name then, how): a rename from one name the path had to
-    # another (a file that came back) is a step of each
-    steps: dict[tuple[int, str], tuple[dict, str, str]] = {}
+def _ways(r: dict) -> tuple[tuple[str, str], ...]:
+    """The ways directory rename ``r`` moved things, (from, to): both for an exchange
+    (``renameat2(RENAME_EXCHANGE)``: each directory's content went to the other name)."""
+    if r.get("flags", 0) & RENAME_EXCHANGE:
+        return (r["src"], r["dst"]), (r["dst"], r["src"])
+    return ((r["src"], r["dst"]),)
+
+
+def _path_steps(j: Journal, states: States, path: str, at: float) -> tuple[dict, list]:
+    """The steps of ``path``'s history up to ``at``, keyed by (seq, name then), and the
+    windows (name, lo, hi) of its names: the events on ``name`` in ``lo < seq <= hi`` are
+    the path's (its own name's from its start, an earlier one's since the rename that brought
+    it there)."""
+    # (seq, name then) -> (event, name then, how[, the name before, for a move with a
+    # directory]): a rename from one name the path had to another (a file that came back) is
+    # a step of each
+    steps: dict[tuple[int, str], tuple] = {}
     seen: set[tuple[str, float]] = set()
+    windows: list[tuple[str, float, float]] = []
 
     def gather(name: str, hi: float, moved_here: bool = False) -> None:
         """The steps of ``name`` up to ``hi``.  ``moved_here``: a name the path had before a
         directory's rename brought it on; then only since the rename that brought it to this
         name in turn (if one did): before that, the name was another directory's child, and
         what happened to it there is another file's history (it was the path's if it was
-        neither: the path's own name, from its start)."""
+        neither: the path's own name, from its start, or since the last exchange of a
+        directory that brought its file to it)."""
         if (name, hi) in seen or len(seen) > 64:
             return
         seen.add((name, hi))
@@ -672,13 +684,17 @@ def blame(j: Journal, states: States, path: str, at: int | None = None) -> list[
                 break
             renames.append(r)
         lo = float("-inf")
-        if moved_here:
-            for r in reversed(renames):
-                src, dst = r["src"], r["dst"]
-                if name.startswith(dst + "/") and \
-                        states.state(src + name[len(dst):], r["seq"] - 1).present:
-                    lo = r["seq"]
-                    break
+        for r in reversed(renames):
+            # the path's own name keeps its whole history, but for an exchange that brought
+            # the file here: what the name held before went to the other side
+            if not moved_here and not r.get("flags", 0) & RENAME_EXCHANGE:
+                continue
+            if any(name.startswith(dst + "/") and
+                   states.state(src + name[len(dst):], r["seq"] - 1).present
+                   for src, dst in _ways(r)):
+                lo = r["seq"]
+                break
+        windows.append((name, lo, hi))
         for e in states.events_on(name):
             if lo < e["seq"] <= hi and (e["seq"], name) not in steps:
                 other = e.get("path2") if e["path"] == name else e["path"]
@@ -692,30 +708,49 @@ def blame(j: Journal, states: States, path: str, at: int | None = None) -> list[
         for r in renames:
             if r["seq"] < lo:
                 continue
-            src, dst = r["src"], r["dst"]
-            # a rename of a directory carries only what was beneath it then: a name made
-            # there later (or never) was not moved, and its earlier holder is another file
-            # (one move is one step: "moved with" under the name it went to, which the path
-            # is followed to, not also "moved away" under the name it left)
-            if name.startswith(src + "/"):
-                if states.state(name, r["seq"] - 1).present and \
-                        (r["seq"], dst + name[len(src):]) not in steps:
-                    steps.setdefault((r["seq"], name), (j.event(r["seq"]), name,
-                                                        f"moved away with {shown(src + '/')} -> {shown(dst + '/')}"))
-            elif name.startswith(dst + "/"):
-                old = src + name[len(dst):]
-                if states.state(old, r["seq"] - 1).present:
-                    steps[r["seq"], name] = (j.event(r["seq"]), name,
-                                             f"moved with {shown(src + '/')} -> "
-                                             f"{shown(dst + '/')}")
-                    if steps.get((r["seq"], old), (None, None, ""))[2].startswith("moved away"):
-                        del steps[r["seq"], old]
-                    gather(old, r["seq"] - 1, moved_here=True)
+            for src, dst in _ways(r):
+                moved(r, src, dst, name)
 
-    gather(path, at if at is not None else float("inf"))
+    def moved(r: dict, src: str, dst: str, name: str) -> None:
+        """The step of ``name`` in one way of directory rename ``r`` (``src`` to ``dst``)."""
+        # a rename of a directory carries only what was beneath it then: a name made
+        # there later (or never) was not moved, and its earlier holder is another file
+        # (one move is one step: "moved with" under the name it went to, which the path
+        # is followed to, not also "moved away" under the name it left)
+        if name.startswith(src + "/"):
+            if states.state(name, r["seq"] - 1).present and \
+                    (r["seq"], dst + name[len(src):]) not in steps:
+                steps.setdefault((r["seq"], name), (j.event(r["seq"]), name,
+                                                    f"moved away with {shown(src + '/')} -> {shown(dst + '/')}"))
+        elif name.startswith(dst + "/"):
+            old = src + name[len(dst):]
+            if states.state(old, r["seq"] - 1).present:
+                steps[r["seq"], name] = (j.event(r["seq"]), name,
+                                         f"moved with {shown(src + '/')} -> "
+                                         f"{shown(dst + '/')}", old)
+                if steps.get((r["seq"], old), (None, None, ""))[2].startswith("moved away"):
+                    del steps[r["seq"], old]
+                gather(old, r["seq"] - 1, moved_here=True)
+
+    gather(path, at)
+    return steps, windows
+
+
+def path_names(j: Journal, states: States, path: str) -> tuple[list, set[int]]:
+    """What ``log --path`` follows of ``path``: the windows (name, lo, hi) of the names it had,
+    as blame follows them, and the seqs of the directory renames that moved it."""
+    steps, windows = _path_steps(j, states, path, INF)
+    return windows, {k[0] for k, v in steps.items() if v[2].startswith("moved ")}
+
+
+def blame(j: Journal, states: States, path: str, at: int | None = None) -> list[dict]:
+    """A path's history, newest first: one entry per run of changes by one unit.  The path is
+    followed back through the renames of its directories (an entry for each such rename, and
+    the runs under its earlier names), and a live path that departs from its seal says so."""
+    steps = _path_steps(j, states, path, at if at is not None else INF)[0]
     steps = [steps[k] for k in sorted(steps)]
     runs: list[dict] = []
-    for e, name, how in steps:
+    for e, name, how, *came_from in steps:
         op = how
         unit = e.get("unit") or outside_unit(e["actor"])
         if runs and runs[-1]["unit"] == unit and runs[-1]["name"] == name:
@@ -723,8 +758,8 @@ def blame(j: Journal, states: States, path: str, at: int | None = None) -> list[
         else:
             r = {"unit": unit, "name": name, "first_seq": e["seq"], "ops": [], "actors": [],
                  "t_first": e["t"], "first_name": name}
-            if how.startswith("moved with"):
-                r["first_name"] = e["path"] + name[len(e["path2"]):]
+            if came_from:  # moved with a directory: its name just before
+                r["first_name"] = came_from[0]
             runs.append(r)
         r["last_seq"], r["t_last"] = e["seq"], e["t"]
         if op not in r["ops"]:
