@@ -2024,7 +2024,7 @@ def show(seq, workspace, state_dir, as_json):
                            f"{j.cut})")
             raise Fail(f"no event {seq} (the journal holds {max(j.cut, 1)}..{j.last_seq()})")
         actor = j.actor(ev.get("actor") or "") or {}
-        diff_text, vague = "", []
+        diff_text, vague, unshown = "", [], []
         paths = [p for p in (ev.get("path"), ev.get("path2")) if p]
         left = readers.attic_shown(j, paths[0], seq) if paths else None
         if left:  # in no tree: a diff of it read as the file's deletion
@@ -2047,16 +2047,23 @@ def show(seq, workspace, state_dir, as_json):
             # a side whose content the record could not keep (an attic entry gone) reads as
             # empty in the patch: said, as diff says it (show said nothing; found by a hunt)
             vague = [p for p in paths if not (before[p].exact and after[p].exact)]
+            # a mode, an owner, an empty directory ...: the patch is silent, so say it, as
+            # diff does (show printed the header alone; found by a bug hunt)
+            unshown = readers.event_not_in_patch(tree, before, after)
     finally:
         os.close(tree.root_fd)
         j.close()
     if as_json:
         click.echo(json.dumps({"event": ev, "actor": actor, "diff": diff_text,
-                               "inexact": vague}))
+                               "inexact": vague,
+                               "not_in_patch": [{"path": p, "change": what}
+                                                for p, what in unshown]}))
         return
     if vague:
         from .views import inexact_note
         click.echo("overlayrec: " + inexact_note([shown(p) for p in vague]), err=True)
+    if unshown:
+        click.echo(readers.unshown_line(unshown), err=True)
     swapped = ev["op"] == "rename" and ev.get("flags", 0) & RENAME_EXCHANGE
     click.echo(f"event {seq}: {'exchange' if swapped else ev['op']} "
                f"{(' <-> ' if swapped else ' -> ').join(map(shown, paths))}"

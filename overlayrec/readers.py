@@ -912,6 +912,17 @@ def _left_out_of_file(b, a) -> str | None:
     return None
 
 
+def event_not_in_patch(tree, before: dict, after: dict) -> list[tuple[str, str]]:
+    """``not_in_patch`` of one event (``show``): its paths' states just before and just after
+    it, as ``diff`` says of a selection (a mode, an owner, an empty directory, a fifo ...)."""
+    from types import SimpleNamespace
+    from .engines.states import UNLISTED_NOTE
+    from .views import git_refuses
+    paths = [p for p in before if not git_refuses(p)]
+    return not_in_patch(SimpleNamespace(before=before, after=after), paths,
+                        UNLISTED_NOTE in tree.unreadable.values())
+
+
 def unshown_line(unshown: list[tuple[str, str]]) -> str:
     """The stderr line that says what a patch could not show (``not_in_patch``)."""
     from .views import shown

@@ -839,3 +839,32 @@ def test_a_link_made_before_the_mount_written_through_both_names_in_one_call(mak
     assert os.stat(os.path.join(m.ws, "b", "g")).st_nlink == 2  # nothing split
     with open(os.path.join(m.ws, "b", "g")) as f:
         assert f.read() == "1\nx\ny\n"
+
+
+def test_show_says_what_the_patch_of_an_event_cannot_show(make_mount):
+    """``show`` of a change git cannot display (a mode, an empty directory, a fifo; a drift
+    of a mode while unmounted) says so on stderr as ``diff`` does, and ``--json`` has it as
+    ``not_in_patch`` (it printed the header and the pre-image only: found by a bug hunt)."""
+    m = make_mount()
+    with open(os.path.join(m.ws, "f"), "w") as f:
+        f.write("f\n")
+    os.chmod(os.path.join(m.ws, "f"), 0o644)
+    m.mount()
+    m.sh("chmod 600 f && mkdir emptydir && mkfifo ff")
+    m.umount()
+    os.chmod(os.path.join(m.ws, "f"), 0o640)
+    m.mount()
+    m.umount()
+    seqs = {(e["op"], e["path"]): str(e["seq"]) for e in m.events()}
+    for key, change in ((("chmod", "f"), "f (mode 0644 -> 0600)"),
+                        (("mkdir", "emptydir"), "emptydir (empty directory made)"),
+                        (("mknod", "ff"), "ff (fifo made)"),
+                        (("drift", "f"), "f (mode 0600 -> 0640)")):
+        r = overlayrec("show", seqs[key], "-w", m.ws)
+        assert f"1 change(s) a git patch cannot show: {change}" in r.stderr, (key, r.stderr)
+        js = json.loads(overlayrec("show", seqs[key], "-w", m.ws, "--json").stdout)
+        path, _, what = change.partition(" (")
+        assert js["not_in_patch"] == [{"path": path, "change": what[:-1]}], js
+    write = json.loads(overlayrec("show", seqs.get(("drift", "f")), "-w", m.ws,
+                                  "--json").stdout)
+    assert write["diff"] == ""  # a mode alone: no patch, only the note
