@@ -434,7 +434,7 @@ def call_lines(pairs: list[tuple[dict, dict]], churn: bool, as_json: bool) -> Pa
         else:
             paths, n, n_git = f["paths"], f["files"], f["git_changes"]
         fields = (c["session"], c["id"], c["tool"], c["summary"] or "",
-                  ", ".join(f["processes"][:4]))
+                  ", ".join(f["processes"][:4]) + (" ..." if len(f["processes"]) > 4 else ""))
         # one look at all of them (a string is printable when each of its parts is): what
         # one_line would leave as it is, nearly always; else each through it
         if not "".join(fields).isprintable():
@@ -459,10 +459,22 @@ def call_lines(pairs: list[tuple[dict, dict]], churn: bool, as_json: bool) -> Pa
         if f.get("late"):
             out.append(under + LATE_LINE + shown_all(f["late"][:6])
                        + (" ..." if len(f["late"]) > 6 else ""))
+        if f.get("interleaved"):
+            out.append(under + interleaved_line(f["interleaved"]))
     return text_of_lines(out)
 
 
 LATE_LINE = "changed after the call ended, by a process it left running: "
+
+
+def interleaved_line(mixed: dict[str, list[str]]) -> str:
+    """What a call's row says of its paths another writer changed between its own changes
+    (as ``diff --call`` says it: guess_lines)."""
+    from .views import one_line, shown
+    some = sorted(mixed.items())
+    return ("changed by another writer too, between its own changes (`revert` refuses "
+            "them): " + ", ".join(f"{shown(p)} ({one_line(', '.join(us))})" for p, us in some[:6])
+            + (" ..." if len(some) > 6 else ""))
 
 
 def guessed_line(paths: list[str], others: list[str]) -> str:

@@ -868,3 +868,50 @@ def test_show_says_what_the_patch_of_an_event_cannot_show(make_mount):
     write = json.loads(overlayrec("show", seqs.get(("drift", "f")), "-w", m.ws,
                                   "--json").stdout)
     assert write["diff"] == ""  # a mode alone: no patch, only the note
+
+
+BETWEEN_THEN_LATE = textwrap.dedent(r'''
+    import os, subprocess, sys, time
+    from overlayrec import client
+    with client.connect() as c:
+        c.call_begin("c1", "Bash")
+        with open("f.txt", "a") as f:
+            f.write("call-1\n")
+        open(sys.argv[1], "w").close()
+        while not os.path.exists(sys.argv[2]):
+            time.sleep(0.02)
+        with open("f.txt", "a") as f:
+            f.write("call-2\n")
+        # a writer the call leaves running: it writes b.txt once the call has ended
+        ended = sys.argv[1] + ".ended"  # outside the workspace, as the flags
+        subprocess.run(["bash", "-c", "(while [ ! -e " + ended + " ]; do sleep 0.05; done; "
+                        "echo late > b.txt) > /dev/null 2>&1 &"], check=True)
+        c.call_end("c1")
+        open(ended, "w").close()
+        while not os.path.exists("b.txt"):
+            time.sleep(0.02)
+''')
+
+
+def test_a_calls_row_names_another_writer_between_its_changes(make_mount, tmp_path):
+    """``calls`` names a path another writer changed between the call's own changes, as
+    ``diff --call`` does (its row said nothing, found by a bug hunt); and ``diff --call
+    --path`` says only of the paths it selects (the late-write note named another path)."""
+    m = _f_with_base(make_mount)
+    run_with_outside_step(m, tmp_path, BETWEEN_THEN_LATE, lambda: _append_outside(m))
+    [row] = [json.loads(line) for line in overlayrec("calls", m.ws, "--json").stdout.splitlines()]
+    assert row["late"] == ["b.txt"], row
+    assert list(row["interleaved"]) == ["f.txt"], row
+    [who] = row["interleaved"]["f.txt"]
+    assert who.startswith(f"outside:{os.getpid()}:"), row
+    listed = overlayrec("calls", m.ws).stdout
+    assert f"changed by another writer too, between its own changes (`revert` refuses " \
+        f"them): f.txt ({who})" in listed, listed
+    whole = overlayrec("diff", m.ws, "--call", "c1").stderr
+    assert "changed after the call ended" in whole and "b.txt" in whole, whole
+    one = overlayrec("diff", m.ws, "--call", "c1", "--path", "f.txt")
+    assert "changed by another writer too" in one.stderr, one.stderr
+    assert "b.txt" not in one.stderr and "changed after the call ended" not in one.stderr, \
+        one.stderr
+    assert json.loads(overlayrec("diff", m.ws, "--call", "c1", "--path", "f.txt",
+                                 "--json").stdout)["late"] == []

@@ -632,3 +632,21 @@ def test_readers_take_the_agents_own_name_for_its_session(make_mount):
     assert overlayrec("calls", m.ws, "--session", "claude-uuid-1").stdout.split()[:3] == \
         ["R", "1", "c1"]
     assert overlayrec("turns", m.ws, "--session", "claude-uuid-1").stdout.split()[0] == "R"
+
+
+def test_a_calls_row_says_it_names_only_its_first_processes():
+    """``calls`` names a row's first 4 processes and, as for its paths, " ..." when it had
+    more (`--json` names them all); it cut the list with no word (found by a bug hunt)."""
+    from overlayrec.readers import call_lines
+    procs = [f"p{i}[{i}]" for i in range(6)]
+    pairs = []
+    for n in (4, 6):
+        c = {"session": "s", "turn": 1, "id": f"c{n}", "tool": "Bash", "summary": None}
+        f = {"paths": ["a"], "files": 1, "git_changes": 0, "touched": None,
+             "touched_files": 1, "touched_git": 0, "processes": procs[:n], "around": [],
+             "inexact": [], "guessed": [], "active_with": [], "late": []}
+        pairs.append((c, f))
+    rows = [line for line in call_lines(pairs, churn=False, as_json=False)[0][1].splitlines()
+            if line.startswith("s ")]
+    assert rows[0].endswith("p0[0], p1[1], p2[2], p3[3]"), rows
+    assert rows[1].endswith("p0[0], p1[1], p2[2], p3[3] ..."), rows

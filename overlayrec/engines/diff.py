@@ -195,9 +195,11 @@ def select(j: Journal, states: States, *, call: str | None = None, turn: int | s
         evs = _selection_events(j, c.get("begin_seq") or 1)
         mine = [e for e in evs if e.get("unit") == unit]
         side = _selected(states, mine, keep=keep)
-        side.guessed = guessed(mine)["guessed"]
-        side.maybe_ours = placed_elsewhere(evs, unit)
-        side.late = late(mine)
+        # its notes name only the paths --path selects (the late note named others: a bug hunt)
+        side.guessed = _kept(guessed(mine)["guessed"], keep)
+        side.maybe_ours = {u: ps for u, ps in ((u, _kept(ps, keep)) for u, ps in
+                                               placed_elsewhere(evs, unit).items()) if ps}
+        side.late = _kept(late(mine), keep)
         _interleaved(states, side, mine, evs, lambda u: u == unit)
         return side
     if turn is not None:
@@ -227,6 +229,11 @@ def select(j: Journal, states: States, *, call: str | None = None, turn: int | s
             raise SelectionError(f"--since {since} is past the record's end (seq {last})")
         raise SelectionError(f"--until {until} is before --since {since}: nothing between")
     return _selected(states, _selection_events(j, lo, hi), (lo - 1, hi), keep=keep)
+
+
+def _kept(paths: list[str], keep) -> list[str]:
+    """The ``paths`` a ``--path`` matcher ``keep`` takes (all of them without one)."""
+    return paths if keep is None else [p for p in paths if keep(p)]
 
 
 def placed_elsewhere(evs: list[dict], unit: str) -> dict[str, list[str]]:

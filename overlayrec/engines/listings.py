@@ -20,6 +20,7 @@ write them (a read-only state dir) lists all the same.
 """
 from __future__ import annotations
 
+import bisect
 import json
 import os
 
@@ -37,7 +38,8 @@ from ..views import (call_fields, call_unit, calls_of, file_events, turn_fields,
                      turn_record_fields)
 from .states import States
 
-VERSION = 3  # 3: rows name their paths not known exactly (``inexact``)
+VERSION = 4  # 3: rows name their paths not known exactly (``inexact``); 4: a call's
+# paths another writer changed between its own changes (``interleaved``)
 LEGACY = "listings.json"  # the single file of version 1, beside the directory: removed on save
 
 
@@ -158,19 +160,24 @@ def call_pairs(j: Journal, states: States, kept_dir: str, sid: str | None = None
     todo = [c for c, fields in zip(calls, found) if fields is None]
     by_unit: dict[str, list[dict]] = {}
     net = None
+    flat: list[dict] = []
     if todo:
         lo = min(c.get("begin_seq") or 1 for c in todo)
         from .diff import net_of  # rows to compute: only then
         net = net_of(states, preload=lo <= j.cut + 1 or not any(k.rows for k in kept.values()))
-        for e in file_events(j, lo):
+        flat = file_events(j, lo)
+        for e in flat:
             by_unit.setdefault(e.get("unit") or "", []).append(e)
+    seqs = [e["seq"] for e in flat]
     actors: dict = {}
     pairs = []
     done = 0
     for c, fields, w in zip(calls, found, where):
         if fields is None:
             key = call_unit(c)
-            fields = call_fields(j, by_unit.get(key, []), net, actors)
+            mine = by_unit.get(key, [])
+            fields = call_fields(j, mine, net, actors)
+            fields["interleaved"] = _interleaved(states, key, mine, flat, seqs, fields["paths"])
             kept[w].put(key, fields, net.settled)
             done += 1
             if progress is not None and (done % 100 == 0 or done == len(todo)):
@@ -179,6 +186,24 @@ def call_pairs(j: Journal, states: States, kept_dir: str, sid: str | None = None
     for k in kept.values():
         k.save()
     return pairs
+
+
+def _interleaved(states: States, unit: str, mine: list[dict], flat: list[dict],
+                 seqs: list[int], paths: list[str]) -> dict[str, list[str]]:
+    """The call's net ``paths`` another writer changed between its own changes, each with
+    those writers, as ``diff --call`` names them (engines.diff._interleaved).  Only a call
+    with another unit's event between its first and its last is looked at closely: most run
+    alone, and the listing stays one pass."""
+    if len(mine) < 2:
+        return {}
+    lo = bisect.bisect_right(seqs, mine[0]["seq"])
+    hi = bisect.bisect_left(seqs, mine[-1]["seq"])
+    if all(e.get("unit") == unit for e in flat[lo:hi]):
+        return {}
+    from .diff import Side, _interleaved as interleaved
+    side = Side({}, {}, {p: {unit} for p in paths})
+    interleaved(states, side, mine, flat[lo - 1:hi + 1], lambda u: u == unit)
+    return {p: us for p, us in side.interleaved.items() if p in side.writers}
 
 
 def turn_rows(j: Journal, states: States, kept_dir: str, sid: str | None = None,
