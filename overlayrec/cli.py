@@ -2030,23 +2030,27 @@ def show(seq, workspace, state_dir, as_json):
         if left:  # in no tree: a diff of it read as the file's deletion
             diff_text = f"# {left}: in no tree, so no diff; its pre-image is above\n"
         elif paths:
+            from .engines.diff import touched
             st = States(j, tree)
             store = ObjectStore(sd)
-            before = {p: st.state(p, seq - 1) for p in paths}
-            after = {p: st.state(p, seq) for p in paths}
+            # a directory's rename moves what lies beneath it too (its show gave no diff of
+            # them, where diff of the event's range did; found by a bug hunt)
+            every = touched(st, ev) or paths
+            before = {p: st.state(p, seq - 1) for p in every}
+            after = {p: st.state(p, seq) for p in every}
             try:
                 a, b = store.trees(before, after)
                 diff_text = store.diff(a, b, "patch")
             except GitError as e:  # the private store not writable (a full state dir)
                 raise Fail(str(e)) from None
-            for p in paths:
+            for p in every:
                 big = [s.data for s in (before[p], after[p]) if over_limit(s.data)]
                 if big:
                     diff_text += (f"# {p}: a file of {human_size(max(map(len, big)))}, too "
                                   "large for a patch\n")
             # a side whose content the record could not keep (an attic entry gone) reads as
             # empty in the patch: said, as diff says it (show said nothing; found by a hunt)
-            vague = [p for p in paths if not (before[p].exact and after[p].exact)]
+            vague = [p for p in every if not (before[p].exact and after[p].exact)]
             # a mode, an owner, an empty directory ...: the patch is silent, so say it, as
             # diff does (show printed the header alone; found by a bug hunt)
             unshown = readers.event_not_in_patch(tree, before, after)

@@ -915,3 +915,21 @@ def test_a_calls_row_names_another_writer_between_its_changes(make_mount, tmp_pa
         one.stderr
     assert json.loads(overlayrec("diff", m.ws, "--call", "c1", "--path", "f.txt",
                                  "--json").stdout)["late"] == []
+
+
+def test_show_of_a_directory_rename_shows_what_moved_with_it(make_mount):
+    """`show` of a directory's rename printed no diff (the event names the directory only),
+    where `diff` of its range showed every file beneath moving (found by a bug hunt)."""
+    m = make_mount()
+    os.makedirs(os.path.join(m.ws, "d", "s"))
+    for p, text in (("d/f", "1\n"), ("d/s/g", "2\n")):
+        with open(os.path.join(m.ws, p), "w") as f:
+            f.write(text)
+    m.mount()
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", "mv", "d", "e", cwd=m.ws)
+    m.umount()
+    [seq] = [e["seq"] for e in m.events() if e["op"] == "rename"]
+    out = overlayrec("show", "-w", m.ws, "--state-dir", m.state, str(seq)).stdout
+    moved = [ln for ln in out.splitlines() if ln.startswith(("rename from", "rename to"))]
+    assert moved == ["rename from d/f", "rename to e/f", "rename from d/s/g",
+                     "rename to e/s/g"], out
