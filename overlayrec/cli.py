@@ -1673,8 +1673,11 @@ def _unsealed_at_end(ws: str, sd: str) -> str | None:
     None when it was sealed, or a daemon serves the workspace again.  The daemon logs a seal
     refused at unmount and exits; its meta ``sealed`` says so to this command (a `run` exited
     0 and said nothing, found by a bug hunt)."""
+    from .mounting import wait_previous
     if state.fuse_mount_at(ws) or state.verify_daemon(state.daemon_info(sd), sd)[0]:
         return None
+    if not wait_previous(sd, 0):
+        return None  # still ending (a detached mount it serves a while): it seals then
     try:
         j = Journal(sd, readonly=True)
     except JournalError:
