@@ -600,6 +600,19 @@ class Calls:
         except JournalError as e:  # the next look ends them (and says so when it cannot)
             log.debug("implicit calls not ended before the agent went on: %s", e)
 
+    def before_held_write(self, actor: dict) -> None:
+        """``actor`` changes a file through a handle it opened earlier (a write, a truncate):
+        when it is an agent itself, its implicit calls whose processes have all exited end
+        first, as before a change it opens for (``unit_of``).  The handle's unit was taken at
+        its open (``exec 3>>f`` before the call), so this write asks for none: without this,
+        the call of a command run in between ended after the write, its span holding the
+        agent's change.  Nothing is looked at while no implicit call is live."""
+        if not self.live_implicit:
+            return
+        lin = self.lineage(actor)
+        if lin is not None and lin[1] is None:
+            self._end_exited_first(lin[0])
+
     @staticmethod
     def _join(session: Session, call: Call, key: str, pid: int) -> None:
         if key not in call.procs:

@@ -2078,6 +2078,7 @@ class Recorder:
         """A write through ``handle``: journaled ahead (``before_write``), then made; bytes
         written.  One the underlay refuses (ENOSPC) after its event was journaled gets a
         ``failed`` note, and the handle's next write a fresh event."""
+        self.units.before_held_write(handle.actor)
         seq = self.before_write(handle, off, len(data), data)
         try:
             n = os.pwrite(handle.fd, data, off)
@@ -2109,6 +2110,7 @@ class Recorder:
         handle's write run")."""
         self.created = None
         if handle is not None:
+            self.units.before_held_write(handle.actor)
             path, unit, actor, rfd = handle.path, handle.unit, handle.actor, handle.fd
         else:
             path = self.rel(fd)

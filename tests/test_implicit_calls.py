@@ -253,3 +253,26 @@ def test_two_runs_of_one_session_name_at_once_keep_their_sessions(make_mount, tm
     rows = [json.loads(line) for line in overlayrec("calls", m.ws, "--json").stdout.splitlines()]
     assert sorted((r["session"], r["status"], tuple(r["paths"])) for r in rows) == [
         ("X", "exited", ("f",)), ("X", "exited", ("h",)), ("X.2", "exited", ("g",))], rows
+
+
+def test_the_agent_writing_through_a_handle_it_held_ends_the_exited_call_first(make_mount):
+    """The agent opens a file before a call (``exec 3>>f``) and writes through that handle
+    after the call's process exited: the call ends before the write, as it does before a
+    change the agent makes by a fresh open.  It did not: a write through a handle held took
+    its unit from the open and ended no call, so the call's end came after the agent's write,
+    its span (``replay --at call``, its commit in an export) holding the agent's line."""
+    m = make_mount()
+    with open(os.path.join(m.ws, "f"), "w") as f:
+        f.write("1\n")
+    m.mount()
+    script = "exec 3>>f; touch other; echo agent >&3"
+    overlayrec("run", "-w", m.ws, "--session", "S", "--", "bash", "-c", script, cwd=m.ws)
+    [rec] = _calls_of(m, "S")
+    [write] = [e for e in m.events() if e["op"] == "write" and e["path"] == "f"]
+    assert write["unit"] == "session:S"
+    assert rec["end_seq"] < write["seq"], (rec, write)
+    at = os.path.join(m.base, "at-call")
+    r = overlayrec("replay", m.ws, "--at", f"call:S:{rec['id']}", "--to", at)
+    assert r.returncode == 0, r.stderr
+    assert open(os.path.join(at, "f")).read() == "1\n"
+    assert open(os.path.join(m.ws, "f")).read() == "1\nagent\n"
