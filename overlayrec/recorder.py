@@ -407,7 +407,7 @@ def _iv_hi(x: list[int]) -> int:
 
 
 class Epoch:
-    __slots__ = ("unit", "content_saved", "meta_saved", "size0", "ranges", "last")
+    __slots__ = ("unit", "content_saved", "meta_saved", "size0", "ranges", "last", "moved")
 
     def __init__(self, unit: str):
         self.unit = unit
@@ -418,6 +418,9 @@ class Epoch:
         # the seq of the path's latest event: a handle's write joins its run (no event) only
         # while its run's event is still the latest (see before_write)
         self.last = 0
+        # the inode came to this name by a rename and nothing changed it since (_epoch clears
+        # it at the next change): its other names hold what they held (_unknown_before)
+        self.moved = False
 
 
 class Recorder:
@@ -1023,6 +1026,7 @@ class Recorder:
             if ep is not None and ep.ranges is not None:
                 ep.ranges.mark()
         if ep is not None and ep.unit == unit:
+            ep.moved = False
             return ep, False
         ep = Epoch(unit)
         self.epochs[path] = ep
@@ -1404,12 +1408,20 @@ class Recorder:
         here (its first pre-image would be the changed inode, and readers took it for what
         it held all along: replay before the change gave the changed content as exact, a
         revert split the link and wrote that content back; found by a bug hunt).  An
-        ``alias`` says so: its content before is not kept."""
+        ``alias`` says so: its content before is not kept.  Not where that epoch only renamed
+        the inode to its name (``Epoch.moved``): a rename changes no content, so the new name
+        held what it holds; it owes a seal at the unit's end only, its ctime moved
+        (``_stamp_names``).  Its alias refused the revert of a plain ``mv`` of a name linked
+        in an earlier mount (found by a bug hunt)."""
         for p in fresh:
             src = next((c for c in paths if c != p and c in self.epochs), None)
             if src is None:
                 continue
             unit = self.epochs[src].unit
+            if self.epochs[src].moved:
+                if p not in self.epochs:
+                    self.unsealed.setdefault(p, str(unit))
+                continue
             pre = self._meta(st)
             if st.st_size:
                 pre["unkept"] = True
@@ -1496,6 +1508,8 @@ class Recorder:
         else:
             path2 = self.child(npfd, nname)
         unit = self.units.unit_of(actor, path2)  # an edit tool's file is where it lands
+        # before the event opens their epochs: did an open epoch change what each name holds?
+        untouched = self._untouched(path), self._untouched(path2)
         ev, ep, new = self._event("rename", path, actor, unit, path2=path2)
         if flags:
             ev["flags"] = flags
@@ -1587,16 +1601,24 @@ class Recorder:
         # the moved inode's content is in no pre-image (a rename copies nothing): the next
         # content change under the new name, even in this epoch, must save it first.  An
         # exchange moves the other inode to the old name too: the same there
-        for moved_to in (ep2, ep) if exchange else (ep2,):
+        for moved_to, was in ((ep2, untouched[0]), (ep, untouched[1])) if exchange else \
+                ((ep2, untouched[0]),):
             moved_to.meta_saved = True
             moved_to.content_saved = False
             moved_to.size0 = moved_to.ranges = None
+            moved_to.moved = was
         if not exchange:
             ep.content_saved = ep.meta_saved = True
         if stat.S_ISDIR(st.st_mode) or (st2 is not None and stat.S_ISDIR(st2.st_mode)):
             self._move_beneath(path, path2, exchange)
             self._moved_dir(path, path2, exchange, seq, stat.S_ISDIR(st.st_mode),
                             st2 is not None and stat.S_ISDIR(st2.st_mode))
+
+    def _untouched(self, path: str) -> bool:
+        """Has no open epoch changed what ``path`` names (none is open on it, or the inode
+        only came to it by a rename: ``Epoch.moved``)?"""
+        ep = self.epochs.get(path)
+        return ep is None or ep.moved
 
     @staticmethod
     def _may_exchange(e: OSError, flags: int, st: os.stat_result) -> bool:

@@ -1925,3 +1925,44 @@ def test_a_path_beneath_what_an_earlier_revert_made_a_file_again_needs_nothing(m
     assert r.returncode == 0, r.stderr
     assert "put back already by an earlier revert: f, f/x" in r.stderr, r.stderr
     assert tree_of(m.ws) == before
+
+
+def test_a_rename_of_one_name_of_a_link_made_in_an_earlier_mount_is_reverted(make_mount,
+                                                                               tmp_path):
+    """``a/h`` linked to ``a/z/L4`` through the mount, in an earlier mount; a call renames
+    ``a/h`` to ``a/e`` and reads ``a/z/L4``.  The mount found the two names one inode only at
+    that read, inside ``a/e``'s epoch, and journaled an ``alias`` of ``a/z/L4`` whose content
+    before was unknown, as after a write: the revert was refused ("unrecorded: a/z/L4", found
+    by a bug hunt).  A rename changes no content: ``a/z/L4`` held before what it holds, and
+    the revert renames ``a/e`` back, the link kept."""
+    m = setup_ws(make_mount, tmp_path, {"a/h": b"3\n"})
+    os.makedirs(os.path.join(m.ws, "a", "z"))
+    m.mount()
+    m.sh("ln a/h a/z/L4")
+    m.umount()
+    m.mount()
+    run_call(m, tmp_path, "mv a/h a/e; cat a/z/L4 > /dev/null")
+    assert not [e for e in m.events() if e.get("pre", {}).get("unkept")]
+    r = overlayrec("revert", m.ws, "--call", "c1", "--yes", check=False)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert not os.path.lexists(os.path.join(m.ws, "a", "e"))
+    h, l4 = (os.lstat(os.path.join(m.ws, *p)) for p in (("a", "h"), ("a", "z", "L4")))
+    assert h.st_ino == l4.st_ino and h.st_nlink == 2, (h, l4)
+    assert open(os.path.join(m.ws, "a", "h")).read() == "3\n"
+
+
+def test_a_name_of_a_link_found_after_a_write_and_a_rename_is_still_unknown_before(make_mount,
+                                                                                   tmp_path):
+    """As above, but the call appends through ``a/h`` before renaming it: ``a/z/L4`` changed
+    with it, unseen, so what it held before stays unknown (its ``alias`` keeps no content)
+    and the revert refuses it rather than guess; a rename alone does not hide the write."""
+    m = setup_ws(make_mount, tmp_path, {"a/h": b"3\n"})
+    os.makedirs(os.path.join(m.ws, "a", "z"))
+    m.mount()
+    m.sh("ln a/h a/z/L4")
+    m.umount()
+    m.mount()
+    run_call(m, tmp_path, "echo x >> a/h; mv a/h a/e; cat a/z/L4 > /dev/null")
+    assert [e["path"] for e in m.events() if e.get("pre", {}).get("unkept")] == ["a/z/L4"]
+    r = overlayrec("revert", m.ws, "--call", "c1", "--yes", check=False)
+    assert r.returncode == 1 and "unrecorded: a/z/L4" in r.stderr, (r.stdout, r.stderr)
