@@ -290,6 +290,10 @@ class Calls:
         # call's survivor of an earlier mount, and what it starts): actor key -> unit or None,
         # each asked of the journal once (``_held_unit``)
         self._held: dict[str, Unit | None] = {}
+        # whether the record held any session when this daemon started (end_left_open): none,
+        # and no process can be an earlier mount's survivor, so nothing is asked (a mount
+        # outside any session, as the bench's, read the journal for every new process)
+        self._earlier: bool | None = None
         self._boot = boot_id()  # actor keys are unique within one boot only
         self.reverts: dict[str, str] = {}  # actor key -> revert id, while it reverts
         self.live_implicit: list[Call] = []  # implicit calls not ended, oldest first
@@ -381,7 +385,12 @@ class Calls:
         Asked only where /proc leads to no live session; each process's answer is kept, so the
         journal is read once for each process of a line, and a known actor costs a dict lookup."""
         key = actor["key"]
-        found = self._held[key] if key in self._held else self._held_line(actor)
+        if key in self._held:
+            found = self._held[key]
+        elif self._earlier is False and not self.sessions:
+            return None
+        else:
+            found = self._held_line(actor)
         return late(found) if found is not None and self._ended(found) else found
 
     def _held_line(self, actor: dict) -> Unit | None:
@@ -865,7 +874,9 @@ class Calls:
         `diff --session` showed its changes.  Ended by this daemon, at its start; their ids."""
         actor = self._daemon_actor()
         ended = []
+        self._earlier = False
         for rec in self.journal.records("sessions"):
+            self._earlier = True
             sid = rec.get("id")
             if rec.get("ended") is not None or not isinstance(sid, str) or sid in self.sessions:
                 continue
