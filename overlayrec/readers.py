@@ -653,14 +653,25 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
     unshown = not_in_patch(side, [p for p in every if not git_refuses(p)],
                            UNLISTED_NOTE in states.tree.unreadable.values())
     groups = [(None, sorted(side.before))]
+    # a path several writers changed: each writer's section shows its own change of it
+    own = own_changes(states, side) if by_writer and not as_json else {}
+    sides = {}  # a writer's (before, after), where its own change differs from the selection's
+    for unit, o in own.items():
+        sides[unit] = ({**side.before, **o.before}, {**side.after, **o.after})
     if by_writer:
         units = sorted({u for us in side.writers.values() for u in us})
-        # a directory is no path of git's: as a pathspec it would take every change beneath
-        # it, whoever made it (a call that renamed the directory got them all)
-        blob = {p for p in side.writers if side.before.get(p, tree_absent).kind not in ("dir",
-                "absent") or side.after.get(p, tree_absent).kind not in ("dir", "absent")}
+
+        def blob(p: str, before: dict, after: dict) -> bool:
+            # a directory is no path of git's: as a pathspec it would take every change
+            # beneath it, whoever made it (a call that renamed the directory got them all);
+            # a path is a file on one side of the writer's own change (one the selection left
+            # absent both sides, made and moved on, lost its writers' sections: a hunt found)
+            return before.get(p, tree_absent).kind not in ("dir", "absent") or \
+                after.get(p, tree_absent).kind not in ("dir", "absent")
         groups = [(u, sorted(p for p, us in side.writers.items()
-                             if u in us and p in blob and not git_refuses(p))) for u in units]
+                             if u in us and not git_refuses(p) and
+                             blob(p, *sides.get(u, (side.before, side.after)))))
+                  for u in units]
         groups = [(u, ps) for u, ps in groups if ps]
     a, b = store.trees(side.before, side.after)
     if as_json:  # it names the trees: kept while the object store that holds them is there
@@ -705,13 +716,8 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
                               "unseen_links": unseen,
                               "git_warnings": store.warnings}) + "\n")
     else:
-        # a path several writers changed: each writer's section shows its own change of it
-        own = own_changes(states, side) if by_writer else {}
         for unit, paths in groups:
-            ua, ub = a, b
-            if unit in own:
-                ua, ub = store.trees({**side.before, **own[unit].before},
-                                     {**side.after, **own[unit].after})
+            ua, ub = store.trees(*sides[unit]) if unit in sides else (a, b)
             out = store.diff(ua, ub, fmt, paths=paths if unit else None, binary=binary)
             if unit and out:
                 parts.out(f"# {unit}\n")

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import textwrap
 
 import pytest
@@ -933,3 +934,64 @@ def test_show_of_a_directory_rename_shows_what_moved_with_it(make_mount):
     moved = [ln for ln in out.splitlines() if ln.startswith(("rename from", "rename to"))]
     assert moved == ["rename from d/f", "rename to e/f", "rename from d/s/g",
                      "rename to e/s/g"], out
+
+
+MOVED_ON = textwrap.dedent(r'''
+    import os, subprocess, sys, time
+    from overlayrec import client
+    with client.connect() as c:
+        for call, cmd in (("c1", "mv f g"), ("c2", "echo three >> g"), ("c3", "mv g h")):
+            c.call_begin(call, "Bash")
+            subprocess.run(["bash", "-c", cmd], check=True)
+            c.call_end(call)
+        c.call_begin("c4", "Bash")
+        subprocess.run(["bash", "-c", "echo 1 >> k"], check=True)
+        open(sys.argv[1], "w").close()  # the outside writer's turn
+        while not os.path.exists(sys.argv[2]):
+            time.sleep(0.02)
+        subprocess.run(["bash", "-c", "echo 2 >> k"], check=True)
+        c.call_end("c4")
+''')
+
+
+def test_by_writer_of_a_session_shows_paths_it_left_absent_and_outside_writers_own(
+        make_mount, tmp_path):
+    """`--by-writer` of a session: a path the session left absent on both sides (``g``, made
+    by one call's rename and moved on by another's) was left out of every section, so renames
+    read as a deletion and a new file and the call that only edited ``g`` vanished; and an
+    outside writer's section of a shared path showed the whole session's change (its events
+    were no part of the session's).  Found by a bug hunt."""
+    m = make_mount()
+    for name, text in (("f", "one\ntwo\n"), ("k", "base\n")):
+        with open(os.path.join(m.ws, name), "w") as f:
+            f.write(text)
+    m.mount()
+    (tmp_path / "agent.py").write_text(MOVED_ON)
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    agent = subprocess.Popen([sys.executable, "-m", "overlayrec", "run", "-w", m.ws,
+                              "--session", "s", "--",
+                              sys.executable, str(tmp_path / "agent.py"), str(ready), str(go)],
+                             cwd=m.ws)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with open(os.path.join(m.ws, "k"), "a") as f:  # this test: an outside process
+            f.write("OUT\n")
+        go.touch()
+        assert agent.wait(timeout=60) == 0
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    out = overlayrec("diff", m.ws, "--session", "s", "--by-writer", "--name-status").stdout
+    assert out.splitlines()[:6] == ["# call:s:c1", "R100\tf\tg", "# call:s:c2", "M\tg",
+                                    "# call:s:c3", "R100\tg\th"], out
+    patch = overlayrec("diff", m.ws, "--session", "s", "--by-writer").stdout
+    sections, unit = {}, None
+    for line in patch.splitlines():
+        if line.startswith("# "):
+            unit = line[2:]
+        elif line[:1] in "+-" and line[:3] not in ("+++", "---"):
+            sections.setdefault(unit, []).append(line)
+    [outside] = [u for u in sections if u.startswith("outside:")]
+    assert sections[outside] == ["+OUT"], patch

@@ -201,6 +201,7 @@ def select(j: Journal, states: States, *, call: str | None = None, turn: int | s
                                                placed_elsewhere(evs, unit).items()) if ps}
         side.late = _kept(late(mine), keep)
         _interleaved(states, side, mine, evs, lambda u: u == unit)
+        side.events = evs  # other writers' too: each writer's own change (own_changes)
         return side
     if turn is not None:
         t = find_turn(j, turn, session)
@@ -210,6 +211,7 @@ def select(j: Journal, states: States, *, call: str | None = None, turn: int | s
         mine = [e for e in evs if _unit_session(e.get("unit")) == sid]
         side = _selected(states, mine, (lo, hi), keep=keep)
         _interleaved(states, side, mine, evs, lambda u: _unit_session(u) == sid, (lo, hi))
+        side.events = evs  # other writers' too: each writer's own change (own_changes)
         return side
     if session is not None:
         rec = j.record("sessions", session.encode())
@@ -219,6 +221,7 @@ def select(j: Journal, states: States, *, call: str | None = None, turn: int | s
         mine = [e for e in evs if _unit_session(e.get("unit")) == session]
         side = _selected(states, mine, keep=keep)
         _interleaved(states, side, mine, evs, lambda u: _unit_session(u) == session)
+        side.events = evs  # other writers' too: each writer's own change (own_changes)
         return side
     # (since, until]: everything recorded after --since, as its help, export.md, `log`,
     # `revert` and replay's points say (event ``since`` itself was in the diff)
