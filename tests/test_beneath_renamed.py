@@ -427,3 +427,30 @@ def test_a_rename_onto_a_name_keeps_an_earlier_sessions_changes_beneath_it(make_
                        check=False)
         steps = json.loads(r.stdout)["steps"]
         assert [s["path"] for s in steps] == ["a/f"], (case, steps)
+
+
+def test_a_directory_renamed_back_while_unmounted_takes_its_grandchildren_too(make_mount,
+                                                                              tmp_path):
+    """`mv d e` in a session, `mv e d` while unmounted, then a later session writes beneath
+    ``d``: a name is absent while a directory above it is, not only its own directory
+    (``d/sub/f`` read as there at the first session's end, with a line added later, and the
+    session's diff said it was modified in place, not moved; found by a bug hunt)."""
+    m = make_mount()
+    os.makedirs(os.path.join(m.ws, "d", "sub", "deep"))
+    for p, text in (("d/f", "f\n"), ("d/sub/f", "s\n"), ("d/sub/deep/g", "g\n")):
+        with open(os.path.join(m.ws, p), "w") as f:
+            f.write(text)
+    _run(m, "echo w >> d/sub/f; mv d e", "s1")
+    snap = _files(m.ws)
+    os.rename(os.path.join(m.ws, "e"), os.path.join(m.ws, "d"))
+    for p in ("d/f", "d/sub/f", "d/sub/deep/g"):
+        with open(os.path.join(m.ws, p), "a") as f:
+            f.write("unmounted\n")
+    _run(m, "echo s2 >> d/f; echo s2 >> d/sub/f; echo s2 >> d/sub/deep/g", "s2")
+    overlayrec("replay", m.ws, "--state-dir", m.state, "--at", "after:session:s1", "--to",
+               str(tmp_path / "r"))
+    assert _files(str(tmp_path / "r")) == snap
+    out = overlayrec("diff", m.ws, "--state-dir", m.state, "--session", "s1",
+                     "--name-status").stdout
+    assert sorted(ln.split("\t", 1)[1] for ln in out.splitlines()) == \
+        ["d/f\te/f", "d/sub/deep/g\te/sub/deep/g", "d/sub/f\te/sub/f"], out

@@ -566,6 +566,7 @@ class States:
         self._links: dict[tuple[str, int], tuple[int | None, str | None]] = {}
         self._holds: dict[tuple[str, int, bool], tuple[str, int] | None] = {}
         self._beneath: dict[str, dict | str | None] = {}  # _beneath_rule, by directory
+        self._dirs_next: dict[tuple[str, int], tuple[int, bool] | None] = {}  # _next_of_dirs
         self._universe: list[tuple[str, float]] | None = None
         self._candidates: dict[float, set[str]] = {}
         self._moved_by: dict[tuple[str, int], set[str]] | None = None
@@ -1452,31 +1453,50 @@ class States:
         return end if exact else end.but(exact=False)
 
     def _parent_absent(self, path: str, after: int) -> bool:
-        """Was ``path``'s directory absent after ``after``: does its next event (before a
-        rename of one of its own directories) take it as absent just before (a drift from
-        absent, a mkdir, a rename onto it)?  Its own chain only (a bisect): asking the
-        directory's whole state, and its directories', for every path made a report of a
-        path 1,000 directories deep take minutes."""
-        parent = path.rpartition("/")[0]
-        chain = self.chain_on(parent)
-        if not chain:
-            return False
-        seqs = self._seqs_of(parent, chain)
-        i = bisect.bisect_right(seqs, after)
-        if i == len(chain):
-            return False
-        move = self._next_move(parent, after)
-        if move is not None and chain[i]["seq"] >= move["seq"]:
-            return False
-        pre = self.pre_for(chain[i], parent)
-        if pre is None or pre.get("kind") != "absent":
+        """Was a directory above ``path`` absent after ``after``: does the next event of the
+        nearest one with an event then (before a rename of one of its own directories) take
+        it as absent just before (a drift from absent, a mkdir, a rename onto it), with no
+        event of the path's own coming first?  Each directory's own chain only (a bisect):
+        asking a directory's whole state, and its directories', for every path made a report
+        of a path 1,000 directories deep take minutes; each directory's answer is kept."""
+        verdict = self._next_of_dirs(path.rpartition("/")[0], after)
+        if verdict is None or not verdict[1]:
             return False
         # an event of the path's own before that says what it held then: the directory was
         # there (removed and made anew by a rename onto its name since, and the changes of a
         # session before were taken for changes of nothing, a hunt found)
         own = self.chain_on(path)
         k = bisect.bisect_right(self._seqs_of(path, own), after)
-        return k == len(own) or own[k]["seq"] > chain[i]["seq"]
+        return k == len(own) or own[k]["seq"] > verdict[0]
+
+    def _next_of_dirs(self, d: str, after: int) -> tuple[int, bool] | None:
+        """(seq, absent just before it) of the next event after ``after`` of the nearest of
+        ``d`` and the directories above it that has one (before a rename of its own
+        directories: then (seq, False), the rule does not reach past it); None when none has.
+        A grandchild was read as there after ``mv d e`` and ``mv e d`` while unmounted (only
+        the immediate directory was asked; found by a bug hunt)."""
+        walked, got = [], None
+        while d:
+            key = (d, after)
+            if key in self._dirs_next:
+                got = self._dirs_next[key]
+                break
+            walked.append(key)
+            chain = self.chain_on(d)
+            seqs = self._seqs_of(d, chain) if chain else []
+            i = bisect.bisect_right(seqs, after)
+            if i < len(chain):
+                move = self._next_move(d, after)
+                if move is not None and chain[i]["seq"] >= move["seq"]:
+                    got = (chain[i]["seq"], False)
+                else:
+                    pre = self.pre_for(chain[i], d)
+                    got = (chain[i]["seq"], pre is not None and pre.get("kind") == "absent")
+                break
+            d = d.rpartition("/")[0]
+        for key in walked:
+            self._dirs_next[key] = got
+        return got
 
     def _partner_state(self, path: str, at: int, ino: int | None) -> State | None:
         """The exact state at ``at`` of a name linked with ``path`` (a ``link`` or ``alias``
