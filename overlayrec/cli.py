@@ -545,6 +545,12 @@ def umount(workspace, timeout):
     click.echo(f"unmounted {ws}{note}")
     if unsealed:
         raise Fail(unsealed)
+    if not pid and not refused and not live:
+        # a dead mount's daemon was killed or died: its record is left unsealed, which
+        # status says (this said nothing of it; found by a bug hunt)
+        dead = _unsealed_at_end(ws, sd)
+        if dead:
+            click.echo(f"overlayrec: warning: {dead}", err=True)
 
 
 @main.command()
@@ -1692,10 +1698,28 @@ def _unsealed_at_end(ws: str, sd: str) -> str | None:
         full = st.f_bavail * st.f_frsize < 1 << 20
     except OSError:
         full = False
-    why = ("no space left in the state dir; " if full else "") + \
-        f"{state.StateDir(sd).daemon_log} says why"
+    log_path = state.StateDir(sd).daemon_log
+    if not _seal_refused_in_log(log_path):  # killed, or it died: the log says nothing of it
+        return ("the daemon ended without sealing the record (it was killed or died before "
+                "its unmount): the next mount seals it, and until then readers take the paths "
+                "it left open as not exact")
+    why = ("no space left in the state dir; " if full else "") + f"{log_path} says why"
     return (f"the daemon could not seal the record at unmount ({why}): the next mount seals "
             "it, and until then readers take the paths it left open as not exact")
+
+
+def _seal_refused_in_log(path: str) -> bool:
+    """Does the daemon log's last mount (its lines after the last "mounted") say the seal at
+    unmount failed?  (A killed daemon's says nothing: `run` pointed to it for a reason it did
+    not hold; found by a bug hunt.)"""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - (256 << 10)))
+            tail = f.read().decode(errors="replace")
+    except OSError:
+        return False
+    last = tail.rfind(" INFO overlayrec: mounted ")
+    return "sealing at unmount failed" in tail[last if last >= 0 else 0:]
 
 
 def _stop_daemon(ws: str) -> None:

@@ -1808,6 +1808,11 @@ class Recorder:
 
         events, new = [], []
         for top in tops:
+            try:
+                if not stat.S_ISDIR(self._lstat(top).st_mode):
+                    continue  # replaced while unmounted: its seal's comparison journals it
+            except OSError:
+                continue  # gone (removed, renamed): the same
             failed: list[OSError] = []
             try:
                 for dirpath, dirs, files, _ in os.fwalk(top, dir_fd=self.root_fd,
