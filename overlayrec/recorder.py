@@ -2376,6 +2376,10 @@ class Recorder:
             if got is None:
                 break
             done += got
+        if unit is None:
+            # the walk's marks were for this seal: a mount that goes on after its recovery
+            # may move another directory to one of those names, whose seal must not say so
+            self.beneath_sealed, self.beneath_failed = set(), set()
         return done
 
     def _seal_some(self, paths: list[str], unit: str | None, after: bool) -> int | None:

@@ -454,3 +454,29 @@ def test_a_directory_renamed_back_while_unmounted_takes_its_grandchildren_too(ma
                      "--name-status").stdout
     assert sorted(ln.split("\t", 1)[1] for ln in out.splitlines()) == \
         ["d/f\te/f", "d/sub/deep/g\te/sub/deep/g", "d/sub/f\te/sub/f"], out
+
+
+def test_a_mount_going_on_after_its_recovery_marks_no_directory_moved_to_a_walked_name(
+        make_mount):
+    """The mount after a killed daemon walks the directories it renamed and marks them; the
+    names it walked stayed marked for the rest of that mount, so a directory another session
+    then moved to one of those names was sealed at its unit's end as if all beneath it were
+    sealed, and its files read as absent until the unmount."""
+    import signal
+    m = make_mount()
+    _one_file(m, "d", "x\n")
+    _one_file(m, "other", "o\n")
+    m.mount()
+    try:
+        m.sh("mv d e")
+        with open(os.path.join(m.state, "daemon.json")) as f:
+            os.kill(json.load(f)["pid"], signal.SIGKILL)
+        overlayrec("umount", m.ws)  # clears the dead mount
+        m.mount()                   # its recovery walks e
+        overlayrec("run", "-w", m.ws, "--session", "s2", "--", "sh", "-c",
+                   "mv e e2 && mv other e", cwd=m.ws)
+        out = overlayrec("diff", m.ws, "--session", "s2", "--name-status").stdout
+        # e/f holds other's file now (git reads it as modified in place)
+        assert sorted(out.splitlines()) == ["A\te2/f", "D\tother/f", "M\te/f"], out
+    finally:
+        m.umount()
