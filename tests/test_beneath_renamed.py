@@ -480,3 +480,33 @@ def test_a_mount_going_on_after_its_recovery_marks_no_directory_moved_to_a_walke
         assert sorted(out.splitlines()) == ["A\te2/f", "D\tother/f", "M\te/f"], out
     finally:
         m.umount()
+
+
+def test_odd_kinds_made_while_unmounted_beneath_a_marked_directory(make_mount, tmp_path):
+    """The next mount's walk of a marked tree, for names made while unmounted: a fifo, a
+    symlink to a directory outside the workspace (listed, never followed: nothing of what it
+    points to is journaled), a hard link of a recorded file, and a long path."""
+    m = make_mount()
+    _one_file(m, "d", "x\n")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_text("not the workspace's\n")
+    _run(m, "mv d e", "s1")
+    os.mkfifo(os.path.join(m.ws, "e", "fifo"))
+    os.symlink(str(outside), os.path.join(m.ws, "e", "out"))
+    os.link(os.path.join(m.ws, "e", "f"), os.path.join(m.ws, "e", "f2"))
+    deep = os.path.join(m.ws, "e", *["n" * 200] * 15)
+    os.makedirs(deep)
+    with open(os.path.join(deep, "leaf"), "w") as f:
+        f.write("leaf\n")
+    _run(m, "true", "s2")
+    drifts = [ln.split()[-1] for ln in overlayrec("log", m.ws, "--state-dir", m.state, "--op",
+                                                    "drift").stdout.splitlines()]
+    assert {"e/fifo", "e/out", "e/f2"} <= set(drifts), drifts
+    assert not [p for p in drifts if p.startswith("e/out/")], drifts
+    assert any(p.endswith("/leaf") for p in drifts), drifts
+    assert overlayrec("diff", m.ws, "--state-dir", m.state, "--drift",
+                      "--name-status").stdout == ""
+    overlayrec("replay", m.ws, "--state-dir", m.state, "--at", "after:session:s1", "--to",
+               str(tmp_path / "r"))
+    assert _names(str(tmp_path / "r")) == {"e", "e/f"}
