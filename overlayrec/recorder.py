@@ -42,7 +42,7 @@ from . import underlay
 from .attribution import Attribution
 from .calls import Calls
 from .journal import Journal, JournalError, preimage
-from .journal.renames import RenameIndex
+from .journal.renames import RenameIndex, outermost
 from .journal.schema import AROUND, UNMOUNTED, beneath_rule, outside_unit
 from .secrets import Secrets, META_NAMES, public_at
 
@@ -1734,12 +1734,9 @@ class Recorder:
         while unmounted beneath it read as the record's own end: a revert of the rename moved
         the user's edit back as the call's, with no conflict, and a diff or replay lost the
         files when the directory was renamed again while unmounted (found by bug hunts)."""
-        tops = sorted(self.moved_dirs)
         walked: set[str] = set()
         owed_all: list[str] = []
-        for i, top in enumerate(tops):
-            if any(top.startswith(t + "/") for t in tops[:i]):
-                continue  # walked with the directory above it
+        for top in outermost(self.moved_dirs):  # each walked with the directories beneath it
             failed: list[OSError] = []
             seen_dirs, owed = [], []
             try:  # (the top itself: raised, not given to onerror)
@@ -2599,11 +2596,9 @@ class Recorder:
             if len(events) >= 512:
                 j.append_many(events, [])
                 events = []
-        tops = sorted(d for d, mark in marks.items() if mark)
-        tops = [d for i, d in enumerate(tops)
-                if not any(d.startswith(t + "/") for t in tops[:i])]
         try:
-            made = self._made_beneath(tops, covered, marks, renames)
+            made = self._made_beneath(outermost(d for d, mark in marks.items() if mark),
+                                      covered, marks, renames)
         except OSError as e:  # not looked at: its names keep the live tree as end
             log.warning("cannot look for names made beneath renamed directories: %s", e)
             made = []

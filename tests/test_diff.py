@@ -537,6 +537,17 @@ def test_by_writer_puts_under_a_call_only_its_own_changes(make_mount, tmp_path):
 
 
 
+def _sections(patch: str) -> dict[str, list[str]]:
+    """A `--by-writer` patch's changed lines, by the writer heading each section."""
+    sections, unit = {}, None
+    for line in patch.splitlines():
+        if line.startswith("# "):
+            unit = line[2:]
+        elif line[:1] in "+-" and line[:3] not in ("+++", "---"):
+            sections.setdefault(unit, []).append(line)
+    return sections
+
+
 SHARED = textwrap.dedent(r'''
     import subprocess
     from overlayrec import client
@@ -563,12 +574,7 @@ def test_by_writer_shows_each_writer_its_own_change_of_a_shared_path(make_mount,
     overlayrec("run", "-w", m.ws, "--session", "s", "--", sys.executable,
                str(tmp_path / "agent.py"), cwd=m.ws)
     out = overlayrec("diff", m.ws, "--session", "s", "--by-writer").stdout
-    sections, unit = {}, None
-    for line in out.splitlines():
-        if line.startswith("# "):
-            unit = line[2:]
-        elif line[:1] in "+-" and line[:3] not in ("+++", "---"):
-            sections.setdefault(unit, []).append(line)
+    sections = _sections(out)
     assert sections == {"call:s:c1": ["-alpha", "+ALPHA", "+c1"],
                         "call:s:c2": ["-beta", "+BETA"],
                         "call:s:c3": ["+more"]}, out
@@ -987,11 +993,6 @@ def test_by_writer_of_a_session_shows_paths_it_left_absent_and_outside_writers_o
     assert out.splitlines()[:6] == ["# call:s:c1", "R100\tf\tg", "# call:s:c2", "M\tg",
                                     "# call:s:c3", "R100\tg\th"], out
     patch = overlayrec("diff", m.ws, "--session", "s", "--by-writer").stdout
-    sections, unit = {}, None
-    for line in patch.splitlines():
-        if line.startswith("# "):
-            unit = line[2:]
-        elif line[:1] in "+-" and line[:3] not in ("+++", "---"):
-            sections.setdefault(unit, []).append(line)
+    sections = _sections(patch)
     [outside] = [u for u in sections if u.startswith("outside:")]
     assert sections[outside] == ["+OUT"], patch

@@ -1927,6 +1927,17 @@ def test_a_path_beneath_what_an_earlier_revert_made_a_file_again_needs_nothing(m
     assert tree_of(m.ws) == before
 
 
+def _linked_in_an_earlier_mount(make_mount, tmp_path):
+    """Mounted over ``a/h``, linked to ``a/z/L4`` through an earlier mount."""
+    m = setup_ws(make_mount, tmp_path, {"a/h": b"3\n"})
+    os.makedirs(os.path.join(m.ws, "a", "z"))
+    m.mount()
+    m.sh("ln a/h a/z/L4")
+    m.umount()
+    m.mount()
+    return m
+
+
 def test_a_rename_of_one_name_of_a_link_made_in_an_earlier_mount_is_reverted(make_mount,
                                                                                tmp_path):
     """``a/h`` linked to ``a/z/L4`` through the mount, in an earlier mount; a call renames
@@ -1935,12 +1946,7 @@ def test_a_rename_of_one_name_of_a_link_made_in_an_earlier_mount_is_reverted(mak
     before was unknown, as after a write: the revert was refused ("unrecorded: a/z/L4", found
     by a bug hunt).  A rename changes no content: ``a/z/L4`` held before what it holds, and
     the revert renames ``a/e`` back, the link kept."""
-    m = setup_ws(make_mount, tmp_path, {"a/h": b"3\n"})
-    os.makedirs(os.path.join(m.ws, "a", "z"))
-    m.mount()
-    m.sh("ln a/h a/z/L4")
-    m.umount()
-    m.mount()
+    m = _linked_in_an_earlier_mount(make_mount, tmp_path)
     run_call(m, tmp_path, "mv a/h a/e; cat a/z/L4 > /dev/null")
     assert not [e for e in m.events() if e.get("pre", {}).get("unkept")]
     r = overlayrec("revert", m.ws, "--call", "c1", "--yes", check=False)
@@ -1956,12 +1962,7 @@ def test_a_name_of_a_link_found_after_a_write_and_a_rename_is_still_unknown_befo
     """As above, but the call appends through ``a/h`` before renaming it: ``a/z/L4`` changed
     with it, unseen, so what it held before stays unknown (its ``alias`` keeps no content)
     and the revert refuses it rather than guess; a rename alone does not hide the write."""
-    m = setup_ws(make_mount, tmp_path, {"a/h": b"3\n"})
-    os.makedirs(os.path.join(m.ws, "a", "z"))
-    m.mount()
-    m.sh("ln a/h a/z/L4")
-    m.umount()
-    m.mount()
+    m = _linked_in_an_earlier_mount(make_mount, tmp_path)
     run_call(m, tmp_path, "echo x >> a/h; mv a/h a/e; cat a/z/L4 > /dev/null")
     assert [e["path"] for e in m.events() if e.get("pre", {}).get("unkept")] == ["a/z/L4"]
     r = overlayrec("revert", m.ws, "--call", "c1", "--yes", check=False)

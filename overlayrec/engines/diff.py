@@ -194,14 +194,13 @@ def select(j: Journal, states: States, *, call: str | None = None, turn: int | s
         unit = call_unit(c["session"], call)
         evs = _selection_events(j, c.get("begin_seq") or 1)
         mine = [e for e in evs if e.get("unit") == unit]
-        side = _selected(states, mine, keep=keep)
+        side = _selected(states, mine, keep=keep, every=evs)
         # its notes name only the paths --path selects (the late note named others: a bug hunt)
         side.guessed = _kept(guessed(mine)["guessed"], keep)
         side.maybe_ours = {u: ps for u, ps in ((u, _kept(ps, keep)) for u, ps in
                                                placed_elsewhere(evs, unit).items()) if ps}
         side.late = _kept(late(mine), keep)
         _interleaved(states, side, mine, evs, lambda u: u == unit)
-        side.events = evs  # other writers' too: each writer's own change (own_changes)
         return side
     if turn is not None:
         t = find_turn(j, turn, session)
@@ -209,9 +208,8 @@ def select(j: Journal, states: States, *, call: str | None = None, turn: int | s
         lo, hi = t["begin_seq"], t["end_seq"] or last
         evs = _selection_events(j, lo, hi)
         mine = [e for e in evs if _unit_session(e.get("unit")) == sid]
-        side = _selected(states, mine, (lo, hi), keep=keep)
+        side = _selected(states, mine, (lo, hi), keep=keep, every=evs)
         _interleaved(states, side, mine, evs, lambda u: _unit_session(u) == sid, (lo, hi))
-        side.events = evs  # other writers' too: each writer's own change (own_changes)
         return side
     if session is not None:
         rec = j.record("sessions", session.encode())
@@ -219,9 +217,8 @@ def select(j: Journal, states: States, *, call: str | None = None, turn: int | s
             raise SelectionError(f"no session {session}")
         evs = _selection_events(j, since + 1 if since is not None else 1)  # --since: after it
         mine = [e for e in evs if _unit_session(e.get("unit")) == session]
-        side = _selected(states, mine, keep=keep)
+        side = _selected(states, mine, keep=keep, every=evs)
         _interleaved(states, side, mine, evs, lambda u: _unit_session(u) == session)
-        side.events = evs  # other writers' too: each writer's own change (own_changes)
         return side
     # (since, until]: everything recorded after --since, as its help, export.md, `log`,
     # `revert` and replay's points say (event ``since`` itself was in the diff)
@@ -407,12 +404,13 @@ def find_turn(j: Journal, turn, session: str | None = None,
 
 
 def _selected(states: States, events: list[dict], bounds: tuple[int, int] | None = None, *,
-              keep=None) -> Side:
+              keep=None, every: list[dict] | None = None) -> Side:
     """side_of for select(): the journal remembers the selection's events first, since the
     states look each up again (``Journal.event``), a second decoding of every one."""
     states.j.remember_events(events)
     side = side_of(states, events, bounds, keep=keep, read_ahead=True, settle=bounds is None)
-    side.events = events
+    # every writer's events in the selection's range, other writers' too (own_changes)
+    side.events = events if every is None else every
     return side
 
 

@@ -32,7 +32,7 @@ from collections import namedtuple
 from contextlib import contextmanager
 
 from ..journal import Journal, preimage
-from ..journal.renames import RenameIndex
+from ..journal.renames import RenameIndex, outermost
 from ..journal.schema import (MARK_OPS, beneath_rule, call_unit, is_dir_rename, revert_unit, session_unit,
                               turn_unit)
 from ..secrets import Secrets, placeholder, public_in
@@ -1113,10 +1113,8 @@ class States:
             sealed = {self.map_name(p, seq, INF): seq for p, seq in self.j.seals()}
             sealed.pop(None, None)
             paths = set(sealed)
-            tops = sorted(p for p, seq in sealed.items() if self._marked_dir(p, seq))
-            for i, top in enumerate(tops):
-                if not any(top.startswith(t + "/") for t in tops[:i]):
-                    paths.update(n for n in self.tree.walk(top) if n not in sealed)
+            for top in outermost(p for p, seq in sealed.items() if self._marked_dir(p, seq)):
+                paths.update(n for n in self.tree.walk(top) if n not in sealed)
         out = []
         last = self.j.last_seq()
         for p in sorted(paths):

@@ -11,6 +11,16 @@ from __future__ import annotations
 import bisect
 
 
+def outermost(dirs) -> list[str]:
+    """``dirs`` sorted, without those beneath another of them (a walk of each that is left
+    takes them in)."""
+    out: list[str] = []
+    for d in sorted(dirs):
+        if not any(d.startswith(t + "/") for t in out):
+            out.append(d)
+    return out
+
+
 class RenameIndex:
     """``renames`` (``Journal.dir_renames()``, in order) and, for each directory, the indexes
     of the renames it is the source or target of."""
