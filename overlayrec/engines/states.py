@@ -816,9 +816,12 @@ class States:
 
     def descendants(self, d: str, at: int) -> list[str]:
         """The paths beneath directory ``d`` that held something at point ``at``."""
+        return sorted(c for c in self._beneath_candidates(d, at) if self.state(c, at).present)
+
+    def _beneath_candidates(self, d: str, at: int):
+        """Names beneath ``d`` that may hold something at ``at`` (a superset)."""
         moved = self._moved_sets().get((d, at))
-        got = moved if moved is not None else (c for c in self.candidates(at) if _under(c, d))
-        return sorted(c for c in got if self.state(c, at).present)
+        return moved if moved is not None else (c for c in self.candidates(at) if _under(c, d))
 
     def _moved_sets(self) -> dict[tuple[str, int], set[str]]:
         """``candidates(at)`` beneath each directory a rename moves, just before it (what
@@ -874,9 +877,16 @@ class States:
                 if r.get("flags", 0) & 2:
                     sides.append((r["dst"], r["src"]))
                 for a, b in sides:
-                    for c in self.descendants(a, r["seq"] - 1):
-                        names.add(c)
-                        names.add(b + c[len(a):])
+                    # a name and its moved name both known already add nothing, so only
+                    # the others are asked whether they held something: a directory moved
+                    # back and forth with files made and removed beneath it asked every
+                    # name at every rename (names x renames states)
+                    for c in self._beneath_candidates(a, r["seq"] - 1):
+                        moved = b + c[len(a):]
+                        if (c not in names or moved not in names) and \
+                                self.state(c, r["seq"] - 1).present:
+                            names.add(c)
+                            names.add(moved)
             self._names = sorted(names)
         return self._names
 
