@@ -1034,7 +1034,8 @@ _fmt_time = readers.fmt_time
 
 @main.command(name="log")
 @_workspace_param()  # not click.Path: it would stat a hung mount
-@click.option("--path", "glob", help="Only events on this path, paths beneath it or paths "
+@click.option("--path", "glob", multiple=True,
+              help="Only events on this path, paths beneath it or paths "
               "matching this glob (either side of a rename).  A path (no *, ? or [) is followed "
               "back as blame follows it: the events on its earlier names, and each directory "
               "rename that moved it; a glob matches the events' own paths only.")
@@ -1065,9 +1066,11 @@ def log_cmd(workspace, glob, limit, call_id, turn_sel, sid, actor, since, until,
     if unknown:  # `--op delete` (the op is unlink) matched nothing, without a word
         raise click.UsageError(f"no operation {unknown[0]!r}; the record's operations: "
                                + ", ".join(OPS))
+    if len(glob) > 1:  # click kept the last alone, without a word
+        raise click.UsageError("log follows one --path (a glob matches several paths)")
     ws = state.resolve_workspace(workspace, must_exist=False, upward=True)
     try:
-        glob = readers.workspace_glob(ws, glob)
+        glob = readers.workspace_glob(ws, glob[0] if glob else None)
     except readers.Refusal as e:
         raise Fail(str(e)) from None
     sd = _state_dir_for(ws, state_dir)
@@ -1831,8 +1834,9 @@ def _tree_for(ws: str, sd: str):
 @click.option("--name-status", "fmt", flag_value="name-status", help="git diff --name-status.")
 @click.option("--patch", "fmt", flag_value="patch", default=True, help="A unified diff (default).")
 @click.option("--binary", is_flag=True, help="Binary patches (for git apply).")
-@click.option("--path", "glob", help="Only this path, the paths beneath it, or those matching this glob "
-              "(* crosses /).")
+@click.option("--path", "glob", multiple=True,
+              help="Only this path, the paths beneath it, or those matching this glob "
+              "(* crosses /); repeatable: any of them.")
 @click.option("--by-writer", is_flag=True, help="Split the changes by call and outside actor.")
 @click.option("--json", "as_json", is_flag=True, help="Files, their status and writers, as JSON.")
 @click.option("--state-dir", type=PATH)
@@ -2276,8 +2280,9 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
               "begun last.")
 @click.option("--since", type=SEQ0,
               help="Revert everything recorded after this sequence number.")
-@click.option("--path", "glob", help="Only this path, the paths beneath it, or those matching this glob "
-              "(* crosses /).")
+@click.option("--path", "glob", multiple=True,
+              help="Only this path, the paths beneath it, or those matching this glob "
+              "(* crosses /); repeatable: any of them.")
 @click.option("--yes", is_flag=True, help="Carry it out (default: preview only).")
 @click.option("--force", is_flag=True, help="Revert the paths without conflicts, report the rest "
               "(with --continue: carry on past the paths changed since the revert began).")
@@ -2299,6 +2304,8 @@ def revert(workspace, call_id, turn_sel, sid, since, glob, yes, force, cont, as_
     except readers.Refusal as e:
         raise Fail(str(e)) from None
     sd = _state_dir_for(ws, state_dir)
+    if cont and glob is not None:
+        raise Fail("--continue carries on the revert as it was planned: it takes no --path")
     if cont:
         rec = reverts.pending(sd)
         if rec is None:

@@ -491,10 +491,18 @@ def guessed_line(paths: list[str], others: list[str]) -> str:
 
 # -- diffs ------------------------------------------------------------------------------------
 
-def workspace_glob(ws: str, glob: str | None) -> str | None:
+def workspace_glob(ws: str, glob):
     """``--path`` as the workspace-relative pattern the readers match: an absolute one is
     taken as beneath the workspace (None: the workspace itself, every path), and refused when
-    it is not (it matched nothing, silently: an empty diff, "nothing to revert")."""
+    it is not (it matched nothing, silently: an empty diff, "nothing to revert").  Given more
+    than once (a tuple): each so, a list of them, or None when one is the whole workspace
+    (click took the last alone, without a word: `revert --path a --path b` of a rename
+    removed b and put nothing back, found by a bug hunt)."""
+    if isinstance(glob, (tuple, list)):
+        each = [workspace_glob(ws, g) for g in glob]
+        if not each or None in each:
+            return None
+        return each[0] if len(each) == 1 else sorted(set(each))
     if glob is None:
         return glob
     if glob == "":

@@ -27,13 +27,17 @@ def _escaped(text: str, quotes: bool) -> str:
     return "".join(out)
 
 
-def path_matcher(pattern: str):
+def path_matcher(pattern):
     """What ``--path PATTERN`` selects, as a predicate on workspace-relative paths: the path
     itself (a name with ``*``, ``?`` or ``[`` in it matches as written), a directory and
     everything beneath it (``src``, ``src/``), or a glob (fnmatch: ``*`` crosses ``/``).  A
     leading ``./`` is the workspace's; ``.`` and ``./`` are all of it, and ``d/./f`` and
-    ``d//f`` are ``d/f`` (they selected nothing, or the root alone: found by a hunt)."""
+    ``d//f`` are ``d/f`` (they selected nothing, or the root alone: found by a hunt).
+    Several patterns (``--path`` given again) select what any of them selects."""
     import fnmatch
+    if not isinstance(pattern, str):
+        each = [path_matcher(p) for p in pattern]
+        return lambda p: any(m(p) for m in each)
     pat = "/".join(part for part in pattern.split("/") if part not in ("", "."))
     if not pat:
         return lambda p: True

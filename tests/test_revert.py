@@ -726,6 +726,26 @@ def test_path_selects_a_name_as_written_a_directory_beneath_or_a_glob(make_mount
         assert now[p] == after[p], p
 
 
+def test_path_given_twice_selects_both_sides_of_a_rename(make_mount, tmp_path):
+    """`--path rf --path sub/rf` (what the warning of a rename half outside --path asks for)
+    selects both names, in diff and revert: click kept the last alone, so the revert removed
+    `sub/rf` and put nothing back.  log follows one path: a second is refused, not dropped."""
+    m = setup_ws(make_mount, tmp_path, {"rf": b"keep\n", "sub/other": b"o\n", "x": b"x\n"})
+    m.mount()
+    before = tree_of(m.ws)
+    run_call(m, tmp_path, "mv rf sub/rf && echo more >> x")
+    r = overlayrec("diff", m.ws, "--call", "c1", "--json", "--path", "rf", "--path", "sub/rf")
+    assert sorted(f["path"] for f in json.loads(r.stdout)["files"]) == ["sub/rf"], r.stdout
+    r = overlayrec("log", m.ws, "--path", "rf", "--path", "x", check=False)
+    assert r.returncode == 2 and "one --path" in r.stderr, r.stderr
+    r = overlayrec("revert", m.ws, "--call", "c1", "--path", "rf", "--path", "sub/rf",
+                   "--yes", check=False)
+    assert r.returncode == 0 and "came by a rename" not in r.stderr, r.stderr
+    now = tree_of(m.ws)
+    assert now["rf"] == before["rf"] and "sub/rf" not in now, sorted(now)
+    assert now["x"] != before["x"]  # not named: left as the call made it
+
+
 def test_a_refusal_of_many_conflicts_is_one_short_line(make_mount, tmp_path):
     """The error names ten paths of each kind and counts the rest; the plan lists them all."""
     m = setup_ws(make_mount, tmp_path, {f"f{i:02d}": b"x\n" for i in range(25)})
