@@ -959,6 +959,8 @@ def test_names_longer_than_a_ref_component_are_exported(make_mount, tmp_path):
     long_ref = next(r for r in calls if not r.endswith("/short"))
     msg = git(out["git_dir"], "log", "-1", "--format=%B", long_ref)
     assert f"Overlayrec-Call: {cid}" in msg and f"Overlayrec-Session: {sid}" in msg, msg
+    # the calls were begun in no turn: no turn trailer (it said "None")
+    assert "Overlayrec-Turn" not in msg, msg
     assert git(out["git_dir"], "ls-tree", "--name-only", long_ref).split() == ["one", "two"]
 
 

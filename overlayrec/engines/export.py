@@ -745,6 +745,10 @@ class Exporter:
                     ("Overlayrec-Session", trailer_id(sid)),
                     ("Overlayrec-Seq", f"{lo + 1}..{hi}"), ("Overlayrec-Status", str(c.get("status"))),
                     ("Overlayrec-Begin", str(c["begin_t"])), ("Overlayrec-End", str(c["end_t"]))]
+        # a call in no turn (an implicit call, an agent without turns) has no turn to name:
+        # the trailer said "None", Python's word (found by a bug hunt)
+        trailers = [(k, v) for k, v in trailers if not (k == "Overlayrec-Turn" and
+                                                         c.get("turn") is None)]
         if EXTRA_TRAILERS:
             if c.get("summary"):
                 trailers.append(("Overlayrec-Summary", _trailer_value(c["summary"], False)))
