@@ -583,11 +583,16 @@ def status(workspace, as_json, state_dir):
     if not (in_table or recorded or os.path.isdir(ws)):  # as mount and revert say it
         raise Fail(f"workspace {workspace}: not a directory")
     left_open = False
+    corrupt = None
     if recorded:
         j = Journal(sd, readonly=True)
         try:
             events = j.count()
-            left_open = not in_table and not pid and left_unsealed(j)
+            try:
+                j.scan()
+            except JournalError as e:
+                corrupt = str(e)
+            left_open = corrupt is None and not in_table and not pid and left_unsealed(j)
         finally:
             j.close()
     holders = state.underlay_holders(ws, {os.getpid()} | ({pid} if pid else set())) \
@@ -595,9 +600,9 @@ def status(workspace, as_json, state_dir):
     pending = [r["id"] for r in state.saved_reverts(sd, damaged_ok=True)
                if r.get("status") == "running"]
     damaged_plans = [{"file": n, "why": w} for n, w in state.damaged_reverts(sd)]
-    drifted, unchecked = _drifted(ws, sd) if events is not None and not hung and not dead \
-        else (None, [])
-    size = _record_size(ws, sd, mounted) if events is not None and not hung and not dead \
+    readable = events is not None and not hung and not dead and corrupt is None
+    drifted, unchecked = _drifted(ws, sd) if readable else (None, [])
+    size = _record_size(ws, sd, mounted) if readable \
         else None
     live, owner, ending = _live_sessions(sd) if mounted and not hung and pid else \
         (None, None, False)
@@ -609,7 +614,8 @@ def status(workspace, as_json, state_dir):
            "journal_missing": events is None and _had_journal(sd),
            "record_bytes": size["total"] if size else None,
            "attic": size["attic"] if size else None, "sessions": live, "mounted_for": owner,
-           "ending": ending or bool(pid and not in_table), "left_unsealed": left_open}
+           "ending": ending or bool(pid and not in_table), "left_unsealed": left_open,
+           "corrupt": corrupt}
     if as_json:
         click.echo(json.dumps(out))
         _journal_gone(out)
@@ -697,11 +703,28 @@ def _status_of_anothers(ws: str, uid: int, as_json: bool) -> None:
     click.echo("  journal: in that user's state dir, not yours to read")
 
 
+def _corrupt_record(sd: str) -> str | None:
+    """Why the journal in ``sd`` is damaged (Journal.scan), None when it reads whole."""
+    try:
+        j = Journal(sd, readonly=True)
+    except JournalError as e:
+        return str(e)
+    try:
+        j.scan()
+    except JournalError as e:
+        return str(e)
+    finally:
+        j.close()
+    return None
+
+
 def _journal_gone(out: dict) -> None:
     """status's exit: 1 when the record's journal is gone (a found hunt: "none yet", exit 0)."""
     if out["journal_missing"]:
         raise Fail(f"the journal of {out['workspace']} is missing from {out['state_dir']}: "
                    "the record's history is gone")
+    if out["corrupt"]:
+        raise Fail(f"{out['corrupt']} (`overlayrec check` says what can still be read)")
 
 
 def _live_sessions(sd: str) -> tuple[list[dict] | None, dict | None, bool]:
@@ -1544,11 +1567,17 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
     if mounted_here:
         _release_mount(ws, sd)
         unsealed = _unsealed_at_end(ws, sd)
+    corrupt = None
     try:
         _print_summary(sd, sid)
     except Exception as e:  # the summary must not hide CMD's status
         click.echo(f"overlayrec: no summary: {e}", err=True)
+        corrupt = _corrupt_record(sd)
     rc = rc if rc >= 0 else 128 - rc
+    if corrupt:  # recorded into a journal the readers refuse: not a record to trust
+        click.echo(f"overlayrec: error: the session was recorded into a damaged record: "
+                   f"{corrupt} (`overlayrec check` says what can still be read)", err=True)
+        sys.exit(rc or 1)
     if unsealed:  # CMD's own failure, if any, keeps its status
         click.echo(f"overlayrec: error: {unsealed}", err=True)
         sys.exit(rc or 1)

@@ -201,6 +201,70 @@ def test_corrupt_journal_is_reported_not_raised(tmp_path):
     assert (sd / "journal" / "data.mdb").read_bytes() == before  # nothing overwritten
 
 
+_PROBE = textwrap.dedent('''
+    import sys
+    from overlayrec.journal import Journal, JournalError
+    try:
+        j = Journal(sys.argv[1], readonly=True)
+        j.count()
+    except Exception:
+        sys.exit(2)  # the open or the count meets it: not the page sought
+    try:
+        j.scan()
+    except JournalError:
+        sys.exit(0)
+    sys.exit(1)
+''')
+
+
+def _garbled_where_only_a_scan_finds_it(sd: str) -> bool:
+    """Garble one page of ``sd``'s journal (from the end, a fixed pattern) such that the
+    journal still opens and counts its events, and only a read of every page (Journal.scan)
+    finds it; False when no page is so.  Each try in a process of its own (LMDB's map of
+    the file is the process's)."""
+    data = os.path.join(sd, "journal", "data.mdb")
+    good = open(data, "rb").read()
+    for page in range(len(good) // 4096 - 1, 1, -1):
+        bad = bytearray(good)
+        bad[page * 4096:(page + 1) * 4096] = bytes((i * 37 + 11) % 251 for i in range(4096))
+        with open(data, "wb") as f:
+            f.write(bad)
+        if subprocess.run([sys.executable, "-c", _PROBE, sd]).returncode == 0:
+            return True
+    with open(data, "wb") as f:
+        f.write(good)
+    return False
+
+
+@needs_fuse
+def test_a_page_garbled_inside_the_journal_is_said_by_status_and_run(make_mount):
+    """One garbled page among the events: every reader refused the journal, but `status`
+    said all was well (exit 0) and `run` recorded a session into it and exited 0, saying
+    only "no summary" (found by a bug hunt).  Both now say it is damaged, exit 1."""
+    m = make_mount()
+    for i in range(300):
+        with open(os.path.join(m.ws, f"f{i}"), "w") as f:
+            f.write(f"file {i}\n")
+    m.mount()
+    for s in ("s1", "s2"):
+        overlayrec("run", "-w", m.ws, "--session", s, "--", "sh", "-c",
+                   f"for i in $(seq 0 299); do echo {s} >> f$i; done")
+    m.umount()
+    assert _garbled_where_only_a_scan_finds_it(m.state)
+    r = overlayrec("status", m.ws, "--state-dir", m.state, check=False)
+    assert r.returncode == 1 and "corrupt" in r.stderr and "Traceback" not in r.stderr, r
+    st = json.loads(overlayrec("status", m.ws, "--state-dir", m.state, "--json",
+                               check=False).stdout)
+    assert "corrupt" in st["corrupt"], st
+    try:
+        r = overlayrec("run", "-w", m.ws, "--state-dir", m.state, "--", "sh", "-c",
+                       "echo agent > new.txt", check=False)
+    finally:
+        force_unmount(m.ws)
+    assert r.returncode != 0 and "corrupt" in r.stderr and "Traceback" not in r.stderr, \
+        r.stderr
+
+
 @needs_fuse
 def test_a_journal_that_lost_its_data_is_never_begun_again(make_mount):
     """data.mdb emptied (or damaged so that its format record is gone) after a record was kept:

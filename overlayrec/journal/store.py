@@ -1043,6 +1043,22 @@ class Journal:
         with self._read(db=self.dbs["events"]) as txn:
             return txn.stat(self.dbs["events"])["entries"]
 
+    def scan(self) -> None:
+        """Read every page of every table once (keys, values, overflow pages' first): a
+        JournalError when one is damaged.  A page garbled inside the events left `status`
+        saying all was well and `run` recording into a journal every reader refused (found
+        by a bug hunt); about 0.3 s for a 140 MB journal, so `status` and `run`'s end do it,
+        not every mount."""
+        try:
+            with self.env.begin(buffers=True) as txn:
+                for db in self.dbs.values():
+                    if db is None:  # a table this older journal does not have
+                        continue
+                    for _key, value in txn.cursor(db):
+                        value[:1]  # an overflow page is read when the value is
+        except lmdb.Error as e:
+            raise JournalError(f"journal in {self.state_dir} is corrupt: {e}") from None
+
     def last_seq(self) -> int:
         if self.readonly:  # what the writer wrote ahead since: a seq named here can be read
             self._catch_up()
