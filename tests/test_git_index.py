@@ -91,6 +91,56 @@ def test_a_refresh_is_told_from_a_change(tmp_path, object_format, version):
     assert index(r) != flagged and gitindex.refreshed(".git/index", flagged, index(r))
 
 
+@pytest.mark.parametrize("object_format", ["sha1", "sha256"])
+@pytest.mark.parametrize("version", [2, 4])
+def test_a_split_index_is_read_with_its_shared_file(tmp_path, object_format, version):
+    """core.splitIndex: a refresh moves the entries whose stat changed into the split part,
+    the shared file unchanged; compared raw, a `git status` after a `git add` made the add's
+    revert a conflict (found by a bug hunt).  Read with the shared file, as git merges them,
+    it is a refresh; a staged change is not; unreadable shared file: not a refresh."""
+    r = repo(str(tmp_path / "r"), object_format)
+    git(r, "update-index", f"--index-version={version}")
+    git(r, "config", "core.splitIndex", "true")
+    git(r, "config", "splitIndex.maxPercentChange", "100")  # keep one shared file throughout
+    git(r, "update-index", "--split-index")
+    git(r, "status", "--short")
+
+    def shared(name):
+        assert name.startswith(".git/sharedindex."), name
+        try:
+            with open(os.path.join(r, name), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def shared_files():
+        return sorted(n for n in os.listdir(os.path.join(r, ".git")) if n.startswith("sharedindex."))
+
+    base = index(r)
+    with open(os.path.join(r, "d1", "f1"), "a") as f:
+        f.write("more\n")
+    git(r, "add", "d1/f1")
+    added = index(r)
+    assert not gitindex.refreshed(".git/index", base, added, shared=shared)
+    files = shared_files()
+    time.sleep(1.05)
+    for n in ("d0/f0", "d0/f3", "d2/f2", "d2/f5"):  # stat moved, content not
+        os.utime(os.path.join(r, n))
+    git(r, "update-index", "-q", "--refresh")  # what `git status` does on a larger tree
+    refreshed = index(r)
+    assert shared_files() == files, "git wrote a new shared file: the test shows nothing"
+    assert refreshed != added, "git did not rewrite its index: the test shows nothing"
+    # the raw split parts differ beyond the stat data (the entries git moved)
+    hash_len = 32 if object_format == "sha256" else 20
+    raw = [gitindex._parse(x, hash_len) for x in (added, refreshed)]
+    assert raw[0][3] is not None and raw[0][1:] != raw[1][1:], "split, and moved"
+    assert gitindex.refreshed(".git/index", added, refreshed, shared=shared)
+    assert gitindex.refreshed(".git/index", refreshed, added, shared=shared)
+    assert not gitindex.refreshed(".git/index", base, refreshed, shared=shared)
+    gitindex._READ.clear()  # (what it read with the shared file is kept: its name is its hash)
+    assert not gitindex.refreshed(".git/index", added, refreshed, shared=lambda name: None)
+
+
 def test_what_is_not_a_git_index_is_never_a_refresh(tmp_path):
     r = repo(str(tmp_path / "r"))
     before = index(r)

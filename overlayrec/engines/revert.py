@@ -282,7 +282,7 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
                 end = states.state(p, INF)
                 if now.kind != "file" or end.drifted or not expected.same(end):
                     step.conflict, step.note = "unrecorded", unknown
-            elif not expected.same(now) and not _refreshed(p, expected, now):
+            elif not expected.same(now) and not _refreshed(p, expected, now, live):
                 if now.exact and target.exact and target.same(now) and reverted:
                     # an earlier revert put back since what the selection changed (one of
                     # the turn's calls reverted by the agent inside the turn): nothing to
@@ -495,23 +495,33 @@ AROUND_NOTE = ("changed around the mount while its unit went on (by a process th
                "the mount, or after its daemon was killed): what the unit left is not known")
 
 
-def _refreshed(path: str, a: State, b: State) -> bool:
+def _refreshed(path: str, a: State, b: State, live: Tree) -> bool:
     """Do ``a`` and ``b`` differ only as a git index refreshed by git itself (a `git
     status` after a file's stat changed: engines.gitindex)?  Then putting back one over the
-    other loses nothing, and it is not a conflict."""
+    other loses nothing, and it is not a conflict.  A split index's shared file is read
+    from ``live``: git never rewrites one (its name is its hash)."""
     if not (a.kind == b.kind == "file" and a.mode == b.mode and a.exact and b.exact and
             gitindex.is_index(path)) or over_limit(a.data) or over_limit(b.data):
         return False
     try:
-        return gitindex.refreshed(path, whole(a.data), whole(b.data))
+        return gitindex.refreshed(path, whole(a.data), whole(b.data),
+                                  shared=lambda name: _small_file(live, name))
     except (OSError, JournalError):  # a content that cannot be read now: a conflict, as before
         return False
+
+
+def _small_file(live: Tree, rel: str) -> bytes | None:
+    """The live content of a regular file ``rel`` within the size a reader holds; None."""
+    st = live.state(rel)
+    if st.kind != "file" or over_limit(st.data):
+        return None
+    return whole(st.data)
 
 
 def _a_refresh(states: States, path: str, seq: int) -> bool:
     """Was another unit's event ``seq`` on ``path`` git refreshing its index (_refreshed)?"""
     return gitindex.is_index(path) and _refreshed(path, states.state(path, seq - 1),
-                                                  states.state(path, seq))
+                                                  states.state(path, seq), states.tree)
 
 
 def _changed_around(states: States, path: str, first: int) -> str | None:
@@ -1073,7 +1083,7 @@ def unmet(live: Tree, step: Step, result: str, around: set[str] = frozenset()) -
     if t.same(now, owner=False) or t.kind == now.kind == "dir" or \
             (now.kind == "dir" and (result == KEPT or step.path in around)):
         return None  # a directory's mode is its DirMode step's
-    if _refreshed(step.path, t, now):
+    if _refreshed(step.path, t, now, live):
         return None  # git refreshed the index it put back (an editor's git panel polling)
     if now.kind != t.kind:
         return f"holds {_a(now.kind)} where the revert put back {_a(t.kind)}"
@@ -1480,7 +1490,7 @@ def changed_since(live, step: Step, ours: set | None = None, *, removed: bool = 
     # (KEPT); one on the way of the plan's paths is made by their steps (``ways``)
     return now.present and now.kind != "dir" and \
         not (now.same(step.expected) or now.same(step.target)) and \
-        not _refreshed(step.path, step.expected, now)  # git's index refreshed, as the plan
+        not _refreshed(step.path, step.expected, now, live)  # git's index refreshed, as the plan
 
 
 def plan_from_json(d: dict, content_get) -> Plan:
