@@ -241,6 +241,9 @@ def _errno_boundary(fn):
 
 class Operations(pyfuse3.Operations):
     enable_writeback_cache = False
+    # the kernel checks POSIX ACLs with the mode (default_permissions checks the mode bits
+    # alone otherwise: a user an ACL lets read a 0600 file was refused through the mount)
+    enable_acl = True
     # no NFS export: the kernel then never asks us to look up ".." (see _parent_of)
     supports_dot_lookup = False
 

@@ -78,6 +78,10 @@ t("rename_over_nonempty_dir", lambda: (os.mkdir("own/d2"), os.mkdir("own/sub/in"
 t("rename_exdev", lambda: os.rename("own/new", "/dev/shm/overlayrec-probe-x"))
 t("truncate_readonly", lambda: os.truncate("ro_file", 0))
 t("chmod_own", lambda: (os.chmod("own/new", 0o4755), oct(os.stat("own/new").st_mode))[1])
+t("read_acl_granted", lambda: open("acl_granted", "rb").read().decode())
+t("write_acl_granted", lambda: write("acl_granted", b"by acl", os.O_WRONLY | os.O_TRUNC))
+t("create_in_acl_dir", lambda: write("acl_dir/new", b"x"))
+t("list_acl_dir", lambda: sorted(os.listdir("acl_dir")))
 t("o_direct", lambda: (lambda fd: (os.write(fd, mmap.mmap(-1, 4096)), os.close(fd)))(
     os.open("own/direct", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)) and None)
 t("o_direct_size", lambda: os.path.getsize("own/direct"))
@@ -115,6 +119,23 @@ def build(root: str) -> None:
     os.symlink("loop2", os.path.join(root, "own/loop1"))
     os.symlink("loop1", os.path.join(root, "own/loop2"))
     d("sgid", 0o2777, 0, GROUP)
+    # a user an access ACL lets in where the mode alone would not (default_permissions
+    # checked the mode bits only: refused through the mount, found 2026-12-06)
+    f("acl_granted", mode=0o600)
+    d("acl_dir", 0o700)
+    for rel, perm in (("acl_granted", 6), ("acl_dir", 7)):
+        _set_acl(os.path.join(root, rel), NOBODY, perm)
+
+
+def _set_acl(path: str, uid: int, perm: int) -> None:
+    """An access ACL (its xattr, as setfacl writes it) that gives ``uid`` ``perm`` besides
+    the owner's rw(x) and nothing to the group or others."""
+    import struct
+    undefined = 0xFFFFFFFF
+    entries = [(0x01, 7, undefined), (0x02, perm, uid), (0x04, 0, undefined),
+               (0x10, perm, undefined), (0x20, 0, undefined)]  # user::, user:uid, group::, mask, other
+    value = struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in entries)
+    os.setxattr(path, "system.posix_acl_access", value)
 
 
 def probe(path: str) -> dict:
@@ -139,6 +160,7 @@ def test_unprivileged_user_sees_native_semantics(tmpbase, make_mount):
     assert want["name_too_long"] == "ENAMETOOLONG" and want["eloop"] == "ELOOP"
     assert want["create_own_attrs"][1:3] == [NOBODY, NOBODY]
     assert want["setgid_dir_file"][2] == GROUP
+    assert want["read_acl_granted"] == "data" and want["create_in_acl_dir"] == "ok"
     assert {k: v for k, v in got.items() if v != want[k]} == {}, \
         {k: (want[k], got[k]) for k in got if got[k] != want[k]}
     # and what the unprivileged user did is in the journal, as theirs
