@@ -845,10 +845,16 @@ def test_an_interim_commit_of_a_calls_background_writes_is_not_the_agents(make_m
     wrote nothing.  Found by a bug hunt."""
     m = make_mount().mount()
     o = f"{sys.executable} -m overlayrec"
+    # the job writes once the turn has ended (a flag outside the workspace), not after a
+    # fixed sleep: on a loaded machine the two commands ending the call and the turn took
+    # longer than the sleep, and the write fell inside the turn
+    flag = os.path.join(os.path.dirname(m.ws), "turn-ended")
     overlayrec("run", "-w", m.ws, "--session", "s", "--", "sh", "-c",
                f"{o} turn begin --prompt p; {o} call begin --id K --tool Bash; "
-               "bash -c '(sleep 0.5; echo late > late.txt) >/dev/null 2>&1 &'; "
-               f"{o} call end --id K; {o} turn end; sleep 1.5; {o} turn begin --prompt q; "
+               f"bash -c '(while [ ! -e {flag} ]; do sleep 0.05; done; echo late > late.txt) "
+               ">/dev/null 2>&1 &'; "
+               f"{o} call end --id K; {o} turn end; touch {flag}; sleep 1.5; "
+               f"{o} turn begin --prompt q; "
                f"{o} call begin --id L --tool Bash; bash -c 'echo l > l.txt'; "
                f"{o} call end --id L; {o} turn end", cwd=m.ws)
     overlayrec("export", "git", m.ws)
