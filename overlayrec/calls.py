@@ -30,7 +30,10 @@ Rules (each has a test):
 * an implicit call ends when its processes have all exited (the agent's child at the top of its
   line and every descendant seen: attributed writers, children found in /proc, and orphans the
   runner adopted, placed by start time), or at its session's end at the latest.  The daemon
-  checks every few tenths of a second (``end_exited_calls``); later writes are ``after_end``.
+  checks every few tenths of a second (``end_exited_calls``); later writes are ``after_end``;
+* a turn the agent's stop ended is taken up again, until the next prompt, by a call it begins,
+  its own write, or its stop after a blocked one (a stop hook of the user's may block a stop:
+  the agent goes on in the same turn), and ends at its last stop (``take_up``).
 
 Every unit's end, once journaled, is passed to ``Calls.on_unit_end`` (when set) as its key.
 
@@ -235,6 +238,10 @@ class Session:
         self.active: list[Call] = []
         self.turns: list[dict] = []
         self.announced = False          # has any call been announced by hooks?
+        # the turn the agent's stop ended, which it may take up again before the next prompt
+        # (a stop hook of the user's blocked that stop): (its record, whether the agent's own
+        # writes take it up too, or only the calls it begins), None once a prompt came
+        self.stopped: tuple[dict, bool] | None = None
         self.child_units: dict[str, tuple[str, Call | None]] = {}
         self.members: dict[str, Call] = {}  # live process key -> the implicit call it is of
 
@@ -467,6 +474,8 @@ class Calls:
                 call, how = self._choose(session.active, path=path)
                 return Unit(call.unit, candidates=[c.unit for c in session.active], chosen=how)
             self._end_exited_first(session)
+            if session.stopped is not None:  # the agent goes on after a blocked stop
+                self.take_up(session, actor, by_write=True)
             return Unit(session.own_unit())
         return self._child_unit(session, child, actor)
 
@@ -858,6 +867,7 @@ class Calls:
             self._end_call(s, c, caller, "abandoned")  # its processes outlive the session
         if s.turns and s.turns[-1]["end_t"] is None:
             self.turn_end(caller, s.id)
+        s.stopped = None
         self._place_survivors(s)
         s.ended = time.time_ns()
         self._control_event("session_end", s, caller)
@@ -979,6 +989,7 @@ class Calls:
         self._interrupt(s, caller)
         if s.turns and s.turns[-1]["end_t"] is None:
             self.turn_end(caller, s.id)
+        s.stopped = None  # a prompt: the stopped turn is over for good
         index = len(s.turns) + 1
         seq = self._control_event("turn_begin", s, caller, turn=index)
         t = {"session": s.id, "index": index, "prompt": prompt, "begin_t": time.time_ns(),
@@ -991,8 +1002,17 @@ class Calls:
         for c in [c for c in s.active if not c.implicit]:
             self._end_call(s, c, caller, "interrupted")
 
-    def turn_end(self, caller: dict, name: str | None) -> dict:
+    def turn_end(self, caller: dict, name: str | None, resume: str | None = None,
+                 again: bool = False) -> dict:
+        """End the session's open turn.  ``resume``: the turn ends at an agent's stop, which a
+        stop hook of the user's may block (the agent then goes on in the same turn, with no
+        new prompt): until the next prompt a call begun (``"calls"``), or also the agent's own
+        write (``"any"``), takes it up again (``take_up``).  ``again``: the agent's stop after
+        a blocked one (``stop_hook_active``): a turn an earlier stop ended is taken up and ends
+        here, so its span reaches the last stop."""
         s = self.resolve(name, caller)
+        if again and s.turn_index() is None:
+            self.take_up(s, caller)
         if not s.turns or s.turns[-1]["end_t"] is not None:
             raise ControlError(f"session {s.id} has no open turn")
         # a call of the turn still open at its end got no end from the agent (a tool denied,
@@ -1004,14 +1024,37 @@ class Calls:
         t["end_seq"] = self._control_event("turn_end", s, caller, turn=t["index"])
         t["end_t"] = time.time_ns()
         self.journal.put_record("turns", turn_key(s.id, t["index"]), t)
+        s.stopped = (t, resume == "any") if resume in ("calls", "any") else None
         self._unit_ended(turn_unit(s.id, t["index"]))
         return t
+
+    def take_up(self, s: Session, caller: dict, by_write: bool = False) -> None:
+        """Open again the turn the agent's last stop ended, when no prompt came since: the stop
+        was blocked (Claude Code's Stop hook answered ``{"decision": "block"}``: the agent goes
+        on in the same turn and stops again later).  Ended for good, the turn left out the
+        calls that followed (each of no turn, revert --turn then conflicting with them).
+        Journaled as a ``turn_begin`` of the same index (``again``), and the record's end is
+        cleared, so every reader of its span (turns, diff and revert --turn, log, export)
+        takes it up to its next end.  ``by_write``: asked for the agent's own write, which
+        takes up only a turn whose stop said so."""
+        if s.stopped is None or s.ended is not None:
+            return
+        t, writes = s.stopped
+        if (by_write and not writes) or not s.turns or s.turns[-1] is not t or \
+                t["end_t"] is None:
+            return
+        s.stopped = None
+        seq = self._control_event("turn_begin", s, caller, turn=t["index"], again=True)
+        t["taken_up"] = t.get("taken_up", []) + [seq]
+        t["end_t"] = t["end_seq"] = None
+        self.journal.put_record("turns", turn_key(s.id, t["index"]), t)
 
     def call_begin(self, caller: dict, name: str | None, call_id: str, tool: str,
                    summary: str | None) -> Call:
         s = self._open(name, caller)
         if call_id in s.calls:
             raise ControlError(f"call {call_id} already begun in session {s.id}")
+        self.take_up(s, caller)  # a call after a blocked stop: the turn goes on
         s.announced = True
         c = Call(s, call_id, tool, summary)
         c.before = _session_tree(s) if s.agent else set()

@@ -107,8 +107,9 @@ class Client:
     def turn_begin(self, prompt=None, session=None):
         return self.request("turn_begin", prompt=prompt, session=session)
 
-    def turn_end(self, session=None):
-        return self.request("turn_end", session=session)
+    def turn_end(self, session=None, resume=None, again=False):
+        """End the turn; ``resume`` and ``again`` for an agent's stop (Calls.turn_end)."""
+        return self.request("turn_end", session=session, resume=resume, again=again or None)
 
     def call_begin(self, call_id, tool, summary=None, session=None):
         return self.request("call_begin", id=call_id, tool=tool, summary=summary, session=session)

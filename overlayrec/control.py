@@ -45,6 +45,13 @@ class MountEnding(ControlError):
     """A session asked to begin in a mount that is ending."""
 
 
+def _resume(value) -> str | None:
+    """A turn end's ``resume`` (what takes the turn up again after the agent's stop)."""
+    if value not in (None, "calls", "any"):
+        raise ValueError("resume must be \"calls\" or \"any\"")
+    return value
+
+
 class _Local:
     """The client's methods, served in the daemon for a raw hook payload."""
 
@@ -60,8 +67,8 @@ class _Local:
     def turn_begin(self, prompt=None, session=None):
         return self.c.turn_begin(self.caller, session, prompt)
 
-    def turn_end(self, session=None):
-        return self.c.turn_end(self.caller, session)
+    def turn_end(self, session=None, resume=None, again=False):
+        return self.c.turn_end(self.caller, session, resume, again)
 
     def call_begin(self, call_id, tool, summary=None, session=None):
         if not call_id or not tool:
@@ -132,7 +139,7 @@ class ControlServer:
             t = c.turn_begin(caller, name, req.get("prompt"))
             return {"session": t["session"], "turn": t["index"]}
         if op == "turn_end":
-            t = c.turn_end(caller, name)
+            t = c.turn_end(caller, name, _resume(req.get("resume")), bool(req.get("again")))
             return {"session": t["session"], "turn": t["index"]}
         if op == "call_begin":
             if not req.get("id") or not req.get("tool"):

@@ -206,8 +206,8 @@ class _Target:
     def turn_begin(self, prompt=None, session=None):
         self.log.append(("turn_begin", prompt))
 
-    def turn_end(self, session=None):
-        self.log.append(("turn_end",))
+    def turn_end(self, session=None, resume=None, again=False):
+        self.log.append(("turn_end", resume, again))
 
     def session_end(self, session=None):
         self.log.append(("session_end",))
@@ -225,6 +225,27 @@ class _Target:
             raise ValueError(f"call {cid} already ended")
         self.calls[cid] = status
         self.log.append(("call_end", cid, status))
+
+
+def test_each_agents_stop_says_that_a_stop_hook_may_take_its_turn_on():
+    """A stop hook of the user's may block an agent's stop, and the agent goes on in the same
+    turn: each agent's stop ends the turn saying what may take it up again, and its stop
+    after a blocked one (``stop_hook_active``, Cursor's ``loop_count``) says so.  Cursor's
+    agent may be the editor the user saves files in: only its calls take the turn up."""
+    cases = [("claude-code", "Stop", {"stop_hook_active": False}, {"stop_hook_active": True}),
+             ("codex", "Stop", {"stop_hook_active": False, "turn_id": "t"},
+              {"stop_hook_active": True, "turn_id": "t"}),
+             ("gemini", "AfterAgent", {"stop_hook_active": False},
+              {"stop_hook_active": True}),
+             ("cursor", "stop", {"status": "completed", "loop_count": 0},
+              {"status": "completed", "loop_count": 1})]
+    for name, ev, first, later in cases:
+        t = _Target()
+        for extra in (first, later):
+            agents.get(name).apply(dict(extra, hook_event_name=ev, session_id="s"), t,
+                                   (ValueError,))
+        resume = "calls" if name == "cursor" else "any"
+        assert t.log == [("turn_end", resume, False), ("turn_end", resume, True)], name
 
 
 def test_gemini_calls_without_ids_pair_up_and_repeats_stay_apart():

@@ -19,7 +19,8 @@ pytestmark = pytest.mark.timeout(int(180 * SLOW))
 # ["hook", EVENT, PAYLOAD] pipes PAYLOAD (with hook_event_name, and cwd and session_id unless
 # given) to every command the project's Claude Code settings hold for EVENT, from the agent's
 # own working directory, and keeps what they said on stderr in ../hook-stderr; ["sh", COMMAND]
-# runs a command as a child; ["sleep", SECONDS] waits.  Any arguments before the list only make
+# runs a command as a child; ["write", PATH, TEXT] writes a file itself (an agent's own edit);
+# ["sleep", SECONDS] waits.  Any arguments before the list only make
 # its command line longer.
 AGENT = r'''
 import json, os, subprocess, sys, time
@@ -39,6 +40,9 @@ for step in steps:
                         f.write(r.stderr)
     elif step[0] == "sh":
         subprocess.run(["bash", "-c", step[1]], check=True)
+    elif step[0] == "write":
+        with open(step[1], "w") as f:
+            f.write(step[2])
     else:
         time.sleep(step[1])
 '''
@@ -158,6 +162,58 @@ def test_a_call_the_agent_never_ended_ends_with_its_turn(make_mount, tmp_path):
         plan = json.loads(overlayrec("revert", m.ws, "--turn", "1", "--json",
                                      env=clean_env()).stdout)
         assert {s["path"] for s in plan["steps"]} == {"f1"}, plan
+    finally:
+        m.umount()
+
+
+def test_a_stop_a_stop_hook_blocked_is_taken_up_again_to_the_last_stop(make_mount, tmp_path):
+    """Claude Code sends Stop, a Stop hook of the user's answers {"decision": "block"}, and
+    Claude goes on in the same turn (no new prompt) and stops again (``stop_hook_active``).
+    The turn ended at the first Stop: the later calls were of no turn, `turns` and `diff
+    --turn 1` left them out, `revert --turn 1` conflicted with them, and an export made
+    meanwhile kept the turn's commit at the first Stop.  The turn now holds them all and
+    ends at the last Stop, a Stop with nothing between included."""
+    m = installed(make_mount, tmp_path)
+    try:
+        export = f"{sys.executable} -m overlayrec export git {m.ws} >/dev/null"
+        run_agent(m, tmp_path, START + one_call("c1", "echo 1 > f1")
+                  + [["hook", "Stop", {"stop_hook_active": False}], ["sh", export],
+                     ["write", "own", "the agent's own\n"]]
+                  + one_call("c2", "echo 2 > f1; echo ok > f2")
+                  + [["hook", "Stop", {"stop_hook_active": True}],
+                     ["hook", "Stop", {"stop_hook_active": True}],  # blocked again: no call
+                     ["hook", "UserPromptSubmit", {"prompt": "p2"}]]
+                  + one_call("c3", "echo 3 > f3") + [["hook", "Stop", {}],
+                                                     ["hook", "SessionEnd", {}]])
+        assert hook_stderr(m) == ""
+        assert [(c["id"], c["turn"], c["status"]) for c in rows(m, "calls")] == \
+            [("c1", 1, "ok"), ("c2", 1, "ok"), ("c3", 2, "ok")]
+        assert units_of(m, "own") == {"turn:S1:1"}
+        stops = [e["seq"] for e in m.events() if e["op"] == "turn_end" and e.get("turn") == 1]
+        again = [e["seq"] for e in m.events() if e["op"] == "turn_begin" and e.get("again")]
+        assert len(stops) == 3 and len(again) == 2, (stops, again)
+        turns = rows(m, "turns")
+        assert [(t["index"], t["seq"][1], sorted(t["paths"])) for t in turns] == \
+            [(1, stops[-1], ["f1", "f2", "own"]), (2, turns[1]["seq"][1], ["f3"])], turns
+        assert rows(m, "calls", "--turn", "1") == rows(m, "calls")[:2]
+        names = {line.split()[-1] for line in overlayrec(
+            "diff", m.ws, "--turn", "1", "--name-status", env=clean_env()).stdout.splitlines()}
+        assert names == {"f1", "f2", "own"}
+        plan = json.loads(overlayrec("revert", m.ws, "--turn", "1", "--json",
+                                     env=clean_env()).stdout)
+        assert {s["path"] for s in plan["steps"]} == {"f1", "f2", "own"}, plan
+        assert not plan.get("conflicts"), plan
+        # the export made at the first Stop is taken on: the turn's commit is at its last
+        gd = json.loads(overlayrec("export", "git", m.ws, "--json", env=clean_env()).stdout)[
+            "git_dir"]
+        git = ["git", "--git-dir", gd]
+        got = subprocess.run(git + ["diff", "--stat", "refs/overlayrec/S1/base",
+                                    "refs/overlayrec/S1/turns/1"], capture_output=True,
+                             text=True, check=True).stdout
+        assert got == overlayrec("diff", m.ws, "--turn", "1", "--stat", env=clean_env()).stdout
+        msg = subprocess.run(git + ["log", "-1", "--format=%B", "refs/overlayrec/S1/turns/1"],
+                             capture_output=True, text=True, check=True).stdout
+        assert f"Overlayrec-Seq: {turns[0]['seq'][0]}..{stops[-1]}" in msg, msg
     finally:
         m.umount()
 

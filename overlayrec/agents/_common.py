@@ -45,10 +45,14 @@ def with_session(target, errors: tuple, sid, fn):
         return fn()
 
 
-def end_turn(target, errors: tuple, sid) -> None:
-    """End the open turn; none open (a Stop after an interrupted prompt) is no error."""
+def end_turn(target, errors: tuple, sid, again=False, resume: str = "any") -> None:
+    """End the open turn at the agent's stop; none open (a Stop after an interrupted prompt)
+    is no error.  A stop hook of the user's may block the stop, and the agent goes on in the
+    same turn: what it does before the next prompt takes the turn up again (``resume``: its
+    calls, or ``"any"``, also its own writes), and ``again`` (its stop after a blocked one)
+    ends the turn there (calls.Calls.turn_end)."""
     try:
-        target.turn_end(session=sid)
+        target.turn_end(session=sid, resume=resume, again=bool(again))
     except errors as e:
         if "no open turn" not in str(e) and not str(e).startswith("no session"):
             raise

@@ -45,8 +45,8 @@ def apply(payload: dict, target, errors: tuple) -> None:
     elif ev in ("PostToolUse", "PostToolUseFailure"):
         end_call(target, errors, sid, payload.get("tool_use_id"),
                  "ok" if ev == "PostToolUse" else "error")
-    elif ev == "Stop":
-        end_turn(target, errors, sid)
+    elif ev == "Stop":  # stop_hook_active: its earlier Stop was blocked, the turn went on
+        end_turn(target, errors, sid, again=payload.get("stop_hook_active") is True)
     elif ev == "SessionEnd":
         target.session_end(session=sid)
 

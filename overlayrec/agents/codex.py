@@ -63,8 +63,8 @@ def apply(payload: dict, target, errors: tuple) -> None:
     elif ev == "PostToolUse":
         status = "error" if _failed(payload.get("tool_response")) else "ok"
         end_call(target, errors, sid, payload.get("tool_use_id"), status)
-    elif ev == "Stop":
-        end_turn(target, errors, sid)
+    elif ev == "Stop":  # stop_hook_active: its earlier Stop was blocked, the turn went on
+        end_turn(target, errors, sid, again=payload.get("stop_hook_active") is True)
 
 
 def answer(event) -> str | None:

@@ -60,7 +60,11 @@ def apply(payload: dict, target, errors: tuple) -> None:
         end_call(target, errors, sid, payload.get("tool_use_id"),
                  "ok" if ev == "postToolUse" else "error")
     elif ev == "stop":
-        end_turn(target, errors, sid)
+        # a stop hook's followup_message goes on (loop_count: how many did); the agent may be
+        # the editor the user saves files in, so only the calls it begins take the turn up
+        loops = payload.get("loop_count")
+        end_turn(target, errors, sid, again=isinstance(loops, int) and loops > 0,
+                 resume="calls")
     elif ev == "sessionEnd":
         target.session_end(session=sid)
 

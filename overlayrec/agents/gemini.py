@@ -79,8 +79,8 @@ def apply(payload: dict, target, errors: tuple) -> None:
             base = derived_id(tool, payload.get("tool_input"))
             with_session(target, errors, sid,
                          lambda: end_derived(target, errors, sid, base, status))
-    elif ev == "AfterAgent":
-        end_turn(target, errors, sid)
+    elif ev == "AfterAgent":  # stop_hook_active: an earlier AfterAgent denied, a retry
+        end_turn(target, errors, sid, again=payload.get("stop_hook_active") is True)
     elif ev == "SessionEnd":
         target.session_end(session=sid)
 

@@ -42,6 +42,17 @@ from .states import States, State
 _REF_SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 
 
+def _unexported_end(st: dict, t: dict) -> bool:
+    """Is turn record ``t``'s end not yet in the session's chain (export state ``st``)?  A
+    turn exported at a stop the agent's stop hook blocked ends again later (calls.take_up): its
+    turn commit is made again at that end, and its ref moves there.  A state kept before the
+    ends were (no ``turn_ends``) counts its turns as exported at their ends."""
+    key = str(t["index"])
+    if key not in st["turns"]:
+        return True
+    return st.get("turn_ends", {}).get(key, t["end_seq"]) != t["end_seq"]
+
+
 def ref_part(name: str) -> str:
     """A session's name or a call's id as one component of a git ref name: as it is when git
     takes it (letters, digits, ``_``, ``-`` and dots where git allows them), else each byte
@@ -204,7 +215,7 @@ class Exporter:
             c_new = [c for c in calls if c["session"] == sid and c.get("end_seq")
                      and c["id"] not in st["calls"]]
             t_new = [t for t in turns if t["session"] == sid and t.get("end_seq")
-                     and str(t["index"]) not in st["turns"]]
+                     and _unexported_end(st, t)]
             if c_new or t_new:
                 work.append((sid, c_new, t_new))
         # an ended session whose calls' processes wrote after its chain's last commit (a
@@ -462,6 +473,7 @@ class Exporter:
                     self._advance(point, seq, paths)
                 st["head"] = self._commit(sid, st, *self._turn_message(sid, rec, point, seq))
                 st["turns"][str(rec["index"])] = st["head"]
+                st.setdefault("turn_ends", {})[str(rec["index"])] = seq
                 self._ref(self._in(sid, f"turns/{rec['index']}"), st["head"])
             point = seq
             st["point"] = point

@@ -115,7 +115,9 @@ Sub-databases of the LMDB environment:
 ``sessions``  session id utf-8 -> JSON ``{"id","agent","agent_pid","runner","started","ended",
               "aliases": [...]}`` (``agent``: the actor key of the agent process).
 ``turns``     session id + b"\0" + index (4-byte big-endian) -> JSON ``{"session","index",
-              "prompt","begin_t","end_t","begin_seq","end_seq"}``.
+              "prompt","begin_t","end_t","begin_seq","end_seq"}``, and ``taken_up``: the seqs
+              of the ``turn_begin`` events (``again``) that took the turn up after a stop a
+              stop hook blocked (its end is then the last stop's; ``Calls.take_up``).
 ``calls``     call_key(session, call id) -> JSON ``{"session","id","tool","summary","turn",
               "begin_t","end_t","status","begin_seq","end_seq","implicit"}``.
               The key is session id + b"\0" + call id; a call id too long for an LMDB key
