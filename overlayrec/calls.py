@@ -33,7 +33,9 @@ Rules (each has a test):
   checks every few tenths of a second (``end_exited_calls``); later writes are ``after_end``;
 * a turn the agent's stop ended is taken up again, until the next prompt, by a call it begins,
   its own write, or its stop after a blocked one (a stop hook of the user's may block a stop:
-  the agent goes on in the same turn), and ends at its last stop (``take_up``).
+  the agent goes on in the same turn), and ends at its last stop (``take_up``);
+* the hooks of another agent that one of a session's calls runs (``codex exec`` in a Bash
+  call) change nothing: all it does is that call's (``nested``).
 
 Every unit's end, once journaled, is passed to ``Calls.on_unit_end`` (when set) as its key.
 
@@ -308,6 +310,8 @@ class Calls:
         self.on_unit_end: Callable[[str], None] | None = None
         self.on_boundary: Callable[[], None] | None = None
         self._own_actor: dict | None = None
+        # the session names of agents another agent's call started (``nested``) -> that call
+        self._nested: dict[str, Call] = {}
         self.root: str | None = None  # the workspace's path (the recorder sets it): _choose
 
     # -- lineage --------------------------------------------------------------------------------
@@ -756,6 +760,41 @@ class Calls:
                 return a
             pid = a["ppid"]
         return read_actor(caller["ppid"])
+
+    def nested(self, caller: dict, name: str | None) -> Call | None:
+        """The call another agent runs in, when the hook asking for session ``name`` is that
+        agent's (``codex exec`` in a Claude Code Bash call, with Codex's own hooks installed):
+        the hook's agent (``agent_for_hook``) is not the session's but a process one of its
+        announced calls started (``_call_of_line``).  Its hooks must not touch the session:
+        its name was taken for an alias of it, and its prompt ended the outer turn and
+        interrupted the call running it, its Stop ended a turn of its own.  Everything it
+        does is that call's (its writes are, by their line); None for any other request.  A
+        request under one of the session's own names is never another agent's, nor one
+        without a name (a harness's own ``overlayrec call begin``)."""
+        if not name or caller["key"] in self._by_runner:
+            return None  # a runner's requests are its own session's (a `run` inside a call too)
+        known = self._nested.get(name)
+        if known is not None:
+            return known
+        lin = self._session_line(caller)
+        if lin is None or lin[1] is None:
+            return None
+        s = lin[0]
+        if self._names.get(name) == s.id or s.agent is None or not s.announced:
+            return None  # its own name; or no call announced yet (none to run an agent in)
+        agent = self.agent_for_hook(caller)
+        if agent["key"] == s.agent["key"]:
+            return None
+        inner = self.lineage(agent)
+        if inner is None or inner[0] is not s or inner[1] is None:
+            return None
+        _, call = self._call_of_line(s, inner[1])
+        if call is None:
+            return None
+        self._nested[name] = call
+        log.info("session %s: its hooks are an agent's that call %s of session %s runs: "
+                 "they change nothing", name, call.id, s.id)
+        return call
 
     def session_begin(self, caller: dict, name: str | None, runner: bool = False,
                       command: list[str] | None = None) -> Session:

@@ -52,31 +52,47 @@ def _resume(value) -> str | None:
     return value
 
 
+# the requests an agent's hooks make about its own session, turns and calls: refused to none
+# of them, and done by none, when that agent runs inside another's call (Calls.nested)
+_AGENT_OPS = frozenset({"session_begin", "session_end", "turn_begin", "turn_end", "call_begin",
+                        "call_end"})
+
+
 class _Local:
     """The client's methods, served in the daemon for a raw hook payload."""
 
     def __init__(self, calls: Calls, caller: dict):
         self.c, self.caller = calls, caller
 
+    def _inside(self, session) -> bool:
+        """Is the hook's agent one that another agent's call runs (nothing to do)?"""
+        return self.c.nested(self.caller, session) is not None
+
     def session_begin(self, session=None):
-        return self.c.session_begin(self.caller, session)
+        if not self._inside(session):
+            self.c.session_begin(self.caller, session)
 
     def session_end(self, session=None):
-        return self.c.session_end(self.caller, session)
+        if not self._inside(session):
+            self.c.session_end(self.caller, session)
 
     def turn_begin(self, prompt=None, session=None):
-        return self.c.turn_begin(self.caller, session, prompt)
+        if not self._inside(session):
+            self.c.turn_begin(self.caller, session, prompt)
 
     def turn_end(self, session=None, resume=None, again=False):
-        return self.c.turn_end(self.caller, session, resume, again)
+        if not self._inside(session):
+            self.c.turn_end(self.caller, session, resume, again)
 
     def call_begin(self, call_id, tool, summary=None, session=None):
         if not call_id or not tool:
             raise ControlError("call_begin needs id and tool")
-        return self.c.call_begin(self.caller, session, str(call_id), str(tool), summary)
+        if not self._inside(session):
+            self.c.call_begin(self.caller, session, str(call_id), str(tool), summary)
 
     def call_end(self, call_id, status="ok", session=None):
-        return self.c.call_end(self.caller, session, str(call_id), status)
+        if not self._inside(session):
+            self.c.call_end(self.caller, session, str(call_id), status)
 
 
 class ControlServer:
@@ -119,6 +135,10 @@ class ControlServer:
             # traceback in the log, "internal error" to the caller), a 0 was taken as none
             raise ValueError("session must be a string")
         name = name or None
+        if op in _AGENT_OPS and not req.get("runner"):
+            inner = c.nested(caller, name)
+            if inner is not None:  # accepted, and nothing done: see Calls.nested
+                return {"session": name, "inside": inner.unit}
         if op == "ping":
             return {"pid": os.getpid()}
         if op == "status":

@@ -40,6 +40,8 @@ def hooks_for(event):
             if a == "-c" and args[i + 1].startswith("hooks."):
                 key, _, value = args[i + 1].partition("=")
                 table[key.split(".", 1)[1]] = tomllib.loads("v = " + value)["v"]
+        if not table and os.path.exists(os.path.expanduser("~/.codex/hooks.json")):
+            table = json.load(open(os.path.expanduser("~/.codex/hooks.json")))["hooks"]
     elif AGENT == "gemini":
         table = json.load(open(os.environ["GEMINI_CLI_SYSTEM_SETTINGS_PATH"]))["hooks"]
     else:
@@ -128,10 +130,18 @@ def call(cid, command, turn, slow=False):
         fire("PostToolUse", env, **base(**post))
 
 
+if args[:1] == ["exec"]:  # another agent a tool call runs (FAKE_NESTED), with hooks of its own
+    SID = "N1"
+    session_start()
+    prompt("review b", 1)
+    call("x1", "echo reviewed > review.txt", 1)
+    stop(1)
+    sys.exit(0)
 session_start()
 prompt("make a and b", 1)
 call("c1", "echo a > a.txt", 1)
-call("c2", "mkdir -p d && echo b > d/b.txt", 1)
+call("c2", "mkdir -p d && echo b > d/b.txt" + (" && codex exec review" if os.environ.get(
+    "FAKE_NESTED") else ""), 1)
 stop(1)
 prompt("again, and drop a", 2)
 call("c3", "echo a > a.txt", 2)          # the same command as c1: a repeat
@@ -469,6 +479,43 @@ def test_a_cleared_session_goes_on_as_a_new_one_of_the_same_agent(make_mount, tm
     assert turns[("S2", 1)]["prompt"] == "after the clear" and turns[("S2", 1)]["end_t"]
     sessions = {r["unit"] for r in rows("blame", "e.txt", "-w", m.ws, env=env)}
     assert sessions == {"call:S2:c5"}, sessions
+
+
+@needs_fuse
+@pytest.mark.parametrize("under", ["run", "mount"])
+def test_an_agent_a_call_runs_with_hooks_of_its_own_is_that_calls(make_mount, tmp_path,
+                                                                   under):
+    """Claude Code's Bash call runs `codex exec`, whose hooks the user installed: Codex's
+    session id was taken for an alias of Claude's session, its prompt ended turn 1 and
+    interrupted the call running it, its Stop ended a "turn 2", and Claude's later calls
+    fell in no turn.  Everything Codex does is the call's; Claude's turns and calls stay."""
+    m = make_mount().mount()
+    home = tmp_path / "home"
+    home.mkdir()
+    env = dict(run_env(home), FAKE_NESTED="1")
+    overlayrec("install-hooks", "codex", "--user", env=env)
+    env["PATH"] = os.path.dirname(fake_agent(tmp_path, "codex")) + os.pathsep + env["PATH"]
+    agent = fake_agent(tmp_path, "claude-code")
+    if under == "run":
+        overlayrec("run", "-w", m.ws, "--session", "R", "--", agent, env=env, cwd=m.ws)
+    else:
+        overlayrec("install-hooks", "claude-code", "--project", m.ws, env=env)
+        settings = os.path.join(m.ws, ".claude", "settings.json")
+        subprocess.run([agent, "--settings", settings], env=env, cwd=m.ws, check=True,
+                       timeout=120 * SLOW)
+    calls = rows("calls", m.ws, env=env)
+    outer = "R" if under == "run" else "S1"
+    assert [(c["session"], c["id"], c["turn"], c["status"]) for c in calls] == \
+        [(outer, "c1", 1, "ok"), (outer, "c2", 1, "ok"), (outer, "c3", 2, "ok"),
+         (outer, "c4", 2, "ok")], calls
+    assert sorted(calls[1]["paths"]) == ["d", "d/b.txt", "review.txt"], calls[1]
+    turns = rows("turns", m.ws, env=env)
+    assert [(t["session"], t["index"], t["prompt"], bool(t["end_t"])) for t in turns] == \
+        [(outer, 1, "make a and b", True), (outer, 2, "again, and drop a", True)], turns
+    assert {r["unit"] for r in rows("blame", "review.txt", "-w", m.ws, env=env)} == \
+        {f"call:{outer}:c2"}
+    r = overlayrec("diff", m.ws, "--session", "N1", env=env, check=False)  # nor an alias
+    assert r.returncode == 1 and "no session N1" in r.stderr, r.stderr
 
 
 @needs_fuse
