@@ -283,6 +283,16 @@ class ControlServer:
         sock.listen(64)
         self._sock = sock
 
+    def unbind(self) -> None:
+        """Close the socket and remove its path (the mount it was bound for failed)."""
+        sock = getattr(self, "_sock", None)  # bind() sets it
+        if sock is not None:
+            sock.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
     async def serve(self) -> None:
         listener = trio.socket.from_stdlib_socket(self._sock)
         async with trio.open_nursery() as nursery:

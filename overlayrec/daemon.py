@@ -19,6 +19,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 
 # before pyfuse3, which then binds to its two libfuse functions: the kernel keeps listings
@@ -574,12 +575,37 @@ def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool, record_da
     options = set(pyfuse3.default_options) | {f"fsname={state.FSNAME}", f"subtype={state.FSNAME}"}
     if allow_other:
         options.add("allow_other")
+    said: list[str] = []
     try:
-        with _writable_mountpoint(root_fd):
+        with _writable_mountpoint(root_fd), _helper_said(said):
             pyfuse3.init(ops, ws, options)
     except RuntimeError as e:
-        raise MountError(f"cannot mount {ws}: {e}") from None
+        control.unbind()  # no mount, no daemon: a socket left would answer no one
+        raise MountError(f"cannot mount {ws}: {'; '.join(said) or e}") from None
     return journal, control, recorder
+
+
+@contextlib.contextmanager
+def _helper_said(said: list[str]):
+    """Gather into ``said`` the lines libfuse and fusermount3 write to stderr while the mount
+    is made: they say why it failed ("option allow_other only allowed if 'user_allow_other'
+    is set in /etc/fuse.conf"), where pyfuse3 says only "fuse_session_mount failed".  They
+    still reach stderr (daemon.log) after."""
+    with tempfile.TemporaryFile() as caught:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            text = caught.read()
+            if text:
+                os.write(2, text)
+            said += [line.strip() for line in text.decode(errors="replace").splitlines()
+                     if line.strip()]
 
 
 @contextlib.contextmanager
