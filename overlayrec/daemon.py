@@ -64,6 +64,27 @@ def _raise_fd_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
 
 
+# the least hard file-size limit the daemon mounts under: its journal, content store and the
+# copies it makes grow past a smaller one (its soft limit is raised to the hard one)
+MIN_FSIZE_LIMIT = 1 << 30
+
+
+def _raise_file_size_limit() -> str | None:
+    """Raise the soft file-size limit to the hard one; why the daemon cannot record under the
+    hard one, if it is below MIN_FSIZE_LIMIT.  A soft `ulimit -f` in the user's shell is the
+    shell's, not the recorder's: inherited, it failed a truncate of a large file (its
+    pre-image copy) and, once the journal grew past it, every change (EIO from the commit).
+    The kernel still holds each client's writes to the client's own limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if hard != resource.RLIM_INFINITY and hard < MIN_FSIZE_LIMIT:
+        return (f"the file-size limit is {hard // 1024} KiB (`ulimit -Hf` {hard // 1024}); the "
+                f"recorder's journal grows past it: mount where the hard limit is at least "
+                f"{MIN_FSIZE_LIMIT >> 30} GiB (unlimited is best)")
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
+    return None
+
+
 def _setup_logging(state_dir: str, foreground: bool) -> None:
     path = state.StateDir(state_dir).daemon_log
     os.close(state.open_private(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND))  # 0600
@@ -663,6 +684,11 @@ def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other
         # EMFILE to reads and writes alike, and the daemon died of it (a dead mount)
         tell(f"error: cannot mount {ws}: the open-file limit is {limit} (`ulimit -n`); the "
              f"recorder needs at least {MIN_FD_LIMIT}: raise the hard limit and mount again")
+        return 1
+
+    too_small = _raise_file_size_limit()
+    if too_small:
+        tell(f"error: cannot mount {ws}: {too_small}")
         return 1
 
     try:  # the CLI checked too; the daemon can be started on its own

@@ -4,11 +4,12 @@ by a bug hunt run as a non-root user, 2026-12-06)."""
 from __future__ import annotations
 
 import os
+import shlex
 
 import pytest
 
 from conftest import needs_fuse, needs_root
-from test_own_permissions import Owner
+from test_own_permissions import NOBODY, Owner
 
 pytestmark = [needs_fuse, needs_root, pytest.mark.timeout(180)]
 
@@ -30,5 +31,59 @@ def test_allow_other_refused_by_fuse_conf_says_why_and_leaves_no_socket(tmpbase)
                          needles=("user_allow_other", "/etc/fuse.conf"))
         assert "fuse_session_mount failed" not in line, line
         assert not os.path.exists(os.path.join(u.sd, "control.sock")), os.listdir(u.sd)
+    finally:
+        u.umount()
+
+
+def _limited(u: Owner, limit: str, *args: str, cwd: str | None = None):
+    """``overlayrec ARGS`` run by ``u`` under ``ulimit LIMIT`` (bash's words: ``-Sf 512``)."""
+    argv = " ".join(shlex.quote(a) for a in (u.python, "-m", "overlayrec", *args))
+    return u.run(["bash", "-c", f"ulimit {limit} && exec {argv}"], cwd=cwd or u.base,
+                 check=False)
+
+
+def _seed_big(path: str, size: int) -> None:
+    with open(path, "wb") as f:
+        f.write(b"b" * size)
+    os.chown(path, NOBODY, NOBODY)
+
+
+# a file made larger than the limit is cut at it, and the process gets EFBIG (bash's head
+# dies of SIGXFSZ): as natively, through the mount
+FILE_SIZE_STEPS = ("echo x > big; echo trunc=$?; head -c 700000 /dev/zero > huge; "
+                   "echo huge=$? $(stat -c %s huge)")
+
+
+def test_a_soft_file_size_limit_binds_the_client_not_the_daemon(tmpbase):
+    u = Owner(tmpbase, "nobody")
+    native = os.path.join(u.base, "native")
+    os.mkdir(native)
+    os.chown(native, NOBODY, NOBODY)
+    for d in (u.ws, native):
+        _seed_big(os.path.join(d, "big"), 600_000)
+    try:
+        want = u.run(["bash", "-c", f"ulimit -Sf 512 && cd {native} && {FILE_SIZE_STEPS}"])
+        assert "trunc=0" in want.stdout and "huge=153 524288" in want.stdout, want.stdout
+        r = _limited(u, "-Sf 512", "run", "-w", u.ws, "--state-dir", u.sd, "--", "bash", "-c",
+                     f"cd {shlex.quote(u.ws)} && {FILE_SIZE_STEPS}")
+        assert r.returncode == 0, r.stderr
+        assert r.stdout == want.stdout, (r.stdout, r.stderr)
+        with open(os.path.join(u.ws, "big"), "rb") as f:
+            assert f.read() == b"x\n"
+        diff = u.ask("diff", "-w", u.ws, "--session", "last", "--numstat").stdout
+        assert "big" in diff and "huge" in diff, diff
+        assert "Traceback" not in u.daemon_log()
+    finally:
+        u.umount()
+
+
+def test_a_low_hard_file_size_limit_is_refused_in_one_line(tmpbase):
+    u = Owner(tmpbase, "nobody")
+    try:
+        r = _limited(u, "-f 512", "mount", "-w", u.ws, "--state-dir", u.sd)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 1 and len(lines) == 1, r.stderr
+        assert "file-size limit is 512 KiB" in lines[0] and "Traceback" not in r.stderr, lines
+        assert not os.path.exists(os.path.join(u.sd, "control.sock"))
     finally:
         u.umount()
