@@ -1944,6 +1944,9 @@ def replay(workspace, at, dest, full, state_dir, as_json):
         try:
             out = do_replay(j, states, point, dest, full_from, at_time=point_time(at))
         except OSError as e:
+            if e.errno == errno.EFBIG:  # under the user's `ulimit -f`
+                raise Fail(f"cannot replay into {dest} (nothing written there): "
+                           f"{_os_error_text(e)}") from None
             if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
             raise Fail(f"cannot write {dest}: {os.strerror(e.errno)} (nothing written there: "

@@ -8,6 +8,7 @@ A failure the user is told of in one line (exit 1) is a ``Refusal``; cli turns i
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -30,6 +31,10 @@ def one_line(msg: str) -> str:
 def os_error_text(e: OSError) -> str:
     name = os.fsdecode(e.filename) if isinstance(e.filename, (str, bytes)) else None
     text = f"{name + ': ' if name else ''}{e.strerror or e}"
+    if e.errno == errno.EFBIG and "ulimit" not in text:
+        from .views import file_size_limit
+        if limit := file_size_limit():
+            text += f", past {limit}: raise it"  # (it said only "File too large")
     if isinstance(e, FileNotFoundError) and name and f"{os.sep}content{os.sep}" in name:
         # a blob of the record's content store gone while this read: a gc swept it (the
         # record was cut meanwhile: an export or a replay racing a gc), or the store was

@@ -378,6 +378,17 @@ def session_summary(j: Journal, sid: str, net=None) -> list[str]:
 
 # -- sizes: `overlayrec storage` and `status` ------------------------------------------------------
 
+def file_size_limit() -> str | None:
+    """This process's file-size limit as an EFBIG's message names it ("the file-size limit
+    (`ulimit -f`: 100 KiB)"); None when there is none (the filesystem's own largest file
+    refused it)."""
+    import resource
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return None
+    return f"the file-size limit (`ulimit -f`: {soft // 1024} KiB)"
+
+
 def human_size(n: int) -> str:
     """Bytes as people read them: 512 B, 4.0 KiB, 12.3 MiB, 2.1 GiB."""
     if n < 1024:

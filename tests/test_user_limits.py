@@ -87,3 +87,41 @@ def test_a_low_hard_file_size_limit_is_refused_in_one_line(tmpbase):
         assert not os.path.exists(os.path.join(u.sd, "control.sock"))
     finally:
         u.umount()
+
+
+def _one_line(r) -> str:
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    return lines[0]
+
+
+def test_readers_under_a_small_file_size_limit_name_the_path_and_the_limit(tmpbase):
+    u = Owner(tmpbase, "nobody")
+    big = os.path.join(u.ws, "big")
+    with open(big, "wb") as f:
+        f.write(os.urandom(400_000))  # not packed smaller than the limit by git
+    os.chown(big, NOBODY, NOBODY)
+    with open(big, "rb") as f:
+        before = f.read()
+    try:
+        u.ask("run", "-w", u.ws, "--state-dir", u.sd, "--", "sh", "-c", f"echo x > {big}")
+        dest = os.path.join(u.base, "rp")
+        line = _one_line(_limited(u, "-Sf 100", "replay", "-w", u.ws, "--state-dir", u.sd,
+                                  "--at", "before:session:last", "--to", dest))
+        assert f"cannot replay into {dest}" in line and "big: File too large" in line \
+            and "`ulimit -f`: 100 KiB" in line, line
+        line = _one_line(_limited(u, "-Sf 100", "diff", "-w", u.ws, "--state-dir", u.sd,
+                                  "--session", "last", "--stat"))
+        assert "git fast-import failed" in line and "`ulimit -f`: 100 KiB" in line \
+            and os.path.join(u.sd, "git") in line, line
+        line = _one_line(_limited(u, "-Sf 100", "revert", "-w", u.ws, "--state-dir", u.sd,
+                                  "--session", "last", "--yes"))
+        assert line.startswith("overlayrec: error: big: cannot be written (File too large") \
+            and "`ulimit -f`: 100 KiB" in line and "pending" in line \
+            and "`overlayrec revert --continue`" in line, line
+        assert "pending revert" in u.ask("status", "-w", u.ws, "--state-dir", u.sd).stdout
+        u.ask("revert", "-w", u.ws, "--state-dir", u.sd, "--continue")
+        with open(big, "rb") as f:
+            assert f.read() == before
+    finally:
+        u.umount()

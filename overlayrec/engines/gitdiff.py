@@ -16,6 +16,7 @@ import signal
 import subprocess
 import threading
 
+from .. import views
 from ..views import git_refuses
 from .large import LIMIT, Large, over_limit
 from .states import State
@@ -553,8 +554,20 @@ class FastImport:
             os.unlink(os.path.join(self.git_dir, f"fast_import_crash_{self.proc.pid}"))
         except OSError:
             pass
-        fatal = [l for l in said if l.startswith("fatal:")] or said[-3:]
+        fatal = [l for l in said if l.startswith("fatal:")] or said[-3:] or \
+            [self._how_it_ended()]
         raise GitError("git fast-import failed: " + "; ".join(fatal)[:2000])
+
+    def _how_it_ended(self) -> str:
+        """Why fast-import ended, for one that said nothing: killed by SIGXFSZ (a pack in the
+        store grew past the user's `ulimit -f`) or by another signal, or its exit status."""
+        code = self.proc.returncode
+        if code == -signal.SIGXFSZ:
+            limit = views.file_size_limit() or "the file-size limit (`ulimit -f`)"
+            return f"a file it wrote in {self.git_dir} grew past {limit}: raise it"
+        if code is not None and code < 0:
+            return f"killed by {signal.Signals(-code).name}"
+        return f"it exited with {code}, saying nothing"
 
     def mark(self) -> str:
         self.n += 1

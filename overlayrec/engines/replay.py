@@ -393,7 +393,15 @@ class _Build:
 
     def write(self, rel: str, s: State) -> None:
         """Make ``rel`` hold ``s``: its kind, content or target, owner and mode (a directory's
-        last), and its hard-link group."""
+        last), and its hard-link group.  An OSError that names no file names ``rel``."""
+        try:
+            self._write(rel, s)
+        except OSError as e:
+            if e.filename is None:
+                e.filename = rel  # a write to its fd (EFBIG under `ulimit -f`) named nothing
+            raise
+
+    def _write(self, rel: str, s: State) -> None:
         try:
             dfd, name = self.parent(rel, make=True)
         except Escape as e:  # never written through: said in the result

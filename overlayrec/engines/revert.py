@@ -34,7 +34,7 @@ from ..journal.schema import (UNMOUNTED, JournalError, call_unit, outside_unit, 
                               session_unit, turn_unit, unit_kind)
 from ..secrets import PLACEHOLDER
 from ..underlay import O_PATH, Escape, resolve_beneath
-from ..views import guessed, path_matcher, shown
+from ..views import file_size_limit, guessed, path_matcher, shown
 from . import gitindex
 from .diff import (SelectionError, changed_around, file_events, find_call, moved_on,
                    placed_elsewhere, touched, find_turn, _visible)
@@ -1037,6 +1037,11 @@ def apply_step(root_fd: int, step: Step, made: dict | None = None,
                               "then `overlayrec revert --continue`, or `overlayrec unrevert`",
                               step.path) from None
     except OSError as e:
+        if e.errno == errno.EFBIG:
+            limit = file_size_limit() or "the largest file its filesystem holds"
+            raise OSError(e.errno, f"cannot be written ({os.strerror(e.errno)}, past {limit}): "
+                          "the revert is pending: raise the limit, then `overlayrec revert "
+                          "--continue`, or `overlayrec unrevert`", step.path) from None
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         raise OSError(e.errno, f"cannot be written ({os.strerror(e.errno)}): free room on the "
