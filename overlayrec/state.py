@@ -328,17 +328,31 @@ def resolve_workspace(path: str, must_exist: bool = True, upward: bool = False) 
             sys.stderr.write(f"overlayrec: note: reading the record of {ws}, which lies inside "
                              f"{mount}, mounted now (a `run` here records there: `-w {mount}` "
                              "reads that record)\n")
-    if must_exist:
-        try:
-            st = os.stat(ws)
-        except OSError as e:
-            if e.errno in DEAD_ERRNOS:  # a dead mount is still a workspace
-                return ws
-            raise StateError(f"workspace {path}: {e.strerror}") from None
-        import stat as _s
-        if not _s.S_ISDIR(st.st_mode):
-            raise StateError(f"workspace {path}: not a directory")
+    try:
+        st = os.stat(ws)
+    except PermissionError:
+        refuse_anothers(ws)
+        st = None
+        if must_exist:
+            raise StateError(f"workspace {path}: Permission denied") from None
+    except OSError as e:
+        if e.errno in DEAD_ERRNOS or not must_exist:  # a dead mount is still a workspace
+            return ws
+        raise StateError(f"workspace {path}: {e.strerror}") from None
+    import stat as _s
+    if must_exist and not _s.S_ISDIR(st.st_mode):
+        raise StateError(f"workspace {path}: not a directory")
     return ws
+
+
+def refuse_anothers(ws: str) -> None:
+    """StateError, in status's words, when ``ws`` is another user's overlayrec mount that
+    this user may not enter (mounted without allow_other, the kernel refuses every other
+    user): every command said "no such directory, and no record of it", or `run` "Permission
+    denied", while `status` said whose daemon records it."""
+    uid = others_mount(ws)
+    if uid is not None:
+        raise StateError(recorded_by_another(ws, uid))
 
 
 _HUNG: set[str] = set()  # mounts found not answering by this process

@@ -8,7 +8,7 @@ import shlex
 
 import pytest
 
-from conftest import needs_fuse, needs_root
+from conftest import force_unmount, needs_fuse, needs_root, overlayrec
 from test_own_permissions import NOBODY, Owner
 
 pytestmark = [needs_fuse, needs_root, pytest.mark.timeout(180)]
@@ -125,3 +125,42 @@ def test_readers_under_a_small_file_size_limit_name_the_path_and_the_limit(tmpba
             assert f.read() == before
     finally:
         u.umount()
+
+
+def _readers(ws: str, dest: str) -> list[list[str]]:
+    """Every command that reads a workspace's record (or records into it), as ARGS."""
+    return [["log", "-w", ws], ["diff", "-w", ws, "--since", "0"], ["blame", "-w", ws, "a"],
+            ["calls", ws], ["replay", ws, "--to", dest], ["export", "git", ws],
+            ["gc", ws, "--keep-last", "1", "--dry-run"], ["report", ws],
+            ["run", "-w", ws, "--", "true"]]
+
+
+def _says_whose(r, uid: int, cmd) -> None:
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1, (cmd, r.stdout, r.stderr)
+    assert f"mounted and recorded by another user's daemon (uid {uid})" in lines[0], (cmd, lines)
+
+
+def test_a_mount_another_user_may_not_enter_is_said_whose_by_every_reader(tmpbase):
+    u = Owner(tmpbase, "nobody")
+    with open(os.path.join(u.ws, "a"), "w") as f:
+        f.write("a\n")
+    os.chown(os.path.join(u.ws, "a"), NOBODY, NOBODY)
+    root_env = dict(os.environ, XDG_STATE_HOME=os.path.join(tmpbase, "root-xdg"))
+    # the user's daemon, without allow_other: root may not enter it either
+    u.ask("mount", "-w", u.ws, "--state-dir", u.sd)
+    try:
+        assert "another user's daemon (uid 65534)" in \
+            overlayrec("status", u.ws, env=root_env).stdout
+        for cmd in _readers(u.ws, os.path.join(tmpbase, "rp-root")):
+            _says_whose(overlayrec(*cmd, env=root_env, check=False, cwd="/"), NOBODY, cmd)
+    finally:
+        u.umount()
+    # root's daemon over the user's own workspace, without allow_other: the owner asks
+    overlayrec("mount", u.ws, "--state-dir", os.path.join(tmpbase, "root-state"), env=root_env)
+    try:
+        for cmd in _readers(u.ws, os.path.join(u.base, "rp-user")):
+            _says_whose(u.ask(*cmd, check=False), 0, cmd)
+    finally:
+        overlayrec("umount", u.ws, env=root_env, check=False)
+        force_unmount(u.ws)
