@@ -2266,7 +2266,7 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
                            "): `overlayrec revert --continue --force` carries it on and leaves "
                            "them as they are; `overlayrec unrevert` rolls it back")
         elif plan.conflicts and not force:
-            raise Fail(reverts.refusal(plan))
+            raise Fail(reverts.refusal(plan, ws))
         if not yes:
             if not (sys.stdin.isatty() and click.confirm(
                     f"revert {len(plan.steps) - len(plan.conflicts)} path(s)?")):

@@ -631,20 +631,16 @@ def _helper_said(said: list[str]):
 
 @contextlib.contextmanager
 def _writable_mountpoint(root_fd: int):
-    """fusermount3 mounts only where its user may write.  A workspace its owner made read-only
-    (an agent's `chmod -R a-w .`) could then never be mounted again, not even to revert that
-    chmod: its owner's write bit is set for the mount and the mode put back beneath it after
-    (the daemon's own change: the record never sees it, the tree ends as it was)."""
-    st = os.fstat(root_fd)
-    if os.geteuid() == 0 or st.st_uid != os.geteuid() or st.st_mode & stat.S_IWUSR:
+    """fusermount3 mounts only where its user may write, and enters the mountpoint.  A
+    workspace its owner made read-only (an agent's `chmod -R a-w .`) or closed (`chmod 000 .`)
+    could then never be mounted again, not even to revert that chmod: its owner's write and
+    search bits are set for the mount and the mode put back beneath it after (the daemon's own
+    change: the record never sees it, the tree ends as it was)."""
+    if os.geteuid() == 0:
         yield
         return
-    mode = stat.S_IMODE(st.st_mode)
-    underlay.chmod_fd(root_fd, mode | stat.S_IWUSR)
-    try:
+    with underlay.granted_own(root_fd, stat.S_IWUSR | stat.S_IXUSR):
         yield
-    finally:
-        underlay.chmod_fd(root_fd, mode)
 
 
 def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other: bool,

@@ -518,10 +518,14 @@ class Recorder:
             self.journal.put_meta("journal_id", jid)
         self.attic_prefix = jid + "."
         try:
-            os.mkdir(ATTIC_NAME, 0o700, dir_fd=self.root_fd)
-        except FileExistsError:
-            pass
-        fd = underlay.open_path(self.root_fd, ATTIC_NAME)
+            fd = self._make_attic()
+        except PermissionError:
+            # the root is this user's, made read-only (0555) or closed (an agent's `chmod 000
+            # .`): the first mount could not make the attic, nor a revert's mount reach it.
+            # The owner grants itself the bits for the moment, the mode put back at once
+            # (before the mount: nothing sees it)
+            with underlay.granted_own(self.root_fd, stat.S_IWUSR | stat.S_IXUSR):
+                fd = self._make_attic()
         st = os.fstat(fd)
         if not stat.S_ISDIR(st.st_mode):
             os.close(fd)
@@ -556,6 +560,14 @@ class Recorder:
         except OSError as e:  # a full workspace must not keep it from mounting: next time
             log.warning("cannot make %s ignored by git and backup tools: %s", ATTIC_NAME, e)
         return fd
+
+    def _make_attic(self) -> int:
+        """An O_PATH fd of the attic, made first where there is none."""
+        try:
+            os.mkdir(ATTIC_NAME, 0o700, dir_fd=self.root_fd)
+        except FileExistsError:
+            pass
+        return underlay.open_path(self.root_fd, ATTIC_NAME)
 
     @staticmethod
     def _ignore_attic(fd: int, more: dict[str, bytes] | None = None) -> None:

@@ -15,6 +15,7 @@ import contextlib
 import errno
 import functools
 import os
+import stat
 import time
 
 from . import client, state
@@ -22,7 +23,7 @@ from .engines import large
 from .engines.revert import KEPT, KEPT_CHANGED, PARTLY, STILL_WRITING, DirMode, Opening, Plan, \
     apply_step, bytes_written, changed_since, clear_stale_temps, failed, make_plan, order, \
     plan_from_json, plan_to_json, recheck, unmet, ways
-from .engines.states import Tree
+from .engines.states import UNREACHED_NOTE, Tree
 
 
 class RevertError(Exception):
@@ -254,14 +255,35 @@ def conflict_summary(plan: Plan) -> str:
     return "; ".join(f"{k}: {named(v)}" for k, v in sorted(kinds.items()))
 
 
-def refusal(plan: Plan) -> str:
+def refusal(plan: Plan, ws: str | None = None) -> str:
     """Why a plan with conflicts is refused whole (without --force): the conflicts by kind,
-    and the paths behind each note that says more than its kind's name."""
+    and the paths behind each note that says more than its kind's name; and what to do when
+    the workspace root ``ws`` itself is closed to its owner."""
     from .views import named, shown
     noted = sorted({s.note for s in plan.conflicts if s.note})
     return ("conflicts, nothing reverted: " + conflict_summary(plan)
             + "".join(f" ({n}: " + named(shown(s.path) for s in plan.conflicts if s.note == n)
-                      + ")" for n in noted))
+                      + ")" for n in noted)
+            + (_closed_root(plan, ws) if ws is not None and UNREACHED_NOTE in noted else ""))
+
+
+def _closed_root(plan: Plan, ws: str) -> str:
+    """What to do when the paths the revert cannot reach lie beneath a workspace root its
+    owner may not search (an agent's `chmod 000 .`): the revert reads the live tree as its
+    user, so the owner opens the root first, to the mode the revert would give it; "" when
+    that is not why."""
+    try:
+        st = os.stat(ws)
+    except OSError:
+        return ""
+    if st.st_uid != os.geteuid() or st.st_mode & stat.S_IXUSR:
+        return ""
+    back = [s.target.mode for s in plan.steps
+            if s.path == "" and s.target.present and s.target.mode is not None]
+    mode = f"{stat.S_IMODE(back[0]):o}" if back else "u+rwx"
+    return (f"; the workspace root has mode {stat.S_IMODE(st.st_mode):04o}, closed to its "
+            f"owner: `chmod {mode} {ws}` first (the mode the revert puts back), then revert "
+            "again with --force (the root then reads as changed since, and is left as it is)")
 
 
 def outcome(plan: Plan, rec: dict, unreverts: str | None) -> tuple[str, list[str]]:

@@ -364,6 +364,24 @@ def _may_grant(st: os.stat_result, bit: int) -> bool:
 
 
 @contextlib.contextmanager
+def granted_own(fd: int, bits: int):
+    """``bits`` of the owner's granted on the directory ``fd`` for the time of the block, where
+    this process owns it without them (a workspace root its user made 0555, or an agent's
+    `chmod 000 .`), and its mode put back after; nothing changed otherwise."""
+    st = os.fstat(fd)
+    mode = stat.S_IMODE(st.st_mode)
+    missing = bits & ~mode
+    if not stat.S_ISDIR(st.st_mode) or not missing or not _may_grant(st, missing):
+        yield
+        return
+    chmod_fd(fd, mode | missing)
+    try:
+        yield
+    finally:
+        chmod_fd(fd, mode)
+
+
+@contextlib.contextmanager
 def searchable_own(root_fd: int, relpath: str):
     """An O_PATH fd of the directory ``relpath`` beneath ``root_fd`` (``resolve_beneath``),
     reached and searchable where directories on the way, or it itself, are this process's own

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import stat
 
 import pytest
 
@@ -164,3 +165,29 @@ def test_a_mount_another_user_may_not_enter_is_said_whose_by_every_reader(tmpbas
     finally:
         overlayrec("umount", u.ws, env=root_env, check=False)
         force_unmount(u.ws)
+
+
+def test_a_read_only_root_mounts_the_first_time_and_a_closed_root_says_what_to_do(tmpbase):
+    u = Owner(tmpbase, "nobody")
+    u.sh("mkdir d && echo a > d/a")
+    os.chmod(u.ws, 0o555)  # the user's own root, read-only before any mount: no attic yet
+    try:
+        u.ask("run", "-w", u.ws, "--state-dir", u.sd, "--", "sh", "-c",
+              f"echo b >> {shlex.quote(u.ws)}/d/a")
+        assert stat.S_IMODE(os.stat(u.ws).st_mode) == 0o555
+        assert os.path.isdir(os.path.join(u.ws, ".overlayrec-attic"))
+        os.chmod(u.ws, 0o755)
+        u.ask("run", "-w", u.ws, "--state-dir", u.sd, "--", "sh", "-c",
+              f"echo c >> {shlex.quote(u.ws)}/d/a && chmod 000 {shlex.quote(u.ws)}")
+        assert stat.S_IMODE(os.stat(u.ws).st_mode) == 0
+        line = u.refused("revert", "-w", u.ws, "--state-dir", u.sd, "--session", "last",
+                         "--yes", needles=("the workspace root has mode 0000",))
+        assert f"`chmod 755 {u.ws}` first" in line and "--force" in line, line
+        u.run(["chmod", "755", u.ws])
+        u.ask("revert", "-w", u.ws, "--state-dir", u.sd, "--session", "last", "--yes",
+              "--force")
+        with open(os.path.join(u.ws, "d", "a")) as f:
+            assert f.read() == "a\nb\n"
+        assert stat.S_IMODE(os.stat(u.ws).st_mode) == 0o755
+    finally:
+        u.umount()
