@@ -211,6 +211,25 @@ def _log_refusal(op: str, e: Exception) -> None:
                 f" ({quiet} more refused since the last report)" if quiet else "")
 
 
+_short_of_fds = {"last": float("-inf"), "quiet": 0}
+
+
+def _log_short_of_fds(op: str, e: OSError) -> None:
+    """Say, now and then, that the daemon ran out of file descriptors: each file a client
+    holds open through the mount costs the daemon two (its handle and its inode's O_PATH fd),
+    so a client reaches EMFILE at about half its own limit, and nothing said why."""
+    now = time.monotonic()
+    if now - _short_of_fds["last"] < _REFUSALS_LOGGED_EVERY:
+        _short_of_fds["quiet"] += 1
+        return
+    quiet, _short_of_fds["quiet"], _short_of_fds["last"] = _short_of_fds["quiet"], 0, now
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    log.warning("%s: out of file descriptors (%s; limit %s, hard %s%s): each file open through "
+                "the mount holds two of the daemon's; raise the hard limit (`ulimit -Hn`, "
+                "LimitNOFILE=) and mount again", op, e.strerror or e, soft, hard,
+                f"; {quiet} more since the last report" if quiet else "")
+
+
 def _errno_boundary(fn):
     """OSError -> its errno; JournalError (a commit that could not be made: nothing changed) ->
     its errno, ENOSPC for a full state dir; anything unexpected is logged and becomes EIO.
@@ -224,6 +243,8 @@ def _errno_boundary(fn):
         except pyfuse3.FUSEError:
             raise
         except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE):
+                _log_short_of_fds(fn.__name__, e)
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
         except JournalError as e:
             # the change was not journaled, so it was not made (write-ahead): the caller gets
@@ -684,7 +705,10 @@ class Operations(pyfuse3.Operations):
                                   actor)
         try:
             inode, st = self._lookup_name(p, name)
-        except BaseException:
+        except BaseException as e:
+            # (out of fds: EMFILE) the caller is told the create failed, as natively, where
+            # nothing is made: a file this request made goes, its event voided
+            self.recorder.undo_create(self._fd(p), name, fd, getattr(e, "errno", None), actor)
             os.close(fd)
             raise
         if flags & os.O_EXCL and not inode.no_xattr:

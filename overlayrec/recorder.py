@@ -503,6 +503,7 @@ class Recorder:
         self.later = False
         # (fd, seq, path, epoch) of the create just made when it began a write run (begin_run)
         self.created: tuple[int, int, str, Epoch] | None = None
+        self.made_anew: tuple[int, int, str] | None = None  # (fd, seq, path): create's last
         self.on_kept_later: Callable[[], None] | None = None
         # this journal's small single-link entries found at start (_find_small_kept's)
         self._small_found: list[str] = []
@@ -1295,7 +1296,31 @@ class Recorder:
                 raise
         if "run" in ev:
             self.created = (fd, seq, ev["path"], self.epochs[ev["path"]])
+        # what undo_create needs, should the request fail after this
+        self.made_anew = (fd, seq, ev["path"]) if ev.get("pre", {}).get("kind", "absent") == \
+            "absent" else None
         return fd
+
+    def undo_create(self, parent_fd: int, name: str, fd: int, err: int | None,
+                    actor: dict) -> None:
+        """The request whose ``create`` gave ``fd`` failed after it (the filesystem layer ran
+        out of fds): a file that create made anew is removed, as long as ``name`` still holds
+        it, and its event voided as a refused change's is (its ``failed`` note), so the record
+        holds nothing of it.  An existing file opened is left as it is."""
+        made, self.made_anew, self.created = self.made_anew, None, None
+        if made is None or made[0] != fd:
+            return
+        _, seq, path = made
+        try:
+            st, now = os.fstat(fd), os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+            if (st.st_dev, st.st_ino) != (now.st_dev, now.st_ino):
+                return
+            os.unlink(name, dir_fd=parent_fd)
+        except OSError as e:
+            log.warning("cannot remove %s, made by a create that failed: %s", path, e)
+            return
+        self.left[path] = None
+        self._note_failed(seq, path, err or errno.EIO, actor["key"])
 
     def begin_run(self, handle) -> None:
         """``handle`` was opened by the ``create`` (or the truncating open: ``truncate`` with
@@ -2849,6 +2874,9 @@ class UnrecordedRecorder(Recorder):
 
     def before_grant(self, fd):
         pass
+
+    def undo_create(self, parent_fd, name, fd, err, actor):
+        pass  # a bench switch: nothing journaled to void, nor a failed create measured
 
     def create(self, parent_fd, name, flags, mode, uid, gid, actor):
         # a new object gets the caller's owner (as Recorder.create), an existing one keeps its

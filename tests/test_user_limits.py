@@ -3,6 +3,8 @@ limits, a mount another user's daemon holds, a workspace root the user made read
 by a bug hunt run as a non-root user, 2026-12-06)."""
 from __future__ import annotations
 
+import errno
+import json
 import os
 import shlex
 import stat
@@ -191,3 +193,34 @@ def test_a_read_only_root_mounts_the_first_time_and_a_closed_root_says_what_to_d
         assert stat.S_IMODE(os.stat(u.ws).st_mode) == 0o755
     finally:
         u.umount()
+
+
+HOLD_OPEN = r'''
+import errno, json, os
+held, failed = [], None
+for i in range(1000):
+    try:
+        held.append(open(f"f{i}", "w"))
+    except OSError as e:
+        failed = {"name": f"f{i}", "errno": e.errno}
+        break
+print(json.dumps({"held": len(held), "failed": failed}))
+'''
+
+
+@needs_fuse
+def test_out_of_fds_a_failed_create_leaves_nothing_and_is_logged(make_mount):
+    m = make_mount(env=dict(os.environ, OVERLAYREC_FD_LIMIT="128")).mount()
+    try:
+        out = json.loads(m.py(HOLD_OPEN).stdout)
+        failed = out["failed"]
+        assert failed is not None and failed["errno"] == errno.EMFILE, out
+        # natively an EMFILE makes no file: nor does the mount's, nor does its record say so
+        assert not os.path.lexists(os.path.join(m.ws, failed["name"])), out
+        assert failed["name"] not in {e.get("path") for e in m.events()}
+        m.sh("ls > /dev/null")
+    finally:
+        m.umount()
+    with open(os.path.join(m.state, "daemon.log")) as f:
+        said = [line for line in f if "out of file descriptors" in line]
+    assert 1 <= len(said) <= 2 and "raise the hard limit" in said[0], said
