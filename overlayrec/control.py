@@ -122,9 +122,10 @@ class ControlServer:
         if "hook_event_name" in req and "op" not in req:
             # an agent's hook payload piped straight in (the fast hook: nc, no interpreter);
             # the registry says whose it is (docs/agents.md)
+            event = agents.event_of(req)
             agent = agents.recognise(req)
             if agent is None:
-                raise ControlError(f"no agent sends hook event {req['hook_event_name']!r}")
+                raise ControlError(f"no agent sends hook event {event!r}")
             agent.apply(req, _Local(self.calls, caller), (ControlError,))
             return {}
         op = req.get("op")

@@ -403,6 +403,24 @@ def test_hook_without_a_mount_exits_0_and_answers_as_the_agent_expects(tmp_path,
         assert json.loads(r.stdout) == {}  # stdout stays JSON even then
 
 
+@pytest.mark.parametrize("name", sorted(PROGRAM))
+@pytest.mark.parametrize("event", [["preToolUse"], {"a": 1}, 5, True])
+def test_a_hook_event_name_that_is_not_a_string_is_a_bad_request_in_one_line(tmp_path, name,
+                                                                            event):
+    """Cursor's hook gave a traceback, exit 1 and no answer for an event name that was a list
+    or an object (its answer was looked up by it): now a bad request in one line, as any
+    other, with the agent's neutral answer, for every agent."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OVERLAYREC_")}
+    payload = {"hook_event_name": event, "session_id": "x", "conversation_id": "x",
+               "cwd": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "overlayrec", "hook", name],
+                       input=json.dumps(payload), capture_output=True, text=True,
+                       cwd=tmp_path, env=env, timeout=30 * SLOW)
+    said = agents.get(name).answer(None)
+    assert (r.returncode, r.stdout) == (0, "" if said is None else said + "\n"), r
+    assert r.stderr == "overlayrec hook: bad request: hook_event_name must be a string\n", r
+
+
 # -- under `overlayrec run`, through a real mount -------------------------------------------------
 
 def broken_nc(tmp_path) -> str:

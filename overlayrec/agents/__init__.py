@@ -54,6 +54,19 @@ def for_program(argv0: str):
     return None
 
 
+def event_of(payload) -> str | None:
+    """The hook event a payload names (None: it names none).  A payload that is no JSON object,
+    or whose ``hook_event_name`` is not a string, is a bad request (ValueError): a list or an
+    object was looked up among Cursor's answers, and its hook ended in a traceback, exit 1 and
+    no answer on stdout."""
+    if not isinstance(payload, dict):
+        raise ValueError("a hook payload is a JSON object")
+    event = payload.get("hook_event_name")
+    if event is not None and not isinstance(event, str):
+        raise ValueError("hook_event_name must be a string")
+    return event
+
+
 def recognise(payload: dict):
     """The agent a raw hook payload comes from (None: none)."""
     best, score = None, 0
@@ -112,26 +125,25 @@ def run_hook(name: str, stdin=None, stdout=None) -> int:
         return 0
     try:
         payload = wire.loads((stdin or sys.stdin).read())
-        if isinstance(payload, dict):
-            event = payload.get("hook_event_name")
-            cwd = payload.get("cwd")
-            roots = payload.get("workspace_roots")
-            if not cwd and isinstance(roots, list) and roots and isinstance(roots[0], str):
-                cwd = roots[0]
-            c = None
-            # the payload's cwd first, then the hook's own: Claude Code's cwd follows its Bash
-            # tool's `cd` (into an --add-dir directory outside the mount, say) while the hook
-            # runs in the workspace; the payload's alone dropped the turn without a word
-            for where in dict.fromkeys((cwd if isinstance(cwd, str) and os.path.isdir(cwd)
-                                        else None, None)):
-                try:
-                    c = client.connect(cwd=where)
-                    break
-                except client.NoMount:
-                    pass  # not recording here: nothing to do
-            if c is not None:
-                with c:
-                    mod.apply(payload, c, (client.ClientError,))
+        event = event_of(payload)
+        cwd = payload.get("cwd")
+        roots = payload.get("workspace_roots")
+        if not cwd and isinstance(roots, list) and roots and isinstance(roots[0], str):
+            cwd = roots[0]
+        c = None
+        # the payload's cwd first, then the hook's own: Claude Code's cwd follows its Bash
+        # tool's `cd` (into an --add-dir directory outside the mount, say) while the hook
+        # runs in the workspace; the payload's alone dropped the turn without a word
+        for where in dict.fromkeys((cwd if isinstance(cwd, str) and os.path.isdir(cwd)
+                                    else None, None)):
+            try:
+                c = client.connect(cwd=where)
+                break
+            except client.NoMount:
+                pass  # not recording here: nothing to do
+        if c is not None:
+            with c:
+                mod.apply(payload, c, (client.ClientError,))
     except ValueError as e:  # not JSON, or not the payload it should be: said as the daemon
         print(f"overlayrec hook: bad request: {e}", file=sys.stderr)  # says it, in one line
     except Exception as e:  # never break the agent
