@@ -59,40 +59,59 @@ _AGENT_OPS = frozenset({"session_begin", "session_end", "turn_begin", "turn_end"
 
 
 class _Local:
-    """The client's methods, served in the daemon for a raw hook payload."""
+    """The client's methods, served in the daemon for a raw hook payload: each one a request
+    handled as the client's is (``ControlServer.handle``), its fields checked in that one
+    place."""
 
-    def __init__(self, calls: Calls, caller: dict):
-        self.c, self.caller = calls, caller
+    def __init__(self, server: "ControlServer", caller: dict):
+        self.server, self.caller = server, caller
 
-    def _inside(self, session) -> bool:
-        """Is the hook's agent one that another agent's call runs (nothing to do)?"""
-        return self.c.nested(self.caller, session) is not None
+    def _request(self, op: str, **fields) -> dict:
+        req = {"op": op, **{k: v for k, v in fields.items() if v is not None}}
+        return self.server.handle(req, self.caller)
 
     def session_begin(self, session=None):
-        if not self._inside(session):
-            self.c.session_begin(self.caller, session)
+        return self._request("session_begin", session=session)
 
     def session_end(self, session=None):
-        if not self._inside(session):
-            self.c.session_end(self.caller, session)
+        return self._request("session_end", session=session)
 
     def turn_begin(self, prompt=None, session=None):
-        if not self._inside(session):
-            self.c.turn_begin(self.caller, session, prompt)
+        return self._request("turn_begin", prompt=prompt, session=session)
 
     def turn_end(self, session=None, resume=None, again=False):
-        if not self._inside(session):
-            self.c.turn_end(self.caller, session, resume, again)
+        return self._request("turn_end", session=session, resume=resume,
+                             again=again or None)
 
     def call_begin(self, call_id, tool, summary=None, session=None):
-        if not call_id or not tool:
-            raise ControlError("call_begin needs id and tool")
-        if not self._inside(session):
-            self.c.call_begin(self.caller, session, str(call_id), str(tool), summary)
+        return self._request("call_begin", id=call_id, tool=tool, summary=summary,
+                             session=session)
 
     def call_end(self, call_id, status="ok", session=None):
-        if not self._inside(session):
-            self.c.call_end(self.caller, session, str(call_id), status)
+        return self._request("call_end", id=call_id, status=status, session=session)
+
+
+# a request's free-text fields: each a string, or absent (``command``: a list of strings)
+TEXT_FIELDS = ("prompt", "tool", "summary", "status")
+
+
+def checked(req: dict) -> dict:
+    """``req``, its fields checked before anything of it is applied: a ``session`` or a text
+    field that is not a string is a bad request (ValueError).  A number or a list as the
+    session failed in the session table (a traceback in the log, "internal error" to the
+    caller), a 0 was taken as none; a prompt that was an object was kept as it was, and
+    `turns`, `export git` and `report` failed on its record for good."""
+    name = req.get("session")
+    if name is not None and not isinstance(name, str):
+        raise ValueError("session must be a string")
+    for field in TEXT_FIELDS:
+        if req.get(field) is not None and not isinstance(req[field], str):
+            raise ValueError(f"{field} must be a string")
+    command = req.get("command")
+    if command is not None and not (isinstance(command, list)
+                                    and all(isinstance(w, str) for w in command)):
+        raise ValueError("command must be a list of strings")
+    return req
 
 
 class ControlServer:
@@ -126,16 +145,12 @@ class ControlServer:
             agent = agents.recognise(req)
             if agent is None:
                 raise ControlError(f"no agent sends hook event {event!r}")
-            agent.apply(req, _Local(self.calls, caller), (ControlError,))
+            agent.apply(req, _Local(self, caller), (ControlError,))
             return {}
+        req = checked(req)
         op = req.get("op")
         c = self.calls
-        name = req.get("session")
-        if name is not None and not isinstance(name, str):
-            # said as a bad request: a number or a list failed in the session table (a
-            # traceback in the log, "internal error" to the caller), a 0 was taken as none
-            raise ValueError("session must be a string")
-        name = name or None
+        name = req.get("session") or None
         if op in _AGENT_OPS and not req.get("runner"):
             inner = c.nested(caller, name)
             if inner is not None:  # accepted, and nothing done: see Calls.nested

@@ -32,7 +32,9 @@ def loads(text: str):
     return value
 
 
-def dumps(obj) -> str:
+def dumps(obj, ascii: bool = True) -> str:
+    """Compact JSON; ``ascii``: every other character escaped (what goes on the wire), else
+    kept (text a person reads)."""
     if obj is None:
         return "null"
     if obj is True:
@@ -40,11 +42,12 @@ def dumps(obj) -> str:
     if obj is False:
         return "false"
     if isinstance(obj, str):
-        return _json.encode_basestring_ascii(obj)
+        return (_json.encode_basestring_ascii if ascii else _json.encode_basestring)(obj)
     if isinstance(obj, (int, float)):
         return repr(obj)
     if isinstance(obj, dict):
-        return "{" + ",".join(f"{dumps(str(k))}:{dumps(v)}" for k, v in obj.items()) + "}"
+        return "{" + ",".join(f"{dumps(str(k), ascii)}:{dumps(v, ascii)}"
+                              for k, v in obj.items()) + "}"
     if isinstance(obj, (list, tuple)):
-        return "[" + ",".join(dumps(v) for v in obj) + "]"
+        return "[" + ",".join(dumps(v, ascii) for v in obj) + "]"
     raise TypeError(f"cannot send {type(obj).__name__} as JSON")

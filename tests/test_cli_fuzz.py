@@ -573,3 +573,42 @@ def test_bytes_that_are_not_utf8_come_back_as_given(worlds):
     r = run("turns", w.ws, "--session", b"\xff")
     assert r.returncode == 2 and r.stderr.startswith(b"overlayrec: usage: "), r
     assert r.stderr.count(b"\n") == 1 and b"not UTF-8" in r.stderr, r
+
+
+def test_records_whose_text_fields_are_not_text_are_read_as_their_json(worlds, tmp_path):
+    """A prompt (or a call's tool, summary, status) that was not a string was taken by the
+    daemon once: from then on `turns`, `export git` and `report` failed on that record for
+    good ("'dict' object has no attribute 'splitlines'").  A record written then is read with
+    such a field as its JSON text."""
+    if "recorded" not in worlds:
+        pytest.skip("needs /dev/fuse to record the journal")
+    w = worlds["recorded"]
+    sd = str(tmp_path / "state")
+    copy_state(w.sd, sd)
+    j = Journal(sd)
+    try:
+        t = j.record("turns", schema.turn_key(SESSION, 1))
+        j.put_record("turns", schema.turn_key(SESSION, 1), dict(t, prompt={"text": "fix it"}))
+        c = j.record("calls", schema.call_key(SESSION, "c1"))
+        j.put_record("calls", schema.call_key(SESSION, "c1"),
+                     dict(c, tool={"name": "Bash"}, summary=5, status=["ok"]))
+    finally:
+        j.close()
+    env, sdo = _env(w), ["--state-dir", sd]
+
+    def run(*args):
+        r = overlayrec(*args, check=False, env=env, cwd=w.here)
+        assert r.returncode == 0 and "Traceback" not in r.stderr, (args, r.stderr)
+        return r
+    turns = [json.loads(line) for line in run("turns", w.ws, *sdo, "--json").stdout.splitlines()]
+    assert [t["prompt"] for t in turns] == ['{"text":"fix it"}', "second"]
+    assert '{"text":"fix it"}' in run("turns", w.ws, *sdo).stdout
+    calls = {c["id"]: c for c in map(json.loads, run("calls", w.ws, *sdo, "--json")
+                                     .stdout.splitlines())}
+    assert (calls["c1"]["tool"], calls["c1"]["summary"], calls["c1"]["status"]) == \
+        ('{"name":"Bash"}', "5", '["ok"]')
+    run("calls", w.ws, *sdo)
+    run("diff", w.ws, *sdo, "--turn", "1")
+    run("export", "git", w.ws, *sdo)
+    run("report", w.ws, *sdo, "--html", str(tmp_path / "report.html"))
+    assert '"sub": "{\\"text\\":\\"fix it\\"}"' in (tmp_path / "report.html").read_text()

@@ -1,7 +1,7 @@
 """Hooks installed in a workspace (`install-hooks`, no `overlayrec run`), driven by a fake agent
 through a real mount: which process is the agent, what a call left open at its turn's end
-holds, a payload whose cwd is outside the mount, ids that are not strings; and the fast path
-under `run` with a payload of several lines."""
+holds, a payload whose cwd is outside the mount, ids and text fields that are not strings;
+and the fast path under `run` with a payload of several lines."""
 from __future__ import annotations
 
 import json
@@ -308,6 +308,64 @@ def test_a_session_id_that_is_not_a_string_is_a_bad_request_in_one_line(make_mou
         assert "Traceback" not in log and "control request failed" not in log, log
     finally:
         m.umount()
+
+
+def _hook(name: str, m, **payload) -> subprocess.CompletedProcess:
+    """`overlayrec hook NAME` with ``payload`` (its cwd the workspace), as outside `run`."""
+    r = subprocess.run([sys.executable, "-m", "overlayrec", "hook", name],
+                       input=json.dumps(dict(payload, cwd=m.ws)), capture_output=True,
+                       text=True, cwd=m.ws, env=clean_env(), timeout=30 * SLOW)
+    assert r.returncode == 0, r
+    return r
+
+
+def test_text_fields_that_are_not_strings_are_kept_as_text_or_refused(make_mount):
+    """A prompt that was an object, a number or a list was taken as it was, and from then on
+    `turns`, `export git` and `report` failed on its record; a tool name that was an object
+    was kept as its Python repr.  A hook payload's are kept as their JSON text (the agent sent
+    them: the turn and the call are not lost), on both paths (`overlayrec hook`, a raw payload
+    on the socket); a control request's are refused, before anything is journaled."""
+    from overlayrec import client
+    m = make_mount().mount()
+    try:
+        sock = os.path.join(m.state, "control.sock")
+        r = _hook("claude-code", m, hook_event_name="SessionStart", session_id="S1")
+        r = _hook("claude-code", m, hook_event_name="UserPromptSubmit", session_id="S1",
+                  prompt={"text": "fix it"})
+        assert r.stderr == "", r
+        r = _hook("claude-code", m, hook_event_name="PreToolUse", session_id="S1",
+                  tool_use_id="t1", tool_name={"name": "Bash"}, tool_input={"command": "ls"})
+        assert r.stderr == "", r
+        with client.Client(sock) as c:
+            _raw(c, {"hook_event_name": "beforeSubmitPrompt", "conversation_id": "S1",
+                     "prompt": 5})
+            _raw(c, {"hook_event_name": "preToolUse", "conversation_id": "S1",
+                     "tool_use_id": "t2", "tool_name": ["Edit"], "tool_input": {}})
+        before = len(m.events())
+        refused = [("turn_begin", {"prompt": {"a": 1}}, "prompt"),
+                   ("turn_begin", {"prompt": ["a"]}, "prompt"),
+                   ("call_begin", {"id": "t3", "tool": {"a": 1}}, "tool"),
+                   ("call_begin", {"id": "t3", "tool": "Bash", "summary": 5}, "summary"),
+                   ("call_end", {"id": "t2", "status": {"a": 1}}, "status"),
+                   ("session_begin", {"command": "ls"}, "command"),
+                   ("session_begin", {"command": ["ls", 5]}, "command")]
+        for op, fields, field in refused:
+            with client.Client(sock) as c:
+                with pytest.raises(client.ClientError,
+                                   match=f"^bad request: {field} must be "):
+                    c.request(op, session="S1", **fields)
+        assert len(m.events()) == before  # nothing of them journaled
+        assert [t["prompt"] for t in rows(m, "turns")] == ['{"text":"fix it"}', "5"]
+        assert [(c["id"], c["tool"]) for c in rows(m, "calls")] == \
+            [("t1", '{"name":"Bash"}'), ("t2", '["Edit"]')]
+        assert overlayrec("turns", m.ws, env=clean_env()).returncode == 0
+        with open(os.path.join(m.state, "daemon.log")) as f:
+            assert "Traceback" not in f.read()
+    finally:
+        m.umount()
+    overlayrec("export", "git", m.ws, "--state-dir", m.state, env=clean_env())
+    overlayrec("report", m.ws, "--state-dir", m.state, "--html",
+               os.path.join(m.base, "report.html"), env=clean_env())
 
 
 def _raw(c, payload: dict) -> dict:

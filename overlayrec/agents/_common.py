@@ -83,6 +83,18 @@ def session_id(payload: dict, *keys) -> str | None:
     return None
 
 
+def text(value) -> str | None:
+    """A payload's free-text field (a prompt, a tool's name) as text: a string as it is, None
+    for none, anything else (an object, a number) as its JSON text.  What the agent sent is
+    kept, and the daemon, which refuses a request whose text is not a string, takes it: a
+    turn or a call lost over the shape of its prompt would leave its changes to the wrong
+    unit."""
+    if value is None or isinstance(value, str):
+        return value
+    from .. import wire
+    return wire.dumps(value, ascii=False)
+
+
 def first(payload: dict, *keys):
     """The first of ``keys`` the payload carries a non-empty value for."""
     for k in keys:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from ._common import end_call, end_turn, session_id, summarize, with_session
+from ._common import end_call, end_turn, session_id, summarize, text, with_session
 
 NAME = "claude-code"
 PROGRAMS = ("claude",)
@@ -36,11 +36,11 @@ def apply(payload: dict, target, errors: tuple) -> None:
     if ev == "SessionStart":
         target.session_begin(session=sid)
     elif ev == "UserPromptSubmit":
-        with_session(target, errors, sid,
-                     lambda: target.turn_begin(prompt=payload.get("prompt"), session=sid))
+        prompt = text(payload.get("prompt"))
+        with_session(target, errors, sid, lambda: target.turn_begin(prompt=prompt, session=sid))
     elif ev == "PreToolUse":
         with_session(target, errors, sid, lambda: target.call_begin(
-            payload.get("tool_use_id"), payload.get("tool_name"),
+            payload.get("tool_use_id"), text(payload.get("tool_name")),
             summarize(payload.get("tool_input")), session=sid))
     elif ev in ("PostToolUse", "PostToolUseFailure"):
         end_call(target, errors, sid, payload.get("tool_use_id"),

@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 
 from ._common import begin_derived, derived_id, end_call, end_derived, end_turn, first, \
-    session_id, summarize, with_session
+    session_id, summarize, text, with_session
 
 NAME = "gemini"
 PROGRAMS = ("gemini",)
@@ -53,12 +53,12 @@ def _call_id(payload: dict):
 def apply(payload: dict, target, errors: tuple) -> None:
     ev = payload.get("hook_event_name")
     sid = session_id(payload, "session_id")
-    tool = payload.get("tool_name") or "tool"
+    tool = text(payload.get("tool_name")) or "tool"
     if ev == "SessionStart":
         target.session_begin(session=sid)
     elif ev == "BeforeAgent":
-        with_session(target, errors, sid,
-                     lambda: target.turn_begin(prompt=payload.get("prompt"), session=sid))
+        prompt = text(payload.get("prompt"))
+        with_session(target, errors, sid, lambda: target.turn_begin(prompt=prompt, session=sid))
     elif ev == "BeforeTool":
         cid = _call_id(payload)
         summary = summarize(payload.get("tool_input"))

@@ -120,6 +120,9 @@ Sub-databases of the LMDB environment:
               stop hook blocked (its end is then the last stop's; ``Calls.take_up``).
 ``calls``     call_key(session, call id) -> JSON ``{"session","id","tool","summary","turn",
               "begin_t","end_t","status","begin_seq","end_seq","implicit"}``.
+              A turn's ``prompt`` and a call's ``tool``, ``summary`` and ``status`` are strings
+              or null; a record written before 2026-12-06 may hold other JSON there (the daemon
+              took a request's as it came), which ``Journal.records`` reads as its JSON text.
               The key is session id + b"\0" + call id; a call id too long for an LMDB key
               (or beginning with byte 0xff) is replaced by b"\xff" + its xxh3-128 digest (the
               record holds the id; readers scan by the session's prefix).

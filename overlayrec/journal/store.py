@@ -114,6 +114,24 @@ def _loads_all(raws: list[bytes]) -> list:
     return [_loads(b) for b in raws]
 
 
+# a record's free-text fields (schema, ``turns`` and ``calls``): a string, or null
+_TEXT_FIELDS = {"turns": ("prompt",), "calls": ("tool", "summary", "status")}
+
+
+def _as_text(records: list[dict], fields: tuple) -> list[dict]:
+    """``records``, each of ``fields`` that is neither a string nor null made its JSON text:
+    a prompt that was an object, taken before the daemon checked a request's text fields,
+    broke `turns`, `export git` and `report` on its record for good."""
+    for r in records:
+        if type(r) is not dict:
+            continue  # a damaged record: its readers say so
+        for f in fields:
+            v = r.get(f)
+            if v is not None and type(v) is not str:
+                r[f] = json.dumps(v, ensure_ascii=False, separators=(",", ":"))
+    return records
+
+
 class Journal:
     def __init__(self, state_dir: str, *, readonly: bool = False, durable: bool = False,
                  workspace: str | None = None):
@@ -856,7 +874,7 @@ class Journal:
         if self._dropped and db in _SESSION_DBS:  # a gc's cut made, its records not yet deleted
             key = _SESSION_DBS[db]
             out = [r for r in out if r.get(key) not in self._dropped]
-        return out
+        return _as_text(out, _TEXT_FIELDS[db]) if db in _TEXT_FIELDS else out
 
     def record(self, db: str, key: bytes) -> dict | None:
         if self.dbs[db] is None or not 0 < len(key) <= MAX_KEY:
@@ -867,7 +885,8 @@ class Journal:
         if r is not None and self._dropped and db in _SESSION_DBS and \
                 r.get(_SESSION_DBS[db]) in self._dropped:
             return None
-        return r
+        return _as_text([r], _TEXT_FIELDS[db])[0] if r is not None and db in _TEXT_FIELDS \
+            else r
 
     # -- retention (overlayrec.retention; the format in schema) --------------------------------
     def load_cut(self) -> int:
