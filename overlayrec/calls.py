@@ -121,6 +121,20 @@ class ControlError(Exception):
     """A control request that cannot be honoured; the message goes back to the caller."""
 
 
+def _keepable(**texts) -> None:
+    """Refuse (ValueError, a bad request) text the journal cannot keep, before anything of
+    the request is journaled: a lone surrogate (but a byte that was not UTF-8, U+DC80..U+DCFF)
+    failed as the record was written, after the begin's event, and the turn or call was in the
+    log and in the daemon but in no record.  The control endpoint makes a request's text
+    keepable first (control.checked); this holds for any other caller."""
+    for name, text in texts.items():
+        if text is not None and not text.isascii():
+            try:
+                text.encode("utf-8", "surrogateescape")
+            except UnicodeEncodeError:
+                raise ValueError(f"{name} must be UTF-8 text") from None
+
+
 def boot_ticks() -> int:
     return int(time.clock_gettime(time.CLOCK_BOOTTIME) * HZ)
 
@@ -1020,6 +1034,7 @@ class Calls:
         return s
 
     def turn_begin(self, caller: dict, name: str | None, prompt: str | None) -> dict:
+        _keepable(prompt=prompt)
         s = self._open(name, caller)
         # a call announced and never ended before the next prompt was interrupted (an agent
         # sends no end for a tool call the user stopped, nor a turn end): it ends here, or it
@@ -1090,6 +1105,7 @@ class Calls:
 
     def call_begin(self, caller: dict, name: str | None, call_id: str, tool: str,
                    summary: str | None) -> Call:
+        _keepable(id=call_id, tool=tool, summary=summary)
         s = self._open(name, caller)
         if call_id in s.calls:
             raise ControlError(f"call {call_id} already begun in session {s.id}")

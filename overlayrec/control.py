@@ -95,22 +95,55 @@ class _Local:
 TEXT_FIELDS = ("prompt", "tool", "summary", "status")
 
 
+def storable(text: str) -> str:
+    """``text`` with each lone surrogate the journal cannot keep made U+FFFD: a prompt cut
+    inside an emoji (JSON ``"\\ud83d"``, as JSON.stringify writes it) was refused with an
+    encoding error once the daemon had journaled the turn's begin.  U+DC80..U+DCFF stay: they
+    are bytes that were not UTF-8 (a path's, an argv's), kept as those bytes."""
+    if text.isascii():
+        return text
+    try:
+        text.encode("utf-8", "surrogateescape")
+        return text
+    except UnicodeEncodeError:
+        return "".join("\ufffd" if "\ud800" <= ch <= "\udfff" and not "\udc80" <= ch <= "\udcff"
+                       else ch for ch in text)
+
+
+def _id_text(req: dict, field: str, errors: str) -> None:
+    """Refuse (ValueError) an id the journal cannot key: a session's keys are UTF-8 text, a
+    call's may hold bytes that were not (U+DC80..U+DCFF); another lone surrogate in either
+    failed as the first record was written, half of the request journaled."""
+    v = req.get(field)
+    if isinstance(v, str) and not v.isascii():
+        try:
+            v.encode("utf-8", errors)
+        except UnicodeEncodeError:
+            raise ValueError(f"{field} must be UTF-8 text") from None
+
+
 def checked(req: dict) -> dict:
     """``req``, its fields checked before anything of it is applied: a ``session`` or a text
-    field that is not a string is a bad request (ValueError).  A number or a list as the
+    field that is not a string is a bad request (ValueError), and so is an id that cannot be
+    keyed; a text field's lone surrogates are made storable.  A number or a list as the
     session failed in the session table (a traceback in the log, "internal error" to the
     caller), a 0 was taken as none; a prompt that was an object was kept as it was, and
     `turns`, `export git` and `report` failed on its record for good."""
     name = req.get("session")
     if name is not None and not isinstance(name, str):
         raise ValueError("session must be a string")
+    _id_text(req, "session", "strict")
+    _id_text(req, "id", "surrogateescape")
     for field in TEXT_FIELDS:
-        if req.get(field) is not None and not isinstance(req[field], str):
-            raise ValueError(f"{field} must be a string")
+        if req.get(field) is not None:
+            if not isinstance(req[field], str):
+                raise ValueError(f"{field} must be a string")
+            req[field] = storable(req[field])
     command = req.get("command")
-    if command is not None and not (isinstance(command, list)
-                                    and all(isinstance(w, str) for w in command)):
-        raise ValueError("command must be a list of strings")
+    if command is not None:
+        if not (isinstance(command, list) and all(isinstance(w, str) for w in command)):
+            raise ValueError("command must be a list of strings")
+        req["command"] = [storable(w) for w in command]
     return req
 
 

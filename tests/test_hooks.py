@@ -368,6 +368,89 @@ def test_text_fields_that_are_not_strings_are_kept_as_text_or_refused(make_mount
                os.path.join(m.base, "report.html"), env=clean_env())
 
 
+def test_a_lone_surrogate_is_kept_as_u_fffd_and_a_refusal_journals_nothing(make_mount):
+    """A prompt or a command cut inside an emoji (JSON "\\ud83d", as JSON.stringify writes
+    it) was refused with an encoding error after the daemon had journaled the turn's (the
+    call's) begin: `turns`, `calls` and `diff --turn/--call` knew nothing of it, and its end
+    was refused too.  Text keeps such a character as U+FFFD (a byte that was not UTF-8,
+    U+DC80..U+DCFF, is kept as it is); an id that holds one is refused before anything of
+    its request is journaled."""
+    from overlayrec import client
+    m = make_mount().mount()
+    try:
+        sock = os.path.join(m.state, "control.sock")
+        for ev, kw in (("SessionStart", {}), ("UserPromptSubmit", {"prompt": "fix \ud83d"}),
+                       ("PreToolUse", {"tool_use_id": "c1", "tool_name": "Bash",
+                                       "tool_input": {"command": "echo 1 > a.txt # \ud83d"}})):
+            r = _hook("claude-code", m, hook_event_name=ev, session_id="S1", **kw)
+            assert r.stderr == "", r
+        m.sh("echo 1 > a.txt")
+        for ev in ("PostToolUse", "Stop"):
+            r = _hook("claude-code", m, hook_event_name=ev, session_id="S1", tool_use_id="c1")
+            assert r.stderr == "", r
+        with client.Client(sock) as c:  # the fast hook's path, and a client's
+            _raw(c, {"hook_event_name": "beforeSubmitPrompt", "conversation_id": "S1",
+                     "prompt": "again \ud800"})
+            c.request("call_begin", session="S1", id="c2", tool="Edit\udfff",
+                      summary="bytes \udcff kept")
+            c.request("call_end", session="S1", id="c2")
+            before = m.events()
+            for fields, said in (({"id": "c\ud83d", "tool": "Bash"}, "id"),
+                                 ({"session": "S\ud83d", "id": "c3", "tool": "Bash"},
+                                  "session"),
+                                 ({"session": "S\udcff", "id": "c3", "tool": "Bash"},
+                                  "session")):
+                with pytest.raises(client.ClientError, match=f"^bad request: {said} must be "):
+                    c.request("call_begin", **dict({"session": "S1"}, **fields))
+            with pytest.raises(client.ClientError, match="^bad request: session must be "):
+                c.request("session_begin", session="\ud83d")
+            assert m.events() == before  # nothing of them journaled
+        turns = rows(m, "turns")
+        assert [t["prompt"] for t in turns] == ["fix \ufffd", "again \ufffd"]
+        calls = {c["id"]: c for c in rows(m, "calls")}
+        assert (calls["c1"]["summary"], calls["c1"]["status"], calls["c1"]["paths"]) == \
+            ("echo 1 > a.txt # \ufffd", "ok", ["a.txt"])
+        assert (calls["c2"]["tool"], calls["c2"]["summary"], calls["c2"]["turn"]) == \
+            ("Edit\ufffd", "bytes \udcff kept", 2)
+        assert overlayrec("diff", m.ws, "--turn", "1", env=clean_env()).stdout
+        assert overlayrec("diff", m.ws, "--call", "c1", env=clean_env()).stdout
+        with open(os.path.join(m.state, "daemon.log")) as f:
+            assert "Traceback" not in f.read()
+    finally:
+        m.umount()
+
+
+def test_the_daemons_calls_refuse_text_they_cannot_keep_before_journaling(tmp_path):
+    """Calls journaled a turn's begin (and the end of the turn before, and its interrupted
+    calls) and only then failed to write the turn's record over a lone surrogate; a call's
+    begin the same.  Refused first now, whoever asks: nothing journaled, nothing changed."""
+    from overlayrec.attribution import Attribution
+    from overlayrec.calls import Calls
+    from overlayrec.journal import Journal
+    from overlayrec.journal.schema import call_key
+    j = Journal(str(tmp_path))
+    try:
+        calls = Calls(j, Attribution())
+        me = Attribution().actor(os.getpid())
+        calls.session_begin(me, "S", runner=True)
+        calls.turn_begin(me, "S", "p1")
+        calls.call_begin(me, "S", "c1", "Bash", "ls")
+        seqs = j.last_seq()
+        for bad in (lambda: calls.turn_begin(me, "S", "p2 \ud83d"),
+                    lambda: calls.call_begin(me, "S", "c2", "Bash", "ls \ud83d"),
+                    lambda: calls.call_begin(me, "S", "c\ud83d", "Bash", None)):
+            with pytest.raises(ValueError, match="must be UTF-8 text"):
+                bad()
+        assert j.last_seq() == seqs
+        s = calls.sessions["S"]
+        assert [t["index"] for t in s.turns] == [1] and s.turn_index() == 1
+        assert [c.id for c in s.active] == ["c1"]
+        calls.call_begin(me, "S", "c2", "Bash", "bytes \udcff")  # a byte not UTF-8: kept
+        assert j.record("calls", call_key("S", "c2"))["summary"] == "bytes \udcff"
+    finally:
+        j.close()
+
+
 def _raw(c, payload: dict) -> dict:
     """A hook's payload sent to the daemon as it is, as the fast hook's `nc` sends it."""
     from overlayrec import client
