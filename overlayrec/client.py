@@ -49,10 +49,16 @@ def find_socket(cwd: str | None = None) -> str:
 # and how long the client waits for that answer
 _SEALING = frozenset({"call_end", "turn_end", "session_end", "revert_end"})
 SEAL_TIMEOUT = 3600.0
+TIMEOUT = 10.0  # how long any other request waits for its answer
+
+
+def timeout_for(op: str) -> float:
+    """How long a request for ``op`` waits for the daemon's answer."""
+    return SEAL_TIMEOUT if op in _SEALING else TIMEOUT
 
 
 class Client:
-    def __init__(self, path: str, session: str | None = None, timeout: float = 10.0):
+    def __init__(self, path: str, session: str | None = None, timeout: float = TIMEOUT):
         self.path = path
         self.session = session if session is not None else os.environ.get("OVERLAYREC_SESSION")
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -704,3 +704,64 @@ def test_an_installed_hook_whose_interpreter_is_gone_exits_0(tmp_path, monkeypat
         said = mod.answer(ev)
         assert r.returncode == 0, (ev, r)
         assert r.stdout == ("" if said is None else said + "\n"), (ev, r.stdout)
+
+
+def _path_without_timeout(tmp_path) -> str:
+    """A PATH with what the fast hook runs but coreutils' `timeout` (a system without it)."""
+    import shutil
+    bindir = tmp_path / "bin-no-timeout"
+    bindir.mkdir()
+    for prog in ("sh", "nc", "tr", "cat"):
+        (bindir / prog).symlink_to(shutil.which(prog))
+    return str(bindir)
+
+
+def test_the_fast_hook_gives_up_on_a_daemon_that_does_not_answer(tmp_path):
+    """The fast hook's `nc -UN` had no time limit: a daemon that accepts and never answers (a
+    stopped one: the kernel accepts into its backlog) held the agent's hook for good, where
+    the Python client gives up after 10 s.  It gives up as the client would for the event's
+    request (an end's: once it is sealed), with the agent's neutral answer and no second
+    wait in the Python client; with coreutils' `timeout` or, without it, nc's own `-w`."""
+    import shutil
+    import socket
+    from overlayrec import client
+    if not shutil.which("nc") or subprocess.run(["nc", "-h"], capture_output=True,
+                                                 text=True).stderr.find("-U") < 0:
+        pytest.skip("needs an nc with -U (the fast hook's path)")
+    path = str(tmp_path / "control.sock")
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(path)
+        listener.listen(8)  # never accepted, never answered: as a stopped daemon's socket
+        runs = []
+        for name, ev in (("cursor", "preToolUse"), ("claude-code", "PreToolUse")):
+            (tmp_path / name).mkdir()
+            payload = tmp_path / name / "payload.json"  # given whole at once: the hooks wait
+            payload.write_text(json.dumps({  # for the socket side by side
+                "hook_event_name": ev, "session_id": "S", "conversation_id": "S",
+                "tool_use_id": "t1", "tool_name": "Bash", "tool_input": {"command": "ls"}}))
+            for bare in (False, True):
+                env = dict(os.environ, OVERLAYREC_SOCKET=path)
+                if bare:
+                    env["PATH"] = _path_without_timeout(tmp_path / name)
+                with open(payload) as stdin:
+                    p = subprocess.Popen(["/bin/sh", "-c", agents.hook_command(name, ev)],
+                                         stdin=stdin, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, text=True, env=env,
+                                         start_new_session=True)
+                runs.append((name, ev, bare, p))
+        try:
+            for name, ev, bare, p in runs:
+                out, err = p.communicate(timeout=60 * SLOW)
+                said = agents.get(name).answer(ev)
+                assert (p.returncode, out, err) == \
+                    (0, "" if said is None else said + "\n", ""), (name, bare)
+        finally:
+            for *_, p in runs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)  # the hook's nc with it
+                    p.wait()
+    # the bound is the client's for the request the event maps to
+    assert agents.hook_bound(agents.get("cursor"), "preToolUse") == client.TIMEOUT
+    assert agents.hook_bound(agents.get("cursor"), "postToolUse") == client.SEAL_TIMEOUT
+    assert agents.hook_bound(agents.get("claude-code"), "Stop") == client.SEAL_TIMEOUT
+    assert agents.hook_bound(agents.get("gemini"), "BeforeTool") == client.TIMEOUT

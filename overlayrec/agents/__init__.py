@@ -79,6 +79,31 @@ def recognise(payload: dict):
 
 # -- the hook command -----------------------------------------------------------------------------
 
+class _Probe:
+    """A target that notes the requests an agent's mapping makes (their op names)."""
+
+    def __init__(self):
+        self.ops: list[str] = []
+
+    def __getattr__(self, op: str):
+        return lambda *args, **kwargs: self.ops.append(op)
+
+
+def hook_bound(mod, event: str | None) -> int:
+    """How many seconds the fast hook waits for the daemon's answer to ``event``: as long as
+    the Python client waits for the requests it maps to (client.timeout_for: a unit's end is
+    answered once its paths are sealed, anything else within 10 s).  The mapping itself says
+    which requests (``apply`` is pure), so no agent keeps a second list of them."""
+    from .. import client
+    probe = _Probe()
+    try:
+        mod.apply({"hook_event_name": event, "session_id": "s", "conversation_id": "s",
+                   "tool_use_id": "t", "tool_name": "t"}, probe, ())
+    except Exception:  # a mapping that needs more of a payload: the default bound
+        pass
+    return int(max((client.timeout_for(op) for op in probe.ops), default=client.TIMEOUT))
+
+
 def hook_command(name: str, event: str | None = None) -> str:
     """The command line our settings entries run for ``event``.  Under `overlayrec run`
     (OVERLAYREC_SOCKET set) and with `nc` installed, the hook's JSON goes straight to the
@@ -88,7 +113,12 @@ def hook_command(name: str, event: str | None = None) -> str:
 
     The payload is read once into the shell, so that when `nc` fails (another netcat without
     ``-U``/``-N``, a refused connection) the same JSON goes to the Python client: a call's
-    begin or end is never dropped because the fast path could not deliver it."""
+    begin or end is never dropped because the fast path could not deliver it.  `nc` waits for
+    the answer as long as the Python client would (``hook_bound``): a daemon that accepts and
+    never answers (a stopped one) held the agent's hook for good.  Bounded by coreutils'
+    `timeout` where there is one (exit 124: it covers a connect into a full backlog too), else
+    by nc's own ``-w`` (idle: exit 0); either way the agent's answer is given, and the Python
+    client, which would wait as long again, is not asked."""
     import shlex
     mod = get(name)
     where = os.path.dirname(os.path.dirname(_HERE))
@@ -101,10 +131,13 @@ def hook_command(name: str, event: str | None = None) -> str:
     # The daemon reads a request a line: a payload laid out on several lines (pretty-printed)
     # was taken line by line, each refused, and nc said nothing of it.  Its line ends can only
     # be whitespace between tokens (in a string they are escaped), so tr makes them spaces
+    bound = hook_bound(mod, event)
     fast = ('if [ -S "${OVERLAYREC_SOCKET:-}" ] && command -v nc >/dev/null; then '
-            'p=$(cat); if printf %s "$p" | tr \'\\r\\n\' \'  \' | '
-            'nc -UN "$OVERLAYREC_SOCKET" >/dev/null 2>&1; '
-            f'then {say}exit 0; fi; printf %s "$p" | {py}; exit 0; fi; ')
+            f'p=$(cat); t=; command -v timeout >/dev/null && t="timeout {bound}"; '
+            'printf %s "$p" | tr \'\\r\\n\' \'  \' | '
+            f'$t nc -UN -w {bound} "$OVERLAYREC_SOCKET" >/dev/null 2>&1; r=$?; '
+            f'if [ $r = 0 ] || [ $r = 124 ]; then {say}exit 0; fi; '
+            f'printf %s "$p" | {py}; exit 0; fi; ')
     # not exec'd: an interpreter gone since the hooks were installed (a venv made anew) exited
     # 127, where a hook exits 0 whatever goes wrong; the agent's answer is given then too (the
     # hook itself never exits other than 0)
