@@ -36,6 +36,7 @@ from ..journal import Journal
 from ..journal.schema import call_key, call_unit, parse_unit
 from ..views import guessed, one_line, shown, unit_session
 from .diff import file_events, touched, side_of, _visible
+from .replay import first_seen_later
 from .gitdiff import FastImport, GitError, ObjectStore, _git_may_refuse, git_refuses, quote_path
 from .states import States, State
 
@@ -596,27 +597,28 @@ class Exporter:
         return out
 
     def _first_seen_later(self, paths: list[str], point: int, since_ns: int) -> list[str]:
-        """Recorded paths the record first saw after ``point`` (the session's base), present
-        then and modified after ``since_ns`` by their first pre-image's mtime: made or edited
-        while unmounted after the session began, and written by a later unit.  The base holds
-        what that first pre-image says, which the record never saw there at the base's point
-        (found by a hunt: a file made between two sessions went into the first one's base,
-        and its first call's commit then removed it, with nothing said)."""
+        """Recorded paths the base holds as the record first saw them after ``point`` (the
+        session's base), modified after ``since_ns``: made or edited while unmounted after the
+        session began, and written by a later unit (its first pre-image; found by a hunt: a
+        file made between two sessions went into the first one's base, and its first call's
+        commit then removed it, with nothing said), or beneath a directory a later unit
+        renamed (its new name's seal or the live file: a directory made between two sessions
+        and renamed in the second put its files into the first's base, said by replay, not
+        here).  The judgment replay makes (``replay.first_seen_later``), so the two agree;
+        a directory's times move with its entries, so it is not judged (the unit's own
+        ``rm -r d`` or ``mv d/f g; mv d e`` moved them: a hunt found such a base named)."""
         if not since_ns:
             return []
         out = []
         for p in paths:
+            if not _visible(p) or git_refuses(p):
+                continue
             evs = self.states.events_on(p)
-            if not evs or evs[0]["seq"] <= point or not _visible(p) or git_refuses(p):
+            if evs and (evs[0]["seq"] <= point or self._seen_as(p, evs[0]["seq"])):
                 continue
-            if self._seen_as(p, evs[0]["seq"]):
-                continue
-            pre = self.states.pre_for(evs[0], p) or {}
-            # a directory's mtime moves with its entries: the unit's own change of a child
-            # before its first event on the directory (`rm -r d`, `mv d/f g; mv d e`) is no
-            # edit while unmounted (a hunt found the warning and trailer on such a base)
-            if pre.get("kind", "absent") not in ("absent", "dir") and \
-                    pre.get("mtime_ns", 0) > since_ns:
+            if not evs and self.state(p, point).kind not in ("file", "symlink"):
+                continue  # not in the base: nothing it holds to name
+            if first_seen_later(self.states, p, point, since_ns, dirs=False):
                 out.append(p)
         return out
 

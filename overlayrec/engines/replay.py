@@ -76,17 +76,45 @@ def _drifted_by_then(states: States, path: str, point: int, at_ns: int) -> bool:
     return changed is None or at_ns >= changed
 
 
-def _first_seen_later(states: States, path: str, point: int, at_ns: int) -> bool:
-    """Is ``path``'s state at ``point`` the first pre-image the record took of it, later, of a
-    file modified after ``point`` was (its mtime)?  Made or edited while unmounted after then:
-    what it held at ``point`` is not known (it was written as exact; found by a hunt)."""
+def first_seen_later(states: States, path: str, point: int, at_ns: int,
+                     dirs: bool = True) -> bool:
+    """Is ``path``'s state at ``point`` what the record first saw of it after ``point``, of a
+    file changed after ``at_ns``?  Made or edited while unmounted after then: what it held at
+    ``point`` is not known (it was written as exact; found by hunts).  What the record saw is
+    the path's first pre-image, dated by its mtime; or, for a path with no event of its own
+    before a directory above it was renamed (a file made in a directory made while unmounted,
+    which a later session renamed: the directory was said inexact, its files not, and an
+    export put them into every earlier base without a word), what its new name held: its next
+    pre-image or seal, or the live file the record never saw, dated by their ctime as the
+    export dates the files the record never touched (a `cp -p` keeps an old mtime).  A
+    directory is judged by its own first pre-image only (``dirs`` false: never): its times
+    move with its entries."""
     if not at_ns:
         return False
     evs = states.events_on(path)
-    if not evs or evs[0]["seq"] <= point:
+    if evs and evs[0]["seq"] <= point:
         return False
-    pre = states.pre_for(evs[0], path) or {}
-    return pre.get("kind", "absent") != "absent" and pre.get("mtime_ns", 0) > at_ns
+    if evs:
+        pre = states.pre_for(evs[0], path) or {}
+        kind = pre.get("kind", "absent")
+        if kind != "absent" and (dirs or kind != "dir") and pre.get("mtime_ns", 0) > at_ns:
+            return True
+    return _changed_unseen_at_source(states, path, point, at_ns)
+
+
+def _changed_unseen_at_source(states: States, path: str, point: int, at_ns: int) -> bool:
+    """Was the file or symlink the record first learnt of after ``point`` under a later name
+    of ``path`` (``States.source``, past a directory rename) changed after ``at_ns``?"""
+    src = states.whole_chains(states.source, path, point)
+    if src is None or src[0] == path:
+        return False
+    name, pre, seq = src
+    if pre is None:  # the live file, never seen
+        st = states.tree.lstat(name)
+        return st is not None and not stat.S_ISDIR(st.st_mode) and st.st_ctime_ns > at_ns
+    if seq <= point or pre.get("kind", "absent") in ("absent", "dir"):
+        return False  # (seen by then: a seal before the point)
+    return pre.get("ctime_ns", pre.get("mtime_ns", 0)) > at_ns
 
 
 def resolve_point(j: Journal, spec: str, refuse_dropped: bool = True) -> int:
@@ -627,7 +655,7 @@ def replay(j: Journal, states: States, point: int, dest: str, full_from: str | N
             if s.withheld:  # a secret path: its content was never kept, nothing is written
                 b.withheld(rel, s.kind)
                 continue
-            if not s.exact or (s.present and _first_seen_later(states, rel, point, at_ns)) or \
+            if not s.exact or (s.present and first_seen_later(states, rel, point, at_ns)) or \
                     (at_ns and _drifted_by_then(states, rel, point, at_ns)):
                 b.inexact.append(rel)
             if not s.present:

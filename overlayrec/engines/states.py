@@ -750,6 +750,35 @@ class States:
         new = _fwd(path, r)
         return ABSENT if new is None else self.state(new, r["seq"])
 
+    def source(self, path: str, after: int) -> tuple[str, dict | None, int | None] | None:
+        """Where the record learnt what ``path`` held after ``after``: (name, pre-image, seq)
+        of the first full pre-image on its chain after ``after`` (an event's or a seal's),
+        followed to its new name through each directory rename that moves it first; when
+        nothing of that name came after, its end: the seal that governs it (taken at or
+        before ``after``), or (name, None, None) for the live tree the record never saw;
+        None when a rename took it away.  ``state`` reads the same
+        entry (a file in a directory made while unmounted and renamed by a later session has
+        no event of its own: what it held is its new name's seal, or the live file)."""
+        name = path
+        while True:
+            if self._short(name, after):
+                raise _Partial(name)
+            move = self._next_move(name, after)
+            chain = self.chain_on(name)
+            seqs = self._seqs_of(name, chain)
+            stop = len(chain) if move is None else bisect.bisect_left(seqs, move["seq"])
+            for e in chain[bisect.bisect_right(seqs, after, 0, stop):stop]:
+                pre = self.pre_for(e, name)
+                if pre is not None and "kind" in pre:
+                    return name, pre, e["seq"]
+            if move is None:
+                seal = self._governing_seal(name)
+                return (name, seal["pre"], seal["seq"]) if seal else (name, None, None)
+            name = _fwd(name, move)
+            if name is None:
+                return None
+            after = move["seq"]
+
     def map_name(self, name: str, at: float, to: float) -> str | None:
         """What ``name`` (valid at point ``at``) is called at point ``to``, through the
         directory renames between; None when it cannot exist there."""
