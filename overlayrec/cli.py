@@ -2592,7 +2592,7 @@ def export_git(workspace, repo, ref_prefix, remote, origin, state_dir, as_json):
                 store = ObjectStore(sd)
         tag = hashlib.sha256(f"{store.git_dir}\0{ref_prefix}".encode()).hexdigest()[:12]
         state_file = state.StateDir(sd).export_state(tag)
-        ex = Exporter(j, States(j, tree), store, state_file, ref_prefix)
+        ex = Exporter(j, States(j, tree), store, state_file, ref_prefix, shared=bool(repo))
         tty = sys.stderr.isatty() and not as_json
         with state.private_umask() if not repo else contextlib.nullcontext():
             out = ex.run(progress=(lambda sid, n, total: click.echo(

@@ -12,6 +12,7 @@ from conftest import SLOW, needs_fuse, overlayrec, run_with_outside_step
 from test_diff import AGENT, seed
 
 pytestmark = needs_fuse
+EMPTY_TREE = "4b825dc642cb6eb9a060e54bf8d69288fbee4904"
 
 
 def git(git_dir, *args):
@@ -1068,3 +1069,63 @@ def test_files_in_a_directory_made_unmounted_and_renamed_later_are_named_unsure(
     assert {"d/f", "d/sub/g", "k/new"} <= set(rp["inexact"]), rp
     assert "k/old" not in rp["inexact"] and "a" not in rp["inexact"], rp
 
+
+def _refs(git_dir) -> dict[str, str]:
+    out = git(git_dir, "for-each-ref", "--format=%(refname) %(objectname)")
+    return dict(line.split() for line in out.splitlines())
+
+
+def _objects(git_dir) -> list[str]:
+    return sorted(os.path.join(d, f) for d, _, fs in os.walk(os.path.join(git_dir, "objects"))
+                  for f in fs)
+
+
+def test_export_refuses_a_repository_whose_refs_hold_another_records(make_mount, tmp_path):
+    """Two workspaces with a session of the same name exported into one `--repo`: the second
+    moved the first's refs/overlayrec/s1/* to its own commits, exit 0, the first's record then
+    reachable from no ref, and the first's next export wrote nothing and left them so (found by
+    a bug hunt).  It is refused in one line, nothing written, as `--push` refuses; so is a
+    user's own commit at such a ref.  The rightful owner exports on: incrementally, and anew
+    after losing its export state (its commits name its record)."""
+    shared = str(tmp_path / "shared.git")
+    subprocess.run(["git", "init", "-q", "--bare", shared], check=True)
+    ms = {}
+    for w in ("A", "B"):
+        m = ms[w] = make_mount(sub=w)
+        with open(os.path.join(m.ws, "f"), "w") as f:
+            f.write(f"{w}\n")
+        m.mount()
+        overlayrec("run", "-w", m.ws, "--session", "s1", "--", "sh", "-c", f"echo {w}-edit >> f",
+                   cwd=m.ws)
+    overlayrec("export", "git", ms["A"].ws, "--repo", shared)
+    refs, objects = _refs(shared), _objects(shared)
+    r = overlayrec("export", "git", ms["B"].ws, "--repo", shared, check=False)
+    assert r.returncode == 1 and "refs/overlayrec/s1/" in r.stderr and \
+        "not this record's" in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    assert _refs(shared) == refs and _objects(shared) == objects
+    assert git(shared, "show", "refs/overlayrec/s1/head:f") == "A\nA-edit\n"
+    # the owner's next export goes on (a new session), its s1 as it was
+    overlayrec("run", "-w", ms["A"].ws, "--session", "s2", "--", "sh", "-c", "echo more >> f",
+               cwd=ms["A"].ws)
+    out = json.loads(overlayrec("export", "git", ms["A"].ws, "--repo", shared, "--json").stdout)
+    assert out["commits"] > 0 and git(shared, "show", "refs/overlayrec/s2/head:f") == \
+        "A\nA-edit\nmore\n", out
+    assert _refs(shared)["refs/overlayrec/s1/head"] == refs["refs/overlayrec/s1/head"]
+    # its export state lost: exported anew over its own refs, which name its record
+    for name in os.listdir(ms["A"].state):
+        if name.startswith("export-") and name != "export-origin.json":
+            os.unlink(os.path.join(ms["A"].state, name))
+    out = json.loads(overlayrec("export", "git", ms["A"].ws, "--repo", shared, "--json").stdout)
+    assert out["commits"] > 0, out
+    # a commit of the user's own at a ref the export would set
+    own = str(tmp_path / "own.git")
+    subprocess.run(["git", "init", "-q", "--bare", own], check=True)
+    env = dict(os.environ, GIT_AUTHOR_NAME="u", GIT_AUTHOR_EMAIL="u@x", GIT_COMMITTER_NAME="u",
+               GIT_COMMITTER_EMAIL="u@x")
+    mine = subprocess.run(["git", "--git-dir", own, "commit-tree", EMPTY_TREE, "-m", "mine"],
+                          env=env, capture_output=True, text=True, check=True).stdout.strip()
+    git(own, "update-ref", "refs/overlayrec/s1/head", mine)
+    r = overlayrec("export", "git", ms["B"].ws, "--repo", own, check=False)
+    assert r.returncode == 1 and "refs/overlayrec/s1/head" in r.stderr, r.stderr
+    assert git(own, "rev-parse", "refs/overlayrec/s1/head").strip() == mine

@@ -152,10 +152,22 @@ def _trailer_value(text, first_line: bool = True) -> str:
     return one_line(lines[0].strip())[:200] if lines else ""
 
 
+def record_id(j: Journal) -> str:
+    """This record's name in the commits it exports (``Overlayrec-Record``): a hash of when its
+    journal was made, the same for every export of it, another for another workspace's record
+    (or one begun anew in the same workspace)."""
+    made = j.meta("created") or os.path.realpath(j.state_dir)
+    return hashlib.sha256(f"overlayrec record {made}".encode()).hexdigest()[:16]
+
+
 class Exporter:
     def __init__(self, j: Journal, states: States, store: ObjectStore, state_file: str,
-                 ref_prefix: str = "refs/overlayrec", sides: bool = True):
+                 ref_prefix: str = "refs/overlayrec", sides: bool = True, shared: bool = False):
+        """``shared``: the store is a repository the user named (``--repo``), whose refs may
+        hold another record's commits, or the user's own: a run refuses to move them."""
         self.j = j
+        self.record = record_id(j)
+        self.shared = shared
         self.states = states
         self.store = store
         self.state_file = state_file
@@ -194,6 +206,65 @@ class Exporter:
         out = self._git("cat-file", "--batch-check", input="".join(
             h + "\n" for h in heads).encode())
         return " missing" not in out
+
+    def _refuse_anothers(self, work: list) -> None:
+        """Refuse (GitError, nothing written) when a ref this run sets holds a commit that is
+        not this record's: neither one its export state knows nor one whose trailers name it
+        (``Overlayrec-Record``).  Another workspace's export into the same repository, with a
+        session of the same name, moved its refs by force without a word, its commits then
+        reachable from none; a user's own commit there went the same way."""
+        mine = self._refs_to_set(work)
+        known = self._known_commits()
+        out = self._git("for-each-ref", "--format=%(objectname) %(refname)", self.prefix + "/")
+        held = {}
+        for line in out.splitlines():
+            sha, _, name = line.partition(" ")
+            if name in mine and sha not in known:
+                held[name] = sha
+        ours = self._naming_this_record(set(held.values()))
+        foreign = sorted(name for name, sha in held.items() if sha not in ours)
+        if foreign:
+            more = f" (and {len(foreign) - 1} more ref(s))" if len(foreign) > 1 else ""
+            raise GitError(f"{self.store.git_dir}: {foreign[0]}{more} holds a commit that is "
+                           "not this record's (another workspace's export, or a commit of "
+                           "your own): export into another repository, or name another "
+                           "--ref-prefix")
+
+    def _refs_to_set(self, work: list) -> set[str]:
+        """The refs a run of ``work`` (session, new calls, new turns) may set."""
+        out = set()
+        for sid, c_new, t_new in work:
+            st = self.done["sessions"].get(sid) or {}
+            tails = ["head", "sides"] + ([] if st.get("head") else ["base"])
+            tails += [f"calls/{ref_part(c['id'])}" for c in c_new]
+            tails += [f"turns/{t['index']}" for t in t_new]
+            out |= {self._refname(self._in(sid, t)) for t in tails}
+        return out
+
+    def _known_commits(self) -> set[str]:
+        """The commits the export state says this record wrote."""
+        out = set()
+        for st in self.done.get("sessions", {}).values():
+            if isinstance(st, dict):
+                out |= {st.get("head"), st.get("sides")}
+                out |= set((st.get("calls") or {}).values()) | set((st.get("turns") or {}).values())
+        return {x for x in out if isinstance(x, str)}
+
+    def _naming_this_record(self, shas: set[str]) -> set[str]:
+        """Of these objects, the commits whose message names this record
+        (``Overlayrec-Record``)."""
+        if not shas:
+            return set()
+        kinds = self._git("cat-file", "--batch-check=%(objectname) %(objecttype)",
+                          input="".join(f"{x}\n" for x in sorted(shas)).encode())
+        commits = [ln.split()[0] for ln in kinds.splitlines() if ln.endswith(" commit")]
+        if not commits:
+            return set()
+        out = self._git("log", "--no-walk=unsorted", "--stdin", "--format=%H%x00%B%x01",
+                        input="".join(f"{x}\n" for x in commits).encode())
+        tag = f"\nOverlayrec-Record: {self.record}\n"
+        return {sha.strip() for sha, _, body in (c.partition("\0") for c in out.split("\1"))
+                if sha.strip() and tag in "\n" + body}
 
     def run(self, progress=None) -> dict:
         self.began_ns = time.time_ns()
@@ -259,6 +330,8 @@ class Exporter:
             # for what the paths held before them)
             lo = min([lo] + self._late_call_begins({w[0] for w in work}, horizon))
             lo = max(0, lo)
+            if self.shared:
+                self._refuse_anothers(work)   # before a byte is written
             # the states asked for are at ``lo`` or later: each path's chain is read from there
             # (States.floor: only its events after ``lo`` and its last one before).  When most
             # of the journal is read anyway, or chains are read whole (directory renames), one
@@ -728,6 +801,7 @@ class Exporter:
         if self.vague:
             message += "".join(f"Overlayrec-Inexact: {shown(p)}\n" for p in sorted(self.vague))
             self.vague = []
+        message += f"Overlayrec-Record: {self.record}\n"
         m = self.fi.commit(self._refname(self._in(sid, "head")), author, committer, message,
                            st["head"], self.pending)
         self.pending = []
@@ -923,7 +997,7 @@ class Exporter:
                       if unit_session(e.get("unit")) == sid], default=0)
         who = _ident("overlayrec", "overlayrec@localhost", t_ns)
         msg = (f"session {sid}: the sides of its diffs\n\nOverlayrec-Session: {trailer_id(sid)}\n"
-               f"Overlayrec-Seq: ..{horizon}\n")
+               f"Overlayrec-Seq: ..{horizon}\nOverlayrec-Record: {self.record}\n")
         if not st.get("sides"):
             # a root commit, whatever was there
             self.fi.reset(self._refname(self._in(sid, "sides")))
