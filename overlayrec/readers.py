@@ -633,7 +633,7 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
                   f"after, not exactly the selection's: {', '.join(map(shown, around[:5]))}"
                   f"{' ...' if len(around) > 5 else ''}")
     if not as_json:
-        for line in guess_lines(side):
+        for line in guess_lines(side) + reverts_inside_lines(side):
             parts.err(line)
     unreadable = sorted(states.tree.unreadable)
     for note, group in _grouped(states.tree.unreadable).items():
@@ -723,6 +723,8 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
                               "changed_around": around, "changed_meanwhile": meanwhile,
                               "guessed": side.guessed, "maybe_ours": side.maybe_ours,
                               "late": side.late,
+                              "reverts_inside": [{"revert": r, "paths": ps}
+                                                 for r, ps in side.reverts.items()],
                               "git_left_out": len(left_out), "git_left_out_paths": left_out,
                               "not_in_patch": [{"path": p, "change": what}
                                                for p, what in unshown],
@@ -748,6 +750,18 @@ def unsealed_note(paths: list[str]) -> str:
             f"killed, or its state dir full; the next mount seals it): {len(paths)} path(s) "
             f"here end at the live tree, which may hold changes made since, not known to be "
             f"the record's: {', '.join(paths[:5])}{' ...' if len(paths) > 5 else ''}")
+
+
+def reverts_inside_lines(side) -> list[str]:
+    """What ``diff --session`` says of each revert run inside the session (Side.reverts): its
+    changes are in the workspace at the session's end, and in the session's exported chain,
+    not in the session's own diff."""
+    from .views import shown
+    return [f"overlayrec: revert {rid} ran inside this session and changed {len(paths)} "
+            f"path(s) ({', '.join(map(shown, paths[:5]))}{' ...' if len(paths) > 5 else ''}): "
+            "not in this diff, which holds the session's own changes; the workspace at the "
+            "session's end, and its exported chain, hold them"
+            for rid, paths in sorted(getattr(side, "reverts", {}).items())]
 
 
 def guess_lines(side) -> list[str]:

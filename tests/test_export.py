@@ -1129,3 +1129,51 @@ def test_export_refuses_a_repository_whose_refs_hold_another_records(make_mount,
     r = overlayrec("export", "git", ms["B"].ws, "--repo", own, check=False)
     assert r.returncode == 1 and "refs/overlayrec/s1/head" in r.stderr, r.stderr
     assert git(own, "rev-parse", "refs/overlayrec/s1/head").strip() == mine
+
+
+REVERT_LAST_CALL = """\
+import json, subprocess, sys
+rows = [json.loads(line) for line in subprocess.run(
+    [sys.executable, "-m", "overlayrec", "calls", "-w", ".", "--json"], capture_output=True,
+    text=True, check=True).stdout.splitlines()]
+cid = [r for r in rows if r["files"]][-1]["id"]
+subprocess.run([sys.executable, "-m", "overlayrec", "revert", "-w", ".", "--call", cid, "--yes"],
+               check=True, capture_output=True)
+"""
+
+
+def test_a_revert_run_inside_a_session_ends_its_chain(make_mount, tmp_path):
+    """The agent's last call runs `overlayrec revert` of its previous call: the revert is a
+    unit of its own, so the session's chain ended at the reverted call (its head "changed",
+    where the workspace held "orig" at the session's end), `diff --session` said nothing of
+    it, and the next session's base showed the revert as coming from nowhere (found by a bug
+    hunt).  The revert is a commit of its own in the chain, and the diff names it."""
+    m = make_mount()
+    with open(os.path.join(m.ws, "a"), "w") as f:
+        f.write("orig\n")
+    m.mount()
+    (tmp_path / "revert_last.py").write_text(REVERT_LAST_CALL)
+    overlayrec("run", "-w", m.ws, "--session", "s1", "--", "bash", "-c",
+               f"sh -c 'echo changed > a'; {sys.executable} {tmp_path / 'revert_last.py'}",
+               cwd=m.ws)
+    overlayrec("run", "-w", m.ws, "--session", "s2", "--", "sh", "-c", "echo b > b", cwd=m.ws)
+    with open(os.path.join(m.ws, "a")) as f:
+        assert f.read() == "orig\n"
+    rid = json.loads(overlayrec("log", m.ws, "--op", "revert_begin", "--json").stdout)["revert"]
+    out = json.loads(overlayrec("export", "git", m.ws, "--json").stdout)
+    gd = out["git_dir"]
+    assert git(gd, "show", "refs/overlayrec/s1/head:a") == "orig\n"
+    assert git(gd, "show", "refs/overlayrec/s1/head^:a") == "changed\n"
+    msg = git(gd, "log", "-1", "--format=%B", "refs/overlayrec/s1/head")
+    assert msg.startswith(f"revert {rid}: overlayrec revert ") and \
+        f"Overlayrec-Revert: {rid}\n" in msg and f"Overlayrec-Unit: revert:{rid}\n" in msg, msg
+    # the next session's base is where the first ended: nothing from nowhere
+    assert git(gd, "diff", "--stat", "refs/overlayrec/s1/head", "refs/overlayrec/s2/base") == ""
+    # once, not again by the next run
+    assert json.loads(overlayrec("export", "git", m.ws, "--json").stdout)["commits"] == 0
+    r = overlayrec("diff", m.ws, "--session", "s1", "--stat")
+    assert f"revert {rid} ran inside this session and changed 1 path(s) (a)" in r.stderr, \
+        r.stderr
+    js = json.loads(overlayrec("diff", m.ws, "--session", "s1", "--json").stdout)
+    assert js["reverts_inside"] == [{"revert": rid, "paths": ["a"]}], js
+    assert "ran inside" not in overlayrec("diff", m.ws, "--session", "s2", "--stat").stderr

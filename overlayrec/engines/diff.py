@@ -40,6 +40,9 @@ class Side:
     interleaved: dict[str, list[str]] = field(default_factory=dict)
     # the selection's own events (select() sets them): what each writer did (own_changes)
     events: list[dict] | None = None
+    # a session's: the reverts run inside it (an agent's call ran `overlayrec revert`), each
+    # with the paths it changed, which its diff (its own units') does not hold: revert -> paths
+    reverts: dict[str, list[str]] = field(default_factory=dict)
 
 
 def file_events(j: Journal, lo: int = 1, hi: int | None = None) -> list[dict]:
@@ -219,6 +222,7 @@ def select(j: Journal, states: States, *, call: str | None = None, turn: int | s
         mine = [e for e in evs if _unit_session(e.get("unit")) == session]
         side = _selected(states, mine, keep=keep, every=evs)
         _interleaved(states, side, mine, evs, lambda u: _unit_session(u) == session)
+        side.reverts = reverts_inside(states, evs, rec, keep)
         return side
     # (since, until]: everything recorded after --since, as its help, export.md, `log`,
     # `revert` and replay's points say (event ``since`` itself was in the diff)
@@ -229,6 +233,29 @@ def select(j: Journal, states: States, *, call: str | None = None, turn: int | s
             raise SelectionError(f"--since {since} is past the record's end (seq {last})")
         raise SelectionError(f"--until {until} is before --since {since}: nothing between")
     return _selected(states, _selection_events(j, lo, hi), (lo - 1, hi), keep=keep)
+
+
+def reverts_inside(states: States, evs: list[dict], rec: dict, keep=None) -> dict[str, list[str]]:
+    """The reverts run inside a session (``rec``: their events between its start and its end)
+    and the paths each left other than it found them (those ``keep`` takes; not its temporary
+    files).  A session's diff holds its own units' changes, not a revert's, though the
+    workspace at the session's end does (an agent's call that ran `overlayrec revert`)."""
+    start, end = rec.get("started") or 0, rec.get("ended")
+    spans: dict[str, list] = {}
+    for e in evs:
+        unit = e.get("unit") or ""
+        if not unit.startswith("revert:") or e["t"] < start or (end is not None and e["t"] > end):
+            continue
+        span = spans.setdefault(unit[len("revert:"):], [e["seq"], e["seq"], set()])
+        span[1] = e["seq"]
+        span[2].update(p for p in touched(states, e) if _visible(p) and (keep is None or keep(p)))
+    out = {}
+    for rid, (lo, hi, paths) in spans.items():
+        changed = sorted(p for p in paths
+                         if not states.state(p, lo - 1).same(states.state(p, hi)))
+        if changed:
+            out[rid] = changed
+    return out
 
 
 def _kept(paths: list[str], keep) -> list[str]:

@@ -33,7 +33,7 @@ import time
 from stat import S_ISLNK, S_ISREG
 
 from ..journal import Journal
-from ..journal.schema import call_key, call_unit, parse_unit
+from ..journal.schema import call_key, call_unit, parse_unit, revert_unit
 from ..views import guessed, one_line, shown, unit_session
 from .diff import file_events, touched, side_of, _visible
 from .replay import first_seen_later
@@ -125,7 +125,7 @@ def side_key(kind: str, key) -> str:
 
 
 # the trailers that carry an id (a call's, a session's), read back by the records' readers
-ID_TRAILERS = ("Call", "Session", "Active-With")
+ID_TRAILERS = ("Call", "Session", "Active-With", "Revert")
 
 
 def trailer_id(name: str) -> str:
@@ -185,6 +185,7 @@ class Exporter:
         self.written = 0
         self.fi: FastImport | None = None
         self._evs: list[dict] | None = None
+        self._reverts_new: dict[str, list[dict]] = {}  # per session: reverts inside it, new
         self._actor_cache: dict = {}
         self._state_cache: dict = {}
         self._live_base: str | None = None   # the mark of the last session base made
@@ -247,7 +248,8 @@ class Exporter:
         for st in self.done.get("sessions", {}).values():
             if isinstance(st, dict):
                 out |= {st.get("head"), st.get("sides")}
-                out |= set((st.get("calls") or {}).values()) | set((st.get("turns") or {}).values())
+                for kind in ("calls", "turns", "reverts"):
+                    out |= set((st.get(kind) or {}).values())
         return {x for x in out if isinstance(x, str)}
 
     def _naming_this_record(self, shas: set[str]) -> set[str]:
@@ -297,16 +299,23 @@ class Exporter:
         # only itself: a shell's builtins) is a chain too, once: its base and its changes
         work += [(sid, [], []) for sid in sorted(self._ended - set(sessions))
                  if sid not in self.done["sessions"]]
-        late = self._late_writers(self._ended, horizon, {w[0] for w in work})
-        work += [(sid, [], []) for sid in sorted(late)]
         # the sessions recorded by now (read after the horizon: a session's record is written
         # before any event of it), so a later run knows a session it never saw began after
         # this run's horizon
         seen = self.done.get("seen")
         seen = set(seen["ids"]) if isinstance(seen, dict) and \
             seen.get("horizon") == self.done["horizon"] else None   # else: not known
-        recorded = {r["id"] for r in self.j.records("sessions") if isinstance(r.get("id"), str)}
+        records = [r for r in self.j.records("sessions") if isinstance(r.get("id"), str)]
+        recorded = {r["id"] for r in records}
         self.done["seen"] = {"horizon": horizon, "ids": sorted(recorded | (seen or set()))}
+        # a revert run inside a session (an agent's call ran `overlayrec revert`): a commit of
+        # its own in the session's chain, so the chain ends where the session did
+        self._reverts_new = self._reverts_inside(
+            [r for r in records if r["id"] in set(sessions) | self._ended], seen, horizon)
+        busy = {w[0] for w in work}
+        work += [(sid, [], []) for sid in sorted(self._reverts_new) if sid not in busy]
+        late = self._late_writers(self._ended, horizon, {w[0] for w in work})
+        work += [(sid, [], []) for sid in sorted(late)]
         if work:
             # the events this run reads: from the earliest point a chain, a new unit's span or
             # a session's spans (all of a session never exported) start from
@@ -323,7 +332,8 @@ class Exporter:
                 self._since[sid] = since
                 lo = min([lo, since]
                          + [(c.get("begin_seq") or c["end_seq"]) - 1 for c in c_new]
-                         + [t["begin_seq"] - 1 for t in t_new])
+                         + [t["begin_seq"] - 1 for t in t_new]
+                         + [r["begin_seq"] - 1 for r in self._reverts_new.get(sid, [])])
             # an exported call of an ended session that wrote since (a process it left
             # running): its sides are made again, from its begin (below ``lo``: the states
             # there were read from the floor up, and its sides took its first writes' results
@@ -367,7 +377,8 @@ class Exporter:
             for st in self.done["sessions"].values():
                 for d, k in [(st, "head"), (st, "sides")] + \
                         [(st["calls"], k) for k in st["calls"]] + \
-                        [(st["turns"], k) for k in st["turns"]]:
+                        [(st["turns"], k) for k in st["turns"]] + \
+                        [(st["reverts"], k) for k in st.get("reverts", {})]:
                     if isinstance(d.get(k), str) and d[k].startswith(":"):
                         d[k] = marks[d[k]]
             if self._live_base is not None:
@@ -471,6 +482,50 @@ class Exporter:
                 self.done["sessions"][sid]["late_checked"] = horizon
         return found
 
+    def _reverts_inside(self, sessions: list[dict], seen: set[str] | None,
+                        horizon: int) -> dict[str, list[dict]]:
+        """Per session (of these records), the reverts done by ``horizon`` whose begin and end
+        lie inside its span (its start to its end, or on: a live one) that its chain lacks,
+        after the chain's point: each ``{"id", "begin_seq", "end_seq", "begin_t", "end_t",
+        "actor"}`` (``actor``: the process that asked for it).  Read from the events after the
+        earliest such point only (a session new since the last run: after its horizon)."""
+        floors = {}
+        for r in sessions:
+            st = self.done["sessions"].get(r["id"])
+            if st and st.get("head"):
+                # one that ended by the last run's horizon was committed by that run
+                floors[r["id"]] = max(st["point"], self.done["horizon"])
+            elif seen is not None and r["id"] not in seen:
+                floors[r["id"]] = self.done["horizon"]
+            else:
+                floors[r["id"]] = 0
+        if not floors:
+            return {}
+        lo = min(floors.values())
+        began: dict[str, dict] = {}
+        ended = []
+        for e in self.j.events_of(("revert_begin", "revert_end"), lo + 1, horizon):
+            if e["op"] == "revert_begin":
+                began[e.get("revert")] = e
+            else:
+                ended.append(e)
+        if any(e.get("revert") not in began for e in ended):
+            # begun before ``lo`` (an export ran while it went on): its begin, further back
+            began.update((e.get("revert"), e) for e in self.j.events_of(("revert_begin",), 1, lo))
+        done = [{"id": e["revert"], "begin_seq": b["seq"], "end_seq": e["seq"],
+                 "begin_t": b["t"], "end_t": e["t"], "actor": b.get("actor")}
+                for e in ended if (b := began.get(e.get("revert"))) is not None]
+        out: dict[str, list[dict]] = {}
+        for r in sessions:
+            sid, st = r["id"], self.done["sessions"].get(r["id"]) or {}
+            start, end = r.get("started") or 0, r.get("ended")
+            mine = [v for v in done if v["end_seq"] > floors[sid] and start <= v["begin_t"]
+                    and (end is None or v["end_t"] <= end)
+                    and v["id"] not in (st.get("reverts") or {})]
+            if mine:
+                out[sid] = mine
+        return out
+
     # -- one session's chain ------------------------------------------------------------------------
     def _session(self, sid: str, calls: list[dict], turns: list[dict], paths: list[str],
                  horizon: int, progress) -> None:
@@ -481,6 +536,8 @@ class Exporter:
             points.append((c["end_seq"], 1, "call", c))
         for t in turns:
             points.append((t["end_seq"], 2, "turn", t))
+        for r in self._reverts_new.get(sid, []):
+            points.append((r["end_seq"], 1, "revert", r))
         points.sort(key=lambda p: (p[0], p[1]))
         if not points and sid not in self._ended:
             return
@@ -533,15 +590,21 @@ class Exporter:
             self._live_base = st["head"]
             self._ref(self._in(sid, "base"), st["head"])
         for n, (seq, _, kind, rec) in enumerate(points):
-            if kind == "call":
+            if kind in ("call", "revert"):
                 begin = rec.get("begin_seq") or seq
                 if begin - 1 > point and self._changed(point, begin - 1):
                     self._commit_interim(sid, st, point, begin - 1, paths)
                     point = begin - 1
                 self._advance(point, seq, paths)
-                st["head"] = self._commit(sid, st, *self._call_message(sid, rec, point, seq))
-                st["calls"][rec["id"]] = st["head"]
-                self._ref(self._in(sid, f"calls/{ref_part(rec['id'])}"), st["head"])
+                if kind == "revert":
+                    st["head"] = self._commit(sid, st, *self._revert_message(sid, rec, point,
+                                                                            seq))
+                    st.setdefault("reverts", {})[rec["id"]] = st["head"]
+                else:
+                    st["head"] = self._commit(sid, st, *self._call_message(sid, rec, point,
+                                                                          seq))
+                    st["calls"][rec["id"]] = st["head"]
+                    self._ref(self._in(sid, f"calls/{ref_part(rec['id'])}"), st["head"])
             else:
                 if seq > point and self._changed(point, seq):
                     self._advance(point, seq, paths)
@@ -866,6 +929,34 @@ class Exporter:
         msg = subject[:72] + "\n\n" + "\n".join(f"{k}: {v}" for k, v in trailers) + "\n"
         return _ident(f"agent (session {sid})", "agent@overlayrec.invalid", t["end_t"]), msg, \
             t["end_t"]
+
+    def _revert_message(self, sid: str, r: dict, lo: int, hi: int):
+        """A revert's commit inside a session's chain: its subject names the revert, its
+        trailers the revert, its unit (as an interim commit's), the process that asked for it
+        and each process that wrote in its span."""
+        unit = revert_unit(r["id"])
+        asked = self._actor(r["actor"]) if isinstance(r.get("actor"), str) else {}
+        argv = asked.get("argv") or []
+        # the command from its verb on (`overlayrec revert --call c1 --yes`), not the
+        # interpreter's path that begins it
+        verb = next((i for i, a in enumerate(argv) if a in ("revert", "unrevert")), None)
+        command = one_line(" ".join(["overlayrec"] + argv[verb:] if verb is not None else argv))
+        subject = one_line(f"revert {r['id']}" + (f": {command}" if command else ""))[:72]
+        trailers = [("Overlayrec-Revert", trailer_id(r["id"])),
+                    ("Overlayrec-Session", trailer_id(sid)),
+                    ("Overlayrec-Seq", f"{lo + 1}..{hi}"), ("Overlayrec-Unit", unit),
+                    ("Overlayrec-Begin", str(r["begin_t"])), ("Overlayrec-End", str(r["end_t"]))]
+        mine = self._actors(lo, hi, unit)
+        if asked:   # (the process that asked: one line, as the actors')
+            line = f"{asked.get('pid', '?')} {one_line(' '.join(argv))[:120]}"
+            if line not in mine:
+                trailers.append(("Overlayrec-Requested-By", line))
+        trailers += [("Overlayrec-Actor", a) for a in mine]
+        trailers += [("Overlayrec-Other-Writer", a) for a in self._actors(lo, hi, None)
+                     if a not in mine]
+        msg = subject + "\n\n" + "\n".join(f"{k}: {v}" for k, v in trailers) + "\n"
+        return _ident("overlayrec revert", "revert@overlayrec.invalid", r["end_t"]), msg, \
+            r["end_t"]
 
     def _commit_interim(self, sid, st, lo, hi, paths, subject: str | None = None) -> None:
         self._advance(lo, hi, paths)

@@ -105,6 +105,8 @@ def first_seen_later(states: States, path: str, point: int, at_ns: int,
 def _changed_unseen_at_source(states: States, path: str, point: int, at_ns: int) -> bool:
     """Was the file or symlink the record first learnt of after ``point`` under a later name
     of ``path`` (``States.source``, past a directory rename) changed after ``at_ns``?"""
+    if not states.renames():  # one name all along: its own first pre-image said it
+        return False
     src = states.whole_chains(states.source, path, point)
     if src is None or src[0] == path:
         return False
