@@ -292,6 +292,39 @@ def test_replay_before_and_after_a_session(make_mount, tmp_path):
 
 
 @needs_fuse
+def test_a_directory_a_later_call_emptied_and_removed_is_exact_before(make_mount, tmp_path):
+    """`rm -rf d` removes d's files, then d: d's pre-image holds the mtime the removal of its
+    files gave it, later than the point replayed, which was taken for an edit made while
+    unmounted: a replay before it said d inexact (every `.git/objects/XX` a `git gc` emptied;
+    found by a bug hunt).  A directory made while unmounted and removed later still is."""
+    m = make_mount()
+    os.makedirs(os.path.join(m.ws, "d"))
+    with open(os.path.join(m.ws, "d", "f"), "w") as f:
+        f.write("x\n")
+    with open(os.path.join(m.ws, "a"), "w") as f:
+        f.write("a\n")
+    before = tree_of(m.ws)
+    time.sleep(1.1)  # past the second d and its file got their times in
+    m.mount()
+    (tmp_path / "job.sh").write_text("sh -c 'echo b >> a'\nsleep 1.1\nrm -rf d\n")
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", "bash", str(tmp_path / "job.sh"),
+               cwd=m.ws)
+    first = json.loads(overlayrec("calls", m.ws, "--json").stdout.splitlines()[0])["id"]
+    r = json.loads(overlayrec("replay", "-w", m.ws, "--at", f"before:call:{first}",
+                              "--to", str(tmp_path / "r"), "--full", "--json").stdout)
+    assert r["inexact"] == [], r
+    assert tree_of(str(tmp_path / "r")) == before
+    m.umount()
+    # made while unmounted (after the session), then removed by a call: not known before
+    os.makedirs(os.path.join(m.ws, "e"))
+    time.sleep(1.1)
+    m.mount()
+    overlayrec("run", "-w", m.ws, "--session", "t", "--", "rmdir", "e", cwd=m.ws)
+    r = json.loads(overlayrec("replay", "-w", m.ws, "--at", "after:session:s",
+                              "--to", str(tmp_path / "r2"), "--json").stdout)
+    assert "e" in r["inexact"], r
+
+
 def test_what_changed_while_unmounted_is_not_claimed_exact(make_mount, tmp_path):
     """Two gaps in what the record knows, which replay and export filled as exact (found by a
     hunt): a time inside an unmounted gap after an edit made then (the edit's drift is found

@@ -1,6 +1,7 @@
 """Forensic replay: points in the journal, the tree as it stood at one, and a path's history."""
 from __future__ import annotations
 
+import bisect
 import datetime as dt
 import errno
 import os
@@ -97,9 +98,37 @@ def first_seen_later(states: States, path: str, point: int, at_ns: int,
     if evs:
         pre = states.pre_for(evs[0], path) or {}
         kind = pre.get("kind", "absent")
-        if kind != "absent" and (dirs or kind != "dir") and pre.get("mtime_ns", 0) > at_ns:
+        if kind != "absent" and (dirs or kind != "dir") and pre.get("mtime_ns", 0) > at_ns \
+                and not (kind == "dir" and _moved_by_entries(states, path, point, evs[0],
+                                                             pre.get("mtime_ns", 0))):
             return True
     return _changed_unseen_at_source(states, path, point, at_ns)
+
+
+# a directory's mtime is set as its entry changes; its event is written just before that
+ENTRY_SLACK_NS = 1_000_000_000
+
+
+def _moved_by_entries(states: States, path: str, point: int, first: dict,
+                      mtime_ns: int) -> bool:
+    """Is directory ``path``'s mtime at its first event ``first`` (after ``point``) one the
+    record's own changes of its entries set, then?  A call's `rm -rf d` removes d's files
+    before d: d's pre-image holds the mtime their removal gave it, which is no edit while
+    unmounted (a replay before it said d inexact, every `.git/objects/XX` a `git gc`
+    emptied: found by a bug hunt)."""
+    names = states.all_names()
+    prefix = path + "/" if path else ""
+    at = bisect.bisect_left(names, prefix)
+    latest = None
+    while at < len(names) and names[at].startswith(prefix):
+        child = names[at]
+        at += 1
+        if "/" in child[len(prefix):]:
+            continue  # not an entry of its own: its change moved another directory's mtime
+        for e in states.events_on(child):
+            if point < e["seq"] < first["seq"] and (latest is None or e["t"] > latest):
+                latest = e["t"]
+    return latest is not None and mtime_ns <= latest + ENTRY_SLACK_NS
 
 
 def _changed_unseen_at_source(states: States, path: str, point: int, at_ns: int) -> bool:
