@@ -1452,6 +1452,7 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
     for sig in early:
         signal.signal(sig, lambda s, f: stopped.append(s))
     ws = state.resolve_workspace(workspace)
+    named = ws  # where the agent starts, also when the workspace is a directory above it
     outer = state.overlayrec_mount_containing(ws)
     if outer is not None and outer != ws:
         # a directory inside a recorded workspace: the run joins it (a second mount inside
@@ -1513,7 +1514,9 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
         here = os.path.realpath(os.getcwd())
     except OSError:  # a removed working directory: the agent starts at the workspace
         here = ws
-    cwd = here if _beneath(here, ws) else ws  # re-entered by path
+    # re-entered by path; `-w ws/pkg` of a workspace recorded at ws starts the agent in pkg
+    # (it started at ws: a command meant for pkg/f wrote ws/f, found by a bug hunt)
+    cwd = here if _beneath(here, named) else named
     env = dict(os.environ, OVERLAYREC_SOCKET=sock, OVERLAYREC_SESSION=sid, OVERLAYREC_WORKSPACE=ws)
     # git stops looking for a repository at a filesystem's boundary, which the mount is: in a
     # workspace inside a repository (a package of a monorepo) every git command of the agent

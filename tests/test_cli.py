@@ -266,6 +266,32 @@ def test_a_page_garbled_inside_the_journal_is_said_by_status_and_run(make_mount)
 
 
 @needs_fuse
+def test_run_of_a_subdirectory_starts_the_agent_there(make_mount, tmp_path):
+    """`run -w ws/pkg` of a workspace recorded at ws (mounted or not) records into ws, and
+    starts the agent in pkg, as the user named it: it started at ws, so a command meant for
+    pkg/f wrote ws/f (found by a bug hunt)."""
+    m = make_mount()
+    os.makedirs(os.path.join(m.ws, "pkg"))
+    for p, text in (("f", "root\n"), ("pkg/f", "pkg\n")):
+        with open(os.path.join(m.ws, p), "w") as f:
+            f.write(text)
+    m.mount()
+    overlayrec("run", "-w", m.ws, "--", "true", cwd=str(tmp_path))
+    m.umount()
+    pkg = os.path.join(m.ws, "pkg")
+    for mounted in (False, True):
+        if mounted:
+            m.mount()
+        r = overlayrec("run", "-w", pkg, "--", "sh", "-c", "pwd; echo changed >> f",
+                       cwd=str(tmp_path))
+        assert r.stdout.splitlines()[0] == pkg, r.stdout
+        if mounted:
+            m.umount()
+    assert open(os.path.join(m.ws, "f")).read() == "root\n"
+    assert open(os.path.join(pkg, "f")).read() == "pkg\nchanged\nchanged\n"
+
+
+@needs_fuse
 def test_a_journal_that_lost_its_data_is_never_begun_again(make_mount):
     """data.mdb emptied (or damaged so that its format record is gone) after a record was kept:
     a mount, and a revert that mounts for the occasion, refuse it in one line; they began a
