@@ -714,8 +714,11 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
             nums[p] = (None if add == "-" else int(add), None if dele == "-" else int(dele))
         files = [{"path": p, **st, "added": nums.get(p, (None, None))[0],
                   "deleted": nums.get(p, (None, None))[1],
+                  # a rename's writers are its old name's too; a file that is no rename has
+                  # no "from" (not the root's "", whose writers changed only the root)
                   "writers": sorted(side.writers.get(p, set())
-                                    | side.writers.get(st.get("from") or "", set()))}
+                                    | (side.writers.get(st["from"], set())
+                                       if st.get("from") is not None else set()))}
                  for p, st in sorted(status.items())]
         parts.out(json.dumps({"from_tree": a, "to_tree": b, "files": files,
                               "inexact": inexact,

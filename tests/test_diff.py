@@ -653,6 +653,25 @@ def _append_outside(m) -> None:
         f.write("OUTSIDE\n")
 
 
+def test_a_unit_that_changed_only_the_root_writes_no_file(make_mount, tmp_path):
+    """`touch -d @0 .` in its own call: diff --json listed that call as a writer of every file
+    that was no rename (their missing "from" was read as the root's "", found by a bug hunt)."""
+    m = make_mount()
+    with open(os.path.join(m.ws, "a"), "w") as f:
+        f.write("a\n")
+    m.mount()
+    (tmp_path / "job.sh").write_text("touch -d @0 .\nsh -c 'echo b > b; echo a2 >> a'\n")
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", "bash", str(tmp_path / "job.sh"),
+               cwd=m.ws)
+    calls = [json.loads(line) for line in overlayrec("calls", m.ws, "--json").stdout.splitlines()]
+    toucher = next(c for c in calls if c.get("summary", "").startswith("touch"))
+    js = json.loads(overlayrec("diff", m.ws, "--session", "s", "--json").stdout)
+    files = {f["path"]: f["writers"] for f in js["files"]}
+    assert set(files) >= {"a", "b"}, files
+    for p in ("a", "b"):
+        assert not any(toucher["id"] in w for w in files[p]), (p, files[p], toucher)
+
+
 def test_another_writers_change_between_a_calls_own_is_said(make_mount, tmp_path):
     """A call appends, a user appends, the call appends again: `diff --call` holds the user's
     line (the call's diff runs from its first change to its last) and said nothing; its
