@@ -2585,8 +2585,11 @@ def export_git(workspace, repo, ref_prefix, remote, origin, state_dir, as_json):
             own = {os.path.realpath(os.path.join(ws, ".git")),
                    rev_parse(os.path.dirname(ws), "--absolute-git-dir"),
                    rev_parse(ws, "--absolute-git-dir"), common(ws)} - {None}
+            # and a repository whose work tree holds the workspace wherever its git dir is
+            # (core.worktree: a hunt found the export in the user's `git log --all`)
             if git_dir in own or common(repo) in own or \
-                    git_dir.startswith(os.path.realpath(ws).rstrip("/") + "/"):
+                    git_dir.startswith(os.path.realpath(ws).rstrip("/") + "/") or \
+                    (top is not None and _beneath(ws, top)):
                 raise Fail("refusing to write into the workspace's own repository (or one "
                            "inside it); name another one, or leave --repo out")
             store = ObjectStore(sd, git_dir=git_dir)

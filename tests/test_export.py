@@ -1177,3 +1177,26 @@ def test_a_revert_run_inside_a_session_ends_its_chain(make_mount, tmp_path):
     js = json.loads(overlayrec("diff", m.ws, "--session", "s1", "--json").stdout)
     assert js["reverts_inside"] == [{"revert": rid, "paths": ["a"]}], js
     assert "ran inside" not in overlayrec("diff", m.ws, "--session", "s2", "--stat").stderr
+
+
+def test_a_repository_whose_work_tree_is_the_workspace_is_its_own(make_mount, tmp_path):
+    """A repository kept elsewhere whose core.worktree is the workspace: `--repo` of it was
+    written, and the export's commits showed in the user's `git log --all` (found by a bug
+    hunt).  Refused as the workspace's own."""
+    env = dict(os.environ, GIT_AUTHOR_NAME="a", GIT_AUTHOR_EMAIL="a@b", GIT_COMMITTER_NAME="a",
+               GIT_COMMITTER_EMAIL="a@b")
+    m = make_mount()
+    repo = tmp_path / "repo.git"
+    subprocess.run(["git", "init", "-q", "--bare", str(repo)], check=True)
+    subprocess.run(["git", f"--git-dir={repo}", "config", "core.bare", "false"], check=True)
+    subprocess.run(["git", f"--git-dir={repo}", "config", "core.worktree", m.ws], check=True)
+    with open(os.path.join(m.ws, "a"), "w") as f:
+        f.write("a\n")
+    subprocess.run(["git", f"--git-dir={repo}", "add", "-A"], check=True, env=env)
+    subprocess.run(["git", f"--git-dir={repo}", "commit", "-qm", "1"], check=True, env=env)
+    m.mount()
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", "sh", "-c", "echo b >> a", cwd=m.ws)
+    r = overlayrec("export", "git", m.ws, "--repo", str(repo), check=False)
+    assert r.returncode == 1 and "the workspace's own repository" in r.stderr, r.stderr
+    assert not subprocess.run(["git", f"--git-dir={repo}", "for-each-ref", "refs/overlayrec"],
+                              capture_output=True, text=True).stdout
