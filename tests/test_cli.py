@@ -292,6 +292,26 @@ def test_run_of_a_subdirectory_starts_the_agent_there(make_mount, tmp_path):
 
 
 @needs_fuse
+def test_a_workspace_whose_name_is_not_utf8_is_recorded_in_the_default_state_dir(tmp_path):
+    """`run -w café` (Latin-1 bytes), no --state-dir: the default state dir was named after
+    the workspace, and LMDB refused the path ("not a UTF-8 path"; found by a bug hunt)."""
+    import tempfile
+    home = tempfile.mkdtemp(prefix="or-")  # short: the control socket's path has a limit
+    env = dict(os.environ, XDG_STATE_HOME=home)
+    ws = os.path.join(os.fsencode(str(tmp_path)), b"caf\xe9")
+    os.mkdir(ws)
+    ws = os.fsdecode(ws)
+    try:
+        r = overlayrec("run", "-w", ws, "--", "sh", "-c", "echo b > b", env=env, check=False)
+        assert r.returncode == 0, r.stderr
+        r = overlayrec("diff", "-w", ws, "--session", "last", "--name-status", env=env)
+        assert r.stdout.split() == ["A", "b"], r.stdout
+    finally:
+        force_unmount(ws)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+@needs_fuse
 def test_a_journal_that_lost_its_data_is_never_begun_again(make_mount):
     """data.mdb emptied (or damaged so that its format record is gone) after a record was kept:
     a mount, and a revert that mounts for the occasion, refuse it in one line; they began a
