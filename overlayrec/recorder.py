@@ -443,10 +443,7 @@ class Recorder:
         # tests of the attic itself keep small files there too (=-1: every file)
         knob = os.environ.get("OVERLAYREC_TEST_SMALL_PREIMAGE", "").strip()
         self.small_preimage = int(knob) if knob else SMALL_PREIMAGE
-        self.root_path = underlay.fd_path(root_fd)
-        self._root_slash = self.root_path.rstrip("/") + "/"  # rel's prefix, made once
-        self._root_cut = len(self._root_slash)
-        self.units.root = self.root_path
+        self._learn_root(underlay.fd_path(root_fd))
         self._euid, self._egid = os.geteuid(), os.getegid()
         self.epochs: dict[str, Epoch] = {}
         # bumped by every rename, unlink and rmdir: an open handle's file may have another
@@ -897,6 +894,30 @@ class Recorder:
         return freed
 
     # -- paths ----------------------------------------------------------------------------------
+    def _learn_root(self, path: str) -> None:
+        """Take ``path`` as the workspace root's path: the prefix ``rel`` strips, made once a
+        path (not again for every fd)."""
+        self.root_path = path
+        self._root_slash = path.rstrip("/") + "/"
+        self._root_cut = len(self._root_slash)
+        self.units.root = path
+
+    def _root_moved(self) -> bool:
+        """Has the root another path than the one ``rel`` strips (a directory above the
+        workspace renamed while it is mounted)?  Learnt again then: every name the kernel
+        gives an fd since begins with the new one.  Asked only when a name does not begin
+        with the old one, so it costs a readlink only after such a move."""
+        try:
+            now = underlay.fd_path(self.root_fd)
+        except OSError:
+            return False
+        if now == self.root_path or now.endswith(" (deleted)"):
+            return False
+        log.info("the workspace's root is at %s now, not %s (a directory above it renamed)",
+                 now, self.root_path)
+        self._learn_root(now)
+        return True
+
     def rel(self, fd: int) -> str:
         """The workspace-relative path of an fd's object, as the kernel names it now.  An fd
         opened by a name that has since gone (unlinked into the attic, or renamed over) while
@@ -911,6 +932,8 @@ class Recorder:
             if rel is None:
                 raise
             return rel
+        if not p.startswith(self._root_slash) and p != self.root_path:
+            self._root_moved()
         st = os.fstat(fd) if p.endswith(" (deleted)") else None
         if st is not None and self._gone(p, st):
             # the fd's name is gone, never to be journaled as changed: another object may
@@ -937,7 +960,11 @@ class Recorder:
             return rel
         if p == self.root_path:
             return ""
-        return p  # outside the root (cannot happen through the mount): keep it visible
+        # outside the root as the kernel names both (another mount namespace's view): an
+        # absolute path journaled is a change no reader can place (diff failed on it, replay
+        # dropped it), so the operation fails instead of being journaled so
+        log.error("cannot name %s beneath the workspace's root %s: refused", p, self.root_path)
+        raise OSError(errno.EIO, f"{p} is not beneath the workspace's root {self.root_path}")
 
     def _gone(self, p: str, st: os.stat_result) -> bool:
         """The kernel's name ``p`` of an fd (``st``) ends in " (deleted)": is the name gone,

@@ -1500,6 +1500,7 @@ def _event_defect(ev, seq: int) -> str | None:
         if g("seq") == seq and type(g("seq")) is int and type(g("t")) is int and \
                 type(g("op")) is str and g("op") != "failed" and \
                 type(g("path", "")) is str and type(g("path2", "")) is str and \
+                g("path", "")[:1] != "/" and g("path2", "")[:1] != "/" and \
                 type(g("actor", "")) is str and type(g("unit", "")) is str:
             return None
     if not isinstance(ev, dict):
@@ -1513,6 +1514,13 @@ def _event_defect(ev, seq: int) -> str | None:
             return f"has a bad {name!r} field ({str(v)[:40]!r})"
     if ev["seq"] != seq:
         return f"says it is event {ev['seq']}"
+    for name in ("path", "path2"):
+        if (ev.get(name) or "")[:1] == "/":
+            # every path is the workspace's own; an absolute one was journaled by a recorder
+            # that kept the root's path as it was at mount after a directory above the
+            # workspace was renamed: no reader can place the change
+            return (f"names an absolute path ({ev[name][:60]!r}), not one in the workspace "
+                    "(a directory above the mounted workspace renamed, by an older overlayrec)")
     if ev["op"] == "failed" and (not isinstance(ev.get("ref"), int) or isinstance(ev["ref"], bool)):
         return "has no 'ref' field (the event that failed)"
     return None

@@ -1,0 +1,109 @@
+"""A directory above a mounted workspace renamed (``mv p q``, the workspace ``p/ws``).
+
+The mount moves with it.  The recorder names an fd's object by the kernel's path of it, less
+the root's: kept as it was at mount, every later change was journaled under an absolute path
+(diff failed on it, replay dropped it, check called the record whole; found by a
+bug hunt)."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import lmdb
+
+from conftest import SLOW, force_unmount, needs_fuse, overlayrec
+from overlayrec.journal import schema
+
+pytestmark = needs_fuse
+
+
+def _workspace(tmpbase: str) -> tuple[str, str, str]:
+    """p/ws with a file ``a`` in it, its state dir, and the path it will have: q/ws."""
+    ws = os.path.join(tmpbase, "p", "ws")
+    os.makedirs(ws)
+    with open(os.path.join(ws, "a"), "w") as f:
+        f.write("a\n")
+    return ws, os.path.join(tmpbase, "st"), os.path.join(tmpbase, "q", "ws")
+
+
+def _wait_daemon_gone(sd: str) -> None:
+    """The daemon unlinks its daemon.json as it ends (after sealing): wait for that."""
+    deadline = time.monotonic() + 30 * SLOW
+    while os.path.exists(os.path.join(sd, "daemon.json")):
+        assert time.monotonic() < deadline, "the daemon did not end"
+        time.sleep(0.1)
+
+
+def _paths(sd: str) -> list[str]:
+    from overlayrec.journal import Journal
+    j = Journal(sd, readonly=True)
+    try:
+        return [e.get("path") for e in j.events() if e["op"] not in ("seal", "failed")]
+    finally:
+        j.close()
+
+
+def test_changes_after_the_parent_is_renamed_keep_their_workspace_paths(tmpbase):
+    ws, sd, moved = _workspace(tmpbase)
+    overlayrec("mount", ws, "--state-dir", sd)
+    try:
+        with open(os.path.join(ws, "a"), "a") as f:
+            f.write("a2\n")
+        os.rename(os.path.join(tmpbase, "p"), os.path.join(tmpbase, "q"))
+        with open(os.path.join(moved, "x"), "w") as f:
+            f.write("x\n")
+        with open(os.path.join(moved, "a"), "a") as f:
+            f.write("a3\n")
+        os.mkdir(os.path.join(moved, "d"))
+    finally:
+        overlayrec("umount", moved, check=False)
+        force_unmount(moved)
+    _wait_daemon_gone(sd)
+    paths = _paths(sd)
+    assert not [p for p in paths if p and p.startswith("/")], paths
+    assert {"a", "x", "d"} <= set(paths), paths
+    r = overlayrec("diff", "-w", moved, "--state-dir", sd, "--since", "0", "--name-status")
+    assert r.stdout.split("\n")[:2] == ["M\ta", "A\tx"], r.stdout
+    out = os.path.join(tmpbase, "out")
+    overlayrec("replay", "-w", moved, "--state-dir", sd, "--at", "end", "--to", out)
+    assert sorted(os.listdir(out)) == ["a", "d", "x"]
+    with open(os.path.join(out, "a")) as f:
+        assert f.read() == "a\na2\na3\n"
+    overlayrec("check", "-w", moved, "--state-dir", sd)
+
+
+def test_a_record_holding_an_absolute_path_is_not_whole(tmpbase):
+    """A record an older recorder journaled so: check names the event, and the readers refuse
+    it in one line, not a diff that fails in git or a replay that leaves the file out."""
+    ws, sd, _ = _workspace(tmpbase)
+    overlayrec("mount", ws, "--state-dir", sd)
+    try:
+        with open(os.path.join(ws, "x"), "w") as f:
+            f.write("x\n")
+    finally:
+        overlayrec("umount", ws)
+    env = lmdb.open(os.path.join(sd, "journal"), max_dbs=len(schema.DBS) + 1)
+    try:
+        with env.begin(write=True) as txn:
+            events = env.open_db(b"events", txn=txn)
+            for key, raw in txn.cursor(db=events):
+                ev = json.loads(raw)
+                if ev.get("path") == "x":
+                    break
+            # the event and the path index as that recorder wrote them: under the full path
+            ev["path"] = os.path.join(ws, "x")
+            txn.put(key, json.dumps(ev).encode(), db=events)
+            paths = env.open_db(b"paths", txn=txn)
+            assert txn.delete(schema.path_item("x", key)[0], db=paths)
+            txn.put(*schema.path_item(ev["path"], key), db=paths)
+            seq = ev["seq"]
+    finally:
+        env.close()
+    r = overlayrec("check", "-w", ws, "--state-dir", sd, check=False)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert f"not an event: event {seq} names an absolute path" in r.stdout, r.stdout
+    r = overlayrec("diff", "-w", ws, "--state-dir", sd, "--since", "0", check=False)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "names an absolute path" in r.stderr, r.stderr
