@@ -1434,7 +1434,8 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
     """Run CMD (an agent) in the recorded workspace: mount it (or join the daemon already
     there), run CMD with the terminal passed through and OVERLAYREC_SOCKET/OVERLAYREC_SESSION
     set, then unmount if this run mounted, print a summary and exit with CMD's status (1 when
-    CMD succeeded but the daemon could not seal the record at unmount: it says why).
+    CMD succeeded but the daemon could not seal the record at unmount, or its mount, moved by
+    a rename of a directory above the workspace, could not be lifted: it says why).
 
     The agent's hooks are wired for this run when CMD's program is one overlayrec knows
     (claude, codex, gemini, cursor-agent; docs/agents.md), through the agent's own per-run
@@ -1470,6 +1471,7 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
         # the daemon there applies the list it mounted with
         click.echo(f"overlayrec: warning: {ws} is already mounted: --secret and "
                    "--no-default-secrets apply at mount only", err=True)
+    made = None  # the mount this run made (mounting.mount_of), known by its id wherever it goes
     for attempt in range(5):
         mounted_here = False
         if state.is_dead_mount(ws):
@@ -1489,6 +1491,8 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
                                            no_default_secrets=no_default_secrets,
                                            max_bytes=max_bytes, for_this=True)
                 mounted_here = True
+                from .mounting import mount_of
+                made = mount_of(ws, sd)
                 # the shell that started this run waits for it: only the others write around
                 # us
                 _warn_holders(ws, _ancestors(os.getpid()) | {daemon_pid})
@@ -1566,9 +1570,11 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
     except client.ClientError as e:
         click.echo(f"overlayrec: warning: {e}", err=True)
     c.close()
-    unsealed = None
+    unsealed = left = None
     if mounted_here:
         _release_mount(ws, sd)
+        from .mounting import left_behind
+        left = left_behind(ws, sd, made)
         unsealed = _unsealed_at_end(ws, sd)
     corrupt = None
     try:
@@ -1583,8 +1589,9 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
         sys.exit(rc or 1)
     if unsealed:  # CMD's own failure, if any, keeps its status
         click.echo(f"overlayrec: error: {unsealed}", err=True)
-        sys.exit(rc or 1)
-    sys.exit(rc)
+    if left:
+        click.echo(f"overlayrec: error: {left}", err=True)
+    sys.exit((rc or 1) if unsealed or left else rc)
 
 
 class _Unbroken:

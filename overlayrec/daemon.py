@@ -147,7 +147,16 @@ DETACH_WAIT = 15.0
 DETACHED_WAIT = 10.0
 
 
-async def _serve(control: ControlServer, ws: str, owner: dict | None) -> None:
+def _where(ws: str, mount_id: int | None) -> str:
+    """The path the mount is at now: where it was made, unless a directory above the workspace
+    was renamed since (the mount moves with it; the path it was made at names nothing, or
+    another directory).  Known by the mount's own id in /proc/self/mountinfo."""
+    where = state.mount_point_of(mount_id) if mount_id is not None else None
+    return where or ws
+
+
+async def _serve(control: ControlServer, ws: str, owner: dict | None,
+                 mount_id: int | None = None) -> None:
     async with trio.open_nursery() as nursery:
         delay = float(os.environ.get("OVERLAYREC_TEST_END_DELAY") or 0)
 
@@ -163,7 +172,8 @@ async def _serve(control: ControlServer, ws: str, owner: dict | None) -> None:
             # dirty are written back while the daemon serves them: after the unmount they have
             # nowhere to go, and the writes were lost without a word
             with trio.move_on_after(FLUSH_WAIT):
-                await trio.to_thread.run_sync(_flush_mount, ws, control if detach else None,
+                await trio.to_thread.run_sync(_flush_mount, _where(ws, mount_id),
+                                              control if detach else None,
                                               abandon_on_cancel=True)
             if control.detached:
                 # a process that came to the workspace after the release's look (nothing
@@ -203,7 +213,7 @@ async def _serve(control: ControlServer, ws: str, owner: dict | None) -> None:
                 except Exception:  # a failed check must not take the mount down: retried
                     log.exception("checking implicit calls for exited processes failed")
         nursery.start_soon(end_exited_calls)
-        nursery.start_soon(_follow_runners, control, ws, owner)
+        nursery.start_soon(_follow_runners, control, ws, owner, mount_id)
         nursery.start_soon(_stamp_alive, state.StateDir(control.calls.journal.state_dir).alive)
         await nursery.start(_commit_held_notes, control.calls.journal)
         if not isinstance(control.recorder, UnrecordedRecorder) and \
@@ -260,7 +270,8 @@ RUNNER_CHECK = 1.0
 USERS_CHECK = 5.0  # and for the processes still working in such a mount, once one was found
 
 
-async def _follow_runners(control: ControlServer, ws: str, owner: dict | None) -> None:
+async def _follow_runners(control: ControlServer, ws: str, owner: dict | None,
+                          mount_id: int | None = None) -> None:
     """End the sessions whose runner and agent went without ending them (``Calls.
     end_abandoned_sessions``: `overlayrec run` killed by SIGKILL); and, for a mount made for a
     command (``owner``: the `run` or the revert that mounted, ``--owner``), unmount once that
@@ -293,7 +304,8 @@ async def _follow_runners(control: ControlServer, ws: str, owner: dict | None) -
         # a scan of /proc that asks no filesystem anything (state._holders): off the trio
         # thread only so that requests are served meanwhile; a few milliseconds a hundred
         # processes, so while some process works in the mount, every USERS_CHECK seconds
-        users = await trio.to_thread.run_sync(state.mount_users, ws, {os.getpid()})
+        users = await trio.to_thread.run_sync(state.mount_users, _where(ws, mount_id),
+                                              {os.getpid()})
         if users:
             next_scan = time.monotonic() + USERS_CHECK
             continue
@@ -770,11 +782,13 @@ def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other
     # files; docs/bench.md); its garbage goes first
     gc.collect()
     gc.freeze()
+    mounted = state.fuse_mount_at(ws)  # ours: prepare refused a path mounted already
+    mount_id = mounted["id"] if mounted else None
     tell("ready")
     os.umask(0)
     cpu0 = _cpu_seconds()
     try:
-        trio.run(_serve, control, ws, owning)
+        trio.run(_serve, control, ws, owning, mount_id)
     except BaseException:
         log.exception("serve loop failed")
         raise
@@ -782,9 +796,7 @@ def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other
         if times is not None:  # serving only: not the unmount's sealing
             _write_times(times_file, recorder, times, _cpu_seconds() - cpu0)
         try:
-            # detached: nothing is left at the path to unmount (and a mount made anew there
-            # since must not be)
-            pyfuse3.close(unmount=not control.detached)
+            _unmount(ws, mount_id, control.detached)
             try:
                 recorder.close_record()
             except JournalError as e:  # the state dir full: the record stays open
@@ -803,6 +815,25 @@ def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other
                     pass
             log.info("unmounted %s", ws)
     return 0
+
+
+def _unmount(ws: str, mount_id: int | None, detached: bool) -> None:
+    """End the FUSE session and lift the mount wherever it is now: libfuse unmounts the path
+    it mounted, which a rename of a directory above the workspace made name nothing (the mount
+    was left dead at its new path, the daemon saying "unmounted").  Detached: nothing is left
+    to unmount (and a mount made anew at the path since must not be)."""
+    where = state.mount_point_of(mount_id) if mount_id is not None and not detached else None
+    if where is None or where == ws:
+        pyfuse3.close(unmount=not detached)
+        return
+    moved = _detach(where)  # while the session still answers: a lazy unmount asks it nothing
+    pyfuse3.close(unmount=False)
+    if moved:
+        log.info("the mount had moved to %s (a directory above %s renamed): unmounted there",
+                 where, ws)
+    else:
+        log.error("cannot unmount the mount, moved to %s (a directory above %s renamed): "
+                  "clear it with: overlayrec umount %s", where, ws, where)
 
 
 def _cpu_seconds() -> float:

@@ -209,6 +209,24 @@ def lift_if_left(ws: str, sd: str, mount: dict | None) -> None:
             unmount_now(ws)
 
 
+def left_behind(ws: str, sd: str, mount: dict | None) -> str | None:
+    """Once the daemon of ``mount`` (mount_of, taken when it was made) is gone: lift that mount
+    if it is still there under another path (a directory above the workspace renamed while it
+    was mounted: nothing at ``ws`` any more), and say in one line if it could not be; None when
+    nothing is left.  A daemon still serving it (a session, a process working there) keeps it."""
+    if mount is None or _running(mount.get("daemon")):
+        return None
+    where = state.mount_point_of(mount["id"])
+    if where is None or where == ws:
+        return None  # gone, or at its own path: lift_if_left's
+    try:
+        unmount_now(where)
+    except MountError as e:
+        return (f"the mount of {ws} moved to {where} (a directory above it renamed) and was "
+                f"left there: {e}; clear it with: overlayrec umount {where}")
+    return None
+
+
 def end_daemon(pid: int, info: dict | None, timeout: float) -> bool:
     """SIGTERM to a verified daemon pid, and SIGKILL if it has not gone within ``timeout``
     (hung: what it journaled is safe, written ahead); whether it had to be killed."""

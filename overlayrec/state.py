@@ -654,6 +654,23 @@ def fuse_mount_at(path: str) -> dict | None:
     return found
 
 
+def mount_point_of(mount_id: int) -> str | None:
+    """Where the overlayrec mount with this id is now (its mountpoint in /proc/self/mountinfo),
+    or None: no such mount.  A directory above a mounted workspace renamed moves the mount with
+    it; the path it was made at names nothing any more."""
+    try:
+        with open("/proc/self/mountinfo", errors="surrogateescape") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                lf, rf = left.split(), right.split()
+                if len(lf) >= 5 and rf and lf[0] == str(mount_id) and \
+                        rf[0] == "fuse." + FSNAME:
+                    return _unescape(lf[4])
+    except OSError:
+        pass
+    return None
+
+
 def others_mount(path: str) -> int | None:
     """The uid of the user whose overlayrec daemon has ``path`` mounted, when that is another
     user (the mount table's ``user_id=``): that daemon records it, in that user's state dir,

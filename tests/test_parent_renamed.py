@@ -2,17 +2,19 @@
 
 The mount moves with it.  The recorder names an fd's object by the kernel's path of it, less
 the root's: kept as it was at mount, every later change was journaled under an absolute path
-(diff failed on it, replay dropped it, check called the record whole; found by a
-bug hunt)."""
+(diff failed on it, replay dropped it, check called the record whole); and the daemon's
+unmount used the path it mounted, which names nothing any more: the mount was left dead at
+its new path, and `run` exited 0 (found by a bug hunt)."""
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 import lmdb
 
-from conftest import SLOW, force_unmount, needs_fuse, overlayrec
+from conftest import SLOW, force_unmount, is_mounted, needs_fuse, overlayrec
 from overlayrec.journal import schema
 
 pytestmark = needs_fuse
@@ -107,3 +109,37 @@ def test_a_record_holding_an_absolute_path_is_not_whole(tmpbase):
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "names an absolute path" in r.stderr, r.stderr
+
+
+def test_a_run_whose_session_renames_the_parent_unmounts_where_the_mount_is(tmpbase):
+    ws, sd, moved = _workspace(tmpbase)
+    q = os.path.join(tmpbase, "q")
+    try:
+        r = overlayrec("run", "-w", ws, "--state-dir", sd, "--", "sh", "-c",
+                       f"echo b > b; mv {os.path.dirname(ws)} {q}; echo c > {moved}/c",
+                       cwd=ws, check=False)
+        left = is_mounted(moved)
+    finally:
+        force_unmount(moved)
+    assert r.returncode == 0, r.stderr
+    assert not left, "the mount was left at the workspace's new path"
+    _wait_daemon_gone(sd)
+    assert sorted(p for p in _paths(sd) if p) == ["b", "c"]
+
+
+def test_a_run_lifts_the_moved_mount_its_dead_daemon_left(tmpbase):
+    """The daemon killed after the parent's rename: nothing unmounted the mount at its new
+    path; the run lifts it there, by the mount's own id."""
+    ws, sd, moved = _workspace(tmpbase)
+    q = os.path.join(tmpbase, "q")
+    kill = ("import json,os,signal; "
+            f"os.kill(json.load(open('{sd}/daemon.json'))['pid'], signal.SIGKILL)")
+    try:
+        r = overlayrec("run", "-w", ws, "--state-dir", sd, "--", "sh", "-c",
+                       f"echo b > b; mv {os.path.dirname(ws)} {q}; cd /; "
+                       f"{sys.executable} -c \"{kill}\"", cwd=ws, check=False)
+        left = is_mounted(moved)
+    finally:
+        force_unmount(moved)
+    assert not left, "the dead mount was left at the workspace's new path: " + r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
