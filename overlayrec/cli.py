@@ -1905,10 +1905,12 @@ def _say_left_out(n: int, store, what: str = "shown") -> None:
 
 
 def _beneath(path: str, top: str) -> bool:
-    """Is ``path`` (which need not exist yet) ``top`` or beneath it, symlinks resolved?"""
+    """Is ``path`` (which need not exist yet) ``top`` or beneath it, symlinks resolved, and
+    by identity (a bind mount of ``top`` names it by another path: state.is_beneath)?"""
     parent, name = os.path.split(os.path.abspath(path))
     real, top = os.path.join(os.path.realpath(parent), name), os.path.realpath(top)
-    return real == top or real.startswith(top.rstrip(os.sep) + os.sep)
+    return real == top or real.startswith(top.rstrip(os.sep) + os.sep) or \
+        state.is_beneath(real, top)
 
 
 @main.command()

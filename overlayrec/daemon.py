@@ -503,6 +503,27 @@ def _whose_record(ws: str, state_dir: str) -> None:
         peek.close()
 
 
+def _refuse_recorded_elsewhere(ws: str, state_dir: str) -> None:
+    """MountError when the workspace's attic names another state dir whose daemon runs: the
+    same tree mounted already under another name (a bind mount of it), which the path
+    checks of a nested mount do not see.  Two records of one tree would each blame the
+    other's daemon for every change, and share one attic."""
+    from .recorder import ATTIC_NAME, attic_record
+    note = attic_record(os.path.join(ws, ATTIC_NAME))
+    if note is None or os.path.realpath(note["state_dir"]) == os.path.realpath(state_dir):
+        return
+    other = note["state_dir"]
+    try:
+        pid, _ = state.verify_daemon(state.daemon_info(other), other)
+    except (state.StateError, OSError):
+        return
+    if pid:
+        where = (state.daemon_info(other) or {}).get("workspace")
+        raise MountError(f"{ws} is recorded already by the daemon of state dir {other} "
+                         f"(mounted at {where}): the same directory under another name; "
+                         f"unmount that one first (overlayrec umount {where})")
+
+
 def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool, record_data: bool = False,
             secret: tuple = (), no_default_secrets: bool = False):
     """Everything up to and including the mount; raises MountError with a one-line reason."""
@@ -511,6 +532,7 @@ def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool, record_da
             raise MountError(f"{ws} holds a dead mount; clear it with: overlayrec umount {ws}")
         raise MountError(f"{ws} is already mounted")
     _whose_record(ws, state_dir)
+    _refuse_recorded_elsewhere(ws, state_dir)
     global _writer_lock  # held while mounted: no gc writes the journal behind us
     try:
         # before the journal is opened as its writer: a daemon still ending (sealing, or

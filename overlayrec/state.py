@@ -459,15 +459,42 @@ def check_state_dir(ws: str, state_dir: str) -> str:
     """The state dir a mount will use, resolved: outside the workspace, the user's alone, and
     so is the registry that will point at it (StateError otherwise)."""
     sd = os.path.realpath(os.path.abspath(state_dir))
-    if sd == ws or sd.startswith(ws.rstrip("/") + "/"):
+    # by identity, not by path: a bind mount of the workspace (another name of the same
+    # directory) put the journal in the workspace, where the session could delete it
+    if sd == ws or sd.startswith(ws.rstrip("/") + "/") or is_beneath(sd, ws):
         raise StateError(f"state dir {state_dir} is inside the workspace; put it outside")
-    if ws.startswith(sd.rstrip("/") + "/"):
+    if ws.startswith(sd.rstrip("/") + "/") or (os.path.isdir(sd) and is_beneath(ws, sd)):
         # its own entries (git, content, journal) would be the workspace's: a reader's bare
         # repository was made in the user's directory, and its mode taken to 0700
         raise StateError(f"state dir {state_dir} holds the workspace; put it beside it")
     check_state_dir_private(sd)
     check_private(os.path.dirname(registry_path(ws)), "registry dir")
     return sd
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def is_beneath(path: str, top: str) -> bool:
+    """Is ``path`` (resolved; it may not exist yet) ``top`` or inside it, by identity: is
+    ``top``'s (st_dev, st_ino) that of ``path`` or of one of its existing ancestors?  A bind
+    mount names the same directory by another path, which a comparison of paths misses."""
+    want = _identity(top)
+    if want is None:
+        return False
+    p = os.path.realpath(os.path.abspath(path))
+    while True:
+        if _identity(p) == want:
+            return True
+        up = os.path.dirname(p)
+        if up == p:
+            return False
+        p = up
 
 
 def make_state_dir(sd: str) -> str:
