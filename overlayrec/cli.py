@@ -443,6 +443,9 @@ def _mount_state_dir(ws: str, state_dir: str | None) -> str:
     if not state_dir:
         if not os.path.exists(os.path.join(known, "journal", "data.mdb")):
             _refuse_a_moved_record(ws)
+        refused = readers.attic_of_another_record(ws, known)
+        if refused:
+            raise Fail(refused)
         return known
     # one that records another workspace is refused (by the mount): no word of it before
     readers.check_records(os.path.realpath(state_dir), ws, state_dir)

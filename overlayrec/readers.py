@@ -124,6 +124,52 @@ def moved_record(ws: str) -> tuple[str, str] | None:
     return (old, sd) if moved else None
 
 
+def _journal_id(sd: str) -> tuple[str | None, str | None]:
+    """(journal id, recorded workspace) of the record in ``sd``; (None, None) when none is."""
+    if not os.path.exists(os.path.join(sd, "journal", "data.mdb")):
+        return None, None
+    try:
+        state.check_state_dir_private(sd)
+        j = Journal(sd, readonly=True)
+    except (state.StateError, JournalError, OSError):
+        return None, None
+    try:
+        return j.meta("journal_id"), j.meta("workspace")
+    finally:
+        j.close()
+
+
+def attic_of_another_record(ws: str, sd: str) -> str | None:
+    """Why a mount of ``ws`` into ``sd`` (found, not named) must not begin: the attic of ``ws``
+    names another record (its RECORD note), which is this workspace's (its state dir moved,
+    or the registry lost) and would be written over by a new one named by nothing.  None
+    when the record is ``sd``'s, a copy's original's (its workspace another that is still
+    there), or gone with no pre-image left in the attic (a fresh start loses nothing)."""
+    from .recorder import ATTIC_NAME, attic_record
+    attic = os.path.join(ws, ATTIC_NAME)
+    note = attic_record(attic)
+    if note is None:
+        return None
+    jid, noted = note["journal_id"], note["state_dir"]
+    if _journal_id(sd)[0] == jid:
+        return None
+    there, recorded = _journal_id(noted)
+    if there == jid:
+        if recorded != ws and os.path.lexists(recorded or ""):
+            return None  # a copy of that workspace: a record of its own
+        return (f"the record of {ws} is in {noted} (its attic says so), not in {sd}: "
+                f"mount with --state-dir {noted} to go on with it")
+    try:
+        kept = any(n.startswith(jid + ".") for n in os.listdir(attic))
+    except OSError:
+        kept = False
+    if not kept:
+        return None
+    return (f"the attic of {ws} holds the pre-images of record {jid}, whose state dir {noted} "
+            f"no longer holds it (moved?), and {sd} is not it: mount with --state-dir naming "
+            f"where that state dir is now, or remove {attic} to begin a new record")
+
+
 def fmt_time(ns: int) -> str:
     t = ns / 1e9
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) + f".{int(ns % 10**9 / 1e6):03d}"

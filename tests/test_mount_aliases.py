@@ -55,3 +55,32 @@ def test_a_state_dir_inside_the_workspace_through_a_bind_mount_is_refused(make_m
         if state.fuse_mount_at(alias) is not None:
             subprocess.run(["fusermount3", "-u", "-z", alias], check=False)
         _unbind(alias)
+
+
+@needs_fuse
+def test_a_moved_state_dir_is_not_written_over(make_mount, tmpbase):
+    """The state dir moved between sessions (`mv st st2`): the next `run` without --state-dir
+    began a new, empty record at the old path without a word and wrote over the attic's
+    RECORD note, though the attic held the moved record's pre-images (found by a bug hunt).
+    It is refused, naming both, and goes on with --state-dir the moved one.  A state dir gone
+    with nothing of it left in the attic is a fresh start."""
+    env = dict(os.environ, XDG_STATE_HOME=os.path.join(tmpbase, "xdg"))
+    m = make_mount(env=env)
+    with open(os.path.join(m.ws, "big.bin"), "wb") as f:
+        f.write(os.urandom(400_000))  # past the small pre-images: kept by the attic
+    overlayrec("run", "-w", m.ws, "--state-dir", m.state, "--", "rm", "big.bin", env=env)
+    note = open(m.attic("RECORD")).read()
+    moved = m.state + "2"
+    os.rename(m.state, moved)
+    r = overlayrec("run", "-w", m.ws, "--", "true", env=env, check=False)
+    assert r.returncode == 1 and m.state in r.stderr and "--state-dir" in r.stderr and \
+        "Traceback" not in r.stderr, r.stderr
+    assert open(m.attic("RECORD")).read() == note and not os.path.exists(m.state)
+    overlayrec("run", "-w", m.ws, "--state-dir", moved, "--", "true", env=env)
+    assert "big.bin" in overlayrec("diff", m.ws, "--since", "0", "--stat", "--state-dir",
+                                   moved, env=env).stdout
+    # gone, and nothing of it kept in the attic: nothing to lose
+    fresh = make_mount(env=env, sub="fresh")
+    overlayrec("run", "-w", fresh.ws, "--state-dir", fresh.state, "--", "true", env=env)
+    os.rename(fresh.state, fresh.state + "2")
+    overlayrec("run", "-w", fresh.ws, "--", "true", env=env)
