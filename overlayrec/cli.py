@@ -526,6 +526,9 @@ def umount(workspace, timeout):
             raise Fail(f"{ws} is not mounted itself: it is in the workspace {outer} "
                        f"(overlayrec umount {outer})")
         raise Fail(f"{ws} is not mounted")
+    beneath = state.beneath_refusal(ws)
+    if beneath:
+        raise Fail(beneath)
     # an unmount leaves them "Transport endpoint is not connected" for every operation
     users = state.mount_users(ws, _ancestors(os.getpid()) | ({pid} if pid else set()))
     if users:
@@ -1574,10 +1577,12 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
         click.echo(f"overlayrec: warning: {e}", err=True)
     c.close()
     unsealed = left = None
+    beneath = False
     if mounted_here:
-        _release_mount(ws, sd)
-        from .mounting import left_behind
-        left = left_behind(ws, sd, made)
+        beneath = _release_mount(ws, sd)
+        if not beneath:  # (left mounted on purpose: no mount left behind)
+            from .mounting import left_behind
+            left = left_behind(ws, sd, made)
         unsealed = _unsealed_at_end(ws, sd)
     corrupt = None
     try:
@@ -1594,7 +1599,7 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
         click.echo(f"overlayrec: error: {unsealed}", err=True)
     if left:
         click.echo(f"overlayrec: error: {left}", err=True)
-    sys.exit((rc or 1) if unsealed or left else rc)
+    sys.exit((rc or 1) if unsealed or left or beneath else rc)
 
 
 class _Unbroken:
@@ -1686,11 +1691,12 @@ def _call_processes(sd: str) -> list[dict]:
         return []
 
 
-def _release_mount(ws: str, sd: str) -> None:
+def _release_mount(ws: str, sd: str) -> bool:
     """Unmount a mount this command made for itself, unless something works in it: a session
     live (a `run` that joined it), or a process the agent left working in the workspace (a
     server, a watcher: every operation of theirs would fail, ENOTCONN), which the daemon waits
-    for (its --owner: this command, gone by then).  The daemon looks and ends in one step
+    for (its --owner: this command, gone by then); or a mount made beneath it, which the
+    unmount would take along: the user decides (whether the mount was left for that, said).  The daemon looks and ends in one step
     (ControlServer.release): a `run` joining meanwhile is either seen or told to mount anew."""
     from . import client
     from .mounting import wait_released
@@ -1707,6 +1713,9 @@ def _release_mount(ws: str, sd: str) -> None:
             click.echo("overlayrec: a process came to the workspace as its mount ended: the "
                        "daemon serves it for up to 10 s more before this run exits", err=True)
         wait_released(ws, sd)
+    elif out.get("beneath"):
+        click.echo(f"overlayrec: error: leaving {ws} mounted: {out['beneath']}", err=True)
+        return True
     elif out["sessions"]:
         click.echo(f"overlayrec: leaving {ws} mounted: session(s) {', '.join(out['sessions'])} "
                    "still running; it is unmounted once they end and nothing works in it",

@@ -303,6 +303,9 @@ class ControlServer:
         users = state.mount_users(self.workspace, {os.getpid(), caller["pid"]})
         if users:
             return {"released": False, "sessions": [], "users": users}
+        beneath = state.beneath_refusal(self.workspace)
+        if beneath:  # left for the user to decide (the mount stays, its daemon serves it)
+            return {"released": False, "sessions": [], "users": [], "beneath": beneath}
         log.info("released by pid %d: nothing works in the mount: unmounting", caller["pid"])
         self.end(detach=True)
         return {"released": True}

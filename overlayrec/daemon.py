@@ -311,6 +311,11 @@ async def _follow_runners(control: ControlServer, ws: str, owner: dict | None,
             continue
         if any(s.ended is None for s in calls.sessions.values()):
             continue  # one began during the scan (a `run` joined)
+        if state.beneath_refusal(ws):
+            # a mount made inside the workspace would go with this one (its data with a
+            # tmpfs): the mount stays until the user unmounts those (overlayrec umount says)
+            next_scan = time.monotonic() + USERS_CHECK
+            continue
         log.info("pid %d, which mounted %s for itself, is gone, and nothing uses the mount: "
                  "unmounting", owner["pid"], ws)
         control.end(detach=True)  # with no await since the look: nothing began meanwhile

@@ -745,6 +745,33 @@ def overlayrec_mounts_beneath(path: str) -> list[str]:
     return sorted(mp for mp in overlayrec_mounts() if mp.startswith(top))
 
 
+def mounts_beneath(path: str) -> list[str]:
+    """Mountpoints of any kind strictly beneath ``path`` (a tmpfs, a bind mount made inside a
+    mounted workspace), from the mount table: a lazy unmount of ``path`` takes them along."""
+    top = path.rstrip("/") + "/"
+    out = set()
+    try:
+        with open("/proc/self/mountinfo", errors="surrogateescape") as f:
+            for line in f:
+                lf = line.split(" - ")[0].split()
+                if len(lf) >= 5 and _unescape(lf[4]).startswith(top):
+                    out.add(_unescape(lf[4]))
+    except OSError:
+        pass
+    return sorted(out)
+
+
+def beneath_refusal(ws: str) -> str | None:
+    """Why ``ws`` is not unmounted now (one line, with what to do), or None: mounts beneath
+    it would be detached with it, and a tmpfs's data lost, where natively they stay."""
+    found = mounts_beneath(ws)
+    if not found:
+        return None
+    named = ", ".join(found[:3]) + (" ..." if len(found) > 3 else "")
+    return (f"{ws} holds {len(found)} mount(s) beneath it ({named}), which its unmount would "
+            f"take along: unmount them first (umount {found[-1]}), then overlayrec umount {ws}")
+
+
 def mount_id_at(path: str) -> int | None:
     found = None
     try:
