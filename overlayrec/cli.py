@@ -301,8 +301,11 @@ def main():
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     # SIGTERM as Ctrl-C: what a command cleans up when interrupted (a replay's half-built
     # tree, an export's scratch files) goes then too (it was left behind; found by a hunt)
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _terminated)
+    # SIGHUP (a closed terminal or ssh session) the same: a replay left its half-built tree
+    # beside --to (found by a bug hunt); `run` forwards it to the agent instead
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) is signal.SIG_DFL:
+            signal.signal(sig, _terminated)
     cycle_gc.enable()  # held off while the CLI was imported (entry.main)
 
 

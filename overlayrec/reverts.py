@@ -444,7 +444,12 @@ def carry_out(ws: str, sd: str, plan: Plan, content, *, unreverts: str | None = 
             if progress is not None:
                 progress(n, len(steps), "reading back")
     except client.ClientError as e:
-        raise RevertError(str(e)) from None
+        # the daemon went away under it (an `overlayrec umount` meanwhile): the revert is
+        # saved as running, and said so (it said only "control request failed: Broken
+        # pipe"; found by a bug hunt)
+        raise RevertError(f"{e}: the revert stopped half done (its mount went away?): "
+                          "`overlayrec revert --continue` carries the rest out, `overlayrec "
+                          "unrevert` undoes what it did") from None
     finally:
         os.close(root_fd)
     rec["status"] = "done"

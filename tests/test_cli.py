@@ -1262,7 +1262,8 @@ def test_a_mount_point_not_in_utf8_elsewhere_breaks_no_command(mounted, tmp_path
 def test_sigterm_ends_a_long_reader_as_ctrl_c_does(make_mount, tmp_path):
     """SIGTERM (a timeout, CI, systemd) to `replay --full` left its half-built tree beside
     --to for good, where Ctrl-C cleaned it up; Ctrl-C where the command said nothing printed
-    click's "Aborted!" and exit 1 (found by a hunt).  Both: its clean-up, one line, 130."""
+    click's "Aborted!" and exit 1 (found by a hunt).  Both: its clean-up, one line, 130.
+    SIGHUP (a closed terminal or ssh session) left it too (found by a bug hunt)."""
     m = make_mount()
     for d in range(30):
         os.makedirs(os.path.join(m.ws, f"d{d}"))
@@ -1275,7 +1276,7 @@ def test_sigterm_ends_a_long_reader_as_ctrl_c_does(make_mount, tmp_path):
     m.umount()
     out = tmp_path / "out"
     out.mkdir()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         # SIGINT as a terminal leaves it (a background job of a script has it ignored, and
         # a Python started so keeps it ignored)
         p = subprocess.Popen([sys.executable, "-m", "overlayrec", "replay", "-w", m.ws,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import signal
 import stat
 import time
 import uuid
@@ -779,6 +780,8 @@ def temp_name(name: str, tag: str) -> str:
 
 
 _TEMP = re.compile(r"\.overlayrec-revert-(\d+)\Z")
+# the signals a revert takes for an interruption (cli: Ctrl-C, SIGTERM, SIGHUP)
+_STOPS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
 
 def clear_stale_temps(root_fd: int, paths: list[str]) -> list[str]:
@@ -1171,15 +1174,25 @@ def _apply_in(root_fd: int, dfd: int, name: str, step: Step, made: dict | None,
     if t.kind == "symlink":
         os.symlink(os.fsdecode(t.data), tmp, dir_fd=dfd)
     elif t.kind == "file":
+        # Ctrl-C held while the temp file is made: a signal that came as its create went
+        # through the mount was raised once the open returned, before its descriptor was
+        # held, which stayed open (the revert's own mount then waited 10 s on it at its
+        # end) and left the temp file behind (found by a bug hunt).  Raised below instead.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW |
                          os.O_CLOEXEC, 0o600, dir_fd=dfd)
         except PermissionError:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             done = _overwrite(dfd, name, t)
             if done is None:
                 raise
             return done
+        except BaseException:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            raise
         try:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a signal held is raised here
             write_to(fd, t.data)
         except BaseException:
             os.close(fd)
