@@ -439,15 +439,17 @@ def workspace_id(ws: str) -> str:
     except ImportError:
         from hashlib import sha256
     h = sha256(ws.encode("utf-8", "surrogateescape")).hexdigest()[:12]
-    # a name that is not UTF-8 (café in Latin-1) gave a state dir LMDB cannot open ("not a
-    # UTF-8 path": found by a bug hunt): its undecodable bytes become "_" (the hash tells
-    # such names apart)
-    name = (os.path.basename(ws) or "root").encode("utf-8", "surrogateescape")
-    return f"{name.decode('utf-8', 'replace').replace(chr(0xFFFD), '_')}-{h}"
+    return f"{os.path.basename(ws) or 'root'}-{h}"
 
 
 def default_state_dir(ws: str) -> str:
-    return os.path.join(state_home(), "overlayrec", workspace_id(ws))
+    # a name that is not UTF-8 (café in Latin-1) gave a state dir LMDB cannot open ("not a
+    # UTF-8 path": found by a bug hunt): there its undecodable bytes become "_" (the hash
+    # tells such names apart).  The registry keeps workspace_id as it was: its entries of
+    # such workspaces (recorded with --state-dir) must still be found
+    name = workspace_id(ws).encode("utf-8", "surrogateescape")
+    return os.path.join(state_home(), "overlayrec",
+                        name.decode("utf-8", "replace").replace(chr(0xFFFD), "_"))
 
 
 def registry_path(ws: str) -> str:
