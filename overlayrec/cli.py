@@ -1204,19 +1204,35 @@ def log_cmd(workspace, glob, limit, call_id, turn_sel, sid, actor, since, until,
                 rows.append(ev)
         for ev in rows[-limit:] if limit else rows:
             emit(ev)
-        while follow and (hi is None or last < hi):
-            time.sleep(0.3)
-            fresh = list(j.events(last + 1, hi))
-            for ev in fresh:
-                last = ev["seq"]
-                if ev["op"] == "failed":
-                    failed[ev["ref"]] = ev.get("errno")
-                elif keep(ev):
-                    emit(ev)
+        # followed, an event waits a moment before it is printed: a refused change's
+        # `failed` note is journaled just after it, and the event printed at once went out
+        # without its "(failed: ...)" (found by a bug hunt)
+        waiting: list[tuple[float, dict]] = []
+
+        def ripe(hold: float) -> None:
+            now = time.monotonic()
+            while waiting and now - waiting[0][0] >= hold:
+                emit(waiting.pop(0)[1])
+        try:
+            while follow and (hi is None or last < hi):
+                time.sleep(0.3)
+                fresh = list(j.events(last + 1, hi))
+                for ev in fresh:
+                    last = ev["seq"]
+                    if ev["op"] == "failed":
+                        failed[ev["ref"]] = ev.get("errno")
+                    elif keep(ev):
+                        waiting.append((time.monotonic(), ev))
+                ripe(FOLLOW_HOLD)
+        finally:
+            ripe(0)
     except KeyboardInterrupt:
         pass
     finally:
         j.close()
+
+
+FOLLOW_HOLD = 0.5  # s an event waits under `log --follow` for a `failed` note after it
 
 
 def _earlier_names(j, ws: str, sd: str, glob: str):
