@@ -15,8 +15,9 @@ from __future__ import annotations
 import os
 import sys
 
-# each command's options: name -> (parameter, kind); kinds: "flag", "str", "id", "int",
-# "path", "turn", "seq0", or ("flag_value", value) for --stat and its kind
+# each command's options: name -> (parameter, kind); kinds: "flag", "str", "strs" (a
+# repeatable option), "id", "int", "path", "turn", "seq0", or ("flag_value", value) for --stat
+# and its kind
 _COMMON = {"--session": ("sid", "id"), "--json": ("as_json", "flag"),
            "--state-dir": ("state_dir", "path")}
 _OPTIONS = {
@@ -28,14 +29,14 @@ _OPTIONS = {
              "--numstat": ("fmt", ("flag_value", "numstat")),
              "--name-status": ("fmt", ("flag_value", "name-status")),
              "--patch": ("fmt", ("flag_value", "patch")), "--binary": ("binary", "flag"),
-             "--path": ("glob", "str"), "--by-writer": ("by_writer", "flag")},
+             "--path": ("glob", "strs"), "--by-writer": ("by_writer", "flag")},
 }
 _DEFAULTS = {
     "turns": {"sid": None, "churn": False, "as_json": False, "state_dir": None},
     "calls": {"sid": None, "turn_sel": None, "churn": False, "as_json": False,
               "state_dir": None},
     "diff": {"call_id": None, "turn_sel": None, "sid": None, "since": None, "until": None,
-             "drift": False, "fmt": "patch", "binary": False, "glob": None,
+             "drift": False, "fmt": "patch", "binary": False, "glob": (),
              "by_writer": False, "as_json": False, "state_dir": None},
 }
 
@@ -108,6 +109,8 @@ def _convert(kind: str, value: str):
     str); _NotPlain where that type would refuse it (click then says so)."""
     if kind == "str":
         return value
+    if kind == "strs":  # a repeatable option, given once here (again: left to click)
+        return (value,)
     if kind == "path":  # click.Path(): an existing path must be readable
         if value == "-":
             raise _NotPlain
