@@ -1257,6 +1257,13 @@ def test_a_mount_point_not_in_utf8_elsewhere_breaks_no_command(mounted, tmp_path
         subprocess.run(["umount", odd])
 
 
+def _signals_as_a_terminal_leaves_them() -> None:
+    """SIGINT and SIGHUP as a terminal leaves them (a background job of a script has SIGINT
+    ignored, `nohup` SIGHUP, and a Python started so keeps them ignored)."""
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 @needs_fuse
 @pytest.mark.timeout(180)
 def test_sigterm_ends_a_long_reader_as_ctrl_c_does(make_mount, tmp_path):
@@ -1277,12 +1284,10 @@ def test_sigterm_ends_a_long_reader_as_ctrl_c_does(make_mount, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        # SIGINT as a terminal leaves it (a background job of a script has it ignored, and
-        # a Python started so keeps it ignored)
         p = subprocess.Popen([sys.executable, "-m", "overlayrec", "replay", "-w", m.ws,
                               "--state-dir", m.state, "--to", str(out / "rp"), "--full"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                             preexec_fn=_signals_as_a_terminal_leaves_them)
         deadline = time.monotonic() + 60
         while not any(n.startswith(".rp.") for n in os.listdir(out)):
             assert time.monotonic() < deadline and p.poll() is None, p.communicate()
