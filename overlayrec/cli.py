@@ -1603,12 +1603,12 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
             from .mounting import left_behind
             left = left_behind(ws, sd, made)
         unsealed = _unsealed_at_end(ws, sd)
-    corrupt = None
     try:
         _print_summary(sd, sid)
     except Exception as e:  # the summary must not hide CMD's status
         click.echo(f"overlayrec: no summary: {e}", err=True)
-        corrupt = _corrupt_record(sd)
+    # every page read, not only the summary's: a damaged page elsewhere went unsaid
+    corrupt = _corrupt_record(sd)
     rc = rc if rc >= 0 else 128 - rc
     if corrupt:  # recorded into a journal the readers refuse: not a record to trust
         click.echo(f"overlayrec: error: the session was recorded into a damaged record: "

@@ -1067,7 +1067,7 @@ class Journal:
         JournalError when one is damaged.  A page garbled inside the events left `status`
         saying all was well and `run` recording into a journal every reader refused (found
         by a bug hunt); about 0.3 s for a 140 MB journal, so `status` and `run`'s end do it,
-        not every mount."""
+        not every mount nor every reader."""
         try:
             with self.env.begin(buffers=True) as txn:
                 for db in self.dbs.values():
