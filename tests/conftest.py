@@ -41,6 +41,17 @@ def overlayrec(*args, check=True, env=None, timeout=60, **kw):
     return r
 
 
+def seeded(make_mount, files: dict, **kw):
+    """A workspace holding ``files`` (path -> bytes or text), mounted."""
+    m = make_mount(**kw)
+    for rel, data in files.items():
+        p = os.path.join(m.ws, rel)
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        with open(p, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+    return m.mount()
+
+
 def is_mounted(path: str) -> bool:
     with open("/proc/self/mountinfo", errors="surrogateescape") as f:
         return any(line.split()[4] == path for line in f)

@@ -472,6 +472,18 @@ def test_agent_hooks_under_run_record_turns_and_calls(make_mount, tmp_path, name
         assert {c["id"] for c in every} == {"c1", "c2", "c3", "c4"}
 
 
+def _drive_claude(m, agent: str, env: dict, under: str) -> None:
+    """The fake Claude Code in ``m``: under `run` (session R), or with its hooks installed in
+    the workspace and started by hand (``under`` "mount")."""
+    if under == "run":
+        overlayrec("run", "-w", m.ws, "--session", "R", "--", agent, env=env, cwd=m.ws)
+    else:
+        overlayrec("install-hooks", "claude-code", "--project", m.ws, env=env)
+        settings = os.path.join(m.ws, ".claude", "settings.json")
+        subprocess.run([agent, "--settings", settings], env=env, cwd=m.ws, check=True,
+                       timeout=120 * SLOW)
+
+
 @needs_fuse
 @pytest.mark.parametrize("under", ["run", "mount"])
 def test_a_cleared_session_goes_on_as_a_new_one_of_the_same_agent(make_mount, tmp_path, under):
@@ -481,13 +493,7 @@ def test_a_cleared_session_goes_on_as_a_new_one_of_the_same_agent(make_mount, tm
     m = make_mount().mount()
     env = dict(run_env(tmp_path), FAKE_CLEAR="1")
     agent = fake_agent(tmp_path, "claude-code")
-    if under == "run":
-        overlayrec("run", "-w", m.ws, "--session", "R", "--", agent, env=env, cwd=m.ws)
-    else:
-        overlayrec("install-hooks", "claude-code", "--project", m.ws, env=env)
-        settings = os.path.join(m.ws, ".claude", "settings.json")
-        subprocess.run([agent, "--settings", settings], env=env, cwd=m.ws, check=True,
-                       timeout=120)
+    _drive_claude(m, agent, env, under)
     calls = {c["id"]: c for c in rows("calls", m.ws, env=env)}
     assert calls["c5"]["session"] == "S2" and calls["c5"]["paths"] == ["e.txt"], calls
     assert calls["c5"]["turn"] == 1 and calls["c5"]["status"] == "ok"
@@ -514,13 +520,7 @@ def test_an_agent_a_call_runs_with_hooks_of_its_own_is_that_calls(make_mount, tm
     overlayrec("install-hooks", "codex", "--user", env=env)
     env["PATH"] = os.path.dirname(fake_agent(tmp_path, "codex")) + os.pathsep + env["PATH"]
     agent = fake_agent(tmp_path, "claude-code")
-    if under == "run":
-        overlayrec("run", "-w", m.ws, "--session", "R", "--", agent, env=env, cwd=m.ws)
-    else:
-        overlayrec("install-hooks", "claude-code", "--project", m.ws, env=env)
-        settings = os.path.join(m.ws, ".claude", "settings.json")
-        subprocess.run([agent, "--settings", settings], env=env, cwd=m.ws, check=True,
-                       timeout=120 * SLOW)
+    _drive_claude(m, agent, env, under)
     calls = rows("calls", m.ws, env=env)
     outer = "R" if under == "run" else "S1"
     assert [(c["session"], c["id"], c["turn"], c["status"]) for c in calls] == \

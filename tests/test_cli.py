@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import force_unmount, needs_fuse, overlayrec, is_mounted, wait_unmounted
+from conftest import force_unmount, needs_fuse, overlayrec, is_mounted, seeded, wait_unmounted
 from overlayrec.journal import Journal, JournalError, schema
 
 
@@ -270,12 +270,7 @@ def test_run_of_a_subdirectory_starts_the_agent_there(make_mount, tmp_path):
     """`run -w ws/pkg` of a workspace recorded at ws (mounted or not) records into ws, and
     starts the agent in pkg, as the user named it: it started at ws, so a command meant for
     pkg/f wrote ws/f (found by a bug hunt)."""
-    m = make_mount()
-    os.makedirs(os.path.join(m.ws, "pkg"))
-    for p, text in (("f", "root\n"), ("pkg/f", "pkg\n")):
-        with open(os.path.join(m.ws, p), "w") as f:
-            f.write(text)
-    m.mount()
+    m = seeded(make_mount, {"f": "root\n", "pkg/f": "pkg\n"})
     overlayrec("run", "-w", m.ws, "--", "true", cwd=str(tmp_path))
     m.umount()
     pkg = os.path.join(m.ws, "pkg")

@@ -8,7 +8,7 @@ import sys
 import textwrap
 import time
 
-from conftest import SLOW, needs_fuse, overlayrec, run_with_outside_step
+from conftest import SLOW, needs_fuse, overlayrec, run_with_outside_step, seeded
 from test_diff import AGENT, seed
 
 pytestmark = needs_fuse
@@ -1041,12 +1041,7 @@ def test_files_in_a_directory_made_unmounted_and_renamed_later_are_named_unsure(
     inexact (found by a bug hunt).  Both name each file now: it stays in the base as it is
     (the record cannot tell a file made then from one edited then), named, as a plain file
     made so is; a file of a renamed directory that stood before s1 is not."""
-    m = make_mount()
-    os.makedirs(os.path.join(m.ws, "k"))
-    for name, text in (("a", "a\n"), ("k/old", "old\n")):
-        with open(os.path.join(m.ws, name), "w") as f:
-            f.write(text)
-    m.mount()
+    m = seeded(make_mount, {"a": "a\n", "k/old": "old\n"})
     overlayrec("run", "-w", m.ws, "--session", "s1", "--", "sh", "-c", "echo b >> a", cwd=m.ws)
     m.umount()
     os.makedirs(os.path.join(m.ws, "d", "sub"))

@@ -11,19 +11,9 @@ import time
 
 import pytest
 
-from conftest import SLOW, linked_before_mount, needs_fuse, needs_root, overlayrec
+from conftest import SLOW, linked_before_mount, needs_fuse, needs_root, overlayrec, seeded
 
 pytestmark = needs_fuse
-
-
-def seeded(make_mount, files: dict[str, bytes], **kw):
-    m = make_mount(**kw)
-    for rel, data in files.items():
-        p = os.path.join(m.ws, rel)
-        os.makedirs(os.path.dirname(p), exist_ok=True)
-        with open(p, "wb") as f:
-            f.write(data)
-    return m.mount()
 
 
 def only(events, op, path=None):
