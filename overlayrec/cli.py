@@ -1730,7 +1730,7 @@ def _release_mount(ws: str, sd: str) -> bool:
         from .mounting import wait_previous
         if not wait_previous(sd, 1.0):
             click.echo("overlayrec: a process came to the workspace as its mount ended: the "
-                       "daemon serves it for up to 10 s more before this run exits", err=True)
+                       "daemon serves it for up to 10 s more before this command exits", err=True)
         wait_released(ws, sd)
     elif out.get("beneath"):
         click.echo(f"overlayrec: error: leaving {ws} mounted: {out['beneath']}", err=True)
