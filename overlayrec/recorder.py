@@ -475,6 +475,10 @@ class Recorder:
         # it), for the paths it changed since their seal: a file found absent at its seal that
         # the daemon left there was removed around the mount (seal)
         self.left: dict[str, str | None] = {}
+        # the names a killed daemon left open, stamped at its next mount (open_record): a
+        # directory among them whose ctime is later was made, or its entries changed, while
+        # no daemon recorded
+        self.recovering: set[str] = set()
         # told each path a seal found changed around the mount (the daemon drops the kernel's
         # cache of it: fs.Operations.forget_cached)
         self.on_around: Callable[[str], None] | None = None
@@ -2461,10 +2465,21 @@ class Recorder:
             if served is not None and seen and self._around(pre, seen[-1], served):
                 events.append(_around_event(p, pre, self.left.get(p, "")))
             elif served is not None and pre["kind"] == "absent" and \
-                    self.left.get(p) == "file" and not p.startswith(_ATTIC_SLASH):
-                # the daemon left a file there, and no change of its removed it: a process
-                # that bypassed the mount did, while the unit went on
-                events.append(_around_event(p, {"kind": "file"}))
+                    self.left.get(p) not in (None, "", "absent") and \
+                    not p.startswith(_ATTIC_SLASH):
+                # the daemon left a file (a directory, a symlink) there, and no change of its
+                # removed it: a process that bypassed the mount did, while the unit went on,
+                # or while no daemon recorded after a kill (a directory the call made, removed
+                # then, read as the call's own removal: found by a bug hunt)
+                events.append(_around_event(p, {"kind": self.left[p]}))
+            elif served is not None and p in self.recovering and pre["kind"] == "dir" and \
+                    seen and seen[-1] > served + AROUND_SLACK_NS:
+                # a directory made, or its entries changed, after a killed daemon's last
+                # stamp (its own changes came before): what the unit left there, and what lay
+                # beneath it when a rename moved it, are not known (a directory the call
+                # removed, made again then, read as the call's; a file removed then beneath a
+                # directory the call renamed was lost from every point: found by a bug hunt)
+                events.append(_around_event(p, pre, self.left.get(p, "")))
             events.append({"op": "seal", "path": p, "pre": pre, "actor": "overlayrec",
                            # of every unit (an unmount, the mount after a killed daemon): no
                            # descriptor of the mount's outlives it, so a write run ends here
@@ -2492,6 +2507,7 @@ class Recorder:
             self.unsealed.pop(p, None)
             self.served.pop(p, None)
             self.left.pop(p, None)
+            self.recovering.discard(p)
         self.sealed_ctime.update(sealed_ctimes)
         while len(self.sealed_ctime) > SEALED_CTIMES:  # the oldest first (insertion order)
             del self.sealed_ctime[next(iter(self.sealed_ctime))]
@@ -2588,6 +2604,7 @@ class Recorder:
             for p in self._owe_beneath_moved():
                 if last_alive_ns is not None:
                     self.served[p] = last_alive_ns + ALIVE_SLACK_NS
+                    self.recovering.add(p)
             for p, name, ev in open_paths:
                 self.epochs[name] = Epoch("recovered")
                 if last_alive_ns is not None:
@@ -2596,6 +2613,7 @@ class Recorder:
                     # writer while no daemon recorded (its unit's own end is then not known:
                     # the seal's around check, as for a change around the mount)
                     self.served[name] = last_alive_ns + ALIVE_SLACK_NS
+                    self.recovering.add(name)
                     left: dict = {}
                     self._left_by(ev, left)
                     if p in left:

@@ -510,3 +510,36 @@ def test_odd_kinds_made_while_unmounted_beneath_a_marked_directory(make_mount, t
     overlayrec("replay", m.ws, "--state-dir", m.state, "--at", "after:session:s1", "--to",
                str(tmp_path / "r"))
     assert _names(str(tmp_path / "r")) == {"e", "e/f"}
+
+
+def test_a_file_removed_after_the_kill_beneath_a_renamed_directory_is_not_lost(
+        make_mount, tmp_path):
+    """A daemon killed after `mv src dst`; before the next mount the user removes dst/d/a.
+    The next mount's walk beneath the rename found no dst/d/a: every reader said src/d/a
+    never existed, even before the rename, exact, and `check` said the record whole (found by
+    a bug hunt).  The walk finds dst/d changed after the daemon's last stamp: what lay
+    beneath it at the rename is not known, which replay says (src/d inexact) and a revert
+    of the rename refuses."""
+    import signal
+    import time
+    m = make_mount()
+    os.makedirs(os.path.join(m.ws, "src", "d"))
+    for name in ("a", "b"):
+        with open(os.path.join(m.ws, "src", "d", name), "w") as f:
+            f.write(f"{name}\n")
+    m.mount()
+    m.sh("mv src dst")
+    with open(os.path.join(m.state, "daemon.json")) as f:
+        pid = json.load(f)["pid"]
+    os.kill(pid, signal.SIGKILL)
+    overlayrec("umount", m.ws)  # clears the dead mount
+    time.sleep(1.2)  # past the killed daemon's last stamp and its slack
+    os.unlink(os.path.join(m.ws, "dst", "d", "a"))  # the user's, unmounted
+    m.mount()
+    m.umount()
+    out = str(tmp_path / "r")
+    r = json.loads(overlayrec("replay", "-w", m.ws, "--state-dir", m.state, "--at", "0",
+                              "--to", out, "--json").stdout)
+    assert _files(out) == {"src/d/b": "b\n"} and "src/d" in r["inexact"], r
+    r = overlayrec("revert", "-w", m.ws, "--state-dir", m.state, "--since", "0", check=False)
+    assert "src/d  CONFLICT (unrecorded" in r.stdout, r.stdout

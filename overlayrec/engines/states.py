@@ -1600,7 +1600,10 @@ class States:
         if kind == "absent":
             return ABSENT
         if kind != "file" or "blob" in pre or pre.get("withheld"):
-            return self.sealed_state(pre)
+            # (a directory changed while no daemon recorded, after a kill: what it was, what
+            # lay beneath it, not known: Recorder._seal_some)
+            return self.sealed_state(pre).but(exact=False) if pre.get("unkept") else \
+                self.sealed_state(pre)
         mode = pre.get("mode", 0o644)
         if "attic" in pre and e["op"] in ("unlink", "rename") and not \
                 (e["op"] == "rename" and e.get("path") == path):
