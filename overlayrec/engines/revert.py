@@ -308,7 +308,7 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
     if keep:
         _moved_from_outside(plan, [e for e in evs if e["seq"] in selected and
                                    e["op"] == "rename" and e.get("path2")], keep)
-    _keep_git_objects(plan, spans, others)
+    _keep_git_objects(plan, spans, others, states)
     for step in plan.steps:
         # a directory the plan moves, makes or removes whose entries could not be listed: what
         # it holds is unknown, so the revert would not be the tree before
@@ -407,18 +407,32 @@ def _git_dir(path: str) -> tuple[str, str] | None:
 
 
 def _keep_git_objects(plan: Plan, spans: dict[str, list[int]],
-                      others: dict[str, list[int]]) -> None:
+                      others: dict[str, list[int]], states: States) -> None:
     """The git objects the selection made (a loose object, a pack) are not removed where
     another unit changed their repository after the selection first wrote them: a branch, a
     tag or the index it wrote may name them, and removing them left the repository corrupt
     (`git fsck`: invalid sha1 pointer) with nothing in the plan to say so, since the other
     unit's own paths were new ones.  An object no one names is harmless (``git gc`` drops it),
-    so they stay, said (``kept_objects``)."""
+    so they stay, said (``kept_objects``).
+
+    A path that holds now what it held before the other units' changes after the selection's
+    first write to the repository (a later commit reverted since, and its revert's changes)
+    changed nothing that can name them: reverting git calls newest first kept each earlier
+    call's objects for the later ones already reverted, and the next revert then conflicted
+    with an object it had kept (found by a bug hunt)."""
+    first: dict[str, int] = {}  # a .git directory -> the selection's first write there
+    for p, (lo, _) in spans.items():
+        g = _git_dir(p)
+        if g is not None:
+            first[g[0]] = min(first.get(g[0], lo), lo)
     changed: dict[str, int] = {}  # a .git directory -> the last seq another unit changed it
     for p, seqs in others.items():
         g = _git_dir(p)
-        if g is not None:
-            changed[g[0]] = max(changed.get(g[0], 0), max(seqs))
+        if g is None or g[0] not in first:
+            continue
+        later = [q for q in seqs if q > first[g[0]]]
+        if later and not states.state(p, INF).same(states.state(p, min(later) - 1)):
+            changed[g[0]] = max(changed.get(g[0], 0), max(later))
     if not changed:
         return
     keep = []
