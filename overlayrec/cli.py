@@ -61,6 +61,11 @@ def _failure(e: Exception) -> click.ClickException:
         return Fail(f"the journal cannot be read: {e}")
     if isinstance(e, OSError):
         return Fail(_os_error_text(e))
+    # (loaded when one is raised: a git object store that cannot be written, a read-only
+    # state dir under `show`, said as every other command says it; found by a bug hunt)
+    gitdiff = sys.modules.get("overlayrec.engines.gitdiff")
+    if gitdiff is not None and isinstance(e, gitdiff.GitError):
+        return Fail(str(e))
     if os.environ.get("OVERLAYREC_DEBUG", "") not in ("", "0"):
         import traceback
         traceback.print_exception(e)

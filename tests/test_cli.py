@@ -1441,3 +1441,27 @@ def test_empty_ids_unknown_ops_and_backward_ranges_are_refused(tmp_path):
                    "not a directory")
     one_line_error(overlayrec("storage", w, "--state-dir", str(tmp_path / "file"),
                               check=False), "is not a directory")
+
+
+@needs_fuse
+def test_a_git_store_that_cannot_be_made_is_one_line_for_show_too(make_mount):
+    """`show` on a state dir whose git object store cannot be made (a read-only state dir,
+    here a file in its place) said "internal error: GitError ... a bug", where diff says
+    what failed in one line (found by a bug hunt)."""
+    import shutil
+    m = make_mount()
+    with open(os.path.join(m.ws, "a"), "w") as f:
+        f.write("a\n")
+    m.mount()
+    m.sh("echo b >> a")
+    m.umount()
+    store = os.path.join(m.state, "git")
+    shutil.rmtree(store, ignore_errors=True)
+    with open(store, "w") as f:
+        f.write("in the way\n")
+    seq = next(line.split()[0] for line in overlayrec("log", m.ws).stdout.splitlines()
+               if " write " in line or " open " in line or " truncate " in line)
+    for args in (("show", "-w", m.ws, seq), ("diff", m.ws, "--since", "0")):
+        r = overlayrec(*args, check=False)
+        assert r.returncode == 1 and r.stderr.startswith("overlayrec: error: git init failed")\
+            and "internal error" not in r.stderr and len(r.stderr.splitlines()) == 1, (args, r)
