@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import subprocess
 import sys
 import textwrap
 import time
@@ -360,3 +361,33 @@ def test_what_changed_while_unmounted_is_not_claimed_exact(make_mount, tmp_path)
     out = json.loads(overlayrec("export", "git", m.ws, "--state-dir", m.state,
                                 "--json").stdout)
     assert "new" in out["unsure_bases"].get("s1", []), out
+
+
+def test_a_build_a_killed_replay_left_beside_its_destination_is_removed(make_mount, tmp_path):
+    """A replay killed (SIGKILL) while it built its tree left the directory beside the
+    destination for good, one more at every kill, said by nothing (found by a bug hunt).  The
+    next replay to that destination removes those of processes that are gone, not a live
+    one's."""
+    from overlayrec.attribution import live_stat
+    m = make_mount()
+    with open(os.path.join(m.ws, "a"), "w") as f:
+        f.write("a\n")
+    m.mount()
+    m.sh("echo b >> a")
+    m.umount()
+    out = tmp_path / "out"
+    out.mkdir()
+    gone = subprocess.Popen(["sleep", "0"])
+    gone_start = live_stat(gone.pid)
+    gone.wait()
+    me = os.getpid()
+    stale = out / f".r.overlayrec-replay-{gone.pid}.{gone_start[0] if gone_start else 1}-abcdefgh"
+    live = out / f".r.overlayrec-replay-{me}.{live_stat(me)[0]}-abcdefgh"
+    other = out / ".s.overlayrec-replay-1.1-abcdefgh"  # beside another destination
+    for d in (stale, live, other):
+        (d / "sub").mkdir(parents=True)
+        (d / "sub" / "f").write_text("half\n")
+    (stale / "sub").chmod(0o555)
+    overlayrec("replay", m.ws, "--at", "0", "--to", str(out / "r"))
+    assert sorted(os.listdir(out)) == sorted(["r", live.name, other.name])
+    assert (out / "r" / "a").read_text() == "a\n"

@@ -685,8 +685,9 @@ def replay(j: Journal, states: States, point: int, dest: str, full_from: str | N
     pfd = os.open(parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     tmp = root_fd = None
     try:
+        _discard_stale_builds(pfd, base)
         # inside the try: a SIGTERM just after the temporary directory was made left it
-        tmp = tempfile.mkdtemp(prefix=temp_name(base, "overlayrec-replay-XXXXXXXX")[:-8],
+        tmp = tempfile.mkdtemp(prefix=temp_name(base, _build_tag(os.getpid()))[:-8],
                                dir=parent)
         root_fd = os.open(tmp, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         b = _Build(root_fd, states.secrets)
@@ -736,6 +737,42 @@ def replay(j: Journal, states: States, point: int, dest: str, full_from: str | N
             "inexact": sorted(set(b.inexact)), "not_made": list(b.not_made.values()),
             "unlisted": [{"path": p, "why": w} for p, w in sorted(b.unlisted.items())],
             "owners_not_set": b.owners}
+
+
+def _build_tag(pid: int) -> str:
+    """The tag of the directory a replay builds beside its destination: its process, so that
+    one a replay killed half way left is known for no live replay's (``XXXXXXXX``: the room
+    mkdtemp's random part takes)."""
+    from ..attribution import live_stat
+    st = live_stat(pid)
+    return _TAG_OF.format(pid, st[0] if st else 0)
+
+
+def _discard_stale_builds(pfd: int, base: str) -> None:
+    """Remove the directories replays to ``base`` that were killed half way left beside it
+    (a SIGKILL leaves no chance to): one more for good at every kill, said by nothing (found
+    by a bug hunt).  Only those of a process that is gone, and only those tagged so."""
+    from ..attribution import alive
+    try:
+        entries = os.listdir(f"/proc/self/fd/{pfd}")  # (an O_PATH fd lists nothing itself)
+    except OSError:
+        return
+    for entry in entries:
+        if ".overlayrec-replay-" not in entry:
+            continue
+        key = entry.rpartition(".overlayrec-replay-")[2][:-9]  # "pid.start"
+        pid, _, start = key.partition(".")
+        if not (pid.isdigit() and start.isdigit()) or \
+                temp_name(base, _TAG_OF.format(pid, start))[:-8] != entry[:-8] or \
+                alive(f"{pid}:{start}"):
+            continue
+        try:
+            _discard(pfd, entry)
+        except OSError:
+            pass
+
+
+_TAG_OF = "overlayrec-replay-{}.{}-XXXXXXXX"
 
 
 def _ways(r: dict) -> tuple[tuple[str, str], ...]:
