@@ -1176,6 +1176,10 @@ def _apply_in(root_fd: int, dfd: int, name: str, step: Step, made: dict | None,
                 made.setdefault(link_key(t), []).append(
                     (step.path, os.stat(name, dir_fd=dfd, follow_symlinks=False).st_ino, t))
             return done
+    if first is None and t.kind == "file":
+        done = _into_theirs(dfd, name, t, seen)
+        if done is not None:
+            return done
     tmp = temp_name(name, f"overlayrec-revert-{os.getpid()}")
     _remove(dfd, tmp)
     if first is not None and _link_to(root_fd, first, dfd, tmp):
@@ -1342,6 +1346,31 @@ def _into_kept(dfd: int, name: str, t: State) -> str | None:
         return None
     return _write_into(dfd, name, t, lambda now: now.st_nlink == 1,
                        "another user's file in a sticky directory")
+
+
+def _into_theirs(dfd: int, name: str, t: State,
+                 seen: os.stat_result | None | bool) -> str | None:
+    """A file of another owner that the reverting user (not root) may write: its content
+    goes into the live file, as `cat old > f` would put it (not atomic), since a file replacing
+    it would be the reverting user's, who may not give it away (it became theirs, a new inode,
+    "restored but not whole: owner not set": found by a bug hunt in a shared setgid
+    directory).  Only where the live file is of the owner and mode the target has (only its
+    owner may set a mode), has no other name, and is as the caller ``seen`` it; None: not
+    this case (written the usual way)."""
+    me = os.geteuid()
+    if me == 0:  # root gives the owner back to the file that replaces it
+        return None
+    try:
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(st.st_mode) or st.st_uid == me or st.st_nlink != 1 or \
+            (t.uid is not None and t.uid != st.st_uid) or stat.S_IMODE(st.st_mode) != t.mode:
+        return None
+    if seen is not False and not _as_seen(dfd, name, seen):
+        return None  # the caller's own checks say what happened to it
+    return _write_into(dfd, name, t, lambda now: now.st_ino == st.st_ino and
+                       now.st_nlink == 1, "another owner's file")
 
 
 def _write_into(dfd: int, name: str, t: State, fits, why: str) -> str | None:
