@@ -2287,7 +2287,8 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
             for s in plan.steps:
                 mark = f"  CONFLICT ({s.conflict}" + (f": {s.note}" if s.note else "") \
                     + ")" if s.conflict else f"  ({s.note})" if s.note else ""
-                click.echo(f"  {reverts.describe(s):<8} {shown(s.path)}{mark}")
+                back = f" (from {shown(s.moved_from)})" if s.moved_from is not None else ""
+                click.echo(f"  {reverts.describe(s):<8} {shown(s.path)}{back}{mark}")
         if plan.already and not as_json:
             click.echo(f"overlayrec: {len(plan.already)} path(s) were put back already by "
                        f"an earlier revert: {named(map(shown, plan.already))}", err=True)

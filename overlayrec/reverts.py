@@ -21,8 +21,8 @@ import time
 from . import client, state
 from .engines import large
 from .engines.revert import KEPT, KEPT_CHANGED, PARTLY, STILL_WRITING, DirMode, Opening, Plan, \
-    apply_step, bytes_written, changed_since, clear_stale_temps, failed, make_plan, order, \
-    plan_from_json, plan_to_json, recheck, unmet, ways
+    apply_step, bytes_written, changed_since, clear_stale_temps, failed, make_plan, moved_in, \
+    order, plan_from_json, plan_to_json, recheck, unmet, ways
 from .engines.states import UNREACHED_NOTE, Tree
 
 
@@ -94,6 +94,8 @@ def rolled_back(sd: str, rec: dict) -> None:
 
 def describe(step) -> str:
     t, e = step.target, step.expected
+    if step.moved_from is not None:  # renamed back (then written, where it differs)
+        return "rename"
     if not t.present:
         return "delete"
     if not e.present:
@@ -118,7 +120,9 @@ def preview(plan: Plan) -> dict:
     that says why where the conflict's name alone does not."""
     return {"id": plan.id, "steps": [{"path": s.path, "action": describe(s),
                                       "conflict": s.conflict, **({"note": s.note} if s.note
-                                                                 else {})}
+                                                                 else {}),
+                                      **({"from": s.moved_from} if s.moved_from is not None
+                                         else {})}
                                      for s in plan.steps],
             "guessed": plan.guessed, "maybe_ours": plan.maybe_ours, "late": plan.late,
             "already": plan.already, "kept_objects": plan.kept_objects,
@@ -209,7 +213,7 @@ def held_open(j, plan: Plan, writing: list[dict] | None, live: Tree) -> list[dic
     for s in plan.steps:
         if s.conflict:
             continue
-        held = s.path in by_path
+        held = s.path in by_path or s.moved_from in by_path  # (a rename back's object)
         if not held and s.expected.kind == "file":  # (another kind: a conflict already)
             st = live.lstat(s.path)
             held = st is not None and stat.S_ISREG(st.st_mode) and st.st_ino in by_ino
@@ -424,6 +428,8 @@ def carry_out(ws: str, sd: str, plan: Plan, content, *, unreverts: str | None = 
                         continue
                     done.append((s.path, apply_step(root_fd, s, made,
                                                     seen[0] if seen else False)))
+                    if s.moved_from is not None and not failed(done[-1][1]):
+                        moved_in(made, s)  # its group's names and partners are there now
                     st = live.state_stat(s.path)[1] if s.target.kind == "file" else None
                     if st is not None and st.st_nlink > 1:
                         ours.add((st.st_dev, st.st_ino))

@@ -61,7 +61,10 @@ def test_revert_and_unrevert_every_kind_of_change(make_mount, tmp_path):
     preview = overlayrec("revert", m.ws, "--call", "c1").stdout
     assert "preview only" in preview and tree_of(m.ws) == after  # a preview writes nothing
     js = json.loads(overlayrec("revert", m.ws, "--call", "c1", "--json").stdout)
-    assert {s["action"] for s in js["steps"]} == {"replace", "create", "delete"}
+    # `mv mv.txt moved.txt` is renamed back
+    assert {s["action"] for s in js["steps"]} == {"replace", "create", "delete", "rename"}
+    assert [(s["path"], s["from"]) for s in js["steps"] if s["action"] == "rename"] == [
+        ("mv.txt", "moved.txt")], js
     out = overlayrec("revert", m.ws, "--call", "c1", "--yes").stdout
     assert "reverted" in out
     assert tree_of(m.ws) == before
@@ -355,7 +358,8 @@ def test_a_file_renamed_then_its_directory_moved_away_and_back(make_mount, tmp_p
     """Found by the history model: a call renames d/x to d/b, makes d/a, then renames d away
     and back.  No event names d/b between its rename and the directory's move, so what it held
     is followed through the move (it was taken as changed unsaved: the revert was refused,
-    ``unrecorded``).  The revert gives the tree before, and the unrevert the tree after."""
+    ``unrecorded``).  The revert gives the tree before, and the unrevert the tree after; d/b
+    is renamed back to d/x (the renames of d undo each other)."""
     m = setup_ws(make_mount, tmp_path, {"d/x": b"d/x.2\n", "a": b"a.1\n"})
     m.mount()
     before = tree_of(m.ws)
@@ -363,8 +367,7 @@ def test_a_file_renamed_then_its_directory_moved_away_and_back(make_mount, tmp_p
     after = tree_of(m.ws)
     js = json.loads(overlayrec("revert", m.ws, "--call", "c1", "--json").stdout)
     assert sorted((st["path"], st["action"], st["conflict"]) for st in js["steps"]) == [
-        ("d/a", "delete", None), ("d/b", "delete", None), ("d/x", "create", None),
-        ("e", "delete", None)], js
+        ("d/a", "delete", None), ("d/x", "rename", None), ("e", "delete", None)], js
     overlayrec("revert", m.ws, "--call", "c1", "--yes")
     assert tree_of(m.ws) == before
     overlayrec("unrevert", "-w", m.ws, "--yes")
@@ -375,7 +378,8 @@ def test_a_directory_later_work_filled_is_kept_and_said(make_mount, tmp_path):
     """A call renames a directory; files are made in it after the call.  Reverting the call
     moves its content back and keeps the directory with the later files (its rmdir fails: not
     empty), and the summary says which directories it kept, where the plan's line had said
-    "delete"."""
+    "delete".  The directory is not renamed back (the later file would go with it): what it
+    held is, one rename for src/pkg."""
     m = setup_ws(make_mount, tmp_path, {"src/pkg/m.py": b"x = 1\n"})
     m.mount()
     run_call(m, tmp_path, "mv src lib")
@@ -388,7 +392,8 @@ def test_a_directory_later_work_filled_is_kept_and_said(make_mount, tmp_path):
                                       "lib"), r.stdout
     # the paths it reverted, the kept one not among them (it was counted: found by a bug hunt)
     reverted = [ln for ln in r.stdout.splitlines() if ln.startswith("reverted ")]
-    assert reverted and reverted[0].startswith("reverted 5 path(s) as revert "), r.stdout
+    assert "  rename   src/pkg (from lib/pkg)\n" in r.stdout, r.stdout
+    assert reverted and reverted[0].startswith("reverted 2 path(s) as revert "), r.stdout
     assert tree_of(m.ws)["lib/later.txt"] and tree_of(m.ws)["src/pkg/m.py"], tree_of(m.ws)
     assert not os.path.exists(os.path.join(m.ws, "lib", "pkg"))
 

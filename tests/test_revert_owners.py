@@ -1,8 +1,12 @@
 """A revert made by a user (not root) in a workspace holding other owners' files gives back what
-an in-place write would: the same inode, its owner kept.
+a plain `mv` back or an in-place write would: the same inodes, their owners kept.
 
-An append to a root-owned file the user may write (its group's) was reverted by a file replacing
-it, the user's (found by a bug hunt).  Natively `cat old > f` keeps everything."""
+It rebuilt every rename as "create the old name, delete the new one": `mv dir dir2` of a
+directory holding a root-owned subdirectory stopped half way, pending (the root-owned file in it
+could not be removed), a root-owned file the user may not read moved by `mv` was refused as
+``unrecorded``, and one it may read came back as the user's copy.  And an append to a root-owned
+file the user may write (its group's) was reverted by a file replacing it, the user's (found by a
+bug hunt).  Natively `mv dir2 dir` and `cat old > f` keep everything."""
 from __future__ import annotations
 
 import json
@@ -51,6 +55,72 @@ def _reverted(u: Owner, *args: str):
     finally:
         u.ask("umount", u.ws)
     return r, st.get("pending_revert")
+
+
+def test_a_directory_holding_another_owners_is_renamed_back(tmpbase):
+    """`mv dir dir2`, dir holding a root-owned directory and file: the revert stopped at
+    dir2/rsub/rs ("cannot be written (Permission denied)"), pending, and --force at the same
+    step.  It renames dir2 back, and the unrevert renames it again: each the same inodes."""
+    u = Owner(tmpbase, "nobody")
+    os.makedirs(os.path.join(u.ws, "dir", "rsub"))
+    os.chown(os.path.join(u.ws, "dir"), NOBODY, NOBODY)
+    _put(os.path.join(u.ws, "dir", "u1"), "mine\n", NOBODY, 0o644)
+    _put(os.path.join(u.ws, "dir", "rsub", "rs"), "roots\n", 0, 0o644)
+    before = owned(u.ws)
+    try:
+        u.agent(["mv dir dir2"])
+        after = owned(u.ws)
+        r, pending = _reverted(u, "revert", u.ws, "--call", "c1")
+        assert r.returncode == 0 and not pending, r.stdout + r.stderr
+        assert "rename" in r.stdout and "dir2" in r.stdout, r.stdout
+        assert owned(u.ws) == before
+        r, pending = _reverted(u, "unrevert", u.ws)
+        assert r.returncode == 0 and not pending, r.stdout + r.stderr
+        assert owned(u.ws) == after
+    finally:
+        u.umount()
+
+
+def test_files_of_another_owner_moved_are_renamed_back(tmpbase):
+    """`mv rbig sub/` of a root-owned 0600 file was refused as unrecorded (the user may not
+    read it); `mv rfile rfile2` of a root-owned 0644 one came back as the user's copy
+    ("restored but not whole: owner 0:0 not set").  Each is renamed back, as `mv` would."""
+    u = Owner(tmpbase, "nobody")
+    os.mkdir(os.path.join(u.ws, "sub"))
+    os.chown(os.path.join(u.ws, "sub"), NOBODY, NOBODY)
+    _put(os.path.join(u.ws, "rbig"), "big\n", 0, 0o600)
+    _put(os.path.join(u.ws, "rfile"), "readable\n", 0, 0o644)
+    before = owned(u.ws)
+    try:
+        u.agent(["mv rbig sub/ && mv rfile rfile2"])
+        r, pending = _reverted(u, "revert", u.ws, "--call", "c1")
+        assert r.returncode == 0 and not pending, r.stdout + r.stderr
+        assert owned(u.ws) == before
+    finally:
+        u.umount()
+
+
+def test_a_file_changed_beneath_a_renamed_directory_is_written_after_the_rename_back(tmpbase):
+    """A call renames a directory holding another owner's and then edits a file beneath it:
+    the directory is renamed back (the other owner's directory and file in it keep their
+    inodes) and the edited file is written back as its own step after."""
+    u = Owner(tmpbase, "nobody")
+    os.makedirs(os.path.join(u.ws, "d", "rsub"))
+    os.chown(os.path.join(u.ws, "d"), NOBODY, NOBODY)
+    _put(os.path.join(u.ws, "d", "u1"), "mine\n", NOBODY, 0o644)
+    _put(os.path.join(u.ws, "d", "rsub", "rs"), "roots\n", 0, 0o644)
+    before = owned(u.ws)
+    try:
+        u.agent(["mv d d2 && echo more >> d2/u1 && touch d2/new"])
+        r, pending = _reverted(u, "revert", u.ws, "--call", "c1")
+        assert r.returncode == 0 and not pending, r.stdout + r.stderr
+        now = owned(u.ws)
+        assert sorted(now) == sorted(before), sorted(now)
+        for p in ("d", "d/rsub", "d/rsub/rs"):  # renamed back: the same inodes
+            assert now[p] == before[p], p
+        assert now["d/u1"][4] == b"mine\n" and now["d/u1"][:3] == before["d/u1"][:3]
+    finally:
+        u.umount()
 
 
 def test_a_file_of_another_owner_is_written_in_place(tmpbase):

@@ -12,6 +12,10 @@ written; one conflict refuses the whole revert (``--force`` reverts the paths wi
   step's ``note`` says so);
 * *escape*: a directory on the path's way is now a symlink, which a revert never follows.
 
+A rename of the selection is undone by renaming back (the inode kept, and a directory's
+contents with it) where what it moved is still whole at its new name (``_moves_back``); the
+other paths are put back one by one.
+
 The plan is written to the state dir before the first change, so an interrupted revert can be
 finished (``--continue``) or rolled back (``unrevert``).  Every step is idempotent: it makes a
 path hold its target, whatever it holds now.  Paths are reached from the workspace root one
@@ -31,16 +35,17 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..journal import Journal
-from ..journal.schema import (UNMOUNTED, JournalError, call_unit, outside_unit, revert_unit,
+from ..journal.schema import (MARK_OPS, UNMOUNTED, JournalError, call_unit, outside_unit,
+                              revert_unit,
                               session_unit, turn_unit, unit_kind)
 from ..secrets import PLACEHOLDER
-from ..underlay import O_PATH, Escape, resolve_beneath
+from ..underlay import O_PATH, RENAME_NOREPLACE, Escape, kind_of, renameat2, resolve_beneath
 from ..views import file_size_limit, guessed, path_matcher, shown
 from . import gitindex
 from .diff import (SelectionError, changed_around, file_events, find_call, moved_on,
                    placed_elsewhere, touched, find_turn, _visible)
 from .large import over_limit, same_as_fd, whole, write_to
-from .states import ATTIC, INF, UNLISTED_NOTE, States, State, Tree
+from .states import ABSENT, ATTIC, INF, UNLISTED_NOTE, States, State, Tree
 
 
 # why a path is unrecorded when a descriptor of the reverted changes is still writing it
@@ -57,6 +62,10 @@ class Step:
     # a hard-linked target may go back into the inode the path holds, for every name of its
     # group; not when names outside the plan joined that inode after the target's point
     in_place: bool = True
+    # a rename back: the path's target is the object now at this name (its inode:
+    # ``expected.ino``), renamed back onto the path (_moves_back); then written as any step
+    # where the target differs from ``expected``
+    moved_from: str | None = None
 
 
 @dataclass
@@ -317,6 +326,7 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
             step.conflict, step.note = "unrecorded", unlisted
     _holding_others(plan, live)
     _beneath_a_non_directory(plan)
+    _moves_back(plan, states, live, evs, selected, spans, unrecorded)
     _kept_directories(plan, live)
     names: list[set[str]] = []
 
@@ -355,11 +365,239 @@ def _kept_directories(plan: Plan, live: Tree) -> None:
     since by others) stays, as apply_step keeps it (KEPT): the preview said "delete" of it,
     with nothing more, and the run then kept it (found by a hunt).  Its step is noted so."""
     removed = {s.path for s in plan.steps if not s.conflict and not s.target.present}
+    away = [s.moved_from for s in plan.steps if s.moved_from and not s.conflict]
     for s in plan.steps:
         if s.conflict or s.note or s.target.present or s.expected.kind != "dir":
             continue
-        if any(p not in removed for p in live.walk(s.path)):
+        if any(p not in removed and not any(_at_or_under(p, m) for m in away)
+               for p in live.walk(s.path)):
             s.note = KEEPS_OTHERS
+
+
+def _at_or_under(name: str, d: str) -> bool:
+    return name == d or name.startswith(d + "/")
+
+
+_NAMING = ("rename", "unlink", "rmdir", "create", "mkdir", "mknod", "symlink", "link")
+
+
+def _moved_to(path: str, first: int, evs: list[dict], selected: set[int]) -> str | None:
+    """What the object ``path`` held just before event ``first`` is called now, followed
+    through the selection's renames of it or of a directory above it (``evs``: every event
+    from the selection's first on); None where it left its name otherwise (removed, renamed
+    over, moved by another unit, exchanged)."""
+    name = path
+    for e in evs:
+        if e["seq"] < first:
+            continue
+        op, src, dst = e["op"], e.get("path"), e.get("path2")
+        if op == "rename" and dst and dst != src:
+            if e.get("flags", 0) & 2:
+                if _at_or_under(name, src) or _at_or_under(name, dst):
+                    return None
+            elif _at_or_under(name, src):
+                if e["seq"] not in selected:
+                    return None
+                name = dst + name[len(src):]
+            elif _at_or_under(name, dst):
+                return None
+        elif op in ("unlink", "rmdir") and _at_or_under(name, src) or \
+                op in ("create", "mkdir", "mknod", "symlink", "link") and src == name:
+            return None
+    return name
+
+
+def _only_moved(states: States, names, first: int, unrecorded: set) -> bool:
+    """Does the record vouch that the object under ``names`` (its names, the last the live
+    one) was changed by nothing but renames from event ``first`` on, and is as sealed (no
+    drift)?  Then what it held then is what it holds now, though neither may be read here (a
+    file of another owner that its reader may not read)."""
+    for n in names:
+        if n in unrecorded or any(e["seq"] >= first and e["op"] != "rename" and
+                                  e["op"] not in MARK_OPS for e in states.events_on(n)):
+            return False
+    return not states.state(names[-1], INF).drifted
+
+
+def _moves_back(plan: Plan, states: States, live: Tree, evs: list[dict], selected: set[int],
+                spans: dict[str, list[int]], unrecorded: set) -> None:
+    """Undo the selection's renames by renaming back (one rename(2), the inode kept: its owner,
+    links and attributes, and for a directory everything beneath it), where the rename's
+    destination still holds what the rename put there and the name it came from is free, or
+    freed by another rename back first.  The revert rebuilt every rename as "make the old
+    name, delete the new one": a user's revert of `mv dir dir2`, dir holding a root-owned
+    directory, stopped half way on what it could not remove; a root-owned file the user may
+    not read, moved, was refused as unrecorded, and one it may read came back as the user's
+    copy (found by a bug hunt).
+
+    A path's step becomes the rename back (``moved_from``) when the object it held before the
+    selection is, followed through the selection's renames, at a live name of the plan,
+    still its kind (a file: the same inode), and every path of the plan beneath that name is
+    without a conflict (one the record vouches for though its reader may not read it:
+    _only_moved) and nothing else lives there.  The steps of the paths beneath both names
+    are then planned against what the rename back leaves: those it makes whole go, a file
+    the selection changed after the rename is written back as its own step after it, and
+    what the selection added there is removed.  Elsewhere the steps stay as they were."""
+    sources = {e["path"] for e in evs if e["op"] == "rename" and e["seq"] in selected}
+    if not sources:
+        return
+    # the events that may move a name or take it (a session's writes are most of them)
+    evs = [e for e in evs if e["op"] in _NAMING]
+    steps = {s.path: s for s in plan.steps}
+    held = {p: s.expected for p, s in steps.items()}  # what each path holds, as moves go
+    waiting = []
+    for s in sorted(plan.steps, key=lambda s: s.path.count("/")):
+        parts = s.path.split("/")
+        if not s.target.present or \
+                not any("/".join(parts[:k]) in sources for k in range(1, len(parts) + 1)):
+            continue  # not beneath a name the selection renamed
+        now = _moved_to(s.path, spans[s.path][0], evs, selected)
+        if now is not None and now != s.path and \
+                _may_move(s, now, steps, states, live, spans, unrecorded):
+            waiting.append((s, now))
+    accepted: list[tuple[Step, str, str]] = []  # (step, where the object is then, live name)
+    while waiting:
+        # the first that can be decided now; what waits on a name no rename back frees stays
+        # planned as before
+        item, here = next(((w, v) for w in waiting if (v := _fits_then(
+            w, accepted, waiting, held, states, spans, unrecorded)) is not None), (None, None))
+        if item is None:
+            break
+        waiting.remove(item)
+        if here:
+            s, now = item
+            moving = {p: held[p] for p in held if _at_or_under(p, here)}
+            for p in moving:
+                held[p] = ABSENT
+            for p, st in moving.items():
+                held[s.path + p[len(here):]] = st
+            accepted.append((s, here, now))
+    if accepted:
+        _rewrite(plan, accepted, held, states, live, spans, unrecorded)
+
+
+def _may_move(s: Step, now: str, steps: dict[str, Step], states: States, live: Tree,
+              spans: dict[str, list[int]], unrecorded: set) -> bool:
+    """Does the live name ``now`` hold what ``s.path`` held before the selection, as the
+    selection left it, and nothing the plan does not know beneath it?"""
+    n = steps.get(now)
+    st = live.lstat(now)
+    t = s.target
+    if n is None or st is None or n.expected.kind != t.kind or kind_of(st.st_mode) != t.kind:
+        return False
+    if t.kind != "dir" and not (t.ino and t.ino == n.expected.ino == st.st_ino):
+        return False
+    if not _renamable(live, now, s.path, st):
+        return False
+    first = spans[s.path][0]
+    for p, o in steps.items():
+        if _at_or_under(p, now) and o.conflict and not (
+                o.conflict == "unrecorded" and
+                _only_moved(states, [s.path + p[len(now):], p], first, unrecorded)):
+            return False
+    return t.kind != "dir" or all(p in steps for p in live.walk(now))
+
+
+def _renamable(live: Tree, now: str, back: str, st: os.stat_result) -> bool:
+    """May the reverting user rename ``now`` (its lstat ``st``) to ``back``, as far as a
+    removal and a making there would not already ask?  Not another's object out of another's
+    sticky directory (/tmp's mode), nor a directory it may not write into another directory
+    (its ``..`` changes): natively `mv` is refused too, and the revert, planned as before,
+    refuses what it must in one line, where a rename back stopped it half way."""
+    me = os.geteuid()
+    if me == 0:  # (the owner's privileges that let root do both)
+        return True
+    parent = live.lstat(now.rpartition("/")[0])
+    if parent is not None and parent.st_mode & stat.S_ISVTX and me not in (st.st_uid,
+                                                                          parent.st_uid):
+        return False
+    if stat.S_ISDIR(st.st_mode) and now.rpartition("/")[0] != back.rpartition("/")[0]:
+        bits = 0o200 if st.st_uid == me else 0o020 if st.st_gid in os.getgroups() or \
+            st.st_gid == os.getegid() else 0o002
+        return bool(st.st_mode & bits)
+    return True
+
+
+def _fits_then(item: tuple[Step, str], accepted: list, waiting: list, held: dict,
+               states: States, spans: dict[str, list[int]], unrecorded: set) -> str | bool | None:
+    """Can ``item``'s rename back be made after those ``accepted``?  Where its object is
+    then (a directory above it renamed back first), False when it cannot, None when its name
+    is to be freed by a rename back still waiting."""
+    s, now = item
+    here = now
+    for a, a_from, _ in accepted:  # a name beneath a directory renamed back before it
+        if _at_or_under(here, a_from):
+            here = a.path + here[len(a_from):]
+    for a, a_from, _ in accepted:
+        if s.path != a_from and _at_or_under(s.path, a_from) or \
+                any(_at_or_under(x, y) and (x, y) != (a_from, s.path)
+                    for x in (a.path, a_from) for y in (s.path, here)):
+            return False  # entangled with another rename back: planned as before
+    if _at_or_under(s.path, here) or not held.get(here, ABSENT).present:
+        return False  # (one cannot be renamed into itself)
+    parts = s.path.split("/")
+    if any(held.get("/".join(parts[:k]), ABSENT).kind not in ("dir", "absent")
+           for k in range(1, len(parts))):
+        return False  # a file above its name then: planned as before
+    if held[s.path].present:
+        # taken: by what another rename back moves away first, or planned as before
+        return None if any(w is not item and w[1] == s.path for w in waiting) else False
+    moved = held[here]
+    if s.conflict and not (s.conflict == "unrecorded" and s.target.same(moved) and
+                           _only_moved(states, [s.path, now], spans[s.path][0], unrecorded)):
+        return False
+    return here
+
+
+def _settled(t: State, now: State, vouched) -> bool:
+    """Does a path that holds ``now`` once the renames back are made hold its target ``t``
+    (a file: in the same inode), with nothing to write?"""
+    if not t.present or not now.present:
+        return t.present == now.present
+    if not t.same(now) or t.kind != "dir" and t.ino != now.ino:
+        return False
+    return t.exact and now.exact or vouched()
+
+
+def _rewrite(plan: Plan, accepted: list, held: dict, states: States, live: Tree,
+             spans: dict[str, list[int]], unrecorded: set) -> None:
+    """The plan's steps once the renames back ``accepted`` are made (``held``: what each path
+    holds then): each becomes a rename back, goes (made whole by one), is planned against
+    what the renames leave, or is made to remove what they bring that was not there."""
+    moves = {id(s): (here, now) for s, here, now in accepted}
+    ends = [x for s, here, _ in accepted for x in (s.path, here)]
+    origin = {}  # a path beneath a rename back -> its live name now, the record's (vouching)
+    for s, here, now in accepted:
+        for p in held:
+            if _at_or_under(p, s.path):
+                origin[p] = now + p[len(s.path):]
+    out = []
+    for s in plan.steps:
+        if id(s) in moves:
+            here, now = moves[id(s)]
+            s.moved_from = here
+            s.expected = held[s.path]
+            if s.conflict == "unrecorded":
+                s.conflict = s.note = None  # (_fits_then: the record vouches for it)
+            out.append(s)
+        elif any(_at_or_under(s.path, x) for x in ends):
+            now = held[s.path]
+            first = spans.get(s.path, [1])[0]
+            if _settled(s.target, now, lambda: _only_moved(
+                    states, [s.path, origin.get(s.path, s.path)], first, unrecorded)):
+                continue
+            s.expected = now
+            out.append(s)
+        else:
+            out.append(s)
+    paths = {s.path for s in plan.steps}
+    for p, now in held.items():
+        if p not in paths and now.present:  # brought by a rename back: the selection made it
+            out.append(Step(p, ABSENT, now))
+    for s, _, now in accepted:  # the inode each moves (a directory's is not in the record)
+        st = live.lstat(now)
+        s.expected = s.expected.but(ino=st.st_ino if st is not None else s.expected.ino)
+    plan.steps = sorted(out, key=lambda s: s.path.split("/"))
 
 
 def _moved_from_outside(plan: Plan, renames: list[dict], keep) -> None:
@@ -1134,6 +1372,13 @@ def _apply_in(root_fd: int, dfd: int, name: str, step: Step, made: dict | None,
             return FAILED + "not a directory any more: mode not set"
         problem = set_meta(dfd, name, t)
         return FAILED + problem if problem else "dir mode"
+    if step.moved_from is not None:
+        done = _move_back(root_fd, dfd, name, step)
+        if done is not None:
+            return done
+        # the object is back; what the selection changed in it after the rename goes next
+        seen = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        step = Step(step.path, t, step.expected, in_place=step.in_place)
     if not t.present:
         try:
             _remove(dfd, name)
@@ -1246,6 +1491,54 @@ def _apply_in(root_fd: int, dfd: int, name: str, step: Step, made: dict | None,
         st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
         made.setdefault(link_key(t), []).append((step.path, st.st_ino, t))
     return PARTLY + problem if problem else "restored"
+
+
+MOVED_BACK = "renamed back from "  # ... the name it was at
+
+
+def moved_in(made: dict, step: Step) -> None:
+    """Once ``step``'s rename back is made: the paths of ``made`` (hard-link groups' names
+    and partners, apply_step's) beneath the name it came from are called by the name it came
+    back to (a name linked to one the rename back brought is linked to it there: a copy
+    otherwise, its group cut)."""
+    src = step.moved_from
+    for key, held in made.items():
+        if isinstance(held, list):
+            made[key] = [(step.path + h[0][len(src):], *h[1:]) if _at_or_under(h[0], src)
+                         else h for h in held]
+
+
+def _move_back(root_fd: int, dfd: int, name: str, step: Step) -> str | None:
+    """Rename ``step.moved_from`` back to ``step.path`` (in ``dfd``, where it is ``name``),
+    never over anything: the object the plan moves (``step.expected.ino``) is renamed back
+    whole.  Returns what was done when that is all; None when the target is still to be
+    written into what came back; KEPT_CHANGED when neither name holds that object (moved or
+    replaced by another writer since).  Idempotent: an object already back is not moved."""
+    ino = step.expected.ino
+    try:
+        here = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except FileNotFoundError:
+        here = None
+    if here is None or here.st_ino != ino:
+        if here is not None:
+            return KEPT_CHANGED
+        try:
+            sfd, sname = _parent(root_fd, step.moved_from, create=False)
+        except FileNotFoundError:
+            return KEPT_CHANGED
+        except Escape as e:
+            raise Escape(e.errno, f"escape: {e.strerror}", step.moved_from) from None
+        try:
+            if os.stat(sname, dir_fd=sfd, follow_symlinks=False).st_ino != ino:
+                return KEPT_CHANGED
+            renameat2(sfd, sname, dfd, name, RENAME_NOREPLACE)
+        except (FileNotFoundError, FileExistsError):
+            return KEPT_CHANGED
+        finally:
+            os.close(sfd)
+    if step.target.same(step.expected):
+        return f"{MOVED_BACK}{step.moved_from}"
+    return None
 
 
 def _as_seen(dfd: int, name: str, seen: os.stat_result | None | bool) -> bool:
@@ -1447,6 +1740,44 @@ def _link_to(root_fd: int, first: tuple, dfd: int, tmp: str) -> bool:
 
 
 def order(steps: list[Step], root_fd: int | None = None) -> list[Step]:
+    """The renames back (``moved_from``) come after the steps that touch neither of their
+    names (_plain_order: what makes the directories they go into) and before those that do
+    (what they free or bring is then planned: a file of a directory renamed back written, a
+    directory they empty removed), and, among them, in the order they may be made; the modes
+    of directories last, as ever."""
+    moves = [s for s in steps if s.moved_from is not None]
+    if not moves:
+        return _plain_order(steps, root_fd)
+    ends = [x for m in moves for x in (m.path, m.moved_from)]
+
+    def after(s: Step) -> bool:  # (a path above a name a rename back empties: it may be
+        # removed or turned into a file once that name has gone)
+        return any(_at_or_under(s.path, x) for x in ends) or \
+            any(_at_or_under(m.moved_from, s.path) for m in moves)
+    rest = [s for s in steps if s.moved_from is None]
+    first = _plain_order([s for s in rest if not after(s)], root_fd)
+    then = _plain_order([s for s in rest if after(s)], root_fd)
+    late = [s for s in first + then if isinstance(s, DirMode)]
+    return [s for s in first if not isinstance(s, DirMode)] + _moves_in_order(moves) + \
+        [s for s in then if not isinstance(s, DirMode)] + late
+
+
+def _moves_in_order(moves: list[Step]) -> list[Step]:
+    """Each rename back after those it waits on: the one that frees its name (a chain,
+    `mv a b; mv c a`), the one that brings back the directory it is in or comes from."""
+    def waits(m: Step, o: Step) -> bool:
+        return _at_or_under(m.path, o.moved_from) or \
+            any(x != o.path and _at_or_under(x, o.path) for x in (m.path, m.moved_from))
+    out, left = [], list(moves)
+    while left:
+        m = next((m for m in left if not any(o is not m and waits(m, o) for o in left)),
+                 left[0])
+        out.append(m)
+        left.remove(m)
+    return out
+
+
+def _plain_order(steps: list[Step], root_fd: int | None = None) -> list[Step]:
     """Removals first (deepest first: a directory the revert turns back into a file must be
     emptied before), then directories to create (shallow first), then files, then the modes
     of directories that would not let their owner fill them (deepest first).  With
@@ -1500,7 +1831,8 @@ def plan_to_json(plan: Plan, content_put) -> dict:
         return d
     return {"id": plan.id, "selection": plan.selection,
             "steps": [{"path": s.path, "target": st(s.target), "expected": st(s.expected),
-                       "conflict": s.conflict, "note": s.note, "in_place": s.in_place}
+                       "conflict": s.conflict, "note": s.note, "in_place": s.in_place,
+                       **({"moved_from": s.moved_from} if s.moved_from is not None else {})}
                       for s in plan.steps]}
 
 
@@ -1534,6 +1866,12 @@ def changed_since(live, step: Step, ours: set | None = None, *, removed: bool = 
     read again by the step itself, which says what stops it.  ``ours``: the inodes the plan's
     steps wrote so far (a hard-link group's other names hold what one step wrote in place).
     ``seen`` gets the lstat the path was looked at with (None: nothing there)."""
+    if step.moved_from is not None:
+        # a rename back: its object at either name (not moved yet, or moved already)
+        if seen is not None:
+            seen.append(None)
+        return not any((st := live.lstat(p)) is not None and st.st_ino == step.expected.ino
+                       for p in (step.path, step.moved_from))
     try:
         now, st = live.state_stat(step.path)
     except OSError:
@@ -1560,5 +1898,5 @@ def plan_from_json(d: dict, content_get) -> Plan:
                      x.get("exact", True), **{f: x[f] for f in _FIELDS if f in x})
     return Plan(d["id"], d["selection"], [Step(s["path"], st(s["target"]), st(s["expected"]),
                                                 s["conflict"], s.get("note"),
-                                                s.get("in_place", True))
+                                                s.get("in_place", True), s.get("moved_from"))
                                            for s in d["steps"]])
