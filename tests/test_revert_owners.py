@@ -149,3 +149,31 @@ def test_a_file_of_another_owner_is_written_in_place(tmpbase):
         assert now[4] == b"gfile\nmore\n" and now[:4] == before["shared/g"][:4]
     finally:
         u.umount()
+
+
+def test_a_file_renamed_over_another_owners_is_renamed_back_and_the_old_one_made(tmpbase):
+    """`mv -f s k`, s root's 0600 (the user may not read it), k root's of the user's group:
+    the preview refused `k` as unrecorded (the live k, s's content, unreadable), and `--force`
+    renamed s back and left k "alone": gone (found by a bug hunt).  The unreadable object is
+    what the rename back moves away: s comes back whole, k is made again with its content,
+    the user's (the owner cannot be given away: said, exit 1)."""
+    u = Owner(tmpbase, "nobody")
+    _put(os.path.join(u.ws, "s"), "secret\n", 0, 0o600)
+    _put(os.path.join(u.ws, "k"), "k\n", 0, 0o664)
+    os.chown(os.path.join(u.ws, "k"), 0, NOBODY)
+    before = owned(u.ws)
+    try:
+        u.agent(["mv -f s k"])
+        u.ask("mount", u.ws, "--state-dir", u.sd)
+        try:
+            preview = u.ask("revert", u.ws, "--call", "c1", check=False)
+        finally:
+            u.ask("umount", u.ws)
+        assert preview.returncode == 0 and "CONFLICT" not in preview.stdout, preview
+        r, pending = _reverted(u, "revert", u.ws, "--call", "c1", "--force")
+        assert not pending and "k: owner 0:" in r.stderr, r.stdout + r.stderr
+        now = owned(u.ws)
+        assert now["s"] == before["s"]  # renamed back: root's, its inode
+        assert now["k"][4] == b"k\n" and now["k"][0] == before["k"][0]
+    finally:
+        u.umount()

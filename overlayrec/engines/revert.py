@@ -47,7 +47,7 @@ from . import gitindex
 from .diff import (SelectionError, changed_around, file_events, find_call, moved_on,
                    placed_elsewhere, touched, find_turn, _visible)
 from .large import over_limit, same_as_fd, whole, write_to
-from .states import ABSENT, ATTIC, INF, UNLISTED_NOTE, States, State, Tree
+from .states import ABSENT, ATTIC, INF, UNLISTED_NOTE, States, State, Tree, _fwd
 
 
 # why a path is unrecorded when a descriptor of the reverted changes is still writing it
@@ -329,6 +329,7 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
     _holding_others(plan, live)
     _beneath_a_non_directory(plan)
     _moves_back(plan, states, live, evs, selected, spans, unrecorded)
+    _blocked_beneath_conflicts(plan, live)
     _kept_directories(plan, live)
     names: list[set[str]] = []
 
@@ -373,6 +374,21 @@ def _kept_directories(plan: Plan, live: Tree) -> None:
             continue
         if any(p not in removed and not _beneath_any(p, away) for p in live.walk(s.path)):
             s.note = KEEPS_OTHERS
+
+
+def _blocked_beneath_conflicts(plan: Plan, live: Tree) -> None:
+    """A path whose way is blocked now (a file or a symlink where a directory was) by a
+    directory the plan would make but cannot (its step a conflict: the user's file there) is
+    an escape too: the plan was refused at the directory, but `--force`, which leaves the
+    directory alone, then stopped half way at the path beneath it, and its preview said
+    nothing of it (found by a bug hunt)."""
+    blocked = {s.path for s in plan.steps if s.conflict and s.target.kind == "dir"}
+    if not blocked:
+        return
+    for s in plan.steps:
+        if not s.conflict and any(u in blocked for u in _up(s.path.rpartition("/")[0])) and \
+                live.symlink_on_the_way(s.path) and live.blocker(s.path) in blocked:
+            s.conflict = "escape"
 
 
 def _at_or_under(name: str, d: str) -> bool:
@@ -642,6 +658,7 @@ def _rewrite(plan: Plan, accepted: list, held: dict, states: States, live: Tree,
     what the renames leave, or is made to remove what they bring that was not there."""
     moves = {id(s): (here, now) for s, here, now in accepted}
     ends = {x for s, here, _ in accepted for x in (s.path, here)}
+    nows = {now for _, _, now in accepted}
     back_to = {s.path: now for s, _, now in accepted}  # (their paths do not nest: _fits_then)
     origin = {}  # a path beneath a rename back -> its live name now, the record's (vouching)
     for p in held:
@@ -664,6 +681,11 @@ def _rewrite(plan: Plan, accepted: list, held: dict, states: States, live: Tree,
                     states, [s.path, origin.get(s.path, s.path)], first, unrecorded)):
                 continue
             s.expected = now
+            if s.conflict == "unrecorded" and _beneath_any(s.path, nows):
+                # what could not be read there is what a rename back moves away (vouched by
+                # _may_move): the path is written afresh.  Left a conflict, `--force` renamed
+                # the object away and left the path "alone", empty (found by a bug hunt)
+                s.conflict = s.note = None
             out.append(s)
         else:
             out.append(s)
@@ -1037,18 +1059,31 @@ def _partner_remade(t: State, inodes: dict[int, list[str]], live: Tree, states: 
 def _parked(states: States, path: str, first: int) -> int | None:
     """The names the file ``path`` held before event ``first`` had as it left the path by an
     unlink or by another renamed over it (into the attic); None when it left otherwise
-    (renamed away, exchanged: it lives on under another name) or not at all."""
-    for e in states.events_on(path):
-        if e["seq"] < first:
-            continue
-        if e["op"] == "rename" and e.get("flags", 0) & 2:
-            return None  # an exchange: it lives on under the other name
-        if e["op"] == "unlink" and e.get("path") == path or \
-                e["op"] == "rename" and e.get("path2") == path:
-            pre = states.pre_for(e, path)
-            return pre.get("nlink", 1) if pre is not None and pre.get("kind") == "file" \
-                else None
-        if e["op"] == "rename" and e.get("path") == path:
+    (renamed away, exchanged: it lives on under another name) or not at all.  Followed through
+    the renames of the directories above it: a revert that renamed `proj2` back to `proj` and
+    then removed `proj/a` left the inode of `proj2/a` in the attic, and an unrevert linked
+    `proj2/a` to an unrelated file given its number (found by a bug hunt)."""
+    name, since = path, first
+    for _ in range(10_000):  # (a bound: each turn follows one rename forward)
+        move = states._next_move(name, since - 1)
+        for e in states.events_on(name):
+            if e["seq"] < since:
+                continue
+            if move is not None and e["seq"] > move["seq"]:
+                break
+            if e["op"] == "rename" and e.get("flags", 0) & 2:
+                return None  # an exchange: it lives on under the other name
+            if e["op"] == "unlink" and e.get("path") == name or \
+                    e["op"] == "rename" and e.get("path2") == name:
+                pre = states.pre_for(e, name)
+                return pre.get("nlink", 1) if pre is not None and pre.get("kind") == "file" \
+                    else None
+            if e["op"] == "rename" and e.get("path") == name:
+                return None
+        if move is None or move.get("flags", 0) & 2:
+            return None
+        name, since = _fwd(name, move), move["seq"] + 1
+        if name is None:
             return None
     return None
 
