@@ -640,7 +640,7 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
     from .engines.diff import (select, changed, changed_around, changed_since, drift_side,
                                own_changes)
     from .engines.gitdiff import ObjectStore, git_refuses
-    from .engines.states import States, ABSENT as tree_absent, UNLISTED_NOTE
+    from .engines.states import States, ABSENT as tree_absent, is_unlisted
     last = j.last_seq()
     states = States(j, tree)
     side = drift_side(states, glob) if drift else \
@@ -710,7 +710,7 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
     # bits but x, an owner: such changes are said too, or the patch would disagree with the
     # listings (which count them) without a word
     unshown = not_in_patch(side, [p for p in every if not git_refuses(p)],
-                           UNLISTED_NOTE in states.tree.unreadable.values())
+                           any(map(is_unlisted, states.tree.unreadable.values())))
     groups = [(None, sorted(side.before))]
     # a path several writers changed: each writer's section shows its own change of it
     own = own_changes(states, side) if by_writer and not as_json else {}
@@ -896,6 +896,12 @@ def not_in_patch(side, paths: list[str], unlisted: bool = False) -> list[tuple[s
     from .views import human_size
     hidden, shown_under, partly = [], set(), {}
     masked_before, masked_after = _masked(side.before), _masked(side.after)
+    # the content of the files that left a name: one that comes to another name is renamed
+    # there in the patch (git's rename), not made (a renamed 0600 file was said "file made"
+    # under the patch's "rename to": found by a bug hunt)
+    left = {bytes(b.data) for p in paths
+            if (b := side.before.get(p, ABSENT)).kind == "file" and
+            side.after.get(p, ABSENT).kind == "absent" and isinstance(b.data, bytes)}
     for p in paths:
         b, a = side.before.get(p, ABSENT), side.after.get(p, ABSENT)
         big = [s for s in (b, a) if over_limit(s.data)]
@@ -916,10 +922,10 @@ def not_in_patch(side, paths: list[str], unlisted: bool = False) -> list[tuple[s
             while parent and parent not in shown_under:
                 shown_under.add(parent)
                 parent = parent.rpartition("/")[0]
-            left = [w for w in (_kind_left_out(p, b, a, side, paths), _left_out_of_file(b, a))
-                    if w]
-            if left:
-                partly[p] = ", ".join(left)
+            said = [w for w in (_kind_left_out(p, b, a, side, paths),
+                                _left_out_of_file(b, a, left)) if w]
+            if said:
+                partly[p] = ", ".join(said)
         else:
             hidden.append((p, b, a))
     out = list(partly.items())
@@ -987,10 +993,11 @@ def _kind_left_out(p: str, b, a, side, paths: list[str]) -> str | None:
     return None
 
 
-def _left_out_of_file(b, a) -> str | None:
+def _left_out_of_file(b, a, left: set = frozenset()) -> str | None:
     """What a patch showing a file's change (its content, its x bit, its kind) leaves out:
     git holds a file's mode as 0644 or 0755 and no owner, and applies a file it makes with one
-    of those two."""
+    of those two.  ``left``: the contents of the files that left their names (one of them
+    come here was renamed)."""
     if a.kind != "file":
         return None
     if b.kind == "file":
@@ -1001,7 +1008,8 @@ def _left_out_of_file(b, a) -> str | None:
             said.append(f"owner {b.uid}:{b.gid} -> {a.uid}:{a.gid}")
         return ", ".join(said) or None
     if a.mode not in (0o644, 0o755):
-        made = "file made" if b.kind == "absent" else f"{b.kind} -> file"
+        made = ("renamed here" if isinstance(a.data, bytes) and a.data in left else
+                "file made") if b.kind == "absent" else f"{b.kind} -> file"
         return f"{made}, mode {a.mode:04o}"
     return None
 
@@ -1010,11 +1018,11 @@ def event_not_in_patch(tree, before: dict, after: dict) -> list[tuple[str, str]]
     """``not_in_patch`` of one event (``show``): its paths' states just before and just after
     it, as ``diff`` says of a selection (a mode, an owner, an empty directory, a fifo ...)."""
     from types import SimpleNamespace
-    from .engines.states import UNLISTED_NOTE
+    from .engines.states import is_unlisted
     from .views import git_refuses
     paths = [p for p in before if not git_refuses(p)]
     return not_in_patch(SimpleNamespace(before=before, after=after), paths,
-                        UNLISTED_NOTE in tree.unreadable.values())
+                        any(map(is_unlisted, tree.unreadable.values())))
 
 
 def unshown_line(unshown: list[tuple[str, str]]) -> str:

@@ -177,3 +177,38 @@ def test_a_file_renamed_over_another_owners_is_renamed_back_and_the_old_one_made
         assert now["k"][4] == b"k\n" and now["k"][0] == before["k"][0]
     finally:
         u.umount()
+
+
+def test_what_readers_say_of_another_owners_files_a_rename_moved(tmpbase, tmp_path):
+    """`mv dir dir2; mv dir2/rsub dir2/rsub2` by a user, dir holding root's 0600 file, a
+    directory of root's and a 0000 file of the user's (found by a bug hunt): `diff` said of the
+    renamed 0600 file "file made" under the patch's "rename to"; `replay --full` before the
+    session named as not made, and as owners not set, the live tree's dir2 paths, which the
+    point does not hold; and a root 0700 directory there was "cannot be listed ... (chmod
+    u+r)", advice its reader cannot follow."""
+    u = Owner(tmpbase, "nobody")
+    d = os.path.join(u.ws, "dir")
+    os.makedirs(os.path.join(d, "rsub"))
+    os.makedirs(os.path.join(d, "rpriv"))
+    os.chown(d, NOBODY, NOBODY)
+    _put(os.path.join(d, "r600"), "r\n", 0, 0o600)
+    _put(os.path.join(d, "rsub", "s"), "s\n", 0, 0o644)
+    _put(os.path.join(d, "rpriv", "p"), "p\n", 0, 0o644)
+    os.chmod(os.path.join(d, "rpriv"), 0o700)
+    _put(os.path.join(d, "u000"), "u\n", NOBODY, 0o000)
+    try:
+        u.agent(["mv dir dir2 && mv dir2/rsub dir2/rsub2"])
+        r = u.ask("diff", u.ws, "--state-dir", u.sd, "--session", "s")
+        assert "rename to dir2/r600" in r.stdout, r.stdout
+        assert "dir2/r600 (renamed here, mode 0600)" in r.stderr and "file made" not in \
+            r.stderr, r.stderr
+        assert "cannot be listed: no read permission on it (owned by uid 0): dir2/rpriv" in \
+            r.stderr, r.stderr
+        out = os.path.join(u.base, "r")
+        js = json.loads(u.ask("replay", u.ws, "--state-dir", u.sd, "--at", "0", "--to", out,
+                              "--full", "--json").stdout)
+        named = [x["path"] for x in js["not_made"]] + js["owners_not_set"]
+        assert not [p for p in named if p.startswith("dir2")], js
+        assert len(js["owners_not_set"]) == len(set(js["owners_not_set"])), js
+    finally:
+        u.umount()

@@ -47,7 +47,7 @@ from . import gitindex
 from .diff import (SelectionError, changed_around, file_events, find_call, moved_on,
                    placed_elsewhere, touched, find_turn, _visible)
 from .large import over_limit, same_as_fd, whole, write_to
-from .states import ABSENT, ATTIC, INF, UNLISTED_NOTE, States, State, Tree, _fwd
+from .states import ABSENT, ATTIC, INF, States, State, Tree, _fwd, is_unlisted
 
 
 # why a path is unrecorded when a descriptor of the reverted changes is still writing it
@@ -324,7 +324,7 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
         # a directory the plan moves, makes or removes whose entries could not be listed: what
         # it holds is unknown, so the revert would not be the tree before
         unlisted = states.tree.unreadable.get(step.path) or live.unreadable.get(step.path)
-        if unlisted == UNLISTED_NOTE and not step.conflict:
+        if is_unlisted(unlisted) and not step.conflict:
             step.conflict, step.note = "unrecorded", unlisted
     _holding_others(plan, live)
     _beneath_a_non_directory(plan)

@@ -101,6 +101,19 @@ UNREADABLE_NOTE = "cannot be read: no read permission on it (chmod u+r, then ask
 UNREACHED_NOTE = "cannot be reached: a directory on its way may not be searched (chmod u+x)"
 UNLISTED_NOTE = "cannot be listed: no read permission on it (chmod u+r)"
 UNREADABLE_OTHERS = "cannot be read: no read permission on it (owned by uid %d)"
+# ... a directory of another owner: "chmod u+r" is advice its reader cannot follow (a hunt)
+UNLISTED_OTHERS = "cannot be listed: no read permission on it (owned by uid %d)"
+
+
+def unlisted_note(st: os.stat_result | None) -> str:
+    """Why a directory (its lstat ``st``) could not be listed, as said to its reader."""
+    return UNLISTED_NOTE if st is None or st.st_uid == os.geteuid() else \
+        UNLISTED_OTHERS % st.st_uid
+
+
+def is_unlisted(note: str | None) -> bool:
+    """Does ``note`` (Tree.unreadable's) say a directory could not be listed?"""
+    return note is not None and note.startswith("cannot be listed")
 UNREADABLE = b"overlayrec: content unknown, the file cannot be read here\n"
 # a path beneath a directory the reader may not search: what it holds is not known, not absent
 UNREACHED = State("absent", exact=False)
@@ -326,8 +339,9 @@ class Tree:
         try:
             fd = self._open_dir(rel)
         except PermissionError:
-            self.unreadable[rel] = UNLISTED_NOTE
-            self._note(rel, self._lstat(rel))
+            st = self._lstat(rel)
+            self.unreadable[rel] = unlisted_note(st)
+            self._note(rel, st)
             return out
         except OSError:  # not there, or not a directory (a symlink is not followed)
             self._note(rel, self._lstat(rel))
@@ -350,7 +364,7 @@ class Tree:
                             continue   # gone meanwhile
                         entries.append((e.name, stat.S_ISDIR(st.st_mode), st))
             except PermissionError:
-                self.unreadable[base] = UNLISTED_NOTE
+                self.unreadable[base] = unlisted_note(os.fstat(fd))
                 entries = []
             except OSError:
                 entries = []
@@ -364,7 +378,8 @@ class Tree:
                         stack.append((os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
                                               | os.O_CLOEXEC, dir_fd=fd), child))
                     except PermissionError:
-                        self.unreadable[child] = UNLISTED_NOTE
+                        self.unreadable[child] = unlisted_note(
+                            st if st is not None else self._lstat(child))
                     except OSError:
                         pass
             os.close(fd)
