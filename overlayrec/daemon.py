@@ -147,16 +147,16 @@ DETACH_WAIT = 15.0
 DETACHED_WAIT = 10.0
 
 
-def _where(ws: str, mount_id: int | None) -> str:
+def _where(ws: str, mount: dict | None) -> str:
     """The path the mount is at now: where it was made, unless a directory above the workspace
     was renamed since (the mount moves with it; the path it was made at names nothing, or
-    another directory).  Known by the mount's own id in /proc/self/mountinfo."""
-    where = state.mount_point_of(mount_id) if mount_id is not None else None
+    another directory).  Known by the mount's own id and source in /proc/self/mountinfo."""
+    where = state.mount_point_of(mount) if mount is not None else None
     return where or ws
 
 
 async def _serve(control: ControlServer, ws: str, owner: dict | None,
-                 mount_id: int | None = None) -> None:
+                 mount: dict | None = None) -> None:
     async with trio.open_nursery() as nursery:
         delay = float(os.environ.get("OVERLAYREC_TEST_END_DELAY") or 0)
 
@@ -172,7 +172,7 @@ async def _serve(control: ControlServer, ws: str, owner: dict | None,
             # dirty are written back while the daemon serves them: after the unmount they have
             # nowhere to go, and the writes were lost without a word
             with trio.move_on_after(FLUSH_WAIT):
-                await trio.to_thread.run_sync(_flush_mount, _where(ws, mount_id),
+                await trio.to_thread.run_sync(_flush_mount, _where(ws, mount),
                                               control if detach else None,
                                               abandon_on_cancel=True)
             if control.detached:
@@ -213,7 +213,7 @@ async def _serve(control: ControlServer, ws: str, owner: dict | None,
                 except Exception:  # a failed check must not take the mount down: retried
                     log.exception("checking implicit calls for exited processes failed")
         nursery.start_soon(end_exited_calls)
-        nursery.start_soon(_follow_runners, control, ws, owner, mount_id)
+        nursery.start_soon(_follow_runners, control, ws, owner, mount)
         nursery.start_soon(_stamp_alive, state.StateDir(control.calls.journal.state_dir).alive)
         await nursery.start(_commit_held_notes, control.calls.journal)
         if not isinstance(control.recorder, UnrecordedRecorder) and \
@@ -271,7 +271,7 @@ USERS_CHECK = 5.0  # and for the processes still working in such a mount, once o
 
 
 async def _follow_runners(control: ControlServer, ws: str, owner: dict | None,
-                          mount_id: int | None = None) -> None:
+                          mount: dict | None = None) -> None:
     """End the sessions whose runner and agent went without ending them (``Calls.
     end_abandoned_sessions``: `overlayrec run` killed by SIGKILL); and, for a mount made for a
     command (``owner``: the `run` or the revert that mounted, ``--owner``), unmount once that
@@ -304,7 +304,7 @@ async def _follow_runners(control: ControlServer, ws: str, owner: dict | None,
         # a scan of /proc that asks no filesystem anything (state._holders): off the trio
         # thread only so that requests are served meanwhile; a few milliseconds a hundred
         # processes, so while some process works in the mount, every USERS_CHECK seconds
-        users = await trio.to_thread.run_sync(state.mount_users, _where(ws, mount_id),
+        users = await trio.to_thread.run_sync(state.mount_users, _where(ws, mount),
                                               {os.getpid()})
         if users:
             next_scan = time.monotonic() + USERS_CHECK
@@ -632,7 +632,11 @@ def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool, record_da
     calls.on_unit_end = on_unit_end  # once ops is there: a call's end looks at its handles
     control.open_writes = ops.open_writes  # a revert asks which files are still written
     recorder.on_around = ops.forget_cached
-    options = set(pyfuse3.default_options) | {f"fsname={state.FSNAME}", f"subtype={state.FSNAME}"}
+    # a source of its own (state.mount_point_of): the mount's id alone names the next mount
+    # made once it has gone, which the kernel gives the freed id (a `run` ending took another
+    # workspace's new mount for its own, moved, and lifted it; found in a test run)
+    options = set(pyfuse3.default_options) | {
+        f"fsname={state.FSNAME}:{os.urandom(8).hex()}", f"subtype={state.FSNAME}"}
     if allow_other:
         options.add("allow_other")
     said: list[str] = []
@@ -810,12 +814,11 @@ def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other
     gc.collect()
     gc.freeze()
     mounted = state.fuse_mount_at(ws)  # ours: prepare refused a path mounted already
-    mount_id = mounted["id"] if mounted else None
     tell("ready")
     os.umask(0)
     cpu0 = _cpu_seconds()
     try:
-        trio.run(_serve, control, ws, owning, mount_id)
+        trio.run(_serve, control, ws, owning, mounted)
     except BaseException:
         log.exception("serve loop failed")
         raise
@@ -823,7 +826,7 @@ def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other
         if times is not None:  # serving only: not the unmount's sealing
             _write_times(times_file, recorder, times, _cpu_seconds() - cpu0)
         try:
-            _unmount(ws, mount_id, control.detached)
+            _unmount(ws, mounted, control.detached)
             try:
                 recorder.close_record()
             except JournalError as e:  # the state dir full: the record stays open
@@ -844,12 +847,12 @@ def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other
     return 0
 
 
-def _unmount(ws: str, mount_id: int | None, detached: bool) -> None:
+def _unmount(ws: str, mount: dict | None, detached: bool) -> None:
     """End the FUSE session and lift the mount wherever it is now: libfuse unmounts the path
     it mounted, which a rename of a directory above the workspace made name nothing (the mount
     was left dead at its new path, the daemon saying "unmounted").  Detached: nothing is left
     to unmount (and a mount made anew at the path since must not be)."""
-    where = state.mount_point_of(mount_id) if mount_id is not None and not detached else None
+    where = state.mount_point_of(mount) if mount is not None and not detached else None
     if where is None or where == ws:
         pyfuse3.close(unmount=not detached)
         return

@@ -216,7 +216,7 @@ def left_behind(ws: str, sd: str, mount: dict | None) -> str | None:
     nothing is left.  A daemon still serving it (a session, a process working there) keeps it."""
     if mount is None or _running(mount.get("daemon")):
         return None
-    where = state.mount_point_of(mount["id"])
+    where = state.mount_point_of(mount)
     if where is None or where == ws:
         return None  # gone, or at its own path: lift_if_left's
     try:

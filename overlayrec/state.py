@@ -683,17 +683,20 @@ def fuse_mount_at(path: str) -> dict | None:
     return found
 
 
-def mount_point_of(mount_id: int) -> str | None:
-    """Where the overlayrec mount with this id is now (its mountpoint in /proc/self/mountinfo),
-    or None: no such mount.  A directory above a mounted workspace renamed moves the mount with
-    it; the path it was made at names nothing any more."""
+def mount_point_of(mount: dict) -> str | None:
+    """Where the overlayrec mount ``mount`` (fuse_mount_at's, taken when it was made) is now:
+    its mountpoint in /proc/self/mountinfo, found by its id and its source (the daemon makes
+    each its own), or None: no such mount.  A directory above a mounted workspace renamed moves
+    the mount with it; the path it was made at names nothing any more.  The id alone is given
+    to the next mount made once this one has gone (taken for this one, moved, and lifted)."""
+    mount_id, source = mount["id"], mount.get("source")
     try:
         with open("/proc/self/mountinfo", errors="surrogateescape") as f:
             for line in f:
                 left, _, right = line.partition(" - ")
                 lf, rf = left.split(), right.split()
-                if len(lf) >= 5 and rf and lf[0] == str(mount_id) and \
-                        rf[0] == "fuse." + FSNAME:
+                if len(lf) >= 5 and len(rf) >= 2 and lf[0] == str(mount_id) and \
+                        rf[0] == "fuse." + FSNAME and _unescape(rf[1]) == source:
                     return _unescape(lf[4])
     except OSError:
         pass

@@ -143,3 +143,26 @@ def test_a_run_lifts_the_moved_mount_its_dead_daemon_left(tmpbase):
         force_unmount(moved)
     assert not left, "the dead mount was left at the workspace's new path: " + r.stderr
     assert "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_gone_mounts_id_given_to_another_mount_is_not_taken_for_it(make_mount, tmpbase):
+    """A `run` whose daemon is gone looks for its mount by the mount's id (a directory above
+    the workspace renamed moves it) and lifts it where it finds it.  The kernel gives a freed
+    id to the next mount: another workspace's mount, made meanwhile, was taken for the run's,
+    moved, and lifted under that workspace's agent (found in a test run).  Each mount has a
+    source of its own, which must match too."""
+    from overlayrec import mounting, state
+    m = make_mount()
+    m.mount()
+    try:
+        other = state.fuse_mount_at(m.ws)
+        assert other["source"].startswith("overlayrec:"), other
+        gone = {"id": other["id"], "source": "overlayrec:0123456789abcdef", "daemon": None}
+        elsewhere = os.path.join(tmpbase, "gone-ws")
+        os.mkdir(elsewhere)
+        assert state.mount_point_of(gone) is None
+        assert mounting.left_behind(elsewhere, m.state, gone) is None
+        assert is_mounted(m.ws)
+        assert state.mount_point_of(other) == m.ws
+    finally:
+        m.umount()
