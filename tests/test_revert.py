@@ -1869,6 +1869,23 @@ def test_path_on_one_side_of_a_rename_says_what_it_does_not_put_back(make_mount,
     assert os.listdir(os.path.join(m.ws, "proj")) == ["f"]
 
 
+def test_what_a_rename_did_not_bring_is_no_pair_of_it(make_mount, tmp_path):
+    """As above, with a file made in proj2 after the rename: it was named as having come from
+    proj/c (`moved_from_outside`), which never existed, and counted in the warning (found by a
+    bug hunt)."""
+    m = setup_ws(make_mount, tmp_path, {"proj/a": b"a\n", "proj/sub/b": b"b\n"})
+    m.mount()
+    try:
+        run_call(m, tmp_path, "mv proj proj2; echo c > proj2/c")
+        r = overlayrec("revert", m.ws, "--call", "c1", "--path", "proj2", "--json")
+        pairs = json.loads(r.stdout)["moved_from_outside"]
+        assert sorted(map(tuple, pairs)) == [("proj", "proj2"), ("proj/a", "proj2/a"),
+                                             ("proj/sub", "proj2/sub"),
+                                             ("proj/sub/b", "proj2/sub/b")], pairs
+    finally:
+        m.umount()
+
+
 def test_a_pair_unreverted_newest_last_is_one_file_again(make_mount, tmp_path):
     """`echo h > h` by one call, `ln h c` by the next; both reverted, newest first, then both
     unreverted: h comes back as a new inode, and c came back as a copy of it (two files, exit
@@ -2102,5 +2119,26 @@ def test_an_unrevert_links_no_file_that_took_a_removed_inodes_number(make_mount,
         overlayrec("unrevert", "-w", m.ws, rid, "--yes")
         a, back = (os.stat(os.path.join(m.ws, p)) for p in ("a", "proj2/a"))
         assert a.st_ino != back.st_ino and a.st_nlink == back.st_nlink == 1, (a, back)
+    finally:
+        m.umount()
+
+
+def test_a_chmod_of_a_linked_file_is_reverted_in_place_its_times_kept(make_mount, tmp_path):
+    """A revert of `chmod 600 a`, a having a second name: the group's content was written
+    again into its inode (a truncate and a write: its mtime the revert's, and not atomic),
+    where a file of one name gets its mode back alone (found by a bug hunt)."""
+    m = setup_ws(make_mount, tmp_path, {"a": b"hello\n"})
+    os.link(os.path.join(m.ws, "a"), os.path.join(m.ws, "alink"))
+    os.utime(os.path.join(m.ws, "a"), ns=(1577836800 * 10**9, 1577836800 * 10**9))
+    before = os.stat(os.path.join(m.ws, "a"))
+    m.mount()
+    try:
+        run_call(m, tmp_path, "chmod 600 a")
+        overlayrec("revert", m.ws, "--call", "c1", "--yes")
+        now = os.stat(os.path.join(m.ws, "a"))
+        assert (now.st_ino, now.st_nlink, stat.S_IMODE(now.st_mode), now.st_mtime_ns) == \
+            (before.st_ino, 2, 0o644, before.st_mtime_ns), now
+        ops = [line.split()[5] for line in overlayrec("log", m.ws).stdout.splitlines()]
+        assert "truncate" not in ops and "write" not in ops, ops
     finally:
         m.umount()

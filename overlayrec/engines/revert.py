@@ -318,7 +318,7 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
             made_dirs.add(p)
     if keep:
         _moved_from_outside(plan, [e for e in evs if e["seq"] in selected and
-                                   e["op"] == "rename" and e.get("path2")], keep)
+                                   e["op"] == "rename" and e.get("path2")], keep, states)
     _keep_git_objects(plan, spans, others, states)
     for step in plan.steps:
         # a directory the plan moves, makes or removes whose entries could not be listed: what
@@ -699,11 +699,13 @@ def _rewrite(plan: Plan, accepted: list, held: dict, states: States, live: Tree,
     plan.steps = sorted(out, key=lambda s: s.path.split("/"))
 
 
-def _moved_from_outside(plan: Plan, renames: list[dict], keep) -> None:
+def _moved_from_outside(plan: Plan, renames: list[dict], keep, states: States) -> None:
     """``--path`` takes one side of a rename: the steps that remove what a rename of the
     selection brought under the pattern from a name outside it (`mv proj proj2`, reverted
     with `--path proj2`) put nothing back there, and the files left the tree, said by
-    nothing (found by a hunt).  Named in ``moved_from_outside``."""
+    nothing (found by a hunt).  Named in ``moved_from_outside``: what the old name held just
+    before the rename (a file made there after it came by no rename: it was named too, a
+    hunt found)."""
     for s in plan.steps:
         if s.target.present:
             continue
@@ -711,7 +713,7 @@ def _moved_from_outside(plan: Plan, renames: list[dict], keep) -> None:
             src, dst = r["path"], r["path2"]
             if s.path == dst or s.path.startswith(dst + "/"):
                 old = src + s.path[len(dst):]
-                if not keep(old):
+                if not keep(old) and states.state(old, r["seq"] - 1).present:
                     plan.moved_from_outside.append((old, s.path))
                 break
 
@@ -1728,9 +1730,32 @@ def _write_in_place(dfd: int, name: str, t: State) -> str | None:
         return None
     if not _in_live_group(st, t):
         return None
+    if _holds_content(dfd, name, t, st):
+        # its content as the target's (a chmod, a chown of the group): only its mode and
+        # owner are set, its content and times kept (it was written again: a truncate and
+        # a write, its mtime the revert's; found by a bug hunt)
+        problem = set_meta(dfd, name, t)
+        return FAILED + "restored in place, but " + problem if problem else \
+            "restored in place (mode and owner, hard-link group)"
     # swapped meanwhile: written the usual way; a read-only file: replaced whole (the group
     # is not kept)
     return _write_into(dfd, name, t, lambda now: now.st_ino == t.ino, "hard-link group")
+
+
+def _holds_content(dfd: int, name: str, t: State, st: os.stat_result) -> bool:
+    """Does the live regular file ``name`` (its lstat ``st``, the same inode still) hold the
+    target's content?"""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     dir_fd=dfd)
+    except OSError:
+        return False
+    try:
+        now = os.fstat(fd)
+        return stat.S_ISREG(now.st_mode) and now.st_ino == st.st_ino and \
+            same_as_fd(fd, t.data, now.st_size)
+    finally:
+        os.close(fd)
 
 
 def _overwrite(dfd: int, name: str, t: State) -> str | None:
