@@ -2186,8 +2186,11 @@ def show(seq, workspace, state_dir, as_json):
     click.echo(f"  time:    {_fmt_time(ev['t'])}")
     click.echo(f"  unit:    {unit_shown(ev.get('unit'))}" + (" (after its call ended)"
                                                         if ev.get("after_end") else ""))
-    click.echo(f"  process: {actor.get('pid')} {' '.join(actor.get('argv') or [])}")
-    click.echo(f"  cwd:     {actor.get('cwd')}")
+    # (escaped: a name the process was given, with an escape sequence or a newline, reached
+    # the terminal raw and broke the row; found by a bug hunt)
+    from .views import one_line
+    click.echo(f"  process: {actor.get('pid')} {one_line(' '.join(actor.get('argv') or []))}")
+    click.echo(f"  cwd:     {one_line(str(actor.get('cwd')))}")
     for k in ("pre", "pre2"):
         if ev.get(k):
             click.echo(f"  {k}:{' ' * (7 - len(k))}{json.dumps(ev[k])}")

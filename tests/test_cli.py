@@ -1465,3 +1465,20 @@ def test_a_git_store_that_cannot_be_made_is_one_line_for_show_too(make_mount):
         r = overlayrec(*args, check=False)
         assert r.returncode == 1 and r.stderr.startswith("overlayrec: error: git init failed")\
             and "internal error" not in r.stderr and len(r.stderr.splitlines()) == 1, (args, r)
+
+
+@needs_fuse
+def test_show_escapes_the_command_line_and_cwd_it_prints(make_mount):
+    """`show`'s process and cwd lines printed a command line as given: a name with a newline
+    or an escape sequence broke the row (and on a terminal sent the escape), where `log`,
+    `calls` and `blame` escape it (found by a bug hunt)."""
+    m = make_mount()
+    m.mount()
+    m.sh("touch \"$(printf 'x\\033[31mred\\nnl')\"")
+    m.umount()
+    seq = next(line.split()[0] for line in overlayrec("log", m.ws).stdout.splitlines()
+               if " create " in line)
+    out = overlayrec("show", "-w", m.ws, seq).stdout
+    process = [line for line in out.splitlines() if line.startswith("  process:")]
+    assert len(process) == 1 and process[0].endswith("x\\033[31mred\\nnl"), out
+    assert "\x1b" not in out and "\nnl" not in out, out

@@ -219,6 +219,12 @@ def test_a_remote_git_refuses_is_one_line(tmp_path):
     before = sorted(os.listdir(recs))
     assert overlayrec("fetch", missing, "--into", str(recs), check=False).returncode == 1
     assert sorted(os.listdir(recs)) == before
+    # an empty directory given is left empty again (a bare repository was left in it: found
+    # by a bug hunt), as git clone leaves it
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert overlayrec("fetch", missing, "--into", str(empty), check=False).returncode == 1
+    assert os.listdir(empty) == []
 
 
 ODD_IDS = ["a b", "x:y", "x..y", "x.lock", "../../up", "t~1^2", "-dash", "q?*[", "\u00e9t\u00e9",
@@ -342,3 +348,20 @@ def test_a_file_past_the_patch_limit_is_left_out_of_the_records_diff_too(make_mo
                                  *sel, *fmt, env=env)
             assert "big.bin" in origin.stderr and "big.bin" not in origin.stdout, origin
             assert fetched.stdout == origin.stdout, (sel, fmt, fetched.stdout[:300])
+
+
+def test_an_origin_name_git_would_refuse_is_refused_first(tmp_path):
+    """`--origin a..b` passed the check and the export then failed in git's push ("invalid
+    refspec"); a workspace whose name held `..` made a default origin git refuses the same way
+    (found by a bug hunt).  Refused in one line before anything is exported."""
+    from overlayrec.engines.gitdiff import GitError
+    from overlayrec.engines.travel import origin_name
+    state = str(tmp_path / "none.json")
+    for bad in ("a..b", "a/b", "x.lock", "..", "-x"):
+        with pytest.raises(GitError, match="use letters"):
+            origin_name(state, str(tmp_path), bad)
+    assert origin_name(state, str(tmp_path), "ci-runner.7") == "ci-runner.7"
+    made = origin_name(state, str(tmp_path / "a..b"))
+    assert ".." not in made and "a.b" in made, made
+    check = subprocess.run(["git", "check-ref-format", f"refs/overlayrec/origins/{made}/x"])
+    assert check.returncode == 0, made

@@ -32,7 +32,7 @@ _BEFORE_LOOKS = 200  # files of a call whose before side ``Records.inexact`` loo
 
 
 def _clean(s: str) -> str:
-    s = re.sub(r"[^A-Za-z0-9._-]+", "_", s).strip("._-")
+    s = re.sub(r"\.\.+", ".", re.sub(r"[^A-Za-z0-9._-]+", "_", s)).strip("._-")
     return s or "x"
 
 
@@ -40,8 +40,11 @@ def origin_name(state_file: str, workspace: str, given: str | None = None) -> st
     """This workspace's origin: ``given``, or the one kept in ``state_file``, else a new one
     (``<host>-<workspace basename>-<8 random hex digits>``)."""
     if given:
-        if _clean(given) != given or given.endswith(".lock"):
-            raise GitError(f"origin {given!r}: use letters, digits, '.', '_' and '-' only")
+        # (and what git refuses in a ref's name: `..`, a name ending in `.lock`; `a..b` went
+        # through and failed in git's push: found by a bug hunt)
+        if _clean(given) != given or given.endswith(".lock") or ".." in given:
+            raise GitError(f"origin {given!r}: use letters, digits, '.', '_' and '-' only, "
+                           "no '..'")
         return given
     try:
         with open(state_file) as f:
@@ -147,13 +150,24 @@ def fetch(remote: str, into: str, private: bool = False) -> dict:
     if private:
         from ..state import tighten_tree
         tighten_tree(into)
-    made = not os.path.lexists(into)  # taken away again when the fetch fails, as git clone does
+    # taken away again when the fetch fails, as git clone does: the directory, or what was
+    # made in it when it was there and empty (a bare repository was left in it: a bug hunt)
+    made = not os.path.lexists(into)
+    empty = not made and os.path.isdir(into) and not os.path.islink(into) and \
+        not os.listdir(into)
     try:
         return _fetch(remote, into, umask)
     except BaseException:
+        import shutil
         if made and os.path.isdir(into) and not os.path.islink(into):
-            import shutil
             shutil.rmtree(into, ignore_errors=True)
+        elif empty and not os.path.islink(into):
+            for name in os.listdir(into):
+                p = os.path.join(into, name)
+                if os.path.isdir(p) and not os.path.islink(p):
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    os.unlink(p)
         raise
 
 
