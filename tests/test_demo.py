@@ -48,10 +48,12 @@ def test_demo_tells_the_whole_story(tmpbase):
     # the revert said what it reverted, and the unrevert put turn 2 back
     reverted = out.split("$ overlayrec revert --turn 2 --yes", 1)[1]
     reverted, unreverted = reverted.split("$ overlayrec unrevert --yes", 1)
-    assert "  create   NOTES.md" in reverted and "  delete   testsuite/test_app.py" in reverted
+    # (the rename is renamed back: one step, docs/revert.md)
+    assert "  create   NOTES.md" in reverted and "  rename   tests (from testsuite)" in reverted
     assert re.search(r"^reverted \d+ path\(s\) as revert \S+$", reverted, re.M)
     assert "$ ls -F\nNOTES.md\nTODO.md\nsrc/\ntests/\ntools/\n" in reverted
-    assert "  delete   NOTES.md" in unreverted and "  create   testsuite/test_app.py" in unreverted
+    assert "  delete   NOTES.md" in unreverted and \
+        "  rename   testsuite (from tests)" in unreverted, unreverted
     assert "$ ls -F\nTODO.md\nsrc/\ntestsuite/\ntools/\n" in unreverted
     page = re.search(r"^report: file://(\S+)$", out, re.M)
     assert page and os.path.getsize(page.group(1)) > 10_000
