@@ -1757,20 +1757,27 @@ def _unsealed_at_end(ws: str, sd: str) -> str | None:
     None when it was sealed, or a daemon serves the workspace again.  The daemon logs a seal
     refused at unmount and exits; its meta ``sealed`` says so to this command (a `run` exited
     0 and said nothing, found by a bug hunt)."""
-    from .mounting import wait_previous
+    from .mounting import wait_previous, mounting_now
     if state.fuse_mount_at(ws) or state.verify_daemon(state.daemon_info(sd), sd)[0]:
         return None
     if not wait_previous(sd, 0):
         return None  # still ending (a detached mount it serves a while): it seals then
-    try:
-        j = Journal(sd, readonly=True)
-    except JournalError:
-        return None
-    try:
-        if not left_unsealed(j):
+    # a `run` starting now holds the mount lock until its mount is served; its daemon marks
+    # the record unsealed as it opens it, before it mounts (this run said its own daemon had
+    # died unsealed: found under load)
+    with mounting_now(sd, 30.0) as free:
+        if not free or state.fuse_mount_at(ws) or \
+                state.verify_daemon(state.daemon_info(sd), sd)[0]:
             return None
-    finally:
-        j.close()
+        try:
+            j = Journal(sd, readonly=True)
+        except JournalError:
+            return None
+        try:
+            if not left_unsealed(j):
+                return None
+        finally:
+            j.close()
     try:
         st = os.statvfs(sd)
         full = st.f_bavail * st.f_frsize < 1 << 20

@@ -278,6 +278,32 @@ MOUNT_LOCK = "mount.lock"
 
 
 @contextlib.contextmanager
+def mounting_now(sd: str, timeout: float):
+    """The mount lock (one_mounter's), waited for at most ``timeout`` seconds: yields whether
+    it was taken (no command between its look and its mount being served, then)."""
+    import fcntl
+    try:
+        fd = os.open(os.path.join(sd, MOUNT_LOCK), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        yield True  # (no lock file: nothing ever mounted by this state dir)
+        return
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    yield False
+                    return
+                time.sleep(0.05)
+        yield True
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
 def one_mounter(sd: str):
     """Held by a command from its look at whether the workspace is mounted to its mount being
     served: another one (two `run`s started together) waits, then finds the mount and joins
