@@ -201,7 +201,7 @@ def held_open(j, plan: Plan, writing: list[dict] | None, live: Tree) -> list[dic
     descriptors, as Calls.processes gives them (with the descriptor's unit), for
     still_running.  Nothing changes when the daemon cannot say (``writing`` None)."""
     import stat
-    from .engines.revert import selected_units
+    from .engines.revert import _up, selected_units
     if not writing or not plan.steps:
         return []
     units = selected_units(j, **plan.selection)[0]
@@ -210,12 +210,21 @@ def held_open(j, plan: Plan, writing: list[dict] | None, live: Tree) -> list[dic
         return []
     by_path = {w["path"] for w in mine}
     by_ino = {w["ino"] for w in mine}
+    # a path beneath a directory a rename back brings is written where that directory is now
+    # (a background writer's late write to e/a, `mv d e` renamed back and d/a written: the
+    # write was lost, exit 0; found by a bug hunt)
+    back = {m.path: m.moved_from for m in plan.steps if m.moved_from is not None}
+
+    def now_at(p: str) -> str:
+        u = next((u for u in _up(p) if u in back), None)
+        return p if u is None else back[u] + p[len(u):]
     for s in plan.steps:
         if s.conflict:
             continue
-        held = s.path in by_path or s.moved_from in by_path  # (a rename back's object)
+        name = now_at(s.path) if back else s.path
+        held = name in by_path or s.moved_from in by_path  # (a rename back's object)
         if not held and s.expected.kind == "file":  # (another kind: a conflict already)
-            st = live.lstat(s.path)
+            st = live.lstat(name)
             held = st is not None and stat.S_ISREG(st.st_mode) and st.st_ino in by_ino
         if held:
             s.conflict, s.note = "unrecorded", STILL_WRITING

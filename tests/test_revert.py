@@ -5,6 +5,7 @@ import contextlib
 import json
 import os
 import stat
+import shutil
 import signal
 import subprocess
 import sys
@@ -2142,3 +2143,68 @@ def test_a_chmod_of_a_linked_file_is_reverted_in_place_its_times_kept(make_mount
         assert "truncate" not in ops and "write" not in ops, ops
     finally:
         m.umount()
+
+
+def test_a_file_of_one_name_renamed_away_comes_back_unlinked(make_mount, tmp_path):
+    """`mv a b`, reverted with `--path a`: a came back as a second name of b's inode (the
+    inode the rename took there), two names of a file that had one, and a write to a changed
+    b (found by a bug hunt).  It comes back a file of its own."""
+    m = setup_ws(make_mount, tmp_path, {"a": b"original\n"})
+    m.mount()
+    try:
+        run_call(m, tmp_path, "mv a b")
+        overlayrec("revert", m.ws, "--call", "c1", "--path", "a", "--yes")
+        a, b = (os.stat(os.path.join(m.ws, n)) for n in ("a", "b"))
+        assert a.st_ino != b.st_ino and a.st_nlink == b.st_nlink == 1, (a, b)
+        assert open(os.path.join(m.ws, "a")).read() == "original\n"
+    finally:
+        m.umount()
+
+
+def test_a_path_written_in_a_directory_renamed_back_is_still_being_written(make_mount,
+                                                                            tmp_path):
+    """`mv d e`, an append to e/a, and a background writer holding e/a open: the revert
+    renamed d back and rewrote d/a, exit 0, and the writer's next write went to the replaced
+    file (found by a bug hunt); without the rename the revert is refused.  The path is
+    matched where it is written now."""
+    m = setup_ws(make_mount, tmp_path, {"d/a": b"a\n", "d/q": b"q\n"})
+    m.mount()
+    try:
+        holder = tmp_path / "held"
+        run_call(m, tmp_path, f"mv d e; echo new >> e/a; (exec 3>>e/a; touch {holder}; "
+                              "sleep 30) >/dev/null 2>&1 &")
+        deadline = time.monotonic() + 30 * SLOW
+        while not holder.exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        r = overlayrec("revert", m.ws, "--call", "c1", "--json", check=False)
+        steps = {s["path"]: s for s in json.loads(r.stdout)["steps"]}
+        assert steps["d/a"]["conflict"] == "unrecorded" and \
+            "still being written" in steps["d/a"]["note"], steps
+    finally:
+        subprocess.run(["pkill", "-f", f"touch {holder}"])
+        subprocess.run(["pkill", "-f", "sleep 30"])
+        m.umount()
+
+
+def test_path_on_the_ends_of_a_chain_of_renames_names_the_first_name(make_mount, tmp_path):
+    """`mv proj proj2; mv proj2 proj3`, reverted with `--path proj3`: the warning named
+    proj2 (never in the tree before); with `--path proj2 --path proj3` everything was removed
+    without a word; with `--path proj --path proj3` it warned though it renamed back (found by
+    a bug hunt).  The chain is followed to its first name."""
+    said = {}
+    for sel in (("proj3",), ("proj2", "proj3"), ("proj", "proj3")):
+        m = setup_ws(make_mount, tmp_path, {"proj/a": b"a\n", "proj/sub/b": b"b\n"})
+        m.mount()
+        try:
+            run_call(m, tmp_path, "mv proj proj2; mv proj2 proj3")
+            args = [x for p in sel for x in ("--path", p)]
+            r = overlayrec("revert", m.ws, "--call", "c1", *args, "--json")
+            said[sel] = sorted(map(tuple, json.loads(r.stdout)["moved_from_outside"]))
+        finally:
+            m.umount()
+            shutil.rmtree(m.ws)
+            shutil.rmtree(m.state, ignore_errors=True)
+    want = [("proj", "proj3"), ("proj/a", "proj3/a"), ("proj/sub", "proj3/sub"),
+            ("proj/sub/b", "proj3/sub/b")]
+    assert said == {("proj3",): want, ("proj2", "proj3"): want, ("proj", "proj3"): []}, said

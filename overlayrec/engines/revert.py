@@ -709,13 +709,16 @@ def _moved_from_outside(plan: Plan, renames: list[dict], keep, states: States) -
     for s in plan.steps:
         if s.target.present:
             continue
+        # followed back through a chain of them (`mv proj proj2; mv proj2 proj3`): the name
+        # before the first (the warning named proj2, never in the tree before, and said
+        # nothing when proj2 and proj3 were both named: found by a bug hunt)
+        old, first = s.path, None
         for r in reversed(renames):
             src, dst = r["path"], r["path2"]
-            if s.path == dst or s.path.startswith(dst + "/"):
-                old = src + s.path[len(dst):]
-                if not keep(old) and states.state(old, r["seq"] - 1).present:
-                    plan.moved_from_outside.append((old, s.path))
-                break
+            if old == dst or old.startswith(dst + "/"):
+                old, first = src + old[len(dst):], r["seq"]
+        if first is not None and not keep(old) and states.state(old, first - 1).present:
+            plan.moved_from_outside.append((old, s.path))
 
 
 def _way_gone(path: str, last: int, states: States, live: Tree,
@@ -987,7 +990,8 @@ def _find_partners(plan: Plan, live: Tree, by_ino, states: States,
             seed = t.but(nlink=2)  # one group with its partner (``linked``)
         for name in by_ino().get(t.ino, ()):
             if _visible(name) and live.state(name).same(t) and \
-                    (not moved or states.state(name, INF).ino == t.ino):
+                    (not moved or states.state(name, INF).ino == t.ino and
+                     _linked_since(states, name, spans[step.path][0])):
                 # (same(): chmodded since, it is a name of another group)
                 plan.partners[link_key(t)] = (name, t.ino, seed)
                 break
@@ -999,6 +1003,15 @@ def _find_partners(plan: Plan, live: Tree, by_ino, states: States,
                     _partner_remade(t, by_ino(), live, states, spans[step.path][0])
                 if found is not None:
                     plan.partners[link_key(t)] = (found[0], found[1], seed)
+
+
+def _linked_since(states: States, name: str, first: int) -> bool:
+    """Was ``name`` made a name of its inode by a link (``ln``) from event ``first`` on, not
+    only reached by renames?  A file of one name renamed away (`mv a b`, reverted with `--path
+    a`) came back linked to b, the name the rename took it to: two names of one inode, which
+    it never had, and a write to one changed the other (found by a bug hunt)."""
+    return any(e["op"] == "link" and e.get("path") == name and e["seq"] >= first
+               for e in states.events_on(name))
 
 
 def _linked_with_outside(plan: Plan, live: Tree, by_ino) -> list[tuple[int, list[str]]]:
