@@ -160,6 +160,12 @@ class ControlServer:
         self.budget_due = False   # a session ended: the budget is looked at soon
         self._gc_lock = trio.Lock()
         self.workspace = None     # set by the daemon, with ``stop``: what a release needs
+        # where the mount is now (set by the daemon once it is up): a directory above the
+        # workspace renamed moves it, and the path it was made at names nothing, or another
+        # workspace (a release looked there for the processes and mounts in it: it ended the
+        # mount under a server working in it, and took a tmpfs beneath along; a bug hunt)
+        self.where = lambda: self.workspace
+        self.source = None  # the mount's source, the daemon's own (daemon.prepare)
         self.stop = None          # ends the mount (detach: lazily first, daemon._serve)
         self.ending = False       # the mount is ending: no session begins in it any more
         self.detached = False     # the mount was detached from the workspace as it ended
@@ -261,7 +267,7 @@ class ControlServer:
         handles = self.open_writes() if self.open_writes is not None else []
         if not handles:
             return []
-        pids = state.write_holders(self.workspace, {ino: path for path, _, ino in handles},
+        pids = state.write_holders(self.where(), {ino: path for path, _, ino in handles},
                                    {os.getpid()}) if self.workspace else {}
         actors: dict[int, dict] = {}
         for pid in {p for held in pids.values() for p in held}:
@@ -300,10 +306,11 @@ class ControlServer:
         live = [s.id for s in self.calls.sessions.values() if s.ended is None]
         if live:
             return {"released": False, "sessions": live, "users": []}
-        users = state.mount_users(self.workspace, {os.getpid(), caller["pid"]})
+        where = self.where()
+        users = state.mount_users(where, {os.getpid(), caller["pid"]})
         if users:
             return {"released": False, "sessions": [], "users": users}
-        beneath = state.beneath_refusal(self.workspace)
+        beneath = state.beneath_refusal(where)
         if beneath:  # left for the user to decide (the mount stays, its daemon serves it)
             return {"released": False, "sessions": [], "users": [], "beneath": beneath}
         log.info("released by pid %d: nothing works in the mount: unmounting", caller["pid"])

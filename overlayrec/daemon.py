@@ -311,7 +311,7 @@ async def _follow_runners(control: ControlServer, ws: str, owner: dict | None,
             continue
         if any(s.ended is None for s in calls.sessions.values()):
             continue  # one began during the scan (a `run` joined)
-        if state.beneath_refusal(ws):
+        if state.beneath_refusal(_where(ws, mount)):
             # a mount made inside the workspace would go with this one (its data with a
             # tmpfs): the mount stays until the user unmounts those (overlayrec umount says)
             next_scan = time.monotonic() + USERS_CHECK
@@ -635,8 +635,9 @@ def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool, record_da
     # a source of its own (state.mount_point_of): the mount's id alone names the next mount
     # made once it has gone, which the kernel gives the freed id (a `run` ending took another
     # workspace's new mount for its own, moved, and lifted it; found in a test run)
-    options = set(pyfuse3.default_options) | {
-        f"fsname={state.FSNAME}:{os.urandom(8).hex()}", f"subtype={state.FSNAME}"}
+    control.source = f"{state.FSNAME}:{os.urandom(8).hex()}"
+    options = set(pyfuse3.default_options) | {f"fsname={control.source}",
+                                              f"subtype={state.FSNAME}"}
     if allow_other:
         options.add("allow_other")
     said: list[str] = []
@@ -770,9 +771,13 @@ def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other
     except OSError as e:
         log.warning("tidying the state dir: %s", e)
     # pid, start ticks and boot id: umount verifies them before it signals this process
+    # the mount, found by its source, its own (mounting.mount_of tells it from another's at
+    # the path): by its path, a directory above renamed as it was made found nothing, or
+    # another workspace's mount made since at the old path (its detach was ours: a hunt)
+    mine = mounted = state.mount_by_source(control.source)
     info = {**state.daemon_identity(), "workspace": ws, "state_dir": state_dir,
             "started": time.time_ns(), "durable": durable, "record_data": record_data,
-            "owner": owning}
+            "owner": owning, "source": mine["source"] if mine else None}
     try:
         state.write_private(sd.daemon_json, json.dumps(info).encode())
     except OSError as e:
@@ -813,7 +818,7 @@ def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other
     # files; docs/bench.md); its garbage goes first
     gc.collect()
     gc.freeze()
-    mounted = state.fuse_mount_at(ws)  # ours: prepare refused a path mounted already
+    control.where = lambda: _where(ws, mounted)
     tell("ready")
     os.umask(0)
     cpu0 = _cpu_seconds()

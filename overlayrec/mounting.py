@@ -163,9 +163,18 @@ def wait_released(ws: str, sd: str, timeout: float = 20.0) -> None:
 
 def mount_of(ws: str, sd: str) -> dict | None:
     """The mount at ``ws`` (state.fuse_mount_at) and the daemon daemon.json names for it then
-    (pid and start time), as lift_if_left tells it from a mount made anew."""
+    (pid and start time), as lift_if_left tells it from a mount made anew; None when what is
+    mounted there is not that daemon's (its source, which daemon.json keeps), or no daemon of
+    ``sd`` is named: a `run` whose workspace had moved (a directory above it renamed) took
+    another workspace's mount, made since at its old path, for its own and lifted it (found
+    by a bug hunt)."""
     mount = state.fuse_mount_at(ws)
-    return None if mount is None else dict(mount, daemon=_named_daemon(sd))
+    if mount is None:
+        return None
+    info = state.daemon_info(sd)
+    if not info or info.get("source") not in (None, mount["source"]):
+        return None  # (a daemon.json without a source: an older daemon's, taken as before)
+    return dict(mount, daemon=_named_daemon(sd))
 
 
 def _named_daemon(sd: str) -> tuple[int, object] | None:

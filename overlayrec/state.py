@@ -469,8 +469,15 @@ def check_state_dir(ws: str, state_dir: str) -> str:
         # its own entries (git, content, journal) would be the workspace's: a reader's bare
         # repository was made in the user's directory, and its mode taken to 0700
         raise StateError(f"state dir {state_dir} holds the workspace; put it beside it")
+    registry = os.path.dirname(registry_path(ws))
+    if is_beneath(registry, ws) or registry.startswith(ws.rstrip("/") + "/"):
+        # the daemon writes its entry there once mounted, through its own mount, before it
+        # serves: it hung, and the mount was left dead (a home directory as the workspace;
+        # found by a bug hunt)
+        raise StateError(f"the registry of mounts ({registry}, under XDG_STATE_HOME) is "
+                         "inside the workspace; set XDG_STATE_HOME outside it")
     check_state_dir_private(sd)
-    check_private(os.path.dirname(registry_path(ws)), "registry dir")
+    check_private(registry, "registry dir")
     return sd
 
 
@@ -681,6 +688,26 @@ def fuse_mount_at(path: str) -> dict | None:
     except OSError:
         return None
     return found
+
+
+def mount_by_source(source: str) -> dict | None:
+    """The overlayrec mount whose source is ``source`` (a daemon's own, daemon.prepare), as
+    fuse_mount_at gives one, wherever it is now; None: not mounted."""
+    try:
+        with open("/proc/self/mountinfo", errors="surrogateescape") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                lf, rf = left.split(), right.split()
+                if len(lf) >= 5 and len(rf) >= 2 and rf[0] == "fuse." + FSNAME and \
+                        _unescape(rf[1]) == source:
+                    opts = dict(o.partition("=")[::2] for o in
+                                (rf[2] if len(rf) > 2 else "").split(","))
+                    owner = opts.get("user_id", "")
+                    return {"fstype": rf[0], "source": source,
+                            "uid": int(owner) if owner.isdigit() else None, "id": int(lf[0])}
+    except OSError:
+        pass
+    return None
 
 
 def mount_point_of(mount: dict) -> str | None:

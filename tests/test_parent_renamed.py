@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -166,3 +167,66 @@ def test_a_gone_mounts_id_given_to_another_mount_is_not_taken_for_it(make_mount,
         assert state.mount_point_of(other) == m.ws
     finally:
         m.umount()
+
+
+def test_a_moved_runs_end_leaves_a_mount_made_since_at_its_old_path_alone(tmpbase):
+    """The parent renamed while a run goes on, and another workspace mounted since at the old
+    path (its own state dir): the run's end took that mount, found at its path, for its own
+    and lifted it (the other workspace's changes went unrecorded); the daemon also looked its
+    own mount up by path as the rename came (found by a bug hunt).  Each is known by its
+    source."""
+    ws, sd, moved = _workspace(tmpbase)
+    p, q = os.path.dirname(ws), os.path.join(tmpbase, "q")
+    sd2 = os.path.join(tmpbase, "st2")
+    try:
+        overlayrec("run", "-w", ws, "--state-dir", sd, "--", "sh", "-c",
+                   f"echo b > b; mv {p} {q}; mkdir -p {ws}; cd /; "
+                   f"{sys.executable} -m overlayrec mount {ws} --state-dir {sd2} >/dev/null",
+                   cwd=ws)
+        assert is_mounted(ws), "the other workspace's mount was lifted"
+        with open(os.path.join(ws, "f"), "w") as f:
+            f.write("two\n")
+        assert "f" in _paths(sd2)
+        assert not is_mounted(moved)
+    finally:
+        if is_mounted(ws):
+            overlayrec("umount", ws, check=False)
+        force_unmount(ws)
+        force_unmount(moved)
+
+
+def test_a_moved_runs_release_sees_a_mount_beneath_it_where_it_is(tmpbase):
+    """The parent renamed, then a tmpfs mounted inside the workspace: the run's release
+    looked for mounts beneath the path it was made at, found none, and the lazy unmount took
+    the tmpfs along, its files gone (found by a bug hunt).  It looks where the mount is."""
+    ws, sd, moved = _workspace(tmpbase)
+    q = os.path.join(tmpbase, "q")
+    cache = os.path.join(moved, "cache")
+    try:
+        r = overlayrec("run", "-w", ws, "--state-dir", sd, "--", "sh", "-c",
+                       f"mkdir cache; mv {os.path.dirname(ws)} {q}; "
+                       f"mount -t tmpfs -o size=1m none {cache} && echo precious > {cache}/keep",
+                       cwd=ws, check=False)
+        assert r.returncode == 1 and "cache" in r.stderr, r.stderr
+        assert is_mounted(moved) and open(os.path.join(cache, "keep")).read() == "precious\n"
+    finally:
+        subprocess.run(["umount", cache], capture_output=True)
+        force_unmount(moved)
+        _wait_daemon_gone(sd)
+
+
+def test_a_workspace_holding_the_registry_is_refused(tmpbase):
+    """A workspace that holds $XDG_STATE_HOME (a home directory), mounted with a state dir
+    outside it: the daemon wrote its registry entry through its own mount before serving, hung,
+    and the mount was left dead after 30 s (found by a bug hunt).  Refused in one line."""
+    ws = os.path.join(tmpbase, "home")
+    os.makedirs(os.path.join(ws, ".local", "state"))
+    env = dict(os.environ, XDG_STATE_HOME=os.path.join(ws, ".local", "state"))
+    r = overlayrec("mount", ws, "--state-dir", os.path.join(tmpbase, "sd"), env=env,
+                   check=False)
+    try:
+        assert r.returncode == 1 and "registry" in r.stderr and \
+            len(r.stderr.splitlines()) == 1, r.stderr
+        assert not is_mounted(ws)
+    finally:
+        force_unmount(ws)
