@@ -2278,6 +2278,8 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
             # a descriptor of what it undoes still open for writing (a background process
             # the call left, after the `run` ended): its path refused, its holder named
             holders = reverts.held_open(src.j, plan, reverts.open_writes(sd), src.live)
+            if force:  # what lies beneath a directory it leaves, its way blocked
+                reverts.blocked_beneath_conflicts(plan, src.live)
             running = reverts.still_running(src.j, plan, _call_processes(sd) + holders,
                                             _ancestors(os.getpid()))
         preview = reverts.preview(plan)

@@ -21,7 +21,8 @@ import time
 from . import client, state
 from .engines import large
 from .engines.revert import KEPT, KEPT_CHANGED, PARTLY, STILL_WRITING, DirMode, Opening, Plan, \
-    apply_step, bytes_written, changed_since, clear_stale_temps, failed, make_plan, moved_in, \
+    apply_step, blocked_beneath_conflicts, bytes_written, changed_since, clear_stale_temps, \
+    failed, make_plan, moved_in, \
     order, plan_from_json, plan_to_json, recheck, unmet, ways
 from .engines.states import UNREACHED_NOTE, Tree
 

@@ -329,7 +329,6 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
     _holding_others(plan, live)
     _beneath_a_non_directory(plan)
     _moves_back(plan, states, live, evs, selected, spans, unrecorded)
-    _blocked_beneath_conflicts(plan, live)
     _kept_directories(plan, live)
     names: list[set[str]] = []
 
@@ -376,12 +375,12 @@ def _kept_directories(plan: Plan, live: Tree) -> None:
             s.note = KEEPS_OTHERS
 
 
-def _blocked_beneath_conflicts(plan: Plan, live: Tree) -> None:
-    """A path whose way is blocked now (a file or a symlink where a directory was) by a
-    directory the plan would make but cannot (its step a conflict: the user's file there) is
-    an escape too: the plan was refused at the directory, but `--force`, which leaves the
-    directory alone, then stopped half way at the path beneath it, and its preview said
-    nothing of it (found by a bug hunt)."""
+def blocked_beneath_conflicts(plan: Plan, live: Tree) -> None:
+    """For `--force`: a path whose way is blocked now (a file or a symlink where a directory
+    was) by a directory the plan would make but cannot (its step a conflict: the user's file
+    there) is an escape too.  Without --force the plan is refused at the directory (the
+    history model's conflicts); `--force`, which leaves the directory alone, stopped half way
+    at the path beneath it, and its preview said nothing of it (found by a bug hunt)."""
     blocked = {s.path for s in plan.steps if s.conflict and s.target.kind == "dir"}
     if not blocked:
         return
