@@ -1603,7 +1603,7 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
     unsealed = left = None
     beneath = False
     if mounted_here:
-        beneath = _release_mount(ws, sd)
+        beneath = _release_mount(ws, sd, made)
         if not beneath:  # (left mounted on purpose: no mount left behind)
             from .mounting import left_behind
             left = left_behind(ws, sd, made)
@@ -1715,7 +1715,7 @@ def _call_processes(sd: str) -> list[dict]:
         return []
 
 
-def _release_mount(ws: str, sd: str) -> bool:
+def _release_mount(ws: str, sd: str, made: dict | None = None) -> bool:
     """Unmount a mount this command made for itself, unless something works in it: a session
     live (a `run` that joined it), or a process the agent left working in the workspace (a
     server, a watcher: every operation of theirs would fail, ENOTCONN), which the daemon waits
@@ -1736,7 +1736,7 @@ def _release_mount(ws: str, sd: str) -> bool:
         if not wait_previous(sd, 1.0):
             click.echo("overlayrec: a process came to the workspace as its mount ended: the "
                        "daemon serves it for up to 10 s more before this command exits", err=True)
-        wait_released(ws, sd)
+        wait_released(ws, sd, made=made)
     elif out.get("beneath"):
         click.echo(f"overlayrec: error: leaving {ws} mounted: {out['beneath']}", err=True)
         return True

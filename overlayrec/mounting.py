@@ -153,10 +153,14 @@ def wait_previous(sd: str, timeout: float = 30.0) -> bool:
     return not _running(named)
 
 
-def wait_released(ws: str, sd: str, timeout: float = 20.0) -> None:
+def wait_released(ws: str, sd: str, timeout: float = 20.0, made: dict | None = None) -> None:
     """Wait for a daemon that is ending its mount (released, or stopped by another command)
-    to be gone, and lift the mount if it stays (a hung daemon's)."""
+    to be gone, and lift the mount if it stays (a hung daemon's).  ``made``: the mount as
+    this command made it (mount_of then): a mount at ``ws`` of another source is not it (a
+    workspace moved, another mounted since at its old path: a `run`'s end lifted it)."""
     mount = mount_of(ws, sd)
+    if mount is not None and made is not None and mount["source"] != made["source"]:
+        mount = None
     wait_previous(sd, timeout)
     lift_if_left(ws, sd, mount)
 
@@ -164,16 +168,16 @@ def wait_released(ws: str, sd: str, timeout: float = 20.0) -> None:
 def mount_of(ws: str, sd: str) -> dict | None:
     """The mount at ``ws`` (state.fuse_mount_at) and the daemon daemon.json names for it then
     (pid and start time), as lift_if_left tells it from a mount made anew; None when what is
-    mounted there is not that daemon's (its source, which daemon.json keeps), or no daemon of
-    ``sd`` is named: a `run` whose workspace had moved (a directory above it renamed) took
-    another workspace's mount, made since at its old path, for its own and lifted it (found
-    by a bug hunt)."""
+    mounted there is not that daemon's (its source, which daemon.json keeps): a `run` whose
+    workspace had moved (a directory above it renamed) took another workspace's mount, made
+    since at its old path, for its own and lifted it (found by a bug hunt; once daemon.json is
+    gone, wait_released compares with the mount the command made)."""
     mount = state.fuse_mount_at(ws)
     if mount is None:
         return None
-    info = state.daemon_info(sd)
-    if not info or info.get("source") not in (None, mount["source"]):
-        return None  # (a daemon.json without a source: an older daemon's, taken as before)
+    info = state.daemon_info(sd) or {}
+    if info.get("source") not in (None, mount["source"]):
+        return None  # (none, or without a source: not written yet, or an older daemon's)
     return dict(mount, daemon=_named_daemon(sd))
 
 
