@@ -1742,7 +1742,7 @@ def _write_in_place(dfd: int, name: str, t: State) -> str | None:
         return None
     if not _in_live_group(st, t):
         return None
-    if _holds_content(dfd, name, t, st):
+    if _holds_content(dfd, name, t, lambda now: now.st_ino == st.st_ino):
         # its content as the target's (a chmod, a chown of the group): only its mode and
         # owner are set, its content and times kept (it was written again: a truncate and
         # a write, its mtime the revert's; found by a bug hunt)
@@ -1754,9 +1754,9 @@ def _write_in_place(dfd: int, name: str, t: State) -> str | None:
     return _write_into(dfd, name, t, lambda now: now.st_ino == t.ino, "hard-link group")
 
 
-def _holds_content(dfd: int, name: str, t: State, st: os.stat_result) -> bool:
-    """Does the live regular file ``name`` (its lstat ``st``, the same inode still) hold the
-    target's content?"""
+def _holds_content(dfd: int, name: str, t: State, fits) -> bool:
+    """Does the live regular file ``name``, where ``fits(its fstat)``, hold the target's
+    content?"""
     try:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
                      dir_fd=dfd)
@@ -1764,8 +1764,7 @@ def _holds_content(dfd: int, name: str, t: State, st: os.stat_result) -> bool:
         return False
     try:
         now = os.fstat(fd)
-        return stat.S_ISREG(now.st_mode) and now.st_ino == st.st_ino and \
-            same_as_fd(fd, t.data, now.st_size)
+        return stat.S_ISREG(now.st_mode) and fits(now) and same_as_fd(fd, t.data, now.st_size)
     finally:
         os.close(fd)
 
@@ -1842,18 +1841,8 @@ def _meta_in_place(dfd: int, name: str, t: State) -> str | None:
     owner are set on the live file, whose content, inode, links and attributes stay, where it
     holds the target's content, unlinked.  No temporary file: a directory left read-only does
     not stop it.  None: not this case."""
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                     dir_fd=dfd)
-    except OSError:
+    if not _holds_content(dfd, name, t, lambda now: now.st_nlink == 1):
         return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or \
-                not same_as_fd(fd, t.data, st.st_size):
-            return None
-    finally:
-        os.close(fd)
     problem = set_meta(dfd, name, t)
     return FAILED + "restored in place, but " + problem if problem else \
         "restored in place (mode and owner)"
