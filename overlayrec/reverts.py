@@ -20,10 +20,11 @@ import time
 
 from . import client, state
 from .engines import large
-from .engines.revert import KEPT, KEPT_CHANGED, PARTLY, STILL_WRITING, DirMode, Opening, Plan, \
-    apply_step, blocked_beneath_conflicts, bytes_written, changed_since, clear_stale_temps, \
-    failed, make_plan, moved_in, \
-    order, plan_from_json, plan_to_json, recheck, unmet, ways
+from .engines.revert import blocked_beneath_conflicts, make_plan
+from .engines.revert_apply import (apply_step, bytes_written, changed_since, clear_stale_temps,
+                                   moved_in, order, recheck, unmet, ways)
+from .engines.revert_steps import (KEPT, KEPT_CHANGED, PARTLY, STILL_WRITING, DirMode, Opening,
+                                   Plan, failed, plan_from_json, plan_to_json)
 from .engines.states import UNREACHED_NOTE, Tree
 
 
@@ -202,7 +203,8 @@ def held_open(j, plan: Plan, writing: list[dict] | None, live: Tree) -> list[dic
     descriptors, as Calls.processes gives them (with the descriptor's unit), for
     still_running.  Nothing changes when the daemon cannot say (``writing`` None)."""
     import stat
-    from .engines.revert import _up, selected_units
+    from .engines.revert import selected_units
+    from .engines.revert_steps import up
     if not writing or not plan.steps:
         return []
     units = selected_units(j, **plan.selection)[0]
@@ -217,7 +219,7 @@ def held_open(j, plan: Plan, writing: list[dict] | None, live: Tree) -> list[dic
     back = {m.path: m.moved_from for m in plan.steps if m.moved_from is not None}
 
     def now_at(p: str) -> str:
-        u = next((u for u in _up(p) if u in back), None)
+        u = next((u for u in up(p) if u in back), None)
         return p if u is None else back[u] + p[len(u):]
     for s in plan.steps:
         if s.conflict:
@@ -365,7 +367,7 @@ def attic_droppable(under_fd: int) -> int:
 
 def check_room(ws: str, plan: Plan, under_fd: int) -> None:
     """RevertError, before anything is changed, when the workspace's filesystem has no room
-    for what the revert writes at its peak (engines.revert.bytes_written), counting what the
+    for what the revert writes at its peak (engines.revert_apply.bytes_written), counting what the
     mount may free by dropping attic entries: a revert stopped half way by a full disk stays
     pending (to be continued or rolled back), where one refused here changes nothing."""
     from .recorder import SMALL_PREIMAGE

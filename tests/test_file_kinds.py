@@ -14,7 +14,8 @@ import pytest
 from conftest import needs_fuse, overlayrec
 from overlayrec import client
 from overlayrec.engines.replay import replay
-from overlayrec.engines.revert import Step, apply_step, order, plan_from_json, plan_to_json, Plan
+from overlayrec.engines.revert_apply import apply_step, order
+from overlayrec.engines.revert_steps import Plan, Step, plan_from_json, plan_to_json
 from overlayrec.engines.states import ABSENT, State, States, Tree
 from overlayrec.journal import Journal
 

@@ -441,7 +441,8 @@ def test_a_revert_step_stopped_by_a_full_disk_leaves_no_temp_file(tmp_path):
     """Past the room check (another writer filled the disk meanwhile), a step whose write the
     filesystem refuses removes its temp file and names the path and what to do; the revert
     stays pending, to be continued or rolled back."""
-    from overlayrec.engines.revert import Step, apply_step
+    from overlayrec.engines.revert_apply import apply_step
+    from overlayrec.engines.revert_steps import Step
     from overlayrec.engines.states import State
     with tmpfs(str(tmp_path / "small"), "2m") as small:
         with open(os.path.join(small, "big"), "wb") as f:
@@ -483,11 +484,12 @@ def test_a_replay_into_a_full_filesystem_says_so_and_leaves_nothing(make_mount, 
 
 
 def test_the_room_a_revert_takes_counts_what_small_files_it_replaces_give_back():
-    """The room check's sum (engines.revert.bytes_written): a small file replaced gives its
+    """The room check's sum (engines.revert_apply.bytes_written): a small file replaced gives its
     room back once renamed over (its pre-image is copied into the state dir), a large one does
     not (the attic keeps it); a hard-link group is written once; a file whose content stays
     (a chmod) takes nothing; the peak counts, not the sum."""
-    from overlayrec.engines.revert import Plan, Step, bytes_written
+    from overlayrec.engines.revert_apply import bytes_written
+    from overlayrec.engines.revert_steps import Plan, Step
     from overlayrec.engines.states import ABSENT, State
     k = 4096
 

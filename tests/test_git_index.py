@@ -164,7 +164,8 @@ def test_a_revert_read_back_takes_an_index_git_refreshed_meanwhile(tmp_path):
     """A revert reads back every path it wrote; an index an editor's `git status` refreshed
     in between holds what was put back (``unmet`` is None), one whose staging changed does
     not."""
-    from overlayrec.engines.revert import Step, unmet
+    from overlayrec.engines.revert_apply import unmet
+    from overlayrec.engines.revert_steps import Step
     from overlayrec.engines.states import State, Tree
     r = repo(str(tmp_path / "r"))
     put_back = index(r)

@@ -947,7 +947,8 @@ def test_symlink_escape_is_refused(make_mount, tmp_path):
     r = overlayrec("revert", m.ws, "--call", "c1", "--yes", "--force", check=False)
     assert (outside / "f").read_text() == "precious"  # never followed out
     assert os.path.islink(os.path.join(m.ws, "x"))
-    from overlayrec.engines.revert import Step, apply_step
+    from overlayrec.engines.revert_apply import apply_step
+    from overlayrec.engines.revert_steps import Step
     from overlayrec.engines.states import ABSENT, State
     fd = os.open(m.ws, os.O_PATH | os.O_DIRECTORY)
     try:
@@ -1930,7 +1931,7 @@ def test_a_set_id_bit_the_system_drops_is_said(tmp_path, monkeypatch):
     set-group-ID bit of its chmod (new files there then took the reverter's group).  Found by
     a bug hunt.  set_meta says what it could not set; the step is a failure."""
     from overlayrec import underlay
-    from overlayrec.engines.revert import set_meta
+    from overlayrec.engines.revert_apply import set_meta
     from overlayrec.engines.states import State
     d = tmp_path / "sg"
     d.mkdir()

@@ -14,7 +14,8 @@ from ..underlay import O_PATH, RENAME_EXCHANGE, Escape, chmod_fd, kind_of, resol
 from .diff import SelectionError, _visible, find_call, find_turn, session_named
 from ..secrets import PLACEHOLDER, public_in
 from ..views import guessed, shown
-from .revert import link_key, linked, make_node, set_meta, temp_name
+from .revert_apply import make_node, set_meta, temp_name
+from .revert_steps import link_key, linked
 from .large import copy_fd, write_to
 from .states import ATTIC, INF, States, State, Tree, state_of_stat
 
