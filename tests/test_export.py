@@ -1065,6 +1065,27 @@ def test_files_in_a_directory_made_unmounted_and_renamed_later_are_named_unsure(
     assert "k/old" not in rp["inexact"] and "a" not in rp["inexact"], rp
 
 
+@needs_fuse
+def test_a_directory_renamed_onto_one_moved_away_then_filled_is_exported(make_mount):
+    """One call moves b away, a onto b's name, and file c into it; the unmount seals all
+    beneath the renamed directories.  `export git` failed with KeyError 'seq': the seal a
+    reader makes up for a name beneath such a directory had none (found by a bug hunt)."""
+    m = make_mount()
+    os.makedirs(os.path.join(m.ws, "a"))
+    os.makedirs(os.path.join(m.ws, "b"))
+    with open(os.path.join(m.ws, "c"), "w") as f:
+        f.write("2\n")
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", "sh", "-c",
+               "mv b t; mv a b; mv c b/c", cwd=m.ws)
+    r = overlayrec("export", "git", m.ws, "--json")
+    out = json.loads(r.stdout)
+    assert git(out["git_dir"], "ls-tree", "-r", "--name-only",
+               "refs/overlayrec/s/base").split() == ["c"]
+    assert git(out["git_dir"], "ls-tree", "-r", "--name-only",
+               "refs/overlayrec/s/head").split() == ["b/c"]
+    assert git(out["git_dir"], "show", "refs/overlayrec/s/head:b/c") == "2\n"
+
+
 def _refs(git_dir) -> dict[str, str]:
     out = git(git_dir, "for-each-ref", "--format=%(refname) %(objectname)")
     return dict(line.split() for line in out.splitlines())

@@ -1086,7 +1086,11 @@ class States:
             return got
         if got is False:
             return None
-        return {"op": "seal", "path": d, "pre": {"kind": "absent"}}
+        # the seq of the directory's seal that said so: ``source`` answers (name, pre, seq),
+        # and `export git` failed on a seal without one (KeyError, found by a bug hunt)
+        seq = next((e["seq"] for e, _ in self._events_back(d, INF, marks=True)
+                    if e["op"] == "seal" and "beneath" in e), None)
+        return {"op": "seal", "path": d, "pre": {"kind": "absent"}, "seq": seq}
 
     def _tail(self, path: str) -> State:
         seal = self._governing_seal(path)
