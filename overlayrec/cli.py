@@ -1976,7 +1976,7 @@ def replay(workspace, at, dest, full, state_dir, as_json):
     docs/export.md for the precision inside one."""
     from .engines.diff import SelectionError
     from .engines.replay import point_time, replay as do_replay, resolve_point
-    from .views import named
+    from .views import named, shown
     from .engines.states import States
     if os.path.lexists(dest):
         if os.path.islink(dest) or not os.path.isdir(dest):
@@ -2018,7 +2018,7 @@ def replay(workspace, at, dest, full, state_dir, as_json):
     else:
         where = " (the last)" if point == j_last and point else \
             " (before the record's first event)" if point == 0 else ""
-        click.echo(f"replayed seq {point}{where} into {dest}: {out['written']} written, "
+        click.echo(f"replayed seq {point}{where} into {shown(dest)}: {out['written']} written, "
                    f"{out['removed']} removed" + (f", {len(out['inexact'])} inexact"
                                                   if out["inexact"] else ""))
         if out["not_made"]:  # kinds this caller cannot make here (a device node, say)
@@ -2075,6 +2075,10 @@ def blame(path, workspace, at, state_dir, as_json):
     except OSError:
         here = ws
     near = os.path.normpath(os.path.join(here, path))
+    if not (near + "/").startswith(ws.rstrip("/") + "/") and os.path.basename(near):
+        # reached through a symlinked directory (`blame $PWD/f` where $PWD is a symlink's):
+        # the directories resolved, the name itself not (a symlink is blamed as itself)
+        near = os.path.join(os.path.realpath(os.path.dirname(near)), os.path.basename(near))
     if workspace is None and not state.is_recorded(ws):
         # run outside any recorded workspace (`blame ws/app.py` from its parent, `blame
         # /abs/ws/app.py`): the workspace is the recorded one around the path

@@ -560,20 +560,33 @@ def workspace_glob(ws: str, glob):
         # it matched every path: a revert of the whole selection (found by a bug hunt)
         raise Refusal("--path '' names no path: give a path or a pattern (or leave --path "
                       "out for every path)")
+    from .views import shown
     if not os.path.isabs(glob):
         if ".." in glob.split("/"):
+            # `sub/../f` is f (the recorded names hold no '..'; it was refused as climbing
+            # out, which it does not, found by a bug hunt)
+            norm = os.path.normpath(glob)
+            if norm == ".":
+                return None
+            if norm != ".." and not norm.startswith("../"):
+                return norm + ("/" if glob.endswith("/") else "")
             # relative to the workspace's root, not to where the command runs: `../f` from
             # ws/sub matched nothing, silently (found by a hunt)
-            raise Refusal(f"--path {glob}: a pattern is relative to the workspace's root "
-                          "and cannot climb out of it with '..' (name it from the root, or "
-                          "give an absolute path)")
+            raise Refusal(f"--path {shown(glob)}: a pattern is relative to the workspace's "
+                          "root and cannot climb out of it with '..' (name it from the root, "
+                          "or give an absolute path)")
         return glob
-    for p in (os.path.normpath(glob), os.path.realpath(glob)):
+    norm = os.path.normpath(glob)
+    # the directories on the way resolved (a workspace reached through a symlink), the name
+    # itself not: a symlink named by its absolute path is the symlink, not what it points to
+    # (`--path $PWD/sym` reverted the file sym points to, found by a bug hunt)
+    head, tail = os.path.split(norm)
+    for p in (norm, os.path.join(os.path.realpath(head), tail) if tail else norm):
         if p == ws:
             return None
         if p.startswith(ws.rstrip("/") + "/"):
             return p[len(ws.rstrip("/")) + 1:] + ("/" if glob.endswith("/") else "")
-    raise Refusal(f"--path {glob} is outside the workspace {ws}")
+    raise Refusal(f"--path {shown(glob)} is outside the workspace {shown(ws)}")
 
 
 def diff(workspace, call_id, turn_sel, sid, since, until, drift, fmt, binary, glob, by_writer,

@@ -358,7 +358,7 @@ def session_summary(j: Journal, sid: str, net=None) -> list[str]:
         elif unit_session(unit) is None:
             who = "outside: " + writer_name(j, unit, actors)
         else:
-            who = "session " + unit_session(unit)
+            who = "session " + one_line(unit_session(unit))
         by_writer.setdefault(who, []).append(e)
 
     def count(row):
@@ -367,7 +367,7 @@ def session_summary(j: Journal, sid: str, net=None) -> list[str]:
     # the session's own: another session's files, or the user's, are on their own lines (the
     # header counted them as this session's)
     total = unit_listing(net, own)
-    lines = [f"overlayrec: session {sid}: {len(turns)} turn(s), {ncalls} call(s), "
+    lines = [f"overlayrec: session {one_line(sid)}: {len(turns)} turn(s), {ncalls} call(s), "
              f"{count(total).replace('file(s)', 'file(s) changed', 1)}"]
     for who, wevs in sorted(by_writer.items()):
         lines.append(f"  {who}: " + count(unit_listing(net, wevs)))

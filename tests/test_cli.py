@@ -1230,6 +1230,37 @@ def test_an_absolute_path_is_taken_beneath_the_workspace_or_refused(make_mount):
     for cmd in ("diff", "revert"):
         one_line_error(overlayrec(cmd, m.ws, "--since", "999", check=False),
                        "--since 999 is past the record's end")
+    # `sub/../a` stays inside: it is a (it was refused as climbing out, found by a bug hunt)
+    out = overlayrec("diff", m.ws, "--session", "s", "--path", "sub/../a", "--name-status")
+    assert out.stdout.split() == ["A", "a"], out.stdout
+    one_line_error(overlayrec("log", m.ws, "--path", "../\udcff", check=False),
+                   '--path "../\\377": a pattern is relative')
+
+
+@needs_fuse
+def test_a_symlink_named_through_a_symlinked_workspace_path_is_the_symlink(make_mount,
+                                                                          tmp_path):
+    """The workspace reached through a symlink (`/home` -> `/data/home`, a shell's $PWD
+    there): an absolute `--path` to a symlink in it named the file the symlink points to, so
+    `revert --path $PWD/sym` put back that file and left the symlink; `blame` refused the path
+    as outside the workspace (found by a bug hunt)."""
+    m = make_mount().mount()
+    with open(os.path.join(m.ws, "target"), "w") as f:
+        f.write("t\n")
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", "sh", "-c",
+               "ln -s target sym; echo more >> target", cwd=m.ws)
+    via = tmp_path / "via"
+    via.symlink_to(m.ws)
+    sym = str(via / "sym")
+    out = overlayrec("diff", m.ws, "--session", "s", "--path", sym, "--name-status").stdout
+    assert out.split() == ["A", "sym"], out
+    assert [l.split()[-2:] for l in overlayrec("log", m.ws, "--path", sym).stdout.splitlines()] \
+        == [["symlink", "sym"]]
+    assert "symlink" in overlayrec("blame", "-w", m.ws, sym).stdout
+    reverted = overlayrec("revert", m.ws, "--session", "s", "--path", sym, "--yes").stdout
+    assert "delete   sym" in reverted and "target" not in reverted, reverted
+    assert not os.path.lexists(os.path.join(m.ws, "sym"))
+    assert open(os.path.join(m.ws, "target")).read() == "t\nmore\n"
 
 
 @needs_fuse
@@ -1424,12 +1455,21 @@ def test_empty_ids_unknown_ops_and_backward_ranges_are_refused(tmp_path):
     overlayrec("run", "-w", str(ws), "--state-dir", str(sd), "--", "bash", "-c", "echo 1 > f")
     wait_unmounted(str(ws), "run's end")
     w = str(ws)
-    for point in ("session:", "before:session:", "call:"):
+    for point in ("session:", "before:session:", "call:", "call::"):  # (`call::`: "no call ")
         one_line_error(overlayrec("replay", w, "--at", point, "--to", str(tmp_path / "o"),
                                   check=False), "an empty id")
         one_line_error(overlayrec("log", w, "--since", point, check=False), "an empty id")
     one_line_error(overlayrec("replay", w, "--at", "session:" + "x" * 600, "--to",
                               str(tmp_path / "o"), check=False), "no session x")
+    # a session's name and replay's destination on one line each (a newline broke them)
+    r = overlayrec("run", "-w", w, "--state-dir", str(sd), "--session", "a\nb", "--", "true")
+    assert "overlayrec: session a\\nb: 0 turn(s)" in r.stderr, r.stderr
+    wait_unmounted(w, "run's end")
+    r = overlayrec("replay", w, "--state-dir", str(sd), "--to", str(tmp_path / "r\np"))
+    assert r.stdout.startswith("replayed seq") and r.stdout.count("\n") == 1, r.stdout
+    # a point of bytes that are not UTF-8 is C-quoted, as names are (it showed '\udcff')
+    one_line_error(overlayrec("replay", w, "--at", "x\udcff", "--to", str(tmp_path / "o"),
+                              check=False), 'not a point: "x\\377"')
     one_line_error(overlayrec("blame", "f", "-w", w, "--at", "session:", check=False),
                    "an empty id")
     r = overlayrec("log", w, "--op", "delete", check=False)

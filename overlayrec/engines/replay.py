@@ -174,9 +174,12 @@ def _resolve_point(j: Journal, spec: str) -> int:
     import math
     import re
     from ..retention import dropped_selection
+    from ..views import shown as c_quoted
     usage = "SEQ, a time (ISO 8601 or @epoch), turn:N, call:ID, session:S, before:/after: " \
         "any of those, end"
-    shown = repr(spec if len(spec) <= 60 else spec[:57] + "...")
+    cut = spec if len(spec) <= 60 else spec[:57] + "..."
+    # quoted; C-quoted where it holds bytes that are not UTF-8 (they showed as '\udcff')
+    shown = repr(cut) if cut.isprintable() else c_quoted(cut)
     side = "after"
     if spec.startswith(("before:", "after:")):
         side, spec = spec.split(":", 1)
@@ -211,6 +214,8 @@ def _resolve_point(j: Journal, spec: str) -> int:
             sid, cid = next(((s, i) for s, i in splits
                              if any(c["id"] == i and c["session"] == s for c in calls)),
                             splits[0])
+        if not cid:  # `call::`: it said "no call " of an empty id
+            raise SelectionError(f"not a point: {shown}: an empty id ({usage})")
         try:
             c = find_call(j, cid, sid, several=f"name one as call:SESSION:{cid}")
         except SelectionError as e:
