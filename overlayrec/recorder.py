@@ -52,6 +52,10 @@ ATTIC_NAME = ".overlayrec-attic"
 _ATTIC_SLASH = ATTIC_NAME + "/"
 _READ = os.O_RDONLY | os.O_NONBLOCK  # a content-checked file looked at (never a fifo's wait)
 WHOLE_FILE_LIMIT = 4 << 20  # files up to this size are saved whole at an epoch's first change
+# a seal of a file past it still has its content's hash up to this many times its size (64 MiB):
+# without one, a moved ctime with a moved link count was taken for the link alone, and an edit
+# made with a link while unmounted, its mtime put back, went unseen (found by a bug hunt)
+SEAL_HASH_FACTOR = 16
 # An unlinked or renamed-over regular file of at most this size is copied into the content
 # store instead of being kept by a link in the attic: lock files, editor and build temp files
 # and nearly every source file are below it, so their churn costs the workspace nothing (the
@@ -2396,10 +2400,12 @@ class Recorder:
                     # sees, which preimage.matches compares (a link counted apart from the
                     # attic's was taken for a link made, and the ctime an edit moved for it)
                     pre["links"] = st.st_nlink
-            if pre["kind"] == "file" and pre["size"] <= self.whole_file_limit:
+            if pre["kind"] == "file" and pre["size"] <= self.whole_file_limit * SEAL_HASH_FACTOR:
                 fd = underlay.open_own(dfd, name, os.O_RDONLY | os.O_NONBLOCK)
                 try:
-                    if keep:
+                    if pre["size"] > self.whole_file_limit:
+                        pre["hash"] = preimage.hash_fd(fd)  # not kept: told apart, not known
+                    elif keep:
                         try:
                             pre["blob"] = pre["hash"] = self.content.put_range(fd, 0,
                                                                                pre["size"])

@@ -629,6 +629,35 @@ def test_a_symlink_planted_on_the_way_to_a_large_file(make_mount, tmp_path):
     assert "Traceback" not in r.stderr and "outside the workspace" not in r.stdout, r
 
 
+def test_a_large_file_linked_and_edited_its_mtime_put_back_while_unmounted(make_mount,
+                                                                           tmp_path):
+    """A 6 MB file (past the whole-file limit: its content is not kept) a call wrote.
+    Unmounted, the user links it (a backup) and edits it in place, its size and mtime put
+    back: the ctime moved with the link count, and was taken for the link alone, so nothing
+    had drifted, the call's diff showed the user's bytes as the call's, and a revert of the
+    call went ahead and cut the user's link (found by a bug hunt).  The seal has the
+    content's hash now: the edit is drift, and the revert a `changed` conflict."""
+    m = make_mount()
+    big = os.path.join(m.ws, "big")
+    with open(big, "wb") as f:
+        f.write(b"a" * (6 << 20))
+    m.mount()
+    run_steps(m, tmp_path, ["printf AGENT | dd of=big bs=1 seek=100 conv=notrunc status=none"])
+    m.umount()
+    os.link(big, os.path.join(m.ws, "big.bak"))
+    st = os.stat(big)
+    with open(big, "r+b") as f:
+        f.seek(3000)
+        f.write(b"USER")
+    os.utime(big, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert json.loads(overlayrec("status", m.ws, "--json").stdout)["drifted"] == ["big"]
+    patch = overlayrec("diff", m.ws, "--call", "c1", "--binary").stdout
+    assert "USER" not in patch, patch
+    r = overlayrec("revert", m.ws, "--call", "c1", "--yes", check=False)
+    assert r.returncode == 1 and "changed: big" in r.stderr, r
+    assert os.stat(big).st_ino == os.stat(os.path.join(m.ws, "big.bak")).st_ino
+
+
 def test_a_large_file_linked_then_its_directory_renamed_while_unmounted(make_mount, tmp_path):
     """Beside a fifo the call made, a 6 MB file the call wrote.  Unmounted, the user links it
     under a second name: its ctime moves with its link count, which is no change of what it
