@@ -31,7 +31,13 @@ RENAME_EXCHANGE = 2  # renameat2's flag, as underlay has it (not imported for on
 
 def _shown(value: str, limit: int = 60) -> str:
     """A value as given, quoted, cut to ``limit`` characters."""
-    return repr(value if len(value) <= limit else value[:limit - 3] + "...")
+    return repr(_cut(value, limit))
+
+
+def _cut(text: str, limit: int) -> str:
+    """``text`` within ``limit`` characters, "..." saying where it was cut (a command line cut
+    bare read as another: `unrevert ws --state-dir sd` as `unrevert ws --stat`)."""
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 class Fail(click.ClickException):
@@ -2103,7 +2109,7 @@ def blame(path, workspace, at, state_dir, as_json):
         if as_json:
             click.echo(json.dumps(r))
             continue
-        procs = "; ".join(f"{p['pid']} {one_line(' '.join(p['argv'] or [])[:60])}"
+        procs = "; ".join(f"{p['pid']} {one_line(_cut(' '.join(p['argv'] or []), 60))}"
                           for p in r["processes"])
         named = f" (as {shown(r['name'])})" if r.get("name") else ""
         guess = (" (placed in it by a guess)" if r.get("by_guess") else
@@ -2811,7 +2817,7 @@ def records_blame(path, git_dir, origin, as_json):
             f"{unit_shown(r['unit'])}: {r['subject']}  "
             f"{r['before']['kind']} {r['before']['size']}B "
             f"-> {r['after']['kind']} {r['after']['size']}B  "
-            f"[{'; '.join(p[:60] for p in r['processes'])}]"))
+            f"[{'; '.join(_cut(p, 60) for p in r['processes'])}]"))
 
 
 @records.command(name="report")

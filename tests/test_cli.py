@@ -1248,7 +1248,7 @@ def test_a_symlink_named_through_a_symlinked_workspace_path_is_the_symlink(make_
     with open(os.path.join(m.ws, "target"), "w") as f:
         f.write("t\n")
     overlayrec("run", "-w", m.ws, "--session", "s", "--", "sh", "-c",
-               "ln -s target sym; echo more >> target", cwd=m.ws)
+               "ln -s target sym; : the command line is long; echo more >> target", cwd=m.ws)
     via = tmp_path / "via"
     via.symlink_to(m.ws)
     sym = str(via / "sym")
@@ -1257,6 +1257,8 @@ def test_a_symlink_named_through_a_symlinked_workspace_path_is_the_symlink(make_
     assert [l.split()[-2:] for l in overlayrec("log", m.ws, "--path", sym).stdout.splitlines()] \
         == [["symlink", "sym"]]
     assert "symlink" in overlayrec("blame", "-w", m.ws, sym).stdout
+    # a command line cut says so (`... --state-dir` cut bare read as `... --stat`)
+    assert "is long; echo ...]" in overlayrec("blame", "-w", m.ws, "target").stdout
     reverted = overlayrec("revert", m.ws, "--session", "s", "--path", sym, "--yes").stdout
     assert "delete   sym" in reverted and "target" not in reverted, reverted
     assert not os.path.lexists(os.path.join(m.ws, "sym"))
