@@ -190,11 +190,12 @@ class _Main(click.Group):
             raise self._usage(e) from None
         except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort, EOFError):
             raise
-        except KeyboardInterrupt:
-            # Ctrl-C (or SIGTERM: main) where the command itself says nothing: one line and
-            # 130, as a shell says a command ended by SIGINT (click said "Aborted!", exit 1)
+        except KeyboardInterrupt as e:
+            # Ctrl-C (or SIGTERM, SIGHUP: main) where the command itself says nothing: one
+            # line and 128 + N, as a shell says a command ended by the signal (130 for Ctrl-C;
+            # click said "Aborted!", exit 1)
             err = Fail("interrupted")
-            err.exit_code = 130
+            err.exit_code = 128 + e.signum if isinstance(e, _Stopped) else 130
             raise err from None
         except OSError as e:
             if e.errno == errno.EPIPE:
@@ -320,8 +321,17 @@ def main():
     cycle_gc.enable()  # held off while the CLI was imported (entry.main)
 
 
+class _Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP taken as Ctrl-C (main), with its signal: the exit status a shell
+    gives a command ended by it (128 + N; it was 130, SIGINT's, found by a bug hunt)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
 def _terminated(signum, frame):
-    raise KeyboardInterrupt
+    raise _Stopped(signum)
 
 
 LOW_SPACE_FRACTION = 0.05  # the state dir's filesystem is low on space below 5% of its size
@@ -463,6 +473,9 @@ def _mount_state_dir(ws: str, state_dir: str | None) -> str:
         return known
     # one that records another workspace is refused (by the mount): no word of it before
     readers.check_records(os.path.realpath(state_dir), ws, state_dir)
+    # nor of one the mount refuses (inside the workspace: the warning below said the
+    # readers would read it from now on, and the next line refused it; a bug hunt)
+    state.check_state_dir(ws, state_dir)
     if os.path.exists(os.path.join(known, "journal", "data.mdb")) and \
             os.path.realpath(state_dir) != os.path.realpath(known):
         click.echo(f"overlayrec: warning: the record of {ws} is in {known}; this mount "
@@ -1447,6 +1460,23 @@ def _set_subreaper() -> None:
         pass
 
 
+def _own_failures(fn):
+    """`run`'s own failures (a missing workspace, a state dir refused) exit 125, as env's,
+    timeout's and docker run's do: with 1, the status of an agent that ran and failed, a
+    caller could not tell that the agent never ran (found by a bug hunt)."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*a, **kw):
+        try:
+            return fn(*a, **kw)
+        except click.ClickException as e:
+            if e.exit_code == 1 and not isinstance(e, click.UsageError):
+                e.exit_code = 125
+            raise
+    return wrapper
+
+
 @main.command(context_settings={"ignore_unknown_options": True,
                                 "allow_interspersed_args": False})
 @click.option("-w", "--workspace", default=".", show_default=True,
@@ -1464,6 +1494,7 @@ def _set_subreaper() -> None:
 @click.option("--no-hooks", is_flag=True,
               help="Do not wire the agent's hooks for this run: implicit calls only.")
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
+@_own_failures
 @_guard
 def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max_bytes, no_hooks,
         cmd):
@@ -1471,7 +1502,8 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
     there), run CMD with the terminal passed through and OVERLAYREC_SOCKET/OVERLAYREC_SESSION
     set, then unmount if this run mounted, print a summary and exit with CMD's status (1 when
     CMD succeeded but the daemon could not seal the record at unmount, or its mount, moved by
-    a rename of a directory above the workspace, could not be lifted: it says why).
+    a rename of a directory above the workspace, could not be lifted: it says why).  Its own
+    failures exit 125 (as env's and timeout's do), a CMD not found 127, not runnable 126.
 
     The agent's hooks are wired for this run when CMD's program is one overlayrec knows
     (claude, codex, gemini, cursor-agent; docs/agents.md), through the agent's own per-run
@@ -1486,10 +1518,23 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
     # so that it goes again: it killed the run there and left the mount behind
     stopped: list[int] = []
     early = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+    # what the caller ignored stays ignored, here and in the agent, which inherits it
+    # (`nohup overlayrec run -- agent`: the agent was killed by the hangup; a script's
+    # `run ... &` lost the SIGINT a background job ignores; found by a bug hunt)
+    ignored = {sig for sig in early if signal.getsignal(sig) == signal.SIG_IGN}
     for sig in early:
-        signal.signal(sig, lambda s, f: stopped.append(s))
+        if sig not in ignored:
+            signal.signal(sig, lambda s, f: stopped.append(s))
     ws = state.resolve_workspace(workspace)
     named = ws  # where the agent starts, also when the workspace is a directory above it
+    try:
+        here = os.path.realpath(os.getcwd())
+    except OSError:  # a removed working directory: the agent starts at the workspace
+        here = ws
+    # re-entered by path; `-w ws/pkg` of a workspace recorded at ws starts the agent in pkg
+    # (it started at ws: a command meant for pkg/f wrote ws/f, found by a bug hunt)
+    cwd = here if _beneath(here, named) else named
+    _runnable(cmd[0], cwd)
     outer = state.overlayrec_mount_containing(ws)
     if outer is not None and outer != ws:
         # a directory inside a recorded workspace: the run joins it (a second mount inside
@@ -1503,10 +1548,19 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
         click.echo(f"overlayrec: {ws} is inside the recorded workspace {above}: recording "
                    "there", err=True)
         ws = above
-    if state.fuse_mount_at(ws) and (secret or no_default_secrets):
-        # the daemon there applies the list it mounted with
-        click.echo(f"overlayrec: warning: {ws} is already mounted: --secret and "
-                   "--no-default-secrets apply at mount only", err=True)
+    if state.fuse_mount_at(ws):
+        # the daemon there applies what it mounted with (a --state-dir, --record-data or
+        # --max-bytes given to a run that joined were ignored without a word: a bug hunt)
+        other_sd = state_dir and os.path.realpath(state_dir) != \
+            os.path.realpath(state.find_state_dir(ws))
+        given = [opt for opt, v in (("--state-dir", other_sd), ("--record-data", record_data),
+                                    ("--secret", secret),
+                                    ("--no-default-secrets", no_default_secrets),
+                                    ("--max-bytes", max_bytes is not None)) if v]
+        if given:
+            click.echo(f"overlayrec: warning: {ws} is already mounted: {', '.join(given)} "
+                       "apply at mount only; this session goes into the record of the mount "
+                       "there", err=True)
     made = None  # the mount this run made (mounting.mount_of), known by its id wherever it goes
     for attempt in range(5):
         mounted_here = False
@@ -1550,14 +1604,8 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
     else:
         raise Fail(f"{ws}: its mount kept ending as this run joined it")
     _set_subreaper()
-    try:
-        here = os.path.realpath(os.getcwd())
-    except OSError:  # a removed working directory: the agent starts at the workspace
-        here = ws
-    # re-entered by path; `-w ws/pkg` of a workspace recorded at ws starts the agent in pkg
-    # (it started at ws: a command meant for pkg/f wrote ws/f, found by a bug hunt)
-    cwd = here if _beneath(here, named) else named
     env = dict(os.environ, OVERLAYREC_SOCKET=sock, OVERLAYREC_SESSION=sid, OVERLAYREC_WORKSPACE=ws)
+    _set_pwd(env, cwd)
     # git stops looking for a repository at a filesystem's boundary, which the mount is: in a
     # workspace inside a repository (a package of a monorepo) every git command of the agent
     # failed, "not a git repository ... Stopping at filesystem boundary"
@@ -1566,7 +1614,9 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
     try:
         if stopped:  # stopped before the agent began: it does not
             raise InterruptedError
-        child = subprocess.Popen(argv, cwd=cwd, env=env)
+        # the caller's descriptors past 2 go through, as a shell passes them (`3>log`,
+        # make's jobserver: they were closed, found by a bug hunt); ours are not inheritable
+        child = subprocess.Popen(argv, cwd=cwd, env=env, close_fds=False)
     except InterruptedError:
         unwire()
         c.session_end(session=sid)
@@ -1588,19 +1638,26 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
         c.session_agent(child.pid, session=sid)
     except client.ClientError as e:
         click.echo(f"overlayrec: warning: {e}", err=True)
-    forwarded = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+    # a signal meant for the agent, sent to this run (a supervisor's stop, `kill -USR1`):
+    # passed on (USR1 and USR2 ended this run alone, the agent left running; a bug hunt)
+    forwarded = tuple(sig for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT,
+                                      signal.SIGUSR1, signal.SIGUSR2) if sig not in ignored)
     for sig in forwarded:
         signal.signal(sig, lambda s, f: child.send_signal(s))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal sends it to CMD itself
+    if signal.SIGINT not in ignored:
+        tty = _controlling_tty()
+        signal.signal(signal.SIGINT, lambda s, f: None if _in_foreground(tty)
+                      else child.send_signal(s))
     for sig in stopped:  # while the agent was being started
-        if sig in forwarded:
+        if sig in forwarded or sig == signal.SIGINT and not _in_foreground(tty):
             child.send_signal(sig)
     try:
-        rc = child.wait()
+        rc = _wait_reaping(child)
     finally:
         unwire()  # the agent's settings as they were, also when this run is being stopped
     for sig in forwarded + (signal.SIGINT,):
-        signal.signal(sig, signal.SIG_DFL)
+        if sig not in ignored:
+            signal.signal(sig, signal.SIG_DFL)
     try:
         c.session_end(session=sid)
     except client.ClientError as e:
@@ -1632,8 +1689,81 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
     sys.exit((rc or 1) if unsealed or left or beneath else rc)
 
 
+def _set_pwd(env: dict, cwd: str) -> None:
+    """The agent's $PWD names where it starts, as `cd WS && agent` would: it named the
+    caller's directory, and a Makefile's $(PWD) wrote there, outside the workspace and
+    unrecorded (found by a bug hunt).  The caller's own, when it names that directory."""
+    old = env.get("PWD")
+    try:
+        same = old is not None and os.path.samefile(old, cwd)
+    except OSError:
+        same = False
+    if not same:
+        env["PWD"] = cwd
+        if old is not None:
+            env["OLDPWD"] = old
+
+
+def _controlling_tty() -> int | None:
+    """A descriptor of this process's controlling terminal (None: it has none)."""
+    try:
+        return os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError:
+        return None
+
+
+def _in_foreground(tty: int | None) -> bool:
+    """Is this process in its terminal's foreground group?  Then a Ctrl-C went to the agent
+    too (it is in this group): passing it on would give it two.  A SIGINT sent to this run
+    alone otherwise (a supervisor's `kill -INT`) is passed on; it was dropped (a bug hunt)."""
+    if tty is None:
+        return False
+    try:
+        return os.tcgetpgrp(tty) == os.getpgrp()
+    except OSError:
+        return False
+
+
+def _wait_reaping(child) -> int:
+    """Wait for the agent, reaping meanwhile the orphans this run adopts as their child
+    subreaper (each stayed a zombie, a pid taken, until the agent ended; found by a bug
+    hunt).  Its status as Popen gives it (negative: the signal that ended it)."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            return child.wait()
+        if pid == child.pid:
+            child.returncode = os.waitstatus_to_exitcode(status)
+            return child.returncode
+
+
+def _runnable(cmd0: str, cwd: str) -> None:
+    """Refuse a command that cannot be run (127 not found, 126 not runnable), as a shell says
+    it, before a session is begun for it: a typo's session took the name given, and the
+    retry's went to NAME.2, `--session NAME` then showing the empty first (a bug hunt)."""
+    import shutil
+    if "/" in cmd0:
+        path = os.path.join(cwd, cmd0)
+        if not os.path.exists(path):
+            why, code = "No such file or directory", 127
+        elif os.path.isdir(path) or not os.access(path, os.X_OK):
+            why, code = "Permission denied", 126
+        else:
+            return
+    elif shutil.which(cmd0) is None:
+        why, code = "No such file or directory", 127
+    else:
+        return
+    err = Fail(f"{cmd0}: {why}")
+    err.exit_code = code
+    raise err
+
+
 class _Unbroken:
-    """A text stream whose writes to a pipe no one reads any more are dropped."""
+    """A text stream whose writes to a pipe no one reads any more, or to a terminal that hung
+    up (EIO), are dropped: a line to a closed terminal ended `run` with 1, not the agent's
+    status, and before its end checks (found by a bug hunt)."""
 
     def __init__(self, stream):
         self._stream = stream
@@ -1641,14 +1771,17 @@ class _Unbroken:
     def write(self, text):
         try:
             return self._stream.write(text)
-        except BrokenPipeError:
+        except OSError as e:
+            if not isinstance(e, BrokenPipeError) and e.errno != errno.EIO:
+                raise
             return len(text)
 
     def flush(self):
         try:
             self._stream.flush()
-        except BrokenPipeError:
-            pass
+        except OSError as e:
+            if not isinstance(e, BrokenPipeError) and e.errno != errno.EIO:
+                raise
 
     def __getattr__(self, name):
         return getattr(self._stream, name)
@@ -2271,7 +2404,7 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
         if not state.fuse_mount_at(ws):
             _output_outlives_its_reader()  # a closed pipe must not leave the mount behind
             for sig in (signal.SIGTERM, signal.SIGHUP):  # nor a kill: stopped as by Ctrl-C
-                signal.signal(sig, signal.default_int_handler)
+                signal.signal(sig, _terminated)
             from .mounting import one_mounter
             with one_mounter(sd):  # a `run` starting meanwhile joins this mount
                 if not state.fuse_mount_at(ws):
@@ -2355,10 +2488,10 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
                                     resume=resume, progress=progress)
         except reverts.RevertError as e:
             raise Fail(str(e)) from None
-        except KeyboardInterrupt:  # Ctrl-C, or a kill while it mounted (saved: resumable)
+        except KeyboardInterrupt as e:  # Ctrl-C, or a kill while it mounted (resumable)
             err = Fail("interrupted: `overlayrec revert --continue` carries the rest out, "
                        "`overlayrec unrevert` undoes what it did")
-            err.exit_code = 130
+            err.exit_code = 128 + e.signum if isinstance(e, _Stopped) else 130
             raise err from None
         finally:
             progress.done()

@@ -182,7 +182,7 @@ def test_run_mounts_and_unmounts_and_passes_the_exit_status(tmpbase):
     sid = open(os.path.join(ws, "s.txt")).read().strip()
     assert f"session {sid}" in r.stderr and "1 file(s) changed" in r.stderr
     r = overlayrec("run", "-w", os.path.join(tmpbase, "missing"), "--", "true", check=False)
-    assert r.returncode == 1 and r.stderr.startswith("overlayrec: error:")
+    assert r.returncode == 125 and r.stderr.startswith("overlayrec: error:")
 
 
 def test_two_sessions_share_one_mount(make_mount, tmp_path):

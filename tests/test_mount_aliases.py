@@ -35,7 +35,7 @@ def test_a_state_dir_inside_the_workspace_through_a_bind_mount_is_refused(make_m
     try:
         r = overlayrec("run", "-w", m.ws, "--state-dir", os.path.join(alias, "st"), "--",
                        "true", check=False)
-        assert r.returncode == 1 and "inside the workspace" in r.stderr and \
+        assert r.returncode == 125 and "inside the workspace" in r.stderr and \
             "Traceback" not in r.stderr, r.stderr
         assert not os.path.exists(os.path.join(m.ws, "st")) and not is_mounted(m.ws)
         m.mount()
@@ -73,7 +73,7 @@ def test_a_moved_state_dir_is_not_written_over(make_mount, tmpbase):
     moved = m.state + "2"
     os.rename(m.state, moved)
     r = overlayrec("run", "-w", m.ws, "--", "true", env=env, check=False)
-    assert r.returncode == 1 and m.state in r.stderr and "--state-dir" in r.stderr and \
+    assert r.returncode == 125 and m.state in r.stderr and "--state-dir" in r.stderr and \
         "Traceback" not in r.stderr, r.stderr
     assert open(m.attic("RECORD")).read() == note and not os.path.exists(m.state)
     overlayrec("run", "-w", m.ws, "--state-dir", moved, "--", "true", env=env)
