@@ -62,7 +62,7 @@ class Inode:
     one renames update; ``nopen`` counts open handles, whose inode keeps its fd (an open file
     may have lost every name)."""
     __slots__ = ("fuse_ino", "opath", "key", "nlookup", "is_symlink", "is_dir", "no_xattr",
-                 "parent", "name", "nchildren", "nopen", "used")
+                 "parent", "name", "nchildren", "nopen", "used", "told_size")
 
     def __init__(self, fuse_ino: int, key: tuple[int, int], mode: int,
                  parent: "Inode | None", name: str | None):
@@ -81,6 +81,9 @@ class Inode:
         # labels on every file); xattrs change only through us, so a known absence is
         # remembered until this inode's attributes change
         self.no_xattr: frozenset[bytes] = _NO_NAMES  # shared while empty (most inodes)
+        # the size the kernel holds for it: the last we told it, grown by the writes since
+        # (-1: not known); where an O_APPEND write lands (Operations.write)
+        self.told_size = -1
 
 
 _inval_queue: "queue.SimpleQueue[int] | None" = None
@@ -378,7 +381,7 @@ class Operations(pyfuse3.Operations):
         a.st_uid = st.st_uid
         a.st_gid = st.st_gid
         a.st_rdev = st.st_rdev
-        a.st_size = st.st_size
+        a.st_size = inode.told_size = st.st_size
         a.st_blksize = st.st_blksize
         a.st_blocks = st.st_blocks
         a.st_atime_ns = st.st_atime_ns
@@ -827,19 +830,27 @@ class Operations(pyfuse3.Operations):
         h = self.handles[fh]
         if h.unit is None:  # opened read-only: the kernel would not send this
             raise pyfuse3.FUSEError(errno.EBADF)
-        if h.append:
+        inode = h.inode
+        if h.append and off == inode.told_size:
             # the kernel appends at the size it cached: a process working beneath the mount (a
             # shell whose directory was entered before it) may have made the file longer since,
             # and the append wrote over its bytes.  Written at the end, as the underlay would
             # (O_APPEND is not kept on our fd: the recorder journals each write where it lands);
-            # the kernel's size and pages of the file are dropped when they were stale
+            # the kernel's size and pages of the file are dropped when they were stale.  Only
+            # a write at the size the kernel holds is an append: one elsewhere through the
+            # same handle (a shared mapping's page written back, RWF_NOAPPEND, O_APPEND
+            # cleared by fcntl) goes where it is sent (it was moved to the end, found by a
+            # bug hunt)
             st = os.fstat(h.fd)
-            if st.st_size != off:
+            if st.st_size > off:
                 self.recorder.grown_beneath(h, st)
                 n = self.recorder.write(h, st.st_size, buf)
-                _invalidate_inode_async(h.inode.fuse_ino)
+                _invalidate_inode_async(inode.fuse_ino)
                 return n
-        return self.recorder.write(h, off, buf)
+        n = self.recorder.write(h, off, buf)
+        if off + n > inode.told_size >= 0:
+            inode.told_size = off + n
+        return n
 
     async def flush(self, fh):
         # writes reach the underlay as they come, so a close has nothing to flush: ENOSYS

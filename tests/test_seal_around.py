@@ -295,6 +295,43 @@ def test_an_append_through_the_mount_goes_to_the_files_end(make_mount):
     assert writes and writes[-1]["offset"] == len("line1\nuser-line\n"), writes
 
 
+POSITIONAL = r"""
+import fcntl, mmap, os
+open("a", "wb").write(b"." * 8192)
+with open("a", "a+b") as f:  # a shared mapping of an O_APPEND file, its page written back
+    m = mmap.mmap(f.fileno(), 8192)
+    m[0:5] = b"HELLO"
+    m.flush()
+    m.close()
+open("d", "wb").write(b"." * 100)
+fd = os.open("d", os.O_WRONLY | os.O_APPEND)
+fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_APPEND)
+os.pwrite(fd, b"SETFL", 10)
+os.close(fd)
+fd = os.open("d", os.O_WRONLY | os.O_APPEND)
+os.write(fd, b"END")  # and an append: at the end
+os.close(fd)
+"""
+
+
+@needs_fuse
+def test_a_write_at_an_offset_through_an_append_handle_lands_there(make_mount, tmp_path):
+    """The daemon moved every write of an O_APPEND handle that was not at the file's size to
+    its end: a shared mapping's page written back through it (a store at 0 of an `a+`
+    file's mapping), a pwrite after fcntl cleared O_APPEND, RWF_NOAPPEND: each landed at the
+    end, the file corrupted and the record keeping it so (found by a bug hunt)."""
+    m = make_mount().mount()
+    (tmp_path / "positional.py").write_text(POSITIONAL)
+    subprocess.run([sys.executable, str(tmp_path / "positional.py")], cwd=m.ws, check=True)
+    a = open(os.path.join(m.ws, "a"), "rb").read()
+    assert len(a) == 8192 and a.startswith(b"HELLO..."), (len(a), a.find(b"HELLO"))
+    assert open(os.path.join(m.ws, "d"), "rb").read() == b"." * 10 + b"SETFL" + b"." * 85 + \
+        b"END"
+    m.umount()
+    writes = [(e["path"], e["offset"]) for e in m.events() if e["op"] == "write"]
+    assert ("a", 0) in writes and ("d", 10) in writes and ("d", 100) in writes, writes
+
+
 @needs_fuse
 def test_a_file_made_beneath_where_a_call_removed_one_is_the_other_writers(make_mount,
                                                                           tmp_path):
