@@ -1086,6 +1086,39 @@ def test_a_directory_renamed_onto_one_moved_away_then_filled_is_exported(make_mo
     assert git(out["git_dir"], "show", "refs/overlayrec/s/head:b/c") == "2\n"
 
 
+@needs_fuse
+def test_a_file_the_user_made_a_directory_while_unmounted_stays_a_file_before(make_mount,
+                                                                              tmp_path):
+    """Session A appends to the file p.  Unmounted, the user removes p, makes a directory p
+    and a file p/inner in it; session B writes p/inner.  A replay at A's end gave p as the
+    directory, holding p/inner, and the export gave A a base of p/inner, its commit adding p
+    and deleting p/inner (the agent shown removing the user's later file).  p/inner's first
+    pre-image is no answer for a point where p was a file (found by a bug hunt)."""
+    m = make_mount()
+    with open(os.path.join(m.ws, "p"), "w") as f:
+        f.write("p\n")
+    overlayrec("run", "-w", m.ws, "--session", "A", "--", "sh", "-c", "echo A >> p", cwd=m.ws)
+    os.unlink(os.path.join(m.ws, "p"))
+    os.mkdir(os.path.join(m.ws, "p"))
+    with open(os.path.join(m.ws, "p", "inner"), "w") as f:
+        f.write("inner\n")
+    overlayrec("run", "-w", m.ws, "--session", "B", "--", "sh", "-c", "echo B >> p/inner",
+               cwd=m.ws)
+    for full in ([], ["--full"]):
+        to = tmp_path / f"r{len(full)}"
+        out = json.loads(overlayrec("replay", m.ws, "--at", "session:A", "--to", str(to),
+                                    "--json", *full).stdout)
+        assert out["inexact"] == [] and (to / "p").read_text() == "p\nA\n", out
+    r = overlayrec("export", "git", m.ws, "--json")
+    out = json.loads(r.stdout)
+    assert out["unsure_bases"] == {}, (out, r.stderr)
+    assert git(out["git_dir"], "ls-tree", "-r", "--name-only",
+               "refs/overlayrec/A/base").split() == ["p"]
+    assert git(out["git_dir"], "show", "--name-status", "--format=",
+               "refs/overlayrec/A/head").split() == ["M", "p"]
+    assert git(out["git_dir"], "show", "refs/overlayrec/B/head:p/inner") == "inner\nB\n"
+
+
 def _refs(git_dir) -> dict[str, str]:
     out = git(git_dir, "for-each-ref", "--format=%(refname) %(objectname)")
     return dict(line.split() for line in out.splitlines())

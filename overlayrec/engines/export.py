@@ -752,8 +752,10 @@ class Exporter:
             evs = self.states.events_on(p)
             if evs and (evs[0]["seq"] <= point or self._seen_as(p, evs[0]["seq"])):
                 continue
-            if not evs and self.state(p, point).kind not in ("file", "symlink"):
-                continue  # not in the base: nothing it holds to name
+            if self.state(p, point).kind not in ("file", "symlink"):
+                # not in the base: nothing it holds to name (a file made beneath a directory
+                # the user made where a file stood was named, found by a bug hunt)
+                continue
             if first_seen_later(self.states, p, point, since_ns, dirs=False):
                 out.append(p)
         return out

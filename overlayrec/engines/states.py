@@ -1479,15 +1479,19 @@ class States:
     def _state(self, path: str, after: int, forward: bool = True) -> State:
         if self._short(path, after):
             raise _Partial(path)
-        if "/" in path and self.renames() and self._parent_absent(path, after):
+        chain = self.chain_on(path)
+        seqs = self._seqs_of(path, chain)   # a chain is in seq order: bisect, not a scan
+        if "/" in path and (self.renames() or not seqs or seqs[0] > after) and \
+                self._parent_absent(path, after):
             # there only while its directory is: a directory the user renamed back while
             # unmounted (its drift from absent journaled) had its files put back into the
             # points between, exact, from their next pre-image or the live tree (found by a
-            # bug hunt).  (Without directory renames a name's own events say it.)
+            # bug hunt); a file the user replaced by a directory while unmounted, a file
+            # made in it then and written by a later session, was put into the first
+            # session's points, the directory with it (a hunt).  (A name with an event of its
+            # own by then, without directory renames, is said by its own events.)
             return ABSENT
         move = self._next_move(path, after)
-        chain = self.chain_on(path)
-        seqs = self._seqs_of(path, chain)   # a chain is in seq order: bisect, not a scan
         allevs = chain if move is None else chain[:bisect.bisect_left(seqs, move["seq"])]
         evs = allevs[bisect.bisect_right(seqs, after, 0, len(allevs)):]
         if evs and forward:
@@ -1509,9 +1513,9 @@ class States:
         return end if exact else end.but(exact=False)
 
     def _parent_absent(self, path: str, after: int) -> bool:
-        """Was a directory above ``path`` absent after ``after``: does the next event of the
-        nearest one with an event then (before a rename of one of its own directories) take
-        it as absent just before (a drift from absent, a mkdir, a rename onto it), with no
+        """Was a directory above ``path`` absent (or not a directory) after ``after``: does the
+        next event of the nearest one with an event then (before a rename of one of its own
+        directories) take it as absent (or a file, a symlink) just before (a drift from absent, a mkdir, a rename onto it), with no
         event of the path's own coming first?  Each directory's own chain only (a bisect):
         asking a directory's whole state, and its directories', for every path made a report
         of a path 1,000 directories deep take minutes; each directory's answer is kept."""
@@ -1546,8 +1550,10 @@ class States:
                 if move is not None and chain[i]["seq"] >= move["seq"]:
                     got = (chain[i]["seq"], False)
                 else:
+                    # absent, or not a directory (a file, a symlink): nothing was beneath it
                     pre = self.pre_for(chain[i], d)
-                    got = (chain[i]["seq"], pre is not None and pre.get("kind") == "absent")
+                    got = (chain[i]["seq"], pre is not None and
+                           pre.get("kind") not in (None, "dir"))
                 break
             d = d.rpartition("/")[0]
         for key in walked:
