@@ -382,3 +382,24 @@ def test_log_of_a_path_follows_it_back_through_directory_renames(make_mount):
     assert logged("lib/*") == [("write", "lib/a.py", None), ("create", "lib/new.py", None)]
     assert "glob matches the events' own paths" in \
         overlayrec("log", "--help").stdout.replace("\n", " ").replace("  ", " ")
+
+
+@needs_fuse
+def test_blame_of_a_name_gone_says_absent_exactly(make_mount, tmp_path):
+    """A shared mapping's page of a file written back after the file was unlinked (SQLite's
+    -shm at a WAL database's last close): blame said `absent 0B -> absent ~0B`, inexact, of a name that
+    holds nothing (found by a bug hunt)."""
+    m = make_mount().mount()
+    script = tmp_path / "shm.py"
+    script.write_text(textwrap.dedent("""\
+        import sqlite3
+        c = sqlite3.connect("t.db")
+        c.execute("pragma journal_mode=wal")
+        c.execute("create table t(a)")
+        c.commit()
+        c.close()
+        """))
+    overlayrec("run", "-w", m.ws, "--", sys.executable, str(script), cwd=m.ws)
+    runs = [json.loads(line) for line in
+            overlayrec("blame", "t.db-shm", "-w", m.ws, "--json").stdout.splitlines()]
+    assert runs and runs[0]["after"] == {"kind": "absent", "size": 0, "exact": True}, runs

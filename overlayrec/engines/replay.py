@@ -929,8 +929,13 @@ def blame(j: Journal, states: States, path: str, at: int | None = None) -> list[
         before = states.state(r.pop("first_name"), r["first_seq"] - 1)
         # what the run left: once a write run still writing at its last event was done
         after = states.state(r["name"], states.settle(r["name"], r["last_seq"]))
-        r["before"] = {"kind": before.kind, "size": len(before.data), "exact": before.exact}
-        r["after"] = {"kind": after.kind, "size": len(after.data), "exact": after.exact}
+        # a name that holds nothing is known exactly, whatever a write run still open on its
+        # last inode leaves unknown ("absent ~0B" after a mapping's page came past the unlink,
+        # found by a bug hunt)
+        r["before"] = {"kind": before.kind, "size": len(before.data),
+                       "exact": before.exact or not before.present}
+        r["after"] = {"kind": after.kind, "size": len(after.data),
+                      "exact": after.exact or not after.present}
         for side, s in (("before", before), ("after", after)):
             if s.withheld:  # the size is the placeholder's: the content was never kept
                 r[side]["withheld"] = True
