@@ -49,6 +49,21 @@ def _wait_for(path, why: str, limit: float = 30.0) -> None:
         time.sleep(0.05)
 
 
+def _signalled(argv: list[str], started, sig: int, **kw) -> tuple[int, str]:
+    """Start ``argv`` (a run), send it ``sig`` once its agent made ``started``: (its exit
+    status, its stderr)."""
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+    try:
+        _wait_for(started, "the agent did not start")
+        p.send_signal(sig)
+        _, err = p.communicate(timeout=60 * SLOW)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    return p.returncode, err
+
+
 @needs_fuse
 def test_the_signals_the_caller_ignored_stay_ignored_in_the_agent(tmp_path):
     """`nohup overlayrec run -- agent`: the agent was killed by the hangup (run set its own
@@ -57,19 +72,11 @@ def test_the_signals_the_caller_ignored_stay_ignored_in_the_agent(tmp_path):
     ws, sd = tmp_path / "ws", tmp_path / "sd"
     ws.mkdir()
     agent = "grep SigIgn /proc/$$/status > ign; touch started; sleep 2; echo done > done"
-    p = subprocess.Popen(_ignoring(tmp_path, "HUP,INT,QUIT", _run_argv(ws, sd, "sh", "-c",
+    rc, err = _signalled(_ignoring(tmp_path, "HUP,INT,QUIT", _run_argv(ws, sd, "sh", "-c",
                                                                          agent)),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        _wait_for(ws / "started", "the agent did not start")
-        p.send_signal(signal.SIGHUP)
-        _, err = p.communicate(timeout=60 * SLOW)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+                         ws / "started", signal.SIGHUP)
     wait_unmounted(str(ws), "run's end")
-    assert p.returncode == 0, err
+    assert rc == 0, err
     assert (ws / "done").read_text() == "done\n"
     ignored = _sig_ignored((ws / "ign").read_text())
     for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT):
@@ -90,19 +97,10 @@ def test_a_signal_sent_to_run_alone_reaches_the_agent(tmp_path):
             if (ws / name).exists():
                 (ws / name).unlink()
         # with SIGINT at its default (a test runner may have it ignored), and no terminal
-        p = subprocess.Popen(_ignoring(tmp_path, "-", _run_argv(ws, sd, "sh", "-c", agent)),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True)
-        try:
-            _wait_for(ws / "started", "the agent did not start")
-            p.send_signal(sig)
-            _, err = p.communicate(timeout=20 * SLOW)
-        finally:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        rc, err = _signalled(_ignoring(tmp_path, "-", _run_argv(ws, sd, "sh", "-c", agent)),
+                             ws / "started", sig, start_new_session=True)
         wait_unmounted(str(ws), "run's end")
-        assert p.returncode == 128 + sig, (sig, p.returncode, err)
+        assert rc == 128 + sig, (sig, rc, err)
         assert not (ws / "finished").exists(), sig
 
 
