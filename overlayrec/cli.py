@@ -1751,7 +1751,9 @@ def _runnable(cmd0: str, cwd: str) -> None:
             why, code = "Permission denied", 126
         else:
             return
-    elif shutil.which(cmd0) is None:
+    elif shutil.which(cmd0) is None and all(
+            os.path.isabs(d) for d in os.environ.get("PATH", os.defpath).split(os.pathsep)):
+        # (a relative entry of $PATH is looked up from where the agent starts: Popen says)
         why, code = "No such file or directory", 127
     else:
         return
