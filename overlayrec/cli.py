@@ -226,7 +226,9 @@ class _Turn(click.ParamType):
     def convert(self, value, param, ctx):
         s = str(value)
         if not re.fullmatch(r"last|-?[0-9]{1,19}", s):
-            self.fail(f"{_shown(s)} is not a turn (N, last, or -1, -2 ...)", param, ctx)
+            from .views import shown
+            self.fail(f"{_shown(s) if s.isprintable() else shown(s)} is not a turn "
+                      "(N, last, or -1, -2 ...)", param, ctx)
         return s
 
 
@@ -1642,15 +1644,18 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
     # passed on (USR1 and USR2 ended this run alone, the agent left running; a bug hunt)
     forwarded = tuple(sig for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT,
                                       signal.SIGUSR1, signal.SIGUSR2) if sig not in ignored)
+    # os.kill, not Popen.send_signal: that polls first, and its reaping of an agent just
+    # dead left _wait_reaping waiting for the daemon, which waited for this run (a hang,
+    # found by a bug hunt); only _wait_reaping reaps the agent, so its pid is its own till then
     for sig in forwarded:
-        signal.signal(sig, lambda s, f: child.send_signal(s))
+        signal.signal(sig, lambda s, f: os.kill(child.pid, s))
+    tty = _controlling_tty()
     if signal.SIGINT not in ignored:
-        tty = _controlling_tty()
         signal.signal(signal.SIGINT, lambda s, f: None if _in_foreground(tty)
-                      else child.send_signal(s))
+                      else os.kill(child.pid, s))
     for sig in stopped:  # while the agent was being started
         if sig in forwarded or sig == signal.SIGINT and not _in_foreground(tty):
-            child.send_signal(sig)
+            os.kill(child.pid, sig)
     try:
         rc = _wait_reaping(child)
     finally:
@@ -1728,14 +1733,14 @@ def _wait_reaping(child) -> int:
     """Wait for the agent, reaping meanwhile the orphans this run adopts as their child
     subreaper (each stayed a zombie, a pid taken, until the agent ended; found by a bug
     hunt).  Its status as Popen gives it (negative: the signal that ended it)."""
-    while True:
+    while child.returncode is None:
         try:
             pid, status = os.waitpid(-1, 0)
         except ChildProcessError:
             return child.wait()
         if pid == child.pid:
             child.returncode = os.waitstatus_to_exitcode(status)
-            return child.returncode
+    return child.returncode
 
 
 def _runnable(cmd0: str, cwd: str) -> None:

@@ -842,9 +842,12 @@ class Operations(pyfuse3.Operations):
             # cleared by fcntl) goes where it is sent (it was moved to the end, found by a
             # bug hunt)
             st = os.fstat(h.fd)
-            if st.st_size > off:
+            if st.st_size != off:  # longer, or shorter (truncated beneath: a hole of NULs)
                 self.recorder.grown_beneath(h, st)
                 n = self.recorder.write(h, st.st_size, buf)
+                # the kernel takes the file for off + n long now: its next append comes there,
+                # and is moved again (it was left over the other writer's bytes: a bug hunt)
+                inode.told_size = off + n
                 _invalidate_inode_async(inode.fuse_ino)
                 return n
         n = self.recorder.write(h, off, buf)

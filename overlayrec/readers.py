@@ -23,9 +23,12 @@ class Refusal(Exception):
 
 
 def one_line(msg: str) -> str:
-    """``msg`` on one line: the line breaks in it (a path, an id as given) shown escaped."""
+    """``msg`` on one line: the line breaks in it (a path, an id as given) shown escaped, and
+    a byte that is not UTF-8 in octal, as the listings show it (not Python's ``\\udcff``)."""
     import re
-    return re.sub("[\n\r\v\f\x1c-\x1e\x85\u2028\u2029]", lambda m: repr(m.group())[1:-1], msg)
+    return re.sub("[\n\r\v\f\x1c-\x1e\x85\u2028\u2029\udc80-\udcff]",
+                  lambda m: f"\\{ord(m.group()) - 0xdc00:03o}" if m.group() >= "\udc80"
+                  else repr(m.group())[1:-1], msg)
 
 
 def os_error_text(e: OSError) -> str:
@@ -581,6 +584,8 @@ def workspace_glob(ws: str, glob):
     # itself not: a symlink named by its absolute path is the symlink, not what it points to
     # (`--path $PWD/sym` reverted the file sym points to, found by a bug hunt)
     head, tail = os.path.split(norm)
+    if os.path.realpath(norm) == ws:  # the workspace itself, by a symlink to it: all of it
+        return None
     for p in (norm, os.path.join(os.path.realpath(head), tail) if tail else norm):
         if p == ws:
             return None

@@ -1252,6 +1252,9 @@ def test_a_symlink_named_through_a_symlinked_workspace_path_is_the_symlink(make_
     via = tmp_path / "via"
     via.symlink_to(m.ws)
     sym = str(via / "sym")
+    # the workspace itself named through the symlink: all of it (it was refused as outside)
+    out = overlayrec("diff", m.ws, "--session", "s", "--path", str(via), "--name-status")
+    assert out.stdout.split() == ["A", "sym", "M", "target"], out.stdout
     out = overlayrec("diff", m.ws, "--session", "s", "--path", sym, "--name-status").stdout
     assert out.split() == ["A", "sym"], out
     assert [l.split()[-2:] for l in overlayrec("log", m.ws, "--path", sym).stdout.splitlines()] \
@@ -1470,7 +1473,10 @@ def test_empty_ids_unknown_ops_and_backward_ranges_are_refused(tmp_path):
     wait_unmounted(w, "run's end")
     r = overlayrec("replay", w, "--state-dir", str(sd), "--to", str(tmp_path / "r\np"))
     assert r.stdout.startswith("replayed seq") and r.stdout.count("\n") == 1, r.stdout
-    # a point of bytes that are not UTF-8 is C-quoted, as names are (it showed '\udcff')
+    # a point of bytes that are not UTF-8 is C-quoted, as names are (it showed '\udcff'),
+    # and any error naming such bytes shows them in octal
+    one_line_error(overlayrec("replay", w, "--at", "call:x\udcff", "--to", str(tmp_path / "o"),
+                              check=False), "no call x\\377")
     one_line_error(overlayrec("replay", w, "--at", "x\udcff", "--to", str(tmp_path / "o"),
                               check=False), 'not a point: "x\\377"')
     one_line_error(overlayrec("blame", "f", "-w", w, "--at", "session:", check=False),

@@ -105,6 +105,34 @@ def test_a_signal_sent_to_run_alone_reaches_the_agent(tmp_path):
 
 
 @needs_fuse
+def test_run_ends_when_its_agent_died_while_it_was_stopped(tmp_path):
+    """run stopped (Ctrl-Z) while its agent dies, then a SIGTERM and a SIGCONT (a stopped
+    job's `kill %1`): the forwarding reaped the dead agent (Popen.send_signal polls), and
+    the wait for it went on to wait for the daemon, which waited for run: a hang, the mount
+    kept (found by a bug hunt)."""
+    ws, sd = tmp_path / "ws", tmp_path / "sd"
+    ws.mkdir()
+    p = subprocess.Popen(_run_argv(ws, sd, "sh", "-c", "touch started; exec sleep 300"),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(ws / "started", "the agent did not start")
+        agent = int(subprocess.run(["pgrep", "-P", str(p.pid), "-x", "sleep"],
+                                   capture_output=True, text=True).stdout.split()[0])
+        p.send_signal(signal.SIGSTOP)
+        os.kill(agent, signal.SIGKILL)
+        time.sleep(0.5)
+        p.send_signal(signal.SIGTERM)
+        p.send_signal(signal.SIGCONT)
+        _, err = p.communicate(timeout=30 * SLOW)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    wait_unmounted(str(ws), "run's end")
+    assert p.returncode == 128 + signal.SIGKILL, (p.returncode, err)
+
+
+@needs_fuse
 def test_the_agent_has_the_callers_descriptors_and_its_own_pwd(tmp_path):
     """The caller's descriptors past 2 were closed (`3>log`: EBADF; make's jobserver lost),
     and $PWD named the caller's directory, not the workspace the agent starts in: a

@@ -295,6 +295,30 @@ def test_an_append_through_the_mount_goes_to_the_files_end(make_mount):
     assert writes and writes[-1]["offset"] == len("line1\nuser-line\n"), writes
 
 
+@needs_fuse
+def test_appends_after_the_file_changed_beneath_go_to_its_end_each_time(make_mount):
+    """A process beneath the mount truncates a file the mount served, then an append through
+    the mount: it landed at the old end, after a hole of NULs.  A long-lived O_APPEND handle
+    (`exec 3>>f`) while a process beneath appends too: its first append after the other's was
+    moved to the end, its next written over the other's bytes (found by a bug hunt)."""
+    m = make_mount()
+    beneath = subprocess.Popen(["sleep", "60"], cwd=m.ws)  # its directory: the one beneath
+    try:
+        m.mount()
+        under = f"/proc/{beneath.pid}/cwd"
+        m.sh(f"printf 'AAAAAAAA\\n' > t; cat t > /dev/null; : > {under}/t; echo BB >> t")
+        assert m.sh("cat t").stdout == "BB\n"
+        m.sh(f"printf 'start\\n' > f; exec 3>>f; echo m1 >&3; echo beneath-line >> {under}/f; "
+             "echo m2 >&3; echo m3 >&3; exec 3>&-")
+        assert m.sh("cat f").stdout == "start\nm1\nbeneath-line\nm2\nm3\n"
+    finally:
+        beneath.kill()
+        beneath.wait()
+    m.umount()
+    assert open(os.path.join(m.ws, "t"), "rb").read() == b"BB\n"
+    assert open(os.path.join(m.ws, "f")).read() == "start\nm1\nbeneath-line\nm2\nm3\n"
+
+
 POSITIONAL = r"""
 import fcntl, mmap, os
 open("a", "wb").write(b"." * 8192)
