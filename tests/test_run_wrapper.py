@@ -14,11 +14,14 @@ import time
 
 from conftest import SLOW, is_mounted, needs_fuse, overlayrec, wait_unmounted
 
-# execs argv[2:] with the signals named in argv[1] ("HUP,INT") ignored, or none ("-")
+# execs argv[2:] with the signals named in argv[1] ("HUP,INT") ignored, or none ("-"), the
+# others at their default (a test runner started in a script's background has SIGINT ignored)
 IGNORING = """
 import os, signal, sys
-for name in filter(None, sys.argv[1].strip("-").split(",")):
-    signal.signal(getattr(signal, "SIG" + name), signal.SIG_IGN)
+named = set(filter(None, sys.argv[1].strip("-").split(",")))
+for name in ("HUP", "INT", "QUIT", "TERM", "USR1", "USR2"):
+    signal.signal(getattr(signal, "SIG" + name),
+                  signal.SIG_IGN if name in named else signal.SIG_DFL)
 os.execvp(sys.argv[2], sys.argv[2:])
 """
 
