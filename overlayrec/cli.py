@@ -1647,15 +1647,18 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
     # os.kill, not Popen.send_signal: that polls first, and its reaping of an agent just
     # dead left _wait_reaping waiting for the daemon, which waited for this run (a hang,
     # found by a bug hunt); only _wait_reaping reaps the agent, so its pid is its own till then
+    def pass_on(sig, frame=None):
+        if child.returncode is None:  # (reaped: its pid may be another process's by now)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.pid, sig)
     for sig in forwarded:
-        signal.signal(sig, lambda s, f: os.kill(child.pid, s))
+        signal.signal(sig, pass_on)
     tty = _controlling_tty()
     if signal.SIGINT not in ignored:
-        signal.signal(signal.SIGINT, lambda s, f: None if _in_foreground(tty)
-                      else os.kill(child.pid, s))
+        signal.signal(signal.SIGINT, lambda s, f: None if _in_foreground(tty) else pass_on(s))
     for sig in stopped:  # while the agent was being started
         if sig in forwarded or sig == signal.SIGINT and not _in_foreground(tty):
-            os.kill(child.pid, sig)
+            pass_on(sig)
     try:
         rc = _wait_reaping(child)
     finally:
