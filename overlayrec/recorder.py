@@ -63,6 +63,16 @@ SEAL_HASH_FACTOR = 16
 # such pre-images are never dropped to free space.  The bound keeps the copy cheap (``rm -rf``
 # of a tree of them copies each, when the daemon is idle); larger files cost no copy.
 SMALL_PREIMAGE = 256 << 10
+# A file past RANGES_PAST under the whole-file limit is saved whole at its first WHOLE_COPIES
+# epochs in a daemon, then by ranges (only what each change is about to lose), as files past
+# the limit always are: two units writing one file by turns (two calls writing one SQLite
+# WAL, a server an earlier call left running writing a log beside later calls) begin an epoch
+# at each change of hands, and a whole copy each time saved about 650 MB for 200 one-row
+# commits into a 4 MB WAL (found by a bug hunt).  Smaller files stay whole: a copy is cheap,
+# and a whole pre-image needs no later state to be read back.
+RANGES_PAST = 64 << 10
+WHOLE_COPIES = 3
+WHOLE_COPIES_KEPT = 4096  # paths counted at once; past it the count starts again
 
 
 def _protected_hardlinks() -> bool:
@@ -447,9 +457,15 @@ class Recorder:
         # tests of the attic itself keep small files there too (=-1: every file)
         knob = os.environ.get("OVERLAYREC_TEST_SMALL_PREIMAGE", "").strip()
         self.small_preimage = int(knob) if knob else SMALL_PREIMAGE
+        # tests of files saved by ranges after their first copies make small ones do it too
+        knob = os.environ.get("OVERLAYREC_TEST_RANGES_PAST", "").strip()
+        self.ranges_past = int(knob) if knob else RANGES_PAST
+        knob = os.environ.get("OVERLAYREC_TEST_WHOLE_COPIES", "").strip()
+        self.copies_first = int(knob) if knob else WHOLE_COPIES
         self._learn_root(underlay.fd_path(root_fd))
         self._euid, self._egid = os.geteuid(), os.getegid()
         self.epochs: dict[str, Epoch] = {}
+        self.whole_copies: dict[str, int] = {}  # path -> its epochs saved whole (_whole_copy)
         # bumped by every rename, unlink and rmdir: an open handle's file may have another
         # name since (fs.Handle.path asks the kernel again when this moved)
         self.name_changes = 0
@@ -1989,7 +2005,7 @@ class Recorder:
             ep.content_saved = True
         if ep.size0 is None and not ep.content_saved:
             ep.size0 = st.st_size
-            if st.st_size <= self.whole_file_limit:
+            if self._whole_copy(path, st):
                 (pre := pre or {"facet": "content"})["blob"] = self._save_whole(fd, st.st_size) \
                     if st.st_size else None
                 if pre.get("blob") is None:
@@ -2015,6 +2031,23 @@ class Recorder:
             # mount (AROUND_SLACK_NS)
             self.served[path] = time.time_ns()
         return ev
+
+    def _whole_copy(self, path: str, st: os.stat_result) -> bool:
+        """Is the pre-image of ``path``'s new epoch (its file's stat ``st``) its whole content,
+        not ranges?  Past RANGES_PAST, only for its first WHOLE_COPIES epochs, unless the file
+        has other names: the aliases of a change through one take the whole content (a range
+        pre-image leaves them unknown at that point)."""
+        if st.st_size > self.whole_file_limit:
+            return False
+        if st.st_size <= self.ranges_past or self.nlink(st) > 1:
+            return True
+        copies = self.whole_copies.get(path, 0)
+        if copies >= self.copies_first:
+            return False
+        if len(self.whole_copies) >= WHOLE_COPIES_KEPT:
+            self.whole_copies.clear()  # bounded memory: at worst a few more whole copies
+        self.whole_copies[path] = copies + 1
+        return True
 
     # -- hard links -----------------------------------------------------------------------------
     def _keep_if_linked(self, dirfd: int, name: str, st: os.stat_result, pre: dict) -> None:

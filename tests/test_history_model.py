@@ -130,6 +130,10 @@ LARGE = ENV_LARGE  # the case being checked is recorded so (set by run_case)
 # the daemon copies no small pre-image from the attic into the store while mounted: readers
 # read them all from the attic, and must be exact there (test_every_reader_with_pre_images_held)
 HELD_KNOBS = {"OVERLAYREC_TEST_SETTLE_IDLE": "3600"}
+# a file's epochs saved whole at first, by ranges after (as a file past 64 KiB written by turns
+# is): every file's first epoch in a daemon whole, every later one by ranges; the readers must
+# be as exact as with whole copies (test_every_reader_with_ranges_after_a_copy)
+RANGED_KNOBS = {"OVERLAYREC_TEST_RANGES_PAST": "0", "OVERLAYREC_TEST_WHOLE_COPIES": "1"}
 # test_every_reader_with_large_files: fewer cases, the same readers
 LARGE_CASES = int(os.environ.get("OVERLAYREC_MODEL_LARGE_CASES", str(max(24, CASES // 5))))
 KEEP = os.environ.get("OVERLAYREC_MODEL_KEEP") == "1"  # the records, for a look after a failure
@@ -1586,6 +1590,11 @@ def held_env(umask):
     yield from _model_env(knobs=HELD_KNOBS)
 
 
+@pytest.fixture(scope="module")
+def ranged_env(umask):
+    yield from _model_env(knobs=RANGED_KNOBS)
+
+
 def _label(plan: Plan) -> None:
     kinds = {o.op["op"] for o in plan.history}
     for k in sorted(kinds):
@@ -1825,6 +1834,17 @@ def test_every_reader_with_pre_images_held(held_env, seed, raw, which):
     (HELD_KNOBS): every removed file is read from its attic entry, and every reader agrees
     with the model as exactly as when the copy is made."""
     check_case(held_env, seed, raw, which)
+
+
+@pytest.mark.timeout(int((900 + 6 * LARGE_CASES) * SLOW))
+@settings(max_examples=LARGE_CASES, deadline=None, derandomize=FIXED, database=None,
+          phases=PHASES, suppress_health_check=list(HealthCheck))
+@given(**CASE)
+def test_every_reader_with_ranges_after_a_copy(ranged_env, seed, raw, which):
+    """The same cases with each file's first epoch saved whole and every later one by ranges
+    (RANGED_KNOBS: what a file past 64 KiB written by turns gets after its first copies):
+    every reader agrees with the model as exactly as with whole copies."""
+    check_case(ranged_env, seed, raw, which)
 
 
 def run_case(model_env, plan: Plan, which: int) -> tuple[list[AssertionError], str | None]:
