@@ -865,7 +865,11 @@ class Calls:
         return s
 
     def _recorded(self, sid: str) -> bool:
-        return self.journal.record("sessions", sid.encode()) is not None
+        """Does the record hold a session ``sid``, or did it (a gc dropped it: every reader
+        takes that name for the dropped one's, so a new session of it was hidden from them
+        all; found by a bug hunt)?"""
+        return self.journal.record("sessions", sid.encode()) is not None or \
+            self.journal.dropped_session(sid) is not None
 
     def _next_part(self, name: str, caller: dict) -> str:
         """A session named as one this record holds already: an agent's session resumed by a

@@ -893,8 +893,14 @@ def set_pin(j: Journal, sid: str, pinned: bool) -> str:
     """Pin or unpin a recorded session; a one-line answer."""
     if pinned:
         if j.record("sessions", sid.encode("utf-8", "surrogateescape")) is None:
-            gone = j.dropped_session(sid)
-            raise RetentionError(dropped_session_message(gone) if gone else f"no session {sid}")
+            # a name the record keeps as another session's alias leads to it, as the readers'
+            # --session does (a session begun by the name of one a gc dropped: NAME.2)
+            named = [s["id"] for s in j.records("sessions") if sid in (s.get("aliases") or ())]
+            if len(named) != 1:
+                gone = j.dropped_session(sid)
+                raise RetentionError(dropped_session_message(gone) if gone else
+                                     f"no session {sid}")
+            sid = named[0]
         j.set_pin(sid, True)
         return f"pinned session {sid}: no gc drops it (overlayrec unpin {sid} to release it)"
     if sid not in j.pins():

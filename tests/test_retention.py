@@ -730,3 +730,34 @@ def test_a_record_that_never_had_turns_says_so_after_a_gc(make_mount):
     gc(m, "--keep-last", "1")
     for args in (["diff", "--turn", "1"], ["log", "--turn", "1"]):
         fails(overlayrec(*args, m.ws, "--state-dir", m.state, check=False), "no turns recorded")
+
+
+def test_a_session_named_as_a_dropped_one_is_a_session_of_its_own(make_mount):
+    """A new session given the name of one a gc dropped took that name, and every reader took
+    it for the dropped one: not listed, not diffed, pinned or exported, never dropped by a
+    later gc (found by a bug hunt).  It is NAME.2, as a name the record still holds."""
+    m = make_mount()
+    for sid, text in (("A", "first-A"), ("B", "B")):
+        # a command the agent runs: a call of its own (an implicit one)
+        overlayrec("run", "-w", m.ws, "--state-dir", m.state, "--session", sid, "--", "sh",
+                   "-c", f"sh -c 'echo {text} > A.txt'", cwd=m.ws)
+    gc(m, "--keep-last", "1")
+    r = overlayrec("run", "-w", m.ws, "--state-dir", m.state, "--session", "A", "--", "sh",
+                   "-c", "sh -c 'echo second-A > A.txt'", cwd=m.ws)
+    assert "session A.2:" in r.stderr and "dropped" not in r.stderr, r.stderr
+    calls = [json.loads(x) for x in overlayrec("calls", m.ws, "--state-dir", m.state,
+                                               "--json").stdout.splitlines()]
+    assert sorted({c["session"] for c in calls}) == ["A.2", "B"], calls
+    d = overlayrec("diff", m.ws, "--state-dir", m.state, "--session", "A.2").stdout
+    assert "-B" in d and "+second-A" in d, d
+    # its name leads to it now, as a reused name the record still holds leads to its last part
+    r = overlayrec("pin", "A", "-w", m.ws, "--state-dir", m.state)
+    assert r.stdout.startswith("pinned session A.2:"), r.stdout
+    plan = json.loads(overlayrec("gc", m.ws, "--state-dir", m.state, "--keep-last", "0",
+                                 "--dry-run", "--json").stdout)
+    assert {(s["session"], s["action"]) for s in plan["sessions"]} == {("A.2", "keep"),
+                                                                       ("B", "drop")}, plan
+    to = os.path.join(m.base, "r")
+    overlayrec("replay", m.ws, "--state-dir", m.state, "--at", "after:session:A", "--to", to)
+    with open(os.path.join(to, "A.txt")) as f:
+        assert f.read() == "second-A\n"
