@@ -2324,7 +2324,7 @@ def show(seq, workspace, state_dir, as_json):
             vague = [p for p in every if not (before[p].exact and after[p].exact)]
             # a mode, an owner, an empty directory ...: the patch is silent, so say it, as
             # diff does (show printed the header alone; found by a bug hunt)
-            unshown = readers.event_not_in_patch(tree, before, after)
+            unshown = readers.event_not_in_patch(tree, before, after, ev["op"] == "drift")
     finally:
         os.close(tree.root_fd)
         j.close()

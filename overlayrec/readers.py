@@ -852,11 +852,27 @@ def guess_lines(side) -> list[str]:
         mixed = {p: us for p, us in mixed.items()
                  if not side.before.get(p, ABSENT).same(side.after.get(p, ABSENT))}
     if mixed:
-        out.append(f"overlayrec: {len(mixed)} path(s) here were changed by another writer too, "
-                   "between this selection's own changes (or, in a turn, before or after them "
-                   "within it; the diff holds theirs, and `revert` refuses them): " + ", ".join(
-                       f"{shown(p)} ({', '.join(us)})" for p, us in sorted(mixed.items())[:5])
-                   + (" ..." if len(mixed) > 5 else ""))
+        # a turn's path another writer changed only before the turn's first change to it: its
+        # revert puts back the state just before that change, theirs kept (the note said
+        # `revert` refuses them: found by a bug hunt)
+        earlier = getattr(side, "earlier", set())
+        refused = {p: us for p, us in mixed.items() if p not in earlier}
+        kept = {p: us for p, us in mixed.items() if p in earlier}
+
+        def some(paths: dict) -> str:
+            return ", ".join(f"{shown(p)} ({', '.join(us)})"
+                             for p, us in sorted(paths.items())[:5]) + \
+                (" ..." if len(paths) > 5 else "")
+        if refused:
+            out.append(f"overlayrec: {len(refused)} path(s) here were changed by another writer "
+                       "too, between this selection's own changes (or, in a turn, after them "
+                       "within it; the diff holds theirs, and `revert` refuses them): "
+                       + some(refused))
+        if kept:
+            out.append(f"overlayrec: {len(kept)} path(s) here were changed by another writer "
+                       "within this turn before its own first change to them (the diff holds "
+                       "theirs; `revert` keeps them, putting back what was there just before "
+                       "the turn's first change): " + some(kept))
     if side.late:
         out.append(f"overlayrec: {len(side.late)} path(s) here were changed after the call "
                    "ended, by a process it left running (a server, a watcher, a build daemon; "
@@ -940,7 +956,7 @@ def not_in_patch(side, paths: list[str], unlisted: bool = False) -> list[tuple[s
             while parent and parent not in shown_under:
                 shown_under.add(parent)
                 parent = parent.rpartition("/")[0]
-            said = [w for w in (_kind_left_out(p, b, a, side, paths),
+            said = [w for w in (_kind_left_out(p, b, a, side, paths, unlisted),
                                 _left_out_of_file(b, a, left)) if w]
             if said:
                 partly[p] = ", ".join(said)
@@ -990,10 +1006,11 @@ def _owners_differ(b, a) -> bool:
     return None not in (b.uid, a.uid) and (b.uid, b.gid) != (a.uid, a.gid)
 
 
-def _kind_left_out(p: str, b, a, side, paths: list[str]) -> str | None:
+def _kind_left_out(p: str, b, a, side, paths: list[str], unlisted: bool) -> str | None:
     """A file or symlink that became what no git tree holds, or came from it: a fifo, a socket,
-    a device, an empty directory (one with files is shown by them).  The patch shows only
-    the file's side: applied, it left the path missing, or failed on what stood there."""
+    a device, an empty directory (one with files is shown by them; ``unlisted``: what lies
+    beneath is not known, so none is called empty).  The patch shows only the file's side:
+    applied, it left the path missing, or failed on what stood there."""
     from .engines.states import ABSENT
 
     def unheld(s, states) -> str | None:
@@ -1001,7 +1018,7 @@ def _kind_left_out(p: str, b, a, side, paths: list[str]) -> str | None:
             return s.kind
         if s.kind == "dir" and not any(q.startswith(p + "/") and
                                        _git_entry(states.get(q, ABSENT)) for q in paths):
-            return "empty directory"
+            return "directory" if unlisted else "empty directory"
         return None
     after, before = unheld(a, side.after), unheld(b, side.before)
     if after:
@@ -1032,15 +1049,18 @@ def _left_out_of_file(b, a, left: set = frozenset()) -> str | None:
     return None
 
 
-def event_not_in_patch(tree, before: dict, after: dict) -> list[tuple[str, str]]:
+def event_not_in_patch(tree, before: dict, after: dict, drift: bool) -> list[tuple[str, str]]:
     """``not_in_patch`` of one event (``show``): its paths' states just before and just after
-    it, as ``diff`` says of a selection (a mode, an owner, an empty directory, a fifo ...)."""
+    it, as ``diff`` says of a selection (a mode, an owner, an empty directory, a fifo ...).
+    What lies beneath a directory a ``drift`` found is not among its paths: none is called
+    empty (a file the user replaced by a directory of files while unmounted was said "file ->
+    empty directory")."""
     from types import SimpleNamespace
     from .engines.states import is_unlisted
     from .views import git_refuses
     paths = [p for p in before if not git_refuses(p)]
     return not_in_patch(SimpleNamespace(before=before, after=after), paths,
-                        any(map(is_unlisted, tree.unreadable.values())))
+                        drift or any(map(is_unlisted, tree.unreadable.values())))
 
 
 def unshown_line(unshown: list[tuple[str, str]]) -> str:

@@ -733,6 +733,43 @@ def test_another_writers_change_inside_a_turn_is_said(make_mount, tmp_path, monk
     assert [s["conflict"] for s in plan["steps"]] in (["interleaved"], ["changed"]), plan
 
 
+TURN_AFTER_OUTSIDE = textwrap.dedent('''
+    import os, sys, time
+    from overlayrec import client
+    with client.connect() as c:
+        c.turn_begin(prompt="p")
+        open(sys.argv[1], "w").close()
+        while not os.path.exists(sys.argv[2]):
+            time.sleep(0.02)
+        c.call_begin("c1", "Edit")
+        with open("f.txt", "a") as f:
+            f.write("call-1\\n")
+        c.call_end("c1")
+        c.turn_end()
+''')
+
+
+def test_another_writers_change_before_a_turns_own_is_kept_by_its_revert_and_said_so(
+        make_mount, tmp_path):
+    """A user's line inside a turn but before its first change to the file: `diff --turn`
+    holds it (the turn's sides are its begin and end) and said `revert` refuses the path,
+    where `revert --turn` puts back the file as it was just before the turn's change, the
+    user's line kept (found by a bug hunt).  The note now says what the revert does."""
+    m = _f_with_base(make_mount)
+    run_with_outside_step(m, tmp_path, TURN_AFTER_OUTSIDE, lambda: _append_outside(m))
+    r = overlayrec("diff", m.ws, "--turn", "1")
+    assert "+OUTSIDE\n+call-1\n" in r.stdout, r.stdout
+    assert "refuses" not in r.stderr and \
+        "1 path(s) here were changed by another writer within this turn before its own " \
+        f"first change to them (the diff holds theirs; `revert` keeps them" in r.stderr and \
+        f"f.txt (outside:{os.getpid()}:" in r.stderr, r.stderr
+    plan = json.loads(overlayrec("revert", m.ws, "--turn", "1", "--json").stdout)
+    assert [s["conflict"] for s in plan["steps"]] == [None], plan
+    overlayrec("revert", m.ws, "--turn", "1", "--yes")
+    with open(os.path.join(m.ws, "f.txt")) as f:
+        assert f.read() == "base\nOUTSIDE\n"
+
+
 def test_a_patch_keeps_the_escape_characters_of_what_it_shows(make_mount, tmp_path):
     """A file's content and a symlink's target holding ANSI escapes (a test's coloured
     fixture): `diff` and `show`, written to a pipe, dropped them (click strips them where no
@@ -894,6 +931,30 @@ def test_show_says_what_the_patch_of_an_event_cannot_show(make_mount):
     write = json.loads(overlayrec("show", seqs.get(("drift", "f")), "-w", m.ws,
                                   "--json").stdout)
     assert write["diff"] == ""  # a mode alone: no patch, only the note
+
+
+def test_show_of_a_file_made_a_directory_while_unmounted_calls_it_no_empty_one(make_mount):
+    """A drift sees the path alone, not what lies beneath it: a file the user replaced by a
+    directory of files while unmounted is "file -> directory" (it was said "file -> empty
+    directory")."""
+    m = make_mount()
+    with open(os.path.join(m.ws, "f"), "w") as f:
+        f.write("f\n")
+    m.mount()
+    m.sh("echo more >> f")
+    m.umount()
+    os.remove(os.path.join(m.ws, "f"))
+    os.mkdir(os.path.join(m.ws, "f"))
+    for name in ("a", "b"):
+        with open(os.path.join(m.ws, "f", name), "w") as f:
+            f.write(name)
+    m.mount()
+    m.umount()
+    seq = next(str(e["seq"]) for e in m.events() if e["op"] == "drift" and e["path"] == "f")
+    r = overlayrec("show", seq, "-w", m.ws)
+    assert "1 change(s) a git patch cannot show: f (file -> directory)" in r.stderr, r.stderr
+    js = json.loads(overlayrec("show", seq, "-w", m.ws, "--json").stdout)
+    assert js["not_in_patch"] == [{"path": "f", "change": "file -> directory"}], js
 
 
 BETWEEN_THEN_LATE = textwrap.dedent(r'''

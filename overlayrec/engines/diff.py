@@ -38,6 +38,9 @@ class Side:
     # a call's paths another unit changed between the call's own changes (its diff, from the
     # call's first change to its last, holds them): path -> those units
     interleaved: dict[str, list[str]] = field(default_factory=dict)
+    # a turn's: those of them whose other writers changed them only before the turn's own
+    # first change to them (its diff holds their change; its revert keeps it)
+    earlier: set[str] = field(default_factory=set)
     # the selection's own events (select() sets them): what each writer did (own_changes)
     events: list[dict] | None = None
     # a session's: the reverts run inside it (an agent's call ran `overlayrec revert`), each
@@ -337,12 +340,15 @@ def _interleaved(states: States, side: Side, mine: list[dict], evs: list[dict], 
     first, last = bounds if bounds else (mine[0]["seq"], mine[-1]["seq"])
     inside = (lambda seq, lo, hi: lo < seq <= hi) if bounds else \
         (lambda seq, lo, hi: lo + 1 < seq < hi)
-    spans = None
+    spans = own_first = None
+    earlier: dict[str, bool] = {}  # a turn's path -> are all others' changes before its own?
     for e in evs:
         if not inside(e["seq"], first - (0 if bounds else 1), last) or own(e.get("unit")):
             continue
         if spans is None:
             spans = spans_of(states, mine, bounds)[0]
+            if bounds:  # the point a turn's revert puts each path back to
+                own_first = {p: lo for p, (lo, _) in spans_of(states, mine)[0].items()}
         for p in touched(states, e):
             span = spans.get(p)
             if span is not None and inside(e["seq"], *span) and p in side.writers:
@@ -350,8 +356,11 @@ def _interleaved(states: States, side: Side, mine: list[dict], evs: list[dict], 
                 side.writers[p].add(other)
                 if other not in side.interleaved.setdefault(p, []):
                     side.interleaved[p].append(other)
+                if own_first is not None:
+                    earlier[p] = earlier.get(p, True) and e["seq"] <= own_first.get(p, -1)
     if spans is None:  # no other unit's change among them
         return
+    side.earlier = {p for p, yes in earlier.items() if yes}
     # and the path a file ends up at, where another unit changed it under a name the selection
     # then renamed it from (`mv a a.bak`, the user's edit of a.bak, `mv a.bak a`): the diff of
     # that path holds the change, though no other writer is in its own chain
@@ -363,6 +372,7 @@ def _interleaved(states: States, side: Side, mine: list[dict], evs: list[dict], 
             side.writers[p].add(other)
             if other not in side.interleaved.setdefault(p, []):
                 side.interleaved[p].append(other)
+        side.earlier.discard(p)
 
 
 def find_call(j: Journal, call: str, session: str | None = None,
