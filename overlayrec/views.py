@@ -370,7 +370,11 @@ def session_summary(j: Journal, sid: str, net=None) -> list[str]:
     lines = [f"overlayrec: session {one_line(sid)}: {len(turns)} turn(s), {ncalls} call(s), "
              f"{count(total).replace('file(s)', 'file(s) changed', 1)}"]
     for who, wevs in sorted(by_writer.items()):
-        lines.append(f"  {who}: " + count(unit_listing(net, wevs)))
+        row = unit_listing(net, wevs)
+        if row["files"] or row["git_changes"]:
+            # a writer that left nothing changed is no writer of the session's files (a
+            # user's `sed -i` that matched nothing was listed "0 file(s)": a bug hunt)
+            lines.append(f"  {who}: " + count(row))
     if rec.get("ended") is None:
         lines.append("  (session still open)")
     return lines

@@ -650,3 +650,37 @@ def test_a_calls_row_says_it_names_only_its_first_processes():
             if line.startswith("s ")]
     assert rows[0].endswith("p0[0], p1[1], p2[2], p3[3]"), rows
     assert rows[1].endswith("p0[0], p1[1], p2[2], p3[3] ..."), rows
+
+
+@needs_fuse
+def test_runs_summary_names_no_writer_that_left_nothing_changed(make_mount, tmp_path):
+    """A user's `sed -i` that matched nothing (a rewrite with the same content) during a run:
+    the summary listed "outside: sed[PID]: 0 file(s)"; a listing names only what a writer
+    left changed (found by a bug hunt).  One that changed a file is still named."""
+    m = make_mount()
+    for name in ("f", "g"):
+        with open(os.path.join(m.ws, name), "w") as f:
+            f.write("base\n")
+    m.mount()
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    run = subprocess.Popen(
+        [sys.executable, "-m", "overlayrec", "run", "-w", m.ws, "--session", "s", "--", "sh",
+         "-c", f"sh -c 'echo agent >> f'; touch {ready}; while [ ! -e {go} ]; do sleep 0.02; "
+         "done"], cwd=m.ws, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            assert time.monotonic() < deadline and run.poll() is None
+            time.sleep(0.02)
+        m.sh("sed -i s/nomatch/x/ f")        # the same content: no change
+        m.sh("sed -i s/base/user/ g")        # a change
+        go.touch()
+        _, err = run.communicate(timeout=60)
+        assert run.returncode == 0, err
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    outside = [line for line in err.splitlines() if line.startswith("  outside: ")]
+    assert len(outside) == 1 and outside[0].endswith(": 1 file(s)"), err
+    assert "agent tool calls: 1 file(s)" in err, err
