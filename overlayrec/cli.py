@@ -2659,7 +2659,10 @@ def gc(workspace, keep_last, keep_within, max_bytes, let_go_reverts, dry_run, as
         n = sum(r["action"] == "drop" for r in out.get("sessions", []))
         click.echo(f"dry run: would drop {n} session(s); the record would start at seq "
                    f"{max(out.get('cut') or 1, 1)}; about {_mib(before.get('total', 0))} -> "
-                   f"{_mib(est.get('total', 0))}")
+                   f"{_mib(est.get('total', 0))}"
+                   # the journal's pages after a cut are estimated; the gc measures them
+                   + ("; an estimate: the gc itself measures after each drop and drops more "
+                      "while over the budget" if out.get("budget") is not None else ""))
     else:
         after = out.get("size_after") or {}
         sw = out.get("swept") or {}

@@ -772,10 +772,15 @@ def _gc_rounds(j: Journal, sd: str, policy: Policy, out: dict, live, attic_fd, d
         drop = [r for r in p["sessions"] if r["action"] == "drop"]
         if rounds:  # the first round's table says what each later round dropped too
             again = {r["session"]: r for r in drop}
+            kept = {r["session"]: r for r in p["sessions"] if r["action"] == "keep"}
             for row in out["sessions"]:
                 if row["session"] in again and row["action"] != "drop":
                     row.update(action="drop", why=again[row["session"]]["why"] +
                                " (measured after the sessions before it went)")
+                elif row["session"] in kept:
+                    # and why each kept one is kept now ("newer than kept session s3" was
+                    # left where this round dropped s3: found by a bug hunt)
+                    row["why"] = kept[row["session"]]["why"]
         now = time.time_ns()
         if p["let_go"]:  # before the cut: no unrevert may start from what it drops
             _let_go(sd, p["let_go"], p["cut"], now)

@@ -761,3 +761,29 @@ def test_a_session_named_as_a_dropped_one_is_a_session_of_its_own(make_mount):
     overlayrec("replay", m.ws, "--state-dir", m.state, "--at", "after:session:A", "--to", to)
     with open(os.path.join(to, "A.txt")) as f:
         assert f.read() == "second-A\n"
+
+
+def test_a_later_rounds_table_says_why_each_session_is_kept_now(make_mount, tmp_path,
+                                                               monkeypatch):
+    """A budget whose first round's estimate came out short: a later round drops the next
+    session, and the table kept saying of the newer ones "newer than kept session s2" with s2
+    dropped (found by a bug hunt).  The first measure is made to read over the budget here."""
+    m = make_mount()
+    try:
+        record(m, tmp_path, 3, size=120000)
+    finally:
+        m.umount()
+    plan = gc(m, "--dry-run")
+    budget = plan["size_before"]["total"] - 1  # the estimate: one session's drop meets it
+    real, calls = retention.record_size, []
+
+    def first_over(j, attic_fd=None):
+        size = real(j, attic_fd)
+        calls.append(size["total"])
+        return dict(size, total=budget + 1) if len(calls) == 1 else size
+    monkeypatch.setattr(retention, "record_size", first_over)
+    out = retention.gc_unmounted(m.ws, m.state, retention.Policy(max_bytes=budget))
+    assert out["dropped"] == ["s1", "s2"], out
+    rows = {r["session"]: r for r in out["sessions"]}
+    assert "measured after the sessions before it went" in rows["s2"]["why"], rows
+    assert rows["s3"]["action"] == "keep" and "s2" not in rows["s3"]["why"], rows
