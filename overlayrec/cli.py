@@ -2677,6 +2677,12 @@ def gc(workspace, keep_last, keep_within, max_bytes, let_go_reverts, dry_run, as
             click.echo(f"journal compacted: {_mib(comp['before'])} -> {_mib(comp['after'])}")
         elif comp.get("why"):
             click.echo(f"journal not compacted: {comp['why']}")
+        ex = out.get("exports") or {}
+        if ex.get("bytes_after") is not None:
+            click.echo(f"private git store (diffs, exports): {_mib(ex['bytes_before'])} -> "
+                       f"{_mib(ex['bytes_after'])}"
+                       + (f", {ex['refs']} export ref(s) of dropped sessions deleted"
+                          if ex.get("refs") else ""))
     if out.get("over_budget"):
         click.echo(f"overlayrec: still over the budget of {_mib(max_bytes)}: "
                    f"{out['over_budget']}", err=True)

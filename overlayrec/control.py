@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import struct
+import time
 
 import trio
 
@@ -249,11 +250,25 @@ class ControlServer:
         requests, yielding to the mount between batches; one at a time."""
         out: dict = {}
         async with self._gc_lock:
+            began = time.time_ns()
             for _ in self.gc_steps(req, out):
                 await trio.sleep(0)
+            if not req.get("dry_run"):
+                self.forget_exports(out, began)
         out["compaction"] = {"compacted": False, "why": "mounted: the free pages are reused "
                              "by the journal, and given back by a gc while unmounted"}
         return out
+
+    def forget_exports(self, out: dict, began: int) -> None:
+        """retention.forget_exports after a gc here: git's gc of the private store runs on its
+        own (a repack of a large store would hold up the mount)."""
+        from . import retention
+        try:
+            out["exports"] = retention.forget_exports(
+                os.path.dirname(self.path), retention.gone_sessions(self.calls.journal), began,
+                pruned=bool(out.get("dropped")), wait=False)
+        except Exception:  # the record is whole either way: the next gc looks again
+            log.exception("forgetting the dropped sessions' exports failed")
 
     def writing(self) -> list[dict]:
         """The files a descriptor is open on for writing, each with the unit its writes go to

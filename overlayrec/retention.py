@@ -825,6 +825,104 @@ def _gc_rounds(j: Journal, sd: str, policy: Policy, out: dict, live, attic_fd, d
                                       "swept": out.get("swept")}))
 
 
+# -- the private git store: what only the dropped sessions' exports and diffs kept ------------
+
+EXPORT_REFS = "refs/overlayrec/"
+
+
+def _git_env(git_dir: str) -> dict:
+    return dict(os.environ, GIT_DIR=git_dir, GIT_CONFIG_NOSYSTEM="1",
+                GIT_CONFIG_GLOBAL=os.devnull)
+
+
+def _tree_bytes(path: str) -> int:
+    total = 0
+    for d, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(d, name)).st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
+def gone_sessions(j: Journal) -> list[str]:
+    """The sessions gcs dropped whose names no session of the record has (forget_exports)."""
+    held = {r["id"] for r in j.records("sessions")}
+    return [d["id"] for d in j.dropped_sessions() if d.get("id") not in held]
+
+
+def forget_exports(sd: str, dropped: list[str], since_ns: int, *, pruned: bool = True,
+                   wait: bool = True) -> dict:
+    """After a gc: the private git store (``git/``) forgets the sessions gcs dropped
+    (``dropped``: gone_sessions).  Their export refs (the commits' ``Overlayrec-Session``
+    trailer names them) are deleted and each export state file (``export-*.json``) forgets
+    them; then, when some were deleted or ``pruned`` (this gc dropped sessions), git's own gc
+    prunes what no ref names any more and was written before the gc began (``since_ns``: a
+    reader writing its diff's objects meanwhile keeps them): those sessions' commits and the
+    blobs diffs wrote.  The store kept every dropped session's content for good (found by a
+    bug hunt).  ``wait`` False (the daemon): git's gc is left running on its own."""
+    import subprocess
+    git_dir = os.path.join(sd, "git")
+    for name in sorted(os.listdir(sd)):
+        if not (name.startswith("export-") and name.endswith(".json")) or \
+                name.endswith(".live.json"):
+            continue
+        path = os.path.join(sd, name)
+        try:
+            with open(path) as f:
+                done = json.load(f)
+        except (OSError, ValueError):
+            continue
+        sessions = done.get("sessions") if isinstance(done, dict) else None
+        if isinstance(sessions, dict) and set(sessions) & set(dropped):
+            for sid in dropped:
+                sessions.pop(sid, None)
+            state.replace_private(path, json.dumps(done).encode())
+    out = {"refs": 0, "bytes_before": None, "bytes_after": None}
+    if not (dropped or pruned) or not os.path.exists(os.path.join(git_dir, "HEAD")):
+        return out
+    env = _git_env(git_dir)
+    old_umask = os.umask(0o077)  # the store stays the user's alone (docs/storage.md)
+    try:
+        listed = subprocess.run(
+            ["git", "for-each-ref", "--format=%(refname)%00%(trailers:key=Overlayrec-Session,"
+             "valueonly,separator=%x00)", EXPORT_REFS], env=env, capture_output=True,
+            cwd="/", timeout=300)
+        if listed.returncode != 0:
+            log.warning("gc: the export refs could not be listed: %s",
+                        listed.stderr.decode(errors="replace").strip())
+            return out
+        gone = set(dropped)
+        refs = [] if not gone else [fields[0] for line in listed.stdout.decode("utf-8", "surrogateescape")
+                .splitlines() if len(fields := line.split("\0")) > 1 and fields[1] in gone]
+        if refs:
+            subprocess.run(["git", "update-ref", "--stdin"], env=env, cwd="/", timeout=300,
+                           input="".join(f"delete {r}\n" for r in refs).encode(
+                               "utf-8", "surrogateescape"), capture_output=True, check=True)
+        out["refs"] = len(refs)
+        if not (refs or pruned):
+            return out
+        prune = ["git", "-c", "gc.autoDetach=false", "gc", "--quiet",
+                 f"--prune=@{since_ns // 10**9}"]
+        if not wait:  # its own process, not the daemon's child: nothing left to reap
+            subprocess.Popen(prune, env=env, cwd="/", stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+            return out
+        out["bytes_before"] = _tree_bytes(git_dir)
+        r = subprocess.run(prune, env=env, cwd="/", capture_output=True, timeout=3600)
+        if r.returncode != 0:
+            log.warning("gc: git gc of the private store failed: %s",
+                        r.stderr.decode(errors="replace").strip())
+        out["bytes_after"] = _tree_bytes(git_dir)
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("gc: the private git store was not pruned: %s", e)
+    finally:
+        os.umask(old_umask)
+    return out
+
+
 def _let_go(sd: str, ids: list[str], cut: int, now: int) -> None:
     """Mark these done reverts let go (state.revert_undoable: no unrevert undoes them any
     more), before the cut drops what an unrevert of them would read."""
@@ -858,17 +956,20 @@ def gc_unmounted(ws: str, sd: str, policy: Policy, dry_run: bool = False) -> dic
                 return run_gc(j, sd, policy, attic_fd=attic_fd, dry_run=True)
             finally:
                 j.close()
+        began = time.time_ns()
         lock = writer_lock(sd)
         try:
             j = Journal(sd)
             try:
                 out = run_gc(j, sd, policy, attic_fd=attic_fd)
+                gone = gone_sessions(j)
             finally:
                 j.close()
             _fault("before-compact")
             out["compaction"] = compact(sd)
         finally:
             os.close(lock)
+        out["exports"] = forget_exports(sd, gone, began, pruned=bool(out.get("dropped")))
         if out["compaction"].get("compacted"):
             j = Journal(sd, readonly=True)
             try:

@@ -787,3 +787,58 @@ def test_a_later_rounds_table_says_why_each_session_is_kept_now(make_mount, tmp_
     rows = {r["session"]: r for r in out["sessions"]}
     assert "measured after the sessions before it went" in rows["s2"]["why"], rows
     assert rows["s3"]["action"] == "keep" and "s2" not in rows["s3"]["why"], rows
+
+
+@pytest.mark.parametrize("mounted", [False, True], ids=["unmounted", "mounted"])
+def test_gc_lets_the_private_git_store_forget_what_it_dropped(make_mount, tmp_path, mounted):
+    """The private git store (`git/`: diffs' blobs, exports' commits) kept every dropped
+    session's content for good: a content only session A ever held was still in it after a
+    gc dropped A (found by a bug hunt).  A's export refs go, the export state forgets A, and
+    what no ref names is pruned; the kept session still diffs and exports incrementally."""
+    import hashlib
+    import subprocess as sp
+    m = make_mount()
+    first, second = os.urandom(300000), os.urandom(300000)
+    (tmp_path / "v1").write_bytes(first)
+    (tmp_path / "v2").write_bytes(second)
+    overlayrec("run", "-w", m.ws, "--state-dir", m.state, "--session", "A", "--", "sh", "-c",
+               f"sh -c 'cp {tmp_path}/v1 f.bin'; sh -c 'cp {tmp_path}/v2 f.bin'", cwd=m.ws)
+    overlayrec("run", "-w", m.ws, "--state-dir", m.state, "--session", "B", "--", "sh", "-c",
+               "sh -c 'echo b > b.txt'", cwd=m.ws)
+    overlayrec("diff", m.ws, "--state-dir", m.state, "--session", "A")
+    overlayrec("export", "git", "-w", m.ws, "--state-dir", m.state)
+    git = os.path.join(m.state, "git")
+    only_a = hashlib.sha1(b"blob %d\0" % len(first) + first).hexdigest()
+
+    def held(obj: str) -> bool:
+        return sp.run(["git", "--git-dir", git, "cat-file", "-e", obj],
+                      capture_output=True).returncode == 0
+
+    def refs() -> list[str]:
+        return sp.run(["git", "--git-dir", git, "for-each-ref", "--format=%(refname)"],
+                      capture_output=True, text=True, check=True).stdout.split()
+    assert held(only_a) and any(r.startswith("refs/overlayrec/A/") for r in refs())
+    time.sleep(1.1)  # what the gc prunes was written before the second it began in
+    if mounted:
+        m.mount()
+        try:
+            overlayrec("gc", m.ws, "--state-dir", m.state, "--keep-last", "1")
+            deadline = time.monotonic() + 60 * SLOW  # git's gc runs on its own there
+            while held(only_a) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        finally:
+            m.umount()
+    else:
+        out = gc(m, "--keep-last", "1")
+        assert out["exports"]["refs"] >= 3, out["exports"]
+        assert out["exports"]["bytes_after"] < out["exports"]["bytes_before"], out["exports"]
+    assert not held(only_a)
+    assert refs() and not any(r.startswith("refs/overlayrec/A/") for r in refs()), refs()
+    for name in os.listdir(m.state):
+        if name.startswith("export-") and name.endswith(".json") and ".live" not in name:
+            with open(os.path.join(m.state, name)) as f:
+                assert list(json.load(f)["sessions"]) == ["B"]
+    d = overlayrec("diff", m.ws, "--state-dir", m.state, "--session", "B").stdout
+    assert "+b" in d, d
+    r = overlayrec("export", "git", "-w", m.ws, "--state-dir", m.state)
+    assert "wrote 0 commit(s)" in r.stdout, r.stdout
