@@ -187,11 +187,25 @@ async def _serve(control: ControlServer, ws: str, owner: dict | None,
         control.stop = lambda detach=False: nursery.start_soon(end, detach)
         nursery.start_soon(control.serve)
         async def on_signal():
-            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as sigs:
-                async for signum in sigs:
-                    log.info("signal %d: unmounting", signum)
-                    control.end()
-                    return
+            ending, got = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP), []
+
+            def later(signum, frame):
+                got.append(signum)
+                log.info("signal %d: already unmounting", signum)
+            # the end (the flush, the unmount, the seal) is not cut short by another signal:
+            # the receiver puts back, when it closes, what was there before it (the default:
+            # a second SIGTERM, of two `umount`s or of a `run` ending beside one, killed the
+            # daemon before it sealed; found by a bug hunt), and redelivers a signal queued
+            # then.  SIGKILL still ends a daemon that hangs
+            for sig in ending:
+                signal.signal(sig, later)
+            with trio.open_signal_receiver(*ending) as sigs:
+                if not got:  # (one that came just before the receiver opened counts)
+                    async for signum in sigs:
+                        got.append(signum)
+                        break
+            log.info("signal %d: unmounting", got[0])
+            control.end()
         nursery.start_soon(on_signal)
         async def end_exited_calls(calls=control.calls):
             # an implicit call ends once its processes have exited: looked at every 0.25 s, in

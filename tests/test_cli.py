@@ -417,6 +417,36 @@ def test_sigterm_and_sigint_unmount_cleanly(make_mount):
 
 
 @needs_fuse
+@pytest.mark.parametrize("sig", ["TERM", "INT", "HUP"])
+def test_a_second_signal_while_the_daemon_ends_does_not_cut_its_seal_short(make_mount, sig):
+    """Two SIGTERMs back to back (two `umount`s, a `run` ending beside one): the first ended
+    the daemon's signal receiver, the default disposition came back, and the second killed
+    the daemon before it sealed (the record left unsealed, a dead mount left over the
+    workspace; found by a bug hunt)."""
+    import signal
+    import time
+    # a daemon that takes its time to end, as a busy one may: the second signal comes then
+    m = make_mount(sub=f"s{sig}", env=dict(os.environ, OVERLAYREC_TEST_END_DELAY="1")).mount()
+    m.sh("for i in $(seq 1 300); do echo $i > f$i; done")
+    pid = json.load(open(os.path.join(m.state, "daemon.json")))["pid"]
+    log_path = os.path.join(m.state, "daemon.log")
+    os.kill(pid, getattr(signal, f"SIG{sig}"))
+    deadline = time.monotonic() + 20
+    while ": unmounting" not in open(log_path).read():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    os.kill(pid, getattr(signal, f"SIG{sig}"))
+    while (is_mounted(m.ws) or os.path.exists(f"/proc/{pid}")) and \
+            time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not is_mounted(m.ws) and not os.path.exists(f"/proc/{pid}")
+    log = open(log_path).read()
+    assert "already unmounting" in log and "unmounted" in log, log
+    st = json.loads(overlayrec("status", m.ws, "--state-dir", m.state, "--json").stdout)
+    assert st["left_unsealed"] is False, st
+
+
+@needs_fuse
 def test_status_takes_the_state_dir_a_mount_was_given(make_mount, tmp_path):
     """A workspace mounted with --state-dir is found through the registry; where the registry
     does not name it (another XDG_STATE_HOME, a registry removed), ``status --state-dir`` reads
