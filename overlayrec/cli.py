@@ -115,7 +115,8 @@ def _workspace_param(default: str | None = ".", required: bool = False, type=Non
                 kw["workspace"] = workspace_opt
             elif kw.get("workspace") is None:
                 if required:
-                    raise Usage("Missing argument 'WORKSPACE' (or -w WORKSPACE).",
+                    raise Usage("Missing argument 'WORKSPACE' (or -w WORKSPACE): this command "
+                                "does not take it from the current directory.",
                                 click.get_current_context())
                 kw["workspace"] = default
             return fn(*a, **kw)
@@ -578,6 +579,16 @@ def umount(workspace, timeout):
         "once nothing holds the mount)" if live else \
         " (cleared a dead mount)" if not pid else ""
     click.echo(f"unmounted {ws}{note}")
+    try:
+        here = os.getcwd()
+    except OSError:  # the mount's directory, gone with it
+        here = None
+    if here is None or _beneath(here, ws):
+        # the caller's own shell (left out of the warning above, as this command's ancestor)
+        # has its working directory there: its next command said "Transport endpoint is not
+        # connected" without a word why (found by a bug hunt)
+        click.echo("overlayrec: your working directory was in it: `cd` out and back in to "
+                   "see the workspace as it is now", err=True)
     if unsealed:
         raise Fail(unsealed)
     if not pid and not refused and not live:

@@ -476,9 +476,56 @@ def check_state_dir(ws: str, state_dir: str) -> str:
         # found by a bug hunt)
         raise StateError(f"the registry of mounts ({registry}, under XDG_STATE_HOME) is "
                          "inside the workspace; set XDG_STATE_HOME outside it")
+    _refuse_anothers_record(ws, sd, state_dir)
     check_state_dir_private(sd)
     check_private(registry, "registry dir")
     return sd
+
+
+def _within(path: str, top: str) -> bool:
+    return path == top or path.startswith(top.rstrip("/") + "/") or is_beneath(path, top)
+
+
+def _refuse_anothers_record(ws: str, sd: str, given: str) -> None:
+    """A state dir inside another recorded workspace, or a workspace holding the state dir of
+    another one mounted now: the first daemon's journal is then written through the second's
+    mount, which records it, and each waits on the other (a write in either hung, `umount`
+    too; with one of them, every write of the other failed with EIO once the first was
+    unmounted under it; found by a bug hunt).  StateError."""
+    entries = registered()
+    for other in sorted(set(overlayrec_mounts()) | {w for w, _ in entries}):
+        if other != ws and os.path.isdir(other) and _within(sd, other):
+            raise StateError(f"state dir {given} is inside the recorded workspace {other}: "
+                             "its mount would record this record, and each wait on the "
+                             "other; put it outside every recorded workspace")
+    for other, other_sd in entries:
+        if other != ws and fuse_mount_at(other) and _within(other_sd, ws):
+            raise StateError(f"{ws} holds the state dir of the mounted workspace {other} "
+                             f"({other_sd}): a mount here would cover that record; give "
+                             f"{other} a state dir outside, or unmount it first")
+
+
+def registered() -> list[tuple[str, str]]:
+    """(workspace, state dir) of each entry in this user's registry of mounts."""
+    import json
+    d = os.path.join(state_home(), "overlayrec", "mounts")
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        if not name.endswith(".json"):
+            continue
+        try:
+            with open(os.path.join(d, name), "rb") as f:
+                entry = json.loads(f.read().decode("utf-8", "surrogateescape"))
+            ws, sd = entry["workspace"], entry["state_dir"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if isinstance(ws, str) and isinstance(sd, str) and ws and sd:
+            out.append((ws, os.path.realpath(sd)))
+    return out
 
 
 def _identity(path: str) -> tuple[int, int] | None:

@@ -103,6 +103,65 @@ def test_a_state_dir_of_another_workspace_is_refused_by_every_command(tmp_path):
     overlayrec("check", str(ws), "--state-dir", sd)
 
 
+@needs_fuse
+def test_a_state_dir_inside_another_recorded_workspace_is_refused(make_mount, tmp_path):
+    """Workspace A's state dir inside workspace B, B mounted: A's daemon wrote its journal
+    through B's mount, and each waited on the other (writes in both hung, `umount` too); B
+    mounted over a state dir A's mounted daemon writes: once B was unmounted under it every
+    write of A failed with EIO (found by a bug hunt).  Both mounts are refused, in one line,
+    before anything is made; A with its state dir beside B mounts."""
+    b = make_mount(sub="B").mount()
+    a_ws = tmp_path / "A"
+    a_ws.mkdir()
+    inside = os.path.join(b.ws, "stA")
+    for args in (["mount", str(a_ws), "--state-dir", inside],
+                 ["run", "-w", str(a_ws), "--state-dir", inside, "--", "true"]):
+        try:
+            one_line_error(overlayrec(*args, check=False),
+                           f"state dir {inside} is inside the recorded workspace {b.ws}")
+            assert not is_mounted(str(a_ws))
+        finally:
+            force_unmount(str(a_ws))
+    assert not os.path.exists(inside)
+    b.umount()
+    # a workspace never recorded holds it: A mounts; then a mount of that workspace, which
+    # would cover A's record, is refused
+    c = tmp_path / "C"
+    c.mkdir()
+    held = str(c / "stA")
+    overlayrec("mount", str(a_ws), "--state-dir", held)
+    try:
+        one_line_error(overlayrec("mount", str(c), "--state-dir", str(tmp_path / "stC"),
+                                  check=False),
+                       f"{c} holds the state dir of the mounted workspace {a_ws}")
+        assert not is_mounted(str(c))
+        with open(a_ws / "f", "w") as f:  # A goes on
+            f.write("a\n")
+    finally:
+        overlayrec("umount", str(a_ws), check=False)
+        force_unmount(str(a_ws))
+        force_unmount(str(c))
+
+
+@needs_fuse
+def test_umount_from_inside_says_the_callers_directory_went_with_it(make_mount):
+    """`cd WS && overlayrec umount .`: the calling shell's next command said "Transport
+    endpoint is not connected" without a word why; `umount` with no workspace said only
+    "Missing argument" where every other command takes the current directory (found by a bug
+    hunt)."""
+    m = make_mount().mount()
+    r = overlayrec("umount", cwd=m.ws, check=False)
+    assert r.returncode == 2 and "does not take it from the current directory" in r.stderr, \
+        r.stderr
+    assert is_mounted(m.ws)
+    r = overlayrec("umount", ".", cwd=m.ws)
+    assert not is_mounted(m.ws)
+    assert "your working directory was in it: `cd` out and back in" in r.stderr, r.stderr
+    m.mount()
+    r = overlayrec("umount", m.ws, cwd=m.base)
+    assert "working directory" not in r.stderr, r.stderr
+
+
 def test_state_dir_holding_the_workspace_is_refused(tmp_path):
     """The other way round (found by a bug hunt): a workspace named as one of the state dir's
     own entries was the state dir's: `run -w sd/git --state-dir sd` let a reader make its bare
