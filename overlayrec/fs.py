@@ -785,6 +785,7 @@ class Operations(pyfuse3.Operations):
         writing = flags & _ACCMODE != os.O_RDONLY
         actor = self._actor(ctx) if writing or flags & os.O_TRUNC else None
         io_flags = self._io_flags(flags)
+        self._refuse_replaced(i)
         if flags & os.O_TRUNC:
             # the open itself truncates: journal the content first, then open without O_TRUNC
             # and truncate, so the pre-image is read before the data goes
@@ -813,6 +814,35 @@ class Operations(pyfuse3.Operations):
         info = self._file_info(fd, i, actor if writing else None)
         self.handles[info.fh].append = bool(flags & os.O_APPEND)
         return info
+
+    def _refuse_replaced(self, inode: Inode) -> None:
+        """ESTALE for an open of a file that another object replaced beneath the mount (an
+        editor working there since before the mount saved it by rename: vim's backup rename,
+        a safe write's rename over): the kernel's entry, kept for its timeout, still led to the
+        old inode.  Its fd held here, an agent's write went into that removed file, lost, and a
+        read gave the old content, which the agent then wrote back over the user's edit; its
+        fd not held, the first READ failed with ESTALE (found by a bug hunt).  On ESTALE the
+        kernel looks the name up again and opens what it holds now.  One stat: of the held fd
+        (its name looked at only once it has no link left: a removed file's descriptor reopened
+        through /proc/self/fd opens as before), else of the name."""
+        if inode.parent is None or inode.name is None or inode is self.root:
+            return
+        if inode.opath >= 0:
+            if os.fstat(inode.opath).st_nlink:
+                return
+            try:
+                st = os.lstat(inode.name, dir_fd=self._fd(inode.parent))
+            except OSError:
+                return
+        else:
+            try:
+                st = os.lstat(inode.name, dir_fd=self._fd(inode.parent))
+            except (FileNotFoundError, NotADirectoryError):
+                raise pyfuse3.FUSEError(errno.ESTALE) from None  # removed: no fd to serve it
+            except OSError:
+                return  # (a parent this user may not search: the open's own fd says)
+        if (st.st_dev, st.st_ino) != inode.key:
+            raise pyfuse3.FUSEError(errno.ESTALE)
 
     def _handle_fd(self, h: "Handle") -> int:
         """The underlay fd of a file handle, opened now if its open was left to the first

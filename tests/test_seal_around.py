@@ -550,3 +550,60 @@ def test_a_unit_of_more_paths_than_a_seal_chunk_reads_back_whole(make_mount, tmp
         assert got == want, sorted(set(got.items()) ^ set(want.items()))[:5]
     overlayrec("revert", m.ws, "--state-dir", m.state, "--session", "s", "--yes")
     assert tree(m.ws) == before
+
+
+# an editor whose directory was entered before the mount saves each file by rename, vim's
+# way (the old one renamed to NAME~, the new one written, NAME~ removed), when told to
+SAVES_BENEATH = r'''
+import os, sys, time
+flags, names = sys.argv[1], sys.argv[2:]
+for name in names:
+    while not os.path.exists(os.path.join(flags, "save-" + name)):
+        time.sleep(0.01)
+    os.rename(name, name + "~")
+    with open(name, "w") as f:
+        f.write(open(name + "~").read() + "user-line\n")
+    os.unlink(name + "~")
+    open(os.path.join(flags, "saved-" + name), "w").close()
+'''
+
+
+@needs_fuse
+def test_a_file_an_editor_beneath_the_mount_saved_by_rename_is_the_one_opened(make_mount,
+                                                                              tmp_path):
+    """The kernel's entry of a name (kept 300 s) led to the old inode after an editor that
+    works beneath the mount saved the file by rename: the agent's write through the mount
+    went into the removed file (lost), its read gave the old content (which it then wrote
+    back over the user's line), or failed with ESTALE (found by a bug hunt).  The open now
+    finds the name replaced, and the kernel looks it up again: the new file is the one read
+    and written, with its fd held by the daemon (a) or not (b: known from a listing)."""
+    m = make_mount()
+    for name in ("a", "b"):
+        with open(os.path.join(m.ws, name), "w") as f:
+            f.write(f"{name}-base\n")
+    flags = tmp_path / "flags"
+    flags.mkdir()
+    (tmp_path / "saves.py").write_text(SAVES_BENEATH)
+    editor = subprocess.Popen([sys.executable, str(tmp_path / "saves.py"), str(flags), "a", "b"],
+                              cwd=m.ws)
+    try:
+        time.sleep(0.3)  # its directory entered before the mount
+        m.mount()
+        assert m.sh("cat a").stdout == "a-base\n"          # looked up: its fd held
+        assert "b" in m.sh("ls -l").stdout                  # b known from the listing only
+        for name in ("a", "b"):
+            (flags / f"save-{name}").touch()
+            deadline = time.monotonic() + 20
+            while not (flags / f"saved-{name}").exists():
+                assert time.monotonic() < deadline and editor.poll() is None
+                time.sleep(0.01)
+            assert m.sh(f"cat {name}").stdout == f"{name}-base\nuser-line\n", name
+            m.sh(f"echo agent-line >> {name}")
+    finally:
+        if editor.poll() is None:
+            editor.kill()
+        editor.wait()
+        m.umount()
+    for name in ("a", "b"):
+        with open(os.path.join(m.ws, name)) as f:
+            assert f.read() == f"{name}-base\nuser-line\nagent-line\n", name
