@@ -61,6 +61,14 @@ log = logging.getLogger(__name__)
 
 HZ = os.sysconf("SC_CLK_TCK")
 SHELLS = {"sh", "bash", "dash", "zsh", "fish", "ksh", "busybox", "env", "timeout", "nice"}
+# what hosts the user's terminals: every pane, tab or login is its descendant, so none is an
+# agent (agent_for_hook takes the shell below it: the one the session was begun from)
+TERMINAL_HOSTS = {
+    "tmux", "screen", "SCREEN", "zellij", "abduco", "dtach", "mosh-server", "sshd",
+    "sshd-session", "login", "systemd", "init", "gnome-terminal-server", "gnome-terminal",
+    "konsole", "xterm", "uxterm", "kitty", "alacritty", "wezterm", "wezterm-gui", "foot",
+    "terminator", "tilix", "urxvt", "rxvt", "st", "xfce4-terminal", "mate-terminal",
+    "lxterminal", "qterminal", "guake", "yakuake", "terminology", "ghostty", "warp-terminal"}
 # what a command's words are compared without: the quoting an agent wraps it in (Claude Code
 # runs `bash -c -l "... eval '<command>' ..."`, escaping the command's own quotes)
 _QUOTING = str.maketrans("", "", "'\"\\")
@@ -763,15 +771,24 @@ class Calls:
         return lin
 
     def agent_for_hook(self, caller: dict) -> dict:
-        """The agent behind a hook process: its first ancestor that is not a shell or us."""
-        pid = caller["ppid"]
+        """The agent behind a hook process: its first ancestor that is not a shell or us.
+        When that is what hosts the user's terminals (TERMINAL_HOSTS: a session begun by hand
+        in a tmux pane), the nearest shell below it: the tmux server was taken for the agent,
+        and the user's vim in another pane wrote as the session's (a revert of the call then
+        threw the user's edit away; found by a bug hunt)."""
+        pid, shell = caller["ppid"], None
         for _ in range(16):
             a = read_actor(pid)
-            name = os.path.basename((a.get("argv") or [""])[0])
+            argv = a.get("argv") or [""]
+            name = os.path.basename(argv[0])
             if pid <= 1 or a["start"] == 0:
                 break
-            if name not in SHELLS and not is_overlayrec(a.get("argv") or []):
+            if name in TERMINAL_HOSTS or name.split(":")[0] in TERMINAL_HOSTS:
+                return shell or read_actor(caller["ppid"])
+            if name not in SHELLS and not is_overlayrec(argv):
                 return a
+            if shell is None and name in SHELLS and name not in ("env", "timeout", "nice"):
+                shell = a
             pid = a["ppid"]
         return read_actor(caller["ppid"])
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -119,6 +120,43 @@ def test_an_agent_whose_command_line_mentions_overlayrec_is_the_agent(make_mount
         got = units_of(m, "b.txt")
         assert got and all(u.startswith("outside:") for u in got), got
         plan = json.loads(overlayrec("revert", m.ws, "--turn", "1", "--json",
+                                     env=clean_env()).stdout)
+        assert {s["path"] for s in plan["steps"]} == {"a.txt"}, plan
+    finally:
+        m.umount()
+
+
+@pytest.mark.parametrize("host_name", ["tmux", "sshd"])
+def test_a_session_begun_by_hand_in_a_terminal_pane_is_that_shells(make_mount, tmp_path,
+                                                                    host_name):
+    """`overlayrec session begin` typed in a tmux pane: the agent was taken as the first
+    ancestor that is no shell, the tmux server, so the user's vim in another pane wrote as
+    the session's call, and `revert --call` threw the user's edit away (found by a bug hunt).
+    What hosts the terminals is no agent: the shell the session was begun from is."""
+    m = make_mount()
+    for name in ("a.txt", "b.txt"):
+        with open(os.path.join(m.ws, name), "w") as f:
+            f.write("base\n")
+    m.mount()
+    try:
+        o = f"{sys.executable} -m overlayrec"
+        ready, go = tmp_path / "ready", tmp_path / "go"
+        pane1 = (f"{o} session begin --session S >/dev/null && {o} turn begin --prompt T "
+                 f">/dev/null && {o} call begin --id c1 --tool Bash >/dev/null && "
+                 f"echo agent >> a.txt && touch {ready} && "
+                 f"while [ ! -e {go} ]; do sleep 0.02; done && {o} call end --id c1 "
+                 f">/dev/null && {o} turn end >/dev/null && {o} session end --session S "
+                 f">/dev/null")
+        pane2 = f"echo user >> b.txt && touch {go}"
+        # the terminals' host: a process whose name is the host's, each pane a shell of it
+        host = (f"bash -c {shlex.quote(pane1)} & p=$!; while [ ! -e {ready} ]; do "
+                f"kill -0 $p || exit 1; sleep 0.02; done; bash -c {shlex.quote(pane2)}; wait $p")
+        subprocess.run(["bash", "-c", f'exec -a {host_name} bash -c "$0"', host], cwd=m.ws,
+                       env=clean_env(), check=True, timeout=120 * SLOW)
+        assert units_of(m, "a.txt") == {"call:S:c1"}
+        got = units_of(m, "b.txt")
+        assert got and all(u.startswith("outside:") for u in got), got
+        plan = json.loads(overlayrec("revert", m.ws, "--call", "c1", "--json",
                                      env=clean_env()).stdout)
         assert {s["path"] for s in plan["steps"]} == {"a.txt"}, plan
     finally:
