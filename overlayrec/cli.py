@@ -2013,7 +2013,8 @@ def _listing_net(j, ws: str | None, sd: str, quiet: bool = False):
 def turns(workspace, sid, churn, as_json, state_dir):
     """One row per turn: index, time, files changed (net: the state differs between the turn's
     begin and end), the first paths and a count of those under .git/, the prompt's first line,
-    and who else wrote in the workspace during it.  Paths whose change is not known (changed
+    and who else changed files in the workspace during it (--all: who else wrote at all;
+    "others" and "touched_others" in --json).  Paths whose change is not known (changed
     around the mount meanwhile, or not known exactly on one side, as diff says) are named
     in brackets ("around", "inexact" in --json)."""
     readers.emit(readers.turns(workspace, sid, churn, as_json, state_dir))

@@ -417,7 +417,8 @@ def turn_lines(rows: list[dict], churn: bool, as_json: bool) -> Parts:
             continue
         paths = fold(r, touched=churn)
         prompt = one_line((r["prompt"] or "").splitlines()[0][:50]) if r["prompt"] else ""
-        shared = f"  [shared with {one_line(', '.join(r['others']))}]" if r["others"] else ""
+        others = r.get("touched_others", r["others"]) if churn else r["others"]
+        shared = f"  [shared with {one_line(', '.join(others))}]" if others else ""
         if r["around"]:
             shared += f"  [{AROUND_LINE}{one_line(', '.join(r['around'][:6]))}]"
         if r.get("inexact"):

@@ -214,15 +214,22 @@ def turn_record_fields(t: dict) -> dict:
 def turn_fields(j: Journal, t: dict, last: int, net, actors: dict) -> dict:
     """A turn row's fields from the journal: its paths (unit_listing), who else wrote."""
     s = t["session"]
-    mine, others = [], set()
-    for e in file_events(j, t["begin_seq"], t["end_seq"] or last):
+    bounds = (t["begin_seq"], t["end_seq"] or last)
+    mine, by_other = [], {}
+    for e in file_events(j, *bounds):
         if unit_session(e.get("unit")) == s:
             mine.append(e)
         else:
-            others.add(writer_name(j, e.get("unit") or outside_unit(e["actor"]), actors))
-    fields = unit_listing(net, mine, (t["begin_seq"], t["end_seq"] or last))
-    return {**fields, "others": sorted(others), "seq": [t["begin_seq"], t["end_seq"]],
-            **_unknown(net, mine, fields)}
+            by_other.setdefault(writer_name(j, e.get("unit") or outside_unit(e["actor"]),
+                                            actors), []).append(e)
+    fields = unit_listing(net, mine, bounds)
+    # only a writer that left something changed (an editor's swap and lock files made and
+    # removed were "shared with" it: found by a bug hunt); ``touched_others``: every writer
+    others = [w for w, evs in by_other.items()
+              if net is None or (row := unit_listing(net, evs, bounds))["files"] or
+              row["git_changes"]]
+    return {**fields, "others": sorted(others), "touched_others": sorted(by_other),
+            "seq": [t["begin_seq"], t["end_seq"]], **_unknown(net, mine, fields)}
 
 
 def call_rows(j: Journal, sid: str | None = None, turn: int | None = None, net=None

@@ -684,3 +684,56 @@ def test_runs_summary_names_no_writer_that_left_nothing_changed(make_mount, tmp_
     outside = [line for line in err.splitlines() if line.startswith("  outside: ")]
     assert len(outside) == 1 and outside[0].endswith(": 1 file(s)"), err
     assert "agent tool calls: 1 file(s)" in err, err
+
+
+@needs_fuse
+def test_a_turn_is_shared_only_with_a_writer_that_left_something_changed(make_mount, tmp_path):
+    """An editor's swap and lock files made and removed during a turn: `turns` said the turn
+    was "shared with" it, where the run's summary and `calls` named nothing (found by a bug
+    hunt).  A writer that changed a file is still named."""
+    m = make_mount()
+    with open(os.path.join(m.ws, "f"), "w") as f:
+        f.write("base\n")
+    m.mount()
+    agent = tmp_path / "agent.py"
+    agent.write_text(textwrap.dedent(r'''
+        import os, subprocess, sys, time
+        from overlayrec import client
+        ready, go = sys.argv[1], sys.argv[2]
+        with client.connect() as c:
+            for n in (1, 2):
+                c.turn_begin(prompt=f"turn {n}")
+                c.call_begin(f"c{n}", "Bash")
+                subprocess.run(["sh", "-c", f"echo agent{n} >> f"], check=True)
+                c.call_end(f"c{n}")
+                open(f"{ready}.{n}", "w").close()
+                while not os.path.exists(f"{go}.{n}"):
+                    time.sleep(0.02)
+                c.turn_end()
+    '''))
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    run = subprocess.Popen([sys.executable, "-m", "overlayrec", "run", "-w", m.ws, "--session",
+                            "s", "--", sys.executable, str(agent), str(ready), str(go)],
+                           cwd=m.ws)
+    try:
+        for n, user in ((1, "touch .f.swp && ln -s x .#f && rm .f.swp .#f"),
+                        (2, "echo user > g")):
+            deadline = time.monotonic() + 30
+            while not os.path.exists(f"{ready}.{n}"):
+                assert time.monotonic() < deadline and run.poll() is None
+                time.sleep(0.02)
+            m.sh(user)
+            open(f"{go}.{n}", "w").close()
+        assert run.wait(timeout=60) == 0
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    rows = [json.loads(x) for x in overlayrec("turns", m.ws, "--json").stdout.splitlines()]
+    assert rows[0]["others"] == [], rows
+    assert len(rows[1]["others"]) == 1 and rows[1]["others"][0].startswith("bash["), rows
+    assert rows[0]["touched_others"], rows  # --json carries every writer too
+    text = overlayrec("turns", m.ws).stdout.splitlines()
+    assert "shared with" not in text[0] and "shared with bash[" in text[-1], text
+    every = overlayrec("turns", m.ws, "--all").stdout
+    assert every.count("shared with") == 2, every  # --all names every writer
