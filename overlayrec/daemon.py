@@ -833,6 +833,13 @@ def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other
     gc.collect()
     gc.freeze()
     control.where = lambda: _where(ws, mounted)
+    try:
+        # (a scan of /proc that asks no filesystem anything: safe before the mount is served;
+        # the `run` that mounted for itself enters the workspace again through the mount)
+        ops.beneath = bool(state.underlay_holders(
+            ws, {os.getpid()} | ({owning["pid"]} if owning else set())))
+    except Exception:  # not known: every open looks
+        log.exception("looking for processes beneath the mount failed")
     tell("ready")
     os.umask(0)
     cpu0 = _cpu_seconds()

@@ -279,6 +279,10 @@ class Operations(pyfuse3.Operations):
         self.fault_name = fault_name
         self.inodes: dict[int, Inode] = {}
         self.by_key: dict[tuple[int, int], int] = {}
+        # may a process work beneath the mount (entered before it)?  Until the daemon's start
+        # has looked (no such process: False, and none can come but their children), and
+        # again once a change around the mount is found (forget_cached): _refuse_replaced
+        self.beneath = True
         self.handles: dict[int, Handle | DirHandle] = {}
         # listings of directories the kernel opened itself, by inode (_dir)
         self.listings: dict[int, DirHandle] = {}
@@ -343,6 +347,7 @@ class Operations(pyfuse3.Operations):
         kernel's cache of it, its entry, its attributes and pages and its directory's listing,
         is dropped, so that processes using the mount see what it holds now rather than what
         the daemon last served (until TIMEOUT; the pages, for as long as they stay cached)."""
+        self.beneath = True
         parent, _, name = path.rpartition("/")
         try:
             pfd = underlay.open_beneath(self.root.opath, parent) if parent else \
@@ -824,8 +829,10 @@ class Operations(pyfuse3.Operations):
         fd not held, the first READ failed with ESTALE (found by a bug hunt).  On ESTALE the
         kernel looks the name up again and opens what it holds now.  One stat: of the held fd
         (its name looked at only once it has no link left: a removed file's descriptor reopened
-        through /proc/self/fd opens as before), else of the name."""
-        if inode.parent is None or inode.name is None or inode is self.root:
+        through /proc/self/fd opens as before), else of the name.  None where no process
+        works beneath the mount (``beneath``: a grep paid some 10 us an open)."""
+        if not self.beneath or inode.parent is None or inode.name is None or \
+                inode is self.root:
             return
         if inode.opath >= 0:
             if os.fstat(inode.opath).st_nlink:
