@@ -84,6 +84,16 @@ def units_of(m, path: str) -> set[str]:
     return {e.get("unit") for e in m.events() if e.get("path") == path and e.get("unit")}
 
 
+def only_the_agents_is_reverted(m, unit: str, *selection: str) -> None:
+    """a.txt is ``unit``'s, b.txt (the user's edit) an outside writer's, and a revert of the
+    selection would put back a.txt alone."""
+    assert units_of(m, "a.txt") == {unit}
+    got = units_of(m, "b.txt")
+    assert got and all(u.startswith("outside:") for u in got), got
+    plan = json.loads(overlayrec("revert", m.ws, *selection, "--json", env=clean_env()).stdout)
+    assert {s["path"] for s in plan["steps"]} == {"a.txt"}, plan
+
+
 def one_call(cid: str, command: str, post: bool = True) -> list:
     steps = [["hook", "PreToolUse", {"tool_name": "Bash", "tool_use_id": cid,
                                      "tool_input": {"command": command}}],
@@ -116,12 +126,7 @@ def test_an_agent_whose_command_line_mentions_overlayrec_is_the_agent(make_mount
                     f"check=True)\n")
         subprocess.run([sys.executable, "-c", terminal], env=clean_env(), check=True,
                        timeout=120 * SLOW)
-        assert units_of(m, "a.txt") == {"call:S1:c1"}
-        got = units_of(m, "b.txt")
-        assert got and all(u.startswith("outside:") for u in got), got
-        plan = json.loads(overlayrec("revert", m.ws, "--turn", "1", "--json",
-                                     env=clean_env()).stdout)
-        assert {s["path"] for s in plan["steps"]} == {"a.txt"}, plan
+        only_the_agents_is_reverted(m, "call:S1:c1", "--turn", "1")
     finally:
         m.umount()
 
@@ -153,12 +158,7 @@ def test_a_session_begun_by_hand_in_a_terminal_pane_is_that_shells(make_mount, t
                 f"kill -0 $p || exit 1; sleep 0.02; done; bash -c {shlex.quote(pane2)}; wait $p")
         subprocess.run(["bash", "-c", f'exec -a {host_name} bash -c "$0"', host], cwd=m.ws,
                        env=clean_env(), check=True, timeout=120 * SLOW)
-        assert units_of(m, "a.txt") == {"call:S:c1"}
-        got = units_of(m, "b.txt")
-        assert got and all(u.startswith("outside:") for u in got), got
-        plan = json.loads(overlayrec("revert", m.ws, "--call", "c1", "--json",
-                                     env=clean_env()).stdout)
-        assert {s["path"] for s in plan["steps"]} == {"a.txt"}, plan
+        only_the_agents_is_reverted(m, "call:S:c1", "--call", "c1")
     finally:
         m.umount()
 
