@@ -483,7 +483,8 @@ def check_state_dir(ws: str, state_dir: str) -> str:
 
 
 def _within(path: str, top: str) -> bool:
-    return path == top or path.startswith(top.rstrip("/") + "/") or is_beneath(path, top)
+    """By path alone: ``top`` may be a hung mount, which a stat would wait on for good."""
+    return path == top or path.startswith(top.rstrip("/") + "/")
 
 
 def _refuse_anothers_record(ws: str, sd: str, given: str) -> None:
@@ -491,15 +492,16 @@ def _refuse_anothers_record(ws: str, sd: str, given: str) -> None:
     another one mounted now: the first daemon's journal is then written through the second's
     mount, which records it, and each waits on the other (a write in either hung, `umount`
     too; with one of them, every write of the other failed with EIO once the first was
-    unmounted under it; found by a bug hunt).  StateError."""
+    unmounted under it; found by a bug hunt).  StateError.  Paths are compared as the mount
+    table and the registry name them: nothing here asks another mount anything."""
     entries = registered()
     for other in sorted(set(overlayrec_mounts()) | {w for w, _ in entries}):
-        if other != ws and os.path.isdir(other) and _within(sd, other):
+        if other != ws and _within(sd, other):
             raise StateError(f"state dir {given} is inside the recorded workspace {other}: "
                              "its mount would record this record, and each wait on the "
                              "other; put it outside every recorded workspace")
     for other, other_sd in entries:
-        if other != ws and fuse_mount_at(other) and _within(other_sd, ws):
+        if other != ws and _within(other_sd, ws) and fuse_mount_at(other):
             raise StateError(f"{ws} holds the state dir of the mounted workspace {other} "
                              f"({other_sd}): a mount here would cover that record; give "
                              f"{other} a state dir outside, or unmount it first")
@@ -524,7 +526,7 @@ def registered() -> list[tuple[str, str]]:
         except (OSError, ValueError, KeyError, TypeError):
             continue
         if isinstance(ws, str) and isinstance(sd, str) and ws and sd:
-            out.append((ws, os.path.realpath(sd)))
+            out.append((ws, os.path.abspath(sd)))  # (no realpath: it may cross a hung mount)
     return out
 
 
