@@ -172,6 +172,7 @@ class ControlServer:
         self.detached = False     # the mount was detached from the workspace as it ended
         # set by the daemon: the file handles open for writing (fs.Operations.open_writes)
         self.open_writes = None
+        self.operations = None  # the mount's fs.Operations (the daemon sets it)
 
     def handle(self, req: dict, caller: dict) -> dict:
         if self.ending and (req.get("op") == "session_begin" or "op" not in req):

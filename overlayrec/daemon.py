@@ -646,6 +646,7 @@ def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool, record_da
     calls.on_unit_end = on_unit_end  # once ops is there: a call's end looks at its handles
     control.open_writes = ops.open_writes  # a revert asks which files are still written
     recorder.on_around = ops.forget_cached
+    control.operations = ops  # (run: whether a process works beneath the mount)
     # a source of its own (state.mount_point_of): the mount's id alone names the next mount
     # made once it has gone, which the kernel gives the freed id (a `run` ending took another
     # workspace's new mount for its own, moved, and lifted it; found in a test run)
@@ -836,7 +837,7 @@ def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other
     try:
         # (a scan of /proc that asks no filesystem anything: safe before the mount is served;
         # the `run` that mounted for itself enters the workspace again through the mount)
-        ops.beneath = bool(state.underlay_holders(
+        control.operations.beneath = bool(state.underlay_holders(
             ws, {os.getpid()} | ({owning["pid"]} if owning else set())))
     except Exception:  # not known: every open looks
         log.exception("looking for processes beneath the mount failed")
