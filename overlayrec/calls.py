@@ -1170,7 +1170,11 @@ class Calls:
         return c
 
     def revert_begin(self, caller: dict, revert_id: str) -> None:
-        """The caller's writes are the revert's own unit until revert_end."""
+        """The caller's writes are the revert's own unit until revert_end.  An implicit call
+        whose processes have all exited ends first (the quarter-second look may not have
+        come yet): a revert an agent's next command made of it at once was journaled while
+        it was still open, and `export git` put the call's commit after the revert's."""
+        self.end_exited_calls()
         self.reverts[caller["key"]] = revert_id
         self.journal.append({"op": "revert_begin", "path": None, "revert": revert_id,
                              "actor": caller["key"]}, caller)
