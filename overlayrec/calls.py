@@ -783,7 +783,7 @@ class Calls:
             name = os.path.basename(argv[0])
             if pid <= 1 or a["start"] == 0:
                 break
-            if name in TERMINAL_HOSTS or name.split(":")[0] in TERMINAL_HOSTS:
+            if name.split(":")[0] in TERMINAL_HOSTS:  # ("tmux: server" too)
                 return shell or read_actor(caller["ppid"])
             if name not in SHELLS and not is_overlayrec(argv):
                 return a

@@ -834,20 +834,17 @@ class Operations(pyfuse3.Operations):
         if not self.beneath or inode.parent is None or inode.name is None or \
                 inode is self.root:
             return
-        if inode.opath >= 0:
-            if os.fstat(inode.opath).st_nlink:
-                return
-            try:
-                st = os.lstat(inode.name, dir_fd=self._fd(inode.parent))
-            except OSError:
-                return
-        else:
-            try:
-                st = os.lstat(inode.name, dir_fd=self._fd(inode.parent))
-            except (FileNotFoundError, NotADirectoryError):
-                raise pyfuse3.FUSEError(errno.ESTALE) from None  # removed: no fd to serve it
-            except OSError:
-                return  # (a parent this user may not search: the open's own fd says)
+        held = inode.opath >= 0
+        if held and os.fstat(inode.opath).st_nlink:
+            return
+        try:
+            st = os.lstat(inode.name, dir_fd=self._fd(inode.parent))
+        except (FileNotFoundError, NotADirectoryError):
+            if held:
+                return  # removed, not replaced: its held fd still serves it
+            raise pyfuse3.FUSEError(errno.ESTALE) from None  # removed: no fd to serve it
+        except OSError:
+            return  # (a parent this user may not search: the open's own fd says)
         if (st.st_dev, st.st_ino) != inode.key:
             raise pyfuse3.FUSEError(errno.ESTALE)
 
