@@ -835,17 +835,6 @@ def _git_env(git_dir: str) -> dict:
                 GIT_CONFIG_GLOBAL=os.devnull)
 
 
-def _tree_bytes(path: str) -> int:
-    total = 0
-    for d, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(d, name)).st_blocks * 512
-            except OSError:
-                pass
-    return total
-
-
 def gone_sessions(j: Journal) -> list[str]:
     """The sessions gcs dropped whose names no session of the record has (forget_exports)."""
     held = {r["id"] for r in j.records("sessions")}
@@ -910,12 +899,12 @@ def forget_exports(sd: str, dropped: list[str], since_ns: int, *, pruned: bool =
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              start_new_session=True)
             return out
-        out["bytes_before"] = _tree_bytes(git_dir)
+        out["bytes_before"] = state.tree_bytes(git_dir)[0]
         r = subprocess.run(prune, env=env, cwd="/", capture_output=True, timeout=3600)
         if r.returncode != 0:
             log.warning("gc: git gc of the private store failed: %s",
                         r.stderr.decode(errors="replace").strip())
-        out["bytes_after"] = _tree_bytes(git_dir)
+        out["bytes_after"] = state.tree_bytes(git_dir)[0]
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("gc: the private git store was not pruned: %s", e)
     finally:

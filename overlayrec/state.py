@@ -1167,3 +1167,33 @@ def package_ident(root: str) -> str:
                 h.update(f"{os.path.relpath(path, root)}\0{st.st_size}\0{st.st_mtime_ns}\n"
                          .encode("utf-8", "surrogateescape"))
     return h.hexdigest()
+
+
+def tree_bytes(path: str) -> tuple[int, int]:
+    """(bytes on disk, files) of everything at and beneath ``path`` (not following links);
+    (0, 0) when it is not there."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return 0, 0
+    total, files = st.st_blocks * 512, 0
+    if not _stat.S_ISDIR(st.st_mode):
+        return total, 1
+    stack = [path]
+    while stack:
+        try:
+            it = os.scandir(stack.pop())
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # gone meanwhile (a temp dir of a running diff)
+        with it:
+            for e in it:
+                try:
+                    est = e.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                total += est.st_blocks * 512
+                if _stat.S_ISDIR(est.st_mode):
+                    stack.append(e.path)
+                else:
+                    files += 1
+    return total, files

@@ -30,7 +30,7 @@ import stat
 import struct
 
 from ..journal import Journal
-from ..state import StateDir, registry_path
+from ..state import StateDir, registry_path, tree_bytes
 from ..views import unit_session
 from .states import ATTIC
 
@@ -40,36 +40,6 @@ OUTSIDE = None  # the key of the row of events no session holds
 
 def on_disk(st: os.stat_result) -> int:
     return st.st_blocks * BLOCK
-
-
-def tree_bytes(path: str) -> tuple[int, int]:
-    """(bytes on disk, files) of everything at and beneath ``path`` (not following links);
-    (0, 0) when it is not there."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return 0, 0
-    total, files = on_disk(st), 0
-    if not stat.S_ISDIR(st.st_mode):
-        return total, 1
-    stack = [path]
-    while stack:
-        try:
-            it = os.scandir(stack.pop())
-        except (FileNotFoundError, NotADirectoryError):
-            continue  # gone meanwhile (a temp dir of a running diff)
-        with it:
-            for e in it:
-                try:
-                    est = e.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                total += on_disk(est)
-                if stat.S_ISDIR(est.st_mode):
-                    stack.append(e.path)
-                else:
-                    files += 1
-    return total, files
 
 
 # -- the journal's pages --------------------------------------------------------------------------
