@@ -1818,6 +1818,9 @@ def check_case(model_env, seed, raw, which) -> None:
     ("call", 7, [("O", "link", 1162, 1254, "z"), ("own", "move2", 5, 758, "x"),
                  ("O", "chmod", 185, 1042, "z"), ("late", "move2", 1042, 3791, "x"),
                  ("own", "write", 511, 922, "z")])])
+@example(seed=0, which=0, raw=[  # a large file renamed and rewritten by the next call
+    ("call", 0, [("own", "write", 0, 0, "x")]),
+    ("call", 0, [("own", "rename", 0, 0, "x"), ("own", "write", 0, 0, "x")])])
 def test_every_reader_with_large_files(large_env, seed, raw, which):
     """The same cases recorded with every file kept as a large one is (content range by
     range, pre-images in the attic: LARGE_KNOBS): where a reader does not say it cannot know,
@@ -1840,6 +1843,9 @@ def test_every_reader_with_pre_images_held(held_env, seed, raw, which):
 @settings(max_examples=LARGE_CASES, deadline=None, derandomize=FIXED, database=None,
           phases=PHASES, suppress_health_check=list(HealthCheck))
 @given(**CASE)
+@example(seed=1, which=0, raw=[  # unrevert: a file moved back over a name made its link
+    ("call", 0, [("own", "write", 0, 0, "x"), ("own", "move2", 356, 0, "x"),
+                 ("own", "link", 1, 0, "x")])])
 def test_every_reader_with_ranges_after_a_copy(ranged_env, seed, raw, which):
     """The same cases with each file's first epoch saved whole and every later one by ranges
     (RANGED_KNOBS: what a file past 64 KiB written by turns gets after its first copies):

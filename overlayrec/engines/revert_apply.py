@@ -366,6 +366,11 @@ def _apply_in(root_fd: int, dfd: int, name: str, step: Step, made: dict | None,
     if step.moved_from is not None:
         done = _move_back(root_fd, dfd, name, step)
         if done is not None:
+            if done.startswith(MOVED_BACK) and made is not None and link_key(t) and \
+                    _holder(made, t) is None:
+                # the group's inode itself is back: its other names are linked to it
+                made.setdefault(link_key(t), []).append(
+                    (step.path, os.stat(name, dir_fd=dfd, follow_symlinks=False).st_ino, t))
             return done
         # the object is back; what the selection changed in it after the rename goes next
         seen = os.stat(name, dir_fd=dfd, follow_symlinks=False)
@@ -759,10 +764,14 @@ def order(steps: list[Step], root_fd: int | None = None) -> list[Step]:
         return _plain_order(steps, root_fd)
     ends = {x for m in moves for x in (m.path, m.moved_from)}
     above = {u for m in moves for u in up(m.moved_from)}
+    # a name of a hard-link group whose inode a rename brings back: linked to it once it is
+    # back (made before, it held an inode of its own and stayed apart from the group)
+    groups = {link_key(m.target) for m in moves if m.target.kind == "file"} - {0}
 
     def after(s: Step) -> bool:  # (a path above a name a rename back empties: it may be
         # removed or turned into a file once that name has gone)
-        return beneath_any(s.path, ends) or s.path in above
+        return beneath_any(s.path, ends) or s.path in above or \
+            (s.target.kind == "file" and link_key(s.target) in groups)
     rest = [s for s in steps if s.moved_from is None]
     first = _plain_order([s for s in rest if not after(s)], root_fd)
     then = _plain_order([s for s in rest if after(s)], root_fd)

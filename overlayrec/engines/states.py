@@ -1843,6 +1843,20 @@ class States:
                     not pre.get("withheld"):
                 # the whole-file capture of an empty file keeps no blob: it held nothing
                 return State("file", 0, b"")
+            moved = self.pre_for(e, path)
+            if "ranges" in pre and "kind" not in pre and moved is not None and \
+                    moved.get("kind") == "file" and "size" in moved and \
+                    not _exchanged(e, path):
+                # the ranges this first change under the new name destroyed, over what the
+                # epoch the rename began left: the epoch's facts are the moved file's (a file
+                # past the whole-file limit renamed, then rewritten: read as its later
+                # content, inexact, where the ranges kept all it held; a hunt's model found)
+                later = [e] + [x for x in self.chain_on(new) if x["seq"] >= f["seq"] and
+                               (move is None or x["seq"] < move["seq"])]
+                facts_only = {k: v for k, v in moved.items() if k not in ("attic", "blob")}
+                s = self._from_pre(new, e, facts_only, later, move)
+                return State("file", 0, s.data, s.exact, drifted=s.drifted) \
+                    if s.kind == "file" else s
             if "kind" in pre or "ranges" in pre:
                 s = self.state(new, f["seq"] - 1, forward=False)
                 return State("file", 0, s.data, s.exact, drifted=s.drifted) \
