@@ -1821,6 +1821,9 @@ def check_case(model_env, seed, raw, which) -> None:
 @example(seed=0, which=0, raw=[  # a large file renamed and rewritten by the next call
     ("call", 0, [("own", "write", 0, 0, "x")]),
     ("call", 0, [("own", "rename", 0, 0, "x"), ("own", "write", 0, 0, "x")])])
+@example(seed=0, which=0, raw=[  # ... and appended to: what its seal hashed
+    ("call", 0, [("own", "write", 0, 0, "x")]),
+    ("call", 0, [("own", "rename", 0, 0, "x"), ("own", "append", 0, 0, "x")])])
 def test_every_reader_with_large_files(large_env, seed, raw, which):
     """The same cases recorded with every file kept as a large one is (content range by
     range, pre-images in the attic: LARGE_KNOBS): where a reader does not say it cannot know,
