@@ -1455,6 +1455,18 @@ def revert_cli(ws: str, cid: str, case: str):
     return r, out, conflicts
 
 
+def roll_back_pending(rec) -> str | None:
+    """A revert this case left interrupted (stopped half way, killed by a timeout) is rolled
+    back, so the next case's revert is not refused for it; what was left, or None."""
+    from overlayrec.reverts import pending
+    left = pending(rec.m.state)
+    if left is None:
+        return None
+    u = overlayrec("unrevert", left["id"], "-w", rec.m.ws, "--yes", check=False, timeout=300)
+    return f"revert {left['id']} was left interrupted (rolled back: unrevert exit " \
+        f"{u.returncode}{'' if u.returncode == 0 else ': ' + u.stderr.strip()})"
+
+
 def check_revert(rec, case, plan, ids, unit) -> str:
     """revert --call gives the model's tree or exactly its conflicts (writing nothing), and
     unrevert gives back the tree before the revert."""
@@ -1909,6 +1921,12 @@ def run_case(model_env, plan: Plan, which: int) -> tuple[list[AssertionError], s
                 outcome = check_revert(rec, case, plan, ids, f"c{which % plan.ncalls}")
             except AssertionError as e:
                 failures.append(e)
+            except subprocess.TimeoutExpired as e:
+                failures.append(crashed("revert", e))
+            finally:
+                left = roll_back_pending(rec)
+            if left:  # said at the case that left it; every later revert refused it
+                failures.append(AssertionError(left))
     finally:
         shutil.rmtree(work, ignore_errors=True)
         if os.path.isdir(root):
