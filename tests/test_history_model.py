@@ -1793,6 +1793,13 @@ LINKED_GROUP = [
     ("call", 0, [("own", "write", 0, 0, "x"), ("own", "write", 0, 0, "x"),
                  ("O", "write", 0, 0, "x"), ("own", "write", 1, 0, "x"),
                  ("O", "write", 0, 0, "x")])])
+@example(seed=1, which=1, raw=[  # a directory's name before another unit renamed it: no name
+    # of the file the reverted call wrote there later
+    ("call", 0, [("own", "write", 0, 0, "x")]), ("call", 0, [("own", "write", 0, 0, "x")]),
+    ("call", 0, [("own", "write", 0, 0, "x"), ("own", "write", 0, 0, "x"),
+                 ("own", "swap", 0, 0, "x")]),
+    ("late", 1, [("own", "write", 0, 0, "x"), ("own", "rename", 0, 1, "x"),
+                 ("own", "write", 0, 0, "x")])])
 def test_every_reader_agrees_with_the_model(model_env, seed, raw, which):
     check_case(model_env, seed, raw, which)
 
@@ -1861,6 +1868,11 @@ def test_every_reader_with_pre_images_held(held_env, seed, raw, which):
 @example(seed=1, which=0, raw=[  # unrevert: a file moved back over a name made its link
     ("call", 0, [("own", "write", 0, 0, "x"), ("own", "move2", 356, 0, "x"),
                  ("own", "link", 1, 0, "x")])])
+@example(seed=1, which=0, raw=[  # another unit's fifo in a directory the call made and moved
+    ("outside", 0, [("own", "write", 0, 0, "x"), ("own", "move2", 3, 355, "x")]),
+    ("call", 0, [("own", "mkdir", 923, 0, "x"), ("own", "swap", 2, 4093, "x"),
+                 ("late", "mkfifo", 761, 0, "x"), ("own", "move2", 355, 3, "x"),
+                 ("own", "move2", 2885, 0, "x")])])
 def test_every_reader_with_ranges_after_a_copy(ranged_env, seed, raw, which):
     """The same cases with each file's first epoch saved whole and every later one by ranges
     (RANGED_KNOBS: what a file past 64 KiB written by turns gets after its first copies):

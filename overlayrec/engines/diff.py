@@ -135,7 +135,11 @@ def moved_on(states: States, evs: list[dict], mine, anywhere: bool = False,
                       names.pop(old, set())) for old, _ in moves}
         for old, new in moves:  # the file goes on under its new name, with what it holds
             pend, hold, carried, had = went[old]
-            names[new] = had | {old, new}
+            # the names the file had since the selection changed it: one it had before (a
+            # directory another unit renamed before the selection's first change of it) is no
+            # name of the selection's change, and what that name holds now is another file's
+            # matter (a file written there later was called interleaved; the history model)
+            names[new] = (had | {old} if old in seen else set()) | {new}
             pending[new] = pend
             if ours:  # moved on by the selection
                 held[new], moved[new] = {}, dict(carried)

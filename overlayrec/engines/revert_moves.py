@@ -200,6 +200,14 @@ def _may_move(s: Step, now: str, steps: dict[str, Step], conflicted: list, state
                 o.conflict == "unrecorded" and
                 _only_moved(states, [s.path + p[len(now):], p], first, unrecorded)):
             return False
+        if at_or_under(p, s.path) and not (
+                o.conflict == "unrecorded" and
+                _only_moved(states, [p, now + p[len(s.path):]], first, unrecorded)):
+            # a conflict beneath the name it comes back to (another unit's fifo in a
+            # directory the selection made and moved on): the rename back would settle the
+            # path, and the step holding the conflict went with it (the revert, not refused,
+            # stopped half way on "directory not empty"; found by the history model)
+            return False
     return t.kind != "dir" or all(p in steps for p in live.walk(now))
 
 
