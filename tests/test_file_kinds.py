@@ -265,6 +265,24 @@ def test_apply_step_makes_every_kind_with_mode_and_owner(tmp_path):
         os.close(root)
 
 
+def test_a_step_that_fails_says_its_path_and_what_is_left(tmp_path):
+    """A step the filesystem refuses for a reason the plan did not foresee (a file put back
+    where a directory still holds another's file) names the step's whole path and what to do
+    next: it named the last component only ("x: Directory not empty")."""
+    root = os.open(tmp_path, os.O_PATH | os.O_DIRECTORY)
+    (tmp_path / "d" / "x").mkdir(parents=True)
+    (tmp_path / "d" / "x" / "theirs").write_bytes(b"t")
+    try:
+        with pytest.raises(OSError) as got:
+            apply_step(root, Step("d/x", State("file", 0o644, b"mine"), State("dir", 0o755)))
+        assert got.value.filename == "d/x" and "revert --continue" in got.value.strerror and \
+            "unrevert" in got.value.strerror, got.value
+        assert (tmp_path / "d" / "x" / "theirs").read_bytes() == b"t"  # nothing lost
+        assert sorted(os.listdir(tmp_path / "d")) == ["x"]  # no temp file left beside it
+    finally:
+        os.close(root)
+
+
 def test_one_recorded_inode_taken_in_two_states_is_two_groups(tmp_path):
     """A plan takes each path at its own point: ``b`` and ``c`` before a chmod of their inode,
     ``a`` after it.  ``b`` and ``c`` are one group again and ``a`` a file of its own (an inode

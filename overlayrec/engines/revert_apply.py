@@ -288,8 +288,14 @@ def apply_step(root_fd: int, step: Step, made: dict | None = None,
             raise OSError(e.errno, f"cannot be written ({os.strerror(e.errno)}, past {limit}): "
                           "the revert is pending: raise the limit, then `overlayrec revert "
                           "--continue`, or `overlayrec unrevert`", step.path) from None
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if isinstance(e, Escape):
             raise
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            # said of the step's path (it named the last component only: "x: Directory not
+            # empty"), with what is left to do: the revert is saved as running
+            raise OSError(e.errno, f"{os.strerror(e.errno)}: the revert stopped here, pending: "
+                          "`overlayrec revert --continue` once the path can be written, or "
+                          "`overlayrec unrevert`", step.path) from None
         raise OSError(e.errno, f"cannot be written ({os.strerror(e.errno)}): free room on the "
                       "workspace's filesystem, then `overlayrec revert --continue`, or "
                       "`overlayrec unrevert`", step.path) from None
@@ -483,6 +489,9 @@ def _apply_in(root_fd: int, dfd: int, name: str, step: Step, made: dict | None,
         if done is None:
             raise
         return done
+    except OSError:
+        _remove(dfd, tmp)  # (not left beside the path for `--continue` to find)
+        raise
     if made is not None and link_key(t) and first is None:
         st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
         made.setdefault(link_key(t), []).append((step.path, st.st_ino, t))
