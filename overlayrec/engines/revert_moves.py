@@ -195,19 +195,18 @@ def _may_move(s: Step, now: str, steps: dict[str, Step], conflicted: list, state
     if not _renamable(live, now, s.path, st):
         return False
     first = spans[s.path][0]
+    # a conflict beneath either name, unless the record vouches that the object there was
+    # only moved; beneath the name it comes back to too (another unit's fifo in a directory
+    # the selection made and moved on: the rename back settled the path, the step holding the
+    # conflict went with it, and the revert stopped half way on "directory not empty"; found
+    # by the history model)
     for p, o in conflicted:
-        if at_or_under(p, now) and not (
-                o.conflict == "unrecorded" and
-                _only_moved(states, [s.path + p[len(now):], p], first, unrecorded)):
-            return False
-        if at_or_under(p, s.path) and not (
-                o.conflict == "unrecorded" and
-                _only_moved(states, [p, now + p[len(s.path):]], first, unrecorded)):
-            # a conflict beneath the name it comes back to (another unit's fifo in a
-            # directory the selection made and moved on): the rename back would settle the
-            # path, and the step holding the conflict went with it (the revert, not refused,
-            # stopped half way on "directory not empty"; found by the history model)
-            return False
+        for name in (now, s.path):
+            if at_or_under(p, name):
+                rel = p[len(name):]
+                if not (o.conflict == "unrecorded" and _only_moved(
+                        states, [s.path + rel, now + rel], first, unrecorded)):
+                    return False
     return t.kind != "dir" or all(p in steps for p in live.walk(now))
 
 

@@ -1857,7 +1857,7 @@ class States:
                 # the ranges this first change under the new name destroyed, over what the
                 # epoch the rename began left: the epoch's facts are the moved file's (a file
                 # past the whole-file limit renamed, then rewritten: read as its later
-                # content, inexact, where the ranges kept all it held; a hunt's model found)
+                # content, inexact, where the ranges kept all it held; the history model)
                 later = [e] + [x for x in self.chain_on(new) if x["seq"] >= f["seq"] and
                                (move is None or x["seq"] < move["seq"])]
                 facts_only = {k: v for k, v in moved.items() if k not in ("attic", "blob")}
