@@ -540,6 +540,34 @@ def test_a_file_moved_by_a_call_and_linked_by_the_next_comes_back_linked(make_mo
     assert a.st_ino == e.st_ino and a.st_nlink == 2, (a, e)
 
 
+def test_a_file_moved_by_a_call_and_linked_under_another_name_comes_back_linked(make_mount,
+                                                                                 tmp_path):
+    """Found by a history-model hunt: a call c0 moves ``d/x`` over ``a``; a call c1 links
+    ``a`` as ``e``, renames the link to ``b``, and moves the two names about (``a`` to
+    ``d/a``, ``b`` to ``a``, ``d/a`` to ``b``).  Reverting c0 gives ``a`` its content back and
+    ``d/x`` its file: the inode ``b`` still holds, linked with it.  No name of the inode was
+    made by the link under its own name now, so ``d/x`` came back a copy, apart from ``b``."""
+    m = setup_ws(make_mount, tmp_path, {"a": b"a.1\n", "d/x": b"d/x.2\n"})
+    (tmp_path / "calls.py").write_text(TWO_CALLS)
+    m.mount()
+    before = tree_of(m.ws)
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", sys.executable,
+               str(tmp_path / "calls.py"), "mv d/x e && mv e a",
+               "ln a e && mv e b && mkdir e && mv a d/a && mv b a && mv d/a b", "true",
+               cwd=m.ws)
+    after = tree_of(m.ws)
+    js = json.loads(overlayrec("revert", m.ws, "--call", "c0", "--json").stdout)
+    assert not [s for s in js["steps"] if s["conflict"]], js
+    overlayrec("revert", m.ws, "--call", "c0", "--yes")
+    assert tree_of(m.ws) == {**before, "b": after["b"], "e": after["e"]}
+    dx, b, a = (os.lstat(os.path.join(m.ws, n)) for n in ("d/x", "b", "a"))
+    assert dx.st_ino == b.st_ino != a.st_ino and dx.st_nlink == 2, (dx, b, a)
+    overlayrec("unrevert", "-w", m.ws, "--yes")
+    assert tree_of(m.ws) == after
+    a, b = (os.lstat(os.path.join(m.ws, n)) for n in "ab")
+    assert a.st_ino == b.st_ino and a.st_nlink == 2, (a, b)
+
+
 def test_a_name_the_revert_removes_is_no_name_outside_the_group(make_mount, tmp_path):
     """Found by the history model: a call links ``a`` as ``e`` and truncates ``a``; then the
     user links ``e`` as ``x``.  Reverting the call gives ``a`` its content back and removes

@@ -600,7 +600,8 @@ def _find_partners(plan: Plan, live: Tree, by_ino, states: States,
         for name in by_ino().get(t.ino, ()):
             if _visible(name) and live.state(name).same(t) and \
                     (not moved or states.state(name, INF).ino == t.ino and
-                     _linked_since(states, name, spans[step.path][0])):
+                     (_linked_since(states, name, spans[step.path][0]) or
+                      _more_names(plan, live, by_ino, t))):
                 # (same(): chmodded since, it is a name of another group)
                 plan.partners[link_key(t)] = (name, t.ino, seed)
                 break
@@ -621,6 +622,18 @@ def _linked_since(states: States, name: str, first: int) -> bool:
     it never had, and a write to one changed the other (found by a bug hunt)."""
     return any(e["op"] == "link" and e.get("path") == name and e["seq"] >= first
                for e in states.events_on(name))
+
+
+def _more_names(plan: Plan, live: Tree, by_ino, t: State) -> bool:
+    """Do more recorded names hold ``t``'s inode now than it had then (the plan's paths and
+    the names outside it, by the record's names: an attic's link is not one)?  A name was
+    linked to it since, though not as the partner's name itself: a call moved a file away,
+    the next linked it and renamed the link about (`ln a e; mv e b; mv a d/a; mv b a; mv d/a
+    b`); reverting the first gave the file back as a copy, cut from the name the link left
+    (found by a hunt).  A file only renamed away keeps its count, and is not linked back
+    (_linked_since)."""
+    inside = sum(1 for o in plan.steps if _inode_at(live, o.path) == t.ino)
+    return len(by_ino().get(t.ino, ())) + inside > max(1, t.nlink)
 
 
 def _linked_with_outside(plan: Plan, live: Tree, by_ino) -> list[tuple[int, list[str]]]:
