@@ -2507,7 +2507,7 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
         progress = readers.Progress("reverting", not as_json)
         try:
             rec = reverts.carry_out(ws, sd, plan, src.content, unreverts=unreverts,
-                                    resume=resume, progress=progress)
+                                    resume=resume, progress=progress, secret=src.secret())
         except reverts.RevertError as e:
             raise Fail(str(e)) from None
         except KeyboardInterrupt as e:  # Ctrl-C, or a kill while it mounted (resumable)

@@ -17,6 +17,7 @@ import functools
 import os
 import stat
 import time
+from typing import Callable
 
 from . import client, state
 from .engines import large
@@ -148,6 +149,14 @@ class Sources:
         except BaseException:
             self.close()
             raise
+
+    def secret(self) -> Callable[[str], bool]:
+        """The record's secret paths as the recorder withholds them (a pattern's, a name a
+        rename carried withheld content to, a content-checked one's): asked of a step's
+        temporary name (``carry_out``)."""
+        from .secrets import Secrets
+        sec = Secrets.of_journal(self.j)
+        return lambda p: sec.match(p) or sec.checked(p)
 
     def close(self) -> None:
         os.close(self.under.root_fd)
@@ -392,10 +401,11 @@ def check_room(ws: str, plan: Plan, under_fd: int) -> None:
 
 
 def carry_out(ws: str, sd: str, plan: Plan, content, *, unreverts: str | None = None,
-              resume: dict | None = None, progress=None) -> dict:
+              resume: dict | None = None, progress=None, secret=None) -> dict:
     """Carry out the plan's paths without conflicts through the mount, the plan saved first
     and its outcome after (``progress(n, total)`` after each), then read every path again
-    (``progress(n, total, "reading back")``):
+    (``progress(n, total, "reading back")``); ``secret``, the record's secret paths, keeps a
+    step's temporary name from being one (engines.revert_apply.revert_temp):
     a step that did not fail but left its path holding something else than its target is
     never a silent success.  Returns the record: ``done`` [(path, what)], ``failed``,
     ``unmet`` (the paths read back otherwise than put back, and how)."""
@@ -439,7 +449,7 @@ def carry_out(ws: str, sd: str, plan: Plan, content, *, unreverts: str | None = 
                         done.append((s.path, KEPT_CHANGED))
                         continue
                     done.append((s.path, apply_step(root_fd, s, made,
-                                                    seen[0] if seen else False)))
+                                                    seen[0] if seen else False, secret)))
                     if s.moved_from is not None and not failed(done[-1][1]):
                         moved_in(made, s)  # its group's names and partners are there now
                     st = live.state_stat(s.path)[1] if s.target.kind == "file" else None

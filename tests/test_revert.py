@@ -2237,3 +2237,76 @@ def test_path_on_the_ends_of_a_chain_of_renames_names_the_first_name(make_mount,
     want = [("proj", "proj3"), ("proj/a", "proj3/a"), ("proj/sub", "proj3/sub"),
             ("proj/sub/b", "proj3/sub/b")]
     assert said == {("proj3",): want, ("proj2", "proj3"): want, ("proj", "proj3"): []}, said
+
+
+def test_a_session_after_a_revert_of_its_last_call_goes_back_before_it(make_mount):
+    """Reverts stack, as Caudra's do.  Call 1 writes f and g, call 2 writes them again and h;
+    call 2 is reverted (f and g hold call 1's content, h its first), then the session: f and
+    g held what the earlier revert put back, a state the session itself had made, and each
+    was refused as `changed` (found by a hunt on a real repository: `git checkout` of an old
+    commit in one turn and back in the next, the second turn reverted, then the session: 99
+    conflicts, .git/HEAD and .git/index among them).  The session's revert goes back before
+    it; each unrevert peels one revert off."""
+    m = make_mount()
+    for n in "fgh":
+        with open(os.path.join(m.ws, n), "w") as f:
+            f.write("0\n")
+    m.mount()
+    before = tree_of(m.ws)
+    overlayrec("run", "-w", m.ws, "--session", "S", "--", "bash", "-c",
+               "bash -c 'echo 1 > f; echo 1 > g'; "
+               "bash -c 'echo 2 > f; echo 2 >> g; echo 2 > h; echo n > new'; true", cwd=m.ws)
+    after = tree_of(m.ws)
+    calls = [json.loads(line)["id"] for line in
+             overlayrec("calls", m.ws, "--session", "S", "--json").stdout.splitlines()]
+    assert len(calls) == 2, calls
+    overlayrec("revert", m.ws, "--call", calls[1], "--yes")
+    between = tree_of(m.ws)
+    assert between == {**before, "f": ("file", 0o644, b"1\n"), "g": ("file", 0o644, b"1\n")}
+    js = json.loads(overlayrec("revert", m.ws, "--session", "S", "--json").stdout)
+    assert not [s for s in js["steps"] if s["conflict"]], js
+    overlayrec("revert", m.ws, "--session", "S", "--yes")
+    assert tree_of(m.ws) == before
+    overlayrec("unrevert", "-w", m.ws, "--yes")
+    assert tree_of(m.ws) == between
+    overlayrec("unrevert", "-w", m.ws, "--yes")
+    assert tree_of(m.ws) == after
+
+
+def test_a_user_edit_after_a_revert_of_part_of_a_session_is_still_a_conflict(make_mount):
+    """The other side of the test above: what the earlier revert put back, changed since by
+    the user, is theirs: the session's revert refuses it (`changed`), and writes nothing."""
+    m = make_mount()
+    with open(os.path.join(m.ws, "f"), "w") as f:
+        f.write("0\n")
+    m.mount()
+    overlayrec("run", "-w", m.ws, "--session", "S", "--", "bash", "-c",
+               "bash -c 'echo 1 > f'; bash -c 'echo 2 > f'; true", cwd=m.ws)
+    calls = [json.loads(line)["id"] for line in
+             overlayrec("calls", m.ws, "--session", "S", "--json").stdout.splitlines()]
+    overlayrec("revert", m.ws, "--call", calls[1], "--yes")
+    m.sh("echo 1 >> f")  # the user's, on what the revert put back
+    r = overlayrec("revert", m.ws, "--session", "S", "--yes", check=False)
+    assert r.returncode == 1 and "changed: f" in r.stderr, r
+    assert open(os.path.join(m.ws, "f")).read() == "1\n1\n"
+
+
+def test_a_reverted_file_whose_temp_name_a_secret_pattern_matches_keeps_its_record(
+        make_mount, tmp_path):
+    """A revert writes a file beside its path (`.NAME.overlayrec-revert-PID`) and renames it
+    over.  For `envbuild.py` that name begins `.env`, which the default secret pattern `.env*`
+    matches: what the revert wrote was withheld there, the rename carried the withholding to
+    envbuild.py for the rest of the record (every reader showed a placeholder for its whole
+    history), and the unrevert refused it as unrecorded (found by a hunt on pip's source,
+    pep517/envbuild.py).  The revert's temporary name is one no secret pattern matches."""
+    m = setup_ws(make_mount, tmp_path, {"envbuild.py": b"one\n", ".env": b"TOKEN=1\n"})
+    m.mount()
+    run_call(m, tmp_path, "echo two > envbuild.py && echo TOKEN=2 > .env")
+    overlayrec("revert", m.ws, "--call", "c1", "--path", "envbuild.py", "--yes")
+    assert open(os.path.join(m.ws, "envbuild.py"), "rb").read() == b"one\n"
+    diff = overlayrec("diff", m.ws, "--call", "c1").stdout
+    assert "-one\n+two\n" in diff and "TOKEN" not in diff, diff
+    overlayrec("unrevert", "-w", m.ws, "--yes")
+    assert open(os.path.join(m.ws, "envbuild.py"), "rb").read() == b"two\n"
+    blame = overlayrec("blame", "-w", m.ws, "envbuild.py").stdout
+    assert "secret" not in blame, blame

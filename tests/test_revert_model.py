@@ -245,7 +245,11 @@ def predict(history: list, states: list, unit):
             since = [u for u, _, touched in history[last + 1:] if p in touched]
             if final.get(p) == target and since and all(u == "R" for u in since):
                 continue  # an earlier revert ("R") put it back: nothing to do
-            conflict = True
+            if not (since and all(u == "R" for u in since) and
+                    any(states[k].get(p) == final.get(p) for k in range(first, last))):
+                conflict = True
+            # else reverts stack: an earlier revert of part of the selection put back what
+            # the path held within it, and the selection goes on back from there
         if target is None:
             tree.pop(p, None)
         else:

@@ -243,7 +243,15 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
                     # unit (the user by hand, a change around the mount) it stays a conflict
                     plan.already.append(p)
                     continue
-                step.conflict = "changed"
+                if reverted and now.exact and \
+                        _put_back_within(states, p, first, last, since[-1], now):
+                    # reverts stack: an earlier revert of a later part of the selection put
+                    # back what the path held inside it (the session's second turn reverted,
+                    # then the session): it goes on back from there.  It was refused as
+                    # changed (found by a hunt: `git checkout` there and back in two turns)
+                    step.expected = now
+                else:
+                    step.conflict = "changed"
         if not step.conflict and not step.note and target.present and \
                 (gone := _way_gone(p, last, states, live, others, gone_ways)):
             # a directory on its way that the selection left there was moved or removed by
@@ -613,6 +621,25 @@ def _find_partners(plan: Plan, live: Tree, by_ino, states: States,
                     _partner_remade(t, by_ino(), live, states, spans[step.path][0])
                 if found is not None:
                     plan.partners[link_key(t)] = (found[0], found[1], seed)
+
+
+def _put_back_within(states: States, p: str, first: int, last: int, put: int,
+                     now: State) -> bool:
+    """Does ``p`` hold what the record says event ``put`` (an earlier revert's) left there,
+    ``now``, and is that a state the path had within the selection's span (after one of its
+    changes from ``first`` to ``last``)?  Only an earlier revert of part of the selection
+    puts such a state back; another unit's is a change of its own.  Each state is asked just
+    before a change (its pre-image) as well as after one: after a write, inside a run of
+    writes, the record does not know the content, which the next change's pre-image holds."""
+    back = states.state(p, put)
+    if not (back.exact and back.same(now)):
+        return False
+    for e in states.events_on(p):
+        if first <= e["seq"] <= last:
+            for at in (e["seq"] - 1, e["seq"]) if e["seq"] > first else (e["seq"],):
+                if at < last and (held := states.state(p, at)).exact and held.same(now):
+                    return True
+    return False
 
 
 def _linked_since(states: States, name: str, first: int) -> bool:

@@ -64,6 +64,23 @@ def temp_name(name: str, tag: str) -> str:
     return f".{name}{tail}"
 
 
+def revert_temp(path: str, tag: str, secret=None) -> str:
+    """The name a step's content is written under beside ``path`` before it is renamed over:
+    ``temp_name``, or, where ``secret`` (a path's predicate: the record's secret patterns)
+    takes that name for a secret path and not ``path`` itself, the name without ``path``'s
+    (``.{tag}``).  The recorder withholds what is written under a secret name, and a
+    rename carries that to the name it lands on for the rest of the record: `envbuild.py`,
+    reverted through `.envbuild.py...`, which `.env*` matches, had its whole history shown
+    as a placeholder and its unrevert refused (found by a hunt on pip's source).  (A pattern
+    of the user's that matches the plain name too, `.*`, leaves it withheld there as well.)"""
+    parent, _, name = path.rpartition("/")
+    tmp = temp_name(name, tag)
+    if secret is not None and secret(f"{parent}/{tmp}" if parent else tmp) and \
+            not secret(path):
+        tmp = f".{tag}"
+    return tmp
+
+
 _TEMP = re.compile(r"\.overlayrec-revert-(\d+)\Z")
 # the signals a revert takes for an interruption (cli: Ctrl-C, SIGTERM, SIGHUP)
 _STOPS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
@@ -91,7 +108,8 @@ def clear_stale_temps(root_fd: int, paths: list[str]) -> list[str]:
                 if m is None or int(m.group(1)) == os.getpid():
                     continue
                 tag = f"overlayrec-revert-{m.group(1)}"
-                if not any(temp_name(n, tag) == entry for n in names):
+                if entry != f".{tag}" and \
+                        not any(temp_name(n, tag) == entry for n in names):
                     continue
                 try:
                     if not stat.S_ISDIR(os.stat(entry, dir_fd=dfd,
@@ -252,7 +270,7 @@ def _blocks(mode: int) -> bool:
 
 
 def apply_step(root_fd: int, step: Step, made: dict | None = None,
-               seen: os.stat_result | None | bool = False) -> str:
+               seen: os.stat_result | None | bool = False, secret=None) -> str:
     """Make ``step.path`` hold ``step.target``; returns what was done (``failed(...)`` tells
     a path it could not make whole).  ``made``, shared by the steps of one plan, maps the
     inode of a target to the paths made for it, one (path, inode made, target) for each group
@@ -260,7 +278,8 @@ def apply_step(root_fd: int, step: Step, made: dict | None = None,
     copied.  ``seen``: the lstat the caller found the path with (None: nothing there; False:
     not looked at); a path that no longer matches it when the new content is ready to go in
     (saved by another writer while a large file was written beside it) is kept
-    (``KEPT_CHANGED``).  Raises ``Escape`` (naming ``step.path``) when the path cannot be
+    (``KEPT_CHANGED``).  ``secret``: the record's secret paths (``revert_temp``).  Raises
+    ``Escape`` (naming ``step.path``) when the path cannot be
     reached without following a symlink."""
     t = step.target
     try:
@@ -272,7 +291,7 @@ def apply_step(root_fd: int, step: Step, made: dict | None = None,
         # out a saved plan): never followed; the revert stops there and stays pending
         raise Escape(e.errno, f"escape: {e.strerror}", step.path) from None
     try:
-        return _apply_in(root_fd, dfd, name, step, made, seen)
+        return _apply_in(root_fd, dfd, name, step, made, seen, secret)
     except PermissionError as e:
         # the revert writes as its user, through the mount: a directory left read-only (a
         # call's chmod 555 the selection does not undo) stops it; it stays pending
@@ -354,7 +373,7 @@ def _a(kind: str) -> str:
 
 
 def _apply_in(root_fd: int, dfd: int, name: str, step: Step, made: dict | None,
-              seen: os.stat_result | None | bool = False) -> str:
+              seen: os.stat_result | None | bool = False, secret=None) -> str:
     """apply_step in ``step.path``'s directory ``dfd``, where it is ``name``."""
     t = step.target
     if isinstance(step, Opening):
@@ -427,7 +446,7 @@ def _apply_in(root_fd: int, dfd: int, name: str, step: Step, made: dict | None,
         done = _into_theirs(dfd, name, t, seen)
         if done is not None:
             return done
-    tmp = temp_name(name, f"overlayrec-revert-{os.getpid()}")
+    tmp = revert_temp(step.path, f"overlayrec-revert-{os.getpid()}", secret)
     _remove(dfd, tmp)
     if first is not None and _link_to(root_fd, first, dfd, tmp):
         if not _as_seen(dfd, name, seen):
