@@ -191,6 +191,22 @@ def _cookie(name: str) -> int:
 _COOKIE_BITS = (1 << 62) - 1
 
 
+def _in_group(pid: int, gid: int, group: int) -> bool:
+    """Is the process ``pid`` (of group ``gid``) of ``group``: its own, or a supplementary
+    group (/proc/PID/status)?  Not known (the process gone): taken for yes, which keeps a
+    bit the kernel might have cleared rather than clearing one it would have kept."""
+    if gid == group:
+        return True
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Groups:"):
+                    return str(group).encode() in line.split()[1:]
+    except OSError:
+        pass
+    return True
+
+
 class DirHandle:
     __slots__ = ("inode", "names", "cookies")
 
@@ -799,6 +815,8 @@ class Operations(pyfuse3.Operations):
             fd = underlay.reopen_own(ifd, io_flags, self.recorder.before_grant)
             try:
                 self.recorder.truncate(ifd, 0, actor, open_fd=fd)
+                if ctx.uid != 0:
+                    self._drop_set_ids(ifd, ctx, actor)
             except BaseException:
                 os.close(fd)
                 raise
@@ -819,6 +837,20 @@ class Operations(pyfuse3.Operations):
         info = self._file_info(fd, i, actor if writing else None)
         self.handles[info.fh].append = bool(flags & os.O_APPEND)
         return info
+
+    def _drop_set_ids(self, fd: int, ctx, actor: dict) -> None:
+        """An open that truncates clears the set-user-ID bit, and the set-group-ID bit where
+        the group may execute or the caller is not of the file's group, as the kernel does
+        for a caller without CAP_FSETID.  With an O_TRUNC the filesystem does itself
+        (atomic_o_trunc) the kernel leaves that to it, and the daemon, root, truncates with
+        the capability: a user's `: > prog` kept prog's setuid bit (found by a bug hunt)."""
+        mode = os.fstat(fd).st_mode
+        drop = mode & stat.S_ISUID
+        if mode & stat.S_ISGID and (mode & stat.S_IXGRP or
+                                    not _in_group(ctx.pid, ctx.gid, os.fstat(fd).st_gid)):
+            drop |= stat.S_ISGID
+        if drop and stat.S_ISREG(mode):
+            self.recorder.chmod(fd, stat.S_IMODE(mode) & ~drop, actor)
 
     def _refuse_replaced(self, inode: Inode) -> None:
         """ESTALE for an open of a file that another object replaced beneath the mount (an
@@ -1063,7 +1095,13 @@ class Operations(pyfuse3.Operations):
     @_errno_boundary
     async def listxattr(self, inode, ctx):
         p, follow = self._xattr_path(self._inode(inode))
-        return [os.fsencode(n) for n in os.listxattr(p, follow_symlinks=follow)]
+        names = os.listxattr(p, follow_symlinks=follow)
+        if ctx.uid != 0:
+            # the trusted namespace is listed to its holders only (CAP_SYS_ADMIN), as the
+            # filesystems beneath list it: the daemon lists as root, and `cp --preserve=xattr`
+            # of a user then failed on a name it may not read (found by a bug hunt)
+            names = [n for n in names if not n.startswith("trusted.")]
+        return [os.fsencode(n) for n in names]
 
     @_errno_boundary
     async def setxattr(self, inode, name, value, ctx):
