@@ -933,6 +933,30 @@ def test_show_says_what_the_patch_of_an_event_cannot_show(make_mount):
     assert write["diff"] == ""  # a mode alone: no patch, only the note
 
 
+def test_show_of_a_change_of_times_or_xattrs_says_no_change(make_mount):
+    """Times and xattrs are no part of a state (diff shows nothing of them, replay does not
+    restore them): ``show`` of a utimens, a setxattr or a removexattr that failed said
+    "1 change(s) a git patch cannot show: f (changed)" (found by a bug hunt)."""
+    m = make_mount()
+    with open(os.path.join(m.ws, "f"), "w") as f:
+        f.write("f\n")
+    m.mount()
+    m.sh("touch -d '2010-10-10 10:10:10' f && chmod 600 f && python3 -c '"
+         "import os; os.setxattr(\"f\", \"user.k\", b\"v\")\n"
+         "try: os.removexattr(\"f\", \"user.absent\")\n"
+         "except OSError: pass'")
+    m.umount()
+    seqs = {e["op"]: str(e["seq"]) for e in m.events() if e.get("path") == "f"}
+    assert {"utimens", "setxattr", "chmod"} <= set(seqs), seqs
+    for op in {"utimens", "setxattr", "removexattr"} & set(seqs):  # (a failed one: noted)
+        r = overlayrec("show", seqs[op], "-w", m.ws)
+        assert "cannot show" not in r.stderr, (op, r.stderr)
+        js = json.loads(overlayrec("show", seqs[op], "-w", m.ws, "--json").stdout)
+        assert js["not_in_patch"] == [] and js["diff"] == "", (op, js)
+    r = overlayrec("show", seqs["chmod"], "-w", m.ws)  # the other side: a mode is said
+    assert "f (mode 0644 -> 0600)" in r.stderr, r.stderr
+
+
 def test_show_of_a_file_made_a_directory_while_unmounted_calls_it_no_empty_one(make_mount):
     """A drift sees the path alone, not what lies beneath it: a file the user replaced by a
     directory of files while unmounted is "file -> directory" (it was said "file -> empty
