@@ -624,6 +624,10 @@ def status(workspace, as_json, state_dir):
     if other is not None:  # "journal: (none yet)", while that daemon journaled every change
         _status_of_anothers(ws, other, as_json)
         return
+    other = None if recorded or state_dir or in_table else state.others_attic(ws)
+    if other is not None:  # and unmounted (found by a bug hunt)
+        _status_of_anothers(ws, other, as_json, mounted=False)
+        return
     if not (in_table or recorded or os.path.lexists(ws)):  # a mistyped path, most often
         raise Fail(f"workspace {workspace}: no such directory, and no record of it")
     if not (in_table or recorded or os.path.isdir(ws)):  # as mount and revert say it
@@ -738,14 +742,17 @@ def left_unsealed(j) -> bool:
     return unsealed(j)
 
 
-def _status_of_anothers(ws: str, uid: int, as_json: bool) -> None:
-    """status of a workspace another user's daemon has mounted and records: said so, since
-    this user's state dir holds nothing of it."""
+def _status_of_anothers(ws: str, uid: int, as_json: bool, mounted: bool = True) -> None:
+    """status of a workspace another user's daemon has mounted and records (or recorded, its
+    attic says, and is not mounted now): said so, since this user's state dir holds nothing
+    of it."""
     if as_json:
-        click.echo(json.dumps({"workspace": ws, "mounted": True, "recorded_by_uid": uid,
+        click.echo(json.dumps({"workspace": ws, "mounted": mounted, "recorded_by_uid": uid,
                                "journal": None}))
         return
-    click.echo(f"{ws}: mounted by another user's daemon (uid {uid}), which records it")
+    click.echo(f"{ws}: mounted by another user's daemon (uid {uid}), which records it"
+               if mounted else f"{ws}: not mounted; recorded by another user (uid {uid}, "
+               "whose .overlayrec-attic is there)")
     click.echo("  journal: in that user's state dir, not yours to read")
 
 

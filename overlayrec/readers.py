@@ -76,6 +76,9 @@ def state_dir_for(ws: str | None, state_dir: str | None) -> str:
             raise state.StateError(f"workspace {ws} is not recorded under this name: it was "
                                    f"{moved[0]}, moved since (read its record with --state-dir "
                                    f"{moved[1]})")
+        other = state.others_attic(ws)
+        if other is not None:  # unmounted, it was "not recorded" (found by a bug hunt)
+            raise state.StateError(state.recorded_by_another(ws, other, mounted=False))
         raise state.StateError(f"workspace {ws} is not recorded (no journal in {sd})")
     return sd
 

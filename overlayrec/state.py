@@ -790,8 +790,25 @@ def others_mount(path: str) -> int | None:
     return uid if uid is not None and uid != os.geteuid() else None
 
 
-def recorded_by_another(ws: str, uid: int) -> str:
-    """What readers say of a workspace another user's daemon records (``others_mount``)."""
+def others_attic(ws: str) -> int | None:
+    """The uid of another user whose attic (``.overlayrec-attic``, a directory the recorder
+    makes in the workspace) is in ``ws``: a workspace that user records, unmounted now, whose
+    record is in their state dir; None otherwise (no attic, or this user's)."""
+    try:
+        st = os.lstat(os.path.join(ws, ".overlayrec-attic"))
+    except OSError:
+        return None
+    import stat as _s
+    return st.st_uid if _s.S_ISDIR(st.st_mode) and st.st_uid != os.geteuid() else None
+
+
+def recorded_by_another(ws: str, uid: int, mounted: bool = True) -> str:
+    """What readers say of a workspace another user's daemon records (``others_mount``), or
+    recorded and left unmounted (``others_attic``)."""
+    if not mounted:
+        return (f"workspace {ws} is recorded by another user (uid {uid}, whose "
+                ".overlayrec-attic is there), not mounted now: its record is in that user's "
+                "state dir, not yours to read")
     return (f"workspace {ws} is mounted and recorded by another user's daemon (uid {uid}): "
             "its record is in that user's state dir, not yours to read")
 

@@ -2,7 +2,8 @@
 root's state dir) and the owner asks about it.  Their `status` said "journal: (none yet)",
 exit 0, and `diff` and `log` that the workspace "is not recorded", while root's daemon
 journaled every change (found by a bug hunt).  Each now says that another user's daemon
-(the mount's user_id) records it, whose record is not theirs to read; the readers exit 1."""
+(the mount's user_id) records it, whose record is not theirs to read; the readers exit 1.
+Unmounted, the attic that daemon made in the workspace says so."""
 from __future__ import annotations
 
 import json
@@ -43,3 +44,16 @@ def test_a_workspace_another_users_daemon_records_is_said_so(tmpbase):
     finally:
         overlayrec("umount", user.ws, check=False)
         force_unmount(user.ws)
+    # unmounted, the attic root's daemon left there says whose record it is (they said "not
+    # recorded", and status "journal: (none yet)": found by a bug hunt)
+    status = user.ask("status", user.ws)
+    assert "recorded by another user (uid 0" in status.stdout and \
+        "none yet" not in status.stdout, status.stdout
+    st = json.loads(user.ask("status", user.ws, "--json").stdout)
+    assert st["mounted"] is False and st["recorded_by_uid"] == 0, st
+    for cmd in (["diff", "-w", user.ws, "--since", "0"], ["log", "-w", user.ws]):
+        r = user.ask(*cmd, check=False)
+        assert r.returncode == 1, (cmd, r)
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and "recorded by another user (uid 0" in lines[0] and \
+            "not yours to read" in lines[0], (cmd, r.stderr)
