@@ -2086,7 +2086,8 @@ def _tree_for(ws: str, sd: str):
 @click.option("--binary", is_flag=True, help="Binary patches (for git apply).")
 @click.option("--path", "glob", multiple=True,
               help="Only this path, the paths beneath it, or those matching this glob "
-              "(* crosses /); repeatable: any of them.")
+              "(* crosses /; relative to the current directory inside the workspace, to its "
+              "root from outside it); repeatable: any of them.")
 @click.option("--by-writer", is_flag=True, help="Split the changes by call and outside actor.")
 @click.option("--json", "as_json", is_flag=True, help="Files, their status and writers, as JSON.")
 @click.option("--state-dir", type=PATH)
@@ -2253,7 +2254,7 @@ def blame(path, workspace, at, state_dir, as_json):
         ws, near = state.recorded_around(near) or (ws, near)
     rel = os.path.relpath(near, ws) if _beneath(near, ws) or os.path.isabs(path) else \
         os.path.normpath(path)
-    if rel.startswith(".."):
+    if rel == ".." or rel.startswith("../"):  # (`..dots` is a name: found by a bug hunt)
         raise Fail(f"{path} is outside the workspace {ws}")
     _, sd, j, tree = _open_journal_and_tree(ws, state_dir)
     cut = j.cut
@@ -2547,7 +2548,8 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
               help="Revert everything recorded after this sequence number.")
 @click.option("--path", "glob", multiple=True,
               help="Only this path, the paths beneath it, or those matching this glob "
-              "(* crosses /); repeatable: any of them.")
+              "(* crosses /; relative to the current directory inside the workspace, to its "
+              "root from outside it); repeatable: any of them.")
 @click.option("--yes", is_flag=True, help="Carry it out (default: preview only).")
 @click.option("--force", is_flag=True, help="Revert the paths without conflicts, report the rest "
               "(with --continue: carry on past the paths changed since the revert began).")

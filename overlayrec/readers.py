@@ -569,6 +569,13 @@ def workspace_glob(ws: str, glob):
                       "out for every path)")
     from .views import shown
     if not os.path.isabs(glob):
+        given, here = glob, _cwd_beneath(ws)
+        if here:
+            # run in a directory of the workspace, a pattern is that directory's, as git
+            # takes a pathspec and `blame` its path: `--path ./x` from ws/dir named the root's
+            # x, and a revert there would have put back a file the user did not mean (found
+            # by a bug hunt)
+            glob = f"{here}/{glob}"
         if ".." in glob.split("/"):
             # `sub/../f` is f (the recorded names hold no '..'; it was refused as climbing
             # out, which it does not, found by a bug hunt)
@@ -577,11 +584,10 @@ def workspace_glob(ws: str, glob):
                 return None
             if norm != ".." and not norm.startswith("../"):
                 return norm + ("/" if glob.endswith("/") else "")
-            # relative to the workspace's root, not to where the command runs: `../f` from
-            # ws/sub matched nothing, silently (found by a hunt)
-            raise Refusal(f"--path {shown(glob)}: a pattern is relative to the workspace's "
-                          "root and cannot climb out of it with '..' (name it from the root, "
-                          "or give an absolute path)")
+            # (`../f` from the root matched nothing, silently: found by a hunt)
+            raise Refusal(f"--path {shown(given)}: a pattern cannot climb out of the workspace "
+                          "with '..' (it is relative to the directory the command runs in, "
+                          "or to the workspace's root when that is outside it)")
         return glob
     norm = os.path.normpath(glob)
     # the directories on the way resolved (a workspace reached through a symlink), the name
@@ -596,6 +602,17 @@ def workspace_glob(ws: str, glob):
         if p.startswith(ws.rstrip("/") + "/"):
             return p[len(ws.rstrip("/")) + 1:] + ("/" if glob.endswith("/") else "")
     raise Refusal(f"--path {shown(glob)} is outside the workspace {shown(ws)}")
+
+
+def _cwd_beneath(ws: str) -> str:
+    """The cwd as a path beneath the workspace's root ("" at the root, outside the workspace,
+    or with no cwd)."""
+    try:
+        here = os.path.realpath(os.getcwd())
+    except OSError:
+        return ""
+    root = ws.rstrip("/") + "/"
+    return here[len(root):] if here.startswith(root) else ""
 
 
 def diff(workspace, call_id, turn_sel, sid, since, until, drift, fmt, binary, glob, by_writer,

@@ -1311,9 +1311,10 @@ def test_an_absolute_path_is_taken_beneath_the_workspace_or_refused(make_mount):
                 ["log", m.ws]):
         one_line_error(overlayrec(*cmd, "--path", "/etc/passwd", check=False),
                        "--path /etc/passwd is outside the workspace")
-        # relative to the root: `..` climbs out of it (it matched nothing, silently: a hunt)
+        # relative to the root (run outside the workspace): `..` climbs out of it (it
+        # matched nothing, silently: a hunt)
         one_line_error(overlayrec(*cmd, "--path", "../a", check=False),
-                       "--path ../a: a pattern is relative to the workspace's root")
+                       "--path ../a: a pattern cannot climb out of the workspace")
         # an empty one matched every path: a revert of all of the selection (a hunt)
         one_line_error(overlayrec(*cmd, "--path", "", check=False), "--path '' names no path")
     for cmd in ("diff", "revert"):
@@ -1323,7 +1324,38 @@ def test_an_absolute_path_is_taken_beneath_the_workspace_or_refused(make_mount):
     out = overlayrec("diff", m.ws, "--session", "s", "--path", "sub/../a", "--name-status")
     assert out.stdout.split() == ["A", "a"], out.stdout
     one_line_error(overlayrec("log", m.ws, "--path", "../\udcff", check=False),
-                   '--path "../\\377": a pattern is relative')
+                   '--path "../\\377": a pattern cannot climb')
+
+
+@needs_fuse
+def test_a_relative_path_run_in_a_directory_of_the_workspace_is_that_directorys(make_mount):
+    """Run in ws/dir, ``--path ./x`` named the root's x (diff showed it, a revert would have
+    put it back) while ``blame ./x`` took dir/x, as git takes a pathspec (found by a bug
+    hunt; with blame's refusal of a name beginning `..`).  A relative pattern is the cwd's where that is in the workspace; `..` climbs to
+    the root's names; run outside the workspace it is the root's, as before."""
+    m = make_mount().mount()
+    os.mkdir(os.path.join(m.ws, "dir"))
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", "sh", "-c",
+               "echo a > x; echo b > dir/x; echo c > dir/y; echo d > ..dots", cwd=m.ws)
+    here = os.path.join(m.ws, "dir")
+    # a name that begins with `..` is a name (blame refused it as outside: a bug hunt)
+    assert "create" in overlayrec("blame", "-w", m.ws, "..dots").stdout
+    assert "create" in overlayrec("blame", "../..dots", cwd=here).stdout
+    for pattern, want in (("./x", ["dir/x"]), ("x", ["dir/x"]), ("*", ["dir/x", "dir/y"]),
+                          ("../x", ["x"]), (".", ["dir/x", "dir/y"])):
+        out = overlayrec("diff", "--session", "s", "--path", pattern, "--name-status",
+                         cwd=here).stdout.split()
+        assert out[1::2] == want, (pattern, out)
+        plan = json.loads(overlayrec("revert", "--session", "s", "--path", pattern, "--json",
+                                     cwd=here).stdout)
+        assert sorted(st["path"] for st in plan["steps"]) == want, (pattern, plan)
+    logged = overlayrec("log", "--path", "x", cwd=here).stdout.splitlines()
+    assert [line.split()[-1] for line in logged] == ["dir/x"], logged
+    # outside the workspace: the root's
+    out = overlayrec("diff", m.ws, "--session", "s", "--path", "x", "--name-status").stdout
+    assert out.split() == ["A", "x"], out
+    one_line_error(overlayrec("diff", "--session", "s", "--path", "../../x", check=False,
+                              cwd=here), "--path ../../x: a pattern cannot climb out")
 
 
 @needs_fuse
