@@ -2310,3 +2310,26 @@ def test_a_reverted_file_whose_temp_name_a_secret_pattern_matches_keeps_its_reco
     assert open(os.path.join(m.ws, "envbuild.py"), "rb").read() == b"two\n"
     blame = overlayrec("blame", "-w", m.ws, "envbuild.py").stdout
     assert "secret" not in blame, blame
+
+
+def test_a_group_remade_by_an_unrevert_takes_back_a_name_the_next_unrevert_makes(make_mount,
+                                                                                tmp_path):
+    """Found by a hunt: c0 appends to ``c`` and links it as ``y``; c1 links it as ``z``.
+    Reverting c1, then c0 (c gets its content back in a new inode), then unreverting both:
+    the first unrevert makes c and y one inode again, a new one; the second gave z back as a
+    copy apart from them, where all three were one file (a write through z missed c)."""
+    m = setup_ws(make_mount, tmp_path, {"c": b"C\n"})
+    (tmp_path / "calls.py").write_text(TWO_CALLS)
+    m.mount()
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", sys.executable,
+               str(tmp_path / "calls.py"), "echo more >> c && ln c y", "ln c z", "true",
+               cwd=m.ws)
+    after = tree_of(m.ws)
+    for c in ("c1", "c0"):
+        overlayrec("revert", m.ws, "--call", c, "--yes")
+    assert tree_of(m.ws) == {"c": ("file", 0o644, b"C\n")}
+    for _ in range(2):
+        overlayrec("unrevert", "-w", m.ws, "--yes")
+    assert tree_of(m.ws) == after
+    c, y, z = (os.lstat(os.path.join(m.ws, n)) for n in "cyz")
+    assert c.st_ino == y.st_ino == z.st_ino and c.st_nlink == 3, (c, y, z)

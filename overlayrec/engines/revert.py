@@ -704,16 +704,18 @@ def _partner_remade(t: State, inodes: dict[int, list[str]], live: Tree, states: 
     since (its last change a revert's: `ln h c` and the call that made h reverted newest
     first, then unreverted: h came back as a new inode, and c then came back as a copy of it,
     not one file with it, unless the new inode happened to get the old number; found by a
-    hunt).  None when there is no such name."""
+    hunt).  Or several such names, linked again by the revert in that new inode, which no
+    other name holds (`echo more >> c; ln c y` by one call, `ln c z` by the next, reverted
+    newest first and unreverted: c and y came back one inode, z a copy apart from them;
+    found by a hunt).  None when there is no such name."""
     for ino, names in inodes.items():
-        if ino == t.ino:
+        if ino == t.ino or not all(_visible(n) and states.state(n, first - 1).ino == t.ino
+                                   for n in names):
             continue
+        st = live.lstat(names[0])
+        if st is None or st.st_nlink != len(names) or not live.state(names[0]).same(t):
+            continue  # (a name the record does not know holds it too)
         for n in names:
-            if not _visible(n) or states.state(n, first - 1).ino != t.ino:
-                continue
-            st = live.lstat(n)
-            if st is None or st.st_nlink != 1 or not live.state(n).same(t):
-                continue
             evs = states.events_on(n)
             if evs and unit_kind(evs[-1].get("unit")) == "revert":
                 return n, ino
