@@ -2333,3 +2333,29 @@ def test_a_group_remade_by_an_unrevert_takes_back_a_name_the_next_unrevert_makes
     assert tree_of(m.ws) == after
     c, y, z = (os.lstat(os.path.join(m.ws, n)) for n in "cyz")
     assert c.st_ino == y.st_ino == z.st_ino and c.st_nlink == 3, (c, y, z)
+
+
+def test_path_says_the_hard_links_it_leaves_out_change_with_the_file(make_mount, tmp_path):
+    """c0 links f as h and g as k; c1 appends to f and chmods g.  `revert --call c1 --path f
+    --path g` puts f and g back into their inodes, which h and k share: they change too, as
+    any write to a hard-linked file does.  Neither the preview nor the summary named them
+    (found by a bug hunt); each step says so."""
+    m = setup_ws(make_mount, tmp_path, {"f": b"F0\n", "g": b"G0\n"})
+    (tmp_path / "calls.py").write_text(TWO_CALLS)
+    m.mount()
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", sys.executable,
+               str(tmp_path / "calls.py"), "ln f h && ln g k", "echo x >> f && chmod 600 g",
+               "true", cwd=m.ws)
+    js = json.loads(overlayrec("revert", m.ws, "--call", "c1", "--path", "f", "--path", "g",
+                               "--json").stdout)
+    notes = {s["path"]: s.get("note") or "" for s in js["steps"]}
+    assert set(notes) == {"f", "g"}, js
+    for name, link in (("f", "h"), ("g", "k")):
+        assert f"its hard link {link}, which --path leaves out, changes with it" in \
+            notes[name], notes
+    out = overlayrec("revert", m.ws, "--call", "c1", "--path", "f", "--path", "g",
+                     "--yes").stdout
+    assert "its hard link h" in out, out
+    read = {n: open(os.path.join(m.ws, n), "rb").read() for n in "fhgk"}
+    assert read == {"f": b"F0\n", "h": b"F0\n", "g": b"G0\n", "k": b"G0\n"}, read
+    assert stat.S_IMODE(os.lstat(os.path.join(m.ws, "k")).st_mode) == 0o644

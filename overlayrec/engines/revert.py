@@ -302,7 +302,31 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
         return inodes[0]
     _find_partners(plan, live, by_ino, states, spans)
     _joined_since(plan, live, by_ino)
+    if keep:
+        _links_left_out(plan, live, by_ino)
     return plan
+
+
+def _links_left_out(plan: Plan, live: Tree, by_ino) -> None:
+    """--path: a file the plan puts back into its live inode (``in_place``) whose inode has
+    names the pattern leaves out changes under them too (its hard links): said on the step.
+    `revert --path f` of a write through f changed f's link h, and neither the preview nor
+    the summary named h (found by a bug hunt)."""
+    paths = {s.path for s in plan.steps}
+    for step in plan.steps:
+        t = step.target
+        if step.conflict or step.note or not step.in_place or t.kind != "file" or \
+                t.nlink <= 1:
+            continue
+        st = live.lstat(step.path)
+        if st is None or st.st_nlink <= 1 or not stat.S_ISREG(st.st_mode):
+            continue
+        out = sorted(n for n in by_ino().get(st.st_ino, ()) if n not in paths)
+        if out:
+            many = len(out) > 1
+            step.note = (f"written into its inode: its hard link{'s' if many else ''} "
+                         f"{', '.join(shown(n) for n in out[:3])}{' ...' if len(out) > 3 else ''}"
+                         f", which --path leaves out, change{'' if many else 's'} with it")
 
 
 _OBJECT = re.compile(r"(?:[0-9a-f]{2}/[0-9a-f]{38,62}|pack/pack-[0-9a-f]+\.[a-z]+)")
