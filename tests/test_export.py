@@ -972,6 +972,31 @@ def test_names_longer_than_a_ref_component_are_exported(make_mount, tmp_path):
 
 
 @needs_fuse
+def test_a_call_id_with_a_control_character_is_escaped_in_its_trailer(make_mount, tmp_path):
+    """A call id holding an ESC went raw into the commit's trailer, and `git log` sent it to
+    the terminal (found by a bug hunt); it is written escaped, and read back whole."""
+    from overlayrec.engines.export import from_trailer_id, trailer_id
+    m = make_mount().mount()
+    cid = "id\x1b[31mRED\x9b"
+    (tmp_path / "agent.py").write_text(textwrap.dedent(f'''
+        import subprocess
+        from overlayrec import client
+        with client.connect() as c:
+            c.call_begin({cid!r}, "Bash")
+            subprocess.run(["sh", "-c", "echo x > one"], check=True)
+            c.call_end({cid!r})
+    '''))
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", sys.executable,
+               str(tmp_path / "agent.py"), cwd=m.ws)
+    out = json.loads(overlayrec("export", "git", m.ws, "--json").stdout)
+    msgs = git(out["git_dir"], "log", "--all", "--format=%B")
+    assert "\x1b" not in msgs and "\x9b" not in msgs, msgs
+    line = next(x for x in msgs.splitlines() if x.startswith("Overlayrec-Call: "))
+    assert from_trailer_id(line.split(": ", 1)[1]) == cid, line
+    assert trailer_id("plain-id_1") == "plain-id_1"  # the common case as it is
+
+
+@needs_fuse
 def test_a_file_a_directory_rename_named_anew_is_not_said_changed_unmounted(make_mount,
                                                                             tmp_path):
     """Session A makes d/f, session B moves d to x, B is reverted and the revert undone: x/f's

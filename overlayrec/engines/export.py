@@ -132,8 +132,11 @@ def trailer_id(name: str) -> str:
     """A call's id or a session's name as a trailer's value: as it is, or, when it holds what a
     trailer cannot (a newline cut it there, and `records blame` named a call that never was),
     a ``%`` or spaces at its ends, written as ``ref_part`` writes it, whole whatever its
-    length (``from_trailer_id``)."""
-    if any(c in name for c in "\n\r%") or name != name.strip():
+    length (``from_trailer_id``).  So too one holding any other control character: an ESC
+    in a call id went raw into the message, and `git log` sent it to the terminal (found by a
+    bug hunt)."""
+    if any(c in "\n\r%" or c < " " or "\x7f" <= c < "\xa0" for c in name) or \
+            name != name.strip():
         return _escaped(name)
     return name
 
