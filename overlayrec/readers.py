@@ -991,6 +991,9 @@ def not_in_patch(side, paths: list[str], unlisted: bool = False) -> list[tuple[s
             if "dir" in (b.kind, a.kind) and "absent" in (b.kind, a.kind):
                 if p not in shown_under:
                     what = ("" if unlisted else "empty ") + what.replace("dir", "directory")
+                    if a.kind == "dir" and a.mode != 0o755:
+                        # (`mkdir d; chmod 555 d` was "empty directory made": a bug hunt)
+                        what += f", mode {a.mode:04o}"
                 elif a.kind == "dir" and a.mode != 0o755:  # git apply makes it 0755 (umask 022)
                     what = f"directory made, mode {a.mode:04o}"
                 else:

@@ -913,7 +913,7 @@ def test_show_says_what_the_patch_of_an_event_cannot_show(make_mount):
         f.write("f\n")
     os.chmod(os.path.join(m.ws, "f"), 0o644)
     m.mount()
-    m.sh("chmod 600 f && mkdir emptydir && mkfifo ff")
+    m.sh("chmod 600 f && mkdir emptydir && mkfifo ff && mkdir shut && chmod 555 shut")
     m.umount()
     os.chmod(os.path.join(m.ws, "f"), 0o640)
     m.mount()
@@ -931,6 +931,9 @@ def test_show_says_what_the_patch_of_an_event_cannot_show(make_mount):
     write = json.loads(overlayrec("show", seqs.get(("drift", "f")), "-w", m.ws,
                                   "--json").stdout)
     assert write["diff"] == ""  # a mode alone: no patch, only the note
+    # an empty directory made with a mode of its own: the mode said too (it was not: a hunt)
+    r = overlayrec("diff", m.ws, "--since", "0", "--name-status")
+    assert "shut (empty directory made, mode 0555)" in r.stderr, r.stderr
 
 
 def test_show_of_a_change_of_times_or_xattrs_says_no_change(make_mount):
