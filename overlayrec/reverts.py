@@ -414,6 +414,9 @@ def carry_out(ws: str, sd: str, plan: Plan, content, *, unreverts: str | None = 
                              created=time.time_ns(), status="running", unreverts=unreverts,
                              ws=ws)
         rec["status"] = "running"
+        # the processes that carried it out, whose temporary files a --continue removes
+        earlier = rec.get("pids") if resume is not None else []
+        rec["pids"] = (earlier or []) + [os.getpid()]
         save(sd, rec)  # the plan is on disk before the first change
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
@@ -435,7 +438,7 @@ def carry_out(ws: str, sd: str, plan: Plan, content, *, unreverts: str | None = 
                 delay = float(os.environ.get("OVERLAYREC_TEST_REVERT_DELAY", "0"))
                 steps = order([s for s in plan.steps if not s.conflict], root_fd)
                 if resume is not None:  # what the killed run left half made
-                    clear_stale_temps(root_fd, [s.path for s in steps])
+                    clear_stale_temps(root_fd, [s.path for s in steps], earlier)
                 live, ours = Tree(root_fd), set()
                 for s in steps:
                     # a path saved (or removed) by another writer while the revert went

@@ -1010,6 +1010,7 @@ def _kill_daemon_mid_revert(m, tmp_path):
     st = json.loads(overlayrec("status", m.ws, "--json").stdout)
     assert st["pending_revert"], st
     assert "pending revert" in overlayrec("status", m.ws).stdout
+    return p.pid
 
 
 def test_sigkill_mid_revert_then_continue_or_roll_back(make_mount, tmp_path):
@@ -1021,15 +1022,19 @@ def test_sigkill_mid_revert_then_continue_or_roll_back(make_mount, tmp_path):
         before = tree_of(m.ws)
         run_call(m, tmp_path, "for i in $(seq 1 300); do echo $i > f$i; done")
         after = tree_of(m.ws)
-        _kill_daemon_mid_revert(m, tmp_path)
+        killed = _kill_daemon_mid_revert(m, tmp_path)
         if mode == "continue":
             # a temporary file the killed revert left beside a path (its pid in the name):
             # --continue, whose own pid differs, left it in the workspace for good (found by
-            # a bug hunt)
-            with open(os.path.join(m.ws, ".f7.overlayrec-revert-4194999"), "w") as f:
+            # a bug hunt).  One of another pid's is no temporary file of this revert's: the
+            # user's, kept (it was removed: found by a bug hunt)
+            with open(os.path.join(m.ws, f".f7.overlayrec-revert-{killed}"), "w") as f:
                 f.write("half written\n")
+            users = ".f8.overlayrec-revert-4194999"
+            with open(os.path.join(m.ws, users), "w") as f:
+                f.write("the user's\n")
             overlayrec("revert", m.ws, "--continue")
-            assert tree_of(m.ws) == before
+            assert tree_of(m.ws) == {**before, users: ("file", 0o644, b"the user's\n")}
         else:
             overlayrec("unrevert", "-w", m.ws, "--yes")
             assert tree_of(m.ws) == after

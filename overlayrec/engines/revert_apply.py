@@ -86,11 +86,14 @@ _TEMP = re.compile(r"\.overlayrec-revert-(\d+)\Z")
 _STOPS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
 
-def clear_stale_temps(root_fd: int, paths: list[str]) -> list[str]:
+def clear_stale_temps(root_fd: int, paths: list[str], pids=None) -> list[str]:
     """Remove the temporary files (``temp_name``, tagged with the reverting process's pid) a
     revert killed half way left beside these paths; those removed.  Reverts go one at a time
     (``reverts.one_at_a_time``), so another pid's is no live one's: `revert --continue`
-    left them in the workspace for good."""
+    left them in the workspace for good.  ``pids``: the processes that carried the revert
+    out (its record's), whose temporary files alone go: a file of the user's that happened to
+    have such a name was removed too (found by a bug hunt); None (a record from before they
+    were kept): any pid's."""
     by_dir: dict[str, set[str]] = {}
     for p in paths:
         parent, _, name = p.rpartition("/")
@@ -105,7 +108,8 @@ def clear_stale_temps(root_fd: int, paths: list[str]) -> list[str]:
         try:
             for entry in os.listdir(dfd):
                 m = _TEMP.search(entry)
-                if m is None or int(m.group(1)) == os.getpid():
+                if m is None or int(m.group(1)) == os.getpid() or \
+                        pids is not None and int(m.group(1)) not in pids:
                     continue
                 tag = f"overlayrec-revert-{m.group(1)}"
                 if entry != f".{tag}" and \
