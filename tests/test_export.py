@@ -866,6 +866,20 @@ def test_an_interim_commit_of_a_calls_background_writes_is_not_the_agents(make_m
     assert not any(line.startswith("agent (session s)|changes between calls") for line in log)
 
 
+def test_export_counts_the_git_paths_a_directory_rename_moved(make_mount):
+    """`mkdir -p d/.git; echo > d/.git/config`, then `mv d e`: the export said none left out
+    (its count took the events' own paths, d and e, not what moved beneath), where diff said
+    them (found by a bug hunt)."""
+    m = make_mount().mount()
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", "sh", "-c",
+               "sh -c 'mkdir -p d/.git; echo > d/.git/config; echo a > d/a'; mv d e",
+               cwd=m.ws)
+    r = overlayrec("export", "git", m.ws, "--json")
+    out = json.loads(r.stdout)
+    assert out["git_left_out"] == 2, out  # e/.git and e/.git/config, as the record ends
+    assert "2 change(s) under .git/" in r.stderr, r.stderr
+
+
 def test_export_leaves_out_the_names_git_refuses(make_mount, tmp_path):
     """GIT~1/x, .git./y and a .gitmodules symlink: `diff` leaves them out (git's own check),
     the export's trees held them, so `git fsck --strict` failed on the store and a push to a
