@@ -1568,6 +1568,13 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
         click.echo(f"overlayrec: {ws} is inside the recorded workspace {above}: recording "
                    "there", err=True)
         ws = above
+    other = state.others_mount(ws)
+    if other is not None:
+        # its daemon's state dir (and socket) are that user's: the run could neither join it
+        # nor announce a call (it failed on `mount.lock: No such file or directory`: found by
+        # a bug hunt)
+        raise Fail(f"{state.recorded_by_another(ws, other)}: a run joins a mount of its own "
+                   "user's only (run it as that user, or have them unmount it)")
     if state.fuse_mount_at(ws):
         # the daemon there applies what it mounted with (a --state-dir, --record-data or
         # --max-bytes given to a run that joined were ignored without a word: a bug hunt)

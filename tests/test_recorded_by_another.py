@@ -37,6 +37,12 @@ def test_a_workspace_another_users_daemon_records_is_said_so(tmpbase):
             lines = r.stderr.strip().splitlines()
             assert len(lines) == 1 and "recorded by another user's daemon (uid 0)" in lines[0] \
                 and "not yours to read" in lines[0], (cmd, r.stderr)
+        # the owner's own `run` cannot join root's daemon: said in one line (it failed on
+        # "mount.lock: No such file or directory": found by a bug hunt)
+        r = user.ask("run", "-w", user.ws, "--", "true", check=False)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 125 and len(lines) == 1 and \
+            "recorded by another user's daemon (uid 0)" in lines[0], r
         # root's own record holds the user's change
         log = overlayrec("log", "-w", user.ws, "--state-dir",
                          os.path.join(tmpbase, "root-state")).stdout
