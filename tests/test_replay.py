@@ -10,7 +10,7 @@ import sys
 import textwrap
 import time
 
-from conftest import needs_fuse, overlayrec
+from conftest import needs_fuse, needs_root, overlayrec
 from overlayrec import client
 from overlayrec.engines.replay import replay
 from overlayrec.engines.states import States, Tree
@@ -224,6 +224,32 @@ def test_replay_refuses_a_directory_inside_the_workspace(make_mount, tmp_path):
     out = m.ws.rstrip("/") + "-then"
     overlayrec("replay", m.ws, "--at", "1", "--to", out)
     assert os.path.isdir(out)
+
+
+@needs_root  # (a tmpfs mounted for the mount point)
+def test_replay_errors_name_the_destination_not_its_temporary_directory(make_mount, tmp_path):
+    """A --to whose name is over 255 bytes, and an empty directory that is a mount point
+    (the rename into place answers EBUSY): the error named replay's own temporary directory,
+    removed by then (found by a bug hunt).  It names --to, and nothing is left beside it."""
+    m = make_mount()
+    with open(os.path.join(m.ws, "a.txt"), "w") as f:
+        f.write("a\n")
+    m.mount()
+    m.umount()
+    long_dest = str(tmp_path / ("n" * 256))
+    r = overlayrec("replay", m.ws, "--to", long_dest, check=False)
+    assert r.returncode == 1 and "overlayrec-replay" not in r.stderr and \
+        "File name too long" in r.stderr and long_dest in r.stderr, r.stderr
+    point = tmp_path / "point"
+    point.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(point)], check=True)
+    try:
+        r = overlayrec("replay", m.ws, "--to", str(point), check=False)
+        assert r.returncode == 1 and "overlayrec-replay" not in r.stderr and \
+            str(point) in r.stderr, r.stderr
+    finally:
+        subprocess.run(["umount", str(point)], check=True)
+    assert sorted(os.listdir(tmp_path)) == ["point"], os.listdir(tmp_path)
 
 
 def test_replay_says_where_a_point_past_the_record_or_before_it_lands(make_mount, tmp_path):

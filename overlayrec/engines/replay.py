@@ -14,7 +14,7 @@ from ..underlay import O_PATH, RENAME_EXCHANGE, Escape, chmod_fd, kind_of, resol
 from .diff import SelectionError, _visible, find_call, find_turn, session_named
 from ..secrets import PLACEHOLDER, public_in
 from ..views import guessed, shown
-from .revert_apply import make_node, set_meta, temp_name
+from .revert_apply import NAME_MAX, make_node, set_meta, temp_name
 from .revert_steps import link_key, linked
 from .large import copy_fd, write_to
 from .states import ATTIC, INF, States, State, Tree, state_of_stat
@@ -700,6 +700,8 @@ def replay(j: Journal, states: States, point: int, dest: str, full_from: str | N
     replay that fails leaves nothing.  ``dest`` must not exist or be an empty directory."""
     dest = os.path.abspath(dest)
     parent, base = os.path.split(dest.rstrip("/") or "/")
+    if len(os.fsencode(base)) > NAME_MAX:  # (the error named the temporary directory)
+        raise OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG), dest)
     made_parents = []
     p = parent
     while not os.path.lexists(p):
@@ -744,7 +746,12 @@ def replay(j: Journal, states: States, point: int, dest: str, full_from: str | N
             b.write(rel, s)
             written += 1
         b.finish(root_state)
-        os.rename(os.path.basename(tmp), base, src_dir_fd=pfd, dst_dir_fd=pfd)
+        try:
+            os.rename(os.path.basename(tmp), base, src_dir_fd=pfd, dst_dir_fd=pfd)
+        except OSError as e:
+            # said of --to (it named the temporary directory, removed by then: an empty
+            # directory that is a mount point, EBUSY; found by a bug hunt)
+            raise OSError(e.errno, e.strerror, dest) from None
     except BaseException:
         try:
             if tmp is not None:
