@@ -2491,6 +2491,13 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
                        f"not put back ({shown(old)} -> {shown(new)}"
                        f"{' ...' if len(plan.moved_from_outside) > 1 else ''}): name both "
                        "sides of the rename to move them back", err=True)
+        if plan.moved_to_outside and not as_json:
+            old, new = plan.moved_to_outside[0]
+            click.echo(f"overlayrec: warning: {len(plan.moved_to_outside)} path(s) this makes "
+                       "again were moved by a rename to a name --path leaves out, which stays "
+                       f"({shown(old)} -> {shown(new)}"
+                       f"{' ...' if len(plan.moved_to_outside) > 1 else ''}): they come back as "
+                       "copies; name both sides of the rename to move them back", err=True)
         if plan.kept_objects and not as_json:
             click.echo(f"overlayrec: {len(plan.kept_objects)} git object(s) this made stay: "
                        "their repository was changed since by what is not reverted (a branch, "

@@ -129,7 +129,8 @@ def preview(plan: Plan) -> dict:
                                      for s in plan.steps],
             "guessed": plan.guessed, "maybe_ours": plan.maybe_ours, "late": plan.late,
             "already": plan.already, "kept_objects": plan.kept_objects,
-            "moved_from_outside": [list(x) for x in plan.moved_from_outside]}
+            "moved_from_outside": [list(x) for x in plan.moved_from_outside],
+            "moved_to_outside": [list(x) for x in plan.moved_to_outside]}
 
 
 class Sources:

@@ -1904,6 +1904,27 @@ def test_path_on_one_side_of_a_rename_says_what_it_does_not_put_back(make_mount,
     assert os.listdir(os.path.join(m.ws, "proj")) == ["f"]
 
 
+def test_path_on_the_old_side_of_a_rename_says_it_makes_copies(make_mount, tmp_path):
+    """The other side: `mv d d2; echo 1 >> d2/g` reverted with `--path d` makes d/g and d/h
+    again, copies, and d2 stays as it is; it said nothing (found by a bug hunt).  It warns,
+    naming the rename, in the preview, the run and --json."""
+    m = setup_ws(make_mount, tmp_path, {"d/g": b"g\n", "d/h": b"h\n"})
+    m.mount()
+    run_call(m, tmp_path, "mv d d2 && echo 1 >> d2/g")
+    for extra in ((), ("--yes",)):
+        r = overlayrec("revert", m.ws, "--call", "c1", "--path", "d", *extra)
+        assert "moved by a rename to a name --path leaves out" in r.stderr and \
+            "d -> d2" in r.stderr, r.stderr
+    assert sorted(os.listdir(os.path.join(m.ws, "d2"))) == ["g", "h"]
+    assert open(os.path.join(m.ws, "d", "g")).read() == "g\n"
+    overlayrec("unrevert", "-w", m.ws, "--yes")
+    js = json.loads(overlayrec("revert", m.ws, "--call", "c1", "--path", "d", "--json").stdout)
+    assert sorted(map(tuple, js["moved_to_outside"])) == [
+        ("d", "d2"), ("d/g", "d2/g"), ("d/h", "d2/h")], js
+    r = overlayrec("revert", m.ws, "--call", "c1")  # both sides: no warning
+    assert "--path leaves out" not in r.stderr, r.stderr
+
+
 def test_what_a_rename_did_not_bring_is_no_pair_of_it(make_mount, tmp_path):
     """As above, with a file made in proj2 after the rename: it was named as having come from
     proj/c (`moved_from_outside`), which never existed, and counted in the warning (found by a

@@ -383,6 +383,18 @@ def _moved_from_outside(plan: Plan, renames: list[dict], keep, states: States) -
                 old, first = src + old[len(dst):], r["seq"]
         if first is not None and not keep(old) and states.state(old, first - 1).present:
             plan.moved_from_outside.append((old, s.path))
+    # and the other side (`--path proj`): what the plan makes again at the old name comes
+    # back a copy, the rename's new name left as it is (said by nothing: a bug hunt)
+    for s in plan.steps:
+        if not s.target.present or s.expected.present or s.moved_from is not None:
+            continue
+        new, moved = s.path, False
+        for r in renames:
+            src, dst = r["path"], r["path2"]
+            if new == src or new.startswith(src + "/"):
+                new, moved = dst + new[len(src):], True
+        if moved and not keep(new):
+            plan.moved_to_outside.append((s.path, new))
 
 
 def _way_gone(path: str, last: int, states: States, live: Tree,

@@ -59,6 +59,9 @@ class Plan:
     # --path: paths the plan removes that a rename in the selection brought from a name
     # outside the pattern, which it does not put back: (that name, the path)
     moved_from_outside: list[tuple[str, str]] = field(default_factory=list)
+    # --path: paths the plan makes again that a rename in the selection took to a name outside
+    # the pattern, which stays: (the path, that name)
+    moved_to_outside: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def conflicts(self) -> list[Step]:
