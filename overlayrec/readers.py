@@ -563,6 +563,37 @@ def workspace_glob(ws: str, glob):
         return each[0] if len(each) == 1 else sorted(set(each))
     if glob is None:
         return glob
+    out = _one_glob(ws, glob)
+    if out:
+        _say_symlinks_on_the_way(ws, out)
+    return out
+
+
+def _say_symlinks_on_the_way(ws: str, rel: str) -> None:
+    """A note on stderr when a directory on the way of the path ``rel`` (not a glob) is a
+    symlink in the workspace now: the record names paths as they were written, so `lnk/f`
+    is not the `real/f` it reaches.  It said nothing, and answered "nothing" (found by a bug
+    hunt)."""
+    import glob as _glob
+    import sys
+    if _glob.has_magic(rel):
+        return
+    parts = rel.rstrip("/").split("/")
+    for k in range(1, len(parts)):
+        way = "/".join(parts[:k])
+        try:
+            target = os.readlink(os.path.join(ws, way))
+        except OSError:
+            continue
+        from .views import shown
+        sys.stderr.write(f"overlayrec: note: {shown(way)} is a symlink (to {shown(target)}): "
+                         f"the record names paths as written, and {shown(rel)} is not the "
+                         "path it reaches; name that path\n")
+        return
+
+
+def _one_glob(ws: str, glob: str) -> str | None:
+    """workspace_glob of one pattern."""
     if glob == "":
         # it matched every path: a revert of the whole selection (found by a bug hunt)
         raise Refusal("--path '' names no path: give a path or a pattern (or leave --path "

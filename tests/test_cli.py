@@ -1328,6 +1328,20 @@ def test_an_absolute_path_is_taken_beneath_the_workspace_or_refused(make_mount):
 
 
 @needs_fuse
+def test_a_path_through_a_symlinked_directory_is_said_to_be_one(make_mount):
+    """`--path lnk/f` where lnk is a symlink to real: the record names real/f, so the answer
+    is empty, and it said nothing (found by a bug hunt).  A note says why."""
+    m = make_mount().mount()
+    os.mkdir(os.path.join(m.ws, "real"))
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", "sh", "-c",
+               "echo a > real/f; ln -s real lnk", cwd=m.ws)
+    r = overlayrec("diff", m.ws, "--session", "s", "--path", "lnk/f", "--name-status")
+    assert r.stdout == "" and "note: lnk is a symlink (to real)" in r.stderr, r
+    r = overlayrec("diff", m.ws, "--session", "s", "--path", "real/f", "--name-status")
+    assert r.stdout.split() == ["A", "real/f"] and "symlink" not in r.stderr, r
+
+
+@needs_fuse
 def test_a_relative_path_run_in_a_directory_of_the_workspace_is_that_directorys(make_mount):
     """Run in ws/dir, ``--path ./x`` named the root's x (diff showed it, a revert would have
     put it back) while ``blame ./x`` took dir/x, as git takes a pathspec (found by a bug
