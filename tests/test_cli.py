@@ -320,8 +320,10 @@ def test_a_page_garbled_inside_the_journal_is_said_by_status_and_run(make_mount)
                        "echo agent > new.txt", check=False)
     finally:
         force_unmount(m.ws)
-    assert r.returncode != 0 and "corrupt" in r.stderr and "Traceback" not in r.stderr, \
-        r.stderr
+    # (where the daemon's own first write meets the garbled page, before run's check, run
+    # says the session went into a "damaged record": as much a refusal, met now and then)
+    assert r.returncode != 0 and ("corrupt" in r.stderr or "damaged record" in r.stderr) and \
+        "Traceback" not in r.stderr, r.stderr
 
 
 @needs_fuse
