@@ -2484,20 +2484,16 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
         if plan.already and not as_json:
             click.echo(f"overlayrec: {len(plan.already)} path(s) were put back already by "
                        f"an earlier revert: {named(map(shown, plan.already))}", err=True)
-        if plan.moved_from_outside and not as_json:
-            old, new = plan.moved_from_outside[0]
-            click.echo(f"overlayrec: warning: {len(plan.moved_from_outside)} path(s) this "
-                       "removes came by a rename from a name --path leaves out, which it does "
-                       f"not put back ({shown(old)} -> {shown(new)}"
-                       f"{' ...' if len(plan.moved_from_outside) > 1 else ''}): name both "
-                       "sides of the rename to move them back", err=True)
-        if plan.moved_to_outside and not as_json:
-            old, new = plan.moved_to_outside[0]
-            click.echo(f"overlayrec: warning: {len(plan.moved_to_outside)} path(s) this makes "
-                       "again were moved by a rename to a name --path leaves out, which stays "
-                       f"({shown(old)} -> {shown(new)}"
-                       f"{' ...' if len(plan.moved_to_outside) > 1 else ''}): they come back as "
-                       "copies; name both sides of the rename to move them back", err=True)
+        for pairs, what, then in (
+                (plan.moved_from_outside, "removes came by a rename from a name --path leaves "
+                 "out, which it does not put back", ""),
+                (plan.moved_to_outside, "makes again were moved by a rename to a name --path "
+                 "leaves out, which stays", "they come back as copies; ")):
+            if pairs and not as_json:  # --path took one side of a rename
+                old, new = pairs[0]
+                click.echo(f"overlayrec: warning: {len(pairs)} path(s) this {what} "
+                           f"({shown(old)} -> {shown(new)}{' ...' if len(pairs) > 1 else ''}): "
+                           f"{then}name both sides of the rename to move them back", err=True)
         if plan.kept_objects and not as_json:
             click.echo(f"overlayrec: {len(plan.kept_objects)} git object(s) this made stay: "
                        "their repository was changed since by what is not reverted (a branch, "

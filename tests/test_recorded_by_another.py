@@ -31,12 +31,7 @@ def test_a_workspace_another_users_daemon_records_is_said_so(tmpbase):
         assert "none yet" not in status.stdout, status.stdout
         st = json.loads(user.ask("status", user.ws, "--json").stdout)
         assert st["mounted"] is True and st["recorded_by_uid"] == 0, st
-        for cmd in (["diff", "-w", user.ws, "--since", "0"], ["log", "-w", user.ws]):
-            r = user.ask(*cmd, check=False)
-            assert r.returncode == 1, (cmd, r)
-            lines = r.stderr.strip().splitlines()
-            assert len(lines) == 1 and "recorded by another user's daemon (uid 0)" in lines[0] \
-                and "not yours to read" in lines[0], (cmd, r.stderr)
+        _readers_say(user, "recorded by another user's daemon (uid 0)")
         # the owner's own `run` cannot join root's daemon: said in one line (it failed on
         # "mount.lock: No such file or directory": found by a bug hunt)
         r = user.ask("run", "-w", user.ws, "--", "true", check=False)
@@ -57,9 +52,14 @@ def test_a_workspace_another_users_daemon_records_is_said_so(tmpbase):
         "none yet" not in status.stdout, status.stdout
     st = json.loads(user.ask("status", user.ws, "--json").stdout)
     assert st["mounted"] is False and st["recorded_by_uid"] == 0, st
+    _readers_say(user, "recorded by another user (uid 0")
+
+
+def _readers_say(user, needle: str) -> None:
+    """diff and log, asked by ``user``, refuse in one line saying ``needle``, exit 1."""
     for cmd in (["diff", "-w", user.ws, "--since", "0"], ["log", "-w", user.ws]):
         r = user.ask(*cmd, check=False)
         assert r.returncode == 1, (cmd, r)
         lines = r.stderr.strip().splitlines()
-        assert len(lines) == 1 and "recorded by another user (uid 0" in lines[0] and \
-            "not yours to read" in lines[0], (cmd, r.stderr)
+        assert len(lines) == 1 and needle in lines[0] and "not yours to read" in lines[0], \
+            (cmd, r.stderr)
