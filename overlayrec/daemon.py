@@ -100,6 +100,21 @@ def _setup_logging(state_dir: str, foreground: bool) -> None:
 FLUSH_WAIT = 10.0
 
 
+def _preload() -> None:
+    """Import now, before the mount, what the daemon imports lazily later: once the mount is
+    up, an import from a package inside the workspace (a project's venv, an editable checkout
+    there) reads through the daemon's own mount, which waits on itself for good (found by a
+    bug hunt: the first hook payload imported its agent's module, the daemon hung, and every
+    process touching the workspace with it)."""
+    import ctypes  # noqa: F401  (the daemon's own lazy imports, stdlib's too)
+    import fcntl  # noqa: F401
+    import subprocess  # noqa: F401
+    from . import agents, retention, wire  # noqa: F401
+    from .agents import _common, _settings  # noqa: F401
+    from .journal import ahead, content  # noqa: F401
+    agents.modules()
+
+
 def _flush_mount(ws: str, control: ControlServer | None = None) -> None:
     """syncfs(2) of the mount at ``ws``, from a thread while the daemon serves: the kernel's
     dirty pages of its files come to the daemon as writes.  With ``control`` (a release: no
@@ -656,6 +671,7 @@ def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool, record_da
     if allow_other:
         options.add("allow_other")
     said: list[str] = []
+    _preload()
     try:
         with _writable_mountpoint(root_fd), _helper_said(said):
             pyfuse3.init(ops, ws, options)

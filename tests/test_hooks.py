@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -579,3 +580,27 @@ def test_install_then_remove_keeps_the_users_empty_tables(tmp_path, name, text):
     overlayrec("install-hooks", name, "--project", str(tmp_path), "--remove")  # none there
     with open(path) as f:
         assert f.read() == text
+
+
+def test_a_daemon_whose_own_code_lies_in_the_workspace_answers_hooks(make_mount, tmp_path):
+    """overlayrec installed inside the workspace it records (a project's venv, an editable
+    checkout there): the first hook payload imported its agent's module through the daemon's
+    own mount, the daemon waited on itself for good, and every process touching the workspace
+    hung with it (found by a bug hunt).  The daemon imports all it needs before it mounts."""
+    import overlayrec
+    from overlayrec import client
+    m = make_mount()
+    lib = os.path.join(m.ws, "pylib")
+    shutil.copytree(os.path.dirname(overlayrec.__file__), os.path.join(lib, "overlayrec"),
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    m.env = dict(os.environ, PYTHONPATH=lib)
+    m.mount()
+    try:
+        with client.Client(os.path.join(m.state, "control.sock"), timeout=20) as c:
+            _raw(c, {"hook_event_name": "SessionStart", "session_id": "S1", "cwd": m.ws,
+                     "source": "startup"})
+        r = subprocess.run(["cat", os.path.join(lib, "overlayrec", "__init__.py")],
+                           capture_output=True, timeout=20)
+        assert r.returncode == 0
+    finally:
+        m.umount()

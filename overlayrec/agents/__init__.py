@@ -28,10 +28,18 @@ import sys
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+_NAMES: list[str] = []
+
+
 def names() -> list[str]:
-    """Every agent, by name (``claude-code``, ``codex``, ...)."""
-    return sorted(f[:-3].replace("_", "-") for f in os.listdir(_HERE)
-                  if f.endswith(".py") and not f.startswith("_"))
+    """Every agent, by name (``claude-code``, ``codex``, ...).  The package is listed once a
+    process: the daemon listed it on every hook payload, which, with overlayrec installed
+    inside the workspace it records, went through its own mount and hung it (found by a bug
+    hunt; daemon._preload asks before the mount)."""
+    if not _NAMES:
+        _NAMES.extend(sorted(f[:-3].replace("_", "-") for f in os.listdir(_HERE)
+                             if f.endswith(".py") and not f.startswith("_")))
+    return list(_NAMES)
 
 
 def get(name: str):
