@@ -301,15 +301,19 @@ def test_a_tool_calls_end_after_the_next_prompt_ended_it_is_no_error():
 # -- settings files: in and out again, byte for byte ---------------------------------------------
 
 USER_SETTINGS = {
+    # a user's own hook whose command names overlayrec and "hook claude-code" is theirs: it was
+    # taken for ours and removed (found by a bug hunt)
     "claude-code": {"model": "opus", "hooks": {"PreToolUse": [
-        {"matcher": "Edit", "hooks": [{"type": "command", "command": "./lint.sh"}]}]},
+        {"matcher": "Edit", "hooks": [{"type": "command", "command":
+                                       "/opt/overlayrec-extras/bin/audit-hook claude-code"}]}]},
         "permissions": {"allow": ["Bash(ls:*)"]}},
     "codex": {"hooks": {"Stop": [{"hooks": [{"type": "command", "command": "notify-send done",
                                              "timeout": 5}]}]}},
     "gemini": {"ui": {"theme": "GitHub"}, "hooks": {"BeforeTool": [
         {"matcher": "write_file", "hooks": [{"name": "scan", "type": "command",
                                              "command": "scan.sh"}]}]}, "général": "é"},
-    "cursor": {"version": 1, "hooks": {"afterFileEdit": [{"command": "./format.sh"}]}},
+    "cursor": {"version": 1, "hooks": {"afterFileEdit": [
+        {"command": "overlayrec-tools/format hook cursor"}]}},
 }
 
 

@@ -35,7 +35,17 @@ class SettingsError(Exception):
 
 
 def ours(command, agent: str) -> bool:
-    return isinstance(command, str) and "overlayrec" in command and f"hook {agent}" in command
+    """Is ``command`` a hook entry overlayrec wrote for ``agent``: one ending in our marker
+    (``# overlayrec hook NAME``, hook_command), or in the commands earlier versions wrote
+    (``-m overlayrec hook NAME``; the entry's ``-c`` code then ``hook NAME``)?  Any command
+    naming overlayrec and "hook NAME" was taken (`/opt/overlayrec-extras/bin/audit-hook
+    claude-code`, the user's own): run wired no hooks, and `--remove` deleted it (found by a
+    bug hunt)."""
+    if not isinstance(command, str):
+        return False
+    c = command.rstrip()
+    return c.endswith((f"# overlayrec hook {agent}", f"-m overlayrec hook {agent}")) or \
+        c.endswith(f" hook {agent}") and "from overlayrec.entry import main; main()" in c
 
 
 # -- reading and writing in the layout found ------------------------------------------------------
