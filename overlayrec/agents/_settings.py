@@ -43,7 +43,7 @@ def ours(command, agent: str) -> bool:
     bug hunt)."""
     if not isinstance(command, str):
         return False
-    c = command.rstrip()
+    c = _EMPTY_BEFORE.sub("", command).rstrip()  # (the marks _marked adds after ours)
     return c.endswith((f"# overlayrec hook {agent}", f"-m overlayrec hook {agent}")) or \
         c.endswith(f" hook {agent}") and "from overlayrec.entry import main; main()" in c
 
@@ -210,9 +210,23 @@ def holds_ours(path: str, agent: str) -> bool:
     """Whether the file at ``path`` already runs our hook (installed by ``install-hooks``)."""
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
-            return ours(f.read(), agent)
+            text = f.read()
     except OSError:
         return False
+    try:
+        found = [json.loads(text)]
+    except ValueError:  # (not JSON, or a TOML of Codex's: its strings as written)
+        return any(ours(line.strip().rstrip(",").strip('"\''), agent)
+                   for line in text.splitlines())
+    while found:  # every string the settings hold, at any depth
+        x = found.pop()
+        if isinstance(x, dict):
+            found.extend(x.values())
+        elif isinstance(x, list):
+            found.extend(x)
+        elif ours(x, agent):
+            return True
+    return False
 
 
 # -- a file a run must edit, put back exactly -----------------------------------------------------
