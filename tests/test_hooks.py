@@ -10,10 +10,12 @@ import shlex
 import shutil
 import subprocess
 import sys
+import textwrap
+import time
 
 import pytest
 
-from conftest import SLOW, overlayrec
+from conftest import SLOW, force_unmount, overlayrec
 
 pytestmark = pytest.mark.timeout(int(180 * SLOW))
 
@@ -604,3 +606,46 @@ def test_a_daemon_whose_own_code_lies_in_the_workspace_answers_hooks(make_mount,
         assert r.returncode == 0
     finally:
         m.umount()
+
+
+def test_the_installed_hook_answers_in_a_workspace_whose_daemon_is_gone(make_mount, tmp_path):
+    """The daemon killed in the middle of a run, its mount dead under the agent's cwd: the
+    installed hook command's Python fallback looked for its imports in the cwd, died with a
+    traceback (ENOTCONN), and Cursor got no answer (found by a bug hunt).  It gives the
+    agent's answer, without a traceback, on both of its paths (nc to the socket's name, and
+    none)."""
+    import signal
+    from overlayrec import agents
+    m = make_mount().mount()
+    sock = os.path.join(m.state, "control.sock")
+    payload = json.dumps({"hook_event_name": "preToolUse", "conversation_id": "S1",
+                          "generation_id": "g1", "tool_name": "Shell",
+                          "tool_input": {"command": "ls"}, "cwd": m.ws})
+    envs = [dict(clean_env(), OVERLAYREC_SOCKET=sock), clean_env()]
+    # the agent: in the workspace before its daemon goes, hooks run from there after
+    agent = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import sys
+        sys.path = [p for p in sys.path if p]  # (not the cwd, about to die)
+        import json, selectors, subprocess, threading
+        cmd, payload, envs = json.loads(sys.argv[1])
+        sys.stdin.readline()
+        out = [subprocess.run(["sh", "-c", cmd], input=payload, capture_output=True,
+                              text=True, env=env, timeout=60) for env in envs]
+        print(json.dumps([(r.returncode, r.stdout, r.stderr) for r in out]))
+    """), json.dumps([agents.hook_command("cursor", "preToolUse"), payload, envs])],
+        cwd=m.ws, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    pid = json.load(open(os.path.join(m.state, "daemon.json")))["pid"]
+    try:
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        out, _ = agent.communicate("go\n", timeout=120)
+        for code, stdout, stderr in json.loads(out):
+            assert code == 0 and json.loads(stdout) == {"permission": "allow"} and \
+                "Traceback" not in stderr, (code, stdout, stderr)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+        force_unmount(m.ws)

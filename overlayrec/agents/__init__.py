@@ -130,7 +130,10 @@ def hook_command(name: str, event: str | None = None) -> str:
     import shlex
     mod = get(name)
     where = os.path.dirname(os.path.dirname(_HERE))
-    code = (f"import sys; sys.path.insert(0, {where!r}); "
+    # the package's directory in place of the cwd ('' first on -c's path): an import looked
+    # in the cwd, and in a workspace whose mount had lost its daemon that raised ENOTCONN, a
+    # traceback instead of the hook's answer (found by a bug hunt)
+    code = (f"import sys; sys.path[0] = {where!r}; "
             "from overlayrec.entry import main; main()")
     py = f"{shlex.quote(sys.executable)} -S -c {shlex.quote(code)} hook {name}"
     said = mod.answer(event)
@@ -145,7 +148,7 @@ def hook_command(name: str, event: str | None = None) -> str:
             'printf %s "$p" | tr \'\\r\\n\' \'  \' | '
             f'$t nc -UN -w {bound} "$OVERLAYREC_SOCKET" >/dev/null 2>&1; r=$?; '
             f'if [ $r = 0 ] || [ $r = 124 ]; then {say}exit 0; fi; '
-            f'printf %s "$p" | {py}; exit 0; fi; ')
+            f'printf %s "$p" | {py} || {{ {say}exit 0; }}; exit 0; fi; ')
     # not exec'd: an interpreter gone since the hooks were installed (a venv made anew) exited
     # 127, where a hook exits 0 whatever goes wrong; the agent's answer is given then too (the
     # hook itself never exits other than 0)
