@@ -2385,3 +2385,37 @@ def test_path_says_the_hard_links_it_leaves_out_change_with_the_file(make_mount,
     read = {n: open(os.path.join(m.ws, n), "rb").read() for n in "fhgk"}
     assert read == {"f": b"F0\n", "h": b"F0\n", "g": b"G0\n", "k": b"G0\n"}, read
     assert stat.S_IMODE(os.lstat(os.path.join(m.ws, "k")).st_mode) == 0o644
+
+
+def test_continue_takes_a_rename_back_it_made_for_its_own(make_mount, tmp_path):
+    """A call `echo edited >> a; mv a b`; its revert renames b back to a and writes a's old
+    content (a new inode), and is killed before its next step.  `--continue` took a, which
+    held what the step puts there, for another writer's change and refused (found by a bug
+    hunt).  It carries on."""
+    m = setup_ws(make_mount, tmp_path, {"a": b"a\n", "x": b"x\n"})
+    m.mount()
+    before = tree_of(m.ws)
+    run_call(m, tmp_path, "echo edited >> a && mv a b && echo more >> x")
+    env = dict(os.environ, OVERLAYREC_TEST_REVERT_DELAY="3")
+    p = subprocess.Popen([sys.executable, "-m", "overlayrec", "revert", m.ws, "--call", "c1",
+                          "--yes"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    try:
+        deadline = time.monotonic() + 60 * SLOW
+        a = os.path.join(m.ws, "a")
+        while not (os.path.exists(a) and open(a, "rb").read() == b"a\n"):
+            assert time.monotonic() < deadline and p.poll() is None, "no rename back seen"
+            time.sleep(0.02)
+        pid = json.load(open(os.path.join(m.state, "daemon.json")))["pid"]
+        os.kill(pid, signal.SIGKILL)
+        p.wait(timeout=60)
+        assert p.returncode != 0
+        overlayrec("umount", m.ws)
+        assert json.loads(overlayrec("status", m.ws, "--json").stdout)["pending_revert"]
+        r = overlayrec("revert", m.ws, "--continue", check=False)
+        assert r.returncode == 0, (r.stdout, r.stderr)
+        assert tree_of(m.ws) == before
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()

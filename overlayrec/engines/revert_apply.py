@@ -549,6 +549,10 @@ def _move_back(root_fd: int, dfd: int, name: str, step: Step) -> str | None:
         here = None
     if here is None or here.st_ino != ino:
         if here is not None:
+            if step.target.kind == "file" and step.target.data is not None and \
+                    stat.S_IMODE(here.st_mode) == step.target.mode and \
+                    _holds_content(dfd, name, step.target, lambda st: True):
+                return "put back already"  # (by this revert, before it was interrupted)
             return KEPT_CHANGED
         try:
             sfd, sname = _parent(root_fd, step.moved_from, create=False)
@@ -913,11 +917,20 @@ def changed_since(live, step: Step, ours: set | None = None, *, removed: bool = 
     steps wrote so far (a hard-link group's other names hold what one step wrote in place).
     ``seen`` gets the lstat the path was looked at with (None: nothing there)."""
     if step.moved_from is not None:
-        # a rename back: its object at either name (not moved yet, or moved already)
+        # a rename back: its object at either name (not moved yet, or moved already), or
+        # the path holding the step's whole end already (the object back and its content
+        # written anew, a new inode: a --continue took the revert's own step for another
+        # writer's change; found by a bug hunt)
         if seen is not None:
             seen.append(None)
-        return not any((st := live.lstat(p)) is not None and st.st_ino == step.expected.ino
-                       for p in (step.path, step.moved_from))
+        if any((st := live.lstat(p)) is not None and st.st_ino == step.expected.ino
+               for p in (step.path, step.moved_from)):
+            return False
+        try:
+            now = live.state(step.path)
+        except OSError:
+            return False
+        return not (now.exact and now.same(step.target))
     try:
         now, st = live.state_stat(step.path)
     except OSError:
