@@ -482,6 +482,15 @@ def carry_out(ws: str, sd: str, plan: Plan, content, *, unreverts: str | None = 
         raise RevertError(f"{e}: the revert stopped half done (its mount went away?): "
                           "`overlayrec revert --continue` carries the rest out, `overlayrec "
                           "unrevert` undoes what it did") from None
+    except OSError as e:
+        if e.errno not in (errno.ENOTCONN, errno.ECONNABORTED):
+            raise
+        # the same, met by a read of the tree through the mount gone (it said "f1159:
+        # Software caused connection abort", the path cut, nothing of the revert pending;
+        # found by a bug hunt)
+        raise RevertError(f"{os.strerror(e.errno)}: the revert stopped half done (its mount "
+                          "went away?): `overlayrec revert --continue` carries the rest out, "
+                          "`overlayrec unrevert` undoes what it did") from None
     finally:
         os.close(root_fd)
     rec["status"] = "done"
