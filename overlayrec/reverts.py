@@ -15,6 +15,7 @@ import contextlib
 import errno
 import functools
 import os
+import shutil
 import stat
 import time
 from typing import Callable
@@ -401,6 +402,24 @@ def check_room(ws: str, plan: Plan, under_fd: int) -> None:
         "unrevert): free some room, or revert fewer paths (--path)")
 
 
+def _state_dir_full(e: OSError, sd: str, ws: str) -> None:
+    """RevertError for a step refused for room (ENOSPC, EDQUOT) where the full filesystem is
+    the state dir's, not the workspace's: the daemon journals each change before it lands,
+    and its refusal comes back through the mount as the workspace's own.  The step said
+    "free room on the workspace's filesystem", which had 79 GB free (found by a bug hunt)."""
+    if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return
+    try:
+        if shutil.disk_usage(sd).free > (1 << 20) or shutil.disk_usage(ws).free < (1 << 20):
+            return  # (the workspace's full too, or the state dir not: the step's words)
+    except OSError:
+        return
+    raise RevertError(f"{e.filename}: cannot be written ({os.strerror(e.errno)}): the record's "
+                      f"state dir {sd} is full (each change is journaled before it lands): free "
+                      "room there, then `overlayrec revert --continue`, or `overlayrec "
+                      "unrevert`") from None
+
+
 def carry_out(ws: str, sd: str, plan: Plan, content, *, unreverts: str | None = None,
               resume: dict | None = None, progress=None, secret=None) -> dict:
     """Carry out the plan's paths without conflicts through the mount, the plan saved first
@@ -452,8 +471,12 @@ def carry_out(ws: str, sd: str, plan: Plan, content, *, unreverts: str | None = 
                             changed_since(live, s, ours, removed=resume is None, seen=seen):
                         done.append((s.path, KEPT_CHANGED))
                         continue
-                    done.append((s.path, apply_step(root_fd, s, made,
-                                                    seen[0] if seen else False, secret)))
+                    try:
+                        done.append((s.path, apply_step(root_fd, s, made,
+                                                        seen[0] if seen else False, secret)))
+                    except OSError as e:
+                        _state_dir_full(e, sd, ws)
+                        raise
                     if s.moved_from is not None and not failed(done[-1][1]):
                         moved_in(made, s)  # its group's names and partners are there now
                     st = live.state_stat(s.path)[1] if s.target.kind == "file" else None

@@ -783,3 +783,48 @@ def test_a_commit_lmdb_refuses_as_eio_on_a_full_state_dir_names_no_space(tmp_pat
         assert other.value.errno == errno.EIO and "no space" not in str(other.value)
     finally:
         j.close()
+
+
+@needs_fuse
+@needs_root
+@pytest.mark.timeout(int(120 * SLOW))
+def test_a_revert_stopped_by_a_full_state_dir_says_whose_room_it_needs(make_mount, tmp_path):
+    """The state dir's filesystem full, the workspace's not: a revert's step is refused
+    (the daemon journals each change before it lands), and it said "free room on the
+    workspace's filesystem", which had plenty (found by a bug hunt).  It names the state dir;
+    once there is room, --continue finishes it."""
+    import time
+    m = make_mount()
+    with tmpfs(os.path.join(m.base, "statefs"), "16m") as statefs:
+        m.state = os.path.join(statefs, "state")
+        (tmp_path / "call.py").write_text(CALL)
+        for i in range(40):
+            with open(os.path.join(m.ws, f"f{i}"), "wb") as f:
+                f.write(b"%d\n" % i * 20000)
+        before = {f"f{i}": open(os.path.join(m.ws, f"f{i}"), "rb").read() for i in range(40)}
+        try:
+            m.mount()
+            overlayrec("run", "-w", m.ws, "--", sys.executable, str(tmp_path / "call.py"),
+                       "for i in $(seq 0 39); do head -c 100000 /dev/urandom > f$i; done",
+                       cwd=m.ws)
+            env = dict(os.environ, OVERLAYREC_TEST_REVERT_DELAY="0.3")
+            p = subprocess.Popen([sys.executable, "-m", "overlayrec", "revert", m.ws, "--call",
+                                  "c1", "--yes"], env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+            deadline = time.monotonic() + 60 * SLOW
+            while not any(open(os.path.join(m.ws, n), "rb").read() == data
+                          for n, data in before.items()):
+                assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+                time.sleep(0.02)
+            filler = fill(statefs, "filler", 0)  # the plan saved, a first step made
+            out, err = p.communicate(timeout=120 * SLOW)
+            assert p.returncode == 1 and "Traceback" not in err, (out, err)
+            last = err.strip().splitlines()[-1]
+            assert f"the record's state dir {m.state} is full" in last and \
+                "workspace's filesystem" not in last, last
+            os.unlink(filler)
+            overlayrec("revert", m.ws, "--continue")
+            after = {n: open(os.path.join(m.ws, n), "rb").read() for n in before}
+            assert after == before
+        finally:
+            m.umount()
