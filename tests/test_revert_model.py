@@ -245,11 +245,15 @@ def predict(history: list, states: list, unit):
             since = [u for u, _, touched in history[last + 1:] if p in touched]
             if final.get(p) == target and since and all(u == "R" for u in since):
                 continue  # an earlier revert ("R") put it back: nothing to do
+            before = [k for k in range(first) if p in history[k][2]]
             if not (since and all(u == "R" for u in since) and
-                    any(states[k].get(p) == final.get(p) for k in range(first, last))):
+                    any(states[k].get(p) == final.get(p) for k in range(first, last)) and
+                    not any(states[j].get(p) == final.get(p)
+                            for k in before for j in (k - 1, k))):
                 conflict = True
             # else reverts stack: an earlier revert of part of the selection put back what
-            # the path held within it, and the selection goes on back from there
+            # the path held within it (and never before it), and the selection goes on back
+            # from there
         if target is None:
             tree.pop(p, None)
         else:

@@ -666,16 +666,25 @@ def _put_back_within(states: States, p: str, first: int, last: int, put: int,
     changes from ``first`` to ``last``)?  Only an earlier revert of part of the selection
     puts such a state back; another unit's is a change of its own.  Each state is asked just
     before a change (its pre-image) as well as after one: after a write, inside a run of
-    writes, the record does not know the content, which the next change's pre-image holds."""
+    writes, the record does not know the content, which the next change's pre-image holds.
+    Not a state the path also had before the selection: that one an earlier revert of more
+    than the selection may have put back."""
     back = states.state(p, put)
     if not (back.exact and back.same(now)):
         return False
+    within = False
     for e in states.events_on(p):
-        if first <= e["seq"] <= last:
+        if e["seq"] < first:
+            # a state it had before the selection too (`git checkout` there and back): an
+            # earlier revert reaching further back may have put it there, and going on from
+            # it would write back what that revert undid; a conflict, as before
+            if any(states.state(p, at).same(now) for at in (e["seq"] - 1, e["seq"])):
+                return False
+        elif e["seq"] <= last and not within:
             for at in (e["seq"] - 1, e["seq"]) if e["seq"] > first else (e["seq"],):
                 if at < last and (held := states.state(p, at)).exact and held.same(now):
-                    return True
-    return False
+                    within = True
+    return within
 
 
 def _linked_since(states: States, name: str, first: int) -> bool:
