@@ -31,6 +31,20 @@ def _read(path: str) -> bytes | None:
         os.close(fd)
 
 
+def in_group(pid: int, gid: int, group: int) -> bool:
+    """Is the process ``pid`` (of group ``gid``) of ``group``: its own, or a supplementary
+    group (/proc/PID/status)?  Not known (the process gone): taken for yes, which keeps a
+    set-group-ID bit the kernel might have cleared rather than clearing one it would have
+    kept (fs.Operations._drop_set_ids)."""
+    if gid == group:
+        return True
+    status = _read(f"/proc/{pid}/status")
+    for line in (status or b"").splitlines():
+        if line.startswith(b"Groups:"):
+            return str(group).encode() in line.split()[1:]
+    return True
+
+
 def proc_start_and_ppid(pid: int) -> tuple[int, int] | None:
     """(start time in clock ticks since boot, ppid) from /proc/<pid>/stat."""
     raw = _read(f"/proc/{pid}/stat")

@@ -31,6 +31,7 @@ import time
 import pyfuse3
 
 from . import dircache, underlay
+from .attribution import in_group
 from .journal import JournalError
 from .recorder import ATTIC_NAME, Recorder
 
@@ -189,22 +190,6 @@ def _cookie(name: str) -> int:
 
 
 _COOKIE_BITS = (1 << 62) - 1
-
-
-def _in_group(pid: int, gid: int, group: int) -> bool:
-    """Is the process ``pid`` (of group ``gid``) of ``group``: its own, or a supplementary
-    group (/proc/PID/status)?  Not known (the process gone): taken for yes, which keeps a
-    bit the kernel might have cleared rather than clearing one it would have kept."""
-    if gid == group:
-        return True
-    try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"Groups:"):
-                    return str(group).encode() in line.split()[1:]
-    except OSError:
-        pass
-    return True
 
 
 class DirHandle:
@@ -844,13 +829,13 @@ class Operations(pyfuse3.Operations):
         for a caller without CAP_FSETID.  With an O_TRUNC the filesystem does itself
         (atomic_o_trunc) the kernel leaves that to it, and the daemon, root, truncates with
         the capability: a user's `: > prog` kept prog's setuid bit (found by a bug hunt)."""
-        mode = os.fstat(fd).st_mode
-        drop = mode & stat.S_ISUID
-        if mode & stat.S_ISGID and (mode & stat.S_IXGRP or
-                                    not _in_group(ctx.pid, ctx.gid, os.fstat(fd).st_gid)):
+        st = os.fstat(fd)
+        drop = st.st_mode & stat.S_ISUID
+        if st.st_mode & stat.S_ISGID and (st.st_mode & stat.S_IXGRP or
+                                          not in_group(ctx.pid, ctx.gid, st.st_gid)):
             drop |= stat.S_ISGID
-        if drop and stat.S_ISREG(mode):
-            self.recorder.chmod(fd, stat.S_IMODE(mode) & ~drop, actor)
+        if drop and stat.S_ISREG(st.st_mode):
+            self.recorder.chmod(fd, stat.S_IMODE(st.st_mode) & ~drop, actor)
 
     def _refuse_replaced(self, inode: Inode) -> None:
         """ESTALE for an open of a file that another object replaced beneath the mount (an

@@ -992,11 +992,17 @@ def test_symlink_escape_is_refused(make_mount, tmp_path):
     assert "Traceback" not in r.stderr
 
 
+def _slow_revert(m, delay: str, *extra: str) -> subprocess.Popen:
+    """``revert --call c1 --yes`` of ``m`` started in the background, each step followed by
+    ``delay`` seconds (OVERLAYREC_TEST_REVERT_DELAY), its output piped: tests act half way."""
+    env = dict(os.environ, OVERLAYREC_TEST_REVERT_DELAY=delay)
+    return subprocess.Popen([sys.executable, "-m", "overlayrec", "revert", m.ws, "--call", "c1",
+                             "--yes", *extra], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
 def _kill_daemon_mid_revert(m, tmp_path):
-    env = dict(os.environ, OVERLAYREC_TEST_REVERT_DELAY="0.01")
-    p = subprocess.Popen([sys.executable, "-m", "overlayrec", "revert", m.ws, "--call", "c1",
-                          "--yes"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)
+    p = _slow_revert(m, "0.01")
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if sum(1 for n in os.listdir(m.ws) if n.startswith("f")) < 250:
@@ -1513,10 +1519,7 @@ def test_a_path_written_while_the_revert_runs_is_read_back_and_said(make_mount, 
     m = setup_ws(make_mount, tmp_path, {f"f{i:02}": b"orig\n" for i in range(n)})
     m.mount()
     run_call(m, tmp_path, "for f in f*; do echo changed > $f; done")
-    env = dict(os.environ, OVERLAYREC_TEST_REVERT_DELAY="0.15")
-    p = subprocess.Popen([sys.executable, "-m", "overlayrec", "revert", m.ws, "--call", "c1",
-                          "--yes"] + (["--json"] if as_json else []), env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = _slow_revert(m, "0.15", *(["--json"] if as_json else []))
     try:
         first = os.path.join(m.ws, "f00")
         deadline = time.monotonic() + 30 * SLOW
@@ -1554,10 +1557,7 @@ def test_a_hard_link_the_revert_made_then_replaced_by_a_copy_is_said(make_mount,
     m.sh("ln a b")  # through the mount: the record knows the group
     run_call(m, tmp_path, "rm b && echo changed > a && for f in c*; do echo changed > $f; done")
     a, b = os.path.join(m.ws, "a"), os.path.join(m.ws, "b")
-    env = dict(os.environ, OVERLAYREC_TEST_REVERT_DELAY="0.15")
-    p = subprocess.Popen([sys.executable, "-m", "overlayrec", "revert", m.ws, "--call", "c1",
-                          "--yes", "--json"], env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+    p = _slow_revert(m, "0.15", "--json")
     try:
         deadline = time.monotonic() + 30 * SLOW
         while not (os.path.exists(b) and os.stat(b).st_ino == os.stat(a).st_ino):
@@ -1797,10 +1797,7 @@ def test_a_file_saved_while_the_revert_goes_through_the_others_is_kept(make_moun
     (tmp_path / "call.py").write_text(CALL)
     m.mount()
     run_call(m, tmp_path, "for f in f*; do echo agent >> $f; done")
-    env = dict(os.environ, OVERLAYREC_TEST_REVERT_DELAY="0.05")
-    p = subprocess.Popen([sys.executable, "-m", "overlayrec", "revert", m.ws, "--call", "c1",
-                          "--yes"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)
+    p = _slow_revert(m, "0.05")
     try:
         deadline = time.monotonic() + 60 * SLOW
         while open(os.path.join(m.ws, "f00")).read() != "base\n":
@@ -2396,10 +2393,7 @@ def test_continue_takes_a_rename_back_it_made_for_its_own(make_mount, tmp_path):
     m.mount()
     before = tree_of(m.ws)
     run_call(m, tmp_path, "echo edited >> a && mv a b && echo more >> x")
-    env = dict(os.environ, OVERLAYREC_TEST_REVERT_DELAY="3")
-    p = subprocess.Popen([sys.executable, "-m", "overlayrec", "revert", m.ws, "--call", "c1",
-                          "--yes"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)
+    p = _slow_revert(m, "3")
     try:
         deadline = time.monotonic() + 60 * SLOW
         a = os.path.join(m.ws, "a")
