@@ -1219,7 +1219,9 @@ def log_cmd(workspace, glob, limit, call_id, turn_sel, sid, actor, since, until,
                 actors[key] = j.actor(key) if key else None
             a = actors[key]
             if ev["seq"] in failed:
-                ev["failed_errno"] = failed[ev["seq"]]
+                ev["failed_errno"] = failed[ev["seq"]].get("errno")
+                if failed[ev["seq"]].get("unmade"):  # journaled, then the daemon killed
+                    ev["unmade"] = True
             if as_json:
                 click.echo(json.dumps(dict(ev, actor=a or {"key": key})))
                 return
@@ -1235,7 +1237,8 @@ def log_cmd(workspace, glob, limit, call_id, turn_sel, sid, actor, since, until,
                 swapped = op == "rename" and ev.get("flags", 0) & RENAME_EXCHANGE
                 op = "exchange" if swapped else op  # both names stay, their objects swapped
                 where += f" {'<->' if swapped else '->'} {shown(ev['path2'])}"
-            note = f"  (failed: {os.strerror(ev['failed_errno'])})" if "failed_errno" in ev else ""
+            note = "  (not made: the daemon was killed before it)" if ev.get("unmade") else \
+                f"  (failed: {os.strerror(ev['failed_errno'])})" if "failed_errno" in ev else ""
             click.echo(f"{ev['seq']:>6} {_fmt_time(ev['t'])} {a['pid'] if a else '?':>7} "
                        f"{one_line(command_name(a)):<12.12} {op:<11} {where}{note}")
 
@@ -1243,7 +1246,7 @@ def log_cmd(workspace, glob, limit, call_id, turn_sel, sid, actor, since, until,
         for ev in j.events(lo, hi):
             last = ev["seq"]
             if ev["op"] == "failed":
-                failed[ev["ref"]] = ev.get("errno")
+                failed[ev["ref"]] = ev
             elif keep(ev):
                 rows.append(ev)
         for ev in rows[-limit:] if limit else rows:
@@ -1264,7 +1267,7 @@ def log_cmd(workspace, glob, limit, call_id, turn_sel, sid, actor, since, until,
                 for ev in fresh:
                     last = ev["seq"]
                     if ev["op"] == "failed":
-                        failed[ev["ref"]] = ev.get("errno")
+                        failed[ev["ref"]] = ev
                     elif keep(ev):
                         waiting.append((time.monotonic(), ev))
                 ripe(FOLLOW_HOLD)

@@ -630,8 +630,9 @@ def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool, record_da
         found = recorder.open_record(last_alive(state.StateDir(state_dir).alive))
     except (OSError, JournalError) as e:
         raise MountError(f"cannot check the workspace against the record: {e}") from None
-    if found["drifted"] or found["recovered"]:
+    if found["drifted"] or found["recovered"] or found["voided"]:
         log.info("record opened: %s", found)
+    _kill_ahead(recorder, os.environ.get("OVERLAYREC_TEST_KILL_AHEAD"))
     try:  # before this daemon's own units: their ends need no seal (open_record sealed)
         left = calls.end_left_open()
     except JournalError as e:  # the state dir full: they stay open until a later mount
@@ -679,6 +680,38 @@ def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool, record_da
         control.unbind()  # no mount, no daemon: a socket left would answer no one
         raise MountError(f"cannot mount {ws}: {'; '.join(said) or e}") from None
     return journal, control, recorder
+
+
+def _kill_ahead(recorder: Recorder, spec: str | None) -> None:
+    """OVERLAYREC_TEST_KILL_AHEAD=OP:NAME, a test switch: the daemon kills itself (SIGKILL)
+    once it has committed the event of OP on a path whose last name is NAME, before the
+    change is made (a crash in the write-ahead window; Recorder._void_unmade); OP
+    ``renameat2``: at the rename's syscall, after its other steps (the attic's link)."""
+    if not spec:
+        return
+    op, _, name = spec.partition(":")
+    log.warning("OVERLAYREC_TEST_KILL_AHEAD=%s: the daemon kills itself there (a test switch)",
+                spec)
+
+    def die() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if op == "renameat2":
+        renameat2 = underlay.renameat2
+
+        def renaming(pfd, old, npfd, new, flags=0):
+            if os.fsdecode(old) == name:
+                die()
+            return renameat2(pfd, old, npfd, new, flags)
+        underlay.renameat2 = renaming
+        return
+    append = recorder._append
+
+    def appending(ev: dict, actor: dict) -> int:
+        seq = append(ev, actor)
+        if ev["op"] == op and (ev.get("path") or "").rpartition("/")[2] == name:
+            die()
+        return seq
+    recorder._append = appending
 
 
 @contextlib.contextmanager

@@ -41,7 +41,7 @@ from typing import Callable
 from . import underlay
 from .attribution import Attribution
 from .calls import Calls
-from .journal import Journal, JournalError, preimage
+from .journal import Journal, JournalError, outcome, preimage
 from .journal.renames import RenameIndex, outermost
 from .journal.schema import AROUND, UNMOUNTED, beneath_rule, outside_unit
 from .secrets import Secrets, META_NAMES, public_at
@@ -2622,8 +2622,10 @@ class Recorder:
         j = self.journal
         j.append_many([], [UNMOUNTED_ACTOR, RECORDER_ACTOR, AROUND_ACTOR])
         recovered = 0
+        unclean = j.meta("sealed") == "0"
+        voided = self._void_unmade() if unclean else None  # before the renames are read
         renames = RenameIndex(j.dir_renames())
-        if j.meta("sealed") == "0":
+        if unclean:
             open_paths = []
             for p in j.paths():
                 last = j.last_seq_for_path(p)
@@ -2735,7 +2737,51 @@ class Recorder:
         if drifted:
             log.info("%d path(s) changed while unmounted (drift events journaled)", drifted)
         j.put_meta("sealed", "0")
-        return {"recovered": recovered, "drifted": drifted, "checked": checked}
+        return {"recovered": recovered, "drifted": drifted, "checked": checked,
+                "voided": voided}
+
+    def _void_unmade(self) -> int | None:
+        """At the mount after a daemon that did not unmount: its last event was committed
+        before its change (the write-ahead order), and a daemon killed between the two left
+        the record of a change never made.  Where the live tree says so (journal.outcome),
+        the event is voided by a ``failed`` note naming its paths (their last event: what the
+        killed daemon left there is then what it left before it), and a link its rename took
+        into the attic for the file it was about to replace is dropped (that file keeps its
+        name).  The seq voided, or None."""
+        j = self.journal
+        last = j.last_seq()
+        ev = j.event(last) if last >= max(j.cut, 1) else None
+        if ev is None or not outcome.unmade(ev, self._look):
+            return None
+        note = {"op": "failed", "ref": last, "path": ev["path"], "errno": errno.ECONNABORTED,
+                "actor": ev.get("actor", RECORDER_ACTOR["key"]), "unmade": True}
+        if ev.get("path2") is not None:
+            note["path2"] = ev["path2"]
+        j.append_many([note], [])
+        attic = (ev.get("pre2") or {}).get("attic") if ev["op"] == "rename" else None
+        if isinstance(attic, str) and is_attic_entry(attic):
+            try:
+                st = underlay.lstat_at(self.attic_fd, attic)
+                live = self._look(ev["path2"])
+                if live is not None and (st.st_dev, st.st_ino) == (live.st_dev, live.st_ino):
+                    self._drop_attic(attic, (st.st_dev, st.st_ino))
+            except FileNotFoundError:
+                pass  # killed before the link too
+            except OSError as e:  # kept: a stray link, the file's content as it is
+                log.warning("cannot drop attic entry %s of a rename not made: %s", attic, e)
+        log.warning("event %d (%s %s) was journaled but not made: the daemon was killed "
+                    "before it; voided", last, ev["op"], ev["path"])
+        return last
+
+    def _look(self, path: str) -> os.stat_result | None:
+        """``path``'s lstat beneath the root (its way searched by its owner's leave), None
+        when it is not there."""
+        def at(dfd: int, name: str) -> os.stat_result | None:
+            try:
+                return underlay.lstat_at(dfd, name) if name else os.fstat(dfd)
+            except (FileNotFoundError, NotADirectoryError):
+                return None
+        return self._in_parent(path, at, lambda: None)
 
     def _find_small_kept(self) -> None:
         """At mount: the small pre-images an earlier daemon left in the attic (killed before

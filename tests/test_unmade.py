@@ -1,0 +1,200 @@
+"""A change journaled but never made: the daemon killed between its event and its syscall.
+
+The recorder commits each event before it changes the underlay (the write-ahead order).  A
+daemon killed in between left an event whose change never happened, and the next mount sealed
+it as done: an ``mv f1 f2`` over f2 read as made (show, replay and diff gave f1's content as
+f2's), a revert since it wrote f2's content into f1, a ``rm`` named an attic entry never made
+(check: not whole), a ``mkdir`` made a directory a drift then removed (found by a bug hunt,
+the syscall held with strace).  The daemon kills itself here in that window
+(OVERLAYREC_TEST_KILL_AHEAD, a test switch); the next mount voids the event.  Every reader
+is compared with the tree the test took itself."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from conftest import is_mounted, needs_fuse, overlayrec
+from test_replay import tree_of
+
+from overlayrec.recorder import is_attic_entry
+
+pytestmark = needs_fuse
+
+BIG = 300 << 10  # past the small pre-images copied into the store: kept by the attic
+
+
+def _seed(ws: str) -> None:
+    os.makedirs(os.path.join(ws, "d", "sub"))
+    for name, data in (("f1", b"one\n" * (BIG // 4)), ("f2", b"two\n" * (BIG // 4)),
+                       ("d/g", b"g\n"), ("d/sub/s", b"s\n"), ("small", b"small\n")):
+        with open(os.path.join(ws, name), "wb") as f:
+            f.write(data)
+
+
+def _killed_in(m, kill: str, op: str) -> dict:
+    """Mount ``m`` with the daemon to kill itself at ``kill``, edit f1 and d/g (recorded),
+    run ``op`` (refused: the daemon is gone), mount again and unmount.  The tree as the op
+    left it (that is, before it)."""
+    m.env = dict(os.environ, OVERLAYREC_TEST_KILL_AHEAD=kill)
+    m.mount()
+    m.sh("echo edit >> f1; echo edit >> d/g")
+    r = m.sh(op, check=False)
+    assert r.returncode != 0 and "connection abort" in r.stderr, (r.stdout, r.stderr)
+    overlayrec("umount", m.ws, check=False)  # the dead mount
+    assert not is_mounted(m.ws)
+    want = tree_of(m.ws)
+    m.env = None
+    m.mount()
+    m.umount()
+    return want
+
+
+def _seq_of(m, op: str) -> int:
+    rows = [json.loads(line) for line in overlayrec(
+        "log", "-w", m.ws, "--state-dir", m.state, "--json").stdout.splitlines()]
+    return next(r["seq"] for r in rows if r["op"] == op)
+
+
+def _readers_agree(m, tmp_path, want: dict, op: str, paths: set[str]) -> None:
+    """Every reader says the op was not made: log marks it, check finds the record whole,
+    a replay at and after it gives the tree taken, the session's diff names only the
+    edits, and a revert since the op changes nothing."""
+    log = overlayrec("log", "-w", m.ws, "--state-dir", m.state).stdout
+    line = next(x for x in log.splitlines() if f" {op} " in x)
+    assert "not made: the daemon was killed" in line, log
+    overlayrec("check", m.ws, "--state-dir", m.state)
+    seq = _seq_of(m, op)
+    for at in (seq, seq + 1):
+        out = str(tmp_path / f"r{at}")
+        overlayrec("replay", "-w", m.ws, "--state-dir", m.state, "--at", str(at), "--to", out,
+                   "--full")
+        assert tree_of(out) == want, at
+    names = overlayrec("diff", "-w", m.ws, "--state-dir", m.state, "--since", "0",
+                       "--name-status").stdout
+    assert {line.split("\t")[-1] for line in names.splitlines()} == {"f1", "d/g"}, names
+    for p in paths:
+        assert p not in names
+    overlayrec("revert", m.ws, "--state-dir", m.state, "--since", str(seq), "--yes")
+    assert tree_of(m.ws) == want
+
+
+def test_a_rename_over_a_file_killed_before_it_is_voided(make_mount, tmp_path):
+    m = make_mount()
+    _seed(m.ws)
+    want = _killed_in(m, "rename:f1", "mv f1 f2")
+    assert want["f1"][2].endswith(b"edit\n") and want["f2"][2].startswith(b"two")
+    _readers_agree(m, tmp_path, want, "rename", {"f2"})
+
+
+def test_a_rename_killed_after_the_attic_link_drops_the_link(make_mount, tmp_path):
+    """Killed at the rename's syscall, after the link the attic took of the file it was
+    about to replace: the link goes with the event (f2's link count reads as before)."""
+    m = make_mount()
+    _seed(m.ws)
+    want = _killed_in(m, "renameat2:f1", "mv f1 f2")
+    attic = os.path.join(m.ws, ".overlayrec-attic")
+    f2 = os.stat(os.path.join(m.ws, "f2")).st_ino
+    kept = [n for n in os.listdir(attic) if is_attic_entry(n)]
+    assert not any(os.stat(os.path.join(attic, n)).st_ino == f2 for n in kept), kept
+    _readers_agree(m, tmp_path, want, "rename", {"f2"})
+    m.mount()
+    try:
+        assert os.stat(os.path.join(m.ws, "f2")).st_nlink == 1
+    finally:
+        m.umount()
+
+
+def test_an_unlink_killed_before_it_is_voided(make_mount, tmp_path):
+    m = make_mount()
+    _seed(m.ws)
+    want = _killed_in(m, "unlink:f2", "rm f2")
+    assert "f2" in want
+    _readers_agree(m, tmp_path, want, "unlink", {"f2"})
+
+
+def test_a_directory_rename_killed_before_it_is_voided(make_mount, tmp_path):
+    m = make_mount()
+    _seed(m.ws)
+    want = _killed_in(m, "rename:d", "mv d e")
+    assert "d/sub/s" in want and "e" not in want
+    _readers_agree(m, tmp_path, want, "rename", {"e/g", "e/sub/s", "d/sub/s"})
+
+
+@pytest.mark.parametrize("op,cmd,name", [("mkdir", "mkdir newd", "newd"),
+                                         ("symlink", "ln -s f1 newl", "newl"),
+                                         ("create", "echo x > newf", "newf")])
+def test_a_make_killed_before_it_is_voided(make_mount, tmp_path, op, cmd, name):
+    m = make_mount()
+    _seed(m.ws)
+    want = _killed_in(m, f"{op}:{name}", cmd)
+    assert name not in want
+    _readers_agree(m, tmp_path, want, op, {name})
+    assert "drift" not in overlayrec("log", "-w", m.ws, "--state-dir", m.state).stdout
+
+
+def test_a_rename_made_then_moved_back_while_unmounted_stays_made(make_mount, tmp_path):
+    """The daemon killed just after a rename it made, and the user moving the file back while
+    unmounted: the live tree's names hold what they held before the rename, but the file
+    changed after the event (its ctime), so the rename stands, and the move back is the
+    unmounted drift."""
+    m = make_mount()
+    _seed(m.ws)
+    m.mount()
+    m.sh("echo edit >> f1; mv small moved")
+    with open(os.path.join(m.state, "daemon.json")) as f:
+        pid = json.load(f)["pid"]
+    os.kill(pid, 9)
+    overlayrec("umount", m.ws, check=False)
+    time.sleep(1.2)  # past the outcome check's slack (journal.outcome.AFTER_NS)
+    os.rename(os.path.join(m.ws, "moved"), os.path.join(m.ws, "small"))
+    m.env = None
+    m.mount()
+    m.umount()
+    log = overlayrec("log", "-w", m.ws, "--state-dir", m.state).stdout
+    assert "not made" not in log, log
+    seq = _seq_of(m, "rename")
+    out = str(tmp_path / "r")
+    overlayrec("replay", "-w", m.ws, "--state-dir", m.state, "--at", str(seq), "--to", out,
+               "--full")
+    got = tree_of(out)  # (moved's content there is inexact: a rename copies nothing)
+    assert "small" not in got and "moved" in got
+    drift = [x.split()[-1] for x in log.splitlines() if " drift " in x]
+    assert "small" in drift, log  # another writer's, found at the mount
+
+
+def test_the_outcome_judged_from_the_live_tree():
+    """journal.outcome alone: what each op's names must hold for it to be taken as unmade."""
+    from overlayrec.journal import outcome
+
+    class St:  # an lstat's fields the judgement reads
+        def __init__(self, mode, ino, ctime):
+            self.st_mode, self.st_ino, self.st_ctime_ns = mode, ino, ctime
+    t = 10 ** 18
+    f = lambda ino, ctime=t - 1: St(0o100644, ino, ctime)  # noqa: E731
+    d = St(0o40755, 9, t - 1)
+    file = {"kind": "file", "ino": 1}
+    mv = {"op": "rename", "t": t, "path": "a", "path2": "b", "pre": file,
+          "pre2": {"kind": "absent"}}
+    assert outcome.unmade(mv, {"a": f(1), "": d}.get)
+    assert not outcome.unmade(mv, {"b": f(1), "": d}.get)  # made
+    assert not outcome.unmade(mv, {"a": f(2), "": d}.get)  # another file there now
+    assert not outcome.unmade(mv, {"a": f(1, t + 2 * 10 ** 9), "": d}.get)  # changed since
+    assert not outcome.unmade(mv, {"a": f(1), "b": f(3), "": d}.get)  # b made since
+    over = dict(mv, pre2={"kind": "file", "ino": 3})
+    assert outcome.unmade(over, {"a": f(1), "b": f(3)}.get)
+    assert not outcome.unmade(over, {"b": f(1)}.get)
+    swap = dict(over, flags=2)
+    assert outcome.unmade(swap, {"a": f(1), "b": f(3)}.get)
+    assert not outcome.unmade(swap, {"a": f(3), "b": f(1)}.get)
+    rm = {"op": "unlink", "t": t, "path": "x/a", "pre": file}
+    assert outcome.unmade(rm, {"x/a": f(1)}.get)
+    assert not outcome.unmade(rm, {}.get)
+    mk = {"op": "mkdir", "t": t, "path": "x/n", "pre": {"kind": "absent"}}
+    assert outcome.unmade(mk, {"x": d}.get)
+    assert not outcome.unmade(mk, {"x": d, "x/n": d}.get)  # made
+    assert not outcome.unmade(mk, {"x": St(0o40755, 9, t + 2 * 10 ** 9)}.get)  # x changed since
+    assert not outcome.unmade({"op": "write", "t": t, "path": "a", "pre": file}, {"a": f(1)}.get)
+    assert not outcome.unmade(dict(rm, t=None), {"x/a": f(1)}.get)
