@@ -707,8 +707,8 @@ def diff_answer(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
 
 def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until, drift, fmt,
                 binary, glob, by_writer, as_json) -> None:
-    from .engines.diff import (select, changed, changed_around, changed_since, drift_side,
-                               own_changes)
+    from .engines.diff import (select, carried_writers, changed, changed_around,
+                               changed_since, drift_side, overlaid, own_changes)
     from .engines.gitdiff import ObjectStore, git_refuses
     from .engines.states import States, ABSENT as tree_absent, is_unlisted
     last = j.last_seq()
@@ -786,7 +786,7 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
     own = own_changes(states, side) if by_writer and not as_json else {}
     sides = {}  # a writer's (before, after), where its own change differs from the selection's
     for unit, o in own.items():
-        sides[unit] = ({**side.before, **o.before}, {**side.after, **o.after})
+        sides[unit] = (overlaid(side.before, o.before), overlaid(side.after, o.after))
     if by_writer:
         units = sorted({u for us in side.writers.values() for u in us})
 
@@ -828,11 +828,13 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
             else:
                 i += 1
             nums[p] = (None if add == "-" else int(add), None if dele == "-" else int(dele))
+        carried = carried_writers(side)
         files = [{"path": p, **st, "added": nums.get(p, (None, None))[0],
                   "deleted": nums.get(p, (None, None))[1],
-                  # a rename's writers are its old name's too; a file that is no rename has
-                  # no "from" (not the root's "", whose writers changed only the root)
-                  "writers": sorted(side.writers.get(p, set())
+                  # a rename's writers are its old name's too, and so are those of a name
+                  # moved to it inside the selection; a file that is no rename has no "from"
+                  # (not the root's "", whose writers changed only the root)
+                  "writers": sorted(side.writers.get(p, set()) | carried.get(p, set())
                                     | (side.writers.get(st["from"], set())
                                        if st.get("from") is not None else set()))}
                  for p, st in sorted(status.items())]

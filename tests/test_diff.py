@@ -1103,3 +1103,53 @@ def test_by_writer_of_a_session_shows_paths_it_left_absent_and_outside_writers_o
     sections = _sections(patch)
     [outside] = [u for u in sections if u.startswith("outside:")]
     assert sections[outside] == ["+OUT"], patch
+
+
+KIND_AND_MOVE = r'''
+set -e
+or() { "$PY" -m overlayrec "$@"; }
+or turn begin --prompt p
+or call begin --id A --tool Bash --summary a
+echo f > kind; mkdir -p d src; echo x > d/x; seq 1 5 > src/a.txt
+or call end --id A
+or call begin --id B --tool Bash --summary b
+rm kind; mkdir kind; echo in > kind/inner; rm -r d; echo dfile > d; mv src lib
+or call end --id B
+or call begin --id C --tool Bash --summary c
+echo 6 >> lib/a.txt
+or call end --id C
+or turn end
+'''
+
+
+def test_by_writer_keeps_a_writers_file_where_another_made_a_directory_and_follows_moves(
+        make_mount, tmp_path):
+    """`--by-writer`: a file of call A's that call B replaced by a directory holding a file
+    (and a directory of A's that B replaced by a file): A's section showed B's kind/inner
+    and not its own file, as the writer's tree held both a file and a directory at one name.
+    And `--json`'s writers of a file A made and B moved (its directory renamed) named B and
+    C only.  Found by a bug hunt; each checked against the calls' own diffs."""
+    m = make_mount()
+    m.mount()
+    (tmp_path / "s.sh").write_text(KIND_AND_MOVE)
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", "bash", str(tmp_path / "s.sh"),
+               cwd=m.ws, env=dict(os.environ, PY=sys.executable))
+    out = overlayrec("diff", m.ws, "--session", "s", "--by-writer", "--name-status").stdout
+    sections, unit = {}, None
+    for line in out.splitlines():
+        if line.startswith("# "):
+            unit = line[2:]
+        else:
+            sections.setdefault(unit, set()).add(tuple(line.split("\t")))
+    assert sections["call:s:A"] == {("A", "kind"), ("A", "d/x"), ("A", "src/a.txt")}, out
+    assert sections["call:s:B"] == {("D", "kind"), ("A", "kind/inner"), ("D", "d/x"),
+                                    ("A", "d"), ("R100", "src/a.txt", "lib/a.txt")}, out
+    assert sections["call:s:C"] == {("M", "lib/a.txt")}, out
+    for call in "AB":  # each section is what the call's own diff shows
+        own = overlayrec("diff", m.ws, "--call", call, "--name-status").stdout
+        assert {tuple(x.split("\t")) for x in own.splitlines()} == sections[f"call:s:{call}"]
+    files = {f["path"]: f for f in json.loads(overlayrec(
+        "diff", m.ws, "--session", "s", "--json").stdout)["files"]}
+    assert files["lib/a.txt"]["status"] == "A"
+    assert files["lib/a.txt"]["writers"] == ["call:s:A", "call:s:B", "call:s:C"], files
+    assert files["kind/inner"]["writers"] == ["call:s:B"], files

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 
 from ..journal import Journal
+from ..journal.outcome import RENAME_EXCHANGE
 from ..journal.schema import (AROUND, CONTROL_OPS, MARK_OPS, call_unit, is_dir_rename,
                               outside_unit)
 from ..views import (file_events as _tree_events, guessed, late, path_matcher,
@@ -469,6 +470,55 @@ def own_changes(states: States, side: Side) -> dict[str, Side]:
         mine.setdefault(e.get("unit") or outside_unit(e.get("actor", "?")), []).append(e)
     return {u: side_of(states, evs, keep=shared.__contains__, settle=True)
             for u, evs in mine.items() if any(u in side.writers[p] for p in shared)}
+
+
+def carried_writers(side: Side) -> dict[str, set[str]]:
+    """path -> the writers of what it holds at the selection's end under the names it held
+    before, within the selection: a file a call made and another moved (itself, or a
+    directory above it) is the first call's too (``diff --json``'s writers of a file made in
+    the selection gave only the move's and later writers'; found by a bug hunt).  {} for a
+    side without events (``--drift``)."""
+    carried: dict[str, set[str]] = {}
+    for e in side.events or ():
+        unit = e.get("unit") or outside_unit(e.get("actor", "?"))
+        old, new = e.get("path"), e.get("path2")
+        if e["op"] != "rename" or new is None:
+            if old is not None:
+                carried.setdefault(old, set()).add(unit)
+            continue
+        swap = bool(e.get("flags", 0) & RENAME_EXCHANGE)
+        moved = {}
+        for a, b in ((old, new), (new, old)) if swap else ((old, new),):
+            for q in [q for q in carried if q == a or q.startswith(a + "/")]:
+                moved[b + q[len(a):]] = carried.pop(q)
+        if not swap:  # what the rename replaced
+            for q in [q for q in carried if q == new or q.startswith(new + "/")]:
+                del carried[q]
+        carried.update(moved)
+        for p in (old, new):
+            carried.setdefault(p, set()).add(unit)
+    return carried
+
+
+def overlaid(base: dict, own: dict) -> dict:
+    """``base`` (a side's before or after) with a writer's ``own`` states of its paths over
+    it, as one tree: a name the writer left a file (or a symlink) is no directory there, and
+    its directories are none of another writer's files (``kind`` a file of call A's, then
+    call B's directory holding kind/inner: A's section of ``--by-writer`` showed B's
+    kind/inner, and not its own file; found by a bug hunt)."""
+    out = {**base, **own}
+    for p, st in own.items():
+        if st.kind in ("dir", "absent"):
+            continue
+        below = p + "/"
+        for q in [q for q in out if q.startswith(below)]:
+            del out[q]
+        up = p.rpartition("/")[0]
+        while up:
+            if up not in own and out.get(up) is not None and out[up].kind not in ("dir", "absent"):
+                del out[up]
+            up = up.rpartition("/")[0]
+    return out
 
 
 def spans_of(states: States, events: list[dict], bounds: tuple[int, int] | None = None, *,
