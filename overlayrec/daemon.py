@@ -250,6 +250,7 @@ async def _serve(control: ControlServer, ws: str, owner: dict | None,
             await nursery.start(_settle_small, control.recorder)
         if control.max_bytes is not None:
             nursery.start_soon(_keep_budget, control)
+        nursery.start_soon(_keep_reserve, control.recorder)
         # every handler runs to completion without awaiting, so more worker tasks cannot overlap
         # anything: one reader saves the task spawning and read-lock traffic per request
         # (tools/bench: grep and cat-all about 15% faster)
@@ -291,6 +292,16 @@ async def _stamp_alive(path: str) -> None:
             await trio.sleep(ALIVE_EVERY)
     finally:
         os.close(fd)
+
+
+async def _keep_reserve(recorder: Recorder) -> None:
+    """Make the state dir's reserve again once a change spent it (Recorder.make_reserve), as
+    soon as there is room: the room that change's reclaim freed comes back only once the
+    kernel lets go of the removed file, after the request."""
+    while True:
+        await trio.sleep(RUNNER_CHECK)
+        if recorder.reserve_owed:
+            recorder.reserve_owed = not recorder.make_reserve()
 
 
 # how often the daemon looks for a session whose runner has gone without ending it, and for
@@ -632,6 +643,7 @@ def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool, record_da
         raise MountError(f"cannot check the workspace against the record: {e}") from None
     if found["drifted"] or found["recovered"] or found["voided"]:
         log.info("record opened: %s", found)
+    recorder.make_reserve()  # where the state dir shares the workspace's filesystem
     _kill_ahead(recorder, os.environ.get("OVERLAYREC_TEST_KILL_AHEAD"))
     try:  # before this daemon's own units: their ends need no seal (open_record sealed)
         left = calls.end_left_open()

@@ -38,7 +38,7 @@ import stat
 import time
 from typing import Callable
 
-from . import underlay
+from . import state, underlay
 from .attribution import Attribution
 from .calls import Calls
 from .journal import Journal, JournalError, outcome, preimage
@@ -97,6 +97,13 @@ ATTIC_OWN = {
 # this much is free: room for the refused change and those right after it, so a burst of
 # writes costs one reclaim, not one per write, and few pre-images go.
 RECLAIM_HEADROOM = 32 << 20
+# Where the state dir shares the workspace's filesystem, the daemon keeps this much room in it
+# (``Recorder.make_reserve``): on that filesystem full, a change that can free room (an ``rm``
+# of the file that filled it) needs its event committed first, and nothing else could make
+# room for it (found by a bug hunt: nothing could be removed until the unmount)
+RESERVE_BYTES = 2 << 20
+# the changes the reserve is spent on: those that take a name away, whose reclaim frees room
+ROOM_FREEING = ("unlink", "rename", "rmdir")
 
 
 # the attic's note of the record it belongs to: {"journal_id", "state_dir"} (JSON), so that a
@@ -202,9 +209,12 @@ def _roomy(fn):
     underlay, or from the journal or the content store when the state dir shares that
     filesystem) is tried again after each way of making room that freed something: first
     ``Recorder.store_waiting`` (the small pre-images waiting in the attic go into the store,
-    nothing lost), then ``Recorder.reclaim`` (attic entries dropped).  Each refused try left
-    the epochs as they were (``_undoable``, applied inside this) and its event, if journaled,
-    is voided by its ``failed`` note.  Nothing freed by either: the refusal stands."""
+    nothing lost), then ``Recorder.reclaim`` (attic entries dropped), and last, for a change
+    that can free room (ROOM_FREEING), the state dir's reserve (``Recorder._spend_reserve``).
+    Each refused try left the epochs as they were (``_undoable``, applied inside this) and its
+    event, if journaled, is voided by its ``failed`` note.  Nothing freed: the refusal stands."""
+    name = fn.__name__
+
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
         try:
@@ -215,15 +225,19 @@ def _roomy(fn):
             if not self._workspace_full(e):
                 raise
             refused = e
-        for make_room in (self.store_waiting, self._reclaim_for):
-            if not make_room(fn.__name__):
+        for make_room in (self.store_waiting, self._reclaim_for, self._spend_reserve):
+            if not make_room(name):
                 continue
             try:
-                return fn(self, *args, **kwargs)
+                done = fn(self, *args, **kwargs)
             except (OSError, JournalError) as e:
                 if not self._workspace_full(e):
                     raise
                 refused = e
+                continue
+            if make_room == self._spend_reserve:
+                self._reserve_spent(name)
+            return done
         raise refused
     return wrapper
 
@@ -528,6 +542,8 @@ class Recorder:
         self.on_kept_later: Callable[[], None] | None = None
         # this journal's small single-link entries found at start (_find_small_kept's)
         self._small_found: list[str] = []
+        self.reserve_owed = False  # the state dir's reserve was spent: made again when it can be
+        self._unmade_ctime: dict[str, int] = {}  # path -> when _void_unmade moved its ctime
         self._count_attic()
 
     # -- attic ----------------------------------------------------------------------------------
@@ -850,6 +866,68 @@ class Recorder:
             return os.stat(self.journal.state_dir).st_dev == os.fstat(self.root_fd).st_dev
         except (AttributeError, OSError):
             return False
+
+    def make_reserve(self) -> bool:
+        """Keep RESERVE_BYTES of room in the state dir where it shares the workspace's
+        filesystem (allocated, so a full filesystem cannot take it), not taking the last of
+        the room for it.  Asked at mount and after the reserve was spent.  Whether it is
+        there."""
+        if not self._shares_fs():
+            return False
+        path = state.StateDir(self.journal.state_dir).reserve
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(path).st_blocks * 512 >= RESERVE_BYTES:
+                    return True
+            vfs = os.statvfs(self.journal.state_dir)
+        except OSError as e:
+            log.warning("cannot look at the reserve %s: %s", path, e)
+            return False
+        if vfs.f_bavail * vfs.f_frsize < 2 * RESERVE_BYTES:
+            return False
+        tmp = f"{path}.{os.getpid()}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, RESERVE_BYTES)
+            finally:
+                os.close(fd)
+            os.rename(tmp, path)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            log.info("cannot keep a reserve of %d bytes in the state dir now: %s",
+                     RESERVE_BYTES, e)
+            return False
+        return True
+
+    def _spend_reserve(self, why: str) -> int:
+        """The last way of making room, for a change that can free some (ROOM_FREEING) on a
+        full filesystem the state dir shares: the reserve goes, the change's event takes its
+        room, and ``_roomy`` then reclaims what the change gave back and makes the reserve
+        again.  The bytes freed (0: no reserve, or not such a change)."""
+        if why not in ROOM_FREEING:
+            return 0
+        path = state.StateDir(self.journal.state_dir).reserve
+        try:
+            size = os.stat(path).st_blocks * 512
+            os.unlink(path)
+        except OSError:
+            return 0
+        self.reserve_owed = True
+        log.warning("%s: the filesystem the workspace and the state dir share is full: the "
+                    "state dir's reserve (%d bytes) is spent on a change that can free room",
+                    why, size)
+        return size
+
+    def _reserve_spent(self, why: str) -> None:
+        """A change that can free room went through on the reserve: what it removed, kept by
+        the attic, is reclaimed now with the oldest entries (nothing else would free room for
+        the next commit, nor for the reserve), and the reserve is made again (the room comes
+        back once the kernel lets go of the removed file: else by the daemon a moment later,
+        ``reserve_owed``)."""
+        self._reclaim_for(why)
+        self.reserve_owed = not self.make_reserve()
 
     def _reclaim_for(self, why: str) -> int:
         """``reclaim``, its own trouble logged: the refused change's errno is the answer."""
@@ -2653,7 +2731,9 @@ class Recorder:
                     # later, or removed where its last event left one, was changed by another
                     # writer while no daemon recorded (its unit's own end is then not known:
                     # the seal's around check, as for a change around the mount)
-                    self.served[name] = last_alive_ns + ALIVE_SLACK_NS
+                    # (or later, where voiding a change not made moved the ctime itself)
+                    self.served[name] = max(last_alive_ns + ALIVE_SLACK_NS,
+                                            self._unmade_ctime.get(name, 0))
                     self.recovering.add(name)
                     left: dict = {}
                     self._left_by(ev, left)
@@ -2765,6 +2845,8 @@ class Recorder:
                 live = self._look(ev["path2"])
                 if live is not None and (st.st_dev, st.st_ino) == (live.st_dev, live.st_ino):
                     self._drop_attic(attic, (st.st_dev, st.st_ino))
+                    # its link count moved its ctime: this change, no other writer's
+                    self._unmade_ctime[ev["path2"]] = time.time_ns()
             except FileNotFoundError:
                 pass  # killed before the link too
             except OSError as e:  # kept: a stray link, the file's content as it is

@@ -66,6 +66,13 @@ class StateDir:
         return os.path.join(self.path, "alive")
 
     @property
+    def reserve(self) -> str:
+        """Room the daemon keeps where the state dir shares the workspace's filesystem, given
+        up when that filesystem is full for a change that can free room (an ``rm``), whose
+        event needs it (Recorder.make_reserve)."""
+        return os.path.join(self.path, "reserve")
+
+    @property
     def daemon_log(self) -> str:
         return os.path.join(self.path, "daemon.log")
 

@@ -20,10 +20,11 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
-from conftest import SLOW, needs_fuse, needs_root, overlayrec, is_mounted
+from conftest import SLOW, needs_fuse, needs_root, overlayrec, is_mounted, plain_recorder
 
 ATTIC = ".overlayrec-attic"
 
@@ -828,3 +829,97 @@ def test_a_revert_stopped_by_a_full_state_dir_says_whose_room_it_needs(make_moun
             assert after == before
         finally:
             m.umount()
+
+
+@needs_fuse
+@needs_root
+@pytest.mark.timeout(int(120 * SLOW))
+def test_a_file_removed_on_a_full_shared_filesystem_frees_its_room(make_mount, tmp_path):
+    """The workspace and the state dir on one filesystem (a project in the home directory
+    and the default state dir), filled through the mount: ``rm`` of the file that filled it
+    was refused ENOSPC (its event could not be committed, and nothing could be removed
+    until the unmount; found by a bug hunt).  The daemon keeps a reserve in the state dir
+    and spends it on a change that can free room (or the commit finds room in a page the
+    journal has): the rm goes through, the next change that needs room reclaims the attic's
+    copy of the file, the room comes back, the reserve is made again, the record is whole and
+    every reader says the file was removed."""
+    m = make_mount()
+    with tmpfs(os.path.join(m.base, "fs"), "24m") as fs:
+        m.ws, m.state = os.path.join(fs, "ws"), os.path.join(fs, "state")
+        os.mkdir(m.ws)
+        with open(os.path.join(m.ws, "keep"), "wb") as f:
+            f.write(b"keep\n")
+        try:
+            m.mount()
+            reserve = os.path.join(m.state, "reserve")
+            assert os.path.getsize(reserve) > 0
+            m.sh("echo one > small")
+            fill_through(m.ws, "fill")
+            r = m.sh("echo more > more", check=False)
+            assert r.returncode != 0 and "No space left" in r.stderr
+            r = m.sh("rm fill", check=False)
+            assert r.returncode == 0, r.stderr
+            assert not os.path.exists(os.path.join(m.ws, "fill"))
+            # the next change that needs room has it (the attic's copy of fill reclaimed,
+            # by the rm that spent the reserve or by this one)
+            m.sh("head -c 4000000 /dev/zero > after")
+            # the room comes back once the kernel lets go of the removed file (its forget,
+            # after the request), and the reserve is made again a second later at most
+            for _ in range(int(100 * SLOW)):
+                if free_bytes(m.ws) > 8 << 20 and os.path.exists(reserve):
+                    break
+                time.sleep(0.1)
+            assert free_bytes(m.ws) > 8 << 20
+            assert os.path.getsize(reserve) > 0
+            m.sh("rm small")  # and the record goes on as before
+        finally:
+            m.umount()
+        overlayrec("check", m.ws, "--state-dir", m.state)
+        evs = m.events()
+        ops = [(e["op"], e.get("path")) for e in evs if e["op"] != "reclaim"]
+        assert ("unlink", "fill") in ops and ("create", "after") in ops, ops
+        # refused: voided, or made empty (its write refused), as natively on a full tmpfs
+        assert (("create", "more") in ops) == os.path.exists(os.path.join(m.ws, "more")), ops
+        assert any(e["op"] == "reclaim" for e in evs)
+        names = overlayrec("diff", m.ws, "--state-dir", m.state, "--since", "0",
+                           "--name-status").stdout.split()
+        assert "fill" not in names and "after" in names and "small" not in names, names
+        log = open(os.path.join(m.state, "daemon.log"), errors="replace").read()
+        assert "reclaim" in log and "Traceback" not in log, log[-3000:]
+
+
+@pytest.mark.timeout(int(30 * SLOW))
+def test_the_reserve_is_spent_only_on_a_change_that_can_free_room(tmp_path, monkeypatch):
+    """Every commit refused (the filesystem the workspace and the state dir share is full)
+    while the state dir's reserve is there: a create is refused and leaves the reserve; an
+    unlink spends it, goes through with its event journaled, and the reserve is made again
+    once there is room."""
+    with plain_recorder(tmp_path) as (rec, root_fd):
+        _spend_the_reserve(rec, root_fd, monkeypatch)
+
+
+def _spend_the_reserve(rec, root_fd, monkeypatch):
+    from overlayrec.journal import JournalError
+    from overlayrec.state import StateDir
+    j = rec.journal
+    assert rec.make_reserve()
+    reserve = StateDir(j.state_dir).reserve
+    assert os.stat(reserve).st_blocks * 512 >= 2 << 20
+    with open(os.path.join(os.readlink(f"/proc/self/fd/{root_fd}"), "big"), "wb") as f:
+        f.write(os.urandom(300 << 10))
+    actor = rec.attribution.actor(os.getpid())
+    real = j._write
+
+    def full(body):  # refused while the reserve holds the last of the room
+        if os.path.exists(reserve):
+            raise JournalError("journal write failed: no space", errno.ENOSPC)
+        return real(body)
+    monkeypatch.setattr(j, "_write", full)
+    with pytest.raises(JournalError):
+        rec.create(root_fd, "new", os.O_WRONLY, 0o644, 0, 0, actor)
+    assert os.path.exists(reserve)
+    rec.unlink(root_fd, "big", actor)
+    assert os.path.exists(reserve)  # made again: this filesystem has room
+    monkeypatch.setattr(j, "_write", real)
+    assert [e["op"] for e in j.events() if e.get("path") == "big"] == ["unlink"]
+    assert [e["op"] for e in j.events() if e.get("path") == "new"] == []

@@ -34,7 +34,7 @@ def _seed(ws: str) -> None:
             f.write(data)
 
 
-def _killed_in(m, kill: str, op: str) -> dict:
+def _killed_in(m, kill: str, op: str, wait: float = 0.0) -> dict:
     """Mount ``m`` with the daemon to kill itself at ``kill``, edit f1 and d/g (recorded),
     run ``op`` (refused: the daemon is gone), mount again and unmount.  The tree as the op
     left it (that is, before it)."""
@@ -46,6 +46,7 @@ def _killed_in(m, kill: str, op: str) -> dict:
     overlayrec("umount", m.ws, check=False)  # the dead mount
     assert not is_mounted(m.ws)
     want = tree_of(m.ws)
+    time.sleep(wait)  # the next mount later than the killed daemon's last stamp's slack
     m.env = None
     m.mount()
     m.umount()
@@ -94,7 +95,7 @@ def test_a_rename_killed_after_the_attic_link_drops_the_link(make_mount, tmp_pat
     about to replace: the link goes with the event (f2's link count reads as before)."""
     m = make_mount()
     _seed(m.ws)
-    want = _killed_in(m, "renameat2:f1", "mv f1 f2")
+    want = _killed_in(m, "renameat2:f1", "mv f1 f2", wait=1.2)
     attic = os.path.join(m.ws, ".overlayrec-attic")
     f2 = os.stat(os.path.join(m.ws, "f2")).st_ino
     kept = [n for n in os.listdir(attic) if is_attic_entry(n)]
