@@ -288,6 +288,43 @@ def test_invisible_and_bidi_marks_are_shown_not_obeyed(make_mount, tmp_path):
         m.umount()
 
 
+@needs_browser
+@pytest.mark.timeout(180)
+def test_names_with_a_tab_a_newline_or_bytes_not_utf8_are_shown_quoted(make_mount, tmp_path):
+    """Three files ``a b``, ``a<TAB>b`` and ``a<NEWLINE>b`` read as the same name in the page
+    (HTML shows a tab and a newline as a space), and a byte not UTF-8 as a replacement
+    character; they are C-quoted now, as `calls` and every listing show them (found by a bug
+    hunt)."""
+    m = make_mount()
+    try:
+        m.mount()
+        m.py("for n in (b'a b', b'a\\tb', b'a\\nb', b'x\\xffy'):\n"
+             "    open(n, 'w').write('x\\n')")
+        page = tmp_path / "report.html"
+        overlayrec("report", m.ws, "--html", str(page), timeout=120)
+        listed = overlayrec("log", m.ws).stdout
+        assert '"a\\tb"' in listed and '"a\\nb"' in listed, listed
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
+            try:
+                pg = browser.new_page()
+                errors = []
+                pg.on("pageerror", lambda e: errors.append(str(e)))
+                pg.goto(page.as_uri())
+                files = pg.eval_on_selector_all("#files td.path",
+                                                "ts => ts.map(t => t.textContent)")
+                assert sorted(files) == sorted(['a b', '"a\\tb"', '"a\\nb"', '"x\\377y"']), \
+                    files
+                pg.eval_on_selector_all(".lane .mark", "ms => ms.find("
+                                        "m => m.dataset.path.startsWith('\"x')).click()")
+                assert pg.text_content("#diff-title") == 'added "x\\377y"'
+                assert errors == []
+            finally:
+                browser.close()
+    finally:
+        m.umount()
+
+
 # -- git's output cut per file (no mount, no browser) ---------------------------------------------
 
 @pytest.mark.timeout(60)

@@ -144,7 +144,22 @@ const visible = v => typeof v === "string" ? v.replace(MARK, escapeMark)
   : Array.isArray(v) ? v.map(visible)
   : v && typeof v === "object" ? Object.fromEntries(Object.entries(v).map(
       ([k, x]) => [visible(k), visible(x)])) : v;
-const D = visible(JSON.parse(document.getElementById("data").textContent));
+// a name is shown as the listings show it (views.shown): C-quoted when it holds a control
+// character, a double quote, a backslash or bytes that are not UTF-8 (lone surrogates
+// U+DC80-U+DCFF in the data), so a tab or a newline in a name is never a space
+const ODD = /[\x00-\x1f\x7f"\\\u{DC80}-\u{DCFF}]/u, ODDS = new RegExp(ODD.source, "gu");
+const C_ESC = {"\x07": "\\a", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\v": "\\v",
+  "\f": "\\f", "\r": "\\r", "\"": "\\\"", "\\": "\\\\"};
+const octal = ch => { const n = ch.codePointAt(0);
+  return "\\" + (n >= 0xDC80 ? n - 0xDC00 : n).toString(8).padStart(3, "0"); };
+const named = p => typeof p !== "string" || !ODD.test(p) ? p :
+  "\"" + p.replace(ODDS, ch => C_ESC[ch] || octal(ch)) + "\"";
+const namedAll = d => {
+  for (const c of d.changes) { c.path = named(c.path); c.old = named(c.old); }
+  for (const f of d.files.own) f.path = named(f.path);
+  for (const l of d.lanes) if (l.paths) l.paths = l.paths.map(named);
+  return d; };
+const D = visible(namedAll(JSON.parse(document.getElementById("data").textContent)));
 const el = (tag, cls, text) => { const e = document.createElement(tag);
   if (cls) e.className = cls; if (text !== undefined && text !== null) e.textContent = text;
   return e; };
