@@ -403,3 +403,35 @@ def test_blame_of_a_name_gone_says_absent_exactly(make_mount, tmp_path):
     runs = [json.loads(line) for line in
             overlayrec("blame", "t.db-shm", "-w", m.ws, "--json").stdout.splitlines()]
     assert runs and runs[0]["after"] == {"kind": "absent", "size": 0, "exact": True}, runs
+
+
+LATE_APPEND = r'''
+set -e
+or() { "$PY" -m overlayrec "$@"; }
+or call begin --id A --tool Bash --summary a
+echo a > a.txt
+(while [ ! -e "$FLAG" ]; do sleep 0.05; done; echo late >> a.txt; touch "$FLAG.done") \
+    > /dev/null 2>&1 &
+or call end --id A
+touch "$FLAG"
+while [ ! -e "$FLAG.done" ]; do sleep 0.05; done
+'''
+
+
+def test_blame_marks_late_only_what_came_after_the_call_ended(make_mount, tmp_path):
+    """A call's create and its background job's append after the call ended were one run of
+    blame, all of it "after the call ended" (found by a bug hunt): two runs now, the create
+    the call's own, the append late."""
+    m = make_mount()
+    m.mount()
+    (tmp_path / "s.sh").write_text(LATE_APPEND)
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", "bash", str(tmp_path / "s.sh"),
+               cwd=m.ws, env=dict(os.environ, PY=sys.executable, FLAG=str(tmp_path / "flag")))
+    runs = [json.loads(x) for x in
+            overlayrec("blame", "-w", m.ws, "a.txt", "--json").stdout.splitlines()]
+    mine = [r for r in runs if r["unit"] == "call:s:A"]
+    assert [(r.get("late", False), r["ops"]) for r in mine] == \
+        [(True, ["write"]), (False, ["create"])], runs
+    text = overlayrec("blame", "-w", m.ws, "a.txt").stdout.splitlines()
+    assert len([x for x in text if "call:s:A" in x]) == 2, text
+    assert [x for x in text if "after the call ended" in x and "create" in x] == [], text

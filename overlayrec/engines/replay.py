@@ -912,7 +912,11 @@ def blame(j: Journal, states: States, path: str, at: int | None = None) -> list[
     for e, name, how, *came_from in steps:
         op = how
         unit = e.get("unit") or outside_unit(e["actor"])
-        if runs and runs[-1]["unit"] == unit and runs[-1]["name"] == name:
+        late = bool(e.get("after_end"))  # by a process its call left running, after its end
+        # a run is all the call's own or all late: a create of the call's and a background
+        # job's append after its end read as one run "after the call ended" (a bug hunt)
+        if runs and runs[-1]["unit"] == unit and runs[-1]["name"] == name and \
+                runs[-1].get("late", False) == late:
             r = runs[-1]
         else:
             r = {"unit": unit, "name": name, "first_seq": e["seq"], "ops": [], "actors": [],
@@ -928,7 +932,7 @@ def blame(j: Journal, states: States, path: str, at: int | None = None) -> list[
             # by time (written while the call ran, by a process no call started), or by a
             # guess among calls active together
             r["by_time" if e.get("chosen") == "during" else "by_guess"] = True
-        if e.get("after_end"):  # by a process its call left running, after the call ended
+        if late:
             r["late"] = True
         if e["actor"] not in r["actors"]:
             r["actors"].append(e["actor"])
