@@ -14,7 +14,7 @@ thing would give back, so a sparse or a small file costs what it occupies, not i
   workspace still links costs nothing (it is shared); one only the attic holds costs its blocks,
   once however many attic names it has, charged to the session of the event that kept it.
 * **exports**: the private git store (``git/``) and the export state files.
-* **logs**: the daemon's log.  **other**: the rest of the state dir (revert plans, daemon.json).
+* **logs**: the daemon's log.  **other**: the rest of the state dir (revert plans, daemon.json, the reserve).
 
 Sessions are charged by one pass over the events: an event belongs to the session its unit
 names, else (an outside actor, a revert) to the session open at that point (the latest begun
