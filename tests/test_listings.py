@@ -737,3 +737,18 @@ def test_a_turn_is_shared_only_with_a_writer_that_left_something_changed(make_mo
     assert "shared with" not in text[0] and "shared with bash[" in text[-1], text
     every = overlayrec("turns", m.ws, "--all").stdout
     assert every.count("shared with") == 2, every  # --all names every writer
+
+
+def test_a_name_holding_the_listings_separator_is_quoted(make_mount, tmp_path):
+    """`calls` joins a call's paths with ", ": one file named ``a, b`` read as two files
+    ``a`` and ``b`` (found by a bug hunt); such a name is quoted now."""
+    m = make_mount()
+    m.mount()
+    (tmp_path / "s.sh").write_text(
+        '"$PY" -m overlayrec call begin --id A --tool Bash --summary s\n'
+        'echo x > "a, b"; echo y > c\n'
+        '"$PY" -m overlayrec call end --id A\n')
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", "bash", str(tmp_path / "s.sh"),
+               cwd=m.ws, env=dict(os.environ, PY=sys.executable))
+    out = overlayrec("calls", m.ws).stdout
+    assert [x.strip() for x in out.splitlines() if "a, b" in x] == ['"a, b", c'], out
