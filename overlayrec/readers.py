@@ -829,12 +829,13 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
                 i += 1
             nums[p] = (None if add == "-" else int(add), None if dele == "-" else int(dele))
         carried = carried_writers(side)
+        ours = set().union(*side.writers.values())  # (the events hold others' too)
         files = [{"path": p, **st, "added": nums.get(p, (None, None))[0],
                   "deleted": nums.get(p, (None, None))[1],
                   # a rename's writers are its old name's too, and so are those of a name
                   # moved to it inside the selection; a file that is no rename has no "from"
                   # (not the root's "", whose writers changed only the root)
-                  "writers": sorted(side.writers.get(p, set()) | carried.get(p, set())
+                  "writers": sorted(side.writers.get(p, set()) | (carried.get(p, set()) & ours)
                                     | (side.writers.get(st["from"], set())
                                        if st.get("from") is not None else set()))}
                  for p, st in sorted(status.items())]

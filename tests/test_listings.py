@@ -542,7 +542,9 @@ def test_call_lines_escape_what_one_line_and_shown_escape():
         want.append(_CALL_LINE % (one_line(c["session"]), c["turn"] or "-", one_line(c["id"]),
                                   one_line(c["tool"]), f["files"], one_line(c["summary"] or ""),
                                   one_line(", ".join(f["processes"][:4]))))
-        want.append(_UNDER_CALL + ", ".join(map(shown, f["paths"])))
+        # (a name holding the separator is quoted too: "a, b" read as two names)
+        want.append(_UNDER_CALL + ", ".join(f'"{p}"' if ", " in p and shown(p) == p else
+                                            shown(p) for p in f["paths"]))
     got = call_lines(pairs, churn=False, as_json=False)
     assert [stream for stream, _ in got] == [1]
     assert got[0][1] == "\n".join(want) + "\n", (got, want)
