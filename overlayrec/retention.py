@@ -52,8 +52,12 @@ ATTIC = ".overlayrec-attic"
 BATCH = 2000        # events deleted per transaction (step 2)
 SCAN_YIELD = 5000   # events read between yields (steps 2 and 3)
 _HEX = re.compile(r"[0-9a-f]{32}")
+# keys whose values are no blob or attic entry, however they look: a seal's ``hash`` is the
+# content's digest, which names a blob only when ``blob`` says so (check.digests): taken for a
+# reference, it kept a blob of the same content (a let-go revert's copy of a file still live)
+# for as long as the file was unchanged, and a budget dropped every session for that room
 _NOT_REFS = ("path", "path2", "source", "actor", "unit", "session", "call", "turn", "revert",
-             "candidates", "chosen", "tool", "summary", "prompt", "op")
+             "candidates", "chosen", "tool", "summary", "prompt", "op", "hash")
 INF = float("inf")
 
 
@@ -425,22 +429,30 @@ def make_plan(j: Journal, sd: str, policy: Policy, scan: Scan, *, live=(),
     every = read_plans(sd)
     plans = {r["id"]: r for r in every if r.get("id")}
     calls_of = {s.id: s.calls for s in S}
+    # the blobs the plans name that a revert still needs (its --continue, its unrevert),
+    # whatever the cut: a plan let go, unreverted or undoable no more needs none (its blobs
+    # were kept for good, and a budget dropped every session for room it could never free;
+    # found by a bug hunt)
     plan_refs: set = set()
-    for r in every:
-        _refs(r.get("steps"), plan_refs, set())
     protect: list[list[str]] = [[] for _ in S]
     needs = INF
     soft: list[tuple[str, int]] = []  # done reverts the policy may let go: (id, first seq needed)
+    soft_refs: list[set] = []  # the blobs each of them names
     for r in every:
         pending = r.get("status") == "running"
         if not (pending or state.revert_undoable(r, every)):
             continue
+        refs: set = set()
+        _refs(r.get("steps"), refs, set())
         need = _needs_from(r, plans, scan, by_id, calls_of, {r["id"]})
         if need == INF:
+            plan_refs |= refs
             continue
         if policy.let_go_reverts and not pending:
             soft.append((r["id"], need))
+            soft_refs.append(refs)
             continue
+        plan_refs |= refs
         needs = min(needs, need)
         why = f"pending revert {r['id']}" if pending else \
             f"revert {r['id']} can still be unreverted (gc --let-go-reverts lets it go)"
@@ -484,6 +496,16 @@ def make_plan(j: Journal, sd: str, policy: Policy, scan: Scan, *, live=(),
             return "a revert still needs it"
         return None
 
+    def passed_at(c: int) -> int:
+        """How many of the soft reverts a cut at ``c`` lets go: those it passes, and every
+        one made before them (unreverts peel the newest first: one below a revert let go
+        would be undone out of its order)."""
+        passed = [i for i, (_, need) in enumerate(soft) if need < c]
+        return passed[-1] + 1 if passed else 0
+
+    def refs_at(c: int) -> set:
+        return plan_refs.union(*soft_refs[passed_at(c):])
+
     def can_drop(i: int, budget: bool) -> bool:
         if protect[i] or S[i].begin_seq is None:
             return False
@@ -498,10 +520,10 @@ def make_plan(j: Journal, sd: str, policy: Policy, scan: Scan, *, live=(),
                 break
             if valid(cand) is None:
                 k = cand
-    before = scan.size_after(scan.cut, plan_refs)
+    before = scan.size_after(scan.cut, refs_at(scan.cut))
     stopped = None
     if policy.max_bytes is not None:
-        size_k = scan.size_after(cut_at(k), plan_refs)["total"]
+        size_k = scan.size_after(cut_at(k), refs_at(cut_at(k)))["total"]
         cand = k
         while size_k > policy.max_bytes:
             cand += 1
@@ -514,7 +536,7 @@ def make_plan(j: Journal, sd: str, policy: Policy, scan: Scan, *, live=(),
                 break
             if valid(cand) is None:
                 k = cand
-                size_k = scan.size_after(cut_at(k), plan_refs)["total"]
+                size_k = scan.size_after(cut_at(k), refs_at(cut_at(k)))["total"]
         cand = k
         while k < min_k and cand < n and can_drop(cand, True):
             # measured over the budget where the estimate said under: one more at least
@@ -522,11 +544,8 @@ def make_plan(j: Journal, sd: str, policy: Policy, scan: Scan, *, live=(),
             if valid(cand) is None:
                 k = cand
     cut = cut_at(k)
-    after = scan.size_after(cut, plan_refs)
-    # the reverts the cut passes, and every one made before them (unreverts peel the newest
-    # first: one below a revert let go would be undone out of its order)
-    passed = [i for i, (_, need) in enumerate(soft) if need < cut]
-    let_go = [rid for rid, _ in soft[:passed[-1] + 1]] if passed else []
+    after = scan.size_after(cut, refs_at(cut))
+    let_go = [rid for rid, _ in soft[:passed_at(cut)]]
     rows = []
     first_kept = None
     for i, s in enumerate(S):
@@ -558,7 +577,7 @@ def make_plan(j: Journal, sd: str, policy: Policy, scan: Scan, *, live=(),
             "size_before": before, "size_after_estimate": after,
             "budget": policy.max_bytes, "over_budget": stopped if policy.max_bytes is not None
             and after["total"] > policy.max_bytes else None,
-            "let_go": let_go, "policy": policy.to_json(), "_plan_refs": plan_refs}
+            "let_go": let_go, "policy": policy.to_json(), "_plan_refs": refs_at(cut)}
 
 
 def _dur(sec: float) -> str:
@@ -676,8 +695,10 @@ def _sweep(j: Journal, sd: str, attic_fd: int | None, before_ns: int, drop_attic
         ev = _readable(j, seq, raw)
         _refs(ev, blobs, attic)
         actors.add(ev.get("actor"))
-    for r in read_plans(sd):
-        _refs(r.get("steps"), blobs, attic)
+    every = read_plans(sd)
+    for r in every:  # what a revert still needs (make_plan's plan_refs): not one let go
+        if r.get("status") == "running" or state.revert_undoable(r, every):
+            _refs(r.get("steps"), blobs, attic)
     _drop_actors(j, actors)
     nb, bb = j.content.sweep(blobs, before_ns)
     na = ba = 0

@@ -842,3 +842,45 @@ def test_gc_lets_the_private_git_store_forget_what_it_dropped(make_mount, tmp_pa
     assert "+b" in d, d
     r = overlayrec("export", "git", "-w", m.ws, "--state-dir", m.state)
     assert "wrote 0 commit(s)" in r.stdout, r.stdout
+
+
+def test_a_revert_let_go_frees_its_copies_and_a_budget_keeps_the_history(make_mount,
+                                                                         tmp_path):
+    """A revert a gc let go still kept its saved copy of what it wrote back (a plan's blobs
+    were all kept, and a seal's content hash was taken for a blob of that content), so the
+    content store never shrank: `gc --max-bytes` said "still over the budget" and a mount's
+    budget dropped every new session as it ended, freeing nothing (found by a bug hunt)."""
+    m = make_mount()
+    big = os.urandom(6 << 20)
+    with open(os.path.join(m.ws, "big.bin"), "wb") as f:
+        f.write(big)
+    with open(os.path.join(m.ws, "s.txt"), "w") as f:
+        f.write("small\n")
+    try:
+        m.mount()
+        for sid, script in (("s1", "echo edit >> s.txt"), ("s2", "rm big.bin")):
+            overlayrec("run", "-w", m.ws, "--session", sid, "--", "sh", "-c", script,
+                       cwd=m.ws)
+        m.umount()
+        _revert_session(m, "s2")
+        with open(os.path.join(m.ws, "big.bin"), "rb") as f:
+            assert f.read() == big
+        out = gc(m, "--keep-last", "0", "--let-go-reverts")
+        assert out["dropped"] == ["s1", "s2"] and len(out["let_go"]) == 1, out
+        consistent(m)
+        _, size = _dropped_and_size(m)
+        assert size["content"] < 1 << 20, size  # the 6 MiB copy is gone
+        m.extra_args = ["--max-bytes", "1M"]
+        m.mount()
+        overlayrec("run", "-w", m.ws, "--session", "s3", "--", "sh", "-c", "echo s3 >> s.txt",
+                   cwd=m.ws)
+        m.umount()
+        dropped, size = _dropped_and_size(m)
+        assert "s3" not in dropped and size["total"] <= 1 << 20, (dropped, size)
+        assert "s3" in overlayrec("turns", m.ws, "--state-dir", m.state, "--json").stdout or \
+            overlayrec("diff", m.ws, "--state-dir", m.state, "--session", "s3").stdout
+        with open(os.path.join(m.ws, "big.bin"), "rb") as f:
+            assert f.read() == big
+        overlayrec("check", m.ws, "--state-dir", m.state)
+    finally:
+        m.umount()
