@@ -25,7 +25,7 @@ import os
 
 import xxhash
 
-from ..journal.content import CHUNK, ZERO, BlobError, chunks
+from ..journal.content import CHUNK, ZERO, BlobError, chunks, pwrite_sparse
 from ..journal.schema import JournalError
 from ..underlay import resolve_beneath
 
@@ -242,11 +242,8 @@ def copy_fd(src: int, dst: int) -> None:
 def _write_chunks(fd: int, pieces) -> None:
     pos = 0
     for buf in pieces:
-        if buf is not ZERO and buf != ZERO[:len(buf)]:
-            view, at = memoryview(buf), pos
-            while view:
-                n = os.pwrite(fd, view, at)
-                view, at = view[n:], at + n
+        if buf is not ZERO:
+            pwrite_sparse(fd, buf, pos)  # its blocks of zeros left holes
         pos += len(buf)
     os.ftruncate(fd, pos)
 
