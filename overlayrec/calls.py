@@ -54,7 +54,7 @@ from typing import Callable
 from .attribution import Attribution, alive, live_stat, proc_start_and_ppid, read_actor
 from .journal import Journal, JournalError
 from .journal.schema import (call_key, call_unit, outside_unit, parse_unit, revert_unit,
-                             session_unit, turn_key, turn_unit)
+                             session_unit, turn_key, turn_unit, unit_session)
 from .state import boot_id
 
 log = logging.getLogger(__name__)
@@ -321,6 +321,7 @@ class Calls:
         # call's survivor of an earlier mount, and what it starts): actor key -> unit or None,
         # each asked of the journal once (``_held_unit``)
         self._held: dict[str, Unit | None] = {}
+        self._gone_cut, self._gone_ids = -1, {}  # sessions retention dropped (_gone), per cut
         # whether the record held any session when this daemon started (end_left_open): none,
         # and no process can be an earlier mount's survivor, so nothing is asked (a mount
         # outside any session, as the bench's, read the journal for every new process)
@@ -424,7 +425,29 @@ class Calls:
             return None
         else:
             found = self._held_line(actor)
+        if found is not None and self._gone(unit_session(found)):
+            return None  # its session dropped by a gc: the process writes as its own
         return late(found) if found is not None and self._ended(found) else found
+
+    def _gone(self, sid: str | None) -> bool:
+        """Was session ``sid`` dropped by retention while a process of its calls still ran?
+        What that process writes next is its own (another writer's): placed in the dropped
+        session, it was in no reader's answer but a range's, and no revert of its call could
+        reach it (found by a bug hunt).  Asked of the journal once a session for each cut."""
+        if sid is None:
+            return False
+        s = self.sessions.get(sid)
+        if s is not None and s.ended is None:
+            return False
+        cut = self.journal.cut
+        if cut != self._gone_cut:
+            self._gone_cut, self._gone_ids = cut, {}
+        if sid not in self._gone_ids:
+            try:
+                self._gone_ids[sid] = self.journal.dropped_session(sid) is not None
+            except JournalError:
+                return False
+        return self._gone_ids[sid]
 
     def _held_line(self, actor: dict) -> Unit | None:
         """``_held_unit``'s walk up from a process not asked of yet: the unit of the nearest
@@ -488,6 +511,8 @@ class Calls:
             self._hold_line(actor, held)  # its row too: its parent may be gone by the next mount
             return held
         session, child = lin
+        if session.ended is not None and self._gone(session.id):
+            return outside_unit(actor["key"])  # a survivor of a session a gc dropped
         if child is None:  # the agent itself: the call active now (at open, for a handle)
             if len(session.active) == 1:
                 return Unit(session.active[0].unit)

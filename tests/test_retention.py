@@ -884,3 +884,47 @@ def test_a_revert_let_go_frees_its_copies_and_a_budget_keeps_the_history(make_mo
         overlayrec("check", m.ws, "--state-dir", m.state)
     finally:
         m.umount()
+
+
+SURVIVOR = r'''
+set -e
+or() { "$PY" -m overlayrec "$@"; }
+or call begin --id c1 --tool Bash --summary bg
+echo one > bg.log
+(while [ ! -e "$FLAG" ]; do sleep 0.05; done; echo two >> bg.log; touch "$FLAG.done") \
+    > /dev/null 2>&1 &
+or call end --id c1
+'''
+
+
+def test_a_call_process_writing_after_its_session_was_dropped_writes_as_its_own(
+        make_mount, tmp_path):
+    """A call's background job still running when a gc dropped its session: what it wrote
+    next was placed in the dropped session's call, which every reader refuses to show and no
+    revert of the call can reach (found by a bug hunt).  It is the process's own now, an
+    outside writer's, which every reader shows."""
+    m = make_mount()
+    try:
+        m.mount()
+        (tmp_path / "s.sh").write_text(SURVIVOR)
+        flag = tmp_path / "flag"
+        env = dict(os.environ, PY=sys.executable, FLAG=str(flag))
+        overlayrec("run", "-w", m.ws, "--session", "s1", "--", "bash", str(tmp_path / "s.sh"),
+                   cwd=m.ws, env=env)
+        overlayrec("run", "-w", m.ws, "--session", "s2", "--", "sh", "-c", "echo x > x",
+                   cwd=m.ws)
+        assert gc(m, "--keep-last", "1")["dropped"] == ["s1"]
+        flag.touch()
+        deadline = time.monotonic() + 20 * SLOW
+        while not (tmp_path / "flag.done").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (tmp_path / "flag.done").exists()
+        runs = [json.loads(x) for x in overlayrec(
+            "blame", "-w", m.ws, "--state-dir", m.state, "bg.log", "--json").stdout.splitlines()]
+        assert runs[0]["unit"].startswith("outside:") and runs[0]["ops"] == ["write"], runs
+        assert not any(r["unit"].startswith("call:s1:") for r in runs), runs
+        first = runs[0]["first_seq"] - 1  # the record since that write's seq shows it
+        out = overlayrec("diff", m.ws, "--state-dir", m.state, "--since", str(first)).stdout
+        assert "+two" in out, out
+    finally:
+        m.umount()
