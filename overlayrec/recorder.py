@@ -1151,6 +1151,14 @@ class Recorder:
         if self.secrets.carried(src, dst, withheld):
             self.journal.put_meta(META_NAMES, self.secrets.names_json())
 
+    def _uncarry_secrets(self, before: set[str]) -> None:
+        """The secret names as they were (``before``) a change that carried some and was not
+        made."""
+        if self.secrets.names != before:
+            self.secrets.names = before
+            self.secrets.forget()
+            self.journal.put_meta(META_NAMES, self.secrets.names_json())
+
     def _epoch(self, path: str, unit: str, checked: bool = False) -> tuple[Epoch, bool]:
         """The epoch a change of ``path`` by ``unit`` belongs to, and whether it begins here.
         Unless the caller ``checked`` already, another writer's change around the mount since
@@ -1722,6 +1730,7 @@ class Recorder:
         ep2, new2 = self._epoch(path2, unit, checked=True)
         if new2:
             ev["epoch2"] = True
+        secret_names = set(self.secrets.names)
         self._carry_secret(path, path2, withheld)
         if flags & underlay.RENAME_EXCHANGE:
             self._carry_secret(path2, path, withheld2)
@@ -1754,6 +1763,9 @@ class Recorder:
                             log.warning("cannot drop attic entry %s: %s", pre2["attic"], e)
                     raise
         except OSError as e:
+            # not moved: a secret's name carried to path2 goes back (else path2's content
+            # was withheld for the rest of the record; found by a bug hunt)
+            self._uncarry_secrets(secret_names)
             if not linking:
                 raise  # the rename's own refusal (EXDEV across mounts, as natively)
             self._crossed(npfd, e)
@@ -2831,13 +2843,15 @@ class Recorder:
         j = self.journal
         last = j.last_seq()
         ev = j.event(last) if last >= max(j.cut, 1) else None
-        if ev is None or not outcome.unmade(ev, self._look):
+        if ev is None:
             return None
-        note = {"op": "failed", "ref": last, "path": ev["path"], "errno": errno.ECONNABORTED,
-                "actor": ev.get("actor", RECORDER_ACTOR["key"]), "unmade": True}
-        if ev.get("path2") is not None:
-            note["path2"] = ev["path2"]
-        j.append_many([note], [])
+        if outcome.half_exchanged(ev, self._look):
+            self._finish_exchange(ev)
+            return None
+        if not outcome.unmade(ev, self._look):
+            return None
+        # the attic's link first: a mount killed here finds the event unmade again, its
+        # link gone (after the note, it stayed for good; found by a bug hunt)
         attic = (ev.get("pre2") or {}).get("attic") if ev["op"] == "rename" else None
         if isinstance(attic, str) and is_attic_entry(attic):
             try:
@@ -2851,9 +2865,51 @@ class Recorder:
                 pass  # killed before the link too
             except OSError as e:  # kept: a stray link, the file's content as it is
                 log.warning("cannot drop attic entry %s of a rename not made: %s", attic, e)
+        if ev["op"] == "rename":  # a secret's name carried to the target goes back
+            pairs = [(ev["path"], ev["path2"])]
+            if ev.get("flags", 0) & underlay.RENAME_EXCHANGE:
+                pairs.append((ev["path2"], ev["path"]))
+            if any([self.secrets.uncarried(a, b) for a, b in pairs]):
+                j.put_meta(META_NAMES, self.secrets.names_json())
+        note = {"op": "failed", "ref": last, "path": ev["path"], "errno": errno.ECONNABORTED,
+                "actor": ev.get("actor", RECORDER_ACTOR["key"]), "unmade": True}
+        if ev.get("path2") is not None:
+            note["path2"] = ev["path2"]
+        j.append_many([note], [])
         log.warning("event %d (%s %s) was journaled but not made: the daemon was killed "
                     "before it; voided", last, ev["op"], ev["path"])
         return last
+
+    def _finish_exchange(self, ev: dict) -> None:
+        """A rename made by an exchange and a move into the attic (``_exchange_into_attic``),
+        its daemon killed between the two: the names were left swapped, the caller told it
+        failed, and the record said it was made (check: an attic entry missing; found by a
+        bug hunt).  The replaced file goes on into the attic now, as the event says."""
+        name = ev["pre2"]["attic"]
+        try:
+            underlay.lstat_at(self.attic_fd, name)
+            return  # there already: not this half state
+        except FileNotFoundError:
+            pass
+        parent, _, base = ev["path"].rpartition("/")
+        try:
+            dfd = underlay.open_beneath(self.root_fd, parent) if parent else os.dup(self.root_fd)
+            try:
+                st = underlay.lstat_at(dfd, base)
+                os.rename(base, name, src_dir_fd=dfd, dst_dir_fd=self.attic_fd)
+            finally:
+                os.close(dfd)
+        except OSError as e:
+            log.warning("cannot finish the rename of event %d (%s): %s", ev["seq"],
+                        ev["path"], e)
+            return
+        k = (st.st_dev, st.st_ino)
+        self.attic_links[k] = self.attic_links.get(k, 0) + 1
+        self.attic_names[k] = name
+        self._unmade_ctime[ev["path"]] = time.time_ns()
+        log.warning("event %d (rename %s over %s) was left half made by a killed daemon (the "
+                    "names exchanged, the replaced file not yet in the attic): finished",
+                    ev["seq"], ev["path"], ev["path2"])
 
     def _look(self, path: str) -> os.stat_result | None:
         """``path``'s lstat beneath the root (its way searched by its owner's leave), None

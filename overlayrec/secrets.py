@@ -286,5 +286,22 @@ class Secrets:
             self._checked_cache.clear()
         return changed
 
+    def forget(self) -> None:
+        """``names`` was set anew: what was asked of the old one is asked again."""
+        self._cache.clear()
+        self._checked_cache.clear()
+
+    def uncarried(self, src: str, dst: str) -> bool:
+        """A rename from ``src`` to ``dst`` that was carried (``carried``) and never made (its
+        daemon killed before it): the names at and beneath ``dst`` whose name at ``src``
+        is still secret go.  True when ``names`` changed."""
+        gone = {n for n in self.names if (n == dst or n.startswith(dst + "/")) and
+                (self.match(src + n[len(dst):]) or src + n[len(dst):] in self.names)}
+        if not gone:
+            return False
+        self.names -= gone
+        self.forget()
+        return True
+
     def names_json(self) -> str:
         return json.dumps(sorted(self.names))

@@ -561,3 +561,34 @@ def run_readers_on(m, *selections) -> None:
     last = max(e["seq"] for e in m.events())
     for seq in range(1, last + 1):
         overlayrec("show", str(seq), "-w", m.ws, "--state-dir", m.state)
+
+
+@needs_fuse
+def test_a_secret_renamed_over_a_file_the_underlay_refuses_leaves_the_file_plain(
+        make_mount, tmp_path):
+    """`mv .env f2` refused by the underlay (f2 immutable): the secret's name was carried to
+    f2 before the rename and never taken back, so f2's content was withheld for the rest of
+    the record (found by a bug hunt).  The name goes back with the refusal."""
+    if subprocess.run(["which", "chattr"], capture_output=True).returncode != 0:
+        pytest.skip("needs chattr")
+    m = make_mount()
+    with open(os.path.join(m.ws, ".env"), "w") as f:
+        f.write("TOKEN=secret\n")
+    with open(os.path.join(m.ws, "f2"), "w") as f:
+        f.write("two\n")
+    f2 = os.path.join(m.ws, "f2")
+    if subprocess.run(["chattr", "+i", f2], capture_output=True).returncode != 0:
+        pytest.skip("the filesystem takes no immutable flag")
+    try:
+        m.mount()
+        r = m.sh("mv .env f2", check=False)
+        assert r.returncode != 0
+        m.umount()
+        subprocess.run(["chattr", "-i", f2], check=True)  # (the underlay's: unmounted)
+        m.mount()
+        m.sh("echo later >> f2")
+    finally:
+        m.umount()
+        subprocess.run(["chattr", "-i", f2], capture_output=True)
+    diff = overlayrec("diff", m.ws, "--state-dir", m.state, "--since", "0", "--path", "f2")
+    assert "+later" in diff.stdout and "secret" not in diff.stderr, (diff.stdout, diff.stderr)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 import pytest
@@ -199,3 +200,55 @@ def test_the_outcome_judged_from_the_live_tree():
     assert not outcome.unmade(mk, {"x": St(0o40755, 9, t + 2 * 10 ** 9)}.get)  # x changed since
     assert not outcome.unmade({"op": "write", "t": t, "path": "a", "pre": file}, {"a": f(1)}.get)
     assert not outcome.unmade(dict(rm, t=None), {"x/a": f(1)}.get)
+
+
+EXCHANGE = ("import ctypes, os; libc = ctypes.CDLL(None, use_errno=True)\n"
+            "if libc.renameat2(-100, b'small', -100, b'd', 2):\n"
+            "    e = ctypes.get_errno(); raise OSError(e, os.strerror(e))\n")
+
+
+def test_an_exchange_of_a_file_and_a_directory_killed_before_it_is_voided(make_mount,
+                                                                          tmp_path):
+    """renameat2(RENAME_EXCHANGE) of a file and a directory, the daemon killed before it:
+    both names held an object either way, so it read as made, and a revert since it put a
+    directory where the file was (found by a bug hunt).  The kinds tell: voided."""
+    m = make_mount()
+    _seed(m.ws)
+    (tmp_path / "x.py").write_text(EXCHANGE)
+    want = _killed_in(m, "rename:small", f"{sys.executable} {tmp_path / 'x.py'}")
+    assert want["small"][0] == "file" and want["d"][0] == "dir"
+    log = overlayrec("log", "-w", m.ws, "--state-dir", m.state).stdout
+    assert "not made: the daemon was killed" in next(
+        x for x in log.splitlines() if " exchange " in x), log
+    seq = _seq_of(m, "rename")
+    out = str(tmp_path / "r")
+    overlayrec("replay", "-w", m.ws, "--state-dir", m.state, "--at", str(seq), "--to", out,
+               "--full")
+    assert tree_of(out) == want
+    overlayrec("revert", m.ws, "--state-dir", m.state, "--since", str(seq), "--yes")
+    assert tree_of(m.ws) == want
+
+
+def test_a_secret_renamed_over_a_file_killed_before_it_leaves_the_file_plain(make_mount,
+                                                                            tmp_path):
+    """`mv .env f2`, the daemon killed before it: the secret's name was carried to f2 before
+    the rename and stayed, so f2's content was withheld for the rest of the record, its
+    later changes too (found by a bug hunt).  Voided, f2 is plain again."""
+    m = make_mount()
+    _seed(m.ws)
+    with open(os.path.join(m.ws, ".env"), "w") as f:
+        f.write("TOKEN=secret\n")
+    want = _killed_in(m, "rename:.env", "mv .env f2")
+    assert want[".env"][2] == b"TOKEN=secret\n"
+    m.mount()
+    try:
+        m.sh("echo later >> f2")
+    finally:
+        m.umount()
+    diff = overlayrec("diff", m.ws, "--state-dir", m.state, "--since", "0", "--path", "f2")
+    assert "+later" in diff.stdout and "secret" not in diff.stderr, (diff.stdout, diff.stderr)
+    seq = _seq_of(m, "rename")
+    out = str(tmp_path / "r")
+    overlayrec("replay", "-w", m.ws, "--state-dir", m.state, "--at", str(seq), "--to", out,
+               "--full")
+    assert tree_of(out)["f2"] == want["f2"]

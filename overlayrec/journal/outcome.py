@@ -80,8 +80,33 @@ def unmade(ev: dict, look: Look) -> bool:
         return False
     flags = ev.get("flags", 0)
     if isinstance(flags, int) and flags & RENAME_EXCHANGE:
-        # both names hold an object whether it was made or not: only two inodes tell
-        return stat.S_ISREG(st.st_mode) and st2 is not None and stat.S_ISREG(st2.st_mode) and \
+        # both names hold an object whether it was made or not: two kinds tell (a file and
+        # a directory, a file and a symlink: taken as made, a revert put a directory where
+        # the file was; found by a bug hunt), or two files' inodes; two directories, or two
+        # symlinks, cannot be told apart
+        if st2 is None or not _since(st2, t):
+            return False
+        if ev["pre"].get("kind") != pre2.get("kind"):
+            return True  # each name holds the kind it held before (_holds)
+        return stat.S_ISREG(st.st_mode) and stat.S_ISREG(st2.st_mode) and \
             ev["pre"].get("ino") is not None and pre2.get("ino") is not None and \
-            st.st_ino != st2.st_ino and _since(st2, t)
+            st.st_ino != st2.st_ino
     return True
+
+
+def half_exchanged(ev: dict, look: Look) -> bool:
+    """Was ``ev``, a rename over a file whose link the attic could not take (``EMLINK``,
+    ``protected_hardlinks``), left half made: the two names exchanged, the replaced file not
+    yet moved from the source's name into the attic (``Recorder._exchange_into_attic``'s two
+    steps, a kill between them)?  Then the source's name holds the replaced file and the
+    target the moved one.  The caller looks at the attic entry (absent) and finishes the move."""
+    if ev.get("op") != "rename" or ev.get("flags") or not isinstance(ev.get("t"), int):
+        return False
+    pre, pre2 = ev.get("pre"), ev.get("pre2")
+    if not isinstance(pre, dict) or not isinstance(pre2, dict) or \
+            not isinstance(pre2.get("attic"), str) or pre.get("kind") != "file" or \
+            pre2.get("kind") != "file" or pre.get("ino") is None or pre2.get("ino") is None:
+        return False
+    st, st2 = look(ev["path"]), look(ev["path2"])
+    return _holds(st, pre2) and _holds(st2, pre) and _since(st, ev["t"]) and \
+        _since(st2, ev["t"])
