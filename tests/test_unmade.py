@@ -200,6 +200,14 @@ def test_the_outcome_judged_from_the_live_tree():
     assert not outcome.unmade(mk, {"x": St(0o40755, 9, t + 2 * 10 ** 9)}.get)  # x changed since
     assert not outcome.unmade({"op": "write", "t": t, "path": "a", "pre": file}, {"a": f(1)}.get)
     assert not outcome.unmade(dict(rm, t=None), {"x/a": f(1)}.get)
+    kinds = dict(swap, pre2={"kind": "dir"})  # a file and a directory exchanged, or not
+    assert outcome.unmade(kinds, {"a": f(1), "b": d}.get)
+    assert not outcome.unmade(kinds, {"a": d, "b": f(1)}.get)
+    # exchanged, the replaced file not yet moved into the attic: half made
+    half = dict(over, pre2={"kind": "file", "ino": 3, "attic": "j.7"})
+    assert outcome.half_exchanged(half, {"a": f(3), "b": f(1)}.get)
+    assert not outcome.half_exchanged(half, {"a": f(1), "b": f(3)}.get)  # not begun
+    assert not outcome.half_exchanged(half, {"b": f(1)}.get)  # made whole
 
 
 EXCHANGE = ("import ctypes, os; libc = ctypes.CDLL(None, use_errno=True)\n"
