@@ -2413,3 +2413,32 @@ def test_continue_takes_a_rename_back_it_made_for_its_own(make_mount, tmp_path):
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+MOVED_ON = r'''
+or() { "$PY" -m overlayrec "$@"; }
+or call begin --id e1 --tool Bash --summary e; echo new > a/f; or call end --id e1
+or call begin --id m1 --tool Bash --summary m; mv a b; or call end --id m1
+'''
+
+
+def test_a_file_whose_directory_another_call_moved_since_is_a_conflict_that_says_so(
+        make_mount, tmp_path):
+    """Call e1 edits a/f, call m1 then runs `mv a b`: reverting e1 said "changed: a/f", a
+    path no longer there, without a word of why (found by a bug hunt).  The conflict names
+    the directory another writer moved since; nothing is written."""
+    m = make_mount()
+    os.makedirs(os.path.join(m.ws, "a"))
+    with open(os.path.join(m.ws, "a", "f"), "w") as f:
+        f.write("old\n")
+    m.mount()
+    (tmp_path / "s.sh").write_text(MOVED_ON)
+    overlayrec("run", "-w", m.ws, "--session", "s", "--", "bash", str(tmp_path / "s.sh"),
+               cwd=m.ws, env=dict(os.environ, PY=sys.executable))
+    r = overlayrec("revert", m.ws, "--call", "e1", "--yes", check=False)
+    assert r.returncode == 1 and "a was moved or removed by another writer since" in r.stdout, \
+        (r.stdout, r.stderr)
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    with open(os.path.join(m.ws, "b", "f")) as f:
+        assert f.read() == "new\n"
+    assert not os.path.exists(os.path.join(m.ws, "a"))

@@ -252,6 +252,12 @@ def make_plan(j: Journal, states: States, live: Tree, selection: dict, glob: str
                     step.expected = now
                 else:
                     step.conflict = "changed"
+                    if not now.present and target.present and \
+                            (gone := _way_gone(p, last, states, live, others, gone_ways)):
+                        # the file moved on with its directory (`mv a b` by a later call):
+                        # said, where "changed: a/f" named a path no longer there (a hunt)
+                        step.note = (f"{shown(gone)} was moved or removed by another writer "
+                                     "since; the file is not where the selection left it")
         if not step.conflict and not step.note and target.present and \
                 (gone := _way_gone(p, last, states, live, others, gone_ways)):
             # a directory on its way that the selection left there was moved or removed by
