@@ -1143,19 +1143,21 @@ class Recorder:
         finally:
             os.close(fd)
 
-    def _carry_secret(self, src: str, dst: str, withheld: bool | None = None) -> None:
+    def _carry_secret(self, src: str, dst: str, withheld: bool | None = None,
+                      since: int = 0) -> None:
         """``dst`` now holds what ``src`` held (a rename, a hard link): a secret's content
         (``withheld``: as decided for ``src``'s pre-image, when it was) stays withheld under
         its new name, for the rest of the record (meta ``secret_names``; stored before the
         change is journaled, so no reader ever sees the name hold it unwithheld)."""
-        if self.secrets.carried(src, dst, withheld):
+        # from the change's own seq, the next handed out (a rename's, reserved already: its)
+        if self.secrets.carried(src, dst, withheld, since=since or self.journal.last_reserved() + 1):
             self.journal.put_meta(META_NAMES, self.secrets.names_json())
 
-    def _uncarry_secrets(self, before: set[str]) -> None:
-        """The secret names as they were (``before``) a change that carried some and was not
-        made."""
-        if self.secrets.names != before:
-            self.secrets.names = before
+    def _uncarry_secrets(self, before: tuple[set[str], dict[str, int]]) -> None:
+        """The secret names as they were (``before``: the names and since when) a change
+        that carried some and was not made."""
+        if (self.secrets.names, self.secrets.since) != before:
+            self.secrets.names, self.secrets.since = before
             self.secrets.forget()
             self.journal.put_meta(META_NAMES, self.secrets.names_json())
 
@@ -1730,10 +1732,10 @@ class Recorder:
         ep2, new2 = self._epoch(path2, unit, checked=True)
         if new2:
             ev["epoch2"] = True
-        secret_names = set(self.secrets.names)
-        self._carry_secret(path, path2, withheld)
+        secret_names = set(self.secrets.names), dict(self.secrets.since)
+        self._carry_secret(path, path2, withheld, since=seq)
         if flags & underlay.RENAME_EXCHANGE:
-            self._carry_secret(path2, path, withheld2)
+            self._carry_secret(path2, path, withheld2, since=seq)
         linking = bool(attic_key)
         try:
             with self._mutation(ev, actor):

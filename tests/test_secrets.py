@@ -592,3 +592,53 @@ def test_a_secret_renamed_over_a_file_the_underlay_refuses_leaves_the_file_plain
         subprocess.run(["chattr", "-i", f2], capture_output=True)
     diff = overlayrec("diff", m.ws, "--state-dir", m.state, "--since", "0", "--path", "f2")
     assert "+later" in diff.stdout and "secret" not in diff.stderr, (diff.stdout, diff.stderr)
+
+
+FORMATTER = r'''
+set -e
+or() { "$PY" -m overlayrec "$@"; }
+or call begin --id fmt --tool Bash --summary fmt
+tr a-z A-Z < envelope.py > .envelope.py.tmp
+mv .envelope.py.tmp envelope.py
+or call end --id fmt
+'''
+
+
+@needs_fuse
+def test_a_name_a_secret_temp_file_was_renamed_over_is_secret_from_then_on_only(
+        make_mount, tmp_path):
+    """A formatter's temp file `.envelope.py.tmp` (a `.env*` name: its content withheld)
+    renamed over envelope.py: the name was secret for the whole record, so the file's kept
+    history was hidden from every reader (diff, replay before the formatter) and a revert of
+    the formatter was refused, unrecorded (found by a bug hunt).  It is secret from that
+    rename on; before it, the file reads as kept, and the revert puts it back."""
+    m = make_mount()
+    old = "".join(f"line {i}\n" for i in range(20))
+    with open(os.path.join(m.ws, "envelope.py"), "w") as f:
+        f.write(old)
+    m.mount()
+    try:
+        (tmp_path / "s.sh").write_text(FORMATTER)
+        overlayrec("run", "-w", m.ws, "--session", "s", "--", "bash", str(tmp_path / "s.sh"),
+                   cwd=m.ws, env=dict(os.environ, PY=sys.executable))
+        out = str(tmp_path / "r")
+        overlayrec("replay", "-w", m.ws, "--at", "before:call:fmt", "--to", out, "--full")
+        with open(os.path.join(out, "envelope.py")) as f:
+            assert f.read() == old
+        diff = overlayrec("diff", m.ws, "--call", "fmt").stdout
+        assert "-line 3\n" in diff and "LINE 3" not in diff, diff  # after: withheld
+        # what the formatter left is a secret's (never kept): its revert cannot tell whether
+        # the file still holds it, and refuses in one line, as for any secret path it left
+        r = overlayrec("revert", m.ws, "--call", "fmt", "--yes", check=False)
+        assert r.returncode == 1 and "secret path" in r.stderr, r.stderr
+        subprocess.run(["git", "init", "-q", str(tmp_path / "repo")], check=True)
+        export = overlayrec("export", "git", m.ws, "--repo", str(tmp_path / "repo"),
+                            check=False)
+        assert export.returncode == 0, export.stderr
+        # the formatter's commit's parent: the tree before it
+        shown = subprocess.run(["git", "-C", str(tmp_path / "repo"), "show",
+                                "refs/overlayrec/s/calls/fmt^:envelope.py"],
+                               capture_output=True, text=True)
+        assert shown.stdout == old, shown
+    finally:
+        m.umount()

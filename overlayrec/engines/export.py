@@ -427,7 +427,7 @@ class Exporter:
     def _state_now(self, path: str, point: int) -> State:
         s = self.states
         st = s._state(path, point)
-        if st.kind == "file" and (st.withheld or s.secrets.match(path)):
+        if st.kind == "file" and (st.withheld or s.secrets.match_at(path, point)):
             st = s._withheld(path, point, st)   # a secret's placeholder, as every reader
         return st
 

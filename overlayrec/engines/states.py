@@ -1230,7 +1230,7 @@ class States:
         st = self._state(path, after, forward)
         if st.exact and self._may_change_unseen(path, after):
             st = st.but(exact=False)
-        if st.kind == "file" and (st.withheld or self.secrets.match(path)):
+        if st.kind == "file" and (st.withheld or self.secrets.match_at(path, after)):
             st = self._withheld(path, after, st)
         return st
 
