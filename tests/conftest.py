@@ -90,6 +90,16 @@ def run_with_outside_step(m: "Mount", tmp_path, agent: str, outside, session: st
             run.wait()
 
 
+def run_script(m: "Mount", tmp_path, script: str, session: str = "s", **env) -> None:
+    """``overlayrec run`` of a bash ``script`` in the mount of ``m`` as session ``session``:
+    the script announces its calls with ``or call begin/end`` (``or``: overlayrec as
+    ``"$PY" -m overlayrec``, ``PY`` this interpreter); ``env``: more of its environment."""
+    path = tmp_path / f"{session}.sh"
+    path.write_text('or() { "$PY" -m overlayrec "$@"; }\n' + script)
+    overlayrec("run", "-w", m.ws, "--state-dir", m.state, "--session", session, "--", "bash",
+               str(path), cwd=m.ws, env=dict(os.environ, PY=sys.executable, **env))
+
+
 def force_unmount(path: str) -> None:
     for _ in range(3):
         if not is_mounted(path):

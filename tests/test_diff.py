@@ -12,7 +12,8 @@ import textwrap
 
 import pytest
 
-from conftest import linked_before_mount, needs_fuse, overlayrec, run_with_outside_step
+from conftest import (linked_before_mount, needs_fuse, overlayrec, run_script,
+                      run_with_outside_step)
 
 pytestmark = needs_fuse
 
@@ -1109,7 +1110,6 @@ def test_by_writer_of_a_session_shows_paths_it_left_absent_and_outside_writers_o
 
 KIND_AND_MOVE = r'''
 set -e
-or() { "$PY" -m overlayrec "$@"; }
 or turn begin --prompt p
 or call begin --id A --tool Bash --summary a
 echo f > kind; mkdir -p d src; echo x > d/x; seq 1 5 > src/a.txt
@@ -1133,9 +1133,7 @@ def test_by_writer_keeps_a_writers_file_where_another_made_a_directory_and_follo
     C only.  Found by a bug hunt; each checked against the calls' own diffs."""
     m = make_mount()
     m.mount()
-    (tmp_path / "s.sh").write_text(KIND_AND_MOVE)
-    overlayrec("run", "-w", m.ws, "--session", "s", "--", "bash", str(tmp_path / "s.sh"),
-               cwd=m.ws, env=dict(os.environ, PY=sys.executable))
+    run_script(m, tmp_path, KIND_AND_MOVE)
     out = overlayrec("diff", m.ws, "--session", "s", "--by-writer", "--name-status").stdout
     sections, unit = {}, None
     for line in out.splitlines():

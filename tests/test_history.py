@@ -9,7 +9,7 @@ import os
 import sys
 import textwrap
 
-from conftest import needs_fuse, overlayrec
+from conftest import needs_fuse, overlayrec, run_script
 
 pytestmark = needs_fuse
 
@@ -407,7 +407,6 @@ def test_blame_of_a_name_gone_says_absent_exactly(make_mount, tmp_path):
 
 LATE_APPEND = r'''
 set -e
-or() { "$PY" -m overlayrec "$@"; }
 or call begin --id A --tool Bash --summary a
 echo a > a.txt
 (while [ ! -e "$FLAG" ]; do sleep 0.05; done; echo late >> a.txt; touch "$FLAG.done") \
@@ -424,9 +423,7 @@ def test_blame_marks_late_only_what_came_after_the_call_ended(make_mount, tmp_pa
     the call's own, the append late."""
     m = make_mount()
     m.mount()
-    (tmp_path / "s.sh").write_text(LATE_APPEND)
-    overlayrec("run", "-w", m.ws, "--session", "s", "--", "bash", str(tmp_path / "s.sh"),
-               cwd=m.ws, env=dict(os.environ, PY=sys.executable, FLAG=str(tmp_path / "flag")))
+    run_script(m, tmp_path, LATE_APPEND, FLAG=str(tmp_path / "flag"))
     runs = [json.loads(x) for x in
             overlayrec("blame", "-w", m.ws, "a.txt", "--json").stdout.splitlines()]
     mine = [r for r in runs if r["unit"] == "call:s:A"]

@@ -15,7 +15,7 @@ import sys
 import textwrap
 import time
 
-from conftest import needs_fuse, overlayrec
+from conftest import needs_fuse, overlayrec, run_script
 from test_diff import snapshot
 
 from overlayrec.engines.gitdiff import ObjectStore, git_refuses
@@ -746,11 +746,7 @@ def test_a_name_holding_the_listings_separator_is_quoted(make_mount, tmp_path):
     ``a`` and ``b`` (found by a bug hunt); such a name is quoted now."""
     m = make_mount()
     m.mount()
-    (tmp_path / "s.sh").write_text(
-        '"$PY" -m overlayrec call begin --id A --tool Bash --summary s\n'
-        'echo x > "a, b"; echo y > c\n'
-        '"$PY" -m overlayrec call end --id A\n')
-    overlayrec("run", "-w", m.ws, "--session", "s", "--", "bash", str(tmp_path / "s.sh"),
-               cwd=m.ws, env=dict(os.environ, PY=sys.executable))
+    run_script(m, tmp_path, 'or call begin --id A --tool Bash --summary s\n'
+                            'echo x > "a, b"; echo y > c\nor call end --id A\n')
     out = overlayrec("calls", m.ws).stdout
     assert [x.strip() for x in out.splitlines() if "a, b" in x] == ['"a, b", c'], out

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import SLOW, is_mounted, needs_fuse, overlayrec
+from conftest import SLOW, is_mounted, needs_fuse, overlayrec, run_script
 from overlayrec import retention, state
 from overlayrec.journal import Journal
 
@@ -888,7 +888,6 @@ def test_a_revert_let_go_frees_its_copies_and_a_budget_keeps_the_history(make_mo
 
 SURVIVOR = r'''
 set -e
-or() { "$PY" -m overlayrec "$@"; }
 or call begin --id c1 --tool Bash --summary bg
 echo one > bg.log
 (while [ ! -e "$FLAG" ]; do sleep 0.05; done; echo two >> bg.log; touch "$FLAG.done") \
@@ -906,11 +905,8 @@ def test_a_call_process_writing_after_its_session_was_dropped_writes_as_its_own(
     m = make_mount()
     try:
         m.mount()
-        (tmp_path / "s.sh").write_text(SURVIVOR)
         flag = tmp_path / "flag"
-        env = dict(os.environ, PY=sys.executable, FLAG=str(flag))
-        overlayrec("run", "-w", m.ws, "--session", "s1", "--", "bash", str(tmp_path / "s.sh"),
-                   cwd=m.ws, env=env)
+        run_script(m, tmp_path, SURVIVOR, session="s1", FLAG=str(flag))
         overlayrec("run", "-w", m.ws, "--session", "s2", "--", "sh", "-c", "echo x > x",
                    cwd=m.ws)
         assert gc(m, "--keep-last", "1")["dropped"] == ["s1"]

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from conftest import (SLOW, needs_fuse, overlayrec, is_mounted, run_with_outside_step,
-                      wait_unmounted)
+from conftest import (SLOW, needs_fuse, overlayrec, is_mounted, run_script,
+                      run_with_outside_step, wait_unmounted)
 from test_replay import tree_of
 
 pytestmark = needs_fuse
@@ -2416,7 +2416,6 @@ def test_continue_takes_a_rename_back_it_made_for_its_own(make_mount, tmp_path):
 
 
 MOVED_ON = r'''
-or() { "$PY" -m overlayrec "$@"; }
 or call begin --id e1 --tool Bash --summary e; echo new > a/f; or call end --id e1
 or call begin --id m1 --tool Bash --summary m; mv a b; or call end --id m1
 '''
@@ -2432,9 +2431,7 @@ def test_a_file_whose_directory_another_call_moved_since_is_a_conflict_that_says
     with open(os.path.join(m.ws, "a", "f"), "w") as f:
         f.write("old\n")
     m.mount()
-    (tmp_path / "s.sh").write_text(MOVED_ON)
-    overlayrec("run", "-w", m.ws, "--session", "s", "--", "bash", str(tmp_path / "s.sh"),
-               cwd=m.ws, env=dict(os.environ, PY=sys.executable))
+    run_script(m, tmp_path, MOVED_ON)
     r = overlayrec("revert", m.ws, "--call", "e1", "--yes", check=False)
     assert r.returncode == 1 and "a was moved or removed by another writer since" in r.stdout, \
         (r.stdout, r.stderr)

@@ -18,7 +18,7 @@ import zlib
 
 import pytest
 
-from conftest import needs_fuse, overlayrec
+from conftest import needs_fuse, overlayrec, run_script
 
 pytestmark = needs_fuse
 
@@ -596,7 +596,6 @@ def test_a_secret_renamed_over_a_file_the_underlay_refuses_leaves_the_file_plain
 
 FORMATTER = r'''
 set -e
-or() { "$PY" -m overlayrec "$@"; }
 or call begin --id fmt --tool Bash --summary fmt
 tr a-z A-Z < envelope.py > .envelope.py.tmp
 mv .envelope.py.tmp envelope.py
@@ -618,9 +617,7 @@ def test_a_name_a_secret_temp_file_was_renamed_over_is_secret_from_then_on_only(
         f.write(old)
     m.mount()
     try:
-        (tmp_path / "s.sh").write_text(FORMATTER)
-        overlayrec("run", "-w", m.ws, "--session", "s", "--", "bash", str(tmp_path / "s.sh"),
-                   cwd=m.ws, env=dict(os.environ, PY=sys.executable))
+        run_script(m, tmp_path, FORMATTER)
         out = str(tmp_path / "r")
         overlayrec("replay", "-w", m.ws, "--at", "before:call:fmt", "--to", out, "--full")
         with open(os.path.join(out, "envelope.py")) as f:
