@@ -643,7 +643,7 @@ def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool, record_da
         raise MountError(f"cannot check the workspace against the record: {e}") from None
     if found["drifted"] or found["recovered"] or found["voided"]:
         log.info("record opened: %s", found)
-    recorder.make_reserve()  # where the state dir shares the workspace's filesystem
+    recorder.start_reserve()  # where the state dir shares the workspace's filesystem
     _kill_ahead(recorder, os.environ.get("OVERLAYREC_TEST_KILL_AHEAD"))
     try:  # before this daemon's own units: their ends need no seal (open_record sealed)
         left = calls.end_left_open()

@@ -778,13 +778,33 @@ class Recorder:
         return freed
 
     def _settle(self, budget: float | None) -> int:
-        """``settle_small``'s work; returns the bytes of the entries it dropped."""
+        """``settle_small``'s work; returns the bytes of the entries it dropped.  Committed
+        SETTLE_COMMIT entries at a time: on a full filesystem one commit of them all was
+        refused whole, and nothing ever gave room back (found by a bug hunt)."""
         deadline = None if budget is None else time.monotonic() + budget
+        freed = 0
+        names = list(self.to_store)
+        for i in range(0, len(names), SETTLE_COMMIT):
+            if deadline is not None and i and time.monotonic() >= deadline:
+                break
+            got, stopped = self._settle_some(names[i:i + SETTLE_COMMIT], deadline)
+            freed += got
+            if stopped:
+                break
+        return freed
+
+    def _settle_some(self, names: list[str], deadline: float | None) -> tuple[int, bool]:
+        """``_settle`` of the entries ``names`` (those still waiting) in one commit: the bytes
+        freed, and whether the deadline stopped it."""
         done: list[tuple[int, str, str]] = []
         taken: dict[str, tuple[tuple[int, int, int], os.stat_result]] = {}
+        stopped = False
         try:
-            for name in list(self.to_store):
+            for name in names:
+                if name not in self.to_store:
+                    continue
                 if deadline is not None and done and time.monotonic() >= deadline:
+                    stopped = True
                     break
                 waiting = self.to_store.pop(name)
                 seq, size, mtime_ns = waiting
@@ -801,6 +821,9 @@ class Recorder:
         except BaseException:
             for name, (waiting, _) in taken.items():  # not journaled: they wait for a next try
                 self.to_store[name] = waiting
+            # nor do their blobs wait for the next commit: each later one carried them all
+            # and was refused on a full filesystem (found by a bug hunt)
+            self.journal.unhold_blobs([digest for _, _, digest in done])
             raise
         freed = 0
         for name, (_, st) in taken.items():
@@ -812,7 +835,7 @@ class Recorder:
                 log.warning("cannot drop attic entry %s, copied into the store: %s", name, e)
                 continue
             freed += st.st_blocks * 512
-        return freed
+        return freed, stopped
 
     def _copy_entry(self, name: str, size: int, mtime_ns: int) -> tuple[str | None,
                                                                          os.stat_result | None]:
@@ -866,6 +889,13 @@ class Recorder:
             return os.stat(self.journal.state_dir).st_dev == os.fstat(self.root_fd).st_dev
         except (AttributeError, OSError):
             return False
+
+    def start_reserve(self) -> None:
+        """At mount: the reserve made where the state dir shares the workspace's filesystem,
+        or, without the room for it now, owed (the daemon makes it once there is room: it
+        was never made when the mount found the filesystem nearly full; found by a hunt)."""
+        if self._shares_fs():
+            self.reserve_owed = not self.make_reserve()
 
     def make_reserve(self) -> bool:
         """Keep RESERVE_BYTES of room in the state dir where it shares the workspace's
@@ -1144,13 +1174,17 @@ class Recorder:
             os.close(fd)
 
     def _carry_secret(self, src: str, dst: str, withheld: bool | None = None,
-                      since: int = 0) -> None:
+                      since: int | None = None) -> None:
         """``dst`` now holds what ``src`` held (a rename, a hard link): a secret's content
         (``withheld``: as decided for ``src``'s pre-image, when it was) stays withheld under
         its new name, for the rest of the record (meta ``secret_names``; stored before the
         change is journaled, so no reader ever sees the name hold it unwithheld)."""
-        # from the change's own seq, the next handed out (a rename's, reserved already: its)
-        if self.secrets.carried(src, dst, withheld, since=since or self.journal.last_reserved() + 1):
+        # from the change's own seq, by default the next handed out; 0: from the record's start
+        # (a link made outside the mount, found only now: which states were the secret's is
+        # not known)
+        if since is None:
+            since = self.journal.last_reserved() + 1
+        if self.secrets.carried(src, dst, withheld, since=since):
             self.journal.put_meta(META_NAMES, self.secrets.names_json())
 
     def _uncarry_secrets(self, before: tuple[set[str], dict[str, int]]) -> None:
@@ -1522,7 +1556,9 @@ class Recorder:
         # writer's change since the daemon's last is found before (after, its ctime moved)
         self._look_around(source, time.time_ns())
         ev = self._creation("link", parent_fd, name, actor, source=source)
-        # one inode under a secret name and another: withheld under both
+        # one inode under a secret name and another: withheld under both (a content-checked
+        # one too, public or not: a key written through the other name, which no pattern
+        # checks, would be kept)
         self._carry_secret(source, ev["path"])
         self._carry_secret(ev["path"], source)
         with self._mutation(ev, actor):
@@ -1570,8 +1606,8 @@ class Recorder:
         if all(p in known for p in paths) or paths[0] == paths[1]:
             return
         try:
-            self._carry_secret(paths[0], paths[1])
-            self._carry_secret(paths[1], paths[0])
+            self._carry_secret(paths[0], paths[1], since=0)
+            self._carry_secret(paths[1], paths[0], since=0)
         except JournalError as e:  # withheld in this mount still (the names are in memory)
             log.warning("cannot store that %s and %s are one secret inode: %s", *paths, e)
         self._named(st, *paths)
@@ -2977,6 +3013,8 @@ DETACHED_SLACK_NS = 50_000_000
 
 # a unit's end seals its paths this many at a time (Recorder.seal)
 SEAL_CHUNK = 1024
+# the small pre-images the attic kept that go into the store in one commit (Recorder._settle)
+SETTLE_COMMIT = 32
 # at most this many sealed files' ctimes kept to find another writer's change at the next
 # change (Recorder.sealed_ctime): about 150 bytes each
 SEALED_CTIMES = 100_000

@@ -287,7 +287,12 @@ class Secrets:
         changed = False
         if withheld is None:
             withheld = self.match(src) or self.checked(src)
-        if withheld and not self.match(dst):
+        # a directory carried away from under an anchored pattern (`conf/*.yml`, `mv conf
+        # cfg`) and now moved back beneath it: the pattern covers what it covered again, and
+        # the rest of the directory is no secret's (it was withheld whole for good; a hunt)
+        back = src in self.names and \
+            any(_beneath(p, dst) is not None for p in self._plain.anchored)
+        if withheld and not self.match(dst) and not back:
             self.names.add(dst)
             if since:
                 self.since[dst] = since

@@ -923,3 +923,33 @@ def _spend_the_reserve(rec, root_fd, monkeypatch):
     monkeypatch.setattr(j, "_write", real)
     assert [e["op"] for e in j.events() if e.get("path") == "big"] == ["unlink"]
     assert [e["op"] for e in j.events() if e.get("path") == "new"] == []
+
+
+@pytest.mark.timeout(int(30 * SLOW))
+def test_a_refused_copy_of_waiting_pre_images_leaves_no_blob_held(tmp_path, monkeypatch):
+    """The small pre-images the attic keeps go into the store in commits of a few, and one
+    refused (a full filesystem) leaves nothing held for the next commit: their blobs stayed
+    held, every later commit carried them all and was refused, and nothing could change
+    until the unmount (found by a bug hunt)."""
+    from overlayrec import recorder as recorder_mod
+    from overlayrec.journal import JournalError
+    with plain_recorder(tmp_path) as (rec, root_fd):
+        j = rec.journal
+        ws = os.readlink(f"/proc/self/fd/{root_fd}")
+        rec.later = True  # kept by the attic until the daemon is idle, as in the daemon
+        actor = rec.attribution.actor(os.getpid())
+        for i in range(recorder_mod.SETTLE_COMMIT + 5):
+            with open(os.path.join(ws, f"f{i}"), "wb") as f:
+                f.write(b"%d\n" % i * 100)
+            rec.unlink(root_fd, f"f{i}", actor)
+        assert len(rec.to_store) == recorder_mod.SETTLE_COMMIT + 5
+        real = j._write
+
+        def full(body):
+            raise JournalError("journal write failed: no space", errno.ENOSPC)
+        monkeypatch.setattr(j, "_write", full)
+        assert rec.store_waiting("test") == 0
+        assert j._held_blobs == {} and len(rec.to_store) == recorder_mod.SETTLE_COMMIT + 5
+        monkeypatch.setattr(j, "_write", real)
+        assert rec.store_waiting("test") > 0 and not rec.to_store
+        assert j._held_blobs == {}

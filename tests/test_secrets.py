@@ -468,6 +468,27 @@ def test_anchored_patterns_follow_a_directory_renamed_above_them():
     assert s.carried("deploy", "d2") and s.match("d2/any/thing")  # the rest has a wildcard
     assert not s.carried("elsewhere", "e2") and not s.match("e2/prod.yml")
     assert not s.carried("config/prod.yml.d", "x")  # no pattern beneath it
+    # moved back beneath its pattern: the pattern covers what it did, the rest is no secret's
+    # (`mv conf cfg; mv cfg conf` withheld all of conf for good: found by a bug hunt)
+    back = Secrets(["conf/*.yml"], checked=())
+    assert back.carried("conf", "cfg") and back.match("cfg/readme.txt")
+    back.carried("cfg", "conf")
+    assert back.match("conf/a.yml") and not back.match("conf/readme.txt")
+
+
+def test_a_carried_name_is_secret_from_its_change_on():
+    """A name a change carried counts from that change's seq (meta ``secret_names`` keeps
+    it), and a list from an older journal from the record's start."""
+    from overlayrec.secrets import Secrets
+    s = Secrets([".env"], checked=())
+    assert s.carried(".env", "env.bak", since=7)
+    assert s.match("env.bak") and s.match_at("env.bak", 7) and not s.match_at("env.bak", 6)
+    assert json.loads(s.names_json()) == {"env.bak": 7}
+    again = Secrets([".env"], names=json.loads(s.names_json()), checked=())
+    assert not again.match_at("env.bak/x", 6) and again.match_at("env.bak/x", 8)
+    old = Secrets([".env"], names=["env.bak"], checked=())
+    assert old.match_at("env.bak", 0) and json.loads(old.names_json()) == ["env.bak"]
+    assert s.uncarried(".env", "env.bak") and not s.match("env.bak")
 
 
 def test_a_later_mounts_secret_adds_to_an_earlier_ones():

@@ -674,6 +674,11 @@ class Journal:
         it, which its caller makes next.  A digest the table has already is not written again."""
         self._held_blobs[digest] = data
 
+    def unhold_blobs(self, digests) -> None:
+        """The blobs held for a commit that will not be made (``hold_blob``) wait no more."""
+        for d in digests:
+            self._held_blobs.pop(d, None)
+
     def store_preimages(self, items: list[tuple[int, str, str, str]]) -> None:
         """Pre-images the attic kept for a while, now in the content store: for each
         ``(seq, attic entry, blob digest)`` the event's pre-image names the blob and no longer
