@@ -660,3 +660,31 @@ def test_a_name_a_secret_temp_file_was_renamed_over_is_secret_from_then_on_only(
         assert shown.stdout == old, shown
     finally:
         m.umount()
+
+
+RENAMED_TO_SECRET = r'''
+or call begin --id c1 --tool Bash --summary a; echo "notes v1" > notes.txt; or call end --id c1
+or call begin --id c2 --tool Bash --summary b; mv notes.txt .env.bak; or call end --id c2
+'''
+
+
+@needs_fuse
+def test_a_file_renamed_to_a_secret_name_is_never_replayed_as_the_placeholder(make_mount,
+                                                                             tmp_path):
+    """`mv notes.txt .env.bak`: notes.txt's content before the rename is the inode's, which
+    the secret name holds after it; replay before the rename wrote the placeholder text
+    into notes.txt as its content, and listed nothing as not made (found by a bug hunt).
+    The placeholder stays a secret's: not made, said."""
+    m = make_mount()
+    m.mount()
+    try:
+        run_script(m, tmp_path, RENAMED_TO_SECRET)
+    finally:
+        m.umount()
+    out = tmp_path / "r"
+    got = json.loads(overlayrec("replay", "-w", m.ws, "--state-dir", m.state, "--at",
+                                "before:call:c2", "--to", str(out), "--full", "--json").stdout)
+    if (out / "notes.txt").exists():
+        assert (out / "notes.txt").read_text() == "notes v1\n"
+    else:
+        assert "notes.txt" in {n["path"] for n in got["not_made"]}, got
