@@ -1556,13 +1556,21 @@ class Recorder:
         # writer's change since the daemon's last is found before (after, its ctime moved)
         self._look_around(source, time.time_ns())
         ev = self._creation("link", parent_fd, name, actor, source=source)
+        ev["seq"] = self.journal.reserve_seq()  # the carried names' (a refusal takes them back)
         # one inode under a secret name and another: withheld under both (a content-checked
         # one too, public or not: a key written through the other name, which no pattern
         # checks, would be kept)
-        self._carry_secret(source, ev["path"])
-        self._carry_secret(ev["path"], source)
-        with self._mutation(ev, actor):
-            underlay.link_fd(src_fd, parent_fd, name, root_fd=self.root_fd, rel=source)
+        secret_names = set(self.secrets.names), dict(self.secrets.since)
+        self._carry_secret(source, ev["path"], since=ev["seq"])
+        self._carry_secret(ev["path"], source, since=ev["seq"])
+        try:
+            with self._mutation(ev, actor):
+                underlay.link_fd(src_fd, parent_fd, name, root_fd=self.root_fd, rel=source)
+        except OSError:
+            # not linked: the names carried go back (else the file was withheld for the rest
+            # of the record; found by a bug hunt)
+            self._uncarry_secrets(secret_names)
+            raise
         try:
             st = os.fstat(src_fd)
         except OSError:
@@ -1728,9 +1736,13 @@ class Recorder:
         pre, st = self._pre_at(pfd, name)
         if st is None:
             raise FileNotFoundError(errno.ENOENT, "rename", name)
+        if stat.S_ISDIR(st.st_mode):  # which directory it was: the next mount's outcome
+            pre["dino"] = st.st_ino
         ev["pre"] = pre
         withheld = self._withhold(path, pre, lambda: underlay.open_own(pfd, name, _READ))
         pre2, st2 = self._pre_at(npfd, nname)
+        if st2 is not None and stat.S_ISDIR(st2.st_mode):
+            pre2["dino"] = st2.st_ino
         self._stamp_names(st, unit, path, path2)
         if st2 is not None:
             self._stamp_names(st2, unit, path, path2)
@@ -2903,12 +2915,8 @@ class Recorder:
                 pass  # killed before the link too
             except OSError as e:  # kept: a stray link, the file's content as it is
                 log.warning("cannot drop attic entry %s of a rename not made: %s", attic, e)
-        if ev["op"] == "rename":  # a secret's name carried to the target goes back
-            pairs = [(ev["path"], ev["path2"])]
-            if ev.get("flags", 0) & underlay.RENAME_EXCHANGE:
-                pairs.append((ev["path2"], ev["path"]))
-            if any([self.secrets.uncarried(a, b) for a, b in pairs]):
-                j.put_meta(META_NAMES, self.secrets.names_json())
+        if self.secrets.uncarried(last):  # the secret names it carried go back
+            j.put_meta(META_NAMES, self.secrets.names_json())
         note = {"op": "failed", "ref": last, "path": ev["path"], "errno": errno.ECONNABORTED,
                 "actor": ev.get("actor", RECORDER_ACTOR["key"]), "unmade": True}
         if ev.get("path2") is not None:
