@@ -2415,7 +2415,7 @@ def test_continue_takes_a_rename_back_it_made_for_its_own(make_mount, tmp_path):
             p.wait()
 
 
-MOVED_ON = r'''
+DIR_MOVED_SINCE = r'''
 or call begin --id e1 --tool Bash --summary e; echo new > a/f; or call end --id e1
 or call begin --id m1 --tool Bash --summary m; mv a b; or call end --id m1
 '''
@@ -2431,7 +2431,7 @@ def test_a_file_whose_directory_another_call_moved_since_is_a_conflict_that_says
     with open(os.path.join(m.ws, "a", "f"), "w") as f:
         f.write("old\n")
     m.mount()
-    run_script(m, tmp_path, MOVED_ON)
+    run_script(m, tmp_path, DIR_MOVED_SINCE)
     r = overlayrec("revert", m.ws, "--call", "e1", "--yes", check=False)
     assert r.returncode == 1 and "a was moved or removed by another writer since" in r.stdout, \
         (r.stdout, r.stderr)
