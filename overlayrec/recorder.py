@@ -1370,10 +1370,13 @@ class Recorder:
         elif path not in left and "pre" in ev:  # a change in place: the kind it had
             left[path] = ev["pre"].get("kind")
 
-    def _note_failed(self, seq: int, path: str | None, err: int | None, actor_key: str) -> None:
-        """Journal that the underlay refused event ``seq``.  When the journal cannot take the
-        note now (its filesystem is full too), it goes with the next event that commits."""
-        note = {"op": "failed", "ref": seq, "path": path, "errno": err, "actor": actor_key}
+    def _note_failed(self, seq: int, path: str | None, err: int | None, actor_key: str,
+                     **more) -> None:
+        """Journal that the underlay refused event ``seq`` (``more``: the note's other fields).
+        When the journal cannot take the note now (its filesystem is full too), it goes with
+        the next event that commits."""
+        note = {"op": "failed", "ref": seq, "path": path, "errno": err, "actor": actor_key,
+                **more}
         try:
             self.journal.append_many(self._unjournaled + [note], [])
             self._unjournaled = []
@@ -2917,11 +2920,10 @@ class Recorder:
                 log.warning("cannot drop attic entry %s of a rename not made: %s", attic, e)
         if self.secrets.uncarried(last):  # the secret names it carried go back
             j.put_meta(META_NAMES, self.secrets.names_json())
-        note = {"op": "failed", "ref": last, "path": ev["path"], "errno": errno.ECONNABORTED,
-                "actor": ev.get("actor", RECORDER_ACTOR["key"]), "unmade": True}
-        if ev.get("path2") is not None:
-            note["path2"] = ev["path2"]
-        j.append_many([note], [])
+        # (path2 too: the rename's target's last event is the note, not the rename)
+        self._note_failed(last, ev["path"], errno.ECONNABORTED,
+                          ev.get("actor", RECORDER_ACTOR["key"]), unmade=True,
+                          **({"path2": ev["path2"]} if ev.get("path2") is not None else {}))
         log.warning("event %d (%s %s) was journaled but not made: the daemon was killed "
                     "before it; voided", last, ev["op"], ev["path"])
         return last
