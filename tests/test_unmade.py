@@ -373,3 +373,35 @@ def test_an_exchange_of_two_directories_killed_before_it_is_voided(make_mount, t
             assert "d/in_e" not in got and "e/g" not in got, got
     overlayrec("revert", m.ws, "--state-dir", m.state, "--since", str(seq), "--yes")
     assert tree_of(m.ws) == want
+
+
+DEEP = "/".join(["p" * 200] * 19)  # a directory path of 3,818 bytes
+
+
+@pytest.mark.parametrize("op,cmd,name", [
+    ("rename", f"cd {DEEP} && mv deepf deepg", "deepf"),
+    ("mknod", f"cd {DEEP} && mkfifo pipe", "pipe"),
+    ("rename", "mv d/sub d/moved", "sub")])
+def test_changes_of_other_shapes_killed_before_them_are_voided(make_mount, tmp_path, op, cmd,
+                                                               name):
+    """The same judgement on shapes the first tests leave out: a rename at a path of ~4,000
+    bytes, a fifo made, a directory holding a file renamed beneath another: each voided, and
+    replay, diff and a revert since it agree with the tree."""
+    m = make_mount()
+    _seed(m.ws)
+    os.makedirs(os.path.join(m.ws, DEEP))
+    with open(os.path.join(m.ws, DEEP, "deepf"), "w") as f:
+        f.write("deep\n")
+    want = _killed_in(m, f"{op}:{name}", cmd)
+    log = overlayrec("log", "-w", m.ws, "--state-dir", m.state, "--json").stdout
+    [row] = [json.loads(x) for x in log.splitlines() if json.loads(x)["op"] == op]
+    assert row.get("unmade"), row
+    out = str(tmp_path / "r")
+    overlayrec("replay", "-w", m.ws, "--state-dir", m.state, "--at", str(row["seq"]), "--to",
+               out, "--full")
+    assert tree_of(out) == want
+    names = overlayrec("diff", m.ws, "--state-dir", m.state, "--since", "0",
+                       "--name-status").stdout
+    assert {x.split("\t")[-1] for x in names.splitlines()} == {"f1", "d/g"}, names
+    overlayrec("revert", m.ws, "--state-dir", m.state, "--since", str(row["seq"]), "--yes")
+    assert tree_of(m.ws) == want
