@@ -198,6 +198,8 @@ class ControlServer:
                 return {"session": name, "inside": inner.unit}
         if op == "ping":
             return {"pid": os.getpid()}
+        if op == "room":  # a record the caller writes itself (a revert's plan): made in _answer
+            return {}
         if op == "status":
             return {**c.status(), "ending": self.ending}
         if op == "processes":
@@ -252,6 +254,8 @@ class ControlServer:
         out: dict = {}
         async with self._gc_lock:
             began = time.time_ns()
+            if self.recorder is not None and not req.get("dry_run"):
+                self.recorder.room_to_record("gc")
             for _ in self.gc_steps(req, out):
                 await trio.sleep(0)
             if not req.get("dry_run"):
@@ -452,6 +456,8 @@ class ControlServer:
             req = json.loads(line)
             if not isinstance(req, dict):
                 raise ValueError("a request is a JSON object")
+            if self.recorder is not None:  # its record must find room (a full filesystem)
+                self.recorder.room_to_record(str(req.get("op") or "hook"))
             out = {"ok": True, **self.handle(req, caller)}
         except MountEnding as e:
             out = {"ok": False, "error": str(e), "ending": True}

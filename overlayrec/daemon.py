@@ -916,6 +916,7 @@ def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other
         try:
             _unmount(ws, mounted, control.detached)
             try:
+                recorder.room_to_record("seal")
                 recorder.close_record()
             except JournalError as e:  # the state dir full: the record stays open
                 log.error("sealing at unmount failed (the next mount recovers): %s", e)

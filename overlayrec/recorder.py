@@ -104,6 +104,10 @@ RECLAIM_HEADROOM = 32 << 20
 RESERVE_BYTES = 2 << 20
 # the changes the reserve is spent on: those that take a name away, whose reclaim frees room
 ROOM_FREEING = ("unlink", "rename", "rmdir")
+# a record that frees nothing (a turn or call begun, the unmount's seal, a gc's or a revert's
+# plan) finds less than this free on a filesystem the state dir shares: room is made first
+# (``Recorder.room_to_record``)
+RECORD_ROOM = 1 << 20
 
 
 # the attic's note of the record it belongs to: {"journal_id", "state_dir"} (JSON), so that a
@@ -949,6 +953,27 @@ class Recorder:
                     "state dir's reserve (%d bytes) is spent on a change that can free room",
                     why, size)
         return size
+
+    def room_to_record(self, why: str) -> int:
+        """Before a record that is no change of the workspace (a turn or call begun or ended,
+        the unmount's seal, a gc, a revert's plan) on a filesystem the state dir shares with
+        less than RECORD_ROOM free: room made as for a refused change (``_roomy``: the small
+        pre-images waiting go into the store, then attic entries are reclaimed), not the
+        reserve, which is a removal's.  A full filesystem refused them all while the attic held
+        what would free it (found by a bug hunt: `turn begin` and the seal failed after `mv a
+        big` filled it).  The bytes freed."""
+        if not self._shares_fs():
+            return 0
+        freed = 0
+        for make_room in (self.store_waiting, self._reclaim_for):
+            try:
+                vfs = os.statvfs(self.journal.state_dir)
+            except OSError:
+                break
+            if vfs.f_bavail * vfs.f_frsize >= RECORD_ROOM:
+                break
+            freed += make_room(why)
+        return freed
 
     def _reserve_spent(self, why: str) -> None:
         """A change that can free room went through on the reserve: what it removed, kept by

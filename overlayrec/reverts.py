@@ -43,6 +43,24 @@ def save(sd: str, rec: dict) -> None:
     state.save_revert(sd, rec)
 
 
+def save_plan(sd: str, rec: dict) -> None:
+    """``save`` of a revert's plan before its first change.  Refused for want of room where
+    the state dir shares the workspace's full filesystem, the daemon is asked to make room
+    (its attic holds what a removal kept: ``Recorder.room_to_record``) and it is saved again
+    (found by a bug hunt: a revert was refused while the attic held what would free it)."""
+    try:
+        save(sd, rec)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        try:
+            with client.Client(state.StateDir(sd).control_sock) as c:
+                c.request("room")
+        except (client.ClientError, OSError):  # no daemon to ask: the refusal stands
+            raise e from None
+        save(sd, rec)
+
+
 @contextlib.contextmanager
 def one_at_a_time(sd: str):
     """Hold the state dir's revert lock from a revert's plan to its end: a second revert of
@@ -437,7 +455,7 @@ def carry_out(ws: str, sd: str, plan: Plan, content, *, unreverts: str | None = 
         # the processes that carried it out, whose temporary files a --continue removes
         earlier = rec.get("pids") if resume is not None else []
         rec["pids"] = (earlier or []) + [os.getpid()]
-        save(sd, rec)  # the plan is on disk before the first change
+        save_plan(sd, rec)  # the plan is on disk before the first change
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise

@@ -24,7 +24,8 @@ import time
 
 import pytest
 
-from conftest import SLOW, needs_fuse, needs_root, overlayrec, is_mounted, plain_recorder
+from conftest import SLOW, needs_fuse, needs_root, overlayrec, is_mounted, plain_recorder, \
+    run_script
 
 ATTIC = ".overlayrec-attic"
 
@@ -953,3 +954,78 @@ def test_a_refused_copy_of_waiting_pre_images_leaves_no_blob_held(tmp_path, monk
         monkeypatch.setattr(j, "_write", real)
         assert rec.store_waiting("test") > 0 and not rec.to_store
         assert j._held_blobs == {}
+
+
+FILL_AGAIN = r'''
+import errno, os, sys
+ws, pad, n = sys.argv[1:]
+if os.path.exists(pad):
+    os.unlink(pad)
+with open(os.path.join(ws, f"big{n}"), "wb") as f:  # through the mount
+    f.write(os.urandom(3 << 20))
+with open(os.path.join(ws, f"fill{n}"), "wb") as f:
+    f.write(os.urandom(6 << 20))
+os.rename(os.path.join(ws, f"big{n}"), os.path.join(ws, f"fill{n}"))  # the attic keeps 6 MiB
+# then the filesystem filled by another program, outside the mount
+fd = os.open(pad, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+try:
+    while True:
+        os.write(fd, b"\\0" * 4096)
+except OSError as e:
+    if e.errno != errno.ENOSPC:
+        raise
+finally:
+    os.close(fd)
+st = os.statvfs(ws)
+print(st.f_bavail * st.f_frsize)
+'''
+
+
+@needs_fuse
+@needs_root
+@pytest.mark.timeout(int(150 * SLOW))
+def test_records_that_free_nothing_find_room_on_a_full_shared_filesystem(make_mount, tmp_path):
+    """The workspace and the state dir on one filesystem; a file renamed over another (the
+    attic keeps the old one), then the filesystem filled by another program.  A turn begun then was refused ("not recorded"), so was the
+    unmount's seal, and a revert's plan, while the attic held what would free the room (found
+    by a bug hunt).  Each now makes room as a refused change does (waiting pre-images into
+    the store, then attic entries reclaimed): the turn and its call are recorded, the revert
+    goes through, the unmount seals, and the record is whole."""
+    m = make_mount()
+    with tmpfs(os.path.join(m.base, "fs"), "24m") as fs:
+        m.ws, m.state = os.path.join(fs, "ws"), os.path.join(fs, "state")
+        os.mkdir(m.ws)
+        pad = os.path.join(fs, "pad")
+
+        def fill_again(n: int) -> None:
+            r = subprocess.run([sys.executable, "-c", FILL_AGAIN, m.ws, pad, str(n)],
+                               capture_output=True, text=True, timeout=60 * SLOW, check=True)
+            assert int(r.stdout) < (1 << 20), r.stdout  # full: what is tested below
+        try:
+            m.mount()
+            fill_again(1)
+            run_script(m, tmp_path, """set -e
+or turn begin --prompt one
+or call begin --id c1 --tool Bash
+echo made > made
+or call end --id c1
+or turn end
+""")
+            turns = overlayrec("turns", m.ws, "--state-dir", m.state, "--session", "s",
+                               "--json").stdout.splitlines()
+            assert [json.loads(t)["index"] for t in turns] == [1], turns
+            d = overlayrec("diff", m.ws, "--state-dir", m.state, "--session", "s", "--call",
+                           "c1", "--name-status").stdout.split()
+            assert d == ["A", "made"], d
+            fill_again(2)
+            overlayrec("revert", m.ws, "--state-dir", m.state, "--session", "s", "--call",
+                       "c1", "--yes")
+            assert not os.path.exists(os.path.join(m.ws, "made"))
+            fill_again(3)
+            r = overlayrec("umount", m.ws, check=False)
+            assert r.returncode == 0 and "seal" not in r.stderr, r.stderr
+        finally:
+            m.umount()
+        overlayrec("check", m.ws, "--state-dir", m.state)
+        log = open(os.path.join(m.state, "daemon.log"), errors="replace").read()
+        assert "Traceback" not in log and "not recorded" not in log, log[-3000:]
