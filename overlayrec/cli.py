@@ -1444,7 +1444,7 @@ for _name in _agent_names():  # one subcommand per agent in the registry (overla
 
 @main.command(name="install-hooks")
 @click.argument("agent", type=click.Choice(_agent_names()))
-@click.option("--project", type=click.Path(file_okay=False),
+@click.option("--project", type=click.Path(file_okay=False, exists=True),
               help="A project's settings (e.g. DIR/.claude/settings.json).")
 @click.option("--user", is_flag=True, help="The user's settings (e.g. ~/.claude/settings.json).")
 @click.option("--remove", is_flag=True, help="Take our entries out again.")

@@ -22,6 +22,7 @@ Hooks import this on every call: stdlib only, the agent modules loaded only when
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import sys
 
@@ -214,14 +215,29 @@ def install(name: str, path: str, remove: bool = False) -> None:
     every other entry, its key order and its layout."""
     from . import _settings
     mod = get(name)
-    settings, how = _settings.load(path)
-    if not remove and not settings and getattr(mod, "new_file", None):
-        settings = mod.new_file(settings)
     merge = _settings.merge_flat if mod.SHAPE == "flat" else _settings.merge_grouped
-    merge(settings, mod.hook_entries(lambda ev: hook_command(name, ev)), name, remove=remove)
-    if remove and not os.path.exists(path):
+    fresh = mod.new_file({}) if getattr(mod, "new_file", None) else {}
+
+    def edit(settings: dict, how: dict) -> str | None:
+        """The file's new text, None when nothing changes (a file that holds nothing of
+        ours is not rewritten by --remove, nor one holding ours already by an install)."""
+        before = json.loads(json.dumps(settings))
+        absent = bool(how.get("absent"))
+        made = remove and _settings.made_by_install(settings, name)
+        if not remove and not settings and getattr(mod, "new_file", None):
+            settings = mod.new_file(settings)
+        merge(settings, mod.hook_entries(lambda ev: hook_command(name, ev)), name,
+              remove=remove, absent=absent)
+        if remove and absent:
+            return None
+        if made and settings in ({}, fresh):
+            return _settings.GONE  # the file the install made: removed
+        return None if settings == before else _settings.dumps(settings, how)
+    if remove and not os.path.lexists(path):
         return
-    _settings.write(path, _settings.dumps(settings, how))
+    os.makedirs(os.path.dirname(_settings._real(path)) or ".", exist_ok=True)
+    with _settings.locked(path):
+        _settings.edit_with_backup(path, edit)
 
 
 def wire_run(mod, argv: list, env: dict, scratch: str, cwd: str):

@@ -75,5 +75,40 @@ def wire_run(argv: list, env: dict, scratch: str, command_for, cwd: str):
             os.path.join(cwd, ".claude", "settings.local.json"))):
         return argv, env, None, "hooks installed already"
     path = os.path.join(scratch, "claude-settings.json")
-    _settings.write(path, _settings.dumps({"hooks": hook_entries(command_for)}, {}))
-    return [argv[0], "--settings", path, *argv[1:]], env, None, f"--settings {path}"
+    given = _given_settings(argv)
+    if given is None:
+        _settings.write(path, _settings.dumps({"hooks": hook_entries(command_for)}, {}))
+        return [argv[0], "--settings", path, *argv[1:]], env, None, f"--settings {path}"
+    # the user's own --settings: a second one beside it was one Claude Code refuses, or one
+    # dropped (found by a bug hunt): theirs, with our hooks merged in, takes its place
+    i, value = given
+    try:
+        if value.lstrip().startswith("{"):
+            mine, how = _settings._loads(value.encode("utf-8"))
+        else:
+            mine, how = _settings.load(os.path.join(cwd, os.path.expanduser(value)))
+            if how.get("absent"):
+                raise _settings.SettingsError(f"{value}: no such file")
+    except (_settings.SettingsError, OSError) as e:
+        return argv, env, None, f"not wired: --settings {e}"
+    _settings.merge_grouped(mine, hook_entries(command_for), NAME)
+    _settings.write(path, _settings.dumps(mine, how))
+    out = list(argv)
+    if out[i] == "--settings":
+        out[i + 1] = path
+    else:
+        out[i] = f"--settings={path}"
+    return out, env, None, f"--settings {path} (yours, {value}, with our hooks)"
+
+
+def _given_settings(argv: list) -> tuple[int, str] | None:
+    """Where the command line gives ``--settings`` (``--settings X`` or ``--settings=X``),
+    and its value: a file's path or a JSON string."""
+    for i, a in enumerate(argv[1:], 1):
+        if a == "--":
+            return None
+        if a == "--settings" and i + 1 < len(argv):
+            return i, argv[i + 1]
+        if a.startswith("--settings="):
+            return i, a[len("--settings="):]
+    return None
