@@ -101,7 +101,11 @@ def read_actor(pid: int) -> dict:
                 uid = int(line.split()[1])
                 break
     argv_raw = _read(f"/proc/{pid}/cmdline") or b""
-    argv = [a.decode("utf-8", "surrogateescape") for a in argv_raw.split(b"\0") if a]
+    # an empty argument inside is one (`sh -c '...' '' x`: dropped, the command read as
+    # another; found by a bug hunt); trailing NULs are the list's end, or a process's title
+    # padding (setproctitle)
+    argv = [a.decode("utf-8", "surrogateescape")
+            for a in argv_raw.rstrip(b"\0").split(b"\0")] if argv_raw.strip(b"\0") else []
 
     def link(name):
         try:

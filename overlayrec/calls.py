@@ -974,14 +974,19 @@ class Calls:
         self._unit_ended(session_unit(s.id))
         return s
 
-    def end_left_open(self) -> list[str]:
+    def end_left_open(self, as_of: tuple[int, int] | None = None) -> list[str]:
         """At a daemon's start: end the sessions an earlier daemon left open (it was killed: a
         crash, SIGKILL, the OOM killer), with their open turn and calls (``abandoned``).  No
         daemon goes on with them (a session lives in its daemon: an agent that asks again under
         its name begins a new part, ``_next_part``), and what waits for a session's end (`export
         git`'s commit of a session without calls, its calls' late writes) waited for good while
-        `diff --session` showed its changes.  Ended by this daemon, at its start; their ids."""
+        `diff --session` showed its changes.  Ended by this daemon, at its start; their ids.
+        ``as_of``: the seq and time of the earlier daemon's last event, where they ended (the
+        records' ``end_seq`` and times, the events' ``as_of``): ended where they are journaled,
+        after the changes made while unmounted, a call's or a turn's span took them in (its
+        export commit, `replay --at after:`; found by a bug hunt)."""
         actor = self._daemon_actor()
+        extra = {"as_of": as_of[0]} if as_of else {}
         ended = []
         self._earlier = False
         for rec in self.journal.records("sessions"):
@@ -990,21 +995,23 @@ class Calls:
             if rec.get("ended") is not None or not isinstance(sid, str) or sid in self.sessions:
                 continue
             s = Session(sid, None, None)  # its id only: what the end events name
-            now = time.time_ns()
+            now = as_of[1] if as_of else time.time_ns()
             # calls first, then the turn that holds them (see session_end)
             for c in self.journal.records("calls", sid.encode() + b"\0"):
                 if c.get("end_t") is None and c.get("session") == sid:
-                    c["end_seq"] = self._control_event("call_end", s, actor, call=c["id"],
-                                                       status="abandoned")
+                    seq = self._control_event("call_end", s, actor, call=c["id"],
+                                              status="abandoned", **extra)
+                    c["end_seq"] = as_of[0] if as_of else seq
                     c["end_t"], c["status"] = now, "abandoned"
                     self.journal.put_record("calls", call_key(sid, c["id"]), c)
             for t in self.journal.records("turns", sid.encode() + b"\0"):
                 if t.get("end_t") is None and t.get("session") == sid:
-                    t["end_seq"] = self._control_event("turn_end", s, actor, turn=t["index"])
+                    seq = self._control_event("turn_end", s, actor, turn=t["index"], **extra)
+                    t["end_seq"] = as_of[0] if as_of else seq
                     t["end_t"] = now
                     self.journal.put_record("turns", turn_key(sid, t["index"]), t)
-            rec["ended"] = time.time_ns()
-            self._control_event("session_end", s, actor)
+            rec["ended"] = now
+            self._control_event("session_end", s, actor, **extra)
             self.journal.put_record("sessions", sid.encode(), rec)
             ended.append(sid)
         return ended

@@ -277,14 +277,24 @@ class _Size(click.ParamType):
     """A number of bytes: 2G, 512M, 100K, 4096 (K = 1024)."""
     name = "size"
 
+    def __init__(self, budget: bool = False):
+        # a mount's budget: 0 (read as "no limit" by many tools) dropped every session as it
+        # ended, the whole history, without a word (found by a bug hunt)
+        self.budget = budget
+
     def convert(self, value, param, ctx):
         from .retention import parse_size
         if isinstance(value, int):
-            return value
-        try:
-            return parse_size(str(value))
-        except ValueError as e:
-            self.fail(str(e), param, ctx)
+            size = value
+        else:
+            try:
+                size = parse_size(str(value))
+            except ValueError as e:
+                self.fail(str(e), param, ctx)
+        if self.budget and size <= 0:
+            self.fail(f"{value!r}: a budget of 0 would drop every session as it ends (leave "
+                      "--max-bytes out for no budget)", param, ctx)
+        return size
 
 
 class _Duration(click.ParamType):
@@ -397,7 +407,7 @@ def _daemon_pid(sd: str) -> tuple[int | None, dict | None, str | None]:
               help="Only the --secret patterns, not the defaults.")
 @click.option("--timeout", type=SECONDS, default=30.0, show_default=True,
               help="Seconds to wait for the mount.")
-@click.option("--max-bytes", "max_bytes", type=_Size(), metavar="SIZE",
+@click.option("--max-bytes", "max_bytes", type=_Size(budget=True), metavar="SIZE",
               help="Keep the record within SIZE (K/M/G): the daemon drops the oldest sessions "
               "itself (docs/retention.md).")
 @_guard
@@ -411,11 +421,15 @@ def mount(workspace, state_dir, foreground, allow_other, durable, record_data, s
     ws = state.resolve_workspace(workspace)
     if state.is_dead_mount(ws):
         raise Fail(f"{ws} holds a dead mount; clear it with: overlayrec umount {ws}")
-    if state.fuse_mount_at(ws):
+    other = state.fuse_mount_at(ws, any_fuse=True)
+    if other and other["fstype"] != f"fuse.{state.FSNAME}":
+        raise Fail(f"{ws} is a mount of another filesystem ({other['fstype']}): unmount it "
+                   "first")
+    if other:
         raise Fail(f"{ws} is already mounted")
     from .mounting import refuse_nested
     refuse_nested(ws)
-    _check_secrets(secret)
+    secret = _check_secrets(secret, ws)
     sd = state.check_state_dir(ws, _mount_state_dir(ws, state_dir))
     state.make_state_dir(sd)
     _put_back_agent_settings()
@@ -501,11 +515,32 @@ def _refuse_a_moved_record(ws: str) -> None:
                    f"{os.path.join(ws, ATTIC_NAME)} (its pre-images) to begin a new one")
 
 
-def _check_secrets(patterns) -> None:
-    from .secrets import SecretError, check_pattern
+def _refuse_secrets_unheld(ws: str, patterns: tuple[str, ...]) -> None:
+    """A run joining a mount whose secret paths lack some of its ``--secret``: refused (its
+    agent would have the secret recorded; it was a warning, and the content kept: a bug
+    hunt)."""
+    from .journal import Journal, JournalError
+    from .secrets import META_PATTERNS
     try:
-        for p in patterns:
-            check_pattern(p)
+        j = Journal(state.find_state_dir(ws), readonly=True)
+        try:
+            held = json.loads(j.meta(META_PATTERNS) or "[]")
+        finally:
+            j.close()
+    except (JournalError, ValueError, OSError):
+        held = []
+    missing = [p for p in patterns if p not in held]
+    if missing:
+        raise Fail(f"{ws} is already mounted without --secret {' '.join(missing)}: its "
+                   "content would be recorded; unmount it and run again (or mount it with "
+                   "that --secret)")
+
+
+def _check_secrets(patterns, ws: str) -> tuple[str, ...]:
+    """The ``--secret`` patterns as the mount applies them (``secrets.as_given``)."""
+    from .secrets import SecretError, as_given
+    try:
+        return tuple(as_given(p, ws) for p in patterns)
     except SecretError as e:
         raise Fail(str(e)) from None
 
@@ -609,7 +644,9 @@ def status(workspace, as_json, state_dir):
     """Say whether WORKSPACE is mounted, by which daemon, where its journal is and how much it holds."""
     from .views import few
     ws = state.recorded_at_or_above(state.named_workspace(workspace))
-    sd = _state_dir_for(ws, state_dir) if state_dir else state.find_state_dir(ws)
+    # (status says what it finds there: a journal missing, none yet)
+    sd = _state_dir_for(ws, state_dir, need_journal=False) if state_dir else \
+        state.find_state_dir(ws)
     _warn_low_space(sd)
     pid = state.verify_daemon(state.daemon_info(sd), sd)[0]
     in_table = bool(state.fuse_mount_at(ws))
@@ -946,6 +983,10 @@ def check(workspace, state_dir, as_json):
                 continue
             if f["kind"] == "event":
                 click.echo(f"not an event: {f['name']}")
+                continue
+            if f["kind"] == "table":
+                click.echo(f"the {f['name']} table cannot be read ({f['why']}): the listings "
+                           "and the selections by session, turn or call refuse")
                 continue
             click.echo(f"{said[f['kind']]} {shown(f['name'])}, named by {f['events']} "
                        f"event(s) (the first: seq {f['seq']}"
@@ -1512,7 +1553,7 @@ def _own_failures(fn):
               "the defaults).")
 @click.option("--no-default-secrets", is_flag=True,
               help="When mounting: only the --secret patterns, not the defaults.")
-@click.option("--max-bytes", "max_bytes", type=_Size(), metavar="SIZE",
+@click.option("--max-bytes", "max_bytes", type=_Size(budget=True), metavar="SIZE",
               help="When mounting: keep the record within SIZE (K/M/G), oldest sessions first.")
 @click.option("--no-hooks", is_flag=True,
               help="Do not wire the agent's hooks for this run: implicit calls only.")
@@ -1579,6 +1620,8 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
         raise Fail(f"{state.recorded_by_another(ws, other)}: a run joins a mount of its own "
                    "user's only (run it as that user, or have them unmount it)")
     if state.fuse_mount_at(ws):
+        if secret:
+            _refuse_secrets_unheld(ws, _check_secrets(secret, ws))
         # the daemon there applies what it mounted with (a --state-dir, --record-data or
         # --max-bytes given to a run that joined were ignored without a word: a bug hunt)
         other_sd = state_dir and os.path.realpath(state_dir) != \
@@ -1597,7 +1640,7 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
         if state.is_dead_mount(ws):
             raise Fail(f"{ws} holds a dead mount; clear it with: overlayrec umount {ws}")
         if not state.fuse_mount_at(ws):
-            _check_secrets(secret)
+            secret = _check_secrets(secret, ws)
             sd = state.check_state_dir(ws, _mount_state_dir(ws, state_dir))
             state.make_state_dir(sd)
         else:
@@ -2404,7 +2447,15 @@ def report(workspace, out, state_dir):
     from .engines.report_html import render
     from .engines.states import States
     from .engines.gitdiff import GitError
+    if not out:
+        raise Fail("--html: an empty path (name the file to write the page to)")
     ws, sd, j, tree = _open_journal_and_tree(workspace, state_dir)
+    real = os.path.realpath(out)
+    if real == os.path.realpath(sd) or real.startswith(os.path.realpath(sd) + os.sep):
+        os.close(tree.root_fd)
+        j.close()
+        # written over the journal itself, the record was gone (found by a bug hunt)
+        raise Fail(f"{out} is inside the record's state dir {sd}: write the page elsewhere")
     try:
         store = ObjectStore(sd)
         page = render(report_data(j, States(j, tree), store, ws))
@@ -2448,7 +2499,7 @@ def _run_revert(ws, sd, selection, glob, yes, force, as_json, revert_id=None, un
             from .mounting import one_mounter
             with one_mounter(sd):  # a `run` starting meanwhile joins this mount
                 if not state.fuse_mount_at(ws):
-                    _spawn_daemon(ws, sd, for_this=True)
+                    _spawn_daemon(ws, sd, for_this=True, registry=False)
                     held.callback(_release_mount, ws, sd)  # once the revert is done
         src = reverts.Sources(ws, sd, _tree_for(ws, sd))
         held.callback(src.close)

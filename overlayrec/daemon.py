@@ -572,10 +572,23 @@ def _refuse_recorded_elsewhere(ws: str, state_dir: str) -> None:
 def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool, record_data: bool = False,
             secret: tuple = (), no_default_secrets: bool = False):
     """Everything up to and including the mount; raises MountError with a one-line reason."""
-    if state.fuse_mount_at(ws) is not None or state.is_dead_mount(ws):
+    other = state.fuse_mount_at(ws, any_fuse=True)
+    if other is not None or state.is_dead_mount(ws):
         if state.is_dead_mount(ws):
             raise MountError(f"{ws} holds a dead mount; clear it with: overlayrec umount {ws}")
+        if other["fstype"] != f"fuse.{state.FSNAME}":
+            raise MountError(f"{ws} is a mount of another filesystem ({other['fstype']}): "
+                             "unmount it first")
         raise MountError(f"{ws} is already mounted")
+    try:
+        owner = os.stat(ws).st_uid
+    except OSError:
+        owner = None
+    if owner is not None and os.geteuid() not in (0, owner):
+        # refused before a journal is made: refused later, it left an empty journal the
+        # readers answered from ("no session", "events: 0"; found by a bug hunt)
+        raise MountError(f"cannot mount {ws}: {ws} is uid {owner}'s, not this user's (uid "
+                         f"{os.geteuid()}): only its owner or root can record it")
     _whose_record(ws, state_dir)
     _refuse_recorded_elsewhere(ws, state_dir)
     global _writer_lock  # held while mounted: no gc writes the journal behind us
@@ -638,18 +651,17 @@ def prepare(ws: str, state_dir: str, durable: bool, allow_other: bool, record_da
                                       name, (st.st_dev, st.st_ino))):
             pass
         # before the mount: nothing can change the tree meanwhile
-        found = recorder.open_record(last_alive(state.StateDir(state_dir).alive))
+        # the sessions an earlier daemon left open end inside, before this daemon's own
+        # units (their ends need no seal: open_record sealed) and before the drift
+        found = recorder.open_record(last_alive(state.StateDir(state_dir).alive),
+                                     end_left=calls.end_left_open)
     except (OSError, JournalError) as e:
         raise MountError(f"cannot check the workspace against the record: {e}") from None
     if found["drifted"] or found["recovered"] or found["voided"]:
         log.info("record opened: %s", found)
     recorder.start_reserve()  # where the state dir shares the workspace's filesystem
     _kill_ahead(recorder, os.environ.get("OVERLAYREC_TEST_KILL_AHEAD"))
-    try:  # before this daemon's own units: their ends need no seal (open_record sealed)
-        left = calls.end_left_open()
-    except JournalError as e:  # the state dir full: they stay open until a later mount
-        log.warning("cannot end the sessions an earlier daemon left open now: %s", e)
-        left = []
+    left = found["ended"]
     if left:
         log.info("ended %d session(s) an earlier daemon left open: %s", len(left),
                  ", ".join(left))
@@ -766,7 +778,7 @@ def _writable_mountpoint(root_fd: int):
 def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other: bool,
         ready_fd: int | None, record_data: bool = False, secret: tuple = (),
         no_default_secrets: bool = False, max_bytes: int | None = None,
-        owner: int | None = None) -> int:
+        owner: int | None = None, registry: bool = True) -> int:
     # what the daemon makes for itself is the user's alone whatever the caller's umask
     # (docs/storage.md; LMDB's files take their mode from it); the umask drops to 0 only to
     # serve, where the kernel has applied the caller's umask to each request already
@@ -872,7 +884,8 @@ def run(ws: str, state_dir: str, *, foreground: bool, durable: bool, allow_other
                     pass
         return 1
     try:
-        state.write_registry(ws, state_dir)
+        if registry:
+            state.write_registry(ws, state_dir)
     except (state.StateError, OSError) as e:  # a convenience: --state-dir still finds it
         log.warning("registry entry not written: %s", e)
     # OVERLAYREC_BENCH_TIMES=FILE: a bench switch, as OVERLAYREC_BENCH_NORECORD: the
@@ -1015,11 +1028,14 @@ def main(argv=None) -> int:
     p.add_argument("--max-bytes", type=int)
     p.add_argument("--owner", type=int, help="the pid of the command that mounts for itself: "
                    "once it is gone, no session is live and nothing uses the mount, unmount")
+    p.add_argument("--no-registry", action="store_true", help="a revert's own mount: the "
+                   "registry keeps naming the record it named (a revert given --state-dir "
+                   "pointed every reader at that one)")
     a = p.parse_args(argv)
     return run(a.workspace, a.state_dir, foreground=a.foreground, durable=a.durable,
                allow_other=a.allow_other, ready_fd=a.ready_fd, record_data=a.record_data,
                secret=tuple(a.secret), no_default_secrets=a.no_default_secrets,
-               max_bytes=a.max_bytes, owner=a.owner)
+               max_bytes=a.max_bytes, owner=a.owner, registry=not a.no_registry)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ def refuse_nested(ws: str) -> None:
 
 def spawn(ws: str, sd: str, *, durable=False, allow_other=False, timeout=30.0,
           record_data=False, secret=(), no_default_secrets=False, max_bytes=None,
-          for_this=False) -> tuple[int, list[str]]:
+          for_this=False, registry=True) -> tuple[int, list[str]]:
     """Start the daemon in its own process and wait until the mount is ready: its pid, and
     what its open of the journal kept aside of the log ahead (``kept_aside``: bytes after the
     last whole record, a crash's torn write or damage; only its log says so otherwise).
@@ -76,6 +76,8 @@ def spawn(ws: str, sd: str, *, durable=False, allow_other=False, timeout=30.0,
         cmd.append(f"--max-bytes={max_bytes}")
     if for_this:
         cmd.append(f"--owner={os.getpid()}")
+    if not registry:
+        cmd.append("--no-registry")
     if (state.daemon_info(sd) or {}).get("workspace") == ws and not wait_previous(sd, 0.5):
         # the last mount's daemon serves a process that held its detached mount as it ended:
         # the new one waits for the journal (up to 20 s); said, not a silent pause

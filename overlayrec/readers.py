@@ -52,7 +52,7 @@ def say_error(msg: str) -> None:
     emit([(2, f"overlayrec: error: {one_line(msg)}\n")])
 
 
-def state_dir_for(ws: str | None, state_dir: str | None) -> str:
+def state_dir_for(ws: str | None, state_dir: str | None, need_journal: bool = True) -> str:
     """The state dir a command looks at: the one named, or the workspace's (``ws``; None:
     the one named, whatever it records); refused (StateError) when another user could have
     changed it (docs/storage.md), or when the one named records another workspace."""
@@ -60,6 +60,10 @@ def state_dir_for(ws: str | None, state_dir: str | None) -> str:
         sd = state.check_state_dir_private(os.path.realpath(state_dir))
         if ws is not None:
             check_records(sd, ws, state_dir)
+        if need_journal and not os.path.exists(os.path.join(sd, "journal", "data.mdb")):
+            # a mistyped one: a revert mounted the workspace over it, began an empty record
+            # there and pointed every reader at it (found by a bug hunt)
+            raise state.StateError(f"no record in {state_dir} (no journal there)")
         return sd
     sd = state.find_state_dir(ws)
     if not os.path.exists(os.path.join(sd, "journal", "data.mdb")):

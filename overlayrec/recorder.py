@@ -2781,14 +2781,25 @@ class Recorder:
             self.unsealed.setdefault(p, ep.unit)
         self.epochs.clear()
 
-    def open_record(self, last_alive_ns: int | None = None) -> dict:
+    def open_record(self, last_alive_ns: int | None = None,
+                    end_left: Callable[[tuple[int, int] | None], list[str]] | None = None
+                    ) -> dict:
         """At mount: seal what a daemon that did not unmount cleanly left open, then compare
         every sealed path with what the live tree holds and journal each difference as a
         ``drift`` event of the outside unit "while unmounted" (its pre-image: the seal).
         ``last_alive_ns``: when that daemon was last known alive (StateDir.alive).
-        Returns {"recovered": n, "drifted": n, "checked": n}."""
+        ``end_left``: ends the sessions an earlier daemon left open (``Calls.end_left_open``)
+        as of that daemon's last event (its seq and time, where the record stood when no
+        daemon recorded any more), called once the killed daemon's paths are sealed and
+        before the drift is looked for: ended after it, a call, turn or session left open took
+        the changes made while unmounted into its span (its export commit, ``replay --at
+        after:``, ``diff --turn``; found by a bug hunt).
+        Returns {"recovered": n, "drifted": n, "checked": n, "voided": seq, "ended": ids}."""
         j = self.journal
         j.append_many([], [UNMOUNTED_ACTOR, RECORDER_ACTOR, AROUND_ACTOR])
+        last = j.last_seq()
+        last_ev = j.event(last) if last else None
+        as_of = (last, last_ev["t"]) if last_ev is not None else None
         recovered = 0
         unclean = j.meta("sealed") == "0"
         voided = self._void_unmade() if unclean else None  # before the renames are read
@@ -2830,6 +2841,12 @@ class Recorder:
                     if p in left:
                         self.left[name] = left[p]
             recovered = self.seal()
+        ended: list[str] = []
+        if end_left is not None:
+            try:
+                ended = end_left(as_of)
+            except JournalError as e:  # the state dir full: they stay open until a later mount
+                log.warning("cannot end the sessions an earlier daemon left open now: %s", e)
         self._find_small_kept()
         checked = drifted = 0
         events = []
@@ -2908,7 +2925,7 @@ class Recorder:
             log.info("%d path(s) changed while unmounted (drift events journaled)", drifted)
         j.put_meta("sealed", "0")
         return {"recovered": recovered, "drifted": drifted, "checked": checked,
-                "voided": voided}
+                "voided": voided, "ended": ended}
 
     def _void_unmade(self) -> int | None:
         """At the mount after a daemon that did not unmount: its last event was committed

@@ -72,6 +72,30 @@ def check_pattern(p: str) -> str:
     return p
 
 
+def as_given(p: str, ws: str) -> str:
+    """A ``--secret`` as the user typed it, made a pattern of the workspace's paths: an
+    absolute path inside the workspace is its path from the root (anchored), ``./x`` is
+    ``x`` anchored; a path outside the workspace, or with ``..``, is refused.  Such a pattern
+    was taken as given and never matched, and the secret was recorded (found by a bug hunt)."""
+    check_pattern(p)
+    root = ws.rstrip("/") + "/"
+    if p.startswith(root):
+        p = "/" + p[len(root):]
+    elif p.startswith("/") and "/" in p.strip("/"):
+        top = p.strip("/").split("/")[0]
+        if os.path.isdir("/" + top) and not os.path.lexists(os.path.join(ws, top)):
+            # a path of this machine outside the workspace, not one anchored at its root
+            # (`/conf/prod.yml`)
+            raise SecretError(f"--secret {p}: not inside the workspace {ws} (give a path "
+                              "from the workspace's root, or a pattern)")
+    while p.startswith("./") and p[2:].strip("/"):
+        p = "/" + p[2:].lstrip("/")
+    if any(part == ".." for part in p.split("/")):
+        raise SecretError(f"--secret {p}: a path with '..' (give a path from the workspace's "
+                          "root, or a pattern)")
+    return check_pattern(p)
+
+
 def effective(added=(), no_defaults: bool = False, stored: list[str] | None = None,
               stored_checked: list[str] | None = None) -> tuple[list[str], list[str]]:
     """The lists a mount applies, (patterns, content-checked patterns): the defaults (unless

@@ -446,7 +446,18 @@ def workspace_id(ws: str) -> str:
     except ImportError:
         from hashlib import sha256
     h = sha256(ws.encode("utf-8", "surrogateescape")).hexdigest()[:12]
-    return f"{os.path.basename(ws) or 'root'}-{h}"
+    name = os.path.basename(ws) or "root"
+    raw = name.encode("utf-8", "surrogateescape")
+    if len(raw) + 13 > ID_MAX:
+        # a legal name of up to 255 bytes made a registry entry (id.json.tmp) past a file
+        # name's limit, and the workspace could not be recorded (found by a bug hunt); the
+        # hash of the whole path keeps the id its own, and an id that fitted is as it was
+        name = raw[:ID_MAX - 13].decode("utf-8", "ignore")
+    return f"{name}-{h}"
+
+
+# the longest workspace id kept whole: the registry's temp file, id + ".json.tmp", is a name
+ID_MAX = 255 - len(".json.tmp")
 
 
 def default_state_dir(ws: str) -> str:
@@ -723,10 +734,12 @@ def _unescape(field: str) -> str:
     return "".join(out)
 
 
-def fuse_mount_at(path: str) -> dict | None:
-    """The FUSE mount whose mountpoint is exactly ``path`` (the topmost one), or None:
+def fuse_mount_at(path: str, any_fuse: bool = False) -> dict | None:
+    """The overlayrec mount whose mountpoint is exactly ``path`` (the topmost one), or None:
     ``fstype``, ``source``, ``uid``, the user who mounted it (None when not said), and ``id``,
-    the mount's id (a mount made anew at the same path has another)."""
+    the mount's id (a mount made anew at the same path has another).  ``any_fuse``: any FUSE
+    mount there (one not ours was taken for ours: `status` called a bindfs "mounted" and
+    `umount` detached it; found by a bug hunt)."""
     found = None
     try:
         with open("/proc/self/mountinfo", errors="surrogateescape") as f:
@@ -735,7 +748,8 @@ def fuse_mount_at(path: str) -> dict | None:
                 lf, rf = left.split(), right.split()
                 if len(lf) < 5 or len(rf) < 2:
                     continue
-                if _unescape(lf[4]) == path and rf[0].startswith("fuse"):
+                if _unescape(lf[4]) == path and (
+                        rf[0] == f"fuse.{FSNAME}" or any_fuse and rf[0].startswith("fuse")):
                     opts = dict(o.partition("=")[::2] for o in
                                 (rf[2] if len(rf) > 2 else "").split(","))
                     owner = opts.get("user_id", "")

@@ -346,7 +346,7 @@ def session_summary(j: Journal, sid: str, net=None) -> list[str]:
         if ev["op"] == "session_begin":
             start = ev["seq"]
         else:
-            end = ev["seq"]
+            end = ev.get("as_of") or ev["seq"]  # (as of: ended by a later daemon)
             break
     evs = file_events(j, start or 1)
     turns = [t for t in j.records("turns", sid.encode() + b"\0")]

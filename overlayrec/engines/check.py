@@ -133,6 +133,7 @@ def check(j: Journal, root_fd: int | None, progress=None, writer_live: bool = Fa
                          "the next mount keeps them aside"})
     findings += [{"kind": "plan", "name": name, "why": why}
                  for name, why in state.damaged_reverts(j.state_dir)]
+    findings += [{"kind": "table", "name": db, "why": why} for db, why in j.damaged_tables()]
     return {"events": events, "actors": len(actors), "blobs": len(blobs),
             "attic_entries": len(attic), "attic_looked_at": root_fd is not None,
             "findings": findings}

@@ -1469,8 +1469,8 @@ class States:
                 if t.get("end_seq"):
                     ends[turn_unit(t["session"], t["index"])] = t["end_seq"]
             for e in self.j.events_of(("session_end", "revert_end")):
-                if e["op"] == "session_end":
-                    ends[session_unit(e["session"])] = e["seq"]
+                if e["op"] == "session_end":  # (as of: ended by a later daemon)
+                    ends[session_unit(e["session"])] = e.get("as_of") or e["seq"]
                 else:
                     ends[revert_unit(e["revert"])] = e["seq"]
             self._ends = ends

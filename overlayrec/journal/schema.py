@@ -126,6 +126,12 @@ Sub-databases of the LMDB environment:
               The key is session id + b"\0" + call id; a call id too long for an LMDB key
               (or beginning with byte 0xff) is replaced by b"\xff" + its xxh3-128 digest (the
               record holds the id; readers scan by the session's prefix).
+              A session an earlier daemon left open (killed, or unmounted with it running) is
+              ended by the next mount, before its drift: its ``call_end``, ``turn_end`` and
+              ``session_end`` events carry ``as_of``, the seq of that daemon's last event, and
+              the records' ``end_seq`` (and ``end_t``, the session's ``ended``) are that
+              event's: the span ends where the daemon stopped recording (2026-12-08; before,
+              at the events themselves).
 ``renames``   seq (8-byte big-endian) -> JSON ``{"src","dst","flags"}``: every rename whose source
               (or, for an exchange, either side) was a directory.  Path history: every path
               beneath moved with it, though the event names only the directory.  Indexed as

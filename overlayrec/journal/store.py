@@ -866,27 +866,54 @@ class Journal:
         out = []
         if self.dbs[db] is None:
             return out
-        with self._read(db=self.dbs[db]) as txn:
-            cur = txn.cursor()
-            if not prefix and holding is None:  # all of them (a listing of every call)
-                out = _loads_all(list(cur.iternext(keys=False)))
-            elif cur.set_range(prefix):
-                for k, v in cur:
-                    if not k.startswith(prefix):
-                        break
-                    if holding is None or holding in v:
-                        out.append(_loads(v))
+        try:
+            with self._read(db=self.dbs[db]) as txn:
+                cur = txn.cursor()
+                if not prefix and holding is None:  # all of them (a listing of every call)
+                    out = _loads_all(list(cur.iternext(keys=False)))
+                elif cur.set_range(prefix):
+                    for k, v in cur:
+                        if not k.startswith(prefix):
+                            break
+                        if holding is None or holding in v:
+                            out.append(_loads(v))
+        except (ValueError, lmdb.Error) as e:  # each reader failed on it: "internal error"
+            raise self._damaged(db, e) from None
+        if any(not isinstance(r, dict) for r in out):
+            raise self._damaged(db, "a record that is no JSON object")
         if self._dropped and db in _SESSION_DBS:  # a gc's cut made, its records not yet deleted
             key = _SESSION_DBS[db]
             out = [r for r in out if r.get(key) not in self._dropped]
         return _as_text(out, _TEXT_FIELDS[db]) if db in _TEXT_FIELDS else out
 
+    def _damaged(self, db: str, why) -> JournalError:
+        """A session, turn or call record that cannot be read: said in one line, as a damaged
+        journal is (found by a bug hunt: every reader failed with "internal error")."""
+        return JournalError(f"journal in {self.state_dir} is damaged: its {db} table cannot be "
+                            f"read ({why}); `overlayrec check` says what can still be read")
+
+    def damaged_tables(self) -> list[tuple[str, str]]:
+        """The session, turn and call tables that cannot be read whole, and why (``check``:
+        it said "record whole" over them)."""
+        out = []
+        for db in ("sessions", "turns", "calls"):
+            try:
+                self.records(db)
+            except JournalError as e:
+                out.append((db, str(e).split(" cannot be read (", 1)[-1].rsplit(");", 1)[0]))
+        return out
+
     def record(self, db: str, key: bytes) -> dict | None:
         if self.dbs[db] is None or not 0 < len(key) <= MAX_KEY:
             return None  # no such key can be stored (LMDB refused it: MDB_BAD_VALSIZE)
-        with self._read(db=self.dbs[db]) as txn:
-            v = txn.get(key)
-        r = _loads(v) if v is not None else None
+        try:
+            with self._read(db=self.dbs[db]) as txn:
+                v = txn.get(key)
+            r = _loads(v) if v is not None else None
+        except (ValueError, lmdb.Error) as e:
+            raise self._damaged(db, e) from None
+        if r is not None and not isinstance(r, dict):
+            raise self._damaged(db, "a record that is no JSON object")
         if r is not None and self._dropped and db in _SESSION_DBS and \
                 r.get(_SESSION_DBS[db]) in self._dropped:
             return None

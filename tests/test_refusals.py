@@ -1,0 +1,203 @@
+"""Bad input refused in one line, with nothing lost: the cases a bug hunt of every command
+found still giving a wrong answer or losing data (2026-12-08)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import SLOW, needs_fuse, needs_root, overlayrec, run_script, is_mounted
+
+pytestmark = needs_fuse
+
+
+def _recorded(m, tmp_path, script="or call begin --id c1 --tool Bash; echo agent >> a; "
+              "or call end --id c1\n"):
+    with open(os.path.join(m.ws, "a"), "w") as f:
+        f.write("a\n")
+    m.mount()
+    try:
+        run_script(m, tmp_path, script)
+    finally:
+        m.umount()
+
+
+def test_a_report_written_into_the_state_dir_is_refused(make_mount, tmp_path):
+    """`report --html STATE/journal/data.mdb` wrote the page over the journal: the record was
+    gone ("not an LMDB file")."""
+    m = make_mount()
+    _recorded(m, tmp_path)
+    target = os.path.join(m.state, "journal", "data.mdb")
+    before = open(target, "rb").read()
+    r = overlayrec("report", m.ws, "--state-dir", m.state, "--html", target, check=False)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert "inside the record's state dir" in r.stderr
+    assert open(target, "rb").read() == before
+    overlayrec("check", m.ws, "--state-dir", m.state)
+    r = overlayrec("report", m.ws, "--state-dir", m.state, "--html", "", check=False)
+    assert r.returncode == 1 and "an empty path" in r.stderr, r.stderr
+
+
+def test_a_budget_of_zero_is_refused(make_mount):
+    """`mount --max-bytes 0` (read as "no limit" by many tools) dropped every session at the
+    unmount, the whole history without a word."""
+    m = make_mount()
+    for cmd in (("mount", m.ws), ("run", "-w", m.ws)):
+        r = overlayrec(*cmd, "--state-dir", m.state, "--max-bytes", "0",
+                       *(("--", "true") if cmd[0] == "run" else ()), check=False)
+        assert r.returncode == 2 and "a budget of 0" in r.stderr, r.stderr
+        assert not is_mounted(m.ws)
+
+
+@pytest.mark.parametrize("given", ["{ws}/conf/token.txt", "./conf/token.txt"])
+def test_a_secret_given_as_a_path_is_withheld(make_mount, tmp_path, given):
+    """`--secret /abs/ws/conf/token.txt` or `--secret ./conf/token.txt` were taken as given,
+    matched nothing, and the secret was recorded; a path outside the workspace is refused,
+    and a `run` joining a mount without its --secret is refused (it warned, then recorded)."""
+    m = make_mount()
+    os.makedirs(os.path.join(m.ws, "conf"))
+    with open(os.path.join(m.ws, "conf", "token.txt"), "w") as f:
+        f.write("old\n")
+    r = overlayrec("mount", m.ws, "--state-dir", m.state, "--secret", "/usr/share/x/token",
+                   check=False)
+    assert r.returncode == 1 and "not inside the workspace" in r.stderr, r.stderr
+    assert not is_mounted(m.ws)
+    m.extra_args = ["--secret", given.format(ws=m.ws)]
+    m.mount()
+    try:
+        m.sh("echo SECRET-hunter2 > conf/token.txt")
+        r = overlayrec("run", "-w", m.ws, "--secret", "conf/other.txt", "--", "true",
+                       check=False, cwd=m.ws)
+        assert r.returncode == 125 and "already mounted without --secret conf/other.txt" in \
+            r.stderr, r.stderr
+    finally:
+        m.umount()
+    d = overlayrec("diff", m.ws, "--state-dir", m.state, "--since", "0")
+    assert "content not kept" in d.stdout and "hunter2" not in d.stdout, d.stdout
+
+
+def test_a_mistyped_state_dir_is_no_record_and_repoints_nothing(make_mount, tmp_path):
+    """A revert preview given a mistyped --state-dir mounted the workspace over it, began an
+    empty record there, and pointed every reader at it ("no session", "events: 0")."""
+    m = make_mount()
+    _recorded(m, tmp_path)
+    typo = str(tmp_path / "typo")
+    os.mkdir(typo, 0o700)
+    r = overlayrec("revert", m.ws, "--state-dir", typo, "--call", "c1", check=False)
+    assert r.returncode == 1 and f"no record in {typo}" in r.stderr, r.stderr
+    assert not os.path.exists(os.path.join(typo, "journal"))
+    calls = overlayrec("calls", m.ws).stdout  # the registry still names the record
+    assert "c1" in calls, calls
+
+
+def test_umount_leaves_a_fuse_mount_that_is_not_overlayrecs(tmp_path):
+    """`status` called a bindfs mount "mounted" and `umount` detached it."""
+    if shutil.which("bindfs") is None:
+        pytest.skip("needs bindfs")
+    src, ws = tmp_path / "src", tmp_path / "ws"
+    src.mkdir()
+    ws.mkdir()
+    subprocess.run(["bindfs", str(src), str(ws)], check=True, timeout=30)
+    try:
+        st = json.loads(overlayrec("status", str(ws), "--json", check=False).stdout or "{}")
+        assert not st.get("mounted"), st
+        r = overlayrec("umount", str(ws), check=False)
+        assert r.returncode != 0, r.stdout
+        assert is_mounted(str(ws))
+        r = overlayrec("mount", str(ws), "--state-dir", str(tmp_path / "st"), check=False)
+        assert r.returncode == 1 and "a mount of another filesystem" in r.stderr, r.stderr
+    finally:
+        subprocess.run(["fusermount3", "-u", "-z", str(ws)], capture_output=True)
+
+
+def test_an_empty_argument_is_kept_in_the_recorded_command(make_mount, tmp_path):
+    """`sh -c '...' '' hello` was recorded without its '' (the command read as another)."""
+    m = make_mount()
+    m.mount()
+    try:
+        m.sh("""sh -c 'echo "$1" > out.txt' '' hello""")
+    finally:
+        m.umount()
+    evs = [json.loads(x) for x in overlayrec("log", m.ws, "--state-dir", m.state,
+                                              "--json").stdout.splitlines()]
+    argvs = [e["actor"]["argv"] for e in evs if e.get("path") == "out.txt"]
+    assert argvs and argvs[0][-3:] == ["echo \"$1\" > out.txt", "", "hello"], argvs
+
+
+def test_a_workspace_of_a_long_legal_name_is_recorded(make_mount, tmp_path):
+    """A 245-byte name: its registry entry's name passed 255 bytes ("File name too long"),
+    and nothing could record it."""
+    ws = tmp_path / ("w" * 245)
+    ws.mkdir()
+    env = dict(os.environ, XDG_STATE_HOME=str(tmp_path / "xdg"))
+    overlayrec("mount", str(ws), "--state-dir", str(tmp_path / "st"), env=env)
+    try:
+        subprocess.run(["sh", "-c", "echo x > f"], cwd=ws, check=True)
+    finally:
+        overlayrec("umount", str(ws), env=env, check=False)
+    st = json.loads(overlayrec("status", str(ws), "--json", env=env).stdout)
+    assert st.get("events", 0) >= 1 or "f" in overlayrec("log", str(ws), env=env).stdout, st
+
+
+@needs_root
+def test_a_mount_refused_to_another_user_leaves_no_journal(tmp_path):
+    """As another user, a mount of root's workspace was refused after the journal was made:
+    the readers then answered from that empty journal ("no session", "events: 0")."""
+    import tempfile
+    base = tempfile.mkdtemp(dir="/var/tmp", prefix="overlayrec-test-")
+    try:
+        os.chmod(base, 0o755)  # (the other user reaches the workspace)
+        ws = os.path.join(base, "ws")
+        os.mkdir(ws)
+        home = os.path.join(base, "nb")
+        os.mkdir(home)
+        os.chown(home, 65534, 65534)
+        import sysconfig
+        import overlayrec as pkg
+        env = dict(os.environ, XDG_STATE_HOME=os.path.join(home, "state"), HOME=home,
+                   PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(
+                       os.path.abspath(pkg.__file__))), sysconfig.get_paths()["purelib"]]))
+        nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+        python = f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"
+        probe = subprocess.run([*nobody, python, "-c", "import lmdb, click, overlayrec.cli"],
+                               capture_output=True, text=True, env=env, cwd="/", timeout=60)
+        if probe.returncode:
+            pytest.skip(f"no Python the other user can run with this checkout: "
+                        f"{probe.stderr.strip()[-200:]}")
+        r = subprocess.run([*nobody, python, "-m", "overlayrec", "mount", ws],
+                           capture_output=True, text=True, env=env, timeout=60 * SLOW,
+                           cwd="/")
+        assert r.returncode != 0 and not is_mounted(ws), r.stderr
+        assert "only its owner or root can record it" in r.stderr, r.stderr
+        made = [os.path.join(d, f) for d, _, fs in os.walk(home) for f in fs]
+        assert not [p for p in made if p.endswith("data.mdb")], made
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_damaged_turns_record_is_found_by_check_and_said_by_readers(make_mount, tmp_path):
+    """One turns record that is no JSON: `check` said "record whole", and `turns`, `diff
+    --turn`, `revert` ... failed with "internal error: JSONDecodeError"."""
+    import lmdb
+    m = make_mount()
+    _recorded(m, tmp_path, "or turn begin --prompt p; or call begin --id c1 --tool Bash; "
+              "echo agent >> a; or call end --id c1; or turn end\n")
+    env = lmdb.open(os.path.join(m.state, "journal"), max_dbs=64)
+    try:
+        db = env.open_db(b"turns")
+        with env.begin(write=True, db=db) as txn:
+            key = next(iter(txn.cursor().iternext(values=False)))
+            txn.put(key, b"{not json")
+    finally:
+        env.close()
+    r = overlayrec("check", m.ws, "--state-dir", m.state, check=False)
+    assert r.returncode == 1 and "the turns table cannot be read" in r.stdout, r.stdout
+    for cmd in (("turns",), ("diff", "--turn", "1")):
+        r = overlayrec(*cmd, m.ws, "--state-dir", m.state, check=False)
+        assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+        assert "its turns table cannot be read" in r.stderr and "internal error" not in \
+            r.stderr, r.stderr
