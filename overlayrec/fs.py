@@ -805,6 +805,11 @@ class Operations(pyfuse3.Operations):
             except BaseException:
                 os.close(fd)
                 raise
+            if i.told_size >= 0:
+                # the kernel takes the file for empty now: a write another handle sends at the
+                # old size (RWF_NOAPPEND, O_APPEND cleared by fcntl) is no stale append (it
+                # was moved to the new end; found by a bug hunt)
+                i.told_size = 0
             info = self._file_info(fd, i, actor if writing else None)
             if writing:  # the truncate may have begun the handle's write run
                 self.handles[info.fh].append = bool(flags & os.O_APPEND)
@@ -818,7 +823,16 @@ class Operations(pyfuse3.Operations):
             self.handles[info.fh].flags = io_flags
             return info
         else:
-            fd = underlay.reopen_own(self._fd(i), io_flags, self.recorder.before_grant)
+            try:
+                fd = underlay.reopen_own(self._fd(i), io_flags, self.recorder.before_grant)
+            except PermissionError:
+                if not flags & os.O_APPEND:
+                    raise
+                # an append-only file (chattr +a) opens for writing with O_APPEND only: its
+                # writes then land at its end, where the kernel sends an append (refused,
+                # where natively it appends; found by a bug hunt)
+                fd = underlay.reopen_own(self._fd(i), io_flags | os.O_APPEND,
+                                         self.recorder.before_grant)
         info = self._file_info(fd, i, actor if writing else None)
         self.handles[info.fh].append = bool(flags & os.O_APPEND)
         return info

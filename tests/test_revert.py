@@ -264,6 +264,106 @@ def test_git_objects_a_later_branch_may_name_stay(make_mount, tmp_path):
     assert subprocess.run(git + ["cat-file", "-e", "keep"], capture_output=True).returncode != 0
 
 
+def _git_repo(m, files=(("README", "readme\n"),)) -> list[str]:
+    git = ["git", "-C", m.ws]
+    subprocess.run(["git", "init", "-q", "-b", "main", m.ws], check=True)
+    for k, v in (("user.name", "u"), ("user.email", "u@example.org"), ("gc.auto", "0")):
+        subprocess.run(git + ["config", k, v], check=True)
+    for name, text in files:
+        with open(os.path.join(m.ws, name), "w") as f:
+            f.write(text)
+    subprocess.run(git + ["add", "-A"], check=True)
+    subprocess.run(git + ["commit", "-qm", "init"], check=True)
+    return git
+
+
+def test_a_git_status_between_reverts_keeps_no_objects(make_mount, tmp_path):
+    """Calls: `git gc`, a commit, an edit; reverted newest first with a `git status` between
+    (an editor's git panel): git's refresh of its index counted as the repository changed
+    since, the commit's objects were kept, and the revert of the gc was refused on their
+    directories ("changed: .git/objects/3e"; found by a bug hunt).  A refresh names no
+    object: every revert goes through and the tree is the one before the session."""
+    m = make_mount()
+    git = _git_repo(m)
+    (tmp_path / "calln.py").write_text(CALL_N)
+    before = _tree_files(m.ws)
+    m.mount()
+    try:
+        for call, script in (("c1", "git gc -q --prune=now"),
+                             ("c2", "echo new > new.txt && git add new.txt && "
+                                    "git commit -qm new"),
+                             ("c3", "echo more >> README")):
+            overlayrec("run", "-w", m.ws, "--session", f"s{call}", "--", sys.executable,
+                       str(tmp_path / "calln.py"), call, script, cwd=m.ws)
+        overlayrec("revert", m.ws, "--call", "c3", "--yes")
+        index = open(os.path.join(m.ws, ".git", "index"), "rb").read()
+        subprocess.run(["touch", os.path.join(m.ws, "README")], check=True)
+        subprocess.run(git + ["status", "--short"], check=True, capture_output=True)
+        assert open(os.path.join(m.ws, ".git", "index"), "rb").read() != index  # refreshed
+        for call in ("c2", "c1"):
+            r = overlayrec("revert", m.ws, "--call", call, "--yes")
+            assert "git object(s) this made stay" not in r.stderr, (call, r.stderr)
+    finally:
+        m.umount()
+    after = _tree_files(m.ws)
+    after.pop(".git/index", None)
+    before.pop(".git/index", None)
+    assert after == before, sorted(set(after) ^ set(before))
+    assert subprocess.run(git + ["fsck"], capture_output=True).returncode == 0
+
+
+@pytest.mark.parametrize("shape", ["shared-clone", "superproject"])
+def test_git_objects_another_repository_may_name_stay(make_mount, tmp_path, shape):
+    """Call c1 commits; call c2 makes another repository that names c1's commit: a `git clone
+    --shared` (its objects borrowed through alternates), or the superproject recording the
+    nested repository's commit (a gitlink).  Reverting c1 removed its objects, and the other
+    repository was left corrupt (`fatal: bad object HEAD`), exit 0, nothing said (found by a
+    bug hunt).  They stay, said."""
+    m = make_mount()
+    git = _git_repo(m)
+    (tmp_path / "calln.py").write_text(CALL_N)
+    if shape == "superproject":
+        nested = os.path.join(m.ws, "nested")
+        os.mkdir(nested)
+        ngit = ["git", "-C", nested]
+        subprocess.run(["git", "init", "-q", "-b", "main", nested], check=True)
+        for k, v in (("user.name", "u"), ("user.email", "u@example.org")):
+            subprocess.run(ngit + ["config", k, v], check=True)
+        with open(os.path.join(nested, "n.txt"), "w") as f:
+            f.write("n\n")
+        subprocess.run(ngit + ["add", "-A"], check=True)
+        subprocess.run(ngit + ["commit", "-qm", "n"], check=True)
+        subprocess.run(git + ["add", "nested"], check=True, capture_output=True)
+        subprocess.run(git + ["commit", "-qm", "nested"], check=True)
+        steps = (("c1", "cd nested && echo more >> n.txt && git commit -qam more"),
+                 ("c2", "git add nested && git commit -qm 'nested moved on'"))
+    else:
+        steps = (("c1", "echo agent >> README && git commit -qam agent"),
+                 ("c2", "git clone -q --shared . clone2"))
+    m.mount()
+    try:
+        for call, script in steps:
+            overlayrec("run", "-w", m.ws, "--session", f"s{call}", "--", sys.executable,
+                       str(tmp_path / "calln.py"), call, script, cwd=m.ws)
+        r = overlayrec("revert", m.ws, "--call", "c1", "--yes")
+        assert "git object(s) this made stay" in r.stderr, r.stderr
+        if shape == "superproject":
+            named = subprocess.run(git + ["rev-parse", "HEAD:nested"], capture_output=True,
+                                   text=True, check=True).stdout.strip()
+            assert subprocess.run(["git", "-C", os.path.join(m.ws, "nested"), "cat-file",
+                                   "-e", named]).returncode == 0
+        else:
+            other = ["git", "-C", os.path.join(m.ws, "clone2")]
+            fsck = subprocess.run(other + ["fsck", "--no-dangling"], capture_output=True,
+                                  text=True)
+            assert fsck.returncode == 0, fsck
+            log = subprocess.run(other + ["log", "--format=%s", "-1"], capture_output=True,
+                                 text=True)
+            assert log.stdout.strip() == "agent", log
+    finally:
+        m.umount()
+
+
 def _tree_files(top: str) -> dict[str, bytes]:
     out = {}
     for d, dirs, files in os.walk(top):

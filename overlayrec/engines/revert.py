@@ -24,6 +24,7 @@ refused.  The changes go through the mount, so the daemon journals them as the r
 unit (``revert:<id>``): an unrevert is a revert of that unit.
 """
 from __future__ import annotations
+import os
 import re
 import stat
 import time
@@ -38,6 +39,7 @@ from . import gitindex
 from .diff import (SelectionError, changed_around, file_events, find_call, moved_on,
                    placed_elsewhere, touched, find_turn, _visible)
 from .states import ATTIC, INF, States, State, Tree, _fwd, is_unlisted
+from .large import over_limit, whole
 from .revert_moves import moves_back
 from .revert_steps import (STILL_WRITING, Plan, Step, beneath_any, link_key, linked, refreshed,
                            up)
@@ -450,13 +452,30 @@ def _keep_git_objects(plan: Plan, spans: dict[str, list[int]],
         if g is not None:
             first[g[0]] = min(first.get(g[0], lo), lo)
     changed: dict[str, int] = {}  # a .git directory -> the last seq another unit changed it
+    naming: dict[tuple[str, str], bool] = {}
     for p, seqs in others.items():
-        g = _git_dir(p)
-        if g is None or g[0] not in first:
+        g2 = _git_dir(p)
+        if g2 is None:
             continue
-        later = [q for q in seqs if q > first[g[0]]]
-        if later and not states.state(p, INF).same(states.state(p, min(later) - 1)):
-            changed[g[0]] = max(changed.get(g[0], 0), max(later))
+        for g, since in first.items():
+            later = [q for q in seqs if q > since]
+            if not later:
+                continue
+            if g2[0] != g:
+                # another repository that may name this one's objects: a superproject's
+                # gitlink, a `clone --shared` (alternates); their removal left it corrupt
+                # with nothing said (found by a bug hunt)
+                key = (g2[0], g)
+                if key not in naming:
+                    naming[key] = _may_name_objects_of(states, g2[0], g)
+                if not naming[key]:
+                    continue
+            before, now = states.state(p, min(later) - 1), states.state(p, INF)
+            # (git refreshing its index, a `git status`, names no object: counted, it kept
+            # the selection's objects, whose directories then stood in the way of the next
+            # revert; found by a bug hunt)
+            if not now.same(before) and not refreshed(p, before, now, states.tree):
+                changed[g] = max(changed.get(g, 0), max(later))
     if not changed:
         return
     keep = []
@@ -470,6 +489,30 @@ def _keep_git_objects(plan: Plan, spans: dict[str, list[int]],
     if keep:
         plan.steps = [s for s in plan.steps if not any(s is k for k in keep)]
         plan.kept_objects = sorted(s.path for s in keep)
+
+
+def _may_name_objects_of(states: States, g2: str, g: str) -> bool:
+    """May the repository of the ``.git`` directory ``g2`` name objects of ``g``'s: ``g``'s
+    work tree lies inside ``g2``'s (a superproject's gitlink names a nested repository's
+    commits), or ``g2``'s ``objects/info/alternates`` names ``g``'s objects (`git clone
+    --shared`, as git writes it: an absolute path, or one relative to ``g2``'s objects)?"""
+    wt, wt2 = g.rpartition("/")[0], g2.rpartition("/")[0]  # ("": the workspace's root)
+    if wt != wt2 and (wt2 == "" or wt.startswith(wt2 + "/")):
+        return True
+    st = states.tree.state(g2 + "/objects/info/alternates")
+    if st.kind != "file" or over_limit(st.data):
+        return False
+    try:
+        ws = os.readlink(f"/proc/self/fd/{states.tree.root_fd}")
+    except OSError:
+        return True  # not known: as if named
+    target = os.path.normpath(os.path.join(ws, g, "objects"))
+    for line in whole(st.data).decode("utf-8", "replace").splitlines():
+        line = line.strip()
+        if line and not line.startswith("#") and os.path.normpath(
+                os.path.join(ws, g2, "objects", line)) == target:
+            return True
+    return False
 
 
 def _joined_since(plan: Plan, live: Tree, by_ino) -> None:
