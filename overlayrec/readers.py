@@ -783,8 +783,10 @@ def _diff_parts(parts: Parts, sd, j, tree, call_id, turn_sel, sid, since, until,
     # nor a fifo, a socket, a device, an empty directory, a directory's mode, a file's mode
     # bits but x, an owner: such changes are said too, or the patch would disagree with the
     # listings (which count them) without a word
+    # (a drift's directory: what lies beneath it was made while unmounted, not recorded, so
+    # none is called empty; "file -> empty directory" of one holding files: a bug hunt)
     unshown = not_in_patch(side, [p for p in every if not git_refuses(p)],
-                           any(map(is_unlisted, states.tree.unreadable.values())))
+                           drift or any(map(is_unlisted, states.tree.unreadable.values())))
     groups = [(None, sorted(side.before))]
     # a path several writers changed: each writer's section shows its own change of it
     own = own_changes(states, side) if by_writer and not as_json else {}

@@ -1153,3 +1153,21 @@ def test_by_writer_keeps_a_writers_file_where_another_made_a_directory_and_follo
     assert files["lib/a.txt"]["status"] == "A"
     assert files["lib/a.txt"]["writers"] == ["call:s:A", "call:s:B", "call:s:C"], files
     assert files["kind/inner"]["writers"] == ["call:s:B"], files
+
+
+def test_a_drift_directory_holding_files_is_not_called_empty(make_mount, tmp_path):
+    """A recorded file replaced while unmounted by a directory holding a file: `diff --drift`
+    said "t (file -> empty directory)" (what lies beneath was made while unmounted: not
+    recorded, so not known empty; found by a bug hunt)."""
+    m = make_mount()
+    m.mount()
+    try:
+        m.sh("echo x > t")
+    finally:
+        m.umount()
+    os.unlink(os.path.join(m.ws, "t"))
+    os.mkdir(os.path.join(m.ws, "t"))
+    with open(os.path.join(m.ws, "t", "inner"), "w") as f:
+        f.write("real content\n")
+    r = overlayrec("diff", "--drift", "-w", m.ws, "--state-dir", m.state)
+    assert "t (file -> directory)" in r.stderr and "empty" not in r.stderr, r.stderr
