@@ -365,3 +365,15 @@ def test_an_origin_name_git_would_refuse_is_refused_first(tmp_path):
     assert ".." not in made and "a.b" in made, made
     check = subprocess.run(["git", "check-ref-format", f"refs/overlayrec/origins/{made}/x"])
     assert check.returncode == 0, made
+
+
+def test_fetch_into_a_project_directory_is_refused(tmp_path):
+    """`fetch --into` a project's directory (files, no repository) ran `git init --bare`
+    there: HEAD, config, objects/, hooks/ among the project's files (found by a bug hunt)."""
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "main.py").write_text("print(1)\n")
+    r = overlayrec("fetch", str(tmp_path / "nowhere"), "--into", str(proj), check=False)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert "holds files and no git repository" in r.stderr, r.stderr
+    assert sorted(os.listdir(proj)) == ["main.py"]

@@ -172,6 +172,12 @@ def fetch(remote: str, into: str, private: bool = False) -> dict:
 
 
 def _fetch(remote: str, into: str, umask: int) -> dict:
+    if os.path.isdir(into) and os.listdir(into) and \
+            not os.path.exists(os.path.join(into, "HEAD")):
+        # a project's directory: a bare repository was made among its files (HEAD, config,
+        # objects/, hooks/ ...), untracked files of its own repository (found by a bug hunt)
+        raise GitError(f"{into} holds files and no git repository: fetch into an empty or "
+                       "new directory, or a bare repository")
     if not os.path.exists(os.path.join(into, "HEAD")):
         r = subprocess.run(["git", "init", "-q", "--bare", into], capture_output=True,
                            umask=umask)
