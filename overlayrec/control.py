@@ -55,6 +55,8 @@ def _resume(value) -> str | None:
 
 # the requests an agent's hooks make about its own session, turns and calls: refused to none
 # of them, and done by none, when that agent runs inside another's call (Calls.nested)
+# requests that journal nothing: no room is made for them (Recorder.room_to_record)
+_READING_OPS = frozenset({"ping", "status", "processes", "writing", "room"})
 _AGENT_OPS = frozenset({"session_begin", "session_end", "turn_begin", "turn_end", "call_begin",
                         "call_end"})
 
@@ -198,8 +200,9 @@ class ControlServer:
                 return {"session": name, "inside": inner.unit}
         if op == "ping":
             return {"pid": os.getpid()}
-        if op == "room":  # a record the caller writes itself (a revert's plan): made in _answer
-            return {}
+        if op == "room":  # a record the caller writes itself (a revert's plan)
+            return {"freed": self.recorder.room_to_record("revert plan")
+                    if self.recorder is not None else 0}
         if op == "status":
             return {**c.status(), "ending": self.ending}
         if op == "processes":
@@ -456,7 +459,8 @@ class ControlServer:
             req = json.loads(line)
             if not isinstance(req, dict):
                 raise ValueError("a request is a JSON object")
-            if self.recorder is not None:  # its record must find room (a full filesystem)
+            if self.recorder is not None and req.get("op") not in _READING_OPS:
+                # its record must find room (a full filesystem)
                 self.recorder.room_to_record(str(req.get("op") or "hook"))
             out = {"ok": True, **self.handle(req, caller)}
         except MountEnding as e:

@@ -105,9 +105,12 @@ RESERVE_BYTES = 2 << 20
 # the changes the reserve is spent on: those that take a name away, whose reclaim frees room
 ROOM_FREEING = ("unlink", "rename", "rmdir")
 # a record that frees nothing (a turn or call begun, the unmount's seal, a gc's or a revert's
-# plan) finds less than this free on a filesystem the state dir shares: room is made first
-# (``Recorder.room_to_record``)
-RECORD_ROOM = 1 << 20
+# plan) finds less than this free on a filesystem the state dir shares: room is made first,
+# from the reserve (``Recorder.room_to_record``)
+RECORD_ROOM = 64 << 10
+# what such a record takes of the reserve at a time, and what it leaves of it for a removal
+RECORD_TAKE = 128 << 10
+RESERVE_FLOOR = 1 << 20
 
 
 # the attic's note of the record it belongs to: {"journal_id", "state_dir"} (JSON), so that a
@@ -957,23 +960,31 @@ class Recorder:
     def room_to_record(self, why: str) -> int:
         """Before a record that is no change of the workspace (a turn or call begun or ended,
         the unmount's seal, a gc, a revert's plan) on a filesystem the state dir shares with
-        less than RECORD_ROOM free: room made as for a refused change (``_roomy``: the small
-        pre-images waiting go into the store, then attic entries are reclaimed), not the
-        reserve, which is a removal's.  A full filesystem refused them all while the attic held
-        what would free it (found by a bug hunt: `turn begin` and the seal failed after `mv a
-        big` filled it).  The bytes freed."""
+        less than RECORD_ROOM free: RECORD_TAKE of the reserve is given back, down to
+        RESERVE_FLOOR, which stays a removal's (``_spend_reserve``), and the daemon makes it
+        whole again once there is room (``reserve_owed``).  A full filesystem refused them all
+        (found by a bug hunt: `turn begin` and the seal failed after `mv a big` filled it).
+        Never the attic's kept pre-images: reclaimed for such a record (even a `status`), they
+        were what a revert then needed, the file lost (found by a bug hunt).  The bytes
+        given back."""
         if not self._shares_fs():
             return 0
-        freed = 0
-        for make_room in (self.store_waiting, self._reclaim_for):
-            try:
-                vfs = os.statvfs(self.journal.state_dir)
-            except OSError:
-                break
+        path = state.StateDir(self.journal.state_dir).reserve
+        try:
+            vfs = os.statvfs(self.journal.state_dir)
             if vfs.f_bavail * vfs.f_frsize >= RECORD_ROOM:
-                break
-            freed += make_room(why)
-        return freed
+                return 0
+            size = os.stat(path).st_blocks * 512
+            if size <= RESERVE_FLOOR:
+                return 0
+            left = max(RESERVE_FLOOR, size - RECORD_TAKE)
+            os.truncate(path, left)
+        except OSError:
+            return 0
+        self.reserve_owed = True
+        log.info("%s: the filesystem the workspace and the state dir share is full: %d bytes "
+                 "of the state dir's reserve given to a record", why, size - left)
+        return size - left
 
     def _reserve_spent(self, why: str) -> None:
         """A change that can free room went through on the reserve: what it removed, kept by

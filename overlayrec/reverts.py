@@ -43,22 +43,26 @@ def save(sd: str, rec: dict) -> None:
     state.save_revert(sd, rec)
 
 
-def save_plan(sd: str, rec: dict) -> None:
-    """``save`` of a revert's plan before its first change.  Refused for want of room where
-    the state dir shares the workspace's full filesystem, the daemon is asked to make room
-    (its attic holds what a removal kept: ``Recorder.room_to_record``) and it is saved again
-    (found by a bug hunt: a revert was refused while the attic held what would free it)."""
-    try:
-        save(sd, rec)
-    except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-            raise
+def with_room(sd: str, make):
+    """``make()`` (a revert's plan made and saved before its first change).  Refused for
+    want of room where the state dir shares the workspace's full filesystem, the daemon is
+    asked to make room (from its reserve: ``Recorder.room_to_record``) and it is made again,
+    while the daemon gives room (found by a bug hunt: a revert was refused on a full shared
+    filesystem)."""
+    for _ in range(16):
         try:
-            with client.Client(state.StateDir(sd).control_sock) as c:
-                c.request("room")
-        except (client.ClientError, OSError):  # no daemon to ask: the refusal stands
-            raise e from None
-        save(sd, rec)
+            return make()
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            try:
+                with client.Client(state.StateDir(sd).control_sock) as c:
+                    freed = c.request("room").get("freed")
+            except (client.ClientError, OSError):  # no daemon to ask: the refusal stands
+                raise e from None
+            if not freed:
+                raise
+    return make()
 
 
 @contextlib.contextmanager
@@ -447,7 +451,7 @@ def carry_out(ws: str, sd: str, plan: Plan, content, *, unreverts: str | None = 
     a step that did not fail but left its path holding something else than its target is
     never a silent success.  Returns the record: ``done`` [(path, what)], ``failed``,
     ``unmet`` (the paths read back otherwise than put back, and how)."""
-    try:
+    def planned() -> tuple[dict, list | None]:
         rec = resume or dict(plan_to_json(plan, functools.partial(large.put, content)),
                              created=time.time_ns(), status="running", unreverts=unreverts,
                              ws=ws)
@@ -455,7 +459,10 @@ def carry_out(ws: str, sd: str, plan: Plan, content, *, unreverts: str | None = 
         # the processes that carried it out, whose temporary files a --continue removes
         earlier = rec.get("pids") if resume is not None else []
         rec["pids"] = (earlier or []) + [os.getpid()]
-        save_plan(sd, rec)  # the plan is on disk before the first change
+        save(sd, rec)  # the plan is on disk before the first change
+        return rec, earlier
+    try:
+        rec, earlier = with_room(sd, planned)
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
