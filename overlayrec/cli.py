@@ -1659,6 +1659,9 @@ def run(workspace, name, state_dir, record_data, secret, no_default_secrets, max
                 # the shell that started this run waits for it: only the others write around
                 # us
                 _warn_holders(ws, _ancestors(os.getpid()) | {daemon_pid})
+            elif secret:  # joined a mount another run made meanwhile (a race: unchecked, the
+                # secret was recorded; found by a bug hunt)
+                _refuse_secrets_unheld(ws, _check_secrets(secret, ws))
         sock = os.path.join(sd, "control.sock")
         try:
             # a session of its own, also when run inside another one (an agent may start
@@ -2464,8 +2467,7 @@ def report(workspace, out, state_dir):
     finally:
         os.close(tree.root_fd)
         j.close()
-    with open(out, "w", encoding="utf-8") as f:
-        f.write(page)
+    _write_page(out, page)
     click.echo(f"wrote {out}")
     for w in store.warnings:
         click.echo(f"overlayrec: git: {w}", err=True)
@@ -2865,38 +2867,7 @@ def export_git(workspace, repo, ref_prefix, remote, origin, state_dir, as_json):
     ws, sd, j, tree = _open_journal_and_tree(workspace, state_dir)
     try:
         if repo:
-            # git walks up from a directory (across the mount's boundary too, as the user's
-            # git does from outside it): a directory inside a repository names that one,
-            # which may be the workspace's own (its refs written, against the promise)
-            env = dict(os.environ, GIT_DISCOVERY_ACROSS_FILESYSTEM="1")
-
-            def rev_parse(where: str, *what: str) -> str | None:
-                r = subprocess.run(["git", "-C", where, "rev-parse", *what], env=env,
-                                   capture_output=True, text=True)
-                return os.path.realpath(r.stdout.strip()) if r.returncode == 0 else None
-
-            def common(where: str) -> str | None:  # the refs a worktree shares
-                return rev_parse(where, "--path-format=absolute", "--git-common-dir")
-            git_dir = rev_parse(repo, "--absolute-git-dir")
-            if git_dir is None:
-                raise Fail(f"{repo} is not a git repository")
-            top = rev_parse(repo, "--show-toplevel")  # none for a bare repository
-            if os.path.realpath(repo) not in {git_dir, top}:
-                raise Fail(f"{repo} is not a git repository itself: it lies in "
-                           f"{top or git_dir}; name a repository's own directory")
-            # the workspace's own: its .git, the one above it, and where a worktree's .git
-            # file leads (its gitdir, and the repository whose refs it shares: a hunt found
-            # the export's refs in the user's `git log --all`)
-            own = {os.path.realpath(os.path.join(ws, ".git")),
-                   rev_parse(os.path.dirname(ws), "--absolute-git-dir"),
-                   rev_parse(ws, "--absolute-git-dir"), common(ws)} - {None}
-            # and a repository whose work tree holds the workspace wherever its git dir is
-            # (core.worktree: a hunt found the export in the user's `git log --all`)
-            if git_dir in own or common(repo) in own or \
-                    git_dir.startswith(os.path.realpath(ws).rstrip("/") + "/") or \
-                    (top is not None and _beneath(ws, top)):
-                raise Fail("refusing to write into the workspace's own repository (or one "
-                           "inside it); name another one, or leave --repo out")
+            git_dir = _own_repository_refused(ws, repo)
             store = ObjectStore(sd, git_dir=git_dir)
         else:
             with state.private_umask():  # the private store is the user's alone
@@ -2915,6 +2886,8 @@ def export_git(workspace, repo, ref_prefix, remote, origin, state_dir, as_json):
         out["git_warnings"] = store.warnings
         if remote:
             from .engines.travel import origin_name, push
+            if os.path.isdir(remote):  # (a path: the workspace's own was pushed into; a hunt)
+                _own_repository_refused(ws, remote)
             name = origin_name(state.StateDir(sd).export_state("origin"), ws, origin)
             out["push"] = push(store.git_dir, ref_prefix, remote, name)
         if as_json:
@@ -2953,6 +2926,14 @@ def fetch(remote, into, as_json):
     refs under refs/overlayrec/origins/.  `overlayrec records ...` reads them."""
     from .engines.gitdiff import GitError
     from .engines.travel import fetch as do_fetch, default_records_dir
+    if into:
+        target = os.path.realpath(into)
+        ws = state.recorded_at_or_above(target)
+        if state.overlayrec_mount_containing(target) is not None or state._known(ws):
+            # its refs were written into the workspace's own repository (`--into WS/.git`,
+            # through a link too), which `export git --repo` refuses (found by a bug hunt)
+            raise Fail(f"{into} is inside the recorded workspace {ws}: fetch into a "
+                       "directory outside it")
     try:
         out = do_fetch(remote, into or default_records_dir(), private=not into)
     except GitError as e:
@@ -3057,6 +3038,47 @@ def records_blame(path, git_dir, origin, as_json):
             f"[{'; '.join(_cut(p, 60) for p in r['processes'])}]"))
 
 
+def _own_repository_refused(ws: str, repo: str) -> str:
+    """The git dir of the repository ``repo`` names, refused (Fail) where it is not a
+    repository's own directory, or is the workspace's own repository (or one inside it):
+    its refs written, the export in the user's `git log --all`.  For `export git --repo` and
+    `--push` to a local path."""
+    import subprocess
+    # git walks up from a directory (across the mount's boundary too, as the user's
+    # git does from outside it): a directory inside a repository names that one,
+    # which may be the workspace's own (its refs written, against the promise)
+    env = dict(os.environ, GIT_DISCOVERY_ACROSS_FILESYSTEM="1")
+
+    def rev_parse(where: str, *what: str) -> str | None:
+        r = subprocess.run(["git", "-C", where, "rev-parse", *what], env=env,
+                           capture_output=True, text=True)
+        return os.path.realpath(r.stdout.strip()) if r.returncode == 0 else None
+
+    def common(where: str) -> str | None:  # the refs a worktree shares
+        return rev_parse(where, "--path-format=absolute", "--git-common-dir")
+    git_dir = rev_parse(repo, "--absolute-git-dir")
+    if git_dir is None:
+        raise Fail(f"{repo} is not a git repository")
+    top = rev_parse(repo, "--show-toplevel")  # none for a bare repository
+    if os.path.realpath(repo) not in {git_dir, top}:
+        raise Fail(f"{repo} is not a git repository itself: it lies in "
+                   f"{top or git_dir}; name a repository's own directory")
+    # the workspace's own: its .git, the one above it, and where a worktree's .git
+    # file leads (its gitdir, and the repository whose refs it shares: a hunt found
+    # the export's refs in the user's `git log --all`)
+    own = {os.path.realpath(os.path.join(ws, ".git")),
+           rev_parse(os.path.dirname(ws), "--absolute-git-dir"),
+           rev_parse(ws, "--absolute-git-dir"), common(ws)} - {None}
+    # and a repository whose work tree holds the workspace wherever its git dir is
+    # (core.worktree: a hunt found the export in the user's `git log --all`)
+    if git_dir in own or common(repo) in own or \
+            git_dir.startswith(os.path.realpath(ws).rstrip("/") + "/") or \
+            (top is not None and _beneath(ws, top)):
+        raise Fail("refusing to write into the workspace's own repository (or one "
+                   "inside it); name another one, or leave --repo out")
+    return git_dir
+
+
 @records.command(name="report")
 @_GIT_OPT
 @click.option("--html", "out", default="overlayrec-records.html", show_default=True,
@@ -3071,9 +3093,36 @@ def records_report(git_dir, out):
         page = render(_records(git_dir).report_data())
     except GitError as e:
         raise Fail(str(e)) from None
-    with open(out, "w", encoding="utf-8") as f:
-        f.write(page)
+    if not out:
+        raise Fail("--html: an empty path (name the file to write the page to)")
+    _write_page(out, page)
     click.echo(f"wrote {out}")
+
+
+def _write_page(out: str, page: str) -> None:
+    """An HTML page written to a temp file beside ``out`` (0600: it holds the record's
+    content) and renamed over it: a symlink or a hard link at ``out`` is replaced, never
+    written through (a link an agent planted in the workspace sent the page over a file
+    outside it, root's too; a hard link to the journal, over the journal).  Not into an
+    attic (over a kept pre-image).  Found by bug hunts."""
+    import tempfile
+    from .engines.states import ATTIC as ATTIC_NAME
+    real = os.path.realpath(os.path.dirname(os.path.abspath(out)))
+    if ATTIC_NAME in real.split(os.sep):
+        raise Fail(f"{out} is inside a workspace's attic ({ATTIC_NAME}): write the page "
+                   "elsewhere")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=real, prefix=".overlayrec-page.", suffix=".tmp")
+    except OSError as e:
+        raise Fail(f"cannot write {out}: {e.strerror}") from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(page)
+        os.replace(tmp, os.path.join(real, os.path.basename(out)))
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise Fail(f"cannot write {out}: {e.strerror}") from None
 
 
 if __name__ == "__main__":

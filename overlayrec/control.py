@@ -34,12 +34,35 @@ MAX_REQUEST = 256 << 20
 
 
 def peer_pid(sock) -> int:
+    return peer(sock)[0]
+
+
+def peer(sock) -> tuple[int, int]:
+    """The pid and uid of the process at the other end of a unix socket (SO_PEERCRED)."""
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", raw)[0]
+    pid, uid, _ = struct.unpack("3i", raw)
+    return pid, uid
+
+
+# what only the daemon's own user (or root) may ask: the socket is given to the workspace's
+# owner where root records another user's workspace, and that user's agent, recorded, could
+# drop the record of itself (`gc`), pin it, or take the underlay's fd (found by a bug hunt)
+_OWNER_OPS = frozenset({"gc", "pin", "unpin", "underlay"})
 
 
 # errnos of a resource the system or the process is short of for now: accept again later
 _SHORT_OF = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+
+
+def _owner_op(line: bytes) -> bool:
+    """Is ``line`` a request of _OWNER_OPS (not parsed when it cannot be one)?"""
+    if b'"op"' not in line:
+        return False
+    try:
+        req = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(req, dict) and req.get("op") in _OWNER_OPS
 
 
 class MountEnding(ControlError):
@@ -396,7 +419,9 @@ class ControlServer:
     async def _connection(self, conn) -> None:
         with conn:
             try:
-                caller = self.attribution.actor(peer_pid(conn))
+                pid, uid = peer(conn)
+                caller = self.attribution.actor(pid)
+                trusted = uid in (0, os.geteuid())
                 buf = bytearray()
                 while True:
                     chunk = await conn.recv(1 << 20)
@@ -413,6 +438,11 @@ class ControlServer:
                         continue
                     while b"\n" in buf:
                         line, buf = buf.split(b"\n", 1)
+                        if not trusted and _owner_op(line):
+                            await conn.send(json.dumps({
+                                "ok": False, "error": "refused: only the user who mounted the "
+                                "workspace, or root, may ask that"}).encode() + b"\n")
+                            continue
                         if line.strip() == b'{"op": "underlay"}' and self.root_fd is not None:
                             # the engines read the tree beneath the mount through this fd;
                             # only the socket's owner (0600) can ask for it

@@ -72,28 +72,44 @@ def check_pattern(p: str) -> str:
     return p
 
 
-def as_given(p: str, ws: str) -> str:
-    """A ``--secret`` as the user typed it, made a pattern of the workspace's paths: an
-    absolute path inside the workspace is its path from the root (anchored), ``./x`` is
-    ``x`` anchored; a path outside the workspace, or with ``..``, is refused.  Such a pattern
-    was taken as given and never matched, and the secret was recorded (found by a bug hunt)."""
+def as_given(p: str, ws: str, cwd: str | None = None) -> str:
+    """A ``--secret`` as the user typed it, made a pattern of the workspace's paths: a path
+    (absolute, or ``./x`` and ``../x`` from where the command runs, ``cwd``) inside the
+    workspace, also through a symlink, is its path from the root (anchored); ``//`` and ``/./``
+    collapse; a path outside the workspace, or a pattern with ``..``, is refused.  Such a
+    pattern was taken as given and never matched, and the secret was recorded (found by bug
+    hunts)."""
     check_pattern(p)
-    root = ws.rstrip("/") + "/"
-    if p.startswith(root):
-        p = "/" + p[len(root):]
-    elif p.startswith("/") and "/" in p.strip("/"):
-        top = p.strip("/").split("/")[0]
-        if os.path.isdir("/" + top) and not os.path.lexists(os.path.join(ws, top)):
+    given = p
+    dir_only = p.endswith("/")
+    typed = p in (".", "..") or p.startswith(("./", "../"))  # a path, from where it was typed
+    if typed:
+        p = os.path.join(cwd or os.getcwd(), p)
+    if p.startswith("/"):
+        cand = os.path.normpath(p)
+        head, leaf = os.path.split(cand)
+        seen = [cand, os.path.join(os.path.realpath(head), leaf)]
+        for root in {ws.rstrip("/") or "/", os.path.realpath(ws)}:
+            for c in seen:
+                if c.startswith(root.rstrip("/") + "/"):
+                    return check_pattern("/" + c[len(root.rstrip("/")) + 1:]
+                                         + ("/" if dir_only else ""))
+                if c == root:
+                    raise SecretError(f"--secret {given}: the whole workspace (give a path in it, "
+                                      "or a pattern)")
+        top = cand.strip("/").split("/")[0]
+        if typed or "/" in cand.strip("/") and os.path.isdir("/" + top) and \
+                not os.path.lexists(os.path.join(ws, top)):
             # a path of this machine outside the workspace, not one anchored at its root
             # (`/conf/prod.yml`)
-            raise SecretError(f"--secret {p}: not inside the workspace {ws} (give a path "
+            raise SecretError(f"--secret {given}: not inside the workspace {ws} (give a path "
                               "from the workspace's root, or a pattern)")
-    while p.startswith("./") and p[2:].strip("/"):
-        p = "/" + p[2:].lstrip("/")
-    if any(part == ".." for part in p.split("/")):
-        raise SecretError(f"--secret {p}: a path with '..' (give a path from the workspace's "
-                          "root, or a pattern)")
-    return check_pattern(p)
+    parts = [x for x in p.split("/") if x not in ("", ".")]
+    if ".." in parts:
+        raise SecretError(f"--secret {given}: a path with '..' (give a path from the "
+                          "workspace's root, or a pattern)")
+    return check_pattern(("/" if p.startswith("/") else "") + "/".join(parts)
+                         + ("/" if dir_only else ""))
 
 
 def effective(added=(), no_defaults: bool = False, stored: list[str] | None = None,

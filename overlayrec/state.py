@@ -290,13 +290,19 @@ def check_private(path: str, what: str = "state dir") -> bool:
     return closed
 
 
-def check_entry(path: str, closed: bool, what: str = "state dir") -> None:
+def check_entry(path: str, closed: bool, what: str = "state dir", own: bool = False) -> None:
     """``path`` inside a directory that passed ``check_private`` (``closed``: its answer):
-    owned by the caller or root, and unless others cannot reach it, not writable by them."""
+    owned by the caller or root, and unless others cannot reach it, not writable by them.
+    ``own``: an entry overlayrec makes itself, never a symlink (one out of the state dir, into
+    a directory another user may write, was followed: events forged into the journal, a hook
+    of theirs run by `export git`; found by a bug hunt), nor a fifo or device."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         return
+    if own and not (_stat.S_ISDIR(st.st_mode) or _stat.S_ISREG(st.st_mode)):
+        raise StateError(f"{what}: {path} is not a file or directory overlayrec made (a "
+                         "symlink, say): refusing it")
     if st.st_uid not in (os.geteuid(), 0):
         raise StateError(f"{what}: {path} is owned by {_owner_name(st.st_uid)}, not by you or "
                          "root: refusing it")
@@ -312,8 +318,10 @@ def check_state_dir_private(sd: str) -> str:
     closed = check_private(sd, "state dir")
     d = StateDir(sd)
     for p in (d.journal, os.path.join(d.journal, "data.mdb"), os.path.join(d.journal, "lock.mdb"),
-              d.reverts):
-        check_entry(p, closed, f"state dir {sd}")
+              os.path.join(d.journal, "ahead.log"), d.reverts, d.content, d.git,
+              os.path.join(d.git, "hooks"), os.path.join(d.git, "config"), d.answers,
+              d.daemon_json):
+        check_entry(p, closed, f"state dir {sd}", own=True)
     return sd
 
 
@@ -612,11 +620,21 @@ def find_state_dir(ws: str) -> str:
     return sd
 
 
+def read_regular(path: str) -> bytes:
+    """The bytes of the regular file at ``path``, not followed if a symlink; OSError for any
+    other kind (a fifo planted in a state dir hung every reader; a link to /dev/zero filled
+    memory; found by a bug hunt)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        if not _stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        return f.read()
+
+
 def daemon_info(state_dir: str) -> dict | None:
     from . import wire
     try:
-        with open(StateDir(state_dir).daemon_json) as f:
-            info = wire.loads(f.read())
+        info = wire.loads(read_regular(StateDir(state_dir).daemon_json).decode())
     except (OSError, ValueError):
         return None
     return info if isinstance(info, dict) else None

@@ -66,8 +66,9 @@ def test_a_secret_given_as_a_path_is_withheld(make_mount, tmp_path, given):
                    check=False)
     assert r.returncode == 1 and "not inside the workspace" in r.stderr, r.stderr
     assert not is_mounted(m.ws)
-    m.extra_args = ["--secret", given.format(ws=m.ws)]
-    m.mount()
+    # (./ is a path from where the command runs: here, the workspace)
+    overlayrec("mount", m.ws, "--state-dir", m.state, "--secret", given.format(ws=m.ws),
+               cwd=m.ws)
     try:
         m.sh("echo SECRET-hunter2 > conf/token.txt")
         r = overlayrec("run", "-w", m.ws, "--secret", "conf/other.txt", "--", "true",
@@ -201,3 +202,158 @@ def test_a_damaged_turns_record_is_found_by_check_and_said_by_readers(make_mount
         assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
         assert "its turns table cannot be read" in r.stderr and "internal error" not in \
             r.stderr, r.stderr
+
+
+def test_a_turn_record_of_another_shape_is_said_in_one_line(make_mount, tmp_path):
+    """A turns record that is JSON but holds a begin_seq of "x": `check` said whole and
+    every reader failed with "internal error: TypeError"."""
+    import lmdb
+    m = make_mount()
+    _recorded(m, tmp_path, "or turn begin --prompt p; or call begin --id c1 --tool Bash; "
+              "echo agent >> a; or call end --id c1; or turn end\n")
+    env = lmdb.open(os.path.join(m.state, "journal"), max_dbs=64)
+    try:
+        db = env.open_db(b"turns")
+        with env.begin(write=True, db=db) as txn:
+            key, raw = next(iter(txn.cursor()))
+            txn.put(key, json.dumps(dict(json.loads(raw), begin_seq="x")).encode())
+    finally:
+        env.close()
+    r = overlayrec("check", m.ws, "--state-dir", m.state, check=False)
+    assert r.returncode == 1 and "the turns table cannot be read" in r.stdout, r.stdout
+    r = overlayrec("turns", m.ws, "--state-dir", m.state, check=False)
+    assert r.returncode == 1 and "'begin_seq' is \"x\"" in r.stderr and \
+        "internal error" not in r.stderr, r.stderr
+
+
+def test_secret_paths_typed_as_paths_are_normalized():
+    """`--secret WS/./conf/prod.yml`, `conf//key.txt`, `./token` typed in a subdirectory:
+    each matched nothing (or the wrong path) and the secret was recorded."""
+    from overlayrec.secrets import SecretError, as_given
+    ws = os.path.realpath("/var/tmp")  # any existing directory serves as a workspace here
+    assert as_given(f"{ws}/./conf/prod.yml", ws) == "/conf/prod.yml"
+    assert as_given("conf//key.txt", ws) == "conf/key.txt"
+    assert as_given("conf/prod.yml/.", ws) == "conf/prod.yml"
+    assert as_given("./token", ws, cwd=f"{ws}/conf/sub") == "/conf/sub/token"
+    assert as_given(".ssh/", ws) == ".ssh/" and as_given("*.pem", ws) == "*.pem"
+    for bad, cwd in (("../x", "/"), ("a/../b", None), ("/usr/share/x/t", None)):
+        with pytest.raises(SecretError):
+            as_given(bad, ws, cwd=cwd)
+
+
+def test_a_state_dir_entry_that_is_a_symlink_or_a_fifo_is_refused(make_mount, tmp_path):
+    """The state dir's `journal/` a symlink into a directory another user may write: readers
+    followed it (events forged into root's journal); a fifo as `daemon.json` hung `status`."""
+    m = make_mount()
+    _recorded(m, tmp_path)
+    journal = os.path.join(m.state, "journal")
+    moved = str(tmp_path / "elsewhere")
+    os.rename(journal, moved)
+    os.symlink(moved, journal)
+    try:
+        r = overlayrec("turns", m.ws, "--state-dir", m.state, check=False)
+        assert r.returncode == 1 and "refusing it" in r.stderr, r.stderr
+    finally:
+        os.unlink(journal)
+        os.rename(moved, journal)
+    os.mkfifo(os.path.join(m.state, "daemon.json"))
+    r = overlayrec("status", m.ws, "--state-dir", m.state, check=False, timeout=20)
+    assert r.returncode == 1 and "refusing it" in r.stderr, r.stderr
+
+
+def test_a_report_written_over_a_symlink_replaces_the_link(make_mount, tmp_path):
+    """An agent's `ln -s ../outside/notes.txt overlayrec-report.html`: the user's `report` in
+    the workspace wrote the page over the file outside (root's too)."""
+    m = make_mount()
+    _recorded(m, tmp_path)
+    outside = tmp_path / "notes.txt"
+    outside.write_text("mine\n")
+    link = os.path.join(m.ws, "overlayrec-report.html")
+    os.symlink(outside, link)
+    overlayrec("report", m.ws, "--state-dir", m.state, cwd=m.ws)
+    assert outside.read_text() == "mine\n"
+    assert not os.path.islink(link) and "<!doctype html>" in open(link).read().lower()
+    assert os.stat(link).st_mode & 0o077 == 0  # it holds the record's content
+    attic = os.path.join(m.ws, ".overlayrec-attic", "x.html")
+    r = overlayrec("report", m.ws, "--state-dir", m.state, "--html", attic, check=False)
+    assert r.returncode == 1 and "attic" in r.stderr, r.stderr
+
+
+def test_fetch_and_push_into_the_workspaces_own_repository_are_refused(make_mount, tmp_path):
+    """`fetch --into WS/.git` (or a link to it) and `export git --push WS` wrote the records'
+    refs into the workspace's own repository, which `export git --repo` refuses."""
+    m = make_mount()
+    subprocess.run(["git", "init", "-q", m.ws], check=True)
+    _recorded(m, tmp_path)
+    link = tmp_path / "gitlink"
+    os.symlink(os.path.join(m.ws, ".git"), link)
+    for into in (os.path.join(m.ws, ".git"), str(link)):
+        r = overlayrec("fetch", str(tmp_path / "nowhere"), "--into", into, check=False)
+        assert r.returncode == 1 and "inside the recorded workspace" in r.stderr, r.stderr
+    r = overlayrec("export", "git", m.ws, "--state-dir", m.state, "--push", m.ws, check=False)
+    assert r.returncode == 1 and "workspace's own repository" in r.stderr, r.stderr
+    refs = subprocess.run(["git", "-C", m.ws, "for-each-ref"], capture_output=True,
+                          text=True).stdout
+    assert "overlayrec" not in refs, refs
+
+
+def test_no_hook_of_the_private_git_store_runs(make_mount, tmp_path):
+    """A hook put into the private store's hooks/ (by another user, where it was reached
+    through a link or left open) ran as the reader on `export git`, root included."""
+    m = make_mount()
+    _recorded(m, tmp_path)
+    overlayrec("export", "git", m.ws, "--state-dir", m.state)  # the store exists now
+    marker = tmp_path / "ran"
+    hooks = os.path.join(m.state, "git", "hooks")
+    os.makedirs(hooks, exist_ok=True)
+    for name in ("reference-transaction", "post-commit", "pre-auto-gc"):
+        path = os.path.join(hooks, name)
+        with open(path, "w") as f:
+            f.write(f"#!/bin/sh\necho {name} >> {marker}\nexit 0\n")
+        os.chmod(path, 0o700)
+    _recorded(m, tmp_path, "or call begin --id c2 --tool Bash; echo more >> a; "
+              "or call end --id c2\n")
+    overlayrec("export", "git", m.ws, "--state-dir", m.state)
+    overlayrec("diff", m.ws, "--state-dir", m.state, "--since", "0")
+    assert not marker.exists(), marker.read_text()
+
+
+@needs_root
+def test_gc_through_the_socket_is_refused_to_another_user(make_mount, tmp_path):
+    """Root recording another user's workspace gives that user the control socket (to
+    announce calls): the recorded agent sent `gc` through it and dropped root's record of
+    itself."""
+    import sysconfig
+    import overlayrec as pkg
+    m = make_mount()
+    _recorded(m, tmp_path)
+    m.mount()
+    try:
+        sock = os.path.join(m.state, "control.sock")
+        os.chown(sock, 65534, 65534)
+        os.chmod(m.state, 0o711)
+        parents, p = [], m.state
+        while p != "/":
+            p = os.path.dirname(p)
+            parents.append((p, os.stat(p).st_mode))
+            os.chmod(p, os.stat(p).st_mode | 0o011)
+        try:
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(
+                os.path.abspath(pkg.__file__))), sysconfig.get_paths()["purelib"]]))
+            python = f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"
+            code = ("import json, socket, sys; s = socket.socket(socket.AF_UNIX); "
+                    "s.connect(sys.argv[1]); s.sendall(b'{\"op\": \"gc\", \"keep_last\": 0}\\n');"
+                    " print(s.makefile().readline())")
+            r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                                python, "-c", code, sock], capture_output=True, text=True,
+                               env=env, cwd="/", timeout=60)
+            if r.returncode and "Permission denied" in r.stderr:
+                pytest.skip("the other user cannot reach the socket here")
+            answer = json.loads(r.stdout)
+            assert not answer["ok"] and "refused" in answer["error"], answer
+        finally:
+            for p, mode in parents:
+                os.chmod(p, mode)
+    finally:
+        m.umount()
+    assert "c1" in overlayrec("calls", m.ws, "--state-dir", m.state).stdout

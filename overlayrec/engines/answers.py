@@ -34,7 +34,7 @@ try:  # a listing's answer is megabytes: some ten times the standard module's sp
 except ImportError:
     orjson = None
 
-from ..state import code_ident, replace_private
+from ..state import code_ident, read_regular, replace_private
 
 VERSION = 1
 KEEP = 64                 # answers kept per state dir (the oldest used is removed first)
@@ -112,8 +112,7 @@ class Answers:
         when there is none, or it no longer fits the journal or the live files."""
         path = self._path(question)
         try:
-            with open(path, "rb") as f:
-                doc = _decode(f.read())
+            doc = _decode(read_regular(path))
         except (OSError, ValueError):
             return None
         if not isinstance(doc, dict) or doc.get("version") != VERSION or \

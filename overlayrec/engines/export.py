@@ -33,6 +33,7 @@ import time
 from stat import S_ISLNK, S_ISREG
 
 from ..journal import Journal
+from ..state import read_regular
 from ..journal.schema import call_key, call_unit, parse_unit, revert_unit
 from ..views import guessed, one_line, shown, unit_session
 from .diff import file_events, touched, side_of, _visible
@@ -177,8 +178,7 @@ class Exporter:
         self.prefix = ref_prefix.rstrip("/")
         self.sides = sides
         try:
-            with open(state_file) as f:
-                self.done = json.load(f)
+            self.done = json.loads(read_regular(state_file))
         except (OSError, ValueError):
             self.done = {"horizon": 0, "paths": [], "sessions": {}}
         if not self._store_holds_done():
@@ -783,8 +783,7 @@ class Exporter:
         """The kept ids of unrecorded files (see _fill_unrecorded), when their commit is in
         the store."""
         try:
-            with open(self._live_file()) as f:
-                kept = json.load(f)
+            kept = json.loads(read_regular(self._live_file()))
             files, commit = kept["files"], kept["commit"]
         except (OSError, ValueError, KeyError, TypeError):
             return {}

@@ -123,6 +123,12 @@ class ObjectStore:
                         GIT_CONFIG_GLOBAL=os.devnull, GIT_CONFIG_COUNT="1",
                         GIT_CONFIG_KEY_0="core.quotepath", GIT_CONFIG_VALUE_0="false")
         if git_dir is None:
+            # the private store runs no hook: none is ours, and one put into its hooks/ by
+            # another user (a store reached through a link, or left open) ran as the reader
+            # (found by a bug hunt: as root, on `export git`)
+            self.env.update(GIT_CONFIG_COUNT="2", GIT_CONFIG_KEY_1="core.hooksPath",
+                            GIT_CONFIG_VALUE_1=os.devnull)
+        if git_dir is None:
             self._dissociate()
         self.left_out: set[str] = set()   # paths git refuses, filtered out before git saw them
         self.warnings: list[str] = []     # what git said on stderr when it succeeded

@@ -28,7 +28,9 @@ whose changes were made.
 """
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import struct
 import time
 import zlib
@@ -157,10 +159,13 @@ class AheadLog:
         through, ``tail`` holds the bytes after the last whole record (none: b"")."""
         self.tail = b""
         try:
-            with open(self.path, "rb") as f:
-                data = f.read()
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             return
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):  # (a fifo hung every reader: a hunt)
+                raise OSError(errno.EINVAL, "the log ahead is not a regular file", self.path)
+            data = f.read()
         at = 0
         while at + _HEAD.size <= len(data):
             size, crc = _HEAD.unpack_from(data, at)

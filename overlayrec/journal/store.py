@@ -102,6 +102,39 @@ def _loads(b: bytes):
     return json.loads(b.decode("utf-8", "surrogateescape"))
 
 
+# the fields of a session, turn or call record the readers rely on, and what each holds (None
+# too where it says so): a record that is JSON but holds another shape failed every reader with
+# "internal error" and passed `check` (found by a bug hunt)
+_INT = (int,)
+_RECORD_FIELDS = {
+    "sessions": {"id": (str,), "started": _INT + (type(None),), "ended": _INT + (type(None),)},
+    "turns": {"session": (str,), "index": _INT, "begin_seq": _INT + (type(None),),
+              "end_seq": _INT + (type(None),), "begin_t": _INT + (type(None),),
+              "end_t": _INT + (type(None),)},
+    "calls": {"session": (str,), "id": (str,), "begin_seq": _INT + (type(None),),
+              "end_seq": _INT + (type(None),), "begin_t": _INT + (type(None),),
+              "end_t": _INT + (type(None),)},
+}
+_REQUIRED = {"sessions": ("id",), "turns": ("session", "index"), "calls": ("session", "id")}
+
+
+def _record_defect(db: str, r) -> str | None:
+    """Why record ``r`` of table ``db`` cannot be read as one (None: it can)."""
+    if not isinstance(r, dict):
+        return "a record that is no JSON object"
+    fields = _RECORD_FIELDS.get(db)
+    if fields is None:
+        return None
+    for name in _REQUIRED[db]:
+        if name not in r:
+            return f"a record without its {name!r}"
+    for name, kinds in fields.items():
+        v = r.get(name)
+        if name in r and (not isinstance(v, kinds) or isinstance(v, bool)):
+            return f"a record whose {name!r} is {json.dumps(v)[:40]}"
+    return None
+
+
 def _loads_all(raws: list[bytes]) -> list:
     """``_loads`` of each: orjson's own loop where it takes them all (10,000 call records in
     a third less time than one call of _loads each)."""
@@ -879,8 +912,10 @@ class Journal:
                             out.append(_loads(v))
         except (ValueError, lmdb.Error) as e:  # each reader failed on it: "internal error"
             raise self._damaged(db, e) from None
-        if any(not isinstance(r, dict) for r in out):
-            raise self._damaged(db, "a record that is no JSON object")
+        for r in out:
+            why = _record_defect(db, r)
+            if why:
+                raise self._damaged(db, why)
         if self._dropped and db in _SESSION_DBS:  # a gc's cut made, its records not yet deleted
             key = _SESSION_DBS[db]
             out = [r for r in out if r.get(key) not in self._dropped]
@@ -912,8 +947,9 @@ class Journal:
             r = _loads(v) if v is not None else None
         except (ValueError, lmdb.Error) as e:
             raise self._damaged(db, e) from None
-        if r is not None and not isinstance(r, dict):
-            raise self._damaged(db, "a record that is no JSON object")
+        why = _record_defect(db, r) if r is not None else None
+        if why:
+            raise self._damaged(db, why)
         if r is not None and self._dropped and db in _SESSION_DBS and \
                 r.get(_SESSION_DBS[db]) in self._dropped:
             return None
