@@ -93,7 +93,14 @@ class Client:
         except OSError as e:
             raise ClientError(f"control request failed: {e.strerror or e}") from None
         line, self._buf = self._buf.split(b"\n", 1)
-        out = wire.loads(line.decode())
+        try:
+            out = wire.loads(line.decode())
+            if not isinstance(out, dict):
+                raise ValueError("not an object")
+        except (ValueError, UnicodeDecodeError):  # not our daemon (OVERLAYREC_SOCKET set
+            # to another socket): said as that, not as an internal error (a bug hunt)
+            raise ClientError("the control socket answered with no overlayrec answer (is "
+                              "OVERLAYREC_SOCKET another program's?)") from None
         if not out.get("ok"):
             if out.get("ending"):
                 raise MountEnding(out.get("error") or "the mount is ending")

@@ -417,3 +417,21 @@ def test_a_build_a_killed_replay_left_beside_its_destination_is_removed(make_mou
     overlayrec("replay", m.ws, "--at", "0", "--to", str(out / "r"))
     assert sorted(os.listdir(out)) == sorted(["r", live.name, other.name])
     assert (out / "r" / "a").read_text() == "a\n"
+
+
+def test_a_directory_the_record_does_not_describe_keeps_its_live_mode(make_mount, tmp_path):
+    """A recorded file in a 0700 directory the record never saw change: `replay` (without
+    --full) made that directory with the umask's mode, 0755, and the file in it readable by
+    everyone (found by a bug hunt).  It takes the live directory's mode."""
+    m = make_mount()
+    os.makedirs(os.path.join(m.ws, "private"))
+    os.chmod(os.path.join(m.ws, "private"), 0o700)
+    m.mount()
+    try:
+        m.sh("echo secretish > private/notes.txt")
+    finally:
+        m.umount()
+    out = tmp_path / "r"
+    overlayrec("replay", "-w", m.ws, "--state-dir", m.state, "--to", str(out))
+    assert (out / "private" / "notes.txt").read_text() == "secretish\n"
+    assert os.stat(out / "private").st_mode & 0o777 == 0o700

@@ -7,6 +7,7 @@ import errno
 import os
 import stat
 import tempfile
+from collections.abc import Callable
 
 from ..journal import Journal
 from ..journal.schema import AROUND, UNMOUNTED, outside_unit
@@ -285,6 +286,15 @@ class _Build:
         self.inexact: list[str] = []
         self.unlisted: dict[str, str] = {}  # live directories (--full) not listed: why
         self.default_mode = 0o777 & ~_umask()  # a directory the record does not describe
+        # ... whose live directory's mode it takes where there is one: with the umask's, a
+        # 0700 directory of the workspace came back 0755, its files readable by everyone
+        # (found by a bug hunt)
+        self.live_mode: Callable[[str], int | None] = lambda rel: None
+
+    def dir_mode(self, rel: str) -> int:
+        """The mode of a directory made for ``rel`` that the record does not describe."""
+        mode = self.live_mode(rel)
+        return self.default_mode if mode is None else mode
 
     # -- reaching paths
     def parent(self, rel: str, make: bool) -> tuple[int, str]:
@@ -320,7 +330,8 @@ class _Build:
                     st = None
                 if st is None:
                     os.mkdir(part, 0o700, dir_fd=fd)
-                    self.dirs.setdefault("/".join(done), (State("dir", self.default_mode), None))
+                    self.dirs.setdefault("/".join(done), (State("dir", self.dir_mode(
+                        "/".join(done))), None))
                 nfd = resolve_beneath(fd, part, want)
                 os.close(fd)
                 fd = nfd
@@ -630,7 +641,7 @@ class _Build:
                     os.utime(name, ns=times, dir_fd=dfd, follow_symlinks=False)
             finally:
                 os.close(dfd)
-        root = root_state or State("dir", self.default_mode)
+        root = root_state or State("dir", self.dir_mode(""))
         self.meta(self.root_fd, ".", "", root)
 
 
@@ -718,6 +729,14 @@ def replay(j: Journal, states: States, point: int, dest: str, full_from: str | N
                                dir=parent)
         root_fd = os.open(tmp, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         b = _Build(root_fd, states.secrets)
+
+        def live_mode(rel: str) -> int | None:
+            try:
+                st = states.tree.state(rel)
+            except OSError:
+                return None
+            return st.mode if st.kind == "dir" else None
+        b.live_mode = live_mode
         root_state = None
         if full_from is not None:
             src = os.open(full_from, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
