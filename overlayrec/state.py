@@ -298,7 +298,7 @@ def check_entry(path: str, closed: bool, what: str = "state dir", own: bool = Fa
     of theirs run by `export git`; found by a bug hunt), nor a fifo or device."""
     try:
         st = os.lstat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return
     if own and not (_stat.S_ISDIR(st.st_mode) or _stat.S_ISREG(st.st_mode)):
         raise StateError(f"{what}: {path} is not a file or directory overlayrec made (a "
@@ -318,10 +318,13 @@ def check_state_dir_private(sd: str) -> str:
     closed = check_private(sd, "state dir")
     d = StateDir(sd)
     for p in (d.journal, os.path.join(d.journal, "data.mdb"), os.path.join(d.journal, "lock.mdb"),
-              os.path.join(d.journal, "ahead.log"), d.reverts, d.content, d.git,
-              os.path.join(d.git, "hooks"), os.path.join(d.git, "config"), d.answers,
-              d.daemon_json):
+              os.path.join(d.journal, "ahead.log"), d.reverts):
         check_entry(p, closed, f"state dir {sd}", own=True)
+    # what an older overlayrec made with the umask's mode (a mount brings it to 0700): its
+    # kind and owner (a blob is checked against its name, and the git store runs no hook)
+    for p in (d.content, d.git, os.path.join(d.git, "hooks"), os.path.join(d.git, "config"),
+              d.answers, d.daemon_json):
+        check_entry(p, True, f"state dir {sd}", own=True)
     return sd
 
 
