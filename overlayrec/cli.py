@@ -1174,7 +1174,7 @@ _fmt_time = readers.fmt_time
 def log_cmd(workspace, glob, limit, call_id, turn_sel, sid, actor, since, until, ops, outside,
             follow, as_json, state_dir):
     """The recorded events, newest last: time, actor (pid and command), operation and path."""
-    from .journal.schema import parse_unit
+    from .journal.schema import is_dir_rename, parse_unit
     from .views import command_name, one_line, path_matcher, shown
     from .engines.replay import resolve_point
     from .engines.diff import SelectionError, find_call
@@ -1307,6 +1307,10 @@ def log_cmd(workspace, glob, limit, call_id, turn_sel, sid, actor, since, until,
                 fresh = list(j.events(last + 1, hi))
                 for ev in fresh:
                     last = ev["seq"]
+                    if glob and is_dir_rename(ev):
+                        # the path's names as of now: a rename that came while following
+                        # was never matched (found by a bug hunt)
+                        earlier = _earlier_names(j, ws, sd, glob)
                     if ev["op"] == "failed":
                         failed[ev["ref"]] = ev
                     elif keep(ev):

@@ -543,3 +543,31 @@ def test_a_file_removed_after_the_kill_beneath_a_renamed_directory_is_not_lost(
     assert _files(out) == {"src/d/b": "b\n"} and "src/d" in r["inexact"], r
     r = overlayrec("revert", "-w", m.ws, "--state-dir", m.state, "--since", "0", check=False)
     assert "src/d  CONFLICT (unrecorded" in r.stdout, r.stdout
+
+
+def test_a_link_made_after_a_directory_rename_is_no_change_while_unmounted(make_mount,
+                                                                            tmp_path):
+    """One call, all through the mount: `mv q qq; ln qq/q1 qq/q1link`.  The link moved
+    qq/q1's ctime, which dated q/q1 as changed after the session began, while unmounted:
+    `replay --full` before the call said it inexact, and `export git` put a trailer saying so
+    on the base (found by a bug hunt).  The record's own link explains it."""
+    from conftest import run_script
+    m = make_mount()
+    os.makedirs(os.path.join(m.ws, "q"))
+    with open(os.path.join(m.ws, "q", "q1"), "w") as f:
+        f.write("one\n")
+    os.utime(os.path.join(m.ws, "q", "q1"), (1_600_000_000, 1_600_000_000))
+    m.mount()
+    try:
+        run_script(m, tmp_path, "or call begin --id c1 --tool Bash; mv q qq; "
+                   "ln qq/q1 qq/q1link; or call end --id c1\n")
+    finally:
+        m.umount()
+    rec = ("-w", m.ws, "--state-dir", m.state)
+    got = json.loads(overlayrec("replay", *rec, "--at", "before:call:c1", "--full", "--to",
+                                str(tmp_path / "r"), "--json").stdout)
+    assert got["inexact"] == [], got
+    assert (tmp_path / "r" / "q" / "q1").read_text() == "one\n"
+    subprocess.run(["git", "init", "-q", str(tmp_path / "repo")], check=True)
+    r = overlayrec("export", "git", *rec, "--repo", str(tmp_path / "repo"))
+    assert "never saw as they are now" not in r.stderr, r.stderr

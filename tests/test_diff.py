@@ -1171,3 +1171,42 @@ def test_a_drift_directory_holding_files_is_not_called_empty(make_mount, tmp_pat
         f.write("real content\n")
     r = overlayrec("diff", "--drift", "-w", m.ws, "--state-dir", m.state)
     assert "t (file -> directory)" in r.stderr and "empty" not in r.stderr, r.stderr
+
+
+OUTSIDE_MV = r'''
+import os, sys
+ws, ctl, ack = sys.argv[1:]
+with open(ctl) as f:
+    f.read()
+os.rename(os.path.join(ws, "e", "sub"), os.path.join(ws, "e", "sub2"))
+with open(ack, "w") as f:
+    f.write("done\n")
+'''
+
+
+def test_another_writers_rename_above_a_calls_paths_is_said(make_mount, tmp_path):
+    """A call moves d to e; meanwhile an outside process renames e/sub to e/sub2; the call
+    then writes e/sub2/f.  `diff --call` showed the file under two names and named no other
+    writer (found by a bug hunt).  It names the other writer's move."""
+    m = make_mount()
+    os.makedirs(os.path.join(m.ws, "d", "sub"))
+    for name in ("f", "g"):
+        with open(os.path.join(m.ws, "d", "sub", name), "w") as f:
+            f.write(f"{name}\n")
+    ctl, ack = str(tmp_path / "ctl"), str(tmp_path / "ack")
+    os.mkfifo(ctl)
+    os.mkfifo(ack)
+    m.mount()
+    outside = subprocess.Popen([sys.executable, "-c", OUTSIDE_MV, m.ws, ctl, ack])
+    try:
+        run_script(m, tmp_path, f"""or call begin --id c1 --tool Bash
+mv d e; echo go > {ctl}; cat {ack} > /dev/null; echo call-edit >> e/sub2/f
+or call end --id c1
+""")
+        outside.wait(timeout=30)
+        r = overlayrec("diff", m.ws, "--call", "c1", "--name-status")
+        assert "changed by another writer too" in r.stderr and "e/sub2/f (outside:" in \
+            r.stderr, r.stderr
+    finally:
+        outside.kill()
+        m.umount()

@@ -354,9 +354,18 @@ def _interleaved(states: States, side: Side, mine: list[dict], evs: list[dict], 
             spans = spans_of(states, mine, bounds)[0]
             if bounds:  # the point a turn's revert puts each path back to
                 own_first = {p: lo for p, (lo, _) in spans_of(states, mine)[0].items()}
-        for p in touched(states, e):
+        beneath: set[str] = set()
+        if is_dir_rename(e):
+            # another unit's rename of a directory above the selection's paths within it
+            # (`mv e/sub e/sub2` while the call moved d to e and wrote e/sub2/f): the diff
+            # held the file under two names, and nothing said whose the move was (found by
+            # a bug hunt)
+            tops = tuple(x + "/" for x in (e.get("path"), e.get("path2")) if x)
+            beneath = {q for q in side.writers if q.startswith(tops)}
+        for p in list(touched(states, e)) + sorted(beneath):
             span = spans.get(p)
-            if span is not None and inside(e["seq"], *span) and p in side.writers:
+            if (p in beneath or span is not None and inside(e["seq"], *span)) and \
+                    p in side.writers:
                 other = e.get("unit") or outside_unit(e.get("actor", "?"))
                 side.writers[p].add(other)
                 if other not in side.interleaved.setdefault(p, []):
