@@ -163,6 +163,16 @@ def attic_of_another_record(ws: str, sd: str) -> str | None:
     jid, noted = note["journal_id"], note["state_dir"]
     if _journal_id(sd)[0] == jid:
         return None
+    try:
+        owner = os.stat(noted).st_uid
+    except OSError:
+        owner = None
+    if owner is not None and owner not in (0, os.geteuid()):
+        # not "moved": another user's, which this one may not read; the advice to remove
+        # the attic destroyed that user's pre-images, and a record begun over it took their
+        # attic from them (found by a bug hunt)
+        return (f"{ws} is recorded by {state._owner_name(owner)} (uid {owner}), in {noted}: "
+                "only that user can go on with it (run it as that user)")
     there, recorded = _journal_id(noted)
     if there == jid:
         if recorded != ws and os.path.lexists(recorded or ""):

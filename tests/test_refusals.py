@@ -357,3 +357,23 @@ def test_gc_through_the_socket_is_refused_to_another_user(make_mount, tmp_path):
     finally:
         m.umount()
     assert "c1" in overlayrec("calls", m.ws, "--state-dir", m.state).stdout
+
+
+@needs_root
+def test_a_workspace_another_user_records_is_said_to_be_theirs(tmp_path):
+    """Root mounting a workspace whose attic names another user's record was told its state
+    dir "no longer holds it (moved?) ... or remove the attic": the advice destroyed that
+    user's pre-images (found by a bug hunt).  It says whose record it is."""
+    from overlayrec import readers
+    ws = tmp_path / "ws"
+    attic = ws / ".overlayrec-attic"
+    attic.mkdir(parents=True)
+    theirs = tmp_path / "theirs-state"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, 65534, 65534)
+    (attic / "RECORD").write_text(json.dumps({"journal_id": "abc123", "state_dir":
+                                              str(theirs)}))
+    (attic / "abc123.7").write_text("a kept pre-image\n")
+    why = readers.attic_of_another_record(str(ws), str(tmp_path / "mine"))
+    assert why is not None and "recorded by" in why and "uid 65534" in why, why
+    assert "remove" not in why
