@@ -180,21 +180,26 @@ def test_a_mount_refused_to_another_user_leaves_no_journal(tmp_path):
         shutil.rmtree(base, ignore_errors=True)
 
 
-def test_a_damaged_turns_record_is_found_by_check_and_said_by_readers(make_mount, tmp_path):
-    """One turns record that is no JSON: `check` said "record whole", and `turns`, `diff
-    --turn`, `revert` ... failed with "internal error: JSONDecodeError"."""
+def _turn_record_made(m, tmp_path, change) -> None:
+    """A record of one turn, whose turns record is then replaced by ``change(raw)``."""
     import lmdb
-    m = make_mount()
     _recorded(m, tmp_path, "or turn begin --prompt p; or call begin --id c1 --tool Bash; "
               "echo agent >> a; or call end --id c1; or turn end\n")
     env = lmdb.open(os.path.join(m.state, "journal"), max_dbs=64)
     try:
         db = env.open_db(b"turns")
         with env.begin(write=True, db=db) as txn:
-            key = next(iter(txn.cursor().iternext(values=False)))
-            txn.put(key, b"{not json")
+            key, raw = next(iter(txn.cursor()))
+            txn.put(key, change(raw))
     finally:
         env.close()
+
+
+def test_a_damaged_turns_record_is_found_by_check_and_said_by_readers(make_mount, tmp_path):
+    """One turns record that is no JSON: `check` said "record whole", and `turns`, `diff
+    --turn`, `revert` ... failed with "internal error: JSONDecodeError"."""
+    m = make_mount()
+    _turn_record_made(m, tmp_path, lambda raw: b"{not json")
     r = overlayrec("check", m.ws, "--state-dir", m.state, check=False)
     assert r.returncode == 1 and "the turns table cannot be read" in r.stdout, r.stdout
     for cmd in (("turns",), ("diff", "--turn", "1")):
@@ -207,18 +212,9 @@ def test_a_damaged_turns_record_is_found_by_check_and_said_by_readers(make_mount
 def test_a_turn_record_of_another_shape_is_said_in_one_line(make_mount, tmp_path):
     """A turns record that is JSON but holds a begin_seq of "x": `check` said whole and
     every reader failed with "internal error: TypeError"."""
-    import lmdb
     m = make_mount()
-    _recorded(m, tmp_path, "or turn begin --prompt p; or call begin --id c1 --tool Bash; "
-              "echo agent >> a; or call end --id c1; or turn end\n")
-    env = lmdb.open(os.path.join(m.state, "journal"), max_dbs=64)
-    try:
-        db = env.open_db(b"turns")
-        with env.begin(write=True, db=db) as txn:
-            key, raw = next(iter(txn.cursor()))
-            txn.put(key, json.dumps(dict(json.loads(raw), begin_seq="x")).encode())
-    finally:
-        env.close()
+    _turn_record_made(m, tmp_path, lambda raw: json.dumps(dict(json.loads(raw),
+                                                                begin_seq="x")).encode())
     r = overlayrec("check", m.ws, "--state-dir", m.state, check=False)
     assert r.returncode == 1 and "the turns table cannot be read" in r.stdout, r.stdout
     r = overlayrec("turns", m.ws, "--state-dir", m.state, check=False)
