@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from conftest import SLOW, needs_fuse, needs_root, overlayrec, run_script, is_mounted
+from conftest import SLOW, force_unmount, needs_fuse, needs_root, overlayrec, run_script, \
+    is_mounted
 
 pytestmark = needs_fuse
 
@@ -140,6 +141,7 @@ def test_a_workspace_of_a_long_legal_name_is_recorded(make_mount, tmp_path):
         subprocess.run(["sh", "-c", "echo x > f"], cwd=ws, check=True)
     finally:
         overlayrec("umount", str(ws), env=env, check=False)
+        force_unmount(str(ws))
     st = json.loads(overlayrec("status", str(ws), "--json", env=env).stdout)
     assert st.get("events", 0) >= 1 or "f" in overlayrec("log", str(ws), env=env).stdout, st
 
