@@ -2890,8 +2890,10 @@ def export_git(workspace, repo, ref_prefix, remote, origin, state_dir, as_json):
         out["git_warnings"] = store.warnings
         if remote:
             from .engines.travel import origin_name, push
-            if os.path.isdir(remote):  # (a path: the workspace's own was pushed into; a hunt)
-                _own_repository_refused(ws, remote)
+            local = remote[len("file://"):] if remote.startswith("file://") else remote
+            if os.path.isdir(local):  # (a path or a file:// URL: the workspace's own was
+                # pushed into; found by bug hunts)
+                _own_repository_refused(ws, local)
             name = origin_name(state.StateDir(sd).export_state("origin"), ws, origin)
             out["push"] = push(store.git_dir, ref_prefix, remote, name)
         if as_json:
@@ -3111,6 +3113,8 @@ def _write_page(out: str, page: str) -> None:
     attic (over a kept pre-image).  Found by bug hunts."""
     import tempfile
     from .engines.states import ATTIC as ATTIC_NAME
+    if out.endswith("/") or os.path.isdir(out):
+        raise Fail(f"cannot write {out}: Is a directory (name the file to write the page to)")
     real = os.path.realpath(os.path.dirname(os.path.abspath(out)))
     if ATTIC_NAME in real.split(os.sep):
         raise Fail(f"{out} is inside a workspace's attic ({ATTIC_NAME}): write the page "

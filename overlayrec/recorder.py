@@ -914,7 +914,8 @@ class Recorder:
         path = state.StateDir(self.journal.state_dir).reserve
         try:
             with contextlib.suppress(FileNotFoundError):
-                if os.stat(path).st_blocks * 512 >= RESERVE_BYTES:
+                st = os.lstat(path)
+                if stat.S_ISREG(st.st_mode) and st.st_blocks * 512 >= RESERVE_BYTES:
                     return True
             vfs = os.statvfs(self.journal.state_dir)
         except OSError as e:
@@ -947,7 +948,10 @@ class Recorder:
             return 0
         path = state.StateDir(self.journal.state_dir).reserve
         try:
-            size = os.stat(path).st_blocks * 512
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode):  # (a planted link: never spent through)
+                return 0
+            size = st.st_blocks * 512
             os.unlink(path)
         except OSError:
             return 0
@@ -974,11 +978,18 @@ class Recorder:
             vfs = os.statvfs(self.journal.state_dir)
             if vfs.f_bavail * vfs.f_frsize >= RECORD_ROOM:
                 return 0
-            size = os.stat(path).st_blocks * 512
-            if size <= RESERVE_FLOOR:
-                return 0
-            left = max(RESERVE_FLOOR, size - RECORD_TAKE)
-            os.truncate(path, left)
+            # (never through a link: a planted one sent the truncate to a file outside the
+            # state dir; found by a bug hunt)
+            fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            try:
+                st = os.fstat(fd)
+                size = st.st_blocks * 512
+                if not stat.S_ISREG(st.st_mode) or size <= RESERVE_FLOOR:
+                    return 0
+                left = max(RESERVE_FLOOR, size - RECORD_TAKE)
+                os.ftruncate(fd, left)
+            finally:
+                os.close(fd)
         except OSError:
             return 0
         self.reserve_owed = True

@@ -88,7 +88,9 @@ def as_given(p: str, ws: str, cwd: str | None = None) -> str:
     if p.startswith("/"):
         cand = os.path.normpath(p)
         head, leaf = os.path.split(cand)
-        seen = [cand, os.path.join(os.path.realpath(head), leaf)]
+        # the real path first: one through a symlink inside the workspace (`cfglink/x`,
+        # linked to `conf`) names no path an event ever names (found by a bug hunt)
+        seen = [os.path.join(os.path.realpath(head), leaf), cand]
         for root in {ws.rstrip("/") or "/", os.path.realpath(ws)}:
             for c in seen:
                 if c.startswith(root.rstrip("/") + "/"):

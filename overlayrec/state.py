@@ -323,7 +323,7 @@ def check_state_dir_private(sd: str) -> str:
     # what an older overlayrec made with the umask's mode (a mount brings it to 0700): its
     # kind and owner (a blob is checked against its name, and the git store runs no hook)
     for p in (d.content, d.git, os.path.join(d.git, "hooks"), os.path.join(d.git, "config"),
-              d.answers, d.daemon_json):
+              d.answers, d.daemon_json, d.reserve):
         check_entry(p, True, f"state dir {sd}", own=True)
     return sd
 
@@ -1154,10 +1154,9 @@ def _read_reverts(sd: str) -> tuple[list[dict], list[tuple[str, str]]]:
     closed = check_private(d, "revert plans")
     for name in sorted(os.listdir(d)):
         if name.endswith(".json"):
-            check_entry(os.path.join(d, name), closed, "revert plans")
+            check_entry(os.path.join(d, name), closed, "revert plans", own=True)
             try:
-                with open(os.path.join(d, name), "rb") as f:
-                    rec = json.loads(f.read())
+                rec = json.loads(read_regular(os.path.join(d, name)))
             except ValueError as e:
                 bad.append((name, f"not JSON: {e}"))
                 continue

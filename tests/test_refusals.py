@@ -375,3 +375,37 @@ def test_a_workspace_another_user_records_is_said_to_be_theirs(tmp_path):
     why = readers.attic_of_another_record(str(ws), str(tmp_path / "mine"))
     assert why is not None and "recorded by" in why and "uid 65534" in why, why
     assert "remove" not in why
+
+
+def test_more_ways_around_the_refusals(make_mount, tmp_path):
+    """`--push file://WS` wrote refs into the workspace's own repository; `--secret` through a
+    symlink inside the workspace matched nothing; `report --html DIR/` said "Not a
+    directory"; a fifo among the revert plans hung status; a symlink at the reserve sent its
+    truncate outside the state dir (found by a bug hunt)."""
+    from overlayrec.secrets import as_given
+    m = make_mount()
+    subprocess.run(["git", "init", "-q", m.ws], check=True)
+    os.makedirs(os.path.join(m.ws, "conf"))
+    os.symlink("conf", os.path.join(m.ws, "cfglink"))
+    assert as_given(os.path.join(m.ws, "cfglink", "prod.cfg"), m.ws) == "/conf/prod.cfg"
+    _recorded(m, tmp_path)
+    r = overlayrec("export", "git", m.ws, "--state-dir", m.state, "--push",
+                   f"file://{m.ws}", check=False)
+    assert r.returncode == 1 and "workspace's own repository" in r.stderr, r.stderr
+    out = tmp_path / "outdir"
+    out.mkdir()
+    r = overlayrec("report", m.ws, "--state-dir", m.state, "--html", f"{out}/", check=False)
+    assert r.returncode == 1 and "Is a directory" in r.stderr, r.stderr
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"v" * (3 << 20))
+    os.unlink(os.path.join(m.state, "reserve")) if os.path.exists(
+        os.path.join(m.state, "reserve")) else None
+    os.symlink(victim, os.path.join(m.state, "reserve"))
+    r = overlayrec("status", m.ws, "--state-dir", m.state, check=False)
+    assert r.returncode == 1 and "refusing it" in r.stderr, r.stderr
+    os.unlink(os.path.join(m.state, "reserve"))
+    os.makedirs(os.path.join(m.state, "reverts"), exist_ok=True)
+    os.mkfifo(os.path.join(m.state, "reverts", "x.json"))
+    r = overlayrec("status", m.ws, "--state-dir", m.state, check=False, timeout=20)
+    assert r.returncode == 1 and "refusing it" in r.stderr, r.stderr
+    assert victim.read_bytes() == b"v" * (3 << 20)

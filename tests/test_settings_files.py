@@ -252,3 +252,61 @@ def test_a_run_of_claude_with_its_own_settings_flag_gets_one(tmp_path):
             del os.environ["HOME"]
         else:
             os.environ["HOME"] = old
+
+
+def test_an_install_during_a_run_that_made_the_file_stays(tmp_path):
+    """No hooks.json before a Cursor run; the user's `install-hooks cursor --user` during it:
+    the run's end removed the file it had made, the user's install with it."""
+    path = tmp_path / "hooks.json"
+    assert _settings.edit_for_run(str(path), lambda s, how: '{"version": 1, "ours": 1}\n')
+    agents.install("cursor", str(path))
+    assert _settings.restore(str(path))
+    assert _settings.holds_ours(str(path), "cursor")
+    assert "ours" not in json.loads(path.read_text())  # the run's own entries went
+
+
+def test_a_fifo_beside_the_settings_does_not_hang_a_run(tmp_path):
+    """A fifo at .claude/settings.local.json: `run -- claude` looked for our hooks in it and
+    hung for good (SIGTERM did not stop it)."""
+    os.mkfifo(tmp_path / "settings.local.json")
+    assert not _settings.holds_ours(str(tmp_path / "settings.local.json"), "claude-code")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="root's install only")
+def test_root_does_not_write_through_another_users_link(tmp_path):
+    """A user's project links .claude/settings.json to a root-only file: root's install-hooks
+    wrote its hooks into that file."""
+    secret = tmp_path / "rootonly.json"
+    secret.write_text('{"a": 1}\n')
+    os.chmod(secret, 0o600)
+    project, path = _project(tmp_path)
+    os.symlink(secret, path)
+    os.lchown(path, 65534, 65534)
+    r = overlayrec("install-hooks", "claude-code", "--project", str(project), check=False)
+    assert r.returncode == 1 and "root does not write through it" in r.stderr, r.stderr
+    assert secret.read_text() == '{"a": 1}\n'
+
+
+def test_a_settings_file_in_a_directory_it_may_not_write_is_written_in_place(tmp_path):
+    """A writable settings.json in a read-only .claude/: the install failed on its temp file's
+    name (the old in-place write had worked)."""
+    _, path = _project(tmp_path, text='{"model": "opus"}\n')
+    os.chmod(path, 0o666)
+    d = os.path.dirname(path)
+    os.chmod(d, 0o555)
+    try:
+        if os.access(d, os.W_OK):  # root: a 0555 directory is writable still
+            real_mkstemp = _settings.tempfile.mkstemp
+
+            def refused(*a, **k):
+                raise PermissionError(13, "Permission denied", d)
+            _settings.tempfile.mkstemp = refused
+        try:
+            agents.install("claude-code", path)
+        finally:
+            if os.access(d, os.W_OK):
+                _settings.tempfile.mkstemp = real_mkstemp
+        assert _settings.holds_ours(path, "claude-code")
+        assert json.loads(open(path).read())["model"] == "opus"
+    finally:
+        os.chmod(d, 0o755)

@@ -15,6 +15,7 @@ are recognised by their command (``... # overlayrec hook AGENT``), never by posi
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -31,8 +32,16 @@ class EditedMeanwhile(OSError):
 
 def _real(path: str) -> str:
     """The file a settings path names: a symlink's target (a dotfiles link), which a write or
-    a restore replaced by a plain copy of it, the link gone."""
-    return os.path.realpath(path) if os.path.islink(path) else path
+    a restore replaced by a plain copy of it, the link gone.  A link of another user's is not
+    followed by root (one in a user's project sent root's install into a root-only file;
+    found by a bug hunt)."""
+    if not os.path.islink(path):
+        return path
+    owner = os.lstat(path).st_uid
+    if os.geteuid() == 0 and owner != 0:
+        raise SettingsError(f"{path} is a symlink of uid {owner}'s: root does not write "
+                            "through it; not touching it")
+    return os.path.realpath(path)
 
 
 def _regular(path: str) -> os.stat_result | None:
@@ -161,15 +170,18 @@ def _put(path: str, data: bytes, mode: int | None = None) -> None:
     os.makedirs(d, exist_ok=True)
     st = _regular(path)
     if st is not None and st.st_nlink > 1:
-        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            os.pwrite(fd, data, 0)
-            os.ftruncate(fd, len(data))
-        finally:
-            os.close(fd)
+        _write_in_place(path, data)
         return
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(path)}.",
-                               suffix=".overlayrec.tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(path)}.",
+                                   suffix=".overlayrec.tmp")
+    except (PermissionError, OSError) as e:
+        if st is None or e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise OSError(e.errno, e.strerror, path) from None
+        # a directory this user may not write, a file it may: written in place, as before
+        # (the temp file's name was the error; found by a bug hunt)
+        _write_in_place(path, data)
+        return
     try:
         if st is not None:
             if (st.st_uid, st.st_gid) != (os.geteuid(), os.getegid()):
@@ -192,6 +204,15 @@ def _put(path: str, data: bytes, mode: int | None = None) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def _write_in_place(path: str, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.pwrite(fd, data, 0)
+        os.ftruncate(fd, len(data))
+    finally:
+        os.close(fd)
 
 
 def _umask() -> int:
@@ -321,9 +342,12 @@ def made_by_install(settings: dict, agent: str) -> bool:
 
 def holds_ours(path: str, agent: str) -> bool:
     """Whether the file at ``path`` already runs our hook (installed by ``install-hooks``)."""
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            text = f.read()
+    try:  # (a fifo there hung `run -- claude` for good: a bug hunt)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return False
+            text = f.read().decode("utf-8", "replace")
     except OSError:
         return False
     try:
@@ -426,11 +450,14 @@ def edit_with_backup(path: str, edit) -> bool:
                 before, before_how = _loads(original)
             except SettingsError:
                 return text is not None  # kept as the user had it
-            new = edit(before, before_how)
-            if new is GONE:
-                meta["existed"], original = False, b""
-            elif new is not None:
-                original = new.encode("utf-8")
+        else:  # none before the run: what the install makes is what the run's end keeps
+            # (it removed the file, the install with it; found by a bug hunt)
+            before, before_how = {}, {"indent": 2, "newline": True, "absent": True}
+        new = edit(before, before_how)
+        if new is GONE:
+            meta["existed"], original = False, b""
+        elif new is not None:
+            meta["existed"], original = True, new.encode("utf-8")
         if text is GONE:
             meta.pop("wrote", None)  # nothing left to tell an edit by
         elif text is not None and meta.get("wrote"):

@@ -46,10 +46,10 @@ def origin_name(state_file: str, workspace: str, given: str | None = None) -> st
             raise GitError(f"origin {given!r}: use letters, digits, '.', '_' and '-' only, "
                            "no '..'")
         return given
-    try:
-        with open(state_file) as f:
-            return json.load(f)["origin"]
-    except (OSError, ValueError, KeyError):
+    from ..state import read_regular
+    try:  # (a fifo there hung the push: a bug hunt)
+        return json.loads(read_regular(state_file))["origin"]
+    except (OSError, ValueError, KeyError, TypeError):
         pass
     name = (f"{_clean(socket.gethostname())}-{_clean(os.path.basename(workspace) or 'root')}"
             f"-{secrets.token_hex(4)}")
