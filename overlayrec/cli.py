@@ -2862,7 +2862,6 @@ def export_git(workspace, repo, ref_prefix, remote, origin, state_dir, as_json):
     on (docs/export.md: records that travel)."""
     import contextlib
     import hashlib
-    import subprocess
     from .engines.export import Exporter
     from .engines.gitdiff import ObjectStore, GitError
     from .engines.states import States
