@@ -76,10 +76,10 @@ def _resume(value) -> str | None:
     return value
 
 
-# the requests an agent's hooks make about its own session, turns and calls: refused to none
-# of them, and done by none, when that agent runs inside another's call (Calls.nested)
 # requests that journal nothing: no room is made for them (Recorder.room_to_record)
 _READING_OPS = frozenset({"ping", "status", "processes", "writing", "room"})
+# the requests an agent's hooks make about its own session, turns and calls: refused to none
+# of them, and done by none, when that agent runs inside another's call (Calls.nested)
 _AGENT_OPS = frozenset({"session_begin", "session_end", "turn_begin", "turn_end", "call_begin",
                         "call_end"})
 

@@ -25,6 +25,8 @@ import re
 import stat
 import tempfile
 
+from ..state import proc_start_ticks
+
 
 class EditedMeanwhile(OSError):
     """The settings file was edited while the run had it: kept as it is, and said."""
@@ -404,7 +406,7 @@ def edit_for_run(path: str, new_text_for) -> bool:
         text = new_text_for(settings, how)
         # what the run wrote, to tell at the restore whether the file was edited meanwhile
         wrote = hashlib.sha256(text.encode("utf-8")).hexdigest()
-        _write_backup(path, {"pid": os.getpid(), "start": _start(os.getpid()),
+        _write_backup(path, {"pid": os.getpid(), "start": proc_start_ticks(os.getpid()),
                              "existed": existed, "mode": mode, "wrote": wrote}, original)
         write(path, text)
         return True
@@ -480,17 +482,6 @@ def _loads(raw: bytes) -> tuple[dict, dict]:
     return settings, layout(text)
 
 
-def _start(pid: int) -> int | None:
-    """The start time of process ``pid`` (clock ticks since boot), None when gone: with the
-    pid, a run's identity (a pid alone is taken again by another process)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-        return int(raw[raw.rindex(b")") + 2:].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def _alive(pid, start=None) -> bool:
     """Is the run of ``pid`` (started at ``start``, when the backup says) still running?  A
     pid alone: a killed run's backup whose pid another process took was never put back (found
@@ -499,7 +490,7 @@ def _alive(pid, start=None) -> bool:
         os.kill(int(pid), 0)
     except (OSError, ValueError, TypeError):
         return False
-    return start is None or _start(int(pid)) == start
+    return start is None or proc_start_ticks(int(pid)) == start
 
 
 def restore(path: str, dead_only: bool = False, held: bool = False) -> bool:
