@@ -179,3 +179,67 @@ def test_units_left_open_end_before_what_was_changed_while_unmounted(make_mount,
                                 "refs/overlayrec/lo/turns/1:f3"],
                                capture_output=True, text=True, check=True).stdout
         assert shown == left["f3"], shown
+
+
+LEFT_OPEN_DIR = r'''
+import os, subprocess, sys, time
+py, ws, ready = sys.argv[1:]
+o = lambda *a: subprocess.run([py, "-m", "overlayrec", *a], check=True, cwd=ws,
+                              stdout=subprocess.DEVNULL)
+o("session", "begin", "--session", "lo")
+o("turn", "begin", "--prompt", "p")
+o("call", "begin", "--id", "t1", "--tool", "Bash")
+subprocess.run(["sh", "-c", "echo agent >> d/x && ln d/x d/y && mkfifo d/p"], check=True,
+               cwd=ws)
+open(ready, "w").close()
+time.sleep(120)
+'''
+
+
+@pytest.mark.timeout(int(150 * SLOW))
+def test_a_call_left_open_keeps_its_directory_renamed_while_unmounted(make_mount, tmp_path):
+    """The call left open at the unmount wrote d/x, linked d/y to it and made a fifo d/p;
+    while unmounted the user renamed d to e, files beneath, and wrote e/x.  The call's end
+    comes before that drift: replay after it and its export commit hold d as the call left
+    it, not the user's rename or edit."""
+    import time
+    m = make_mount()
+    os.makedirs(os.path.join(m.ws, "d"))
+    with open(os.path.join(m.ws, "d", "x"), "w") as f:
+        f.write("base\n")
+    m.mount()
+    ready = str(tmp_path / "ready")
+    agent = subprocess.Popen([sys.executable, "-c", LEFT_OPEN_DIR, sys.executable, m.ws, ready])
+    try:
+        for _ in range(int(300 * SLOW)):
+            if os.path.exists(ready):
+                break
+            time.sleep(0.1)
+        assert os.path.exists(ready)
+        overlayrec("umount", m.ws, check=False)
+    finally:
+        agent.kill()
+        agent.wait()
+    os.rename(os.path.join(m.ws, "d"), os.path.join(m.ws, "e"))
+    with open(os.path.join(m.ws, "e", "x"), "a") as f:
+        f.write("user while unmounted\n")
+    m.mount()
+    m.umount()
+    rec = ("-w", m.ws, "--state-dir", m.state)
+    out = tmp_path / "r"
+    got = json.loads(overlayrec("replay", *rec, "--at", "after:call:t1", "--to", str(out),
+                                "--json").stdout)
+    # (what lies beneath a directory renamed while unmounted may be said inexact; never the
+    # user's content given as the call's)
+    if "d/x" not in got.get("inexact", []):
+        assert (out / "d" / "x").read_text() == "base\nagent\n"
+        assert os.stat(out / "d" / "x").st_ino == os.stat(out / "d" / "y").st_ino
+    if (out / "d" / "x").exists():
+        assert "user while unmounted" not in (out / "d" / "x").read_text()
+    assert not (out / "e").exists()
+    repo = tmp_path / "repo"
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    overlayrec("export", "git", *rec, "--repo", str(repo))
+    shown = subprocess.run(["git", "-C", str(repo), "show", "refs/overlayrec/lo/calls/t1:d/x"],
+                           capture_output=True, text=True, check=True).stdout
+    assert shown == "base\nagent\n", shown
